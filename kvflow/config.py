@@ -1,0 +1,249 @@
+"""Engine configuration: what the user sets (``EngineArgs``) and what the parts read.
+
+``EngineArgs`` is the flat, user-facing set of options (the keyword arguments of ``LLM`` and
+the CLI flags). ``EngineArgs.create_config()`` validates them and splits them into the small
+typed configs that each part of the engine reads: ``ModelConfig`` (architecture facts from
+the checkpoint), ``CacheConfig`` (paged KV cache) and ``SchedulerConfig`` (batching).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+_SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """Map a dtype name ("auto", "float32", "bfloat16", "float16", ...) to a torch dtype.
+
+    "auto" is float32 on the CPU and bfloat16 on CUDA.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts of a Llama-family decoder (llama, mistral, qwen2).
+
+    Built from a Hugging Face ``PretrainedConfig`` by :meth:`from_hf_config`. Sizes are in
+    elements; ``max_position_embeddings`` in tokens.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "ModelConfig":
+        """Read a transformers config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``).
+
+        Raises:
+            ValueError: if the architecture is not a supported Llama-family decoder.
+        """
+        model_type = hf_config.model_type
+        if model_type not in _SUPPORTED_ARCHS:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; kvflow runs {sorted(_SUPPORTED_ARCHS)}"
+            )
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        rope_params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        legacy_scaling = getattr(hf_config, "rope_scaling", None)
+        if legacy_scaling:
+            rope_params = {**dict(legacy_scaling), **rope_params}
+        rope_theta = rope_params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+        rope_scaling = None if rope_type == "default" else {**rope_params, "rope_type": rope_type}
+        eos = hf_config.eos_token_id
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        return cls(
+            model_type=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_hidden_layers=hf_config.num_hidden_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+            bos_token_id=hf_config.bos_token_id,
+            eos_token_id=eos,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV cache bytes per token: 2 (K and V) x layers x kv_heads x head_dim x element size."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache layout.
+
+    Attributes:
+        block_size: tokens per KV block.
+        num_blocks: number of physical blocks in the pool (per layer).
+        dtype: element type of the K/V tensors.
+    """
+
+    block_size: int
+    num_blocks: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits.
+
+    Attributes:
+        max_num_batched_tokens: per-step token budget (prefill chunks plus decodes).
+        max_num_seqs: at most this many requests run at once.
+        max_model_len: context length limit per request, in tokens.
+    """
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+
+
+DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
+
+
+@dataclass
+class EngineArgs:
+    """User-facing engine options (the keyword arguments of ``LLM`` and the CLI flags).
+
+    Attributes:
+        model: a short name of a packaged model (``smollm2-135m``), a ``.gguf`` file or a
+            Hugging Face directory.
+        dtype: weight and activation dtype: "auto", "float32", "bfloat16", "float16".
+        device: "cpu" or "cuda" (None picks CUDA when available).
+        block_size: tokens per KV cache block.
+        num_kv_blocks: number of KV blocks; overrides ``kv_cache_memory_bytes``.
+        kv_cache_memory_bytes: memory budget for the KV cache in bytes (default 512 MiB).
+        max_num_batched_tokens: per-step token budget.
+        max_num_seqs: maximum number of concurrently running requests.
+        max_model_len: context limit in tokens (default: the model's).
+        seed: seed of the engine's generator for unseeded sampling.
+        num_threads: torch intra-op threads on the CPU (None leaves torch's default).
+        model_cache_dir: where converted GGUF models are cached.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    device: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    seed: int = 0
+    num_threads: int | None = None
+    model_cache_dir: str | None = None
+
+    def verify(self) -> None:
+        """Check the ranges of the numeric options.
+
+        Raises:
+            ValueError: naming the field that is out of range.
+        """
+        _positive_int("block_size", self.block_size)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory_bytes is not None:
+            _positive_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.num_threads is not None:
+            _positive_int("num_threads", self.num_threads)
+        if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    def torch_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def cache_config(self, model_config: ModelConfig, dtype: torch.dtype) -> CacheConfig:
+        """Size the block pool from ``num_kv_blocks`` or the byte budget.
+
+        Raises:
+            ValueError: if the budget does not hold a single block.
+        """
+        if self.num_kv_blocks is not None:
+            num_blocks = self.num_kv_blocks
+        else:
+            budget = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+            bytes_per_block = model_config.kv_bytes_per_token(dtype) * self.block_size
+            num_blocks = budget // bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory_bytes={budget} holds no block of {bytes_per_block} bytes"
+                )
+        return CacheConfig(block_size=self.block_size, num_blocks=num_blocks, dtype=dtype)
+
+    def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
+        max_model_len = self.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's context "
+                f"({model_config.max_position_embeddings} tokens)"
+            )
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+        )
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,177 @@
+"""Iteration-level (continuous batching) scheduler.
+
+Orca (Yu et al. 2022, "Orca: A Distributed Serving System for Transformer-Based Generative
+Models", section 3.1) schedules at the granularity of one model iteration: finished requests
+leave the batch at once and waiting requests join at the next step. Following vLLM v1, there
+is no separate prefill and decode phase. Each request has ``num_tokens`` (prompt + output)
+and ``num_computed_tokens`` (tokens whose K/V are cached); every step gives each running
+request new tokens to compute so that the second catches up with the first, within a token
+budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). A long prompt is
+therefore split across steps (chunked prefill, Agrawal et al. 2023, "SARATHI", section 3)
+and mixed with other requests' decodes in one batch.
+
+When the KV cache has no free block, the most recently admitted running request is preempted
+by recompute: its blocks are freed, ``num_computed_tokens`` is reset and it goes back to the
+head of the waiting queue; its tokens so far are kept, so its final output is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvflow.config import SchedulerConfig
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's batch.
+
+    Attributes:
+        scheduled_requests: requests to run this step, in batch order.
+        num_scheduled_tokens: request_id -> tokens to compute this step.
+        total_num_scheduled_tokens: sum of the above (<= max_num_batched_tokens).
+        preempted_requests: requests preempted while building this batch.
+    """
+
+    scheduled_requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    preempted_requests: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled_requests
+
+    def _add(self, request: Request, num_tokens: int) -> None:
+        self.scheduled_requests.append(request)
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.total_num_scheduled_tokens += num_tokens
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens.
+
+    Args:
+        config: token budget, sequence cap and context limit.
+        kv_cache_manager: owner of the block tables.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- queue management
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (see ``LLMEngine.add_request`` for the checks)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Remove a request wherever it is and free its blocks at once.
+
+        Returns:
+            The aborted request, or None when the id is unknown or already finished.
+        """
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        return request
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---------------------------------------------------------------- scheduling
+    def schedule(self) -> SchedulerOutput:
+        """Build the next batch: running requests first, then waiting ones in FCFS order."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        kv = self.kv_cache_manager
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not kv.allocate_slots(request, num_new):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted_requests.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break
+            out._add(request, num_new)
+            budget -= num_new
+            index += 1
+
+        # Admitting new work while others are being preempted would only thrash the cache.
+        if not out.preempted_requests:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not kv.allocate_slots(request, num_new):
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                out._add(request, num_new)
+                budget -= num_new
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests after the model ran.
+
+        Args:
+            out: the batch that was executed.
+            sampled_token_ids: request_id -> new token, for every request whose scheduled
+                tokens reached ``num_tokens`` (a partial prefill chunk samples nothing).
+
+        Returns:
+            The requests that finished this step (their blocks are already freed).
+        """
+        finished = []
+        for request in out.scheduled_requests:
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            token = sampled_token_ids.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            if request.check_stop(self.config.max_model_len):
+                finished.append(request)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+            for request in finished:
+                self.kv_cache_manager.free(request)
+                del self.requests[request.request_id]
+        return finished

@@ -1,0 +1,224 @@
+"""The engine loop: add requests, step, read outputs.
+
+``LLMEngine.step()`` runs the data flow of DESIGN.md once: schedule a batch, run the model on
+it, append the sampled tokens, check stop conditions, free finished requests' blocks and
+detokenize. ``LLM`` (offline) and the server drive this loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvflow.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, resolve_dtype
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.scheduler import Scheduler
+from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.loader import iter_weights, load_config, load_tokenizer, resolve_model
+from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.request import Request
+from kvflow.sample.sampler import Sampler
+from kvflow.sampling_params import SamplingParams
+from kvflow.worker.cache_engine import CacheEngine
+from kvflow.worker.model_runner import ModelRunner
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    first_token_time: float | None = None
+
+
+class LLMEngine:
+    """Owns the model, the KV cache, the scheduler and the per-request output state.
+
+    Args:
+        model: the decoder with loaded weights.
+        model_config: its architecture facts.
+        cache_config: KV block pool layout.
+        scheduler_config: batching limits.
+        tokenizer: a transformers tokenizer, or None to work on token ids only (no text).
+        device: where the model and cache live.
+        seed: seed of the engine generator for unseeded sampling.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        tokenizer: Any | None,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.tokenizer = tokenizer
+        self.device = device
+        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self.cache_engine = CacheEngine(model_config, cache_config, device)
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        self.model_runner = ModelRunner(model, self.cache_engine, cache_config.block_size, Sampler(generator), device)
+        self._states: dict[str, _RequestState] = {}
+        self.eos_token_id = model_config.eos_token_id
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_id = tokenizer.eos_token_id
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        """Load the model named by ``args.model`` and build the engine.
+
+        Raises:
+            ValueError: for invalid options or an unsupported model.
+            FileNotFoundError: for a model path that does not exist.
+        """
+        args.verify()
+        device = args.torch_device()
+        if args.num_threads is not None and device.type == "cpu":
+            torch.set_num_threads(args.num_threads)
+        model_dir = resolve_model(args.model, cache_dir=args.model_cache_dir)
+        model_config = ModelConfig.from_hf_config(load_config(model_dir))
+        dtype = resolve_dtype(args.dtype, device)
+        with torch.device(device):
+            model = LlamaForCausalLM(model_config)
+        model.load_weights(iter_weights(model_dir))
+        model.to(dtype=dtype).eval()
+        model.rotary.to(torch.float32)
+        return cls(
+            model=model,
+            model_config=model_config,
+            cache_config=args.cache_config(model_config, dtype),
+            scheduler_config=args.scheduler_config(model_config),
+            tokenizer=load_tokenizer(model_dir),
+            device=device,
+            seed=args.seed,
+        )
+
+    # ------------------------------------------------------------------ requests
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse a request the engine could never serve.
+
+        Raises:
+            ValueError: empty prompt, token id outside the vocabulary, prompt that leaves no
+                room in the context (``max_model_len``), or a request whose tokens
+                could never fit in the whole KV cache.
+        """
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        max_len = self.scheduler_config.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens; it must be shorter than "
+                f"max_model_len={max_len} to leave room for output"
+            )
+        needed_tokens = min(len(prompt_token_ids) + params.max_tokens, max_len)
+        needed_blocks = self.kv_cache_manager.num_blocks_for(needed_tokens)
+        if needed_blocks > self.kv_cache_manager.num_total_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {needed_tokens} tokens need {needed_blocks} KV blocks, "
+                f"more than the whole cache ({self.kv_cache_manager.num_total_blocks} blocks); "
+                "lower max_tokens or raise num_kv_blocks / kv_cache_memory_bytes"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        """Validate and queue a request.
+
+        Raises:
+            ValueError: see ``validate_prompt``; or a request_id already in use.
+        """
+        self.validate_prompt(prompt_token_ids, params)
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_id, prompt=prompt)
+        self.scheduler.add_request(request)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
+        self._states[request_id] = _RequestState(request, detok)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request and free its KV blocks at once. Returns False for an unknown id."""
+        self._states.pop(request_id, None)
+        return self.scheduler.abort_request(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration.
+
+        Returns:
+            A ``RequestOutput`` for every request that produced a token this step
+            (cumulative text and token ids; ``finished`` set on the last one).
+        """
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return []
+        sampled = self.model_runner.execute(sched_out)
+        self.scheduler.update(sched_out, sampled)
+        now = time.monotonic()
+        outputs = []
+        for request_id, token in sampled.items():
+            state = self._states[request_id]
+            request = state.request
+            if state.first_token_time is None:
+                state.first_token_time = now
+            finished = request.is_finished
+            if state.detokenizer is not None:
+                state.detokenizer.update([token], finished=finished)
+            outputs.append(self._make_output(state, now))
+            if finished:
+                del self._states[request_id]
+        return outputs
+
+    def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
+        request = state.request
+        finished = request.is_finished
+        text = state.detokenizer.text if state.detokenizer is not None else ""
+        metrics = {"arrival_time": request.arrival_time, "first_token_time": state.first_token_time or now}
+        if finished:
+            metrics["finished_time"] = now
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=0,
+                    text=text,
+                    token_ids=request.output_token_ids,
+                    finish_reason=request.status.finish_reason,
+                )
+            ],
+            finished=finished,
+            metrics=metrics,
+        )
+
+    def get_stats(self) -> dict[str, float | int]:
+        """Engine counters: blocks, preemptions, queue lengths, KV cache usage (0-1)."""
+        kv = self.kv_cache_manager
+        return {
+            "num_total_blocks": kv.num_total_blocks,
+            "num_free_blocks": kv.num_free_blocks,
+            "kv_cache_usage": kv.usage(),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+        }

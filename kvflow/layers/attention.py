@@ -1,0 +1,169 @@
+"""Paged attention in plain PyTorch, batched over requests.
+
+K/V of every request live in per-layer cache tensors of shape
+``[num_blocks, block_size, num_kv_heads, head_dim]``; a request's block table lists its
+physical blocks in logical order (Kwon et al. 2023, PagedAttention, section 4.1). Each step:
+
+1. the new tokens' K/V are written to their slots (``slot_mapping``: flat index
+   ``block_id * block_size + offset`` per token);
+2. each request's queries attend to all its cached tokens up to their own position.
+
+Step 2 gathers K/V through the block tables for a whole group of requests at once and runs
+one ``scaled_dot_product_attention`` call for the group, with GQA handled by folding the
+query heads that share a KV head into the query-length axis (no copy of K/V per query head).
+Requests are split into two groups so that padding stays small: decodes (one query token
+each) and prefills (several query tokens each, padded to the longest chunk). There is no
+Python loop over requests inside a layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionGroup:
+    """Requests of one step whose queries are padded to the same length.
+
+    Attributes:
+        token_start, token_end: the group's token range in the step's flat token axis.
+        block_tables: int64 [B, max_blocks], padded with block 0 (masked out).
+        query_index: int64 [T_g], position of each flat token in the padded
+            [B * max_query_len] layout.
+        max_query_len: longest query chunk in the group, in tokens.
+        attn_mask: bool [B, 1, max_query_len, max_blocks * block_size]; True where the
+            query may attend (key position <= query position, inside the context).
+    """
+
+    token_start: int
+    token_end: int
+    block_tables: torch.Tensor
+    query_index: torch.Tensor
+    max_query_len: int
+    attn_mask: torch.Tensor
+
+    @property
+    def num_requests(self) -> int:
+        return self.block_tables.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        token_start: int,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> "AttentionGroup":
+        """Build the metadata of a group.
+
+        Args:
+            token_start: index of the group's first token in the step's flat token axis.
+            query_lens: new tokens per request this step.
+            context_lens: tokens in the cache per request after this step's writes
+                (``num_computed_tokens + query_len``).
+            block_tables: physical block ids per request, covering ``context_lens``.
+            block_size: tokens per block.
+            device: where the tensors go.
+        """
+        num_reqs = len(query_lens)
+        max_q = max(query_lens)
+        max_blocks = max(len(bt) for bt in block_tables)
+        table = torch.zeros(num_reqs, max_blocks, dtype=torch.int64)
+        for i, bt in enumerate(block_tables):
+            table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int64)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        ctx_lens = torch.tensor(context_lens, dtype=torch.int64)
+        # Position of padded query row (b, i) is ctx_len[b] - q_len[b] + i.
+        rows = torch.arange(max_q, dtype=torch.int64)
+        q_pos = (ctx_lens - q_lens).unsqueeze(1) + rows.unsqueeze(0)  # [B, max_q]
+        key_pos = torch.arange(max_blocks * block_size, dtype=torch.int64)
+        mask = (key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)) & (
+            key_pos.view(1, 1, -1) < ctx_lens.view(-1, 1, 1)
+        )
+        valid = rows.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
+        query_index = (torch.arange(num_reqs).unsqueeze(1) * max_q + rows.unsqueeze(0))[valid]
+        return cls(
+            token_start=token_start,
+            token_end=token_start + int(q_lens.sum()),
+            block_tables=table.to(device),
+            query_index=query_index.to(device),
+            max_query_len=max_q,
+            attn_mask=mask.unsqueeze(1).to(device),
+        )
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step, shared by all layers.
+
+    Attributes:
+        slot_mapping: int64 [T]; flat cache slot of each new token.
+        groups: token groups (decodes, prefills) covering the step's tokens.
+    """
+
+    slot_mapping: torch.Tensor
+    groups: list[AttentionGroup]
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new K/V [T, num_kv_heads, head_dim] into caches [num_blocks, block_size, num_kv_heads, head_dim]."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the step's queries over their requests' cached K/V.
+
+    Args:
+        q: [T, num_heads, head_dim], the step's queries (RoPE applied).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], already holding
+            this step's K/V (see ``write_kv_cache``).
+        metadata: the step's groups and slot mapping.
+        scale: softmax scale, usually head_dim ** -0.5.
+
+    Returns:
+        [T, num_heads, head_dim] attention output, dtype of q.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for g in metadata.groups:
+        b, max_q = g.num_requests, g.max_query_len
+        # Gather K/V through the block tables: [B, max_blocks * block_size, kv_heads, head_dim].
+        k = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        v = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        q_g = q[g.token_start : g.token_end]
+        if max_q == 1:
+            q_pad = q_g.view(b, 1, num_heads, head_dim)
+        else:
+            q_pad = q.new_zeros(b * max_q, num_heads, head_dim)
+            q_pad.index_copy_(0, g.query_index, q_g)
+            q_pad = q_pad.view(b, max_q, num_heads, head_dim)
+        # Fold the query heads sharing a KV head into the query axis: [B, kv, group*max_q, D].
+        q_fold = q_pad.view(b, max_q, num_kv_heads, group_size, head_dim).permute(0, 2, 3, 1, 4)
+        q_fold = q_fold.reshape(b, num_kv_heads, group_size * max_q, head_dim)
+        mask = g.attn_mask
+        if group_size > 1:
+            mask = mask.unsqueeze(2).expand(b, 1, group_size, max_q, mask.shape[-1]).reshape(
+                b, 1, group_size * max_q, mask.shape[-1]
+            )
+        o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=mask, scale=scale)
+        o = o.view(b, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
+        o = o.reshape(b * max_q, num_heads, head_dim)
+        out[g.token_start : g.token_end] = o if max_q == 1 else o[g.query_index]
+    return out

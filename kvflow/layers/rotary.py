@@ -1,0 +1,67 @@
+"""Rotary position embedding (Su et al. 2021, "RoFormer", section 3.4).
+
+Uses the "rotate half" (GPT-NeoX) layout of Hugging Face Llama checkpoints. Supports the
+default schedule and the "linear" (Chen et al. 2023, position interpolation) and "llama3"
+(Llama 3.1 frequency-dependent) scalings, as transformers' ``rope_parameters`` name them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling["rope_type"]
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope scaling type {rope_type!r} is not supported (default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to query and key heads at given positions.
+
+    Args:
+        head_dim: rotary dimension (the full head dimension).
+        max_position: positions 0 .. max_position - 1 are precomputed, in tokens.
+        theta: base of the frequency schedule (``rope_theta``).
+        scaling: transformers-style ``rope_parameters`` for non-default schedules, or None.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        inv_freq = _inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] by positions [T] (int64)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

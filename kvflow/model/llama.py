@@ -1,0 +1,197 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models", section 2.2:
+pre-norm RMSNorm, SwiGLU MLP, rotary embeddings; grouped-query attention (Ainslie et al.
+2023, "GQA") when ``num_key_value_heads < num_attention_heads``. Qwen2 adds biases to the
+Q/K/V projections. The forward works on a flat batch of tokens from many requests (no batch
+or padding axis): linear layers see every token of the step at once, attention reads K/V
+through the block tables (``kvflow/layers/attention.py``).
+
+Weights use Hugging Face names; Q/K/V and gate/up projections are fused at load time so one
+matrix product serves each pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.config import ModelConfig
+from kvflow.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        return self.o_proj(o.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, rotary, kv_cache, metadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The full decoder with its LM head.
+
+    Args:
+        config: architecture facts (see ``ModelConfig``).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        if config.tie_word_embeddings:
+            self.lm_head_weight = self.embed_tokens.weight
+        else:
+            self.lm_head_weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the decoder over one step's flat token batch.
+
+        Args:
+            input_ids: int64 [T] token ids of all scheduled tokens.
+            positions: int64 [T] position of each token in its request.
+            kv_caches: per layer, (K, V) tensors [num_blocks, block_size, num_kv_heads, head_dim].
+            metadata: slot mapping and attention groups of the step.
+
+        Returns:
+            Final hidden states [T, hidden_size] (after the last RMSNorm), model dtype.
+        """
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, self.rotary, kv_cache, metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: [N, hidden_size] -> float32 logits [N, vocab_size]."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the model, fusing Q/K/V and gate/up.
+
+        Raises:
+            ValueError: for an unexpected tensor name or shape, or when a parameter is left
+                without a value.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        cfg = self.config
+        q_size = cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        fused = {
+            "q_proj": ("qkv_proj", 0, q_size),
+            "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            target, start, size = _map_weight_name(name, fused)
+            if target == "lm_head_weight" and cfg.tie_word_embeddings:
+                continue
+            if target not in params:
+                raise ValueError(f"unexpected weight {name!r}")
+            param = params[target]
+            dest = param.data if size is None else param.data.narrow(0, start, size)
+            if dest.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(target if size is None else f"{target}:{start}")
+        expected = _expected_keys(params, fused, cfg)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def _map_weight_name(name: str, fused: dict[str, tuple[str, int, int]]) -> tuple[str, int, int | None]:
+    """HF tensor name -> (our parameter name, row offset, row count or None for the whole)."""
+    if name.startswith("model."):
+        name = name[len("model.") :]
+    if name == "lm_head.weight":
+        return "lm_head_weight", 0, None
+    for hf, (ours, start, size) in fused.items():
+        marker = f".{hf}."
+        if marker in name:
+            return name.replace(marker, f".{ours}."), start, size
+    return name, 0, None
+
+
+def _expected_keys(params: dict[str, nn.Parameter], fused: dict[str, tuple[str, int, int]], cfg: ModelConfig) -> set[str]:
+    keys = set()
+    for pname in params:
+        if pname == "lm_head_weight" and cfg.tie_word_embeddings:
+            continue
+        fused_targets = [(ours, start) for ours, start, _ in fused.values() if f".{ours}." in pname]
+        if fused_targets:
+            keys.update(f"{pname}:{start}" for _, start in fused_targets)
+        else:
+            keys.add(pname)
+    return keys

@@ -1,0 +1,130 @@
+"""State of one request inside the engine.
+
+A request carries ``num_tokens`` (prompt + output so far) and ``num_computed_tokens``
+(tokens whose K/V are in the paged cache). The scheduler's one rule is to let
+``num_computed_tokens`` catch up with ``num_tokens``; see ``kvflow/core/scheduler.py``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from kvflow.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI-style finish reason: "stop", "length", "abort", or None while unfinished."""
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One generation request.
+
+    Attributes:
+        request_id: unique id given by the caller.
+        prompt: the prompt text, or None when the caller gave token ids.
+        prompt_token_ids: prompt tokens (list of int).
+        sampling_params: the validated ``SamplingParams``.
+        all_token_ids: prompt followed by generated tokens.
+        num_computed_tokens: tokens of ``all_token_ids`` whose K/V are in the cache.
+        block_ids: the request's block table (physical block ids, in logical order).
+        generator: the request's own ``torch.Generator`` when it has a seed, else None.
+        arrival_time: ``time.monotonic()`` at creation, in seconds.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens, in tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """Set a finished status if the last token ends the request; return True if so.
+
+        Order: a stop token or EOS ends with "stop"; otherwise reaching ``max_tokens`` or the
+        model context ``max_model_len`` (in tokens) ends with "length".
+        """
+        params = self.sampling_params
+        last = self.all_token_ids[-1]
+        if (not params.ignore_eos and last == self.eos_token_id) or last in params.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.value}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})"
+        )

@@ -1,0 +1,122 @@
+"""Turns a ``SchedulerOutput`` into model inputs, runs the model and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.core.scheduler import SchedulerOutput
+from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+from kvflow.model.llama import LlamaForCausalLM
+from kvflow.request import Request
+from kvflow.sample.sampler import Sampler, SamplingTensors
+from kvflow.worker.cache_engine import CacheEngine
+
+
+@dataclass
+class ModelInputs:
+    """Flat inputs of one step.
+
+    Attributes:
+        input_ids: int64 [T].
+        positions: int64 [T].
+        metadata: slot mapping and attention groups.
+        logits_indices: int64 [N]; the token whose hidden state yields each sampling row.
+        sampling_requests: the N requests that sample a token this step.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_requests: list[Request]
+
+
+class ModelRunner:
+    """Executes one scheduled batch on the model and its paged KV cache.
+
+    Args:
+        model: the decoder.
+        cache_engine: the KV tensors.
+        block_size: tokens per block.
+        sampler: the token sampler.
+        device: where inputs are built.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        cache_engine: CacheEngine,
+        block_size: int,
+        sampler: Sampler,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.cache_engine = cache_engine
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = device
+
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
+        """Flatten the batch: decodes (one new token) first, then prefill chunks.
+
+        Each request contributes tokens ``all_token_ids[num_computed : num_computed + n]`` at
+        positions ``num_computed .. num_computed + n - 1``; a request samples only when its
+        chunk reaches ``num_tokens``.
+        """
+        n_sched = out.num_scheduled_tokens
+        decodes = [r for r in out.scheduled_requests if n_sched[r.request_id] == 1]
+        prefills = [r for r in out.scheduled_requests if n_sched[r.request_id] > 1]
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        logits_indices: list[int] = []
+        sampling_requests: list[Request] = []
+        groups: list[AttentionGroup] = []
+        for reqs in (decodes, prefills):
+            if not reqs:
+                continue
+            start = len(input_ids)
+            q_lens, ctx_lens, tables = [], [], []
+            for r in reqs:
+                n = n_sched[r.request_id]
+                begin = r.num_computed_tokens
+                input_ids.extend(r.all_token_ids[begin : begin + n])
+                pos = torch.arange(begin, begin + n, dtype=torch.int64)
+                table = torch.tensor(r.block_ids, dtype=torch.int64)
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+                if begin + n == r.num_tokens:
+                    logits_indices.append(len(input_ids) - 1)
+                    sampling_requests.append(r)
+                q_lens.append(n)
+                ctx_lens.append(begin + n)
+                tables.append(r.block_ids)
+            groups.append(AttentionGroup.build(start, q_lens, ctx_lens, tables, bs, self.device))
+        dev = self.device
+        return ModelInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=torch.cat(positions).to(dev),
+            metadata=AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), groups=groups),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
+            sampling_requests=sampling_requests,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run the model on the batch and sample.
+
+        Returns:
+            request_id -> sampled token id, for the requests whose chunk reached the end of
+            their known tokens.
+        """
+        inputs = self.prepare_inputs(out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.kv_caches, inputs.metadata)
+        if not inputs.sampling_requests:
+            return {}
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        st = SamplingTensors.from_requests(inputs.sampling_requests, logits.shape[-1], self.device)
+        tokens = self.sampler(logits, st).tolist()
+        return {r.request_id: t for r, t in zip(inputs.sampling_requests, tokens)}

