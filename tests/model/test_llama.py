@@ -6,11 +6,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import tiny_model, tiny_model_config
-from kvflow.config import CacheConfig
-from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+from conftest import prefill_logits, tiny_model, tiny_model_config
 from kvflow.model.llama import LlamaForCausalLM
-from kvflow.worker.cache_engine import CacheEngine
 
 
 def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -57,25 +54,6 @@ def hf_model(model: LlamaForCausalLM):
     return hf.eval()
 
 
-def prefill_logits(model: LlamaForCausalLM, token_ids: list[int], chunk: int, block_size: int = 4) -> torch.Tensor:
-    """Logits at every position of ``token_ids``, computed in chunks through the paged cache."""
-    n = len(token_ids)
-    num_blocks = -(-n // block_size) + 1
-    cache = CacheEngine(model.config, CacheConfig(block_size, num_blocks, torch.float32), torch.device("cpu"))
-    # A deliberately scrambled block table: logical block i -> physical block num_blocks-1-i.
-    table = [num_blocks - 1 - i for i in range(-(-n // block_size))]
-    logits = []
-    with torch.inference_mode():
-        for start in range(0, n, chunk):
-            end = min(n, start + chunk)
-            pos = torch.arange(start, end)
-            slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
-            group = AttentionGroup.build(0, [end - start], [end], [table[: -(-end // block_size)]], block_size, torch.device("cpu"))
-            hidden = model(torch.tensor(token_ids[start:end]), pos, cache.kv_caches, AttentionMetadata(slots, [group]))
-            logits.append(model.compute_logits(hidden))
-    return torch.cat(logits)
-
-
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -97,15 +75,16 @@ def test_logits_match_transformers(overrides, chunk):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_load_weights_roundtrip_and_errors():
-    src = tiny_model(tiny_model_config(model_type="qwen2", attention_bias=True))
+@pytest.mark.parametrize("overrides", [{"model_type": "qwen2", "attention_bias": True}, {"tie_word_embeddings": True}])
+def test_load_weights_roundtrip_and_errors(overrides):
+    src = tiny_model(tiny_model_config(**overrides))
     sd = to_hf_state_dict(src)
     dst = LlamaForCausalLM(src.config)
     dst.load_weights(sd.items())
     for (name, a), (_, b) in zip(src.named_parameters(), dst.named_parameters()):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="missing"):
-        dst.load_weights([(k, v) for k, v in sd.items() if "k_proj.bias" not in k])
+        dst.load_weights([(k, v) for k, v in sd.items() if "layers.1.self_attn.k_proj" not in k])
     with pytest.raises(ValueError, match="shape"):
         dst.load_weights([("model.norm.weight", torch.ones(3))])
     with pytest.raises(ValueError, match="unexpected"):

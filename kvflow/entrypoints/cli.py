@@ -1,0 +1,139 @@
+"""The ``kvflow`` command line: ``kvflow generate`` and ``kvflow chat``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvflow.config import EngineArgs
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineArgs()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=defaults.model, help="short name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), .gguf file or HF directory")
+    g.add_argument("--dtype", default=defaults.dtype, help="auto, float32, bfloat16, float16")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="number of KV blocks (overrides --kv-cache-memory-bytes)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget in bytes (default 512 MiB)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="per-step token budget")
+    g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="max concurrently running requests")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="max new tokens per reply")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="per-request seed")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = [
+        "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
+        "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_threads",
+    ]
+    return {n: getattr(args, n) for n in names}
+
+
+def _sampling_params(args: argparse.Namespace):
+    from kvflow.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvflow import LLM
+
+    params = _sampling_params(args)
+    llm = LLM(model=args.model, **_engine_kwargs(args))
+    prompts = list(args.prompt)
+    if args.chat_template:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outputs):
+        if len(prompts) > 1:
+            print(f"=== {prompt}")
+        print(out.outputs[0].text)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from kvflow import LLM
+
+    params = _sampling_params(args)
+    llm = LLM(model=args.model, **_engine_kwargs(args))
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("kvflow chat — empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except EOFError:
+            break
+        if not user.strip():
+            break
+        history.append({"role": "user", "content": user})
+        prompt = {"prompt_token_ids": llm.apply_chat_template(history)}
+        printed = 0
+        text = ""
+        for out in llm.generate_stream(prompt, params):
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": text})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts")
+    gen.add_argument("prompt", nargs="+", help="one or more prompts")
+    gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user message in the chat template")
+    _add_engine_args(gen)
+    _add_sampling_args(gen, max_tokens=64)
+    gen.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat, printing tokens as they are generated")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=256)
+    chat.set_defaults(func=_cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvflow`` console script. Invalid options exit with status 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
+        parser.exit(2, f"kvflow: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

