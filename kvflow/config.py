@@ -129,11 +129,14 @@ class CacheConfig:
         block_size: tokens per KV block.
         num_blocks: number of physical blocks in the pool (per layer).
         dtype: element type of the K/V tensors.
+        enable_prefix_caching: reuse the K/V of full blocks across requests with the same
+            prefix (automatic prefix caching).
     """
 
     block_size: int
     num_blocks: int
     dtype: torch.dtype
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ class EngineArgs:
         max_num_batched_tokens: per-step token budget.
         max_num_seqs: maximum number of concurrently running requests.
         max_model_len: context limit in tokens (default: the model's).
+        enable_prefix_caching: reuse cached K/V of shared prompt prefixes (default on).
         seed: seed of the engine's generator for unseeded sampling.
         num_threads: torch intra-op threads on the CPU (None leaves torch's default).
         model_cache_dir: where converted GGUF models are cached.
@@ -183,6 +187,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
     seed: int = 0
     num_threads: int | None = None
     model_cache_dir: str | None = None
@@ -228,7 +233,12 @@ class EngineArgs:
                 raise ValueError(
                     f"kv_cache_memory_bytes={budget} holds no block of {bytes_per_block} bytes"
                 )
-        return CacheConfig(block_size=self.block_size, num_blocks=num_blocks, dtype=dtype)
+        return CacheConfig(
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            dtype=dtype,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
         max_model_len = self.max_model_len or model_config.max_position_embeddings

@@ -56,7 +56,9 @@ class Request:
         all_token_ids: prompt followed by generated tokens.
         num_computed_tokens: tokens of ``all_token_ids`` whose K/V are in the cache.
         block_ids: the request's block table (physical block ids, in logical order).
-        generator: the request's own ``torch.Generator`` when it has a seed, else None.
+        block_hashes: memoized prefix-cache hashes of the request's full blocks.
+        generator: the request's own ``torch.Generator`` when it has a seed (``seed``
+            overrides ``sampling_params.seed``, for parallel samples), else None.
         arrival_time: ``time.monotonic()`` at creation, in seconds.
     """
 
@@ -68,6 +70,7 @@ class Request:
         eos_token_id: int | None,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        seed: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -79,11 +82,18 @@ class Request:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks, by content
+        self.num_published_blocks = 0  # leading blocks already in the prefix index
         self.num_preemptions = 0
+        # Parallel samples (n > 1) waiting to be forked from this request once its prompt
+        # is computed; see Scheduler.schedule.
+        self.pending_forks: list[Request] = []
+        self.fork_parent: Request | None = None
+        seed = sampling_params.seed if seed is None else seed
         self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
+        if seed is not None:
             self.generator = torch.Generator()
-            self.generator.manual_seed(sampling_params.seed)
+            self.generator.manual_seed(seed)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -128,3 +138,27 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.value}, "
             f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})"
         )
+
+
+def make_parallel_samples(
+    request_id: str,
+    prompt_token_ids: list[int],
+    sampling_params: SamplingParams,
+    eos_token_id: int | None,
+    prompt: str | None = None,
+) -> list[Request]:
+    """The ``n`` requests of one prompt: the first computes the prompt, the others wait in its
+    ``pending_forks`` to share its blocks. Sample i has id ``request_id`` when n == 1, else
+    ``f"{request_id}#{i}"``, and seed ``seed + i`` when seeded.
+    """
+    n = sampling_params.n
+    samples = []
+    for i in range(n):
+        seed = None if sampling_params.seed is None else sampling_params.seed + i
+        sample_id = request_id if n == 1 else f"{request_id}#{i}"
+        samples.append(Request(sample_id, prompt_token_ids, sampling_params, eos_token_id, prompt=prompt, seed=seed))
+    leader = samples[0]
+    leader.pending_forks = samples[1:]
+    for child in leader.pending_forks:
+        child.fork_parent = leader
+    return samples

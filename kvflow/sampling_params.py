@@ -18,7 +18,8 @@ class SamplingParams:
     """How to pick the next token of one request.
 
     Attributes:
-        n: number of output sequences per prompt. Only ``n == 1`` is supported so far.
+        n: number of output sequences per prompt (parallel sampling). The samples share the
+            prompt's KV blocks; sample i of a seeded request uses seed + i.
         temperature: softmax temperature (> 0 samples, 0 means greedy argmax). Must be >= 0.
         top_p: nucleus sampling, keep the smallest set of tokens whose probability mass is
             >= top_p (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration",
@@ -55,8 +56,8 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        if not isinstance(self.n, int) or self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

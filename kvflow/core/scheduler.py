@@ -34,12 +34,17 @@ class SchedulerOutput:
         num_scheduled_tokens: request_id -> tokens to compute this step.
         total_num_scheduled_tokens: sum of the above (<= max_num_batched_tokens).
         preempted_requests: requests preempted while building this batch.
+        blocks_to_copy: (src, dst) block copies to do before the forward (copy-on-write).
+        forked: (child, parent) pairs: parallel samples that joined this step sharing the
+            parent's blocks; each samples its first token from the parent's logits.
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     preempted_requests: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    forked: list[tuple[Request, Request]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -69,10 +74,18 @@ class Scheduler:
 
     # ---------------------------------------------------------------- queue management
     def add_request(self, request: Request) -> None:
-        """Queue a validated request (see ``LLMEngine.add_request`` for the checks)."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        """Queue a validated request (see ``LLMEngine.add_request`` for the checks).
+
+        Its ``pending_forks`` (parallel samples) are registered too and start running when
+        its prompt has been computed.
+        """
+        ids = [request.request_id, *(c.request_id for c in request.pending_forks)]
+        for request_id in ids:
+            if request_id in self.requests:
+                raise ValueError(f"request_id {request_id!r} is already in use")
         self.requests[request.request_id] = request
+        for child in request.pending_forks:
+            self.requests[child.request_id] = child
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -86,8 +99,10 @@ class Scheduler:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        else:
+        elif request in self.waiting:
             self.waiting.remove(request)
+        else:  # a parallel sample not forked yet
+            request.fork_parent.pending_forks.remove(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         return request
@@ -123,22 +138,46 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 break
             out._add(request, num_new)
+            self._maybe_fork(request, num_new, out)
             budget -= num_new
             index += 1
 
         # Admitting new work while others are being preempted would only thrash the cache.
         if not out.preempted_requests:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and budget > 0:
                 request = self.waiting[0]
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                if not kv.allocate_slots(request, num_new):
+                if len(self.running) + 1 + len(request.pending_forks) > self.config.max_num_seqs:
                     break
+                hits = kv.get_computed_blocks(request)
+                num_cached = len(hits) * kv.block_size
+                num_new = min(request.num_tokens - num_cached, budget)
+                if not kv.allocate_slots(request, num_new, hits):
+                    break
+                request.num_computed_tokens = num_cached
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 out._add(request, num_new)
+                self._maybe_fork(request, num_new, out)
                 budget -= num_new
+        out.blocks_to_copy = kv.take_pending_copies()
         return out
+
+    def _maybe_fork(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        """When ``request``'s prompt completes this step, start its parallel samples.
+
+        They share its blocks (written by this step's forward) and join the running set;
+        copy-on-write separates them at their first own token.
+        """
+        if not request.pending_forks or request.num_computed_tokens + num_new < request.num_tokens:
+            return
+        for child in request.pending_forks:
+            child.fork_parent = None
+            self.kv_cache_manager.fork(request, child)
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+            out.forked.append((child, request))
+        request.pending_forks = []
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -159,9 +198,12 @@ class Scheduler:
         Returns:
             The requests that finished this step (their blocks are already freed).
         """
+        for child, parent in out.forked:
+            child.num_computed_tokens = parent.num_computed_tokens + out.num_scheduled_tokens[parent.request_id]
         finished = []
-        for request in out.scheduled_requests:
-            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+        for request in [*out.scheduled_requests, *(child for child, _ in out.forked)]:
+            request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
+            self.kv_cache_manager.cache_full_blocks(request)
             token = sampled_token_ids.get(request.request_id)
             if token is None:
                 continue

@@ -20,7 +20,7 @@ from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.loader import iter_weights, load_config, load_tokenizer, resolve_model
 from kvflow.outputs import CompletionOutput, RequestOutput
-from kvflow.request import Request
+from kvflow.request import Request, make_parallel_samples
 from kvflow.sample.sampler import Sampler
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.cache_engine import CacheEngine
@@ -29,9 +29,19 @@ from kvflow.worker.model_runner import ModelRunner
 
 @dataclass
 class _RequestState:
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
+    """Output state of one user request: its n samples and their detokenizers."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[Request]
+    detokenizers: list[IncrementalDetokenizer | None]
+    arrival_time: float
     first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(r.is_finished for r in self.samples)
 
 
 class LLMEngine:
@@ -62,13 +72,19 @@ class LLMEngine:
         self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
         self.device = device
-        self.kv_cache_manager = KVCacheManager(cache_config.num_blocks, cache_config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks,
+            cache_config.block_size,
+            enable_prefix_caching=cache_config.enable_prefix_caching,
+            hash_extra=str(cache_config.dtype).encode(),
+        )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.cache_engine = CacheEngine(model_config, cache_config, device)
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.model_runner = ModelRunner(model, self.cache_engine, cache_config.block_size, Sampler(generator), device)
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, _RequestState] = {}  # by user request id
+        self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
         self.eos_token_id = model_config.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
@@ -123,6 +139,8 @@ class LLMEngine:
                 f"prompt is {len(prompt_token_ids)} tokens; it must be shorter than "
                 f"max_model_len={max_len} to leave room for output"
             )
+        if params.n > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
         needed_tokens = min(len(prompt_token_ids) + params.max_tokens, max_len)
         needed_blocks = self.kv_cache_manager.num_blocks_for(needed_tokens)
         if needed_blocks > self.kv_cache_manager.num_total_blocks:
@@ -139,23 +157,40 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
     ) -> None:
-        """Validate and queue a request.
+        """Validate and queue a request (``params.n`` samples sharing the prompt's blocks).
 
         Raises:
             ValueError: see ``validate_prompt``; or a request_id already in use.
         """
         self.validate_prompt(prompt_token_ids, params)
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_id, prompt=prompt)
-        self.scheduler.add_request(request)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
-        self._states[request_id] = _RequestState(request, detok)
+        if request_id in self._states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt)
+        self.scheduler.add_request(samples[0])
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+            if self.tokenizer is not None
+            else None
+            for _ in samples
+        ]
+        state = _RequestState(request_id, prompt, list(prompt_token_ids), samples, detoks, samples[0].arrival_time)
+        self._states[request_id] = state
+        for sample in samples:
+            self._sample_owner[sample.request_id] = (state, sample)
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort a request and free its KV blocks at once. Returns False for an unknown id."""
-        self._states.pop(request_id, None)
-        return self.scheduler.abort_request(request_id) is not None
+        """Abort a request (all its samples) and free its KV blocks at once.
+
+        Returns:
+            False for an unknown or already finished id.
+        """
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return False
+        for sample in state.samples:
+            self._sample_owner.pop(sample.request_id, None)
+            self.scheduler.abort_request(sample.request_id)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -174,50 +209,62 @@ class LLMEngine:
         sampled = self.model_runner.execute(sched_out)
         self.scheduler.update(sched_out, sampled)
         now = time.monotonic()
+        touched: dict[str, _RequestState] = {}
+        for sample_id, token in sampled.items():
+            state, sample = self._sample_owner[sample_id]
+            detok = state.detokenizers[state.samples.index(sample)]
+            if detok is not None:
+                detok.update([token], finished=sample.is_finished)
+            if sample.is_finished:
+                del self._sample_owner[sample_id]
+            touched[state.request_id] = state
         outputs = []
-        for request_id, token in sampled.items():
-            state = self._states[request_id]
-            request = state.request
+        for state in touched.values():
             if state.first_token_time is None:
                 state.first_token_time = now
-            finished = request.is_finished
-            if state.detokenizer is not None:
-                state.detokenizer.update([token], finished=finished)
             outputs.append(self._make_output(state, now))
-            if finished:
-                del self._states[request_id]
+            if state.finished:
+                del self._states[state.request_id]
         return outputs
 
     def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
-        request = state.request
-        finished = request.is_finished
-        text = state.detokenizer.text if state.detokenizer is not None else ""
-        metrics = {"arrival_time": request.arrival_time, "first_token_time": state.first_token_time or now}
-        if finished:
+        metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time}
+        if state.finished:
             metrics["finished_time"] = now
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
             outputs=[
                 CompletionOutput(
-                    index=0,
-                    text=text,
-                    token_ids=request.output_token_ids,
-                    finish_reason=request.status.finish_reason,
+                    index=i,
+                    text=detok.text if detok is not None else "",
+                    token_ids=sample.output_token_ids,
+                    finish_reason=sample.status.finish_reason,
                 )
+                for i, (sample, detok) in enumerate(zip(state.samples, state.detokenizers))
             ],
-            finished=finished,
+            finished=state.finished,
             metrics=metrics,
         )
 
     def get_stats(self) -> dict[str, float | int]:
-        """Engine counters: blocks, preemptions, queue lengths, KV cache usage (0-1)."""
+        """Engine counters.
+
+        Keys: num_total_blocks, num_free_blocks, kv_cache_usage (0-1), fragmentation
+        (allocated slots not holding a token / allocated slots), prefix_cache_queries and
+        prefix_cache_hits (tokens), num_cached_blocks, num_preemptions, num_running,
+        num_waiting.
+        """
         kv = self.kv_cache_manager
         return {
             "num_total_blocks": kv.num_total_blocks,
             "num_free_blocks": kv.num_free_blocks,
             "kv_cache_usage": kv.usage(),
+            "fragmentation": kv.fragmentation(self.scheduler.running),
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_cached_blocks": kv.block_pool.num_cached_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,

@@ -39,3 +39,11 @@ class CacheEngine:
     def num_bytes(self) -> int:
         """Total bytes held by the K and V tensors of all layers."""
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.kv_caches[0][0].device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=src.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))

@@ -95,6 +95,9 @@ class ModelRunner:
                 ctx_lens.append(begin + n)
                 tables.append(r.block_ids)
             groups.append(AttentionGroup.build(start, q_lens, ctx_lens, tables, bs, self.device))
+        for child, parent in out.forked:  # parallel samples draw from their parent's logits
+            logits_indices.append(logits_indices[sampling_requests.index(parent)])
+            sampling_requests.append(child)
         dev = self.device
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -112,6 +115,8 @@ class ModelRunner:
             request_id -> sampled token id, for the requests whose chunk reached the end of
             their known tokens.
         """
+        if out.blocks_to_copy:
+            self.cache_engine.copy_blocks(out.blocks_to_copy)
         inputs = self.prepare_inputs(out)
         hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.kv_caches, inputs.metadata)
         if not inputs.sampling_requests:
