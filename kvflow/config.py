@@ -131,12 +131,14 @@ class CacheConfig:
         dtype: element type of the K/V tensors.
         enable_prefix_caching: reuse the K/V of full blocks across requests with the same
             prefix (automatic prefix caching).
+        num_cpu_blocks: host-memory blocks for swap preemption (0: no swap space).
     """
 
     block_size: int
     num_blocks: int
     dtype: torch.dtype
     enable_prefix_caching: bool = True
+    num_cpu_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,14 +149,24 @@ class SchedulerConfig:
         max_num_batched_tokens: per-step token budget (prefill chunks plus decodes).
         max_num_seqs: at most this many requests run at once.
         max_model_len: context length limit per request, in tokens.
+        policy: "fcfs" (arrival order) or "priority" (lower ``priority`` value first, then
+            arrival order; preemption takes the lowest priority first).
+        preemption_mode: "recompute" or "swap" (to host memory, falling back to recompute
+            when the swap space is full).
+        max_head_skips: how many times later requests may be admitted past a waiting request
+            that does not fit yet, before admission waits for it.
     """
 
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    max_head_skips: int = 16
 
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
+DEFAULT_SWAP_SPACE_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
@@ -173,6 +185,10 @@ class EngineArgs:
         max_num_seqs: maximum number of concurrently running requests.
         max_model_len: context limit in tokens (default: the model's).
         enable_prefix_caching: reuse cached K/V of shared prompt prefixes (default on).
+        scheduling_policy: "fcfs" (default) or "priority".
+        preemption_mode: "recompute" (default) or "swap".
+        swap_space_bytes: host memory for swapped-out KV blocks, in bytes (default 256 MiB
+            when preemption_mode is "swap", else 0).
         seed: seed of the engine's generator for unseeded sampling.
         num_threads: torch intra-op threads on the CPU (None leaves torch's default).
         model_cache_dir: where converted GGUF models are cached.
@@ -188,6 +204,9 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int | None = None
     seed: int = 0
     num_threads: int | None = None
     model_cache_dir: str | None = None
@@ -209,6 +228,14 @@ class EngineArgs:
             _positive_int("max_model_len", self.max_model_len)
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.swap_space_bytes is not None and (
+            isinstance(self.swap_space_bytes, bool) or not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0
+        ):
+            raise ValueError(f"swap_space_bytes must be a non-negative integer, got {self.swap_space_bytes!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 
@@ -223,21 +250,25 @@ class EngineArgs:
         Raises:
             ValueError: if the budget does not hold a single block.
         """
+        bytes_per_block = model_config.kv_bytes_per_token(dtype) * self.block_size
         if self.num_kv_blocks is not None:
             num_blocks = self.num_kv_blocks
         else:
             budget = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-            bytes_per_block = model_config.kv_bytes_per_token(dtype) * self.block_size
             num_blocks = budget // bytes_per_block
             if num_blocks < 1:
                 raise ValueError(
                     f"kv_cache_memory_bytes={budget} holds no block of {bytes_per_block} bytes"
                 )
+        swap_space = self.swap_space_bytes
+        if swap_space is None:
+            swap_space = DEFAULT_SWAP_SPACE_BYTES if self.preemption_mode == "swap" else 0
         return CacheConfig(
             block_size=self.block_size,
             num_blocks=num_blocks,
             dtype=dtype,
             enable_prefix_caching=self.enable_prefix_caching,
+            num_cpu_blocks=swap_space // bytes_per_block,
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
@@ -251,6 +282,8 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
+            policy=self.scheduling_policy,
+            preemption_mode=self.preemption_mode,
         )
 
 

@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    SWAPPED = "swapped"
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -60,6 +61,7 @@ class Request:
         generator: the request's own ``torch.Generator`` when it has a seed (``seed``
             overrides ``sampling_params.seed``, for parallel samples), else None.
         arrival_time: ``time.monotonic()`` at creation, in seconds.
+        priority: scheduling priority under the ``priority`` policy; lower runs first.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class Request:
         prompt: str | None = None,
         arrival_time: float | None = None,
         seed: int | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -85,6 +88,10 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, by content
         self.num_published_blocks = 0  # leading blocks already in the prefix index
         self.num_preemptions = 0
+        self.priority = priority
+        self.arrival_order = 0  # set by the scheduler; ties broken first-come first-served
+        self.num_skips = 0  # times a later request was admitted past this one
+        self.cpu_block_ids: list[int] = []  # host copies of the blocks while swapped out
         # Parallel samples (n > 1) waiting to be forked from this request once its prompt
         # is computed; see Scheduler.schedule.
         self.pending_forks: list[Request] = []
@@ -146,6 +153,7 @@ def make_parallel_samples(
     sampling_params: SamplingParams,
     eos_token_id: int | None,
     prompt: str | None = None,
+    priority: int = 0,
 ) -> list[Request]:
     """The ``n`` requests of one prompt: the first computes the prompt, the others wait in its
     ``pending_forks`` to share its blocks. Sample i has id ``request_id`` when n == 1, else
@@ -156,7 +164,9 @@ def make_parallel_samples(
     for i in range(n):
         seed = None if sampling_params.seed is None else sampling_params.seed + i
         sample_id = request_id if n == 1 else f"{request_id}#{i}"
-        samples.append(Request(sample_id, prompt_token_ids, sampling_params, eos_token_id, prompt=prompt, seed=seed))
+        samples.append(
+            Request(sample_id, prompt_token_ids, sampling_params, eos_token_id, prompt=prompt, seed=seed, priority=priority)
+        )
     leader = samples[0]
     leader.pending_forks = samples[1:]
     for child in leader.pending_forks:

@@ -27,12 +27,19 @@ class KVCacheManager:
         enable_prefix_caching: reuse published full blocks across requests.
         hash_extra: bytes mixed into every block hash (whatever else changes K/V, such as the
             KV cache dtype), so blocks of different caches never match.
+        num_cpu_blocks: host blocks for swap preemption (0: none).
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, hash_extra: bytes = b""
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_extra: bytes = b"",
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_extra = hash_extra
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
@@ -151,11 +158,50 @@ class KVCacheManager:
         return copies
 
     def free(self, request: Request) -> None:
-        """Release every block of ``request`` (in reverse, so its tail blocks are evicted
-        from the prefix cache before its head blocks)."""
+        """Release every block of ``request``, device and host (device blocks in reverse, so
+        its tail blocks are evicted from the prefix cache before its head blocks)."""
         self.block_pool.free(list(reversed(request.block_ids)))
         request.block_ids = []
         request.num_published_blocks = 0
+        if request.cpu_block_ids:
+            self.cpu_pool.free(request.cpu_block_ids)
+            request.cpu_block_ids = []
+
+    # ------------------------------------------------------------------ swapping
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the request's blocks to host memory (PagedAttention section 4.5).
+
+        Each device block gets a private host copy (a shared device block just loses one
+        reference). Returns the (device block, host block) copies to make before the device
+        blocks are reused, or None, changing nothing, when the host pool is too small.
+        """
+        if self.cpu_pool is None or self.cpu_pool.num_free_blocks < len(request.block_ids):
+            return None
+        request.cpu_block_ids = self.cpu_pool.allocate(len(request.block_ids))
+        mapping = list(zip(request.block_ids, request.cpu_block_ids))
+        self.block_pool.free(list(reversed(request.block_ids)))
+        request.block_ids = []
+        request.num_published_blocks = 0
+        return mapping
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request back with room for ``num_new_tokens`` more tokens.
+
+        Returns:
+            The (host block, device block) copies to make, or None, changing nothing, when
+            the device pool is too small.
+        """
+        num_swapped = len(request.cpu_block_ids)
+        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens)
+        if max(needed, num_swapped) > self.block_pool.num_free_blocks:
+            return None
+        request.block_ids = self.block_pool.allocate(num_swapped)
+        mapping = list(zip(request.cpu_block_ids, request.block_ids))
+        self.cpu_pool.free(request.cpu_block_ids)
+        request.cpu_block_ids = []
+        if needed > num_swapped:
+            request.block_ids.extend(self.block_pool.allocate(needed - num_swapped))
+        return mapping
 
     # ------------------------------------------------------------------ accounting
     def usage(self) -> float:

@@ -10,14 +10,21 @@ budget (``max_num_batched_tokens``) and a sequence cap (``max_num_seqs``). A lon
 therefore split across steps (chunked prefill, Agrawal et al. 2023, "SARATHI", section 3)
 and mixed with other requests' decodes in one batch.
 
-When the KV cache has no free block, the most recently admitted running request is preempted
-by recompute: its blocks are freed, ``num_computed_tokens`` is reset and it goes back to the
-head of the waiting queue; its tokens so far are kept, so its final output is unchanged.
+When the KV cache has no free block, a running request is preempted (the most recently
+admitted under ``fcfs``, the lowest-priority one under ``priority``) and goes back to the
+head of the waiting queue, its tokens so far kept so that its final output is unchanged:
+by recompute (its blocks are freed and ``num_computed_tokens`` reset) or, with
+``preemption_mode="swap"``, by copying its blocks to host memory and back (Kwon et al. 2023,
+PagedAttention, section 4.5, which compares the two).
+
+Admission does not block on the head of the queue: a request that does not fit yet may be
+passed by later ones at most ``max_head_skips`` times; after that nothing passes it, so it is
+admitted as soon as running requests release enough blocks.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
 from kvflow.config import SchedulerConfig
@@ -35,6 +42,8 @@ class SchedulerOutput:
         total_num_scheduled_tokens: sum of the above (<= max_num_batched_tokens).
         preempted_requests: requests preempted while building this batch.
         blocks_to_copy: (src, dst) block copies to do before the forward (copy-on-write).
+        blocks_to_swap_out: (device block, host block) copies, done first.
+        blocks_to_swap_in: (host block, device block) copies, done after the swap-outs.
         forked: (child, parent) pairs: parallel samples that joined this step sharing the
             parent's blocks; each samples its first token from the parent's logits.
     """
@@ -44,6 +53,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     preempted_requests: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     forked: list[tuple[Request, Request]] = field(default_factory=list)
 
     @property
@@ -55,22 +66,30 @@ class SchedulerOutput:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.total_num_scheduled_tokens += num_tokens
 
+    def _remove(self, request: Request) -> int:
+        self.scheduled_requests.remove(request)
+        num_tokens = self.num_scheduled_tokens.pop(request.request_id)
+        self.total_num_scheduled_tokens -= num_tokens
+        return num_tokens
+
 
 class Scheduler:
     """Decides, each step, which requests compute how many tokens.
 
     Args:
-        config: token budget, sequence cap and context limit.
+        config: token budget, sequence cap, context limit, policy and preemption mode.
         kv_cache_manager: owner of the block tables.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []  # in admission order (see _queue_key)
+        self.running: list[Request] = []  # in admission order
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swapped_out = 0
+        self._arrivals = 0
 
     # ---------------------------------------------------------------- queue management
     def add_request(self, request: Request) -> None:
@@ -78,18 +97,33 @@ class Scheduler:
 
         Its ``pending_forks`` (parallel samples) are registered too and start running when
         its prompt has been computed.
+
+        Raises:
+            ValueError: if one of the ids is already in use.
         """
         ids = [request.request_id, *(c.request_id for c in request.pending_forks)]
         for request_id in ids:
             if request_id in self.requests:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        for child in request.pending_forks:
-            self.requests[child.request_id] = child
-        self.waiting.append(request)
+        for r in (request, *request.pending_forks):
+            self.requests[r.request_id] = r
+            r.arrival_order = self._arrivals
+            self._arrivals += 1
+        self._enqueue(request)
+
+    def _queue_key(self, request: Request) -> tuple[int, int]:
+        if self.config.policy == "priority":
+            return (request.priority, request.arrival_order)
+        return (0, request.arrival_order)
+
+    def _enqueue(self, request: Request) -> None:
+        """Insert by (priority, arrival); a preempted request keeps its arrival, so it goes
+        back ahead of everything that arrived after it."""
+        keys = [self._queue_key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self._queue_key(request)), request)
 
     def abort_request(self, request_id: str) -> Request | None:
-        """Remove a request wherever it is and free its blocks at once.
+        """Remove a request wherever it is and free its blocks (device and host) at once.
 
         Returns:
             The aborted request, or None when the id is unknown or already finished.
@@ -120,7 +154,7 @@ class Scheduler:
 
     # ---------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
-        """Build the next batch: running requests first, then waiting ones in FCFS order."""
+        """Build the next batch: running requests first, then waiting ones."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         kv = self.kv_cache_manager
@@ -130,13 +164,18 @@ class Scheduler:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not kv.allocate_slots(request, num_new):
-                victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
-                out.preempted_requests.append(victim)
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                self.running.pop(victim_index)
+                if victim.request_id in out.num_scheduled_tokens:  # priority: already in this batch
+                    budget += out._remove(victim)
+                if victim_index < index:
+                    index -= 1
+                self._preempt(victim, out)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
-                break
+                continue
             out._add(request, num_new)
             self._maybe_fork(request, num_new, out)
             budget -= num_new
@@ -144,24 +183,47 @@ class Scheduler:
 
         # Admitting new work while others are being preempted would only thrash the cache.
         if not out.preempted_requests:
-            while self.waiting and budget > 0:
-                request = self.waiting[0]
-                if len(self.running) + 1 + len(request.pending_forks) > self.config.max_num_seqs:
-                    break
+            self._admit(out, budget)
+        out.blocks_to_copy = kv.take_pending_copies()
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        kv = self.kv_cache_manager
+        for request in list(self.waiting):
+            if budget <= 0:
+                break
+            if len(self.running) + 1 + len(request.pending_forks) > self.config.max_num_seqs:
+                break
+            if request.status == RequestStatus.SWAPPED:
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                mapping = kv.swap_in(request, num_new)
+                admitted = mapping is not None
+                if admitted:
+                    out.blocks_to_swap_in.extend(mapping)
+            else:
                 hits = kv.get_computed_blocks(request)
                 num_cached = len(hits) * kv.block_size
                 num_new = min(request.num_tokens - num_cached, budget)
-                if not kv.allocate_slots(request, num_new, hits):
-                    break
-                request.num_computed_tokens = num_cached
-                self.waiting.popleft()
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                out._add(request, num_new)
-                self._maybe_fork(request, num_new, out)
-                budget -= num_new
-        out.blocks_to_copy = kv.take_pending_copies()
-        return out
+                admitted = kv.allocate_slots(request, num_new, hits)
+                if admitted:
+                    request.num_computed_tokens = num_cached
+            if not admitted:
+                if request.num_skips >= self.config.max_head_skips:
+                    break  # nobody passes it any more
+                request.num_skips += 1
+                continue
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out._add(request, num_new)
+            self._maybe_fork(request, num_new, out)
+            budget -= num_new
+
+    def _pick_victim(self) -> Request:
+        """The request to preempt: latest admitted (fcfs) or lowest priority, latest arrival."""
+        if self.config.policy == "priority":
+            return max(self.running, key=self._queue_key)
+        return self.running[-1]
 
     def _maybe_fork(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
         """When ``request``'s prompt completes this step, start its parallel samples.
@@ -179,13 +241,22 @@ class Scheduler:
             out.forked.append((child, request))
         request.pending_forks = []
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        mapping = None
+        if self.config.preemption_mode == "swap":
+            mapping = self.kv_cache_manager.swap_out(request)
+        if mapping is not None:
+            out.blocks_to_swap_out.extend(mapping)
+            request.status = RequestStatus.SWAPPED
+            self.num_swapped_out += 1
+        else:  # recompute (also the fallback when host swap space is full)
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        out.preempted_requests.append(request)
+        self._enqueue(request)
 
     def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Advance the scheduled requests after the model ran.

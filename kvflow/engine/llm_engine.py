@@ -77,6 +77,7 @@ class LLMEngine:
             cache_config.block_size,
             enable_prefix_caching=cache_config.enable_prefix_caching,
             hash_extra=str(cache_config.dtype).encode(),
+            num_cpu_blocks=cache_config.num_cpu_blocks,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
         self.cache_engine = CacheEngine(model_config, cache_config, device)
@@ -156,8 +157,11 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request (``params.n`` samples sharing the prompt's blocks).
+
+        ``priority`` matters under the "priority" scheduling policy (lower runs first).
 
         Raises:
             ValueError: see ``validate_prompt``; or a request_id already in use.
@@ -165,7 +169,7 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids, params)
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt)
+        samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority)
         self.scheduler.add_request(samples[0])
         detoks = [
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
@@ -266,6 +270,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_cached_blocks": kv.block_pool.num_cached_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swapped_out": self.scheduler.num_swapped_out,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
         }

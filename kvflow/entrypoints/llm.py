@@ -62,7 +62,12 @@ class LLM:
             return [list(prompts)]
         return list(prompts)
 
-    def _add_all(self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams]) -> list[str]:
+    def _add_all(
+        self,
+        prompts: list[PromptType],
+        params: SamplingParams | Sequence[SamplingParams],
+        priority: Sequence[int] | None = None,
+    ) -> list[str]:
         if isinstance(params, SamplingParams):
             params_list = [params] * len(prompts)
         else:
@@ -71,14 +76,17 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
                 )
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
         encoded = [self._to_token_ids(p) for p in prompts]
         # Validate everything first so that one bad prompt adds nothing.
         for (ids, _), p in zip(encoded, params_list):
             self.engine.validate_prompt(ids, p)
         request_ids = []
-        for (ids, text), p in zip(encoded, params_list):
+        for (ids, text), p, prio in zip(encoded, params_list, priorities):
             request_id = str(next(self._counter))
-            self.engine.add_request(request_id, ids, p, prompt=text)
+            self.engine.add_request(request_id, ids, p, prompt=text, priority=prio)
             request_ids.append(request_id)
         return request_ids
 
@@ -88,6 +96,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
@@ -97,12 +106,13 @@ class LLM:
             sampling_params: one for all prompts or one per prompt (default
                 ``SamplingParams()``).
             use_tqdm: show a progress bar when there is more than one prompt.
+            priority: per-prompt priority for the "priority" scheduling policy (lower first).
 
         Raises:
             ValueError: for an invalid prompt or parameters; nothing is queued then.
         """
         prompt_list = self._normalize_prompts(prompts)
-        request_ids = self._add_all(prompt_list, sampling_params or SamplingParams())
+        request_ids = self._add_all(prompt_list, sampling_params or SamplingParams(), priority)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2)
         try:

@@ -34,6 +34,15 @@ class CacheEngine:
             )
             for _ in range(model_config.num_hidden_layers)
         ]
+        cpu_shape = (cache_config.num_cpu_blocks, *shape[1:])
+        pin = device.type == "cuda"
+        self.cpu_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(cpu_shape, dtype=cache_config.dtype, pin_memory=pin),
+                torch.zeros(cpu_shape, dtype=cache_config.dtype, pin_memory=pin),
+            )
+            for _ in range(model_config.num_hidden_layers if cache_config.num_cpu_blocks else 0)
+        ]
 
     @property
     def num_bytes(self) -> int:
@@ -41,9 +50,25 @@ class CacheEngine:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
-        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.kv_caches[0][0].device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=src.device)
-        for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        """Copy whole device blocks src -> dst in every layer (copy-on-write)."""
+        self._copy(self.kv_caches, self.kv_caches, copies)
+
+    def swap_out(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks, (device, host) pairs, in every layer."""
+        self._copy(self.kv_caches, self.cpu_kv_caches, mapping)
+
+    def swap_in(self, mapping: list[tuple[int, int]]) -> None:
+        """Copy host blocks to device blocks, (host, device) pairs, in every layer."""
+        self._copy(self.cpu_kv_caches, self.kv_caches, mapping)
+
+    @staticmethod
+    def _copy(
+        src_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        dst_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        pairs: list[tuple[int, int]],
+    ) -> None:
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=src_caches[0][0].device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst_caches[0][0].device)
+        for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
+            dst_k.index_copy_(0, dst, src_k.index_select(0, src).to(dst_k.device))
+            dst_v.index_copy_(0, dst, src_v.index_select(0, src).to(dst_v.device))

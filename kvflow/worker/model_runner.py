@@ -115,6 +115,11 @@ class ModelRunner:
             request_id -> sampled token id, for the requests whose chunk reached the end of
             their known tokens.
         """
+        # Order matters: swapped-out blocks may be reused by swap-ins and copies this step.
+        if out.blocks_to_swap_out:
+            self.cache_engine.swap_out(out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            self.cache_engine.swap_in(out.blocks_to_swap_in)
         if out.blocks_to_copy:
             self.cache_engine.copy_blocks(out.blocks_to_copy)
         inputs = self.prepare_inputs(out)

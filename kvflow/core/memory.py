@@ -1,0 +1,470 @@
+"""KV cache memory accounting: bytes per token and per block, attention variants, budgets.
+
+Every size here is in **bytes**, every length in **tokens**. The formula (DESIGN.md,
+"Reference facts"; Kwon et al. 2023, PagedAttention, section 2 for the K/V cache itself) is
+
+    KV bytes per token = 2 (K and V) x kv_layers x kv_heads x head_dim x bytes per element
+
+where ``kv_layers = ceil(num_hidden_layers / cla_factor)``:
+
+- multi-head attention (MHA) keeps one K/V head per query head (``kv_heads = heads``);
+- grouped-query attention (GQA, Ainslie et al. 2023, arXiv 2305.13245) shares one K/V head
+  among ``heads / kv_heads`` query heads, dividing by that group size;
+- multi-query attention (MQA, Shazeer 2019, arXiv 1911.02150) keeps a single K/V head;
+- cross-layer attention (CLA, Brandon et al. 2024, arXiv 2405.12981) lets groups of
+  ``cla_factor`` adjacent layers share one K/V, dividing the layer count by the sharing
+  factor (rounded up: a last, shorter group still stores its own K/V).
+
+int8 and fp8 caches take 1 byte per element; the per-token, per-head quantization scales
+they also need are **excluded** from every number here (``scale_bytes_per_token`` says how
+much one float32 scale per token per K/V head would add).
+
+The functions are pure: they take a ``KVSpec`` or anything with the same attribute names
+(``kvflow.config.ModelConfig`` works as is). ``load_kv_spec`` reads those numbers from a
+model argument (HF folder, ``.gguf`` file, packaged short name) without loading weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+# Bytes per element of each KV cache dtype (aliases as accepted by kvflow's --dtype).
+KV_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "int8": 1,
+    "fp8": 1,
+}
+_CANONICAL = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+QUANTIZED_KV_DTYPES = frozenset({"int8", "fp8"})
+# Bytes of one quantization scale, for the informational "with scales" figure.
+SCALE_BYTES = 4
+
+DEFAULT_BUDGET_BYTES = 512 * 1024**2
+DEFAULT_BLOCK_SIZE = 16
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}
+
+
+class KVShapeLike(Protocol):
+    """What the accounting reads: a ``ModelConfig``, a ``KVSpec`` or any lookalike."""
+
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """The architecture numbers that size a KV cache (same names as ``ModelConfig``).
+
+    Attributes:
+        num_hidden_layers: decoder layers.
+        num_attention_heads: query heads per layer.
+        num_key_value_heads: K/V heads per layer (= heads for MHA, 1 for MQA).
+        head_dim: elements per head.
+        max_position_embeddings: the model's context length, in tokens.
+        model_type: HF ``model_type`` ("llama", "qwen2", ...), for display.
+        source: where the numbers were read from, for display.
+    """
+
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    model_type: str = "unknown"
+    source: str = ""
+
+    @classmethod
+    def from_config(cls, config: Any, source: str = "") -> "KVSpec":
+        """From a ``ModelConfig``, a transformers ``PretrainedConfig`` or a ``config.json`` dict.
+
+        ``num_key_value_heads`` falls back to ``num_attention_heads`` (MHA) and ``head_dim``
+        to ``hidden_size // num_attention_heads`` when absent or null, as transformers'
+        Llama does. A multimodal config's ``text_config`` is used when the top level has no
+        ``num_hidden_layers``.
+
+        Raises:
+            ValueError: a required field (layers, heads, hidden size or head_dim) is missing.
+        """
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+        if get("num_hidden_layers") is None and get("text_config") is not None:
+            return cls.from_config(get("text_config"), source)
+        layers, heads = get("num_hidden_layers"), get("num_attention_heads")
+        if layers is None or heads is None:
+            raise ValueError(
+                f"{source or 'config'} has no num_hidden_layers / num_attention_heads "
+                "(kvflow reads Llama-family config.json fields)"
+            )
+        kv_heads = get("num_key_value_heads") or heads
+        head_dim = get("head_dim")
+        if not head_dim:
+            hidden = get("hidden_size")
+            if hidden is None:
+                raise ValueError(f"{source or 'config'} has neither head_dim nor hidden_size")
+            head_dim = hidden // heads
+        return cls(
+            num_hidden_layers=int(layers),
+            num_attention_heads=int(heads),
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(get("max_position_embeddings") or 0),
+            model_type=str(get("model_type") or "unknown"),
+            source=source,
+        )
+
+
+# ---------------------------------------------------------------------------- formulas
+def canonical_kv_dtype(name: str) -> str:
+    """"fp16" -> "float16", ... Raises ValueError for an unknown KV cache dtype."""
+    key = name.lower()
+    if key not in KV_DTYPE_BYTES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(set(KV_DTYPE_BYTES))}, got {name!r}")
+    return _CANONICAL.get(key, key)
+
+
+def bytes_per_element(kv_cache_dtype: str) -> int:
+    """Bytes per stored K/V element: 4 (float32), 2 (bfloat16/float16), 1 (int8/fp8, scales excluded)."""
+    return KV_DTYPE_BYTES[canonical_kv_dtype(kv_cache_dtype)]
+
+
+def kv_layers(num_hidden_layers: int, cla_factor: int = 1) -> int:
+    """Layers that store their own K/V under cross-layer sharing: ceil(layers / cla_factor)."""
+    if cla_factor < 1:
+        raise ValueError(f"cla_factor must be >= 1, got {cla_factor}")
+    return -(-num_hidden_layers // cla_factor)
+
+
+def kv_bytes_per_token(
+    num_hidden_layers: int, num_kv_heads: int, head_dim: int, elem_bytes: int, cla_factor: int = 1
+) -> int:
+    """KV cache bytes per token = 2 x ceil(layers / cla_factor) x kv_heads x head_dim x elem_bytes.
+
+    Llama-2-7B in float16: 2 x 32 x 32 x 128 x 2 = 524288 bytes (512 KiB).
+    """
+    return 2 * kv_layers(num_hidden_layers, cla_factor) * num_kv_heads * head_dim * elem_bytes
+
+
+def scale_bytes_per_token(num_hidden_layers: int, num_kv_heads: int, cla_factor: int = 1) -> int:
+    """Bytes per token that one float32 scale per token per K/V head would add (int8/fp8)."""
+    return 2 * kv_layers(num_hidden_layers, cla_factor) * num_kv_heads * SCALE_BYTES
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class BudgetFit:
+    """What a byte budget holds in a paged cache of ``block_size``-token blocks.
+
+    Attributes:
+        budget_bytes: the budget, in bytes.
+        bytes_per_block: bytes of one block (all layers, K and V).
+        blocks: whole blocks that fit: budget // bytes_per_block.
+        tokens: tokens those blocks hold: blocks x block_size.
+        full_length_requests: requests of ``max_model_len`` tokens that fit at once:
+            blocks // ceil(max_model_len / block_size).
+        unused_bytes: budget left over after the whole blocks.
+    """
+
+    budget_bytes: int
+    bytes_per_block: int
+    blocks: int
+    tokens: int
+    full_length_requests: int
+    unused_bytes: int
+
+
+def budget_fit(bytes_per_token: int, block_size: int, budget_bytes: int, max_model_len: int) -> BudgetFit:
+    """How many blocks, tokens and full-length requests ``budget_bytes`` holds.
+
+    Raises:
+        ValueError: non-positive bytes_per_token, block_size, max_model_len or negative budget.
+    """
+    if bytes_per_token < 1 or block_size < 1 or max_model_len < 1 or budget_bytes < 0:
+        raise ValueError(
+            "bytes_per_token, block_size and max_model_len must be positive and budget_bytes "
+            f"non-negative; got {bytes_per_token}, {block_size}, {max_model_len}, {budget_bytes}"
+        )
+    per_block = bytes_per_token * block_size
+    blocks = budget_bytes // per_block
+    return BudgetFit(
+        budget_bytes=budget_bytes,
+        bytes_per_block=per_block,
+        blocks=blocks,
+        tokens=blocks * block_size,
+        full_length_requests=blocks // blocks_for(max_model_len, block_size),
+        unused_bytes=budget_bytes - blocks * per_block,
+    )
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the attention-variant comparison.
+
+    Attributes:
+        name: "MHA", "GQA", "MQA", "CLA2", "CLA3", "MQA+CLA2".
+        kv_heads: K/V heads per KV-storing layer.
+        kv_layers: layers that store K/V (layers / cla_factor, rounded up).
+        cla_factor: adjacent layers sharing one K/V (1 = no sharing).
+        bytes_per_token: KV bytes per token.
+        vs_mha: bytes_per_token / the MHA row's.
+        configured: True for the row that is the model as configured.
+        fit: what the budget holds under this variant.
+    """
+
+    name: str
+    kv_heads: int
+    kv_layers: int
+    cla_factor: int
+    bytes_per_token: int
+    vs_mha: float
+    configured: bool
+    fit: BudgetFit
+
+
+def attention_variants(
+    spec: KVShapeLike, kv_cache_dtype: str, block_size: int, budget_bytes: int, max_model_len: int
+) -> list[Variant]:
+    """The model under MHA, its configured GQA (when 1 < kv_heads < heads), MQA, CLA2 and
+    CLA3 (over the configured KV heads) and MQA+CLA2 (the paper's headline combination).
+
+    Same layers, heads, head_dim and dtype throughout; only the K/V sharing changes.
+    """
+    elem = bytes_per_element(kv_cache_dtype)
+    layers, heads, kv, hd = spec.num_hidden_layers, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+    rows: list[tuple[str, int, int, bool]] = [("MHA", heads, 1, kv == heads)]
+    if 1 < kv < heads:
+        rows.append(("GQA", kv, 1, True))
+    rows.append(("MQA", 1, 1, kv == 1))
+    rows += [("CLA2", kv, 2, False), ("CLA3", kv, 3, False), ("MQA+CLA2", 1, 2, False)]
+    mha = kv_bytes_per_token(layers, heads, hd, elem)
+    out = []
+    for name, kv_heads, cla, configured in rows:
+        bpt = kv_bytes_per_token(layers, kv_heads, hd, elem, cla)
+        out.append(
+            Variant(
+                name=name,
+                kv_heads=kv_heads,
+                kv_layers=kv_layers(layers, cla),
+                cla_factor=cla,
+                bytes_per_token=bpt,
+                vs_mha=bpt / mha,
+                configured=configured,
+                fit=budget_fit(bpt, block_size, budget_bytes, max_model_len),
+            )
+        )
+    return out
+
+
+def memory_report(
+    spec: KVShapeLike,
+    kv_cache_dtype: str,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    max_model_len: int | None = None,
+) -> dict[str, Any]:
+    """Everything ``kvflow memory`` prints, as a JSON-ready dict (bytes and tokens).
+
+    ``max_model_len`` defaults to the model's ``max_position_embeddings``.
+
+    Raises:
+        ValueError: unknown dtype, or no positive max_model_len.
+    """
+    dtype = canonical_kv_dtype(kv_cache_dtype)
+    elem = KV_DTYPE_BYTES[dtype]
+    max_len = max_model_len or spec.max_position_embeddings
+    if not max_len or max_len < 1:
+        raise ValueError("max_model_len is unknown (the config has no max_position_embeddings); pass --max-model-len")
+    layers, kv, hd = spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim
+    bpt = kv_bytes_per_token(layers, kv, hd, elem)
+    fit = budget_fit(bpt, block_size, budget_bytes, max_len)
+    variants = attention_variants(spec, dtype, block_size, budget_bytes, max_len)
+    blocks_per_request = blocks_for(max_len, block_size)
+    return {
+        "model": {
+            "source": getattr(spec, "source", ""),
+            "model_type": getattr(spec, "model_type", "unknown"),
+            "num_hidden_layers": layers,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_key_value_heads": kv,
+            "head_dim": hd,
+            "max_position_embeddings": spec.max_position_embeddings,
+        },
+        "kv_cache_dtype": dtype,
+        "bytes_per_element": elem,
+        "scales": "excluded" if dtype in QUANTIZED_KV_DTYPES else "none",
+        "scale_bytes_per_token_if_float32_per_head": scale_bytes_per_token(layers, kv)
+        if dtype in QUANTIZED_KV_DTYPES
+        else 0,
+        "block_size": block_size,
+        "max_model_len": max_len,
+        "bytes_per_token": bpt,
+        "bytes_per_block": bpt * block_size,
+        "blocks_per_full_length_request": blocks_per_request,
+        "bytes_per_full_length_request": blocks_per_request * block_size * bpt,
+        "budget": asdict(fit),
+        "variants": [{**asdict(v), "fit": asdict(v.fit)} for v in variants],
+    }
+
+
+# ---------------------------------------------------------------------------- parsing, text
+def parse_bytes(text: str | int) -> int:
+    """A byte count from "536870912", "512MiB", "8GiB", "1.5G", "2GB" (KiB/MiB/GiB/TiB and
+    bare K/M/G/T are powers of 1024, KB/MB/GB/TB powers of 1000; case-insensitive).
+
+    Raises:
+        ValueError: unparsable, or negative.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"cannot parse a byte size from {text!r} (examples: 536870912, 512MiB, 8GiB, 2GB)")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 0:
+        raise ValueError(f"byte size must be non-negative, got {text!r}")
+    return value
+
+
+def human_bytes(n: float) -> str:
+    """1024-based: 524288 -> "512 KiB", 46080 -> "45 KiB", 3.5 * 2**30 -> "3.5 GiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" or float(n).is_integer() else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The human-readable text of ``memory_report``."""
+    m = report["model"]
+    dtype, elem, bs, max_len = report["kv_cache_dtype"], report["bytes_per_element"], report["block_size"], report["max_model_len"]
+    heads, kv = m["num_attention_heads"], m["num_key_value_heads"]
+    kind = "MHA" if kv == heads else "MQA" if kv == 1 else f"GQA, {heads // kv if heads % kv == 0 else heads / kv} query heads per KV head"
+    bpt, budget = report["bytes_per_token"], report["budget"]
+    scales = " (int8/fp8: excluding quantization scales)" if report["scales"] == "excluded" else ""
+    lines = [
+        f"model: {m['source']} ({m['model_type']}; config only, no weights loaded)",
+        f"  {m['num_hidden_layers']} layers, {heads} attention heads, {kv} KV heads ({kind}), "
+        f"head_dim {m['head_dim']}, max_position_embeddings {m['max_position_embeddings']}",
+        f"KV cache dtype: {dtype} ({elem} byte{'s' if elem > 1 else ''}/element){scales}",
+        "",
+        f"KV bytes per token:  {bpt:,} B ({human_bytes(bpt)})"
+        f" = 2 (K,V) x {m['num_hidden_layers']} layers x {kv} KV heads x {m['head_dim']} head_dim x {elem} B",
+        f"KV bytes per block:  {report['bytes_per_block']:,} B ({human_bytes(report['bytes_per_block'])}), {bs} tokens per block",
+        f"KV bytes per full-length request: {report['bytes_per_full_length_request']:,} B "
+        f"({human_bytes(report['bytes_per_full_length_request'])}), {max_len} tokens = "
+        f"{report['blocks_per_full_length_request']} blocks",
+    ]
+    if report["scales"] == "excluded":
+        extra = report["scale_bytes_per_token_if_float32_per_head"]
+        lines.append(f"  (one float32 scale per token per K/V head would add {extra:,} B/token; not counted)")
+    lines += [
+        "",
+        f"Budget {budget['budget_bytes']:,} B ({human_bytes(budget['budget_bytes'])}): "
+        f"{budget['blocks']:,} blocks = {budget['tokens']:,} tokens = "
+        f"{budget['full_length_requests']:,} full-length ({max_len}-token) requests"
+        f" ({budget['unused_bytes']:,} B left over)",
+        "",
+        "Attention variants (same layers, heads, head_dim and dtype; CLA: Brandon et al. 2024, arXiv 2405.12981):",
+    ]
+    headers = ["variant", "kv_heads", "kv_layers", "bytes/token", "vs MHA", "blocks", "tokens", "full-len reqs", ""]
+    rows = []
+    for v in report["variants"]:
+        rows.append([
+            v["name"], str(v["kv_heads"]), str(v["kv_layers"]),
+            f"{v['bytes_per_token']:,} ({human_bytes(v['bytes_per_token'])})",
+            f"1/{1 / v['vs_mha']:.3g}" if v["vs_mha"] < 1 else "1",
+            f"{v['fit']['blocks']:,}", f"{v['fit']['tokens']:,}", f"{v['fit']['full_length_requests']:,}",
+            "<- configured" if v["configured"] else "",
+        ])
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    for n, row in enumerate([headers, *rows]):
+        lines.append("  " + "  ".join(c.ljust(w) if i in (0, 8) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if n == 0:
+            lines.append("  " + "  ".join("-" * w for w in widths[:-1]))
+    lines.append(f"  (blocks/tokens/full-len reqs: what the {human_bytes(budget['budget_bytes'])} budget holds under each variant)")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- reading configs
+def load_kv_spec(model: str, cache_dir: str | os.PathLike[str] | None = None) -> KVSpec:
+    """The KV numbers of ``model`` without loading any weight.
+
+    - an HF folder (or a ``config.json`` path): ``config.json`` is read as JSON;
+    - a ``.gguf`` file: its metadata is read with ``gguf.GGUFReader`` (memory-mapped; no
+      tensor is dequantized) into the same config the converter would write
+      (``kvflow.model.loader._build_config``);
+    - a packaged short name: the same, on the package's GGUF file when it is one file; a
+      model split across packages goes through ``resolve_model`` + ``load_config`` (which
+      assembles and converts it once, cached).
+
+    Raises:
+        FileNotFoundError: a path that does not exist, or a folder without config.json.
+        ValueError: unknown short name, or a config lacking the needed fields.
+        ModuleNotFoundError: a packaged model whose package is not installed.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir() or path.name == "config.json":
+        config_file = path / "config.json" if path.is_dir() else path
+        if not config_file.is_file():
+            raise FileNotFoundError(f"{path} has no config.json")
+        return KVSpec.from_config(json.loads(config_file.read_text()), source=str(path))
+    if path.suffix.lower() == ".gguf" or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(f"Model path {model!r} does not exist")
+        return KVSpec.from_config(_gguf_config(path), source=str(path))
+    if os.sep in model or model.startswith(("~", ".")):
+        raise FileNotFoundError(f"Model path {model!r} does not exist")
+    from kvflow.model import registry
+
+    entry = registry.lookup(model)
+    parts = registry.locate_parts(entry)
+    if len(parts) == 1:
+        return KVSpec.from_config(_gguf_config(parts[0]), source=f"{model} ({parts[0].name})")
+    from kvflow.model.loader import load_config, resolve_model
+
+    model_dir = resolve_model(model, cache_dir=cache_dir)
+    return KVSpec.from_config(load_config(model_dir), source=f"{model} ({model_dir})")
+
+
+def _gguf_config(path: Path) -> Any:
+    import gguf
+
+    from kvflow.model.loader import _build_config
+
+    return _build_config(gguf.GGUFReader(path))
+
+
+def kv_cache_dtype_for(name: str) -> str:
+    """Resolve ``"auto"`` as kvflow's engine does (float32 on the CPU, bfloat16 on CUDA)."""
+    if name != "auto":
+        return canonical_kv_dtype(name)
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
