@@ -50,6 +50,12 @@ class ModelConfig:
 
     Built from a Hugging Face ``PretrainedConfig`` by :meth:`from_hf_config`. Sizes are in
     elements; ``max_position_embeddings`` in tokens.
+
+    ``cla_share_factor`` (config.json key of the same name, default 1) enables cross-layer
+    attention (Brandon et al. 2024, "Reducing Transformer Key-Value Cache Size with
+    Cross-Layer Attention", arXiv 2405.12981, section 2): each group of that many adjacent
+    layers shares one K/V, projected and stored by the group's first layer only, which
+    divides the KV cache by the factor.
     """
 
     model_type: str
@@ -69,6 +75,16 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    cla_share_factor: int = 1
+
+    def __post_init__(self) -> None:
+        if self.cla_share_factor < 1:
+            raise ValueError(f"cla_share_factor must be >= 1, got {self.cla_share_factor}")
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that hold their own K/V: one per group of ``cla_share_factor`` layers."""
+        return -(-self.num_hidden_layers // self.cla_share_factor)
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> "ModelConfig":
@@ -113,12 +129,13 @@ class ModelConfig:
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             bos_token_id=hf_config.bos_token_id,
             eos_token_id=eos,
+            cla_share_factor=int(getattr(hf_config, "cla_share_factor", 1) or 1),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV cache bytes per token: 2 (K and V) x layers x kv_heads x head_dim x element size."""
+        """KV cache bytes per token: 2 (K and V) x KV layers x kv_heads x head_dim x element size."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+        return 2 * self.num_kv_layers * self.num_key_value_heads * self.head_dim * elem
 
 
 @dataclass(frozen=True)

@@ -295,6 +295,10 @@ def memory_report(
     """
     dtype = canonical_kv_dtype(kv_cache_dtype)
     elem = KV_DTYPE_BYTES[dtype]
+    if max_model_len is not None and max_model_len < 1:
+        raise ValueError(f"max_model_len must be a positive number of tokens, got {max_model_len}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
     max_len = max_model_len or spec.max_position_embeddings
     if not max_len or max_len < 1:
         raise ValueError("max_model_len is unknown (the config has no max_position_embeddings); pass --max-model-len")

@@ -1,4 +1,4 @@
-"""The ``kvflow`` command line: ``kvflow generate`` and ``kvflow chat``."""
+"""The ``kvflow`` command line: ``kvflow generate``, ``kvflow chat`` and ``kvflow memory``."""
 
 from __future__ import annotations
 
@@ -104,6 +104,24 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_memory(args: argparse.Namespace) -> int:
+    """KV cache sizes of a model from its config alone (see ``kvflow.core.memory``)."""
+    import json
+
+    from kvflow.core import memory
+
+    spec = memory.load_kv_spec(args.model)
+    report = memory.memory_report(
+        spec,
+        memory.kv_cache_dtype_for(args.kv_cache_dtype),
+        block_size=args.block_size,
+        budget_bytes=memory.parse_bytes(args.budget),
+        max_model_len=args.max_model_len,
+    )
+    print(json.dumps(report, indent=2) if args.json else memory.format_report(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +138,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=_cmd_chat)
+
+    mem = sub.add_parser("memory", help="KV cache bytes per token/block, attention variants, what a budget holds")
+    mem.add_argument("--model", default=EngineArgs().model, help="short name, .gguf file or HF directory (only its config is read)")
+    mem.add_argument("--max-model-len", type=int, default=None, help="request length in tokens (default: the model's context)")
+    mem.add_argument(
+        "--kv-cache-dtype", default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp32", "bf16", "fp16", "half"],
+        help="KV element type (auto: float32 on CPU, bfloat16 on CUDA, as the engine)",
+    )
+    mem.add_argument("--budget", default="512MiB", help="KV cache budget: bytes or 512MiB, 8GiB, 2GB (default 512MiB)")
+    mem.add_argument("--block-size", type=int, default=EngineArgs().block_size, help="tokens per KV block")
+    mem.add_argument("--json", action="store_true", help="print the report as JSON")
+    mem.set_defaults(func=_cmd_memory)
     return parser
 
 

@@ -37,7 +37,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to query and key heads at given positions.
+    """Precomputed RoPE tables; ``apply_rotary`` rotates query and key heads with them.
 
     Args:
         head_dim: rotary dimension (the full head dimension).
@@ -55,13 +55,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, num_heads, head_dim] and k [T, num_kv_heads, head_dim] by positions [T] (int64)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables [T, 1, head_dim] in ``dtype`` for int64 positions [T]."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate heads x [T, num_heads, head_dim] by tables from ``RotaryEmbedding.cos_sin``."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin

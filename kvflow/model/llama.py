@@ -22,37 +22,42 @@ from torch import nn
 from kvflow.config import ModelConfig
 from kvflow.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Self-attention; with cross-layer KV sharing only the first layer of a group projects
+    and stores K/V, the others read it (``owns_kv`` False: the projection is Q only)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.owns_kv = layer_idx % config.cla_share_factor == 0
+        out_size = self.q_size + (2 * self.kv_size if self.owns_kv else 0)
+        self.qkv_proj = nn.Linear(config.hidden_size, out_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
     def forward(
         self,
-        positions: torch.Tensor,
         x: torch.Tensor,
-        rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
         k_cache, v_cache = kv_cache
-        write_kv_cache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if self.owns_kv:
+            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
+            write_kv_cache(k, v.view(num_tokens, self.num_kv_heads, self.head_dim), k_cache, v_cache, metadata.slot_mapping)
+        else:
+            q = self.qkv_proj(x)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
         o = paged_attention(q, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
@@ -72,15 +77,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, rotary, kv_cache, metadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), rotary, kv_cache, metadata)
+    def forward(self, x, cos_sin, kv_cache, metadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -95,7 +100,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -121,15 +126,19 @@ class LlamaForCausalLM(nn.Module):
         Args:
             input_ids: int64 [T] token ids of all scheduled tokens.
             positions: int64 [T] position of each token in its request.
-            kv_caches: per layer, (K, V) tensors [num_blocks, block_size, num_kv_heads, head_dim].
+            kv_caches: per KV layer (``config.num_kv_layers`` of them: one per group of
+                ``cla_share_factor`` layers), (K, V) tensors
+                [num_blocks, block_size, num_kv_heads, head_dim].
             metadata: slot mapping and attention groups of the step.
 
         Returns:
             Final hidden states [T, hidden_size] (after the last RMSNorm), model dtype.
         """
         x = self.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, self.rotary, kv_cache, metadata)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        share = self.config.cla_share_factor
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos_sin, kv_caches[i // share], metadata)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -144,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
                 without a value.
         """
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        rows_loaded = dict.fromkeys(params, 0)
         cfg = self.config
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
@@ -161,18 +170,17 @@ class LlamaForCausalLM(nn.Module):
             target, start, size = _map_weight_name(name, fused)
             if target == "lm_head" and cfg.tie_word_embeddings:
                 continue
-            if target not in params:
+            param = params.get(target)
+            if param is None or (size is not None and start + size > param.shape[0]):
                 raise ValueError(f"unexpected weight {name!r}")
-            param = params[target]
             dest = param.data if size is None else param.data.narrow(0, start, size)
             if dest.shape != tensor.shape:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor)
-            loaded.add(target if size is None else f"{target}:{start}")
-        expected = _expected_keys(params, fused)
-        missing = expected - loaded
+            rows_loaded[target] += dest.shape[0]
+        missing = sorted(n for n, p in params.items() if rows_loaded[n] != p.shape[0])
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+            raise ValueError(f"checkpoint is missing or repeats tensors of {len(missing)} parameters, e.g. {missing[:3]}")
 
 
 def _map_weight_name(name: str, fused: dict[str, tuple[str, int, int]]) -> tuple[str, int, int | None]:
@@ -186,14 +194,3 @@ def _map_weight_name(name: str, fused: dict[str, tuple[str, int, int]]) -> tuple
         if marker in name:
             return name.replace(marker, f".{ours}."), start, size
     return name, 0, None
-
-
-def _expected_keys(params: dict[str, nn.Parameter], fused: dict[str, tuple[str, int, int]]) -> set[str]:
-    keys = set()
-    for pname in params:
-        fused_targets = [(ours, start) for ours, start, _ in fused.values() if f".{ours}." in pname]
-        if fused_targets:
-            keys.update(f"{pname}:{start}" for _, start in fused_targets)
-        else:
-            keys.add(pname)
-    return keys

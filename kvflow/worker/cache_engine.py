@@ -8,7 +8,7 @@ from kvflow.config import CacheConfig, ModelConfig
 
 
 class CacheEngine:
-    """Owns one (K, V) pair of tensors per layer.
+    """Owns one (K, V) pair of tensors per KV layer (``ModelConfig.num_kv_layers``).
 
     Each tensor has shape ``[num_blocks, block_size, num_kv_heads, head_dim]`` and the cache
     dtype. Memory is allocated once, up front, for the whole block pool; requests take blocks
@@ -32,7 +32,7 @@ class CacheEngine:
                 torch.zeros(shape, dtype=cache_config.dtype, device=device),
                 torch.zeros(shape, dtype=cache_config.dtype, device=device),
             )
-            for _ in range(model_config.num_hidden_layers)
+            for _ in range(model_config.num_kv_layers)
         ]
         cpu_shape = (cache_config.num_cpu_blocks, *shape[1:])
         pin = device.type == "cuda"
@@ -41,7 +41,7 @@ class CacheEngine:
                 torch.zeros(cpu_shape, dtype=cache_config.dtype, pin_memory=pin),
                 torch.zeros(cpu_shape, dtype=cache_config.dtype, pin_memory=pin),
             )
-            for _ in range(model_config.num_hidden_layers if cache_config.num_cpu_blocks else 0)
+            for _ in range(model_config.num_kv_layers if cache_config.num_cpu_blocks else 0)
         ]
 
     @property

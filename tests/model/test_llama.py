@@ -7,7 +7,9 @@ import torch
 import transformers
 
 from conftest import prefill_logits, tiny_model, tiny_model_config
+from kvflow.config import CacheConfig
 from kvflow.model.llama import LlamaForCausalLM
+from kvflow.worker.cache_engine import CacheEngine
 
 
 def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -89,3 +91,74 @@ def test_load_weights_roundtrip_and_errors(overrides):
         dst.load_weights([("model.norm.weight", torch.ones(3))])
     with pytest.raises(ValueError, match="unexpected"):
         dst.load_weights([("model.bogus.weight", torch.ones(3))])
+
+
+def explicit_forward(model: LlamaForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    """The model written out without a KV cache: full causal attention per layer, with each
+    cross-layer-attention group reading the K/V projected by its first layer."""
+    cfg = model.config
+    n, hd = len(token_ids), cfg.head_dim
+    pos = torch.arange(n)
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
+    freqs = torch.outer(pos.float(), inv_freq)
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+
+    def rope(x):
+        return x * cos + torch.cat([-x[..., hd // 2 :], x[..., : hd // 2]], -1) * sin
+
+    def rms(x, w):
+        return w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+    x = model.embed_tokens.weight[torch.tensor(token_ids)]
+    q_size, kv_size = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    group_kv = None
+    for i, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        h = rms(x, layer.input_layernorm.weight)
+        proj = h @ attn.qkv_proj.weight.T + (attn.qkv_proj.bias if attn.qkv_proj.bias is not None else 0)
+        q = rope(proj[:, :q_size].view(n, -1, hd))
+        if i % cfg.cla_share_factor == 0:
+            k = rope(proj[:, q_size : q_size + kv_size].view(n, -1, hd))
+            v = proj[:, q_size + kv_size :].view(n, -1, hd)
+            group_kv = (k, v)
+        k, v = group_kv
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
+        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        o = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, q_size)
+        x = x + o @ attn.o_proj.weight.T
+        h = rms(x, layer.post_attention_layernorm.weight)
+        gate, up = (h @ layer.mlp.gate_up_proj.weight.T).split(cfg.intermediate_size, -1)
+        x = x + (torch.nn.functional.silu(gate) * up) @ layer.mlp.down_proj.weight.T
+    return rms(x, model.norm.weight) @ model.lm_head_weight.T
+
+
+@pytest.mark.parametrize("share", [1, 2, 3])
+def test_cross_layer_kv_sharing_equals_explicit_computation(share):
+    cfg = tiny_model_config(num_hidden_layers=4, cla_share_factor=share)
+    model = tiny_model(cfg)
+    assert sum(layer.self_attn.owns_kv for layer in model.layers) == cfg.num_kv_layers == -(-4 // share)
+    ids = torch.randint(0, 128, (19,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        ref = explicit_forward(model, ids)
+    for chunk in (1, 6, 64):
+        torch.testing.assert_close(prefill_logits(model, ids, chunk), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_cross_layer_kv_sharing_divides_kv_memory():
+    base = tiny_model_config(num_hidden_layers=6)
+    for share in (2, 3):
+        cfg = tiny_model_config(num_hidden_layers=6, cla_share_factor=share)
+        assert cfg.kv_bytes_per_token(torch.float32) * share == base.kv_bytes_per_token(torch.float32)
+        full = CacheEngine(base, CacheConfig(4, 10, torch.float32), torch.device("cpu"))
+        shared = CacheEngine(cfg, CacheConfig(4, 10, torch.float32), torch.device("cpu"))
+        assert len(shared.kv_caches) == 6 // share
+        assert shared.num_bytes * share == full.num_bytes
+    # The non-first layers of a group have no K/V projection weights.
+    model = tiny_model(tiny_model_config(num_hidden_layers=4, cla_share_factor=2))
+    q_size = model.config.num_attention_heads * model.config.head_dim
+    assert model.layers[1].self_attn.qkv_proj.weight.shape[0] == q_size
+    with pytest.raises(ValueError, match="unexpected"):
+        model.load_weights([("model.layers.1.self_attn.k_proj.weight", torch.zeros(32, 64))])
