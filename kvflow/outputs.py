@@ -14,12 +14,16 @@ class CompletionOutput:
         text: detokenized output text (cumulative).
         token_ids: generated token ids (cumulative).
         finish_reason: "stop", "length", "abort", or None while still generating.
+        logprobs: when requested, one {token id: log-probability} per generated token.
+        cumulative_logprob: sum of the sampled tokens' log-probabilities, when requested.
     """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -41,3 +45,29 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam.
+
+    Attributes:
+        token_ids: prompt followed by the generated tokens.
+        text: detokenized generated text.
+        cumulative_logprob: sum of the generated tokens' log-probabilities.
+        score: ``cumulative_logprob / num_generated ** length_penalty`` (ranking key).
+        finish_reason: "stop" (EOS) or "length".
+    """
+
+    token_ids: list[int]
+    text: str
+    cumulative_logprob: float
+    score: float
+    finish_reason: str
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best ``beam_width`` sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]

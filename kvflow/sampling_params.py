@@ -35,6 +35,9 @@ class SamplingParams:
             is kept in ``token_ids``).
         ignore_eos: keep generating past the model's end-of-sequence token.
         skip_special_tokens: drop special tokens when detokenizing the output text.
+        logprobs: report, for every generated token, the log-probability of the sampled
+            token and of the ``logprobs`` most likely tokens under the raw model
+            distribution (before temperature and filtering). None: no log-probabilities.
 
     Raises:
         ValueError: naming the field, for any value outside the ranges above.
@@ -50,6 +53,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -77,6 +81,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
+        ):
+            raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
         for tok in self.stop_token_ids:
             if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {tok!r}")

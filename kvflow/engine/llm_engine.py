@@ -36,6 +36,7 @@ class _RequestState:
     prompt_token_ids: list[int]
     samples: list[Request]
     detokenizers: list[IncrementalDetokenizer | None]
+    logprobs: list[list[dict[int, float]]]
     arrival_time: float
     first_token_time: float | None = None
 
@@ -177,7 +178,9 @@ class LLMEngine:
             else None
             for _ in samples
         ]
-        state = _RequestState(request_id, prompt, list(prompt_token_ids), samples, detoks, samples[0].arrival_time)
+        state = _RequestState(
+            request_id, prompt, list(prompt_token_ids), samples, detoks, [[] for _ in samples], samples[0].arrival_time
+        )
         self._states[request_id] = state
         for sample in samples:
             self._sample_owner[sample.request_id] = (state, sample)
@@ -210,13 +213,16 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
-        sampled = self.model_runner.execute(sched_out)
-        self.scheduler.update(sched_out, sampled)
+        result = self.model_runner.execute(sched_out)
+        self.scheduler.update(sched_out, result.sampled_token_ids)
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
-        for sample_id, token in sampled.items():
+        for sample_id, token in result.sampled_token_ids.items():
             state, sample = self._sample_owner[sample_id]
-            detok = state.detokenizers[state.samples.index(sample)]
+            index = state.samples.index(sample)
+            if sample_id in result.logprobs:
+                state.logprobs[index].append(result.logprobs[sample_id])
+            detok = state.detokenizers[index]
             if detok is not None:
                 detok.update([token], finished=sample.is_finished)
             if sample.is_finished:
@@ -232,6 +238,7 @@ class LLMEngine:
         return outputs
 
     def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
+        wants_logprobs = state.samples[0].sampling_params.logprobs is not None
         metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time}
         if state.finished:
             metrics["finished_time"] = now
@@ -245,8 +252,12 @@ class LLMEngine:
                     text=detok.text if detok is not None else "",
                     token_ids=sample.output_token_ids,
                     finish_reason=sample.status.finish_reason,
+                    logprobs=logprobs if wants_logprobs else None,
+                    cumulative_logprob=(
+                        sum(lp[t] for lp, t in zip(logprobs, sample.output_token_ids)) if wants_logprobs else None
+                    ),
                 )
-                for i, (sample, detok) in enumerate(zip(state.samples, state.detokenizers))
+                for i, (sample, detok, logprobs) in enumerate(zip(state.samples, state.detokenizers, state.logprobs))
             ],
             finished=state.finished,
             metrics=metrics,

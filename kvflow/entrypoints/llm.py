@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -176,6 +176,75 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        beam_width: int = 4,
+        max_tokens: int = 16,
+        length_penalty: float = 1.0,
+        ignore_eos: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search (the standard left-to-right algorithm; e.g. Graves 2012, "Sequence
+        Transduction with Recurrent Neural Networks", section 3.2, without the transducer).
+
+        Each step every live beam of every prompt is one engine request for a single token
+        with its top ``2 * beam_width`` log-probabilities; the beams' common prefixes share
+        KV blocks through the prefix cache, so a step computes only each beam's unfinished
+        last block. Candidates are ranked by cumulative log-probability; a candidate ending
+        in EOS is set aside as finished. Final ranking uses
+        ``cumulative_logprob / num_generated ** length_penalty``.
+
+        Raises:
+            ValueError: for beam_width < 1, max_tokens < 1 or an invalid prompt.
+        """
+        if not isinstance(beam_width, int) or beam_width < 1:
+            raise ValueError(f"beam_width must be a positive integer, got {beam_width!r}")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        eos = None if ignore_eos else self.engine.eos_token_id
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * beam_width, ignore_eos=True)
+        prompt_ids = [self._to_token_ids(p)[0] for p in self._normalize_prompts(prompts)]
+        for ids in prompt_ids:
+            self.engine.validate_prompt(ids, SamplingParams(max_tokens=max_tokens))
+        # Per prompt: live beams (token ids, cumulative logprob) and finished ones.
+        live = [[(list(ids), 0.0)] for ids in prompt_ids]
+        done: list[list[tuple[list[int], float, str]]] = [[] for _ in prompt_ids]
+        for step in range(max_tokens):
+            flat = [(p, beam) for p, beams in enumerate(live) for beam in beams]
+            if not flat:
+                break
+            outs = self.generate([{"prompt_token_ids": tokens} for _, (tokens, _) in flat], params, use_tqdm=False)
+            candidates: list[list[tuple[list[int], float]]] = [[] for _ in prompt_ids]
+            for (p, (tokens, score)), out in zip(flat, outs):
+                for token, logprob in out.outputs[0].logprobs[0].items():
+                    candidates[p].append((tokens + [token], score + logprob))
+            for p, cands in enumerate(candidates):
+                cands.sort(key=lambda c: c[1], reverse=True)
+                live[p] = []
+                for tokens, score in cands:
+                    if len(live[p]) == beam_width:
+                        break
+                    if tokens[-1] == eos:
+                        done[p].append((tokens, score, "stop"))
+                    elif step == max_tokens - 1:
+                        done[p].append((tokens, score, "length"))
+                        live[p].append((tokens, score))
+                    else:
+                        live[p].append((tokens, score))
+                if step == max_tokens - 1:
+                    live[p] = []
+        results = []
+        for ids, finished in zip(prompt_ids, done):
+            seqs = []
+            for tokens, logprob, reason in finished:
+                generated = tokens[len(ids) :]
+                text = self.tokenizer.decode(generated, skip_special_tokens=True) if self.tokenizer else ""
+                score = logprob / (len(generated) ** length_penalty)
+                seqs.append(BeamSearchSequence(tokens, text, logprob, score, reason))
+            seqs.sort(key=lambda s: s.score, reverse=True)
+            results.append(BeamSearchOutput(seqs[:beam_width]))
+        return results
 
     def get_stats(self) -> dict[str, float | int]:
         """See ``LLMEngine.get_stats``."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -108,12 +108,12 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the model on the batch and sample.
 
         Returns:
-            request_id -> sampled token id, for the requests whose chunk reached the end of
-            their known tokens.
+            The sampled token of every request whose chunk reached the end of its known
+            tokens, and log-probabilities for those that asked for them.
         """
         # Order matters: swapped-out blocks may be reused by swap-ins and copies this step.
         if out.blocks_to_swap_out:
@@ -124,9 +124,56 @@ class ModelRunner:
             self.cache_engine.copy_blocks(out.blocks_to_copy)
         inputs = self.prepare_inputs(out)
         hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.kv_caches, inputs.metadata)
+        result = ModelRunnerOutput()
         if not inputs.sampling_requests:
-            return {}
+            return result
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         st = SamplingTensors.from_requests(inputs.sampling_requests, logits.shape[-1], self.device)
-        tokens = self.sampler(logits, st).tolist()
-        return {r.request_id: t for r, t in zip(inputs.sampling_requests, tokens)}
+        tokens = self.sampler(logits, st)
+        result.sampled_token_ids = {r.request_id: t for r, t in zip(inputs.sampling_requests, tokens.tolist())}
+        rows = [i for i, r in enumerate(inputs.sampling_requests) if r.sampling_params.logprobs is not None]
+        if rows:
+            requests = [inputs.sampling_requests[i] for i in rows]
+            top_k = [r.sampling_params.logprobs for r in requests]
+            for r, entry in zip(requests, compute_logprobs(logits[rows], tokens[rows], top_k)):
+                result.logprobs[r.request_id] = entry
+        return result
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Result of one step.
+
+    Attributes:
+        sampled_token_ids: request_id -> new token id.
+        logprobs: request_id -> {token id: log-probability} holding the sampled token and
+            the ``logprobs`` most likely tokens, for requests that set ``logprobs``.
+    """
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: list[int]) -> list[dict[int, float]]:
+    """Log-probabilities of the raw model distribution (before temperature and filtering).
+
+    Args:
+        logits: float32 [N, vocab_size] raw logits.
+        tokens: int64 [N] the sampled tokens.
+        top_k: per row, how many of the most likely tokens to report (0: only the sampled one).
+
+    Returns:
+        Per row, {token id: log-probability} with the sampled token and the top ``top_k``.
+    """
+    logprobs = torch.log_softmax(logits, dim=-1)
+    k_max = max(top_k)
+    top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None)
+    sampled = logprobs.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
+    entries = []
+    for row, k in enumerate(top_k):
+        entry = {}
+        if k > 0:
+            entry = dict(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist()))
+        entry[int(tokens[row])] = sampled[row]
+        entries.append(entry)
+    return entries
