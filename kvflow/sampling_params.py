@@ -77,6 +77,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            # torch.Generator.manual_seed would fail later with an unclear "Overflow" error.
+            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:

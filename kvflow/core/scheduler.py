@@ -177,13 +177,16 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             out._add(request, num_new)
-            self._maybe_fork(request, num_new, out)
             budget -= num_new
             index += 1
 
         # Admitting new work while others are being preempted would only thrash the cache.
         if not out.preempted_requests:
             self._admit(out, budget)
+        # Fork only once the batch is final: a child forked inside the loops above would be
+        # visited (and scheduled) by the running loop, or chosen as a victim, in this step.
+        for request in list(out.scheduled_requests):
+            self._maybe_fork(request, out.num_scheduled_tokens[request.request_id], out)
         out.blocks_to_copy = kv.take_pending_copies()
         return out
 
@@ -192,7 +195,8 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0:
                 break
-            if len(self.running) + 1 + len(request.pending_forks) > self.config.max_num_seqs:
+            num_seqs = len(self.running) + sum(len(r.pending_forks) for r in self.running)
+            if num_seqs + 1 + len(request.pending_forks) > self.config.max_num_seqs:
                 break
             if request.status == RequestStatus.SWAPPED:
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -216,7 +220,6 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out._add(request, num_new)
-            self._maybe_fork(request, num_new, out)
             budget -= num_new
 
     def _pick_victim(self) -> Request:

@@ -164,3 +164,151 @@ def test_bad_input_raises_and_engine_keeps_serving(smollm2_llm, prompt, params, 
 def test_invalid_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+# ---------------------------------------------------------------------------- KV sharing
+SYSTEM = (
+    "You are a careful assistant. Answer questions about the GNU General Public License "
+    "accurately and briefly, quoting the license where it helps. "
+)
+QUESTIONS = ["What is copyleft?", "Can I sell GPL software?", "What is the source code?", "Who is the licensor?"]
+
+
+def _engine_with(llm, num_blocks: int, enable_prefix_caching: bool = True, **sched) -> LLMEngine:
+    src = llm.engine
+    cache = CacheConfig(src.cache_config.block_size, num_blocks, torch.float32, enable_prefix_caching,
+                        num_cpu_blocks=sched.pop("num_cpu_blocks", 0))
+    return LLMEngine(
+        model=src.model_runner.model,
+        model_config=src.model_config,
+        cache_config=cache,
+        scheduler_config=SchedulerConfig(64, 16, src.scheduler_config.max_model_len, **sched),
+        tokenizer=src.tokenizer,
+        device=src.device,
+    )
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params=GREEDY, sequential: bool = False) -> list[list[int]]:
+    if not sequential:
+        return _greedy_tokens_with(engine, prompts, params)
+    return [_greedy_tokens_with(engine, [p], params, offset=i)[0] for i, p in enumerate(prompts)]
+
+
+def _greedy_tokens_with(engine, prompts, params, offset=0):
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i + offset), ids, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    stats = engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    return [done[str(i + offset)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["prefix-multiple-of-block", "prefix-unaligned"])
+def test_prefix_caching_keeps_greedy_outputs(smollm2_llm, aligned):
+    tok = smollm2_llm.tokenizer
+    system = tok.encode(SYSTEM)
+    system = system[: (len(system) // 16) * 16] if aligned else system[: (len(system) // 16) * 16 + 5]
+    prompts = [system + tok.encode(q) for q in QUESTIONS]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reference = _run(_engine_with(smollm2_llm, 256, enable_prefix_caching=False), prompts, params)
+    cached = _engine_with(smollm2_llm, 256)
+    assert _run(cached, prompts, params, sequential=True) == reference
+    stats = cached.get_stats()
+    assert stats["prefix_cache_hits"] >= 3 * (len(system) // 16) * 16  # the later three reuse the system prompt
+    # A full-prompt hit: the same prompt again computes only its last token.
+    before = stats["prefix_cache_hits"]
+    assert _run(cached, prompts[:1], params, sequential=True) == reference[:1]
+    assert cached.get_stats()["prefix_cache_hits"] - before == ((len(prompts[0]) - 1) // 16) * 16
+
+
+def test_prefix_caching_under_eviction_pressure(smollm2_llm):
+    tok = smollm2_llm.tokenizer
+    prompts = [tok.encode(SYSTEM + q) for q in QUESTIONS]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = _run(_engine_with(smollm2_llm, 256, enable_prefix_caching=False), prompts, params)
+    # 7 blocks hold one request at a time; cached blocks of earlier requests get evicted.
+    small = _engine_with(smollm2_llm, 7)
+    assert _run(small, prompts * 2, params, sequential=True) == reference * 2
+    assert small.kv_cache_manager.block_pool.num_evictions > 0
+    assert small.get_stats()["prefix_cache_hits"] > 0
+
+
+def test_request_whose_prefix_was_evicted_while_waiting(smollm2_llm):
+    tok = smollm2_llm.tokenizer
+    first = tok.encode(SYSTEM + QUESTIONS[0])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    reference = _run(_engine_with(smollm2_llm, 256, enable_prefix_caching=False), [first], params)
+    engine = _engine_with(smollm2_llm, 7)
+    assert _run(engine, [first], params) == reference  # its blocks are now cached (free)
+    engine.add_request("late", first, params)  # waits: the filler below is admitted first
+    engine.scheduler.waiting.insert(0, engine.scheduler.waiting.pop())
+    filler = tok.encode("Completely different text about the sea and ships, sailing far away.")
+    engine.add_request("filler", filler * 2, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    engine.scheduler.waiting.insert(0, engine.scheduler.waiting.pop())  # filler first, evicting
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done["late"] == reference[0]
+    assert engine.kv_cache_manager.block_pool.num_evictions > 0
+
+
+def test_parallel_sampling_shares_prompt_blocks(smollm2_llm):
+    engine = _engine_with(smollm2_llm, 256)
+    prompt = smollm2_llm.tokenizer.encode(SYSTEM + QUESTIONS[1])
+    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True))
+    prompt_blocks = -(-len(prompt) // 16)
+    outputs = None
+    used_after_fork = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if used_after_fork is None and out.outputs[0].token_ids:
+                stats = engine.get_stats()
+                used_after_fork = stats["num_total_blocks"] - stats["num_free_blocks"]
+            if out.finished:
+                outputs = [c.token_ids for c in out.outputs]
+    assert used_after_fork == prompt_blocks  # four samples, one copy of the prompt
+    assert len({tuple(o) for o in outputs}) == 4  # the samples differ
+    # Sample i equals an independent request seeded with seed + i (copy-on-write is exact).
+    for i, tokens in enumerate(outputs):
+        single = _run(_engine_with(smollm2_llm, 256, enable_prefix_caching=False), [prompt],
+                      SamplingParams(temperature=1.0, seed=5 + i, max_tokens=16, ignore_eos=True))
+        assert single[0] == tokens
+
+
+def test_seeded_parallel_sampling_is_reproducible(smollm2_llm):
+    params = SamplingParams(n=3, temperature=0.9, top_p=0.9, seed=11, max_tokens=10)
+    a = [c.token_ids for c in smollm2_llm.generate(PROMPTS[0], params)[0].outputs]
+    b = [c.token_ids for c in smollm2_llm.generate([PROMPTS[1], PROMPTS[0]], params)[1].outputs]
+    assert a == b and len(a) == 3
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_swap_preemption_keeps_outputs(smollm2_llm, policy):
+    tok = smollm2_llm.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    reference = _run(_engine_with(smollm2_llm, 256, enable_prefix_caching=False), prompts)
+    small = _engine_with(smollm2_llm, 8, enable_prefix_caching=False, num_cpu_blocks=64,
+                         preemption_mode="swap", policy=policy)
+    assert _run(small, prompts) == reference
+    stats = small.get_stats()
+    assert stats["num_swapped_out"] > 0
+    assert small.kv_cache_manager.cpu_pool.num_free_blocks == 64
+
+
+def test_beam_search(smollm2_llm):
+    (result,) = smollm2_llm.beam_search(["The capital of France is"], beam_width=3, max_tokens=6)
+    seqs = result.sequences
+    assert len(seqs) == 3
+    assert [s.score for s in seqs] == sorted((s.score for s in seqs), reverse=True)
+    assert len({tuple(s.token_ids) for s in seqs}) == 3
+    # The best beam scores at least as well as greedy decoding (same length, no EOS here).
+    greedy = smollm2_llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=6, logprobs=0))[0]
+    assert seqs[0].cumulative_logprob >= greedy.outputs[0].cumulative_logprob - 1e-4
+    stats = smollm2_llm.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]

@@ -1,0 +1,164 @@
+"""KVCacheManager: blocks are allocated on demand, never for the max length up front."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.core.kv_cache_manager import KVCacheManager, cdiv
+from kvflow.request import Request
+from kvflow.sampling_params import SamplingParams
+
+
+def make_request(request_id: str, prompt_len: int, max_tokens: int = 100) -> Request:
+    return Request(request_id, list(range(prompt_len)), SamplingParams(temperature=0, max_tokens=max_tokens), None)
+
+
+def ref_counts(kv: KVCacheManager) -> list[int]:
+    return [b.ref_cnt for b in kv.block_pool.blocks]
+
+
+@pytest.mark.parametrize(("a", "b", "expected"), [(0, 4, 0), (1, 4, 1), (4, 4, 1), (5, 4, 2), (8, 4, 2), (9, 4, 3), (7, 1, 7)])
+def test_cdiv(a, b, expected):
+    assert cdiv(a, b) == expected
+
+
+def test_num_blocks_for():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    assert [kv.num_blocks_for(n) for n in [0, 1, 3, 4, 5, 8, 9, 16, 17]] == [0, 1, 1, 1, 2, 2, 3, 4, 5]
+    assert kv.num_total_blocks == 10
+    assert kv.num_free_blocks == 10
+
+
+def test_allocation_covers_only_the_tokens_asked_for():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    req = make_request("a", prompt_len=5, max_tokens=100)  # could grow to 105 tokens = 27 blocks
+    assert kv.allocate_slots(req, 5)
+    assert len(req.block_ids) == 2
+    assert kv.num_free_blocks == 62
+    assert req.block_ids == [0, 1]
+
+
+def test_blocks_grow_one_at_a_time_as_tokens_arrive():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    req = make_request("a", prompt_len=5)
+    assert kv.allocate_slots(req, 5)
+    req.num_computed_tokens = 5
+    held = []
+    for _ in range(8):  # decode tokens 6..13
+        assert kv.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+        held.append(len(req.block_ids))
+    # tokens: 6 7 8 -> 2 blocks; 9..12 -> 3 blocks; 13 -> 4 blocks
+    assert held == [2, 2, 2, 3, 3, 3, 3, 4]
+    assert kv.num_free_blocks == 60
+    assert len(set(req.block_ids)) == 4
+
+
+def test_chunked_prefill_allocates_per_chunk():
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    req = make_request("a", prompt_len=20)
+    assert kv.allocate_slots(req, 3)
+    assert len(req.block_ids) == 1
+    req.num_computed_tokens = 3
+    assert kv.allocate_slots(req, 3)
+    assert len(req.block_ids) == 2
+    req.num_computed_tokens = 6
+    assert kv.allocate_slots(req, 10)
+    assert len(req.block_ids) == 4
+    assert kv.num_free_blocks == 60
+
+
+def test_zero_new_tokens_or_already_covered_is_a_no_op():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    req = make_request("a", prompt_len=3)
+    assert kv.allocate_slots(req, 0)
+    assert req.block_ids == []
+    assert kv.allocate_slots(req, 3)
+    assert kv.allocate_slots(req, 4)  # still within the first block
+    assert req.block_ids == [0]
+    assert kv.num_free_blocks == 3
+
+
+def test_allocate_slots_returns_false_and_changes_nothing_when_short():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a, b = make_request("a", 8), make_request("b", 9)
+    assert kv.allocate_slots(a, 8)
+    assert a.block_ids == [0, 1]
+    refs = ref_counts(kv)
+    assert not kv.allocate_slots(b, 9)  # needs 3, 1 free
+    assert b.block_ids == []
+    assert a.block_ids == [0, 1]
+    assert kv.num_free_blocks == 1
+    assert ref_counts(kv) == refs
+    # A request already holding blocks that needs more than are free: also all-or-nothing.
+    assert kv.allocate_slots(b, 4)
+    assert b.block_ids == [2]
+    b.num_computed_tokens = 4
+    assert not kv.allocate_slots(b, 5)
+    assert b.block_ids == [2]
+    assert kv.num_free_blocks == 0
+    assert ref_counts(kv) == [1, 1, 1]
+
+
+def test_free_returns_every_block():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a, b = make_request("a", 10), make_request("b", 7)
+    assert kv.allocate_slots(a, 10)
+    assert kv.allocate_slots(b, 7)
+    assert kv.num_free_blocks == 3
+    assert kv.usage() == pytest.approx(5 / 8)
+    kv.free(a)
+    assert a.block_ids == []
+    assert kv.num_free_blocks == 6
+    assert [c for c in ref_counts(kv) if c] == [1, 1]
+    kv.free(b)
+    assert kv.num_free_blocks == 8
+    assert ref_counts(kv) == [0] * 8
+    assert kv.usage() == 0.0
+    kv.free(b)  # an empty table frees nothing (no double free)
+    assert kv.num_free_blocks == 8
+
+
+def test_free_releases_tail_blocks_first():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    req = make_request("a", 12)
+    assert kv.allocate_slots(req, 12)
+    assert req.block_ids == [0, 1, 2]
+    kv.free(req)
+    assert list(kv.block_pool._free) == [2, 1, 0]
+
+
+def test_freed_blocks_are_reused():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    a, b = make_request("a", 8), make_request("b", 8)
+    assert kv.allocate_slots(a, 8)
+    assert not kv.allocate_slots(b, 8)
+    kv.free(a)
+    assert kv.allocate_slots(b, 8)
+    assert sorted(b.block_ids) == [0, 1]
+    assert kv.num_free_blocks == 0
+
+
+def test_short_admission_with_cache_hits_changes_nothing():
+    kv = KVCacheManager(num_blocks=5, block_size=4, enable_prefix_caching=True)
+    a = make_request("a", 8)
+    assert kv.allocate_slots(a, 8, [])
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a)
+    kv.free(a)  # both full blocks stay cached on the free list
+    b = make_request("b", 20)  # same first 8 tokens
+    hits = kv.get_computed_blocks(b)
+    assert hits == [0, 1]
+    filler = make_request("c", 8)
+    assert kv.allocate_slots(filler, 4)  # takes a never-used block first
+    assert filler.block_ids == [2]
+    refs, free, queries = ref_counts(kv), list(kv.block_pool._free), kv.prefix_cache_queries
+    # b needs its 2 hit blocks (both on the free list) + 3 new blocks = 5 > 4 free.
+    assert not kv.allocate_slots(b, 12, hits)
+    assert b.block_ids == []
+    assert ref_counts(kv) == refs and list(kv.block_pool._free) == free
+    assert kv.prefix_cache_queries == queries
+    kv.free(filler)
+    assert kv.allocate_slots(b, 12, hits)
+    assert b.block_ids[:2] == hits and len(b.block_ids) == 5
+    assert kv.num_free_blocks == 0

@@ -1,0 +1,602 @@
+"""Scheduler: token budget, sequence cap, chunked prefill, continuous batching, preemption.
+
+The unit tests drive a real ``Scheduler`` + ``KVCacheManager`` with fake requests and feed
+arbitrary "sampled" tokens to ``update`` (no model). The hypothesis tests run random add /
+step / abort sequences on small pools, both on the bare scheduler and through the real
+``LLMEngine`` (which exercises the model runner with the block tables), checking block
+conservation after every operation.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from conftest import run_to_completion, tiny_engine
+from kvflow.config import SchedulerConfig
+from kvflow.core.block_pool import hash_block_tokens
+from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.scheduler import Scheduler, SchedulerOutput
+from kvflow.request import Request, RequestStatus
+from kvflow.sampling_params import SamplingParams
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The tiny model is too small to gain from intra-op threads; on a shared 2-core machine
+    extra OpenMP threads only spin and make each engine step ~30x slower."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_batched_tokens: int = 64,
+    max_num_seqs: int = 16,
+    max_model_len: int = 256,
+    enable_prefix_caching: bool = False,
+) -> Scheduler:
+    """Prefix caching is off by default here: the unit tests count tokens and blocks exactly."""
+    config = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len
+    )
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching))
+
+
+BASE_TOKENS = [(7 * i + 3) % 100 for i in range(64)]
+
+
+def make_request(
+    request_id: str,
+    prompt_len: int,
+    max_tokens: int = 16,
+    eos_token_id: int | None = None,
+    prompt: list[int] | None = None,
+) -> Request:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return Request(request_id, prompt if prompt is not None else BASE_TOKENS[:prompt_len], params, eos_token_id)
+
+
+def step(sched: Scheduler, token: int = 1) -> tuple[SchedulerOutput, list[Request]]:
+    """One engine step without a model: every request whose chunk reaches its end 'samples' ``token``."""
+    out = sched.schedule()
+    sampled = {
+        r.request_id: token
+        for r in out.scheduled_requests
+        if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
+    }
+    finished = sched.update(out, sampled)
+    return out, finished
+
+
+def ids(requests) -> list[str]:
+    return [r.request_id for r in requests]
+
+
+# ---------------------------------------------------------------------------- budget and caps
+def test_token_budget_splits_prompts_across_steps():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    a, b, c = make_request("a", 10), make_request("b", 10), make_request("c", 10)
+    for r in (a, b, c):
+        sched.add_request(r)
+
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 8}
+    assert out.total_num_scheduled_tokens == 8
+    assert a.num_computed_tokens == 8 and a.num_output_tokens == 0  # partial chunk samples nothing
+    assert ids(sched.running) == ["a"] and ids(sched.waiting) == ["b", "c"]
+
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 2, "b": 6}
+    assert a.num_output_tokens == 1 and b.num_output_tokens == 0
+
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 4, "c": 3}
+    assert out.total_num_scheduled_tokens == 8
+
+
+def test_budget_never_exceeded_until_done():
+    sched = make_scheduler(max_num_batched_tokens=5)
+    reqs = [make_request(f"r{i}", n, max_tokens=4) for i, n in enumerate([1, 9, 4, 13, 2])]
+    for r in reqs:
+        sched.add_request(r)
+    steps = 0
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        assert 0 < out.total_num_scheduled_tokens <= 5
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert all(n >= 1 for n in out.num_scheduled_tokens.values())
+        steps += 1
+        assert steps < 100
+    assert all(r.num_output_tokens == 4 and r.status == RequestStatus.FINISHED_LENGTH for r in reqs)
+    assert sched.kv_cache_manager.num_free_blocks == 64
+
+
+def test_max_num_seqs_caps_running_requests():
+    sched = make_scheduler(max_num_seqs=2)
+    reqs = [make_request(f"r{i}", 3, max_tokens=3) for i in range(5)]
+    for r in reqs:
+        sched.add_request(r)
+    out, _ = step(sched)
+    assert ids(out.scheduled_requests) == ["r0", "r1"]
+    assert sched.num_running == 2 and sched.num_waiting == 3
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        assert len(out.scheduled_requests) <= 2
+        assert sched.num_running <= 2
+
+
+# ---------------------------------------------------------------------------- chunked prefill
+def test_chunked_prefill_mixes_with_decodes():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    a, b = make_request("a", 3, max_tokens=10), make_request("b", 20)
+    sched.add_request(a)
+    sched.add_request(b)
+
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 3, "b": 5}
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}  # a decode and a prefill chunk in one batch
+    assert ids(out.scheduled_requests) == ["a", "b"]
+    assert b.num_computed_tokens == 12 and b.num_output_tokens == 0
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}
+    assert b.num_computed_tokens == 19 and b.num_output_tokens == 0
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}  # last prompt token; b samples now
+    assert b.num_computed_tokens == 20 and b.num_output_tokens == 1
+    assert a.num_output_tokens == 4
+    # Each chunk got exactly the blocks it needed.
+    assert len(b.block_ids) == 5 and len(a.block_ids) == 2
+
+
+def test_chunk_size_one():
+    sched = make_scheduler(max_num_batched_tokens=1)
+    a = make_request("a", 3, max_tokens=2)
+    sched.add_request(a)
+    seen = []
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        seen.append(out.num_scheduled_tokens["a"])
+    assert seen == [1, 1, 1, 1]
+    assert a.all_token_ids[3:] == [1, 1]
+
+
+# ---------------------------------------------------------------------------- continuous batching
+def test_finished_request_leaves_and_waiting_joins_next_step():
+    sched = make_scheduler(max_num_seqs=1)
+    a, b = make_request("a", 4, max_tokens=2), make_request("b", 4, max_tokens=1)
+    sched.add_request(a)
+    sched.add_request(b)
+
+    out, finished = step(sched, token=5)
+    assert ids(out.scheduled_requests) == ["a"] and finished == []
+    out, finished = step(sched, token=6)
+    assert ids(out.scheduled_requests) == ["a"]
+    assert finished == [a]
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    assert a.output_token_ids == [5, 6]
+    assert a.block_ids == []
+    assert sched.num_running == 0 and ids(sched.waiting) == ["b"]
+    assert "a" not in sched.requests
+    assert sched.kv_cache_manager.num_free_blocks == 64
+
+    out, finished = step(sched, token=7)
+    assert ids(out.scheduled_requests) == ["b"]
+    assert out.num_scheduled_tokens == {"b": 4}
+    assert finished == [b] and b.output_token_ids == [7]
+    assert not sched.has_unfinished_requests()
+    assert sched.schedule().is_empty
+
+
+def test_stop_token_and_eos_finish_with_stop():
+    sched = make_scheduler()
+    a = Request("a", [1, 2], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[9]), eos_token_id=3)
+    b = make_request("b", 2, max_tokens=10, eos_token_id=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, token=4)
+    _, finished = step(sched, token=9)
+    assert finished == [a] and a.status.finish_reason == "stop"
+    _, finished = step(sched, token=3)
+    assert finished == [b] and b.status.finish_reason == "stop"
+    assert b.output_token_ids == [4, 9, 3]
+    assert sched.kv_cache_manager.num_free_blocks == 64
+
+
+def test_max_model_len_finishes_with_length():
+    sched = make_scheduler(max_model_len=6)
+    a = make_request("a", 4, max_tokens=10)
+    sched.add_request(a)
+    step(sched)
+    _, finished = step(sched)
+    assert finished == [a]
+    assert a.num_tokens == 6 and a.status == RequestStatus.FINISHED_LENGTH
+
+
+# ---------------------------------------------------------------------------- preemption
+def test_preemption_evicts_most_recently_admitted():
+    # 4 blocks of 4 tokens; three 4-token prompts fill 3 blocks, a fourth request waits.
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=3)
+    reqs = [make_request(f"r{i}", 4, max_tokens=10) for i in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    r0, r1, r2, r3 = reqs
+
+    out, _ = step(sched, token=11)
+    assert ids(out.scheduled_requests) == ["r0", "r1", "r2"]
+    assert sched.kv_cache_manager.num_free_blocks == 1
+    assert ids(sched.waiting) == ["r3"]
+    r2_blocks = list(r2.block_ids)
+
+    # Each running request now holds 5 tokens and needs a second block: only one is free.
+    out, _ = step(sched, token=12)
+    assert ids(out.scheduled_requests) == ["r0", "r1"]
+    assert out.preempted_requests == [r2]
+    assert r2.status == RequestStatus.PREEMPTED
+    assert r2.num_computed_tokens == 0
+    assert r2.block_ids == []
+    assert r2.num_preemptions == 1 and r0.num_preemptions == 0 and r1.num_preemptions == 0
+    assert sched.num_preemptions == 1
+    assert r2.all_token_ids[4:] == [11]  # tokens so far are kept for recompute
+    assert ids(sched.waiting) == ["r2", "r3"]  # head of the queue, ahead of r3
+    assert ids(sched.running) == ["r0", "r1"]
+    assert set(r2_blocks) <= set(r0.block_ids) | set(r1.block_ids)  # its blocks were reused
+    assert sched.kv_cache_manager.num_free_blocks == 0
+
+    # Nothing is admitted in a step that preempted; r2 comes back first later on.
+    finished_all = []
+    while sched.has_unfinished_requests():
+        out, finished = step(sched, token=13)
+        finished_all += finished
+        assert sched.num_running <= 3
+    assert sched.kv_cache_manager.num_free_blocks == 4
+    for r in reqs:
+        assert r.num_output_tokens == 10
+    assert r2.output_token_ids[:2] == [11, 13]
+
+
+def test_preemption_victim_can_be_the_request_itself():
+    sched = make_scheduler(num_blocks=3, block_size=4)
+    a, b = make_request("a", 5), make_request("b", 4)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)  # a: 2 blocks (6 tokens now), b: 1 block (5 tokens now); pool empty
+    assert sched.kv_cache_manager.num_free_blocks == 0
+    out, _ = step(sched)
+    # a still fits in its 2 blocks; b needs a new block and is itself the last admitted.
+    assert ids(out.scheduled_requests) == ["a"]
+    assert out.preempted_requests == [b]
+    assert b.status == RequestStatus.PREEMPTED and b.block_ids == [] and b.num_computed_tokens == 0
+    assert ids(sched.waiting) == ["b"] and ids(sched.running) == ["a"]
+    assert sched.kv_cache_manager.num_free_blocks == 1
+
+
+def test_preempted_request_readmitted_recomputes_all_its_tokens():
+    sched = make_scheduler(num_blocks=2, block_size=4, max_num_batched_tokens=64)
+    a, b = make_request("a", 4, max_tokens=3), make_request("b", 4, max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched, token=21)
+    out, _ = step(sched, token=22)
+    assert out.preempted_requests == [b]
+    # a: 6 tokens in 2 blocks; its third token finishes it.
+    out, finished = step(sched, token=23)
+    assert finished == [a]
+    out, _ = step(sched, token=24)
+    assert ids(out.scheduled_requests) == ["b"]
+    assert out.num_scheduled_tokens == {"b": 5}  # prompt + the kept output token, recomputed
+    assert b.output_token_ids == [21, 24]
+    assert b.status == RequestStatus.RUNNING
+
+
+# ---------------------------------------------------------------------------- abort / ids
+def test_abort_running_and_waiting_frees_blocks_at_once():
+    sched = make_scheduler(num_blocks=8, max_num_seqs=1)
+    a, b = make_request("a", 9), make_request("b", 3)
+    sched.add_request(a)
+    sched.add_request(b)
+    step(sched)
+    assert sched.kv_cache_manager.num_free_blocks == 5
+    assert sched.abort_request("a") is a
+    assert a.status == RequestStatus.FINISHED_ABORTED and a.status.finish_reason == "abort"
+    assert a.block_ids == [] and sched.kv_cache_manager.num_free_blocks == 8
+    assert sched.abort_request("a") is None
+    assert sched.abort_request("nope") is None
+    assert sched.abort_request("b") is b
+    assert sched.num_running == 0 and sched.num_waiting == 0
+    assert not sched.has_unfinished_requests()
+    assert sched.schedule().is_empty
+
+
+def test_duplicate_request_id_raises():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 3))
+    with pytest.raises(ValueError, match="request_id"):
+        sched.add_request(make_request("a", 5))
+    assert sched.num_waiting == 1 and sched.requests["a"].num_prompt_tokens == 3
+
+
+# ---------------------------------------------------------------------------- invariants
+def chain_hashes(kv: KVCacheManager, tokens: list[int], num_blocks: int) -> list[bytes]:
+    hashes: list[bytes] = []
+    bs = kv.block_size
+    for i in range(num_blocks):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs], kv.hash_extra))
+    return hashes
+
+
+def check_block_invariants(kv: KVCacheManager, live: list[Request], forks: bool = False) -> None:
+    """Conservation: every block is either free or referenced, ref_cnt counts the references.
+
+    Without prefix caching (and without parallel samples) no block is shared, so
+    ``sum(len(block_ids)) + num_free_blocks == num_total_blocks``. With it, a block held by
+    several requests must be a published full block whose tokens are each holder's tokens.
+    """
+    pool = kv.block_pool
+    counts = Counter(b for r in live for b in r.block_ids)
+    for r in live:
+        assert len(set(r.block_ids)) == len(r.block_ids), f"{r} holds a block twice"
+    assert all(b.ref_cnt >= 0 for b in pool.blocks)
+    for b in pool.blocks:
+        assert b.ref_cnt == counts.get(b.block_id, 0), (b, counts.get(b.block_id, 0))
+    assert set(pool._free) == {b for b in range(kv.num_total_blocks) if counts.get(b, 0) == 0}
+    assert len(counts) + kv.num_free_blocks == kv.num_total_blocks
+    if not kv.enable_prefix_caching and not forks:
+        assert max(counts.values(), default=0) <= 1, "a block appears in two requests"
+        assert sum(len(r.block_ids) for r in live) + kv.num_free_blocks == kv.num_total_blocks
+    # Published blocks hold full, computed blocks of exactly their holder's tokens.
+    for r in live:
+        published = [i for i, b in enumerate(r.block_ids) if pool.blocks[b].block_hash is not None]
+        if not published:
+            continue
+        assert kv.enable_prefix_caching
+        hashes = chain_hashes(kv, r.all_token_ids, max(published) + 1)
+        for i in published:
+            assert (i + 1) * kv.block_size <= r.num_computed_tokens
+            assert pool.blocks[r.block_ids[i]].block_hash == hashes[i]
+            assert pool.lookup(hashes[i]) == r.block_ids[i]
+    if not forks:
+        for block_id, n in counts.items():
+            if n > 1:
+                assert pool.blocks[block_id].block_hash is not None, f"shared block {block_id} is unpublished"
+
+
+def check_scheduler_invariants(sched: Scheduler, forks: bool = False) -> None:
+    kv = sched.kv_cache_manager
+    live = list(sched.requests.values())
+    check_block_invariants(kv, live, forks)
+    pending = [c for r in sched.waiting for c in r.pending_forks] + [c for r in sched.running for c in r.pending_forks]
+    assert sorted(ids(live)) == sorted(ids(sched.running) + ids(sched.waiting) + ids(pending))
+    assert sched.num_running <= sched.config.max_num_seqs
+    for r in sched.running:
+        assert r.status == RequestStatus.RUNNING
+        # On-demand allocation: exactly the blocks the computed tokens need.
+        assert len(r.block_ids) == kv.num_blocks_for(r.num_computed_tokens)
+        assert r.num_computed_tokens < r.num_tokens
+    for r in [*sched.waiting, *pending]:
+        assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert r.block_ids == [] and r.num_computed_tokens == 0
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Random add / step / abort on a tiny pool, so that preemption happens."""
+
+    @initialize(
+        num_blocks=st.integers(2, 8),
+        block_size=st.sampled_from([1, 2, 4]),
+        budget=st.integers(1, 12),
+        max_num_seqs=st.integers(1, 4),
+        prefix_caching=st.booleans(),
+    )
+    def setup(self, num_blocks, block_size, budget, max_num_seqs, prefix_caching):
+        self.sched = make_scheduler(num_blocks, block_size, budget, max_num_seqs, 24, prefix_caching)
+        self.counter = 0
+        self.done: list[Request] = []
+
+    @rule(
+        requests=st.lists(
+            # (shared prefix length, own tail length, tail variant, max_tokens)
+            st.tuples(st.integers(0, 12), st.integers(0, 4), st.integers(0, 2), st.integers(1, 12)),
+            min_size=1,
+            max_size=3,
+        )
+    )
+    def add(self, requests):
+        kv = self.sched.kv_cache_manager
+        for prefix_len, tail_len, variant, max_tokens in requests:
+            prompt = BASE_TOKENS[:prefix_len] + [(13 * j + 31 * variant + 1) % 100 for j in range(tail_len)]
+            # Only what LLMEngine.validate_prompt accepts: the request fits in the whole cache.
+            if not prompt or kv.num_blocks_for(min(len(prompt) + max_tokens, 24)) > kv.num_total_blocks:
+                continue
+            self.counter += 1
+            self.sched.add_request(make_request(f"r{self.counter}", 0, max_tokens, eos_token_id=0, prompt=prompt))
+
+    @rule(token=st.integers(0, 9))
+    def step(self, token):
+        before = {r.request_id: (r.num_tokens, r.num_computed_tokens) for r in self.sched.requests.values()}
+        out, finished = step(self.sched, token)
+        assert out.total_num_scheduled_tokens <= self.sched.config.max_num_batched_tokens
+        assert all(n >= 1 for n in out.num_scheduled_tokens.values())
+        assert not set(ids(out.scheduled_requests)) & set(ids(out.preempted_requests))
+        for r in out.preempted_requests:
+            assert r.num_computed_tokens == 0 and r.block_ids == [] and r.request_id in before
+        for r in finished:
+            assert r.is_finished and r.block_ids == [] and r.request_id not in self.sched.requests
+        if before:
+            assert not out.is_empty, "no progress with requests pending"
+        if out.preempted_requests:
+            event("preemption")
+        self.done += finished
+
+    @rule(index=st.integers(0, 50))
+    def abort(self, index):
+        if not self.sched.requests:
+            assert self.sched.abort_request("r0") is None
+            return
+        request_id = sorted(self.sched.requests)[index % len(self.sched.requests)]
+        request = self.sched.abort_request(request_id)
+        assert request is not None and request.block_ids == []
+        assert request.status == RequestStatus.FINISHED_ABORTED
+
+    @invariant()
+    def blocks_conserved(self):
+        check_scheduler_invariants(self.sched)
+
+    def teardown(self):
+        sched = self.sched
+        live = sorted(sched.requests)
+        for request_id in live[: len(live) // 2]:
+            sched.abort_request(request_id)
+            check_scheduler_invariants(sched)
+        for _ in range(2000):
+            if not sched.has_unfinished_requests():
+                break
+            step(sched, token=1)
+            check_scheduler_invariants(sched)
+        assert not sched.has_unfinished_requests()
+        if sched.num_preemptions:
+            event("preemption (any phase)")
+        if sched.kv_cache_manager.prefix_cache_hits:
+            event("prefix-cache hit")
+        kv = sched.kv_cache_manager
+        assert kv.num_free_blocks == kv.num_total_blocks
+        assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestSchedulerRandomOps = SchedulerMachine.TestCase
+
+
+# ---------------------------------------------------------------------------- through the engine
+_SHARED = [(5 * i + 2) % 128 for i in range(9)]
+ENGINE_PROMPTS = [
+    [5],
+    [17, 3, 99],
+    [(11 * i + 1) % 128 for i in range(6)],
+    _SHARED,
+    _SHARED + [(3 * i + 40) % 128 for i in range(4)],  # shares 9 tokens with the previous one
+    [(3 * i + 40) % 128 for i in range(13)],
+]
+ENGINE_MAX_TOKENS = 8
+ENGINE_MAX_LEN = 64
+ENGINE_BLOCK_SIZE = 2
+
+
+@functools.lru_cache(maxsize=None)
+def engine_reference() -> tuple[tuple[int, ...], ...]:
+    """Greedy outputs of each prompt run alone on a roomy engine."""
+    refs = []
+    for prompt in ENGINE_PROMPTS:
+        engine = tiny_engine(max_model_len=ENGINE_MAX_LEN)
+        engine.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=ENGINE_MAX_TOKENS))
+        refs.append(tuple(run_to_completion(engine)["x"]))
+    return tuple(refs)
+
+
+# ("add", prompt index, max_tokens, n) / ("step", ...) / ("abort", which, ...)
+engine_add = st.tuples(
+    st.just("add"),
+    st.integers(0, len(ENGINE_PROMPTS) - 1),
+    st.integers(1, ENGINE_MAX_TOKENS),
+    st.sampled_from([1, 1, 2, 3]),
+)
+engine_ops = st.lists(
+    st.one_of(
+        engine_add,
+        engine_add,
+        st.tuples(st.just("step"), st.just(0), st.just(0), st.just(0)),
+        st.tuples(st.just("abort"), st.integers(0, 50), st.just(0), st.just(0)),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    num_blocks=st.integers(4, 10),
+    budget=st.sampled_from([3, 8, 64]),
+    max_num_seqs=st.integers(2, 4),
+    first_adds=st.lists(engine_add, min_size=2, max_size=4),
+    ops=engine_ops,
+)
+def test_engine_random_ops_conserve_blocks_and_stay_exact(num_blocks, budget, max_num_seqs, first_adds, ops):
+    """Random add / step / abort through LLMEngine (prefix caching on, parallel samples).
+
+    After every operation: ref counts equal the block-table references, none negative,
+    referenced + free blocks == total, the sequence cap holds. At the end every block is
+    free again, and every non-aborted request produced exactly its greedy output alone.
+    """
+    refs = engine_reference()
+    engine = tiny_engine(
+        num_blocks=num_blocks, block_size=ENGINE_BLOCK_SIZE, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+        max_model_len=ENGINE_MAX_LEN,
+    )
+    sched, kv = engine.scheduler, engine.kv_cache_manager
+    expected: dict[str, list[list[int]]] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    unfinished: set[str] = set()
+    aborted: set[str] = set()
+
+    def record(step_outputs):
+        for o in step_outputs:
+            assert o.request_id not in aborted
+            outputs[o.request_id] = [c.token_ids for c in o.outputs]
+            assert o.finished == all(c.finish_reason == "length" for c in o.outputs)
+            if o.finished:
+                unfinished.discard(o.request_id)
+
+    for step_no, (op, a, b, n) in enumerate(first_adds + ops):
+        if op == "add":
+            request_id = f"q{step_no}"
+            prompt = ENGINE_PROMPTS[a]
+            params = SamplingParams(temperature=0, max_tokens=b, n=n)
+            fits = kv.num_blocks_for(min(len(prompt) + b, ENGINE_MAX_LEN)) <= kv.num_total_blocks
+            if fits and n <= max_num_seqs:
+                engine.add_request(request_id, prompt, params)
+                expected[request_id] = [list(refs[a][:b])] * n
+                unfinished.add(request_id)
+            else:
+                with pytest.raises(ValueError, match="KV blocks|max_num_seqs"):
+                    engine.add_request(request_id, prompt, params)
+                assert not any(k.split("#")[0] == request_id for k in sched.requests)
+        elif op == "step":
+            record(engine.step())
+        elif unfinished:
+            request_id = sorted(unfinished)[a % len(unfinished)]
+            assert engine.abort_request(request_id)
+            assert not engine.abort_request(request_id)
+            unfinished.discard(request_id)
+            aborted.add(request_id)
+            expected.pop(request_id)
+        check_scheduler_invariants(sched, forks=True)
+
+    for _ in range(3000):
+        if not engine.has_unfinished_requests():
+            break
+        record(engine.step())
+        check_scheduler_invariants(sched, forks=True)
+    assert not engine.has_unfinished_requests()
+    if sched.num_preemptions:
+        event("engine preemption")
+    if kv.prefix_cache_hits:
+        event("engine prefix-cache hit")
+    if any(len(v) > 1 for v in expected.values()):
+        event("engine parallel samples")
+    assert kv.num_free_blocks == kv.num_total_blocks
+    assert all(blk.ref_cnt == 0 for blk in kv.block_pool.blocks)
+    assert engine.get_stats()["num_free_blocks"] == num_blocks
+    # Exactness under chunking, batching, prefix caching and preemption (greedy, float32).
+    assert {k: v for k, v in outputs.items() if k in expected} == expected
+    assert set(expected) <= set(outputs)

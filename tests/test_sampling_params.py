@@ -1,0 +1,132 @@
+"""SamplingParams validation: every invalid field raises a ValueError naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvflow.sampling_params import SamplingParams
+
+NAN = math.nan
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"temperature": NAN}, "temperature"),
+        ({"temperature": "1.0"}, "temperature"),
+        ({"temperature": None}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": -0.5}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": 1.0000001}, "top_p"),
+        ({"top_p": NAN}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": -100}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"min_p": -0.01}, "min_p"),
+        ({"min_p": 1.01}, "min_p"),
+        ({"min_p": NAN}, "min_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -5}, "max_tokens"),
+        ({"max_tokens": 3.0}, "max_tokens"),
+        ({"max_tokens": None}, "max_tokens"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "7"}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"seed": NAN}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"n": 0}, "n"),
+        ({"n": -1}, "n"),
+        ({"n": 1.0}, "n"),
+        ({"n": True}, "n"),
+        ({"n": "2"}, "n"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 1.5}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [3, -7]}, "stop_token_ids"),
+        ({"stop_token_ids": [1.5]}, "stop_token_ids"),
+        ({"stop_token_ids": ["2"]}, "stop_token_ids"),
+    ],
+)
+def test_invalid_field_raises_value_error_naming_it(kwargs, field):
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(**kwargs)
+    message = str(exc.value)
+    assert message.startswith(f"{field} "), message
+
+
+def test_defaults():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert p.seed is None and p.max_tokens == 16
+    assert p.stop_token_ids == []
+    assert p.ignore_eos is False and p.skip_special_tokens is True
+    assert p.logprobs is None
+    assert p.greedy is False
+
+
+def test_default_stop_token_ids_not_shared():
+    a, b = SamplingParams(), SamplingParams()
+    a.stop_token_ids.append(5)
+    assert b.stop_token_ids == []
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 0},
+        {"temperature": 0.0, "top_p": 1.0},
+        {"temperature": 2.5},
+        {"top_p": 1e-9},
+        {"top_p": 1},
+        {"top_k": -1},
+        {"top_k": 0},
+        {"top_k": 1},
+        {"top_k": 10**6},
+        {"min_p": 0},
+        {"min_p": 1},
+        {"min_p": 0.5},
+        {"max_tokens": 1},
+        {"seed": 0},
+        {"seed": -3},
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
+        {"stop_token_ids": [0, 2, 2]},
+        {"stop_token_ids": None},
+        {"ignore_eos": True},
+        {"n": 1},
+        {"n": 4},
+        {"logprobs": 0},
+        {"logprobs": 5},
+        {"logprobs": None},
+    ],
+)
+def test_valid_values_construct(kwargs):
+    p = SamplingParams(**kwargs)
+    for name, value in kwargs.items():
+        if name == "stop_token_ids":
+            assert p.stop_token_ids == list(value or [])
+        else:
+            assert getattr(p, name) == value
+
+
+def test_stop_token_ids_tuple_becomes_list():
+    p = SamplingParams(stop_token_ids=(4, 5))
+    assert p.stop_token_ids == [4, 5] and isinstance(p.stop_token_ids, list)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "greedy"),
+    [({"temperature": 0}, True), ({"temperature": 1e-6}, True), ({"top_k": 1}, True), ({"temperature": 0.01}, False), ({}, False), ({"top_k": 2}, False)],
+)
+def test_greedy_property(kwargs, greedy):
+    assert SamplingParams(**kwargs).greedy is greedy
