@@ -162,3 +162,116 @@ def test_short_admission_with_cache_hits_changes_nothing():
     assert kv.allocate_slots(b, 12, hits)
     assert b.block_ids[:2] == hits and len(b.block_ids) == 5
     assert kv.num_free_blocks == 0
+
+
+# ---------------------------------------------------------------------------- prefix caching
+def computed(kv: KVCacheManager, req: Request, n: int) -> None:
+    """Pretend the model computed the next n tokens of req and publish its full blocks."""
+    assert kv.allocate_slots(req, n, [] if not req.block_ids else None)
+    req.num_computed_tokens += n
+    kv.cache_full_blocks(req)
+
+
+def test_only_full_computed_blocks_are_published_and_hit():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_request("a", prompt_len=10)
+    computed(kv, a, 6)  # block 0 full, block 1 half
+    assert kv.block_pool.num_cached_blocks == 1
+    computed(kv, a, 4)  # tokens 0..9: blocks 0, 1 full
+    assert kv.block_pool.num_cached_blocks == 2
+    b = make_request("b", prompt_len=10)  # same tokens
+    hits = kv.get_computed_blocks(b)
+    assert hits == a.block_ids[:2]
+    assert kv.allocate_slots(b, 10 - 8, hits)
+    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
+    assert [kv.block_pool.blocks[i].ref_cnt for i in a.block_ids[:2]] == [2, 2]
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (20, 8)  # two admissions of 10 tokens
+
+
+def test_last_token_is_always_computed_on_a_full_hit():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_request("a", prompt_len=8)
+    computed(kv, a, 8)
+    b = make_request("b", prompt_len=8)
+    assert kv.get_computed_blocks(b) == a.block_ids[:1]  # (8 - 1) // 4 = 1 block, not 2
+
+
+def test_hash_chain_depends_on_parent_and_extra():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = Request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(), None)
+    computed(kv, a, 9)
+    other_parent = Request("b", [9, 9, 9, 9, 5, 6, 7, 8, 9], SamplingParams(), None)
+    assert kv.get_computed_blocks(other_parent) == []  # block 1 has equal tokens but a different parent
+    other_cache = KVCacheManager(num_blocks=16, block_size=4, hash_extra=b"int8")
+    assert other_cache._block_hashes(Request("c", a.all_token_ids, SamplingParams(), None), 2) != a.block_hashes[:2]
+
+
+def test_freed_blocks_stay_cached_until_evicted_lru():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_request("a", prompt_len=9)
+    computed(kv, a, 9)
+    a_blocks = list(a.block_ids)
+    kv.free(a)
+    assert kv.num_free_blocks == 4 and kv.block_pool.num_cached_blocks == 2
+    b = make_request("b", prompt_len=9)
+    assert len(kv.get_computed_blocks(b)) == 2  # still there after the free
+    c = Request("c", [50 + i for i in range(9)], SamplingParams(), None)
+    computed(kv, c, 9)  # free list (LRU first): never-used 3, then a's blocks tail first: 2, 1, 0
+    assert kv.block_pool.num_evictions == 1  # block 1 (block 2 held a partial, unpublished block)
+    assert kv.get_computed_blocks(b) == a_blocks[:1]  # the chain breaks at the evicted block
+
+
+def test_allocation_counts_cached_free_blocks_touched_by_hits():
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    a = make_request("a", prompt_len=9)
+    computed(kv, a, 9)
+    kv.free(a)  # 4 free blocks, 2 of them cached
+    b = make_request("b", prompt_len=13)
+    hits = kv.get_computed_blocks(b)
+    assert len(hits) == 2
+    assert not kv.allocate_slots(b, 13 - 8 + 4, hits)  # 2 hits + 3 new > 4 blocks: nothing changes
+    assert kv.num_free_blocks == 4 and b.block_ids == []
+    assert kv.allocate_slots(b, 13 - 8, hits)
+    assert kv.num_free_blocks == 0
+
+
+def test_copy_on_write_of_a_shared_partial_block():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    parent = make_request("p", prompt_len=6)
+    computed(kv, parent, 6)
+    child = make_request("c", prompt_len=6)
+    kv.fork(parent, child)
+    child.num_computed_tokens = 6
+    assert kv.num_free_blocks == 6
+    parent.append_output_token(1)
+    assert kv.allocate_slots(parent, 1)  # writes slot 6 of the shared block 1: copy first
+    assert kv.take_pending_copies() == [(child.block_ids[1], parent.block_ids[1])]
+    assert parent.block_ids[0] == child.block_ids[0] and parent.block_ids[1] != child.block_ids[1]
+    child.append_output_token(2)
+    assert kv.allocate_slots(child, 1)  # now the only owner: no copy
+    assert kv.take_pending_copies() == []
+    kv.free(parent)
+    kv.free(child)
+    assert kv.num_free_blocks == 8
+
+
+def test_swap_out_and_in_round_trip():
+    kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False, num_cpu_blocks=4)
+    a = make_request("a", prompt_len=10)
+    computed(kv, a, 10)
+    device_blocks = list(a.block_ids)
+    out_map = kv.swap_out(a)
+    assert out_map == list(zip(device_blocks, a.cpu_block_ids))
+    assert kv.num_free_blocks == 6 and kv.cpu_pool.num_free_blocks == 1 and a.block_ids == []
+    in_map = kv.swap_in(a, 1)
+    assert [c for c, _ in in_map] == [c for _, c in out_map]
+    assert len(a.block_ids) == 3 and a.cpu_block_ids == []
+    assert kv.num_free_blocks == 3
+
+
+def test_swap_out_refuses_when_host_pool_is_full():
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False, num_cpu_blocks=2)
+    a = make_request("a", prompt_len=10)
+    computed(kv, a, 10)
+    assert kv.swap_out(a) is None and len(a.block_ids) == 3 and kv.cpu_pool.num_free_blocks == 2
+    assert KVCacheManager(num_blocks=8, block_size=4).swap_out(a) is None  # no swap space at all

@@ -600,3 +600,42 @@ def test_engine_random_ops_conserve_blocks_and_stay_exact(num_blocks, budget, ma
     # Exactness under chunking, batching, prefix caching and preemption (greedy, float32).
     assert {k: v for k, v in outputs.items() if k in expected} == expected
     assert set(expected) <= set(outputs)
+
+
+# ---------------------------------------------------------------------------- policies
+def test_priority_policy_admits_lower_value_first_and_preempts_lowest():
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=64)
+    sched.config = SchedulerConfig(64, 16, 256, policy="priority")
+    for rid, prio in [("low", 5), ("high", 0), ("mid", 2)]:
+        r = make_request(rid, prompt_len=8, max_tokens=16)
+        r.priority = prio
+        sched.add_request(r)
+    assert ids(sched.waiting) == ["high", "mid", "low"]
+    out, _ = step(sched)
+    assert ids(out.scheduled_requests) == ["high", "mid", "low"]  # 6 blocks: 2 each
+    for _ in range(3):  # the 9th token of each needs a third block: someone must go
+        out, _ = step(sched)
+        if out.preempted_requests:
+            break
+    assert ids(out.preempted_requests)[0] == "low"
+    assert ids(sched.waiting)[0] == "low"
+
+
+def test_small_request_passes_a_large_one_a_bounded_number_of_times():
+    sched = make_scheduler(num_blocks=10, max_num_batched_tokens=64)
+    sched.config = SchedulerConfig(64, 16, 256, max_head_skips=2)
+    sched.add_request(make_request("running", prompt_len=20, max_tokens=4))
+    step(sched)  # holds 5 blocks
+    sched.add_request(make_request("large", prompt_len=32, max_tokens=4))  # 8 blocks: does not fit yet
+    admitted_at: dict[str, int] = {}
+    for i in range(40):
+        if i < 3:
+            sched.add_request(make_request(f"small{i}", prompt_len=4, max_tokens=8))
+        out, _ = step(sched)
+        for r in out.scheduled_requests:
+            admitted_at.setdefault(r.request_id, i)
+        if not sched.has_unfinished_requests():
+            break
+    assert admitted_at["small0"] == 0 and admitted_at["small1"] == 1  # passed the large one
+    assert sched.requests.get("large") is None  # it finished
+    assert admitted_at["large"] <= admitted_at["small2"]  # after two passes the queue waited for it
