@@ -14,6 +14,8 @@ class CompletionOutput:
         text: detokenized output text (cumulative).
         token_ids: generated token ids (cumulative).
         finish_reason: "stop", "length", "abort", or None while still generating.
+        stop_reason: the stop string or stop token id that ended the output (None for EOS,
+            length or abort).
         logprobs: when requested, one {token id: log-probability} per generated token.
         cumulative_logprob: sum of the sampled tokens' log-probabilities, when requested.
     """
@@ -22,6 +24,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
 
@@ -37,6 +40,8 @@ class RequestOutput:
         outputs: one ``CompletionOutput`` per sample.
         finished: True once every output has a finish reason.
         metrics: timings in seconds (arrival, first token, finish; monotonic clock).
+        prompt_logprobs: when requested, one {token id: log-probability} per prompt token
+            after the first (set on the finished output).
     """
 
     request_id: str
@@ -45,6 +50,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass

@@ -10,9 +10,14 @@ from __future__ import annotations
 import enum
 import time
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kvflow.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvflow.sample.guided import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -92,6 +97,9 @@ class Request:
         self.arrival_order = 0  # set by the scheduler; ties broken first-come first-served
         self.num_skips = 0  # times a later request was admitted past this one
         self.cpu_block_ids: list[int] = []  # host copies of the blocks while swapped out
+        self.bad_words_token_ids: list[list[int]] = []  # set by the engine from params.bad_words
+        self.grammar: GrammarMatcher | None = None  # structured output state, set by the engine
+        self.stop_reason: int | str | None = None  # the stop token or stop string that ended it
         # Parallel samples (n > 1) waiting to be forked from this request once its prompt
         # is computed; see Scheduler.schedule.
         self.pending_forks: list[Request] = []
@@ -125,16 +133,22 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def check_stop(self, max_model_len: int) -> bool:
         """Set a finished status if the last token ends the request; return True if so.
 
-        Order: a stop token or EOS ends with "stop"; otherwise reaching ``max_tokens`` or the
-        model context ``max_model_len`` (in tokens) ends with "length".
+        Order: a stop token or EOS, or a complete structured output, ends with "stop";
+        otherwise reaching ``max_tokens`` or the model context ``max_model_len`` (in tokens)
+        ends with "length". (Stop strings are matched on the text by the engine.)
         """
         params = self.sampling_params
         last = self.all_token_ids[-1]
         if (not params.ignore_eos and last == self.eos_token_id) or last in params.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = None if last == self.eos_token_id else last
+        elif self.grammar is not None and self.grammar.is_terminated:
             self.status = RequestStatus.FINISHED_STOPPED
         elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH

@@ -9,6 +9,7 @@ request is refused before it reaches the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 
@@ -37,7 +38,25 @@ class SamplingParams:
         skip_special_tokens: drop special tokens when detokenizing the output text.
         logprobs: report, for every generated token, the log-probability of the sampled
             token and of the ``logprobs`` most likely tokens under the raw model
-            distribution (before temperature and filtering). None: no log-probabilities.
+            distribution (before penalties, temperature and filtering). None: none.
+        prompt_logprobs: the same for every prompt token after the first (the request then
+            computes its whole prompt: prefix-cache hits are not used for it).
+        presence_penalty: subtracted from the logit of every token that occurs in the output
+            so far (OpenAI semantics). In [-2, 2].
+        frequency_penalty: subtracted once per occurrence in the output so far. In [-2, 2].
+        repetition_penalty: divides positive logits and multiplies negative ones of tokens in
+            the prompt or the output (Keskar et al. 2019, "CTRL", section 4.1). > 0; 1 off.
+        logit_bias: token id -> value added to its logit (OpenAI semantics, in [-100, 100]).
+        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens exist.
+        bad_words: words never to generate: the last token of a word's token sequence is
+            masked whenever the output ends with the rest of it.
+        stop: strings that end generation when they appear in the output text, also across
+            token boundaries. The stop string is cut from the text unless
+            ``include_stop_str_in_output``.
+        include_stop_str_in_output: keep the matched stop string in the text.
+        guided_json: a JSON schema (dict or JSON string); the output is constrained to
+            JSON that validates against it (llguidance grammar engine).
+        guided_regex: a regular expression the whole output must match.
 
     Raises:
         ValueError: naming the field, for any value outside the ranges above.
@@ -54,9 +73,29 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.bad_words = list(self.bad_words or [])
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         self._verify()
 
     def _verify(self) -> None:
@@ -88,9 +127,42 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0
         ):
             raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool) or self.prompt_logprobs < 0
+        ):
+            raise ValueError(f"prompt_logprobs must be a non-negative integer or None, got {self.prompt_logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for tok, bias in (self.logit_bias or {}).items():
+            if tok < 0 or not -100.0 <= bias <= 100.0 or bias != bias:
+                raise ValueError(f"logit_bias needs token ids >= 0 and values in [-100, 100], got {tok}: {bias}")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not all(isinstance(w, str) and w for w in self.bad_words):
+            raise ValueError("bad_words must be a list of non-empty strings")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        if self.guided_json is not None and self.guided_regex is not None:
+            raise ValueError("guided_json and guided_regex are mutually exclusive")
+        if self.guided_json is not None and not isinstance(self.guided_json, (dict, str)):
+            raise ValueError("guided_json must be a JSON schema (dict or JSON string)")
+        if self.guided_regex is not None and not isinstance(self.guided_regex, str):
+            raise ValueError("guided_regex must be a string")
         for tok in self.stop_token_ids:
             if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {tok!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:

@@ -13,7 +13,9 @@ where ``kv_layers = ceil(num_hidden_layers / cla_factor)``:
 - multi-query attention (MQA, Shazeer 2019, arXiv 1911.02150) keeps a single K/V head;
 - cross-layer attention (CLA, Brandon et al. 2024, arXiv 2405.12981) lets groups of
   ``cla_factor`` adjacent layers share one K/V, dividing the layer count by the sharing
-  factor (rounded up: a last, shorter group still stores its own K/V).
+  factor (rounded up: a last, shorter group still stores its own K/V). A model configured
+  with CLA (``cla_share_factor`` in config.json / ``ModelConfig``, as kvflow's engine runs
+  it) is sized with its factor.
 
 int8 and fp8 caches take 1 byte per element; the per-token, per-head quantization scales
 they also need are **excluded** from every number here (``scale_bytes_per_token`` says how
@@ -71,6 +73,11 @@ class KVShapeLike(Protocol):
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
+    # optional: cla_share_factor (adjacent layers sharing one K/V; 1 when absent)
+
+
+def _cla_of(spec: Any) -> int:
+    return int(getattr(spec, "cla_share_factor", 1) or 1)
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class KVSpec:
         num_key_value_heads: K/V heads per layer (= heads for MHA, 1 for MQA).
         head_dim: elements per head.
         max_position_embeddings: the model's context length, in tokens.
+        cla_share_factor: adjacent layers sharing one K/V (cross-layer attention; 1 = none).
         model_type: HF ``model_type`` ("llama", "qwen2", ...), for display.
         source: where the numbers were read from, for display.
     """
@@ -92,6 +100,7 @@ class KVSpec:
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
+    cla_share_factor: int = 1
     model_type: str = "unknown"
     source: str = ""
 
@@ -129,6 +138,7 @@ class KVSpec:
             num_key_value_heads=int(kv_heads),
             head_dim=int(head_dim),
             max_position_embeddings=int(get("max_position_embeddings") or 0),
+            cla_share_factor=int(get("cla_share_factor") or 1),
             model_type=str(get("model_type") or "unknown"),
             source=source,
         )
@@ -248,21 +258,27 @@ class Variant:
 def attention_variants(
     spec: KVShapeLike, kv_cache_dtype: str, block_size: int, budget_bytes: int, max_model_len: int
 ) -> list[Variant]:
-    """The model under MHA, its configured GQA (when 1 < kv_heads < heads), MQA, CLA2 and
-    CLA3 (over the configured KV heads) and MQA+CLA2 (the paper's headline combination).
+    """The model under MHA, its configured GQA (when 1 < kv_heads < heads), MQA (all without
+    cross-layer sharing), CLA2 and CLA3 (over the configured KV heads) and MQA+CLA2 (the
+    paper's headline combination); plus a row for the configuration itself when it is none
+    of those (e.g. CLA4). Exactly one row is marked ``configured``.
 
     Same layers, heads, head_dim and dtype throughout; only the K/V sharing changes.
     """
     elem = bytes_per_element(kv_cache_dtype)
     layers, heads, kv, hd = spec.num_hidden_layers, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
-    rows: list[tuple[str, int, int, bool]] = [("MHA", heads, 1, kv == heads)]
+    cla_cfg = _cla_of(spec)
+    rows: list[tuple[str, int, int]] = [("MHA", heads, 1)]
     if 1 < kv < heads:
-        rows.append(("GQA", kv, 1, True))
-    rows.append(("MQA", 1, 1, kv == 1))
-    rows += [("CLA2", kv, 2, False), ("CLA3", kv, 3, False), ("MQA+CLA2", 1, 2, False)]
+        rows.append(("GQA", kv, 1))
+    rows += [("MQA", 1, 1), ("CLA2", kv, 2), ("CLA3", kv, 3), ("MQA+CLA2", 1, 2)]
+    if (kv, cla_cfg) not in {(h, c) for _, h, c in rows}:
+        kind = "MHA" if kv == heads else "MQA" if kv == 1 else "GQA"
+        rows.append((f"{kind}+CLA{cla_cfg}", kv, cla_cfg))
     mha = kv_bytes_per_token(layers, heads, hd, elem)
     out = []
-    for name, kv_heads, cla, configured in rows:
+    for name, kv_heads, cla in rows:
+        configured = (kv_heads, cla) == (kv, cla_cfg)
         bpt = kv_bytes_per_token(layers, kv_heads, hd, elem, cla)
         out.append(
             Variant(
@@ -302,8 +318,8 @@ def memory_report(
     max_len = max_model_len or spec.max_position_embeddings
     if not max_len or max_len < 1:
         raise ValueError("max_model_len is unknown (the config has no max_position_embeddings); pass --max-model-len")
-    layers, kv, hd = spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim
-    bpt = kv_bytes_per_token(layers, kv, hd, elem)
+    layers, kv, hd, cla = spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, _cla_of(spec)
+    bpt = kv_bytes_per_token(layers, kv, hd, elem, cla)
     fit = budget_fit(bpt, block_size, budget_bytes, max_len)
     variants = attention_variants(spec, dtype, block_size, budget_bytes, max_len)
     blocks_per_request = blocks_for(max_len, block_size)
@@ -316,11 +332,13 @@ def memory_report(
             "num_key_value_heads": kv,
             "head_dim": hd,
             "max_position_embeddings": spec.max_position_embeddings,
+            "cla_share_factor": cla,
+            "num_kv_layers": kv_layers(layers, cla),
         },
         "kv_cache_dtype": dtype,
         "bytes_per_element": elem,
         "scales": "excluded" if dtype in QUANTIZED_KV_DTYPES else "none",
-        "scale_bytes_per_token_if_float32_per_head": scale_bytes_per_token(layers, kv)
+        "scale_bytes_per_token_if_float32_per_head": scale_bytes_per_token(layers, kv, cla)
         if dtype in QUANTIZED_KV_DTYPES
         else 0,
         "block_size": block_size,
@@ -372,14 +390,21 @@ def format_report(report: dict[str, Any]) -> str:
     kind = "MHA" if kv == heads else "MQA" if kv == 1 else f"GQA, {heads // kv if heads % kv == 0 else heads / kv} query heads per KV head"
     bpt, budget = report["bytes_per_token"], report["budget"]
     scales = " (int8/fp8: excluding quantization scales)" if report["scales"] == "excluded" else ""
+    cla = m["cla_share_factor"]
+    layers_text = (
+        f"{m['num_kv_layers']} KV layers ({m['num_hidden_layers']} layers / CLA{cla}, rounded up)"
+        if cla > 1
+        else f"{m['num_hidden_layers']} layers"
+    )
     lines = [
         f"model: {m['source']} ({m['model_type']}; config only, no weights loaded)",
         f"  {m['num_hidden_layers']} layers, {heads} attention heads, {kv} KV heads ({kind}), "
-        f"head_dim {m['head_dim']}, max_position_embeddings {m['max_position_embeddings']}",
+        f"head_dim {m['head_dim']}, max_position_embeddings {m['max_position_embeddings']}"
+        + (f", cross-layer K/V sharing factor {cla}" if cla > 1 else ""),
         f"KV cache dtype: {dtype} ({elem} byte{'s' if elem > 1 else ''}/element){scales}",
         "",
         f"KV bytes per token:  {bpt:,} B ({human_bytes(bpt)})"
-        f" = 2 (K,V) x {m['num_hidden_layers']} layers x {kv} KV heads x {m['head_dim']} head_dim x {elem} B",
+        f" = 2 (K,V) x {layers_text} x {kv} KV heads x {m['head_dim']} head_dim x {elem} B",
         f"KV bytes per block:  {report['bytes_per_block']:,} B ({human_bytes(report['bytes_per_block'])}), {bs} tokens per block",
         f"KV bytes per full-length request: {report['bytes_per_full_length_request']:,} B "
         f"({human_bytes(report['bytes_per_full_length_request'])}), {max_len} tokens = "
@@ -392,7 +417,8 @@ def format_report(report: dict[str, Any]) -> str:
         "",
         f"Budget {budget['budget_bytes']:,} B ({human_bytes(budget['budget_bytes'])}): "
         f"{budget['blocks']:,} blocks = {budget['tokens']:,} tokens = "
-        f"{budget['full_length_requests']:,} full-length ({max_len}-token) requests"
+        f"{budget['full_length_requests']:,} full-length ({max_len}-token) request"
+        f"{'' if budget['full_length_requests'] == 1 else 's'}"
         f" ({budget['unused_bytes']:,} B left over)",
         "",
         "Attention variants (same layers, heads, head_dim and dtype; CLA: Brandon et al. 2024, arXiv 2405.12981):",

@@ -141,6 +141,16 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_ABORTED
         return request
 
+    def finish_request(self, request_id: str) -> None:
+        """End a running request with "stop" from outside the model loop (a stop string
+        matched on the text) and free its blocks; a no-op for a finished request."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.FINISHED_STOPPED
+
     @property
     def num_running(self) -> int:
         return len(self.running)

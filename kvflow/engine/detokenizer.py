@@ -1,4 +1,4 @@
-"""Incremental detokenization for streaming.
+"""Incremental detokenization for streaming, with stop strings.
 
 Decoding one token at a time is wrong for byte-level BPE (a multi-byte UTF-8 character can
 span tokens) and for SentencePiece (leading spaces depend on the previous token). Following
@@ -6,6 +6,10 @@ vLLM's ``detokenize_incrementally``, each step decodes a short window that start
 tokens back (``prefix_offset``) twice, with and without the new tokens, and emits the
 difference; text ending in U+FFFD (an incomplete character) is held back until the next
 token completes it.
+
+Stop strings are matched on the text, so they are found also when they span tokens. While a
+request runs, the visible text holds back its longest suffix that could still grow into a
+stop string, so streamed text never has to be taken back.
 """
 
 from __future__ import annotations
@@ -17,37 +21,82 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    """Text of one request's output, grown token by token.
+    """Text of one output sequence, grown token by token.
 
     Args:
         tokenizer: a transformers tokenizer.
         prompt_token_ids: the prompt (its last tokens give the first output tokens context).
         skip_special_tokens: drop special tokens from the text.
+        stop: stop strings (may be empty).
+        include_stop_str_in_output: keep a matched stop string in the text.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.include_stop_str_in_output = include_stop_str_in_output
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
-        self.text = ""
+        self._text = ""
+        self.finished = False
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def update(self, new_token_ids: list[int], finished: bool = False) -> str:
-        """Append tokens and return the newly completed text (possibly empty).
+    def update(self, new_token_ids: list[int], finished: bool = False) -> str | None:
+        """Append tokens; return the stop string they completed, if any.
 
-        When ``finished`` is True, any held-back text is flushed as well.
+        When ``finished`` is True (or a stop string matched), the text is final: any
+        held-back characters are released.
         """
+        if self.finished:
+            return None
         self.token_ids.extend(new_token_ids)
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset :])
         if len(full_text) > len(prefix_text) and (finished or not full_text.endswith(_REPLACEMENT)):
-            delta = full_text[len(prefix_text) :]
+            old_len = len(self._text)
+            self._text += full_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.token_ids)
-            self.text += delta
-            return delta
-        return ""
+            matched = self._match_stop(old_len)
+            if matched is not None:
+                self.finished = True
+                return matched
+        self.finished = finished
+        return None
+
+    def _match_stop(self, old_len: int) -> str | None:
+        """Find the earliest stop string that ends in the new text; cut the text there."""
+        best: tuple[int, str] | None = None
+        for stop in self.stop:
+            index = self._text.find(stop, max(0, old_len - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        self._text = self._text[: index + (len(stop) if self.include_stop_str_in_output else 0)]
+        return stop
+
+    @property
+    def text(self) -> str:
+        """The text so far; while unfinished, without a suffix that may become a stop string."""
+        if self.finished or not self.stop:
+            return self._text
+        hold = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(self._text)), hold, -1):
+                if self._text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return self._text[: len(self._text) - hold]

@@ -8,7 +8,7 @@ detokenize. ``LLM`` (offline) and the server drive this loop.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.loader import iter_weights, load_config, load_tokenizer, resolve_model
 from kvflow.outputs import CompletionOutput, RequestOutput
-from kvflow.request import Request, make_parallel_samples
+from kvflow.request import Request, RequestStatus, make_parallel_samples
 from kvflow.sample.sampler import Sampler
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.cache_engine import CacheEngine
@@ -38,6 +38,7 @@ class _RequestState:
     detokenizers: list[IncrementalDetokenizer | None]
     logprobs: list[list[dict[int, float]]]
     arrival_time: float
+    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
     first_token_time: float | None = None
 
     @property
@@ -87,6 +88,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(model, self.cache_engine, cache_config.block_size, Sampler(generator), device)
         self._states: dict[str, _RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
+        self._grammar_compiler = None
         self.eos_token_id = model_config.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
@@ -170,10 +172,18 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids, params)
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if (params.stop or params.bad_words or params.guided_json is not None or params.guided_regex is not None) and self.tokenizer is None:
+            raise ValueError("stop, bad_words and guided decoding need a tokenizer")
         samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority)
+        bad_words = self._bad_words_token_ids(params.bad_words)
+        for sample in samples:
+            sample.bad_words_token_ids = bad_words
+            sample.grammar = self._compile_grammar(params)
         self.scheduler.add_request(samples[0])
         detoks = [
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+            IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+            )
             if self.tokenizer is not None
             else None
             for _ in samples
@@ -184,6 +194,25 @@ class LLMEngine:
         self._states[request_id] = state
         for sample in samples:
             self._sample_owner[sample.request_id] = (state, sample)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Token sequences of each bad word, as written and with a leading space (as vLLM)."""
+        sequences = []
+        for word in words:
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
+    def _compile_grammar(self, params: SamplingParams):
+        if params.guided_json is None and params.guided_regex is None:
+            return None
+        if self._grammar_compiler is None:
+            from kvflow.sample.guided import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
+        return self._grammar_compiler.compile(params)
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its samples) and free its KV blocks at once.
@@ -217,6 +246,8 @@ class LLMEngine:
         self.scheduler.update(sched_out, result.sampled_token_ids)
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
+        for sample_id, positions in result.prompt_logprobs.items():
+            self._sample_owner[sample_id][0].prompt_logprobs.update(positions)
         for sample_id, token in result.sampled_token_ids.items():
             state, sample = self._sample_owner[sample_id]
             index = state.samples.index(sample)
@@ -224,7 +255,11 @@ class LLMEngine:
                 state.logprobs[index].append(result.logprobs[sample_id])
             detok = state.detokenizers[index]
             if detok is not None:
-                detok.update([token], finished=sample.is_finished)
+                stop = detok.update([token], finished=sample.is_finished)
+                if stop is not None:
+                    self.scheduler.finish_request(sample_id)
+                    sample.status = RequestStatus.FINISHED_STOPPED
+                    sample.stop_reason = stop
             if sample.is_finished:
                 del self._sample_owner[sample_id]
             touched[state.request_id] = state
@@ -238,7 +273,8 @@ class LLMEngine:
         return outputs
 
     def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
-        wants_logprobs = state.samples[0].sampling_params.logprobs is not None
+        params = state.samples[0].sampling_params
+        wants_logprobs = params.logprobs is not None
         metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time}
         if state.finished:
             metrics["finished_time"] = now
@@ -252,6 +288,7 @@ class LLMEngine:
                     text=detok.text if detok is not None else "",
                     token_ids=sample.output_token_ids,
                     finish_reason=sample.status.finish_reason,
+                    stop_reason=sample.stop_reason,
                     logprobs=logprobs if wants_logprobs else None,
                     cumulative_logprob=(
                         sum(lp[t] for lp, t in zip(logprobs, sample.output_token_ids)) if wants_logprobs else None
@@ -261,6 +298,11 @@ class LLMEngine:
             ],
             finished=state.finished,
             metrics=metrics,
+            prompt_logprobs=(
+                [state.prompt_logprobs[i] for i in range(1, len(state.prompt_token_ids))]
+                if state.finished and params.prompt_logprobs is not None
+                else None
+            ),
         )
 
     def get_stats(self) -> dict[str, float | int]:

@@ -10,6 +10,7 @@ from kvflow.core.scheduler import SchedulerOutput
 from kvflow.layers.attention import AttentionGroup, AttentionMetadata
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.request import Request
+from kvflow.sample.logits_processor import apply_logits_processors
 from kvflow.sample.sampler import Sampler, SamplingTensors
 from kvflow.worker.cache_engine import CacheEngine
 
@@ -24,6 +25,8 @@ class ModelInputs:
         metadata: slot mapping and attention groups.
         logits_indices: int64 [N]; the token whose hidden state yields each sampling row.
         sampling_requests: the N requests that sample a token this step.
+        prompt_logprob_rows: (request, flat token index, prompt position) for every prompt
+            token whose successor's log-probability a ``prompt_logprobs`` request needs.
     """
 
     input_ids: torch.Tensor
@@ -31,6 +34,7 @@ class ModelInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_requests: list[Request]
+    prompt_logprob_rows: list[tuple[Request, int, int]]
 
 
 class ModelRunner:
@@ -74,6 +78,7 @@ class ModelRunner:
         slots: list[torch.Tensor] = []
         logits_indices: list[int] = []
         sampling_requests: list[Request] = []
+        prompt_logprob_rows: list[tuple[Request, int, int]] = []
         groups: list[AttentionGroup] = []
         for reqs in (decodes, prefills):
             if not reqs:
@@ -83,6 +88,10 @@ class ModelRunner:
             for r in reqs:
                 n = n_sched[r.request_id]
                 begin = r.num_computed_tokens
+                if r.sampling_params.prompt_logprobs is not None:
+                    prompt_logprob_rows.extend(
+                        (r, len(input_ids) + p - begin, p) for p in range(begin, min(begin + n, r.num_prompt_tokens - 1))
+                    )
                 input_ids.extend(r.all_token_ids[begin : begin + n])
                 pos = torch.arange(begin, begin + n, dtype=torch.int64)
                 table = torch.tensor(r.block_ids, dtype=torch.int64)
@@ -105,6 +114,7 @@ class ModelRunner:
             metadata=AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), groups=groups),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             sampling_requests=sampling_requests,
+            prompt_logprob_rows=prompt_logprob_rows,
         )
 
     @torch.inference_mode()
@@ -125,11 +135,13 @@ class ModelRunner:
         inputs = self.prepare_inputs(out)
         hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.kv_caches, inputs.metadata)
         result = ModelRunnerOutput()
+        if inputs.prompt_logprob_rows:
+            result.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
         if not inputs.sampling_requests:
             return result
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         st = SamplingTensors.from_requests(inputs.sampling_requests, logits.shape[-1], self.device)
-        tokens = self.sampler(logits, st)
+        tokens = self.sampler(apply_logits_processors(logits, inputs.sampling_requests), st)
         result.sampled_token_ids = {r.request_id: t for r, t in zip(inputs.sampling_requests, tokens.tolist())}
         rows = [i for i, r in enumerate(inputs.sampling_requests) if r.sampling_params.logprobs is not None]
         if rows:
@@ -138,6 +150,18 @@ class ModelRunner:
             for r, entry in zip(requests, compute_logprobs(logits[rows], tokens[rows], top_k)):
                 result.logprobs[r.request_id] = entry
         return result
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]
+    ) -> dict[str, dict[int, dict[int, float]]]:
+        index = torch.tensor([i for _, i, _ in rows], device=hidden.device)
+        logits = self.model.compute_logits(hidden[index])
+        targets = torch.tensor([r.all_token_ids[p + 1] for r, _, p in rows], device=hidden.device)
+        entries = compute_logprobs(logits, targets, [r.sampling_params.prompt_logprobs for r, _, _ in rows])
+        out: dict[str, dict[int, dict[int, float]]] = {}
+        for (r, _, p), entry in zip(rows, entries):
+            out.setdefault(r.request_id, {})[p + 1] = entry
+        return out
 
 
 @dataclass
@@ -148,10 +172,14 @@ class ModelRunnerOutput:
         sampled_token_ids: request_id -> new token id.
         logprobs: request_id -> {token id: log-probability} holding the sampled token and
             the ``logprobs`` most likely tokens, for requests that set ``logprobs``.
+        prompt_logprobs: request_id -> {prompt position: {token id: log-probability}} for
+            the prompt tokens computed this step (positions >= 1), for requests that set
+            ``prompt_logprobs``.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: list[int]) -> list[dict[int, float]]:

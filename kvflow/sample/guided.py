@@ -1,0 +1,96 @@
+"""Structured output: constrain sampling to a JSON schema or a regular expression.
+
+The grammar engine is llguidance (Microsoft's Rust implementation of constrained decoding
+over a tokenizer's vocabulary, the one vLLM and SGLang also use): for each step it gives a
+bitmask of the tokens that keep the output a valid prefix of the language, and the masked
+logits are then processed and sampled as usual.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from kvflow.sampling_params import SamplingParams
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError as exc:  # pragma: no cover - llguidance is a dependency
+        raise ValueError("structured output needs the llguidance package: pip install llguidance") from exc
+    return llguidance
+
+
+class GrammarMatcher:
+    """The grammar state of one request.
+
+    Args:
+        matcher: an ``llguidance.LLMatcher`` compiled for the request.
+        vocab_size: the model's vocabulary size (rows of the logits).
+    """
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._lt = _llguidance().torch
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self._bitmask = self._lt.allocate_token_bitmask(1, vocab_size)
+
+    def mask_logits(self, row: torch.Tensor) -> None:
+        """Set the logits of tokens the grammar forbids to -inf. row: float32 [vocab_size]."""
+        self._lt.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
+        view = row.view(1, -1)
+        self._lt.apply_token_bitmask_inplace(view, self._bitmask.to(row.device))
+
+    def accept(self, token_id: int) -> None:
+        """Advance the grammar by the sampled token."""
+        self.matcher.consume_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """True when the grammar admits no further token (the output is complete)."""
+        return self.matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Builds a ``GrammarMatcher`` per request; holds the vocabulary tables once.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer.
+        vocab_size: the model's vocabulary size (may exceed the tokenizer's).
+        eos_token_id: the token that ends the output when the grammar is complete.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        self._llg = _llguidance()
+        self.vocab_size = vocab_size
+        self._lltokenizer = self._llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
+
+    def compile(self, params: SamplingParams) -> GrammarMatcher | None:
+        """The matcher for ``params.guided_json`` / ``params.guided_regex``, or None.
+
+        Raises:
+            ValueError: naming the field, for a schema or regex llguidance rejects.
+        """
+        matcher_cls = self._llg.LLMatcher
+        if params.guided_json is not None:
+            field = "guided_json"
+            schema = params.guided_json if isinstance(params.guided_json, str) else json.dumps(params.guided_json)
+            try:
+                json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"guided_json is not valid JSON: {exc}") from None
+            grammar = matcher_cls.grammar_from_json_schema(schema)
+        elif params.guided_regex is not None:
+            field = "guided_regex"
+            grammar = matcher_cls.grammar_from_regex(params.guided_regex)
+        else:
+            return None
+        matcher = matcher_cls(self._lltokenizer, grammar)
+        if matcher.is_error():
+            raise ValueError(f"{field} is not a usable grammar: {matcher.get_error()}")
+        return GrammarMatcher(matcher, self.vocab_size)

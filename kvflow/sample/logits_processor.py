@@ -1,0 +1,108 @@
+"""Request-dependent logits processing before temperature and filtering.
+
+Order (as vLLM): grammar mask (structured output), bad words, ``min_tokens``, logit bias,
+then the penalties — repetition (Keskar et al. 2019, "CTRL", section 4.1: positive logits
+divided, negative multiplied, for tokens seen in prompt or output), frequency and presence
+(OpenAI: ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over the
+output tokens). Penalties are vectorized over the batch with one scatter of the token ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvflow.request import Request
+
+
+def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Apply every request's processors to its row.
+
+    Args:
+        logits: float32 [N, vocab_size] raw logits, one row per request (not modified).
+        requests: the N requests, in row order.
+
+    Returns:
+        float32 [N, vocab_size] processed logits (a new tensor when anything applied).
+    """
+    masked = [i for i, r in enumerate(requests) if _needs_mask(r)]
+    penalized = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
+    if not masked and not penalized:
+        return logits
+    logits = logits.clone()
+    for i in masked:
+        _apply_masks(logits[i], requests[i])
+    if penalized:
+        rows = torch.tensor(penalized, device=logits.device)
+        logits[rows] = apply_penalties(logits[rows], [requests[i] for i in penalized])
+    return logits
+
+
+def _needs_mask(request: Request) -> bool:
+    p = request.sampling_params
+    return (
+        request.grammar is not None
+        or bool(request.bad_words_token_ids)
+        or request.num_output_tokens < p.min_tokens
+        or bool(p.logit_bias)
+    )
+
+
+def _apply_masks(row: torch.Tensor, request: Request) -> None:
+    p = request.sampling_params
+    if request.grammar is not None:
+        request.grammar.mask_logits(row)
+    output = request.output_token_ids
+    for word in request.bad_words_token_ids:
+        prefix = word[:-1]
+        if len(output) >= len(prefix) and (not prefix or output[len(output) - len(prefix) :] == prefix):
+            row[word[-1]] = float("-inf")
+    if request.num_output_tokens < p.min_tokens:
+        banned = list(p.stop_token_ids)
+        if request.eos_token_id is not None:
+            banned.append(request.eos_token_id)
+        vocab = row.shape[0]
+        banned = [t for t in banned if t < vocab]
+        if banned:
+            row[banned] = float("-inf")
+    if p.logit_bias:
+        vocab = row.shape[0]
+        for token, bias in p.logit_bias.items():
+            if token < vocab:
+                row[token] += bias
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties.
+
+    Args:
+        logits: float32 [M, vocab_size].
+        requests: the M requests (each with at least one penalty set).
+
+    Returns:
+        float32 [M, vocab_size] penalized logits.
+    """
+    m, vocab = logits.shape
+    device = logits.device
+    outputs = [r.output_token_ids for r in requests]
+    prompts = [r.prompt_token_ids for r in requests]
+    counts = _token_counts(outputs, m, vocab, device)
+    params = [r.sampling_params for r in requests]
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+    freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    seen = (counts + _token_counts(prompts, m, vocab, device)) > 0
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    return logits - freq * counts - pres * (counts > 0).float()
+
+
+def _token_counts(token_lists: list[list[int]], m: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """float32 [m, vocab]: occurrences of each token id in each row's list."""
+    counts = torch.zeros(m, vocab + 1, device=device)
+    longest = max((len(t) for t in token_lists), default=0)
+    if longest:
+        ids = torch.full((m, longest), vocab, dtype=torch.int64)  # pads land in column `vocab`
+        for i, tokens in enumerate(token_lists):
+            ids[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        counts.scatter_add_(1, ids.to(device), torch.ones(m, longest, device=device))
+    return counts[:, :vocab]
