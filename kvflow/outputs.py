@@ -39,7 +39,8 @@ class RequestOutput:
         prompt_token_ids: the prompt's token ids.
         outputs: one ``CompletionOutput`` per sample.
         finished: True once every output has a finish reason.
-        metrics: timings in seconds (arrival, first token, finish; monotonic clock).
+        metrics: timings in seconds on the monotonic clock: arrival_time,
+            first_scheduled_time, first_token_time, and finished_time once finished.
         prompt_logprobs: when requested, one {token id: log-probability} per prompt token
             after the first (set on the finished output).
     """

@@ -38,6 +38,7 @@ class _RequestState:
     detokenizers: list[IncrementalDetokenizer | None]
     logprobs: list[list[dict[int, float]]]
     arrival_time: float
+    first_scheduled_time: float | None = None
     prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
     first_token_time: float | None = None
 
@@ -172,8 +173,7 @@ class LLMEngine:
         self.validate_prompt(prompt_token_ids, params)
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if (params.stop or params.bad_words or params.guided_json is not None or params.guided_regex is not None) and self.tokenizer is None:
-            raise ValueError("stop, bad_words and guided decoding need a tokenizer")
+        self.check_request_features(params)
         samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority)
         bad_words = self._bad_words_token_ids(params.bad_words)
         for sample in samples:
@@ -194,6 +194,18 @@ class LLMEngine:
         self._states[request_id] = state
         for sample in samples:
             self._sample_owner[sample.request_id] = (state, sample)
+
+    def check_request_features(self, params: SamplingParams) -> None:
+        """Check the text-level features of ``params`` against this engine.
+
+        Raises:
+            ValueError: stop strings, bad words or guided decoding without a tokenizer, or a
+                ``guided_json`` / ``guided_regex`` the grammar engine rejects.
+        """
+        guided = params.guided_json is not None or params.guided_regex is not None
+        if (params.stop or params.bad_words or guided) and self.tokenizer is None:
+            raise ValueError("stop, bad_words and guided decoding need a tokenizer")
+        self._compile_grammar(params)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Token sequences of each bad word, as written and with a leading space (as vLLM)."""
@@ -242,6 +254,11 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
+        scheduled_time = time.monotonic()
+        for request in sched_out.scheduled_requests:
+            owner = self._sample_owner[request.request_id][0]
+            if owner.first_scheduled_time is None:
+                owner.first_scheduled_time = scheduled_time
         result = self.model_runner.execute(sched_out)
         self.scheduler.update(sched_out, result.sampled_token_ids)
         now = time.monotonic()
@@ -275,7 +292,11 @@ class LLMEngine:
     def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
         params = state.samples[0].sampling_params
         wants_logprobs = params.logprobs is not None
-        metrics = {"arrival_time": state.arrival_time, "first_token_time": state.first_token_time}
+        metrics = {
+            "arrival_time": state.arrival_time,
+            "first_scheduled_time": state.first_scheduled_time,
+            "first_token_time": state.first_token_time,
+        }
         if state.finished:
             metrics["finished_time"] = now
         return RequestOutput(

@@ -22,6 +22,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="max concurrently running requests")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn automatic prefix caching off")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    g.add_argument("--swap-space-bytes", type=int, default=None, help="host memory for swapped KV blocks")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -39,6 +44,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = [
         "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
         "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_threads",
+        "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space_bytes",
     ]
     return {n: getattr(args, n) for n in names}
 
@@ -122,6 +128,22 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvflow.config import EngineArgs
+    from kvflow.engine.async_engine import AsyncLLMEngine
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.entrypoints.openai.server import build_app
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, **_engine_kwargs(args)))
+    name = args.served_model_name or args.model
+    async_engine = AsyncLLMEngine(engine, name, max_queue_len=args.max_queue_len)
+    app = build_app(async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=_cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
+    serve.add_argument("--max-queue-len", type=int, default=None, help="refuse requests (429) while this many wait")
+    serve.add_argument("--log-level", default="info")
+    _add_engine_args(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     mem = sub.add_parser("memory", help="KV cache bytes per token/block, attention variants, what a budget holds")
     mem.add_argument("--model", default=EngineArgs().model, help="short name, .gguf file or HF directory (only its config is read)")

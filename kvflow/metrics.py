@@ -1,0 +1,60 @@
+"""Prometheus metrics of the serving engine, named as vLLM users know them (prefix ``kvflow:``).
+
+Latencies are in seconds; token counters in tokens. Each server owns its own
+``CollectorRegistry`` so that several engines can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineMetrics:
+    """The metric objects, registered in ``self.registry``."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kvflow:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kvflow:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"kvflow:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        # prometheus_client appends _total to counter names itself.
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.num_preemptions = counter("num_preemptions", "Requests preempted.")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
+        self.request_success = counter("request_success", "Requests finished (any finish reason).")
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token, seconds.")
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens, seconds.")
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish, seconds.")
+        self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled, seconds.")
+        self._last_stats: dict[str, float] = {}
+
+    def update_engine_stats(self, stats: dict[str, float]) -> None:
+        """Set the gauges and advance the counters from ``LLMEngine.get_stats()``."""
+        self.num_requests_running.set(stats["num_running"])
+        self.num_requests_waiting.set(stats["num_waiting"])
+        self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
+        for key, counter in (
+            ("num_preemptions", self.num_preemptions),
+            ("prefix_cache_queries", self.prefix_cache_queries),
+            ("prefix_cache_hits", self.prefix_cache_hits),
+        ):
+            delta = stats[key] - self._last_stats.get(key, 0)
+            if delta > 0:
+                counter.inc(delta)
+        self._last_stats = dict(stats)
