@@ -182,6 +182,49 @@ class SchedulerConfig:
     max_head_skips: int = 16
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings (``speculative_config`` of ``LLM`` / the CLI).
+
+    Attributes:
+        method: "ngram" (prompt lookup, no extra model) or "draft_model".
+        num_speculative_tokens: draft tokens k verified per step (>= 1).
+        model: the draft model (short name, .gguf or HF directory) for "draft_model".
+        prompt_lookup_min, prompt_lookup_max: n-gram sizes for "ngram".
+    """
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> "SpeculativeConfig":
+        """Validate a user dict.
+
+        Raises:
+            ValueError: naming the field, for an unknown key or an invalid value.
+        """
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = set(spec) - known
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        if spec.get("method") not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {spec.get('method')!r}")
+        _positive_int("speculative_config.num_speculative_tokens", spec.get("num_speculative_tokens"))
+        if spec["method"] == "draft_model" and not spec.get("model"):
+            raise ValueError("speculative_config.model is required for method 'draft_model'")
+        config = cls(**spec)
+        _positive_int("speculative_config.prompt_lookup_min", config.prompt_lookup_min)
+        _positive_int("speculative_config.prompt_lookup_max", config.prompt_lookup_max)
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError("speculative_config.prompt_lookup_min must be <= prompt_lookup_max")
+        return config
+
+
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
 DEFAULT_SWAP_SPACE_BYTES = 256 * 1024 * 1024
 
@@ -206,6 +249,8 @@ class EngineArgs:
         preemption_mode: "recompute" (default) or "swap".
         swap_space_bytes: host memory for swapped-out KV blocks, in bytes (default 256 MiB
             when preemption_mode is "swap", else 0).
+        speculative_config: speculative decoding, e.g. ``{"method": "ngram",
+            "num_speculative_tokens": 4}`` (see ``SpeculativeConfig``); None: off.
         seed: seed of the engine's generator for unseeded sampling.
         num_threads: torch intra-op threads on the CPU (None leaves torch's default).
         model_cache_dir: where converted GGUF models are cached.
@@ -224,6 +269,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
     swap_space_bytes: int | None = None
+    speculative_config: dict[str, Any] | None = None
     seed: int = 0
     num_threads: int | None = None
     model_cache_dir: str | None = None
@@ -253,6 +299,8 @@ class EngineArgs:
             isinstance(self.swap_space_bytes, bool) or not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0
         ):
             raise ValueError(f"swap_space_bytes must be a non-negative integer, got {self.swap_space_bytes!r}")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 

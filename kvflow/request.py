@@ -100,6 +100,10 @@ class Request:
         self.bad_words_token_ids: list[list[int]] = []  # set by the engine from params.bad_words
         self.grammar: GrammarMatcher | None = None  # structured output state, set by the engine
         self.stop_reason: int | str | None = None  # the stop token or stop string that ended it
+        # Speculative decoding: draft tokens to verify next step, and the draft distribution
+        # they were sampled from (float32 [k, vocab]; None for a deterministic proposer).
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: torch.Tensor | None = None
         # Parallel samples (n > 1) waiting to be forked from this request once its prompt
         # is computed; see Scheduler.schedule.
         self.pending_forks: list[Request] = []

@@ -152,6 +152,13 @@ class KVCacheManager:
         child.block_ids = list(parent.block_ids)
         child.num_published_blocks = parent.num_published_blocks
 
+    def trim(self, request: Request) -> None:
+        """Free the blocks past the request's computed tokens (rejected draft tokens)."""
+        keep = self.num_blocks_for(request.num_computed_tokens)
+        if len(request.block_ids) > keep:
+            self.block_pool.free(list(reversed(request.block_ids[keep:])))
+            del request.block_ids[keep:]
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies queued since the last call."""
         copies, self.pending_copies = self.pending_copies, []

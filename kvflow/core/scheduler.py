@@ -46,6 +46,8 @@ class SchedulerOutput:
         blocks_to_swap_in: (host block, device block) copies, done after the swap-outs.
         forked: (child, parent) pairs: parallel samples that joined this step sharing the
             parent's blocks; each samples its first token from the parent's logits.
+        scheduled_spec_tokens: request_id -> draft tokens verified this step (speculative
+            decoding); they are part of the request's scheduled tokens.
     """
 
     scheduled_requests: list[Request] = field(default_factory=list)
@@ -56,6 +58,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     forked: list[tuple[Request, Request]] = field(default_factory=list)
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -172,7 +175,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
             while not kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
@@ -187,6 +190,9 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             out._add(request, num_new)
+            num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
+            if num_spec > 0:  # a decode verifying draft tokens (the budget may trim them)
+                out.scheduled_spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
             budget -= num_new
             index += 1
 
@@ -255,6 +261,7 @@ class Scheduler:
         request.pending_forks = []
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        request.spec_token_ids = []
         mapping = None
         if self.config.preemption_mode == "swap":
             mapping = self.kv_cache_manager.swap_out(request)
@@ -271,29 +278,41 @@ class Scheduler:
         out.preempted_requests.append(request)
         self._enqueue(request)
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
         """Advance the scheduled requests after the model ran.
 
         Args:
             out: the batch that was executed.
-            sampled_token_ids: request_id -> new token, for every request whose scheduled
-                tokens reached ``num_tokens`` (a partial prefill chunk samples nothing).
+            sampled_token_ids: request_id -> new tokens, for every request whose scheduled
+                tokens reached ``num_tokens`` (a partial prefill chunk samples nothing): one
+                token, or the accepted draft tokens plus one for a speculative decode.
 
         Returns:
             The requests that finished this step (their blocks are already freed).
+
+        The K/V of rejected draft tokens is rolled back: ``num_computed_tokens`` counts only
+        accepted tokens, blocks past them are freed, and only blocks of final tokens are
+        published to the prefix cache.
         """
         for child, parent in out.forked:
             child.num_computed_tokens = parent.num_computed_tokens + out.num_scheduled_tokens[parent.request_id]
         finished = []
         for request in [*out.scheduled_requests, *(child for child, _ in out.forked)]:
             request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
+            tokens = sampled_token_ids.get(request.request_id)
+            num_drafts = len(out.scheduled_spec_tokens.get(request.request_id, ()))
+            if num_drafts:
+                num_rejected = num_drafts - (len(tokens) - 1)
+                request.num_computed_tokens -= num_rejected
+                request.spec_token_ids = []
+                self.kv_cache_manager.trim(request)
             self.kv_cache_manager.cache_full_blocks(request)
-            token = sampled_token_ids.get(request.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token)
-            if request.check_stop(self.config.max_model_len):
-                finished.append(request)
+            for i, token in enumerate(tokens or ()):
+                request.append_output_token(token)
+                if request.check_stop(self.config.max_model_len):
+                    finished.append(request)
+                    del tokens[i + 1 :]  # tokens past a stop are dropped (callers see the cut list)
+                    break
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]

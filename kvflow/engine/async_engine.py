@@ -137,14 +137,15 @@ class AsyncLLMEngine:
             while not self._stopped:
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests():
+                    # Aborts can empty the engine without a step: refresh the gauges and the
+                    # waiting count now, or they keep the last step's values while idle.
+                    self._update_stats()
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
                 with self._lock:
                     outputs = self.engine.step()
-                    stats = self.engine.get_stats()
-                    self._num_waiting_snapshot = stats["num_waiting"]
-                self.metrics.update_engine_stats(stats)
+                self._update_stats()
                 self._dispatch(outputs)
         except BaseException as exc:  # noqa: BLE001 - report to every waiting client
             traceback.print_exc()
@@ -153,6 +154,12 @@ class AsyncLLMEngine:
                 streams, self._streams = list(self._streams.values()), {}
             for stream in streams:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(f"engine failed: {exc!r}"))
+
+    def _update_stats(self) -> None:
+        with self._lock:
+            stats = self.engine.get_stats()
+            self._num_waiting_snapshot = stats["num_waiting"]
+        self.metrics.update_engine_stats(stats)
 
     def _apply_commands(self) -> None:
         with self._lock:

@@ -44,6 +44,10 @@ class IncrementalDetokenizer:
         self.stop = list(stop or [])
         self.include_stop_str_in_output = include_stop_str_in_output
         self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # A prompt that ends inside a multi-byte character must not lend its bytes to the
+        # output (the output text is the decode of the output tokens alone): drop them.
+        while self.token_ids and self._decode(self.token_ids).endswith(_REPLACEMENT):
+            self.token_ids.pop()
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self._text = ""
@@ -76,15 +80,19 @@ class IncrementalDetokenizer:
         return None
 
     def _match_stop(self, old_len: int) -> str | None:
-        """Find the earliest stop string that ends in the new text; cut the text there."""
-        best: tuple[int, str] | None = None
+        """Find the stop string that the new text completes first; cut the text there.
+
+        "First" is where its end falls in the text (the longest on a tie), as if the text
+        grew one character at a time, so the result does not depend on token boundaries.
+        """
+        best: tuple[int, int, str] | None = None
         for stop in self.stop:
             index = self._text.find(stop, max(0, old_len - len(stop) + 1))
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
+            if index != -1 and (best is None or (index + len(stop), index) < best[:2]):
+                best = (index + len(stop), index, stop)
         if best is None:
             return None
-        index, stop = best
+        _, index, stop = best
         self._text = self._text[: index + (len(stop) if self.include_stop_str_in_output else 0)]
         return stop
 

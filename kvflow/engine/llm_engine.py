@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvflow.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, resolve_dtype
+from kvflow.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, SpeculativeConfig, resolve_dtype
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import Scheduler
 from kvflow.engine.detokenizer import IncrementalDetokenizer
@@ -23,8 +23,21 @@ from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.request import Request, RequestStatus, make_parallel_samples
 from kvflow.sample.sampler import Sampler
 from kvflow.sampling_params import SamplingParams
+from kvflow.spec_decode.draft_model import DraftModelProposer
+from kvflow.spec_decode.metrics import SpecDecodeStats
+from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
+
+
+def _load_model(model_dir, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, ModelConfig]:
+    model_config = ModelConfig.from_hf_config(load_config(model_dir))
+    with torch.device(device):
+        model = LlamaForCausalLM(model_config)
+    model.load_weights(iter_weights(model_dir))
+    model.to(dtype=dtype).eval()
+    model.rotary.to(torch.float32)
+    return model, model_config
 
 
 @dataclass
@@ -58,6 +71,7 @@ class LLMEngine:
         tokenizer: a transformers tokenizer, or None to work on token ids only (no text).
         device: where the model and cache live.
         seed: seed of the engine generator for unseeded sampling.
+        proposer: speculative decoding proposer, or None.
     """
 
     def __init__(
@@ -69,8 +83,11 @@ class LLMEngine:
         tokenizer: Any | None,
         device: torch.device,
         seed: int = 0,
+        proposer: NgramProposer | DraftModelProposer | None = None,
     ) -> None:
         self.model_config = model_config
+        self.proposer = proposer
+        self.spec_stats = SpecDecodeStats(proposer.k if proposer is not None else 0)
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.tokenizer = tokenizer
@@ -106,22 +123,36 @@ class LLMEngine:
         device = args.torch_device()
         if args.num_threads is not None and device.type == "cpu":
             torch.set_num_threads(args.num_threads)
-        model_dir = resolve_model(args.model, cache_dir=args.model_cache_dir)
-        model_config = ModelConfig.from_hf_config(load_config(model_dir))
         dtype = resolve_dtype(args.dtype, device)
-        with torch.device(device):
-            model = LlamaForCausalLM(model_config)
-        model.load_weights(iter_weights(model_dir))
-        model.to(dtype=dtype).eval()
-        model.rotary.to(torch.float32)
+        model_dir = resolve_model(args.model, cache_dir=args.model_cache_dir)
+        model, model_config = _load_model(model_dir, dtype, device)
+        cache_config = args.cache_config(model_config, dtype)
+        scheduler_config = args.scheduler_config(model_config)
+        proposer = None
+        if args.speculative_config is not None:
+            spec = SpeculativeConfig.from_dict(args.speculative_config)
+            k, max_len = spec.num_speculative_tokens, scheduler_config.max_model_len
+            if spec.method == "ngram":
+                proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
+            else:
+                draft_dir = resolve_model(spec.model, cache_dir=args.model_cache_dir)
+                draft, draft_config = _load_model(draft_dir, dtype, device)
+                if draft_config.vocab_size != model_config.vocab_size:
+                    raise ValueError(
+                        f"speculative_config.model has vocab_size {draft_config.vocab_size}, the target "
+                        f"{model_config.vocab_size}: the draft must share the target's vocabulary"
+                    )
+                draft_cache = CacheConfig(cache_config.block_size, cache_config.num_blocks, dtype, enable_prefix_caching=False)
+                proposer = DraftModelProposer(draft, draft_config, draft_cache, k, max_len, device, args.seed)
         return cls(
             model=model,
             model_config=model_config,
-            cache_config=args.cache_config(model_config, dtype),
-            scheduler_config=args.scheduler_config(model_config),
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
             tokenizer=load_tokenizer(model_dir),
             device=device,
             seed=args.seed,
+            proposer=proposer,
         )
 
     # ------------------------------------------------------------------ requests
@@ -238,6 +269,8 @@ class LLMEngine:
         for sample in state.samples:
             self._sample_owner.pop(sample.request_id, None)
             self.scheduler.abort_request(sample.request_id)
+            if self.proposer is not None:
+                self.proposer.free(sample.request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -265,14 +298,14 @@ class LLMEngine:
         touched: dict[str, _RequestState] = {}
         for sample_id, positions in result.prompt_logprobs.items():
             self._sample_owner[sample_id][0].prompt_logprobs.update(positions)
-        for sample_id, token in result.sampled_token_ids.items():
+        for sample_id, tokens in result.sampled_token_ids.items():
             state, sample = self._sample_owner[sample_id]
             index = state.samples.index(sample)
-            if sample_id in result.logprobs:
-                state.logprobs[index].append(result.logprobs[sample_id])
+            if sample_id in result.logprobs:  # tokens may have been cut by a stop (speculation)
+                state.logprobs[index].extend(result.logprobs[sample_id][: len(tokens)])
             detok = state.detokenizers[index]
             if detok is not None:
-                stop = detok.update([token], finished=sample.is_finished)
+                stop = detok.update(tokens, finished=sample.is_finished)
                 if stop is not None:
                     self.scheduler.finish_request(sample_id)
                     sample.status = RequestStatus.FINISHED_STOPPED
@@ -287,7 +320,26 @@ class LLMEngine:
             outputs.append(self._make_output(state, now))
             if state.finished:
                 del self._states[state.request_id]
+        if self.proposer is not None:
+            self.spec_stats.record(result.num_accepted.values())
+            self._propose(sched_out)
         return outputs
+
+    def _propose(self, sched_out) -> None:
+        """Draft the next tokens of every decoding request; drop the proposer's state of
+        requests that left the running set."""
+        for request in sched_out.preempted_requests:
+            self.proposer.free(request.request_id)
+        running = {r.request_id for r in self.scheduler.running}
+        for request in sched_out.scheduled_requests:
+            if request.request_id not in running:
+                self.proposer.free(request.request_id)
+        ready = [
+            r
+            for r in self.scheduler.running
+            if r.num_computed_tokens == r.num_tokens - 1 and r.grammar is None and not r.pending_forks
+        ]
+        self.proposer.propose(ready)
 
     def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
         params = state.samples[0].sampling_params
@@ -332,7 +384,7 @@ class LLMEngine:
         Keys: num_total_blocks, num_free_blocks, kv_cache_usage (0-1), fragmentation
         (allocated slots not holding a token / allocated slots), prefix_cache_queries and
         prefix_cache_hits (tokens), num_cached_blocks, num_preemptions, num_running,
-        num_waiting.
+        num_waiting; with speculative decoding also the ``SpecDecodeStats`` counters.
         """
         kv = self.kv_cache_manager
         return {
@@ -345,6 +397,7 @@ class LLMEngine:
             "num_cached_blocks": kv.block_pool.num_cached_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_swapped_out": self.scheduler.num_swapped_out,
+            **self.spec_stats.as_dict(),
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
         }

@@ -84,10 +84,17 @@ class LLM:
         for (ids, _), p in zip(encoded, params_list):
             self.engine.validate_prompt(ids, p)
         request_ids = []
-        for (ids, text), p, prio in zip(encoded, params_list, priorities):
-            request_id = str(next(self._counter))
-            self.engine.add_request(request_id, ids, p, prompt=text, priority=prio)
-            request_ids.append(request_id)
+        try:
+            for (ids, text), p, prio in zip(encoded, params_list, priorities):
+                request_id = str(next(self._counter))
+                self.engine.add_request(request_id, ids, p, prompt=text, priority=prio)
+                request_ids.append(request_id)
+        except BaseException:
+            # add_request can still refuse one (e.g. a guided_json / guided_regex that does
+            # not compile): take back the ones already queued, so that nothing is added.
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
         return request_ids
 
     # ------------------------------------------------------------------ generation

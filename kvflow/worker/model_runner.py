@@ -11,6 +11,7 @@ from kvflow.layers.attention import AttentionGroup, AttentionMetadata
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.request import Request
 from kvflow.sample.logits_processor import apply_logits_processors
+from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingTensors
 from kvflow.worker.cache_engine import CacheEngine
 
@@ -27,6 +28,8 @@ class ModelInputs:
         sampling_requests: the N requests that sample a token this step.
         prompt_logprob_rows: (request, flat token index, prompt position) for every prompt
             token whose successor's log-probability a ``prompt_logprobs`` request needs.
+        spec_requests: (request, draft tokens) of the requests verifying drafts; their
+            ``len(drafts) + 1`` logits rows follow the N sampling rows in ``logits_indices``.
     """
 
     input_ids: torch.Tensor
@@ -35,6 +38,7 @@ class ModelInputs:
     logits_indices: torch.Tensor
     sampling_requests: list[Request]
     prompt_logprob_rows: list[tuple[Request, int, int]]
+    spec_requests: list[tuple[Request, list[int]]]
 
 
 class ModelRunner:
@@ -60,6 +64,7 @@ class ModelRunner:
         self.cache_engine = cache_engine
         self.block_size = block_size
         self.sampler = sampler
+        self.rejection_sampler = RejectionSampler(sampler.generator)
         self.device = device
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
@@ -79,6 +84,8 @@ class ModelRunner:
         logits_indices: list[int] = []
         sampling_requests: list[Request] = []
         prompt_logprob_rows: list[tuple[Request, int, int]] = []
+        spec_requests: list[tuple[Request, list[int]]] = []
+        spec_indices: list[int] = []
         groups: list[AttentionGroup] = []
         for reqs in (decodes, prefills):
             if not reqs:
@@ -92,21 +99,27 @@ class ModelRunner:
                     prompt_logprob_rows.extend(
                         (r, len(input_ids) + p - begin, p) for p in range(begin, min(begin + n, r.num_prompt_tokens - 1))
                     )
-                input_ids.extend(r.all_token_ids[begin : begin + n])
+                drafts = out.scheduled_spec_tokens.get(r.request_id, [])
+                input_ids.extend(r.all_token_ids[begin : begin + n - len(drafts)])
+                input_ids.extend(drafts)
                 pos = torch.arange(begin, begin + n, dtype=torch.int64)
                 table = torch.tensor(r.block_ids, dtype=torch.int64)
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
-                if begin + n == r.num_tokens:
+                if drafts:
+                    spec_requests.append((r, drafts))
+                    spec_indices.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
+                elif begin + n == r.num_tokens:
                     logits_indices.append(len(input_ids) - 1)
                     sampling_requests.append(r)
                 q_lens.append(n)
                 ctx_lens.append(begin + n)
                 tables.append(r.block_ids)
             groups.append(AttentionGroup.build(start, q_lens, ctx_lens, tables, bs, self.device))
-        for child, parent in out.forked:  # parallel samples draw from their parent's logits
+        for child, parent in out.forked:  # parallel samples draw from their parent's logits (no drafts yet)
             logits_indices.append(logits_indices[sampling_requests.index(parent)])
             sampling_requests.append(child)
+        logits_indices.extend(spec_indices)
         dev = self.device
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -115,6 +128,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             sampling_requests=sampling_requests,
             prompt_logprob_rows=prompt_logprob_rows,
+            spec_requests=spec_requests,
         )
 
     @torch.inference_mode()
@@ -137,18 +151,33 @@ class ModelRunner:
         result = ModelRunnerOutput()
         if inputs.prompt_logprob_rows:
             result.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
-        if not inputs.sampling_requests:
+        if not inputs.sampling_requests and not inputs.spec_requests:
             return result
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        st = SamplingTensors.from_requests(inputs.sampling_requests, logits.shape[-1], self.device)
-        tokens = self.sampler(apply_logits_processors(logits, inputs.sampling_requests), st)
-        result.sampled_token_ids = {r.request_id: t for r, t in zip(inputs.sampling_requests, tokens.tolist())}
-        rows = [i for i, r in enumerate(inputs.sampling_requests) if r.sampling_params.logprobs is not None]
-        if rows:
-            requests = [inputs.sampling_requests[i] for i in rows]
-            top_k = [r.sampling_params.logprobs for r in requests]
-            for r, entry in zip(requests, compute_logprobs(logits[rows], tokens[rows], top_k)):
-                result.logprobs[r.request_id] = entry
+        all_logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        num_plain = len(inputs.sampling_requests)
+        # (request, its raw logits rows, its emitted tokens) for logprobs
+        emitted: list[tuple[Request, torch.Tensor, list[int]]] = []
+        if num_plain:
+            logits = all_logits[:num_plain]
+            st = SamplingTensors.from_requests(inputs.sampling_requests, logits.shape[-1], self.device)
+            tokens = self.sampler(apply_logits_processors(logits, inputs.sampling_requests), st).tolist()
+            for i, (r, t) in enumerate(zip(inputs.sampling_requests, tokens)):
+                result.sampled_token_ids[r.request_id] = [t]
+                emitted.append((r, logits[i : i + 1], [t]))
+        row = num_plain
+        for r, drafts in inputs.spec_requests:
+            rows = all_logits[row : row + len(drafts) + 1]
+            row += len(drafts) + 1
+            tokens = self.rejection_sampler(r, drafts, rows)
+            result.sampled_token_ids[r.request_id] = tokens
+            result.num_accepted[r.request_id] = (len(drafts), len(tokens) - 1)
+            emitted.append((r, rows[: len(tokens)], tokens))
+        for r, rows, tokens in emitted:
+            k = r.sampling_params.logprobs
+            if k is not None:
+                result.logprobs[r.request_id] = compute_logprobs(
+                    rows, torch.tensor(tokens, device=rows.device), [k] * len(tokens)
+                )
         return result
 
     def _prompt_logprobs(
@@ -169,16 +198,19 @@ class ModelRunnerOutput:
     """Result of one step.
 
     Attributes:
-        sampled_token_ids: request_id -> new token id.
-        logprobs: request_id -> {token id: log-probability} holding the sampled token and
-            the ``logprobs`` most likely tokens, for requests that set ``logprobs``.
+        sampled_token_ids: request_id -> new token ids (one, or accepted drafts plus one).
+        logprobs: request_id -> per new token, {token id: log-probability} holding the
+            sampled token and the ``logprobs`` most likely tokens, for requests that set
+            ``logprobs``.
+        num_accepted: request_id -> (drafts verified, drafts accepted), for speculation.
         prompt_logprobs: request_id -> {prompt position: {token id: log-probability}} for
             the prompt tokens computed this step (positions >= 1), for requests that set
             ``prompt_logprobs``.
     """
 
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    num_accepted: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvflow.sampling_params import SamplingParams
 
@@ -96,6 +96,15 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts_are_strings(cls, content):
+        if isinstance(content, list):
+            for part in content:
+                if part.get("type", "text") == "text" and not isinstance(part.get("text", ""), str):
+                    raise ValueError("the text of a text content part must be a string")
+        return content
 
     def text(self) -> str:
         """The message text; list content keeps its "text" parts, in order."""

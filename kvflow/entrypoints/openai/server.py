@@ -111,6 +111,9 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        kv = engine.engine.kv_cache_manager
+        # Tokens one sequence can ever hold: the default max_tokens must fit the KV cache too.
+        self.max_seq_tokens = min(max_model_len, kv.num_total_blocks * kv.block_size)
 
     # ------------------------------------------------------------------ helpers
     def check_model(self, model: str | None) -> None:
@@ -118,9 +121,8 @@ class OpenAIServing:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
     def _max_tokens(self, requested: int | None, prompt_len: int, field: str) -> int:
-        room = self.max_model_len - prompt_len
         if requested is None:
-            return max(room, 1)
+            return max(self.max_seq_tokens - prompt_len, 1)
         if requested < 1:
             raise APIError(400, f"{field} must be at least 1, got {requested}", "BadRequestError", field)
         if prompt_len + requested > self.max_model_len:

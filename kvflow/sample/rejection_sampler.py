@@ -1,0 +1,143 @@
+"""Verification of draft tokens by rejection sampling, preserving the target distribution.
+
+Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding" (arXiv
+2211.17192), Algorithm 1; Chen et al. 2023, "Accelerating Large Language Model Decoding with
+Speculative Sampling" (arXiv 2302.01318), Algorithm 2. For draft token x_i drawn from the
+draft distribution q_i, accept it with probability min(1, p_i(x_i) / q_i(x_i)); at the first
+rejection emit a token drawn from norm(max(0, p_i - q_i)) and stop; when all k drafts are
+accepted, emit a bonus token drawn from p_k. The emitted tokens are distributed exactly as
+sampling from the target alone. A deterministic proposer (n-gram lookup) has q_i = one-hot
+at x_i. Greedy requests accept exactly while the draft equals the target's argmax.
+
+p and q are the distributions after the request's own processing (penalties over the
+output so far including the earlier drafts, temperature, top-k, top-p, min-p): the same
+function (``processed_probs``) computes both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.request import Request
+from kvflow.sample.logits_processor import apply_logits_processors
+from kvflow.sample.sampler import Sampler, SamplingTensors
+
+
+@dataclass
+class DraftPositionView:
+    """A request as it would look after its first ``num_drafts`` draft tokens: what the
+    logits processors read (prompt, output so far, parameters)."""
+
+    request: Request
+    num_drafts: int
+
+    @property
+    def sampling_params(self):
+        return self.request.sampling_params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + self.request.spec_token_ids[: self.num_drafts]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.request.num_output_tokens + self.num_drafts
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.request.eos_token_id
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        return self.request.bad_words_token_ids
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.request.generator
+
+    grammar = None
+
+
+def processed_probs(logits: torch.Tensor, views: list, vocab_size: int) -> torch.Tensor:
+    """The distributions a request samples from at each row.
+
+    Args:
+        logits: float32 [M, vocab_size] raw logits.
+        views: M objects with the processor-facing attributes of a Request.
+        vocab_size: columns of the logits.
+
+    Returns:
+        float32 [M, vocab_size] probabilities (for greedy rows: one-hot at the argmax of
+        the processed logits).
+    """
+    processed = apply_logits_processors(logits, views)
+    st = SamplingTensors.from_requests(views, vocab_size, logits.device)
+    probs = Sampler.filtered_probs(processed, st)
+    greedy = st.temperature == 0
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
+    return probs
+
+
+class RejectionSampler:
+    """Verifies each request's drafts against the target logits of one forward pass.
+
+    Args:
+        generator: the engine generator for requests without a seed.
+    """
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, request: Request, drafts: list[int], target_logits: torch.Tensor) -> list[int]:
+        """Emit the accepted drafts and one more token.
+
+        Args:
+            request: the request (its ``spec_token_ids`` start with ``drafts`` and its
+                ``spec_draft_probs`` hold q, or None for a one-hot draft).
+            drafts: the k draft tokens verified this step.
+            target_logits: float32 [k + 1, vocab_size] raw target logits at the positions
+                of the last real token and each draft.
+
+        Returns:
+            Between 1 and k + 1 token ids.
+        """
+        k = len(drafts)
+        vocab = target_logits.shape[-1]
+        views = [DraftPositionView(request, i) for i in range(k + 1)]
+        p = processed_probs(target_logits, views, vocab)
+        q = request.spec_draft_probs
+        gen = request.generator or self.generator
+        emitted: list[int] = []
+        for i, x in enumerate(drafts):
+            p_x = float(p[i, x])
+            q_x = 1.0 if q is None else float(q[i, x])
+            u = float(torch.rand((), generator=gen, device=gen.device))
+            if q_x > 0 and u < min(1.0, p_x / q_x):
+                emitted.append(x)
+                continue
+            residual = p[i].clone()
+            if q is None:
+                residual[x] = 0.0
+            else:
+                residual = (residual - q[i].to(residual.device)).clamp_(min=0.0)
+            if float(residual.sum()) <= 0.0:  # p == q: rejection had probability 0
+                residual = p[i]
+            emitted.append(_draw(residual, gen))
+            return emitted
+        emitted.append(_draw(p[k], gen))
+        return emitted
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from the (unnormalized) weights [vocab_size]."""
+    if generator.device != weights.device:
+        weights = weights.to(generator.device)
+    return int(torch.multinomial(weights, 1, generator=generator))
