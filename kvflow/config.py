@@ -249,6 +249,11 @@ class EngineArgs:
         preemption_mode: "recompute" (default) or "swap".
         swap_space_bytes: host memory for swapped-out KV blocks, in bytes (default 256 MiB
             when preemption_mode is "swap", else 0).
+        quantization: weight-only quantization of the decoder linears at load: "int8",
+            "int4" (round-to-nearest), "int4-awq", "fp8", or "gguf" (keep a GGUF file's
+            quantized tensors compact); None: float. A quantized checkpoint folder
+            (``kvflow quantize``) loads quantized whatever this says.
+        quantization_group_size: INT4 group size (32, 64, 128).
         speculative_config: speculative decoding, e.g. ``{"method": "ngram",
             "num_speculative_tokens": 4}`` (see ``SpeculativeConfig``); None: off.
         seed: seed of the engine's generator for unseeded sampling.
@@ -269,6 +274,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     preemption_mode: str = "recompute"
     swap_space_bytes: int | None = None
+    quantization: str | None = None
+    quantization_group_size: int = 128
     speculative_config: dict[str, Any] | None = None
     seed: int = 0
     num_threads: int | None = None
@@ -301,6 +308,11 @@ class EngineArgs:
             raise ValueError(f"swap_space_bytes must be a non-negative integer, got {self.swap_space_bytes!r}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
+        from kvflow.quantization.model import check_method
+
+        check_method(self.quantization)
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 

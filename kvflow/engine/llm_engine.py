@@ -30,13 +30,32 @@ from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
 
 
-def _load_model(model_dir, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, ModelConfig]:
+def _load_model(
+    model_dir, dtype: torch.dtype, device: torch.device, quantization: str | None = None, group_size: int = 128
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build and load a model; quantize its decoder linears when asked or when the folder is a
+    quantized checkpoint."""
+    from kvflow.quantization import model as qmodel
+
     model_config = ModelConfig.from_hf_config(load_config(model_dir))
     with torch.device(device):
         model = LlamaForCausalLM(model_config)
-    model.load_weights(iter_weights(model_dir))
+    saved = qmodel.quantization_of(model_dir)
+    if saved is not None:
+        qmodel.load_quantized_weights(model, model_dir, saved["method"], saved["group_size"])
+    else:
+        model.load_weights(iter_weights(model_dir))
     model.to(dtype=dtype).eval()
-    model.rotary.to(torch.float32)
+    if saved is None and quantization == "gguf":
+        from kvflow.quantization.gguf import load_gguf_linears
+
+        load_gguf_linears(model, model_dir)
+    elif saved is None and quantization is not None:
+        calibration = None
+        if quantization == "int4-awq":
+            calibration = qmodel.default_calibration_ids(load_tokenizer(model_dir))
+        qmodel.quantize_model(model, quantization, group_size, calibration)
+    model.to(device)
     return model, model_config
 
 
@@ -125,7 +144,7 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         dtype = resolve_dtype(args.dtype, device)
         model_dir = resolve_model(args.model, cache_dir=args.model_cache_dir)
-        model, model_config = _load_model(model_dir, dtype, device)
+        model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size)
         cache_config = args.cache_config(model_config, dtype)
         scheduler_config = args.scheduler_config(model_config)
         proposer = None

@@ -11,6 +11,7 @@ request aborted and its KV blocks freed.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -94,7 +95,10 @@ async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator
         for task in tasks:
             task.cancel()
         for it in iterators:
-            await it.aclose()
+            # One that its pump is still awaiting is closed (and its request aborted) by the
+            # pump's cancellation; aclose() on it would raise "already running".
+            if not getattr(it, "ag_running", False):
+                await it.aclose()
 
 
 class OpenAIServing:
@@ -378,6 +382,27 @@ class OpenAIServing:
         return finals  # type: ignore[return-value]
 
 
+class _APIKeyMiddleware:
+    """401 for /v1 requests without ``Authorization: Bearer <api_key>``.
+
+    A plain ASGI middleware: ``@app.middleware("http")`` (BaseHTTPMiddleware) wraps
+    ``receive`` so that ``Request.is_disconnected()`` never turns true, and a non-streaming
+    request whose client went away would then run to its end.
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await error_response(401, "Invalid or missing API key.", "AuthenticationError")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: AsyncLLMEngine, model_name: str, max_model_len: int, api_key: str | None = None) -> FastAPI:
     """The FastAPI application over a (not yet started) async engine."""
     serving = OpenAIServing(engine, model_name, max_model_len)
@@ -389,13 +414,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, max_model_len: int, api_k
         engine.shutdown()
 
     app = FastAPI(title="kvflow", version="0.1.0", lifespan=lifespan)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(401, "Invalid or missing API key.", "AuthenticationError")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):

@@ -1,0 +1,160 @@
+"""Weight-only quantized linear layers (INT8, INT4, FP8).
+
+Kernels on the CPU: PyTorch's weight-packed matmuls ``aten._weight_int8pack_mm`` (INT8
+weight, per-channel scale) and ``aten._weight_int4pack_mm_for_cpu`` (INT4 weight with
+group-wise scale and zero) read the compact weight directly. Measured on this project's
+2-core AVX2 machine they are about twice as fast as a float32 matmul for a few rows, but
+their cost grows linearly with the rows, while the bfloat16 matmul stays flat. So up to
+``SMALL_BATCH_ROWS`` rows the packed kernel runs (activations in bfloat16, accumulation in
+float32); above it, and on CUDA, and for FP8 everywhere (no FP8 matmul on the CPU), the
+weight is dequantized to bfloat16 for that call and a dense matmul runs: memory stays
+compact, compute is dense.
+
+Shapes: inputs x [M, in_features] (float32 or bfloat16), outputs [M, out_features] in the
+input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.quantization.schemes import dequantize_fp8, quantize_fp8, quantize_int4, quantize_int8
+
+SMALL_BATCH_ROWS = 4
+_COMPUTE = torch.bfloat16
+
+
+def _has_op(name: str) -> bool:
+    return hasattr(torch.ops.aten, name)
+
+
+class _QuantizedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def _dense(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x.to(_COMPUTE), weight.to(_COMPUTE))
+        return self._finish(out, x.dtype)
+
+    def _finish(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out = out.to(dtype)
+        return out if self.bias is None else out + self.bias.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(_QuantizedLinear):
+    """y = x W^T + b with W ~= weight (int8 [N, K]) * scale (float32 [N])."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.ones(out_features))
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> "Int8Linear":
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        module.weight, module.scale = quantize_int8(linear.weight.data)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.data.float())
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.shape[0] <= SMALL_BATCH_ROWS and _has_op("_weight_int8pack_mm"):
+            out = torch.ops.aten._weight_int8pack_mm(x.to(_COMPUTE), self.weight, self.scale.to(_COMPUTE))
+            return self._finish(out, x.dtype)
+        return self._dense(x, self.weight.to(_COMPUTE) * self.scale.to(_COMPUTE)[:, None])
+
+
+class Int4Linear(_QuantizedLinear):
+    """y = x W^T + b with W ~= (q - 8) * scale + zero per group of ``group_size`` inputs.
+
+    Buffers: qweight uint8 [N, K / 2] (two 4-bit values per byte, low nibble first),
+    scale and zero float32 [N, K / group_size]. On the CPU a copy in PyTorch's packed
+    layout (same size) feeds ``_weight_int4pack_mm_for_cpu``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = 128) -> None:
+        super().__init__(in_features, out_features, bias)
+        if in_features % group_size:
+            raise ValueError(f"in_features {in_features} is not divisible by group_size {group_size}")
+        self.group_size = group_size
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scale", torch.ones(out_features, groups))
+        self.register_buffer("zero", torch.zeros(out_features, groups))
+        self._packed: torch.Tensor | None = None
+        self._scales_and_zeros: torch.Tensor | None = None
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int) -> "Int4Linear":
+        q, scale, zero = quantize_int4(linear.weight.data, group_size)
+        return cls.from_quantized(q, scale, zero, linear.bias.data if linear.bias is not None else None, group_size)
+
+    @classmethod
+    def from_quantized(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None, group_size: int
+    ) -> "Int4Linear":
+        """From q uint8 [N, K] in [0, 15] and group scale / zero float32 [N, K / group_size]."""
+        n, k = q.shape
+        module = cls(k, n, bias is not None, group_size)
+        module.qweight = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)
+        module.scale, module.zero = scale.float().contiguous(), zero.float().contiguous()
+        if bias is not None:
+            module.bias.data.copy_(bias.float())
+        return module
+
+    def unpacked(self) -> torch.Tensor:
+        """q uint8 [N, K] in [0, 15]."""
+        q = torch.empty(self.out_features, self.in_features, dtype=torch.uint8, device=self.qweight.device)
+        q[:, 0::2] = self.qweight & 0x0F
+        q[:, 1::2] = self.qweight >> 4
+        return q
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        g = self.unpacked().view(self.out_features, -1, self.group_size).to(dtype)
+        w = (g - 8) * self.scale.to(dtype)[..., None] + self.zero.to(dtype)[..., None]
+        return w.view(self.out_features, self.in_features)
+
+    def _cpu_kernel_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._packed is None:
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.unpacked().to(torch.int32), 1)
+            self._scales_and_zeros = (
+                torch.stack([self.scale.t(), self.zero.t()], dim=-1).contiguous().to(_COMPUTE)
+            )
+        return self._packed, self._scales_and_zeros
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.shape[0] <= SMALL_BATCH_ROWS and _has_op("_weight_int4pack_mm_for_cpu"):
+            packed, scales_and_zeros = self._cpu_kernel_inputs()
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_COMPUTE), packed, self.group_size, scales_and_zeros)
+            return self._finish(out, x.dtype)
+        return self._dense(x, self.dequantized(_COMPUTE))
+
+
+class FP8Linear(_QuantizedLinear):
+    """y = x W^T + b with W ~= weight (float8_e4m3fn [N, K]) * scale (float32 [N]).
+
+    No FP8 matmul exists on the CPU: the weight is dequantized per call (memory saving only).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
+        self.register_buffer("scale", torch.ones(out_features))
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> "FP8Linear":
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        module.weight, module.scale = quantize_fp8(linear.weight.data)
+        if linear.bias is not None:
+            module.bias.data.copy_(linear.bias.data.float())
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._dense(x, dequantize_fp8(self.weight, self.scale))

@@ -1,0 +1,132 @@
+"""Activation-aware weight quantization (AWQ; Lin et al. 2024, "AWQ: Activation-aware Weight
+Quantization for LLM Compression and Acceleration", MLSys, section 3).
+
+Input channels that see large activations matter most. AWQ multiplies those weight columns
+by a per-channel scale s > 1 before round-to-nearest INT4 quantization and divides the
+activations by s, folded into the operation that produces them, so the float model is
+unchanged. s = mean|x|^alpha (normalized), with alpha chosen per linear layer from a grid to
+minimize the output error || X Q(W diag(s)) diag(s)^-1 ^T - X W^T || on calibration data
+(section 3.3). Folds, per decoder layer:
+
+- qkv_proj input = input_layernorm(x): the norm's weight is divided by s;
+- gate_up_proj input = post_attention_layernorm(x): likewise;
+- down_proj input = silu(gate) * up: the up rows of gate_up_proj are divided by s.
+
+o_proj is left to plain round-to-nearest (with grouped-query attention its input channels
+cannot be rescaled through the value projection without changing the model).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.config import CacheConfig
+from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+from kvflow.model.llama import LlamaForCausalLM
+from kvflow.quantization.schemes import dequantize_int4, quantize_int4
+from kvflow.worker.cache_engine import CacheEngine
+
+ALPHA_GRID = [i / 10 for i in range(11)]
+MAX_SEARCH_ROWS = 128  # calibration rows used in the per-alpha error (CPU cost)
+
+
+@torch.inference_mode()
+def collect_linear_inputs(model: LlamaForCausalLM, token_ids: list[int], names: list[str]) -> dict[str, torch.Tensor]:
+    """Run the float model over ``token_ids`` and keep the inputs of the named linears.
+
+    Returns:
+        name -> float32 [len(token_ids), in_features].
+    """
+    captured: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules())
+    hooks = [
+        modules[name].register_forward_hook(lambda mod, args, out, name=name: captured.__setitem__(name, args[0].float()))
+        for name in names
+    ]
+    try:
+        n, bs = len(token_ids), 16
+        num_blocks = -(-n // bs)
+        dtype = next(model.parameters()).dtype
+        cache = CacheEngine(model.config, CacheConfig(bs, num_blocks, dtype), torch.device("cpu"))
+        pos = torch.arange(n)
+        group = AttentionGroup.build(0, [n], [n], [list(range(num_blocks))], bs, torch.device("cpu"))
+        model(torch.tensor(token_ids), pos, cache.kv_caches, AttentionMetadata(pos.clone(), [group]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return captured
+
+
+def search_scale(weight: torch.Tensor, x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, float]:
+    """The AWQ per-input-channel scale for one linear.
+
+    Args:
+        weight: float [N, K].
+        x: float32 [T, K] calibration inputs.
+        group_size: INT4 group size.
+
+    Returns:
+        s float32 [K] and the chosen alpha.
+    """
+    w = weight.float()
+    x_mean = x.abs().mean(dim=0).clamp(min=1e-6)
+    if x.shape[0] > MAX_SEARCH_ROWS:
+        x = x[:: -(-x.shape[0] // MAX_SEARCH_ROWS)]
+    reference = x @ w.t()
+    best = (float("inf"), torch.ones_like(x_mean), 0.0)
+    for alpha in ALPHA_GRID:
+        s = x_mean.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        q, scale, zero = quantize_int4(w * s, group_size)
+        w_hat = dequantize_int4(q, scale, zero) / s
+        error = (x @ w_hat.t() - reference).pow(2).mean().item()
+        if error < best[0]:
+            best = (error, s, alpha)
+    return best[1], best[2]
+
+
+def group_size_for(in_features: int, group_size: int) -> int:
+    """The largest of group_size, group_size / 2, ... (>= 8) dividing in_features.
+
+    Raises:
+        ValueError: when none does.
+    """
+    g = group_size
+    while g >= 8:
+        if in_features % g == 0:
+            return g
+        g //= 2
+    raise ValueError(f"no INT4 group size <= {group_size} divides in_features={in_features}")
+
+
+@torch.inference_mode()
+def apply_awq(model: LlamaForCausalLM, calibration_ids: list[int], group_size: int) -> dict[str, float]:
+    """Rescale the model's weights in place (float-equivalent) so that a following INT4
+    round-to-nearest quantization loses less. Returns the chosen alpha per linear."""
+    names = []
+    for i in range(len(model.layers)):
+        names += [f"layers.{i}.self_attn.qkv_proj", f"layers.{i}.mlp.gate_up_proj", f"layers.{i}.mlp.down_proj"]
+    inputs = collect_linear_inputs(model, calibration_ids, names)
+    alphas = {}
+    inter = model.config.intermediate_size
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for name, linear, fold in (
+            (f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj, layer.input_layernorm.weight),
+            (f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj, layer.post_attention_layernorm.weight),
+        ):
+            s, alphas[name] = search_scale(linear.weight, inputs[name], group_size_for(linear.in_features, group_size))
+            _scale_columns(linear, s)
+            fold.data.div_(s.to(fold.dtype))
+        name = f"layers.{i}.mlp.down_proj"
+        s, alphas[name] = search_scale(mlp.down_proj.weight, inputs[name], group_size_for(inter, group_size))
+        _scale_columns(mlp.down_proj, s)
+        mlp.gate_up_proj.weight.data[inter:].div_(s.to(mlp.gate_up_proj.weight.dtype)[:, None])
+        if mlp.gate_up_proj.bias is not None:
+            mlp.gate_up_proj.bias.data[inter:].div_(s.to(mlp.gate_up_proj.bias.dtype))
+    return alphas
+
+
+def _scale_columns(linear: nn.Linear, s: torch.Tensor) -> None:
+    linear.weight.data.mul_(s.to(linear.weight.dtype)[None, :])
