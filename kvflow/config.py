@@ -25,6 +25,27 @@ _DTYPES = {
 }
 
 _SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
+_KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache element dtype: "auto" follows the model dtype; "int8" / "fp8" quantize
+    per token and head; float names as in ``resolve_dtype``.
+
+    Raises:
+        ValueError: for an unknown name.
+    """
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in _KV_CACHE_DTYPES:
+        return _KV_CACHE_DTYPES[kv_cache_dtype]
+    try:
+        return resolve_dtype(kv_cache_dtype, device)
+    except ValueError:
+        raise ValueError(
+            f"kv_cache_dtype must be 'auto', 'int8', 'fp8' or a float dtype name, got {kv_cache_dtype!r}"
+        ) from None
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -133,9 +154,11 @@ class ModelConfig:
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV cache bytes per token: 2 (K and V) x KV layers x kv_heads x head_dim x element size."""
+        """KV cache bytes per token: 2 (K and V) x KV layers x kv_heads x head_dim x element
+        size; an int8 / fp8 cache adds one float16 scale per token, head and K/V."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * self.num_kv_layers * self.num_key_value_heads * self.head_dim * elem
+        per_head = self.head_dim * elem + (2 if dtype in QUANTIZED_KV_DTYPES else 0)
+        return 2 * self.num_kv_layers * self.num_key_value_heads * per_head
 
 
 @dataclass(frozen=True)
@@ -254,6 +277,8 @@ class EngineArgs:
             quantized tensors compact); None: float. A quantized checkpoint folder
             (``kvflow quantize``) loads quantized whatever this says.
         quantization_group_size: INT4 group size (32, 64, 128).
+        kv_cache_dtype: "auto" (the model dtype), "int8" or "fp8" (per-token, per-head
+            scales; dequantized inside attention), or a float dtype name.
         speculative_config: speculative decoding, e.g. ``{"method": "ngram",
             "num_speculative_tokens": 4}`` (see ``SpeculativeConfig``); None: off.
         seed: seed of the engine's generator for unseeded sampling.
@@ -276,6 +301,7 @@ class EngineArgs:
     swap_space_bytes: int | None = None
     quantization: str | None = None
     quantization_group_size: int = 128
+    kv_cache_dtype: str = "auto"
     speculative_config: dict[str, Any] | None = None
     seed: int = 0
     num_threads: int | None = None
@@ -311,6 +337,7 @@ class EngineArgs:
         from kvflow.quantization.model import check_method
 
         check_method(self.quantization)
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32, torch.device("cpu"))
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -322,11 +349,13 @@ class EngineArgs:
         return torch.device(self.device)
 
     def cache_config(self, model_config: ModelConfig, dtype: torch.dtype) -> CacheConfig:
-        """Size the block pool from ``num_kv_blocks`` or the byte budget.
+        """Size the block pool from ``num_kv_blocks`` or the byte budget (``dtype``: the
+        model dtype; the cache's own follows ``kv_cache_dtype``).
 
         Raises:
             ValueError: if the budget does not hold a single block.
         """
+        dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, self.torch_device())
         bytes_per_block = model_config.kv_bytes_per_token(dtype) * self.block_size
         if self.num_kv_blocks is not None:
             num_blocks = self.num_kv_blocks

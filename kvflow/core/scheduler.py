@@ -306,13 +306,17 @@ class Scheduler:
                 request.num_computed_tokens -= num_rejected
                 request.spec_token_ids = []
                 self.kv_cache_manager.trim(request)
-            self.kv_cache_manager.cache_full_blocks(request)
             for i, token in enumerate(tokens or ()):
                 request.append_output_token(token)
                 if request.check_stop(self.config.max_model_len):
                     finished.append(request)
                     del tokens[i + 1 :]  # tokens past a stop are dropped (callers see the cut list)
+                    # accepted drafts past the stop were computed but are not the request's
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
                     break
+            # Publish after appending: the computed tokens include accepted drafts, which are
+            # only in all_token_ids now (the block hashes are taken from all_token_ids).
+            self.kv_cache_manager.cache_full_blocks(request)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
@@ -22,6 +23,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="max concurrently running requests")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--quantization", default=None, help="int8, int4, int4-awq, fp8 or gguf (weight-only)")
+    g.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8 or a float dtype")
+    g.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn automatic prefix caching off")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
@@ -45,6 +50,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
         "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_threads",
         "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space_bytes",
+        "quantization", "kv_cache_dtype", "speculative_config",
     ]
     return {n: getattr(args, n) for n in names}
 
@@ -144,6 +150,32 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvflow.engine.llm_engine import _load_model
+    from kvflow.model.loader import load_tokenizer, resolve_model
+    from kvflow.quantization.model import default_calibration_ids, quantize_model, save_quantized, weight_bytes
+
+    if args.method == "int4-rtn":
+        args.method = "int4"
+    model_dir = resolve_model(args.model)
+    model, _ = _load_model(model_dir, torch.float32, torch.device("cpu"))
+    before = weight_bytes(model)
+    calibration = None
+    if args.method == "int4-awq":
+        tokenizer = load_tokenizer(model_dir)
+        if args.calibration:
+            with open(args.calibration, encoding="utf-8") as f:
+                calibration = tokenizer.encode(f.read())[: args.calibration_tokens]
+        else:
+            calibration = default_calibration_ids(tokenizer, args.calibration_tokens)
+    quantize_model(model, args.method, args.group_size, calibration)
+    out = save_quantized(model, model_dir, args.out, args.method, args.group_size)
+    print(f"wrote {out}: {args.method}, weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=_cmd_chat)
+
+    quant = sub.add_parser("quantize", help="write a weight-quantized checkpoint that LLM(model=DIR) loads")
+    quant.add_argument("--model", default=EngineArgs().model)
+    quant.add_argument("--method", required=True, choices=["int8", "int4", "int4-rtn", "int4-awq", "fp8"])
+    quant.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128], help="INT4 group size")
+    quant.add_argument("--calibration", default=None, help="text file for AWQ (default: the GPL-3 text)")
+    quant.add_argument("--calibration-tokens", type=int, default=512)
+    quant.add_argument("--out", required=True, help="output folder")
+    quant.set_defaults(func=_cmd_quantize)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")

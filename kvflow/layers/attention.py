@@ -110,19 +110,60 @@ class AttentionMetadata:
     groups: list[AttentionGroup]
 
 
-def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store new K/V [T, num_kv_heads, head_dim] into caches [num_blocks, block_size, num_kv_heads, head_dim]."""
+KVCache = tuple  # (k, v) or, for a quantized cache, (k, v, k_scale, v_scale)
+"""One layer's paged cache: k, v [num_blocks, block_size, num_kv_heads, head_dim] in the
+cache dtype; for int8 / fp8 caches also k_scale, v_scale float16
+[num_blocks, block_size, num_kv_heads] (one scale per token and head)."""
+
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-head symmetric quantization of x [T, heads, head_dim].
+
+    Returns:
+        values [T, heads, head_dim] in ``dtype`` (int8 or float8_e4m3fn) and scales float16
+        [T, heads] with x ~= values * scale.
+    """
+    qmax = _QMAX[dtype]
+    scale = (x.abs().amax(dim=-1).float() / qmax).clamp(min=1e-8)
+    y = (x.float() / scale[..., None]).clamp(-qmax, qmax)
+    values = torch.round(y).to(dtype) if dtype == torch.int8 else y.to(dtype)
+    return values, scale.to(torch.float16)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    """Store new K/V [T, num_kv_heads, head_dim] at the flat slots ``slot_mapping`` [T]
+    (quantizing them for an int8 / fp8 cache)."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if len(kv_cache) == 4:
+        (k, k_scale), (v, v_scale) = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
+        kv_cache[2].view(-1, num_kv_heads).index_copy_(0, slot_mapping, k_scale)
+        kv_cache[3].view(-1, num_kv_heads).index_copy_(0, slot_mapping, v_scale)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        new = new.to(cache.dtype)
+        if cache.dtype == torch.float8_e4m3fn:  # no CPU index_copy for float8: copy the bytes
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, new)
+
+
+def _gather(kv_cache: KVCache, index: int, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K (index 0) or V (1) of a group: [B, num_kv_heads, max_blocks * block_size, head_dim]."""
+    cache = kv_cache[index]
+    if cache.dtype == torch.float8_e4m3fn:  # gather the bytes, then reinterpret
+        values = cache.view(torch.uint8)[block_tables].view(torch.float8_e4m3fn).flatten(1, 2)
+    else:
+        values = cache[block_tables].flatten(1, 2)
+    if len(kv_cache) == 4:
+        scales = kv_cache[2 + index][block_tables].flatten(1, 2)
+        values = values.to(dtype) * scales.to(dtype)[..., None]
+    return values.transpose(1, 2).to(dtype)
 
 
 def paged_attention(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_cache: KVCache,
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
@@ -130,8 +171,8 @@ def paged_attention(
 
     Args:
         q: [T, num_heads, head_dim], the step's queries (RoPE applied).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], already holding
-            this step's K/V (see ``write_kv_cache``).
+        kv_cache: the layer's cache, already holding this step's K/V (``write_kv_cache``);
+            a quantized cache is dequantized after the gather.
         metadata: the step's groups and slot mapping.
         scale: softmax scale, usually head_dim ** -0.5.
 
@@ -139,14 +180,14 @@ def paged_attention(
         [T, num_heads, head_dim] attention output, dtype of q.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = kv_cache[0].shape[2]
     group_size = num_heads // num_kv_heads
     out = torch.empty_like(q)
     for g in metadata.groups:
         b, max_q = g.num_requests, g.max_query_len
         # Gather K/V through the block tables: [B, max_blocks * block_size, kv_heads, head_dim].
-        k = k_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        v = v_cache[g.block_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        k = _gather(kv_cache, 0, g.block_tables, q.dtype)
+        v = _gather(kv_cache, 1, g.block_tables, q.dtype)
         q_g = q[g.token_start : g.token_end]
         if max_q == 1:
             q_pad = q_g.view(b, 1, num_heads, head_dim)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.config import ModelConfig
-from kvflow.layers.attention import AttentionMetadata, paged_attention, write_kv_cache
+from kvflow.layers.attention import AttentionMetadata, KVCache, paged_attention, write_kv_cache
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -46,19 +46,18 @@ class LlamaAttention(nn.Module):
         self,
         x: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        k_cache, v_cache = kv_cache
         if self.owns_kv:
             q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
-            write_kv_cache(k, v.view(num_tokens, self.num_kv_heads, self.head_dim), k_cache, v_cache, metadata.slot_mapping)
+            write_kv_cache(k, v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache, metadata.slot_mapping)
         else:
             q = self.qkv_proj(x)
         q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
-        o = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        o = paged_attention(q, kv_cache, metadata, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 
@@ -118,7 +117,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Run the decoder over one step's flat token batch.
@@ -128,7 +127,8 @@ class LlamaForCausalLM(nn.Module):
             positions: int64 [T] position of each token in its request.
             kv_caches: per KV layer (``config.num_kv_layers`` of them: one per group of
                 ``cla_share_factor`` layers), (K, V) tensors
-                [num_blocks, block_size, num_kv_heads, head_dim].
+                [num_blocks, block_size, num_kv_heads, head_dim] (plus scales for a
+                quantized cache, see ``kvflow.layers.attention.KVCache``).
             metadata: slot mapping and attention groups of the step.
 
         Returns:

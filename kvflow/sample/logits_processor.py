@@ -50,7 +50,7 @@ def _needs_mask(request: Request) -> bool:
 def _apply_masks(row: torch.Tensor, request: Request) -> None:
     p = request.sampling_params
     if request.grammar is not None:
-        pass
+        request.grammar.mask_logits(row)
     output = request.output_token_ids
     for word in request.bad_words_token_ids:
         prefix = word[:-1]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from kvflow.config import CacheConfig, ModelConfig
+from kvflow.layers.attention import KVCache
 
 
 class CacheEngine:
-    """Owns one (K, V) pair of tensors per KV layer (``ModelConfig.num_kv_layers``).
+    """Owns one ``KVCache`` per KV layer (``ModelConfig.num_kv_layers``): K and V, plus
+    per-token per-head float16 scales for an int8 / fp8 cache.
 
     Each tensor has shape ``[num_blocks, block_size, num_kv_heads, head_dim]`` and the cache
     dtype. Memory is allocated once, up front, for the whole block pool; requests take blocks
@@ -27,27 +29,27 @@ class CacheEngine:
             model_config.num_key_value_heads,
             model_config.head_dim,
         )
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=cache_config.dtype, device=device),
-                torch.zeros(shape, dtype=cache_config.dtype, device=device),
-            )
-            for _ in range(model_config.num_kv_layers)
-        ]
-        cpu_shape = (cache_config.num_cpu_blocks, *shape[1:])
+        quantized = cache_config.dtype in (torch.int8, torch.float8_e4m3fn)
+
+        def layer(num_blocks: int, device: torch.device, pin: bool = False) -> KVCache:
+            kv_shape = (num_blocks, *shape[1:])
+            tensors = [torch.zeros(kv_shape, dtype=cache_config.dtype, device=device, pin_memory=pin) for _ in range(2)]
+            if quantized:
+                tensors += [torch.zeros(kv_shape[:-1], dtype=torch.float16, device=device, pin_memory=pin) for _ in range(2)]
+            return tuple(tensors)
+
+        self.kv_caches: list[KVCache] = [layer(cache_config.num_blocks, device) for _ in range(model_config.num_kv_layers)]
+        cpu = torch.device("cpu")
         pin = device.type == "cuda"
-        self.cpu_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(cpu_shape, dtype=cache_config.dtype, pin_memory=pin),
-                torch.zeros(cpu_shape, dtype=cache_config.dtype, pin_memory=pin),
-            )
+        self.cpu_kv_caches: list[KVCache] = [
+            layer(cache_config.num_cpu_blocks, cpu, pin)
             for _ in range(model_config.num_kv_layers if cache_config.num_cpu_blocks else 0)
         ]
 
     @property
     def num_bytes(self) -> int:
         """Total bytes held by the K and V tensors of all layers."""
-        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv_caches)
+        return sum(t.numel() * t.element_size() for layer in self.kv_caches for t in layer)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole device blocks src -> dst in every layer (copy-on-write)."""
@@ -62,13 +64,11 @@ class CacheEngine:
         self._copy(self.cpu_kv_caches, self.kv_caches, mapping)
 
     @staticmethod
-    def _copy(
-        src_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        dst_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        pairs: list[tuple[int, int]],
-    ) -> None:
+    def _copy(src_caches: list[KVCache], dst_caches: list[KVCache], pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=src_caches[0][0].device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=dst_caches[0][0].device)
-        for (src_k, src_v), (dst_k, dst_v) in zip(src_caches, dst_caches):
-            dst_k.index_copy_(0, dst, src_k.index_select(0, src).to(dst_k.device))
-            dst_v.index_copy_(0, dst, src_v.index_select(0, src).to(dst_v.device))
+        for src_layer, dst_layer in zip(src_caches, dst_caches):
+            for src_t, dst_t in zip(src_layer, dst_layer):
+                if src_t.dtype == torch.float8_e4m3fn:  # no CPU index ops for float8: move bytes
+                    src_t, dst_t = src_t.view(torch.uint8), dst_t.view(torch.uint8)
+                dst_t.index_copy_(0, dst, src_t.index_select(0, src).to(dst_t.device))
