@@ -149,14 +149,21 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_map
 
 
 def _gather(kv_cache: KVCache, index: int, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """K (index 0) or V (1) of a group: [B, num_kv_heads, max_blocks * block_size, head_dim]."""
+    """K (index 0) or V (1) of a group: [B, num_kv_heads, max_blocks * block_size, head_dim].
+
+    ``index_select`` over the flattened block tables (about twice as fast as advanced
+    indexing on the CPU), then a transposed view (no copy) for the attention kernel.
+    """
+    b, max_blocks = block_tables.shape
+    flat = block_tables.reshape(-1)
     cache = kv_cache[index]
-    if cache.dtype == torch.float8_e4m3fn:  # gather the bytes, then reinterpret
-        values = cache.view(torch.uint8)[block_tables].view(torch.float8_e4m3fn).flatten(1, 2)
+    if cache.dtype == torch.float8_e4m3fn:  # no CPU index ops for float8: gather the bytes
+        values = cache.view(torch.uint8).index_select(0, flat).view(torch.float8_e4m3fn)
     else:
-        values = cache[block_tables].flatten(1, 2)
+        values = cache.index_select(0, flat)
+    values = values.view(b, max_blocks * cache.shape[1], *cache.shape[2:])
     if len(kv_cache) == 4:
-        scales = kv_cache[2 + index][block_tables].flatten(1, 2)
+        scales = kv_cache[2 + index].index_select(0, flat).view(b, max_blocks * cache.shape[1], -1)
         values = values.to(dtype) * scales.to(dtype)[..., None]
     return values.transpose(1, 2).to(dtype)
 
