@@ -70,7 +70,7 @@ def step(sched: Scheduler, token: int = 1) -> tuple[SchedulerOutput, list[Reques
     """One engine step without a model: every request whose chunk reaches its end 'samples' ``token``."""
     out = sched.schedule()
     sampled = {
-        r.request_id: token
+        r.request_id: [token]
         for r in out.scheduled_requests
         if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
     }
