@@ -279,6 +279,8 @@ class EngineArgs:
         quantization_group_size: INT4 group size (32, 64, 128).
         kv_cache_dtype: "auto" (the model dtype), "int8" or "fp8" (per-token, per-head
             scales; dequantized inside attention), or a float dtype name.
+        tensor_parallel_size: shard the model over this many processes (Megatron-style
+            tensor parallelism on torch.distributed: gloo on the CPU, NCCL on CUDA).
         speculative_config: speculative decoding, e.g. ``{"method": "ngram",
             "num_speculative_tokens": 4}`` (see ``SpeculativeConfig``); None: off.
         seed: seed of the engine's generator for unseeded sampling.
@@ -303,6 +305,7 @@ class EngineArgs:
     quantization_group_size: int = 128
     kv_cache_dtype: str = "auto"
     speculative_config: dict[str, Any] | None = None
+    tensor_parallel_size: int = 1
     seed: int = 0
     num_threads: int | None = None
     model_cache_dir: str | None = None
@@ -316,6 +319,7 @@ class EngineArgs:
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_memory_bytes is not None:

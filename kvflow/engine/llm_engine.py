@@ -16,6 +16,8 @@ import torch
 from kvflow.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, SpeculativeConfig, resolve_dtype
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import Scheduler
+from kvflow.distributed.parallel_state import TensorParallel, make_shard_plan
+from kvflow.distributed.worker import TPWorkers, torchrun_rank
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.loader import iter_weights, load_config, load_tokenizer, resolve_model
@@ -31,15 +33,29 @@ from kvflow.worker.model_runner import ModelRunner
 
 
 def _load_model(
-    model_dir, dtype: torch.dtype, device: torch.device, quantization: str | None = None, group_size: int = 128
+    model_dir,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+    group_size: int = 128,
+    tp: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build and load a model; quantize its decoder linears when asked or when the folder is a
-    quantized checkpoint."""
+    """Build and load a model (this rank's shard under tensor parallelism); quantize its
+    decoder linears when asked or when the folder is a quantized checkpoint.
+
+    Returns:
+        The model and the full model's ``ModelConfig``.
+    """
     from kvflow.quantization import model as qmodel
 
     model_config = ModelConfig.from_hf_config(load_config(model_dir))
+    if tp is not None and tp.plan is None:
+        tp.plan = make_shard_plan(model_config, tp.world_size, tp.rank)
+    if tp is not None and (quantization == "gguf" or qmodel.quantization_of(model_dir) is not None):
+        raise ValueError("tensor parallelism loads float checkpoints (quantization='gguf' or a saved quantized "
+                         "checkpoint cannot be sharded yet); use quantization='int8'/'int4'/'fp8' instead")
     with torch.device(device):
-        model = LlamaForCausalLM(model_config)
+        model = LlamaForCausalLM(model_config, tp)
     saved = qmodel.quantization_of(model_dir)
     if saved is not None:
         qmodel.load_quantized_weights(model, model_dir, saved["method"], saved["group_size"])
@@ -57,6 +73,29 @@ def _load_model(
         qmodel.quantize_model(model, quantization, group_size, calibration)
     model.to(device)
     return model, model_config
+
+
+def _build_shard(args: EngineArgs, model_dir, rank: int) -> tuple[LlamaForCausalLM, ModelConfig, CacheConfig]:
+    """Rank ``rank``'s model shard and the cache layout every rank shares (the block count is
+    sized for the rank holding the most KV heads, so all ranks have the same blocks)."""
+    device = args.torch_device()
+    dtype = resolve_dtype(args.dtype, device)
+    world = args.tensor_parallel_size
+    tp = TensorParallel(rank, world, None)
+    model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size, tp)
+    plans = [make_shard_plan(model_config, world, r) for r in range(world)]
+    widest = max(plans, key=lambda p: p.kv_heads[1] - p.kv_heads[0])
+    cache_config = args.cache_config(widest.shard_config(model_config), dtype)
+    return model, model_config, cache_config
+
+
+def build_rank(args: EngineArgs, rank: int, world_size: int) -> ModelRunner:
+    """A tensor-parallel worker's model runner (it samples nothing)."""
+    model_dir = resolve_model(args.model, cache_dir=args.model_cache_dir)
+    model, _, cache_config = _build_shard(args, model_dir, rank)
+    device = args.torch_device()
+    cache = CacheEngine(model.config, cache_config, device)
+    return ModelRunner(model, cache, cache_config.block_size, Sampler(torch.Generator(device=device)), device, is_driver=False)
 
 
 @dataclass
@@ -91,6 +130,7 @@ class LLMEngine:
         device: where the model and cache live.
         seed: seed of the engine generator for unseeded sampling.
         proposer: speculative decoding proposer, or None.
+        tp_workers: the tensor-parallel workers (``model`` is then rank 0's shard).
     """
 
     def __init__(
@@ -103,8 +143,10 @@ class LLMEngine:
         device: torch.device,
         seed: int = 0,
         proposer: NgramProposer | DraftModelProposer | None = None,
+        tp_workers: TPWorkers | None = None,
     ) -> None:
         self.model_config = model_config
+        self.tp_workers = tp_workers
         self.proposer = proposer
         self.spec_stats = SpecDecodeStats(proposer.k if proposer is not None else 0)
         self.cache_config = cache_config
@@ -119,10 +161,13 @@ class LLMEngine:
             num_cpu_blocks=cache_config.num_cpu_blocks,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
-        self.cache_engine = CacheEngine(model_config, cache_config, device)
+        self.cache_engine = CacheEngine(model.config, cache_config, device)  # this rank's shard of heads
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
-        self.model_runner = ModelRunner(model, self.cache_engine, cache_config.block_size, Sampler(generator), device)
+        self.model_runner = ModelRunner(
+            model, self.cache_engine, cache_config.block_size, Sampler(generator), device,
+            broadcast=tp_workers.broadcast if tp_workers is not None else None,
+        )
         self._states: dict[str, _RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
         self._grammar_compiler = None
@@ -144,8 +189,17 @@ class LLMEngine:
             torch.set_num_threads(args.num_threads)
         dtype = resolve_dtype(args.dtype, device)
         model_dir = resolve_model(args.model, cache_dir=args.model_cache_dir)
-        model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size)
-        cache_config = args.cache_config(model_config, dtype)
+        tp_workers = None
+        if args.tensor_parallel_size > 1:
+            tp_workers = TPWorkers(args.tensor_parallel_size, args, spawn=torchrun_rank() is None)
+            try:
+                model, model_config, cache_config = _build_shard(args, model_dir, 0)
+            except BaseException:
+                tp_workers.shutdown()
+                raise
+        else:
+            model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size)
+            cache_config = args.cache_config(model_config, dtype)
         scheduler_config = args.scheduler_config(model_config)
         proposer = None
         if args.speculative_config is not None:
@@ -172,7 +226,13 @@ class LLMEngine:
             device=device,
             seed=args.seed,
             proposer=proposer,
+            tp_workers=tp_workers,
         )
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers (a no-op without them)."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
 
     # ------------------------------------------------------------------ requests
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from kvflow.config import EngineArgs
+from kvflow.distributed.worker import torchrun_rank
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +28,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8 or a float dtype")
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="processes the model is sharded over")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn automatic prefix caching off")
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
@@ -50,7 +52,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
         "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_threads",
         "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space_bytes",
-        "quantization", "kv_cache_dtype", "speculative_config",
+        "quantization", "kv_cache_dtype", "speculative_config", "tensor_parallel_size",
     ]
     return {n: getattr(args, n) for n in names}
 
@@ -138,6 +140,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvflow.config import EngineArgs
+from kvflow.distributed.worker import torchrun_rank
     from kvflow.engine.async_engine import AsyncLLMEngine
     from kvflow.engine.llm_engine import LLMEngine
     from kvflow.entrypoints.openai.server import build_app
@@ -231,6 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvflow`` console script. Invalid options exit with status 2."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    rank = torchrun_rank()
+    if rank is not None and rank[0] != 0 and hasattr(args, "tensor_parallel_size"):
+        # A non-zero torchrun rank serves the driver's steps on its shard; only rank 0 runs
+        # the command itself (the engine, the server, the CLI output).
+        from kvflow.distributed.worker import worker_main
+
+        worker_main(rank[0], rank[1], "env://", EngineArgs(model=args.model, **_engine_kwargs(args)))
+        return 0
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as exc:

@@ -253,6 +253,16 @@ class LLM:
             results.append(BeamSearchOutput(seqs[:beam_width]))
         return results
 
+    def shutdown(self) -> None:
+        """Release the engine's worker processes (tensor parallelism); idempotent."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def get_stats(self) -> dict[str, float | int]:
         """See ``LLMEngine.get_stats``."""
         return self.engine.get_stats()

@@ -30,6 +30,15 @@ def _has_op(name: str) -> bool:
     return hasattr(torch.ops.aten, name)
 
 
+# Shape limits of the packed CPU kernels (PyTorch 2.x, aten/src/ATen/native/cpu/int*mm_kernel.cpp):
+# _weight_int8pack_mm reads K in chunks of 16 and crashes the process (segfault) otherwise;
+# _convert_weight_to_int4pack_for_cpu needs N % 16 == 0 and _weight_int4pack_mm_for_cpu a group
+# size of 32, 64, 128 or 256 (``group_size_for`` can pick 16 or 8). Outside them: dense path.
+_INT8_PACK_K_MULTIPLE = 16
+_INT4_PACK_N_MULTIPLE = 16
+_INT4_PACK_GROUP_SIZES = (32, 64, 128, 256)
+
+
 class _QuantizedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -39,6 +48,22 @@ class _QuantizedLinear(nn.Module):
     def _dense(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = F.linear(x.to(_COMPUTE), weight.to(_COMPUTE))
         return self._finish(out, x.dtype)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) / .half() cast every floating-point tensor, float8 included: an
+        # FP8 weight would come back float32 (4x the bytes) and the float32 scales / zeros
+        # would be rounded to the model dtype. The quantized storage keeps its dtype: the
+        # floating buffers travel as raw bytes (device moves still apply).
+        dtypes = {}
+        for name, buf in self._buffers.items():
+            if buf is not None and buf.is_floating_point():
+                dtypes[name] = buf.dtype
+                self._buffers[name] = buf.view(torch.uint8)
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for name, dtype in dtypes.items():
+                self._buffers[name] = self._buffers[name].view(dtype)
 
     def _finish(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         out = out.to(dtype)
@@ -65,8 +90,14 @@ class Int8Linear(_QuantizedLinear):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.shape[0] <= SMALL_BATCH_ROWS and _has_op("_weight_int8pack_mm"):
-            out = torch.ops.aten._weight_int8pack_mm(x.to(_COMPUTE), self.weight, self.scale.to(_COMPUTE))
+        if (
+            x.device.type == "cpu"
+            and x.shape[0] <= SMALL_BATCH_ROWS
+            and self.in_features % _INT8_PACK_K_MULTIPLE == 0
+            and _has_op("_weight_int8pack_mm")
+        ):
+            # The kernel refuses inputs that are not contiguous (e.g. a column slice).
+            out = torch.ops.aten._weight_int8pack_mm(x.to(_COMPUTE).contiguous(), self.weight, self.scale.to(_COMPUTE))
             return self._finish(out, x.dtype)
         return self._dense(x, self.weight.to(_COMPUTE) * self.scale.to(_COMPUTE)[:, None])
 
@@ -130,9 +161,17 @@ class Int4Linear(_QuantizedLinear):
         return self._packed, self._scales_and_zeros
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.shape[0] <= SMALL_BATCH_ROWS and _has_op("_weight_int4pack_mm_for_cpu"):
+        if (
+            x.device.type == "cpu"
+            and x.shape[0] <= SMALL_BATCH_ROWS
+            and self.out_features % _INT4_PACK_N_MULTIPLE == 0
+            and self.group_size in _INT4_PACK_GROUP_SIZES
+            and _has_op("_weight_int4pack_mm_for_cpu")
+        ):
             packed, scales_and_zeros = self._cpu_kernel_inputs()
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_COMPUTE), packed, self.group_size, scales_and_zeros)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(_COMPUTE).contiguous(), packed, self.group_size, scales_and_zeros
+            )
             return self._finish(out, x.dtype)
         return self._dense(x, self.dequantized(_COMPUTE))
 

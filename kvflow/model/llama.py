@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.config import ModelConfig
+from kvflow.distributed.parallel_state import TensorParallel, shard_hf_weight
 from kvflow.layers.attention import AttentionMetadata, KVCache, paged_attention, write_kv_cache
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
@@ -29,8 +30,9 @@ class LlamaAttention(nn.Module):
     """Self-attention; with cross-layer KV sharing only the first layer of a group projects
     and stores K/V, the others read it (``owns_kv`` False: the projection is Q only)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -58,28 +60,31 @@ class LlamaAttention(nn.Module):
             q = self.qkv_proj(x)
         q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
         o = paged_attention(q, kv_cache, metadata, self.scale)
-        return self.o_proj(o.reshape(num_tokens, self.q_size))
+        out = self.o_proj(o.reshape(num_tokens, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
     """SwiGLU MLP (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_idx, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -92,14 +97,20 @@ class LlamaForCausalLM(nn.Module):
     """The full decoder with its LM head.
 
     Args:
-        config: architecture facts (see ``ModelConfig``).
+        config: architecture facts (see ``ModelConfig``) of the full model.
+        tp: this rank's tensor-parallel place, or None. With it the model holds only its
+            shard (``self.config`` is the per-rank architecture, ``self.full_config`` the
+            whole model's) and sums / gathers partial results across ranks.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.full_config = config
+        self.tp = tp
+        config = config if tp is None else tp.plan.shard_config(config)
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -134,16 +145,28 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             Final hidden states [T, hidden_size] (after the last RMSNorm), model dtype.
         """
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         share = self.config.cla_share_factor
         for i, layer in enumerate(self.layers):
             x = layer(x, cos_sin, kv_caches[i // share], metadata)
         return self.norm(x)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.embed_tokens(input_ids)
+        start, end = self.tp.plan.vocab  # vocabulary-parallel: look up own rows, sum over ranks
+        local = (input_ids >= start) & (input_ids < end)
+        x = self.embed_tokens(torch.where(local, input_ids - start, 0)) * local.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
+        return self.tp.all_reduce(x)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM head: [N, hidden_size] -> float32 logits [N, vocab_size]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        """LM head: [N, hidden_size] -> float32 logits [N, vocab_size] (of the full model;
+        under tensor parallelism every rank gets all of them)."""
+        logits = F.linear(hidden, self.lm_head_weight).float()
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_last_dim(logits)[:, : self.tp.plan.full_vocab_size]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the model, fusing Q/K/V and gate/up.
@@ -152,6 +175,8 @@ class LlamaForCausalLM(nn.Module):
             ValueError: for an unexpected tensor name or shape, or when a parameter is left
                 without a value.
         """
+        if self.tp is not None:
+            weights = ((n, shard_hf_weight(n, t, self.full_config, self.tp.plan)) for n, t in weights)
         params = dict(self.named_parameters())
         rows_loaded = dict.fromkeys(params, 0)
         cfg = self.config

@@ -50,6 +50,9 @@ class ModelRunner:
         block_size: tokens per block.
         sampler: the token sampler.
         device: where inputs are built.
+        is_driver: False on a tensor-parallel worker: it runs the same forward and logits
+            collectives as the driver but samples nothing.
+        broadcast: on a tensor-parallel driver, sends each step's batch to the workers.
     """
 
     def __init__(
@@ -59,7 +62,11 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler,
         device: torch.device,
+        is_driver: bool = True,
+        broadcast=None,
     ) -> None:
+        self.is_driver = is_driver
+        self.broadcast = broadcast
         self.model = model
         self.cache_engine = cache_engine
         self.block_size = block_size
@@ -139,6 +146,8 @@ class ModelRunner:
             The sampled token of every request whose chunk reached the end of its known
             tokens, and log-probabilities for those that asked for them.
         """
+        if self.broadcast is not None:
+            self.broadcast(out)
         # Order matters: swapped-out blocks may be reused by swap-ins and copies this step.
         if out.blocks_to_swap_out:
             self.cache_engine.swap_out(out.blocks_to_swap_out)
@@ -150,10 +159,14 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.kv_caches, inputs.metadata)
         result = ModelRunnerOutput()
         if inputs.prompt_logprob_rows:
-            result.prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
+            prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
+            if self.is_driver:
+                result.prompt_logprobs = prompt_logprobs
         if not inputs.sampling_requests and not inputs.spec_requests:
             return result
         all_logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if not self.is_driver:
+            return result
         num_plain = len(inputs.sampling_requests)
         # (request, its raw logits rows, its emitted tokens) for logprobs
         emitted: list[tuple[Request, torch.Tensor, list[int]]] = []

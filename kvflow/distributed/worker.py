@@ -1,0 +1,199 @@
+"""Tensor-parallel execution: the driver (rank 0) schedules and samples; workers mirror its
+forward passes on their shards.
+
+Each step the driver broadcasts a picklable snapshot of the batch (``StepSnapshot``: token
+ids, positions' sources, block tables, copies and swaps) with
+``torch.distributed.broadcast_object_list``; every rank then builds the same inputs and runs
+its shard, the all-reduces and all-gathers inside the model keeping them in step. Workers
+are started by the engine with ``torch.multiprocessing`` (spawn) on one machine, or by
+``torchrun`` across machines (``init_method="env://"``). A broadcast of None stops them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kvflow.core.scheduler import SchedulerOutput
+from kvflow.sampling_params import SamplingParams
+
+COLLECTIVE_TIMEOUT_S = 120
+
+
+@dataclass
+class RequestSnapshot:
+    """What a worker needs of a scheduled request to build the step's inputs."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int
+    num_tokens: int
+    num_prompt_tokens: int
+    block_ids: list[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class StepSnapshot:
+    """A picklable copy of a ``SchedulerOutput`` (requests as ``RequestSnapshot``)."""
+
+    out: SchedulerOutput = field(default_factory=SchedulerOutput)
+
+    @classmethod
+    def of(cls, out: SchedulerOutput) -> "StepSnapshot":
+        snaps = {}
+
+        def snap(r) -> RequestSnapshot:
+            if r.request_id not in snaps:
+                params = SamplingParams(prompt_logprobs=r.sampling_params.prompt_logprobs, max_tokens=1)
+                snaps[r.request_id] = RequestSnapshot(
+                    r.request_id, list(r.all_token_ids), r.num_computed_tokens, r.num_tokens,
+                    r.num_prompt_tokens, list(r.block_ids), params,
+                )
+            return snaps[r.request_id]
+
+        copy = SchedulerOutput(
+            scheduled_requests=[snap(r) for r in out.scheduled_requests],
+            num_scheduled_tokens=dict(out.num_scheduled_tokens),
+            total_num_scheduled_tokens=out.total_num_scheduled_tokens,
+            blocks_to_copy=list(out.blocks_to_copy),
+            blocks_to_swap_out=list(out.blocks_to_swap_out),
+            blocks_to_swap_in=list(out.blocks_to_swap_in),
+            forked=[(snap(c), snap(p)) for c, p in out.forked],
+            scheduled_spec_tokens={k: list(v) for k, v in out.scheduled_spec_tokens.items()},
+        )
+        return cls(copy)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(rank: int, world_size: int, init_method: str, device: torch.device) -> None:
+    """Join the group: gloo on the CPU, NCCL on CUDA; collectives time out after
+    ``COLLECTIVE_TIMEOUT_S`` seconds so that a dead peer makes the others fail, not hang."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    )
+
+
+def worker_main(rank: int, world_size: int, init_method: str, args) -> None:
+    """Entry point of a worker process (spawned, or a non-zero torchrun rank)."""
+    from kvflow.engine.llm_engine import build_rank
+
+    if args.num_threads is not None:
+        torch.set_num_threads(args.num_threads)
+    device = args.torch_device()
+    init_process_group(rank, world_size, init_method, device)
+    try:
+        runner = build_rank(args, rank, world_size)
+        while True:
+            message = [None]
+            dist.broadcast_object_list(message, src=0)
+            if message[0] is None:
+                break
+            runner.execute(message[0].out)
+    finally:
+        dist.destroy_process_group()
+
+
+class TPWorkers:
+    """The driver's handle on its workers: broadcast steps, detect deaths, shut down.
+
+    Args:
+        world_size: ranks including the driver.
+        args: the ``EngineArgs`` every rank builds its shard from.
+        spawn: start local worker processes (False under torchrun, where they exist).
+    """
+
+    def __init__(self, world_size: int, args, spawn: bool = True) -> None:
+        self.world_size = world_size
+        self.procs: list[mp.Process] = []
+        self._closed = False
+        if spawn:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            ctx = mp.get_context("spawn")
+            for rank in range(1, world_size):
+                proc = ctx.Process(target=worker_main, args=(rank, world_size, init_method, args), daemon=True)
+                proc.start()
+                self.procs.append(proc)
+        else:
+            init_method = "env://"
+        atexit.register(self.shutdown)
+        # Join in a thread so that a worker dying during start-up fails the driver at once
+        # instead of after the rendezvous timeout.
+        errors: list[BaseException] = []
+
+        def join() -> None:
+            try:
+                init_process_group(0, world_size, init_method, args.torch_device())
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+
+        joiner = threading.Thread(target=join, daemon=True)
+        joiner.start()
+        while joiner.is_alive():
+            joiner.join(timeout=0.2)
+            dead = [(rank, p.exitcode) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+            if dead and joiner.is_alive():
+                self.shutdown()
+                raise RuntimeError(
+                    f"tensor-parallel worker rank {dead[0][0]} exited during start-up (exit code {dead[0][1]}); "
+                    "with the spawn start method the main script must be guarded by if __name__ == '__main__'"
+                )
+        if errors:
+            self.shutdown()
+            raise errors[0]
+
+    def check_alive(self) -> None:
+        """Raises RuntimeError (after cleaning up) if a worker process has died."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive():
+                code = proc.exitcode
+                self.shutdown()
+                raise RuntimeError(f"tensor-parallel worker rank {rank} died (exit code {code}); engine stopped")
+
+    def broadcast(self, out: SchedulerOutput) -> None:
+        self.check_alive()
+        dist.broadcast_object_list([StepSnapshot.of(out)], src=0)
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave no process behind."""
+        if self._closed:
+            return
+        self._closed = True
+        if dist.is_initialized():
+            try:
+                if all(p.is_alive() for p in self.procs):
+                    dist.broadcast_object_list([None], src=0)
+            except Exception:  # noqa: BLE001 - a dead peer: terminate below
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world_size) when started by torchrun with more than one process, else None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size > 1:
+            return int(os.environ["RANK"]), world_size
+    return None
