@@ -75,6 +75,13 @@ def _load_model(
     return model, model_config
 
 
+def _has_tokenizer(model_dir) -> bool:
+    """A folder without tokenizer files runs on token ids only (no text in or out)."""
+    from pathlib import Path
+
+    return any((Path(model_dir) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
 def _build_shard(args: EngineArgs, model_dir, rank: int) -> tuple[LlamaForCausalLM, ModelConfig, CacheConfig]:
     """Rank ``rank``'s model shard and the cache layout every rank shares (the block count is
     sized for the rank holding the most KV heads, so all ranks have the same blocks)."""
@@ -222,7 +229,7 @@ class LLMEngine:
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
-            tokenizer=load_tokenizer(model_dir),
+            tokenizer=load_tokenizer(model_dir) if _has_tokenizer(model_dir) else None,
             device=device,
             seed=args.seed,
             proposer=proposer,

@@ -43,6 +43,8 @@ class LLM:
     # ------------------------------------------------------------------ inputs
     def _to_token_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt), prompt
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

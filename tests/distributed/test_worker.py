@@ -1,0 +1,120 @@
+"""Tensor parallelism with real processes (gloo, 2 ranks on this CPU)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from conftest import requires_smollm2, tiny_model, tiny_model_config
+from kvflow import LLM, SamplingParams
+from model.test_llama import to_hf_state_dict
+
+PROMPTS = [[5, 17, 99, 3, 42, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [77, 66, 55]]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny Llama checkpoint folder (config.json + safetensors), 4 query / 2 KV heads."""
+    cfg = tiny_model_config(vocab_size=131)
+    model = tiny_model(cfg)
+    path = tmp_path_factory.mktemp("tiny")
+    hf = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
+    )
+    hf.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in to_hf_state_dict(model).items()}, str(path / "model.safetensors"))
+    return path
+
+
+def _run(model: str, tp: int, **kwargs):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=5)
+    with LLM(model=model, dtype="float32", tensor_parallel_size=tp, num_threads=1, num_kv_blocks=64, **kwargs) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        stats = llm.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    return [o.outputs[0].token_ids for o in outs], [o.prompt_logprobs for o in outs]
+
+
+def _assert_logprobs_close(a, b, tol, same_top_k=True):
+    for pa, pb in zip(a, b):
+        for ea, eb in zip(pa, pb):
+            if same_top_k:
+                assert ea.keys() == eb.keys()
+            common = ea.keys() & eb.keys()  # always holds the actual next prompt token
+            assert common
+            for k in common:
+                assert abs(ea[k] - eb[k]) <= tol
+
+
+def _no_children() -> bool:
+    deadline = time.time() + 10
+    while multiprocessing.active_children() and time.time() < deadline:
+        time.sleep(0.2)
+    return not multiprocessing.active_children()
+
+
+def test_tp2_equals_tp1_on_a_tiny_model(tiny_dir):
+    tokens1, logprobs1 = _run(str(tiny_dir), 1)
+    tokens2, logprobs2 = _run(str(tiny_dir), 2)
+    assert tokens2 == tokens1
+    _assert_logprobs_close(logprobs2, logprobs1, 1e-4)
+    assert _no_children()
+
+
+def test_tp2_int8_linears_shard_correctly(tiny_dir):
+    # Column-parallel layers quantize per output channel, so rank 0's INT8 rows are exactly
+    # the matching rows of the unsharded INT8 weight.
+    with LLM(model=str(tiny_dir), dtype="float32", num_threads=1, num_kv_blocks=64, quantization="int8") as one:
+        full = one.engine.model_runner.model.layers[0].self_attn.qkv_proj
+        with LLM(model=str(tiny_dir), dtype="float32", tensor_parallel_size=2, num_threads=1, num_kv_blocks=64,
+                 quantization="int8") as two:
+            shard = two.engine.model_runner.model.layers[0].self_attn.qkv_proj
+            hd, cfg = 16, one.engine.model_config
+            q_rows, kv_rows = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+            expected = torch.cat([
+                full.weight[: q_rows // 2],  # rank 0: query heads 0-1
+                full.weight[q_rows : q_rows + kv_rows // 2],  # its K head
+                full.weight[q_rows + kv_rows : q_rows + kv_rows + kv_rows // 2],  # its V head
+            ])
+            assert torch.equal(shard.weight, expected)
+    tokens1, logprobs1 = _run(str(tiny_dir), 1, quantization="int8")
+    tokens2, logprobs2 = _run(str(tiny_dir), 2, quantization="int8")
+    # Row-parallel shards (o_proj, down_proj) get their own per-channel scales, so outputs
+    # match within INT8 error (about 1% of these tiny random models' large logits).
+    _assert_logprobs_close(logprobs2, logprobs1, 0.1, same_top_k=False)  # near-ties may reorder the top 5
+    assert sum(a == b for x, y in zip(tokens1, tokens2) for a, b in zip(x, y)) >= 0.8 * sum(map(len, tokens1))
+    assert _no_children()
+
+
+@requires_smollm2
+@pytest.mark.integration
+def test_tp2_equals_tp1_on_the_real_model(smollm2_dir):
+    tokens1, logprobs1 = _run(str(smollm2_dir), 1)
+    tokens2, logprobs2 = _run(str(smollm2_dir), 2)
+    assert tokens2 == tokens1
+    _assert_logprobs_close(logprobs2, logprobs1, 1e-3)
+    assert _no_children()
+
+
+def test_dead_worker_fails_loudly_and_cleans_up(tiny_dir):
+    llm = LLM(model=str(tiny_dir), dtype="float32", tensor_parallel_size=2, num_threads=1, num_kv_blocks=64)
+    (worker,) = llm.engine.tp_workers.procs
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join(timeout=10)
+    start = time.time()
+    with pytest.raises(RuntimeError, match="worker rank 1 died"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert time.time() - start < 30
+    llm.shutdown()
+    assert _no_children()
+    assert not torch.distributed.is_initialized()
