@@ -73,31 +73,35 @@ class _QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class Int8Linear(_QuantizedLinear):
-    """y = x W^T + b with W ~= weight (int8 [N, K]) * scale (float32 [N])."""
+class _PerChannelLinear(_QuantizedLinear):
+    """A weight of ``weight_dtype`` [N, K] with one float32 scale per output channel [N]."""
+
+    weight_dtype: torch.dtype
+    quantize = staticmethod(quantize_int8)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=self.weight_dtype))
         self.register_buffer("scale", torch.ones(out_features))
 
     @classmethod
-    def from_float(cls, linear: nn.Linear) -> "Int8Linear":
+    def from_float(cls, linear: nn.Linear) -> "_PerChannelLinear":
         module = cls(linear.in_features, linear.out_features, linear.bias is not None)
-        module.weight, module.scale = quantize_int8(linear.weight.data)
+        module.weight, module.scale = cls.quantize(linear.weight.data)
         if linear.bias is not None:
             module.bias.data.copy_(linear.bias.data.float())
         return module
 
+
+class Int8Linear(_PerChannelLinear):
+    """y = x W^T + b with W ~= weight (int8 [N, K]) * scale (float32 [N])."""
+
+    weight_dtype = torch.int8
+    quantize = staticmethod(quantize_int8)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            x.device.type == "cpu"
-            and x.shape[0] <= SMALL_BATCH_ROWS
-            and self.in_features % _INT8_PACK_K_MULTIPLE == 0
-            and _has_op("_weight_int8pack_mm")
-        ):
-            # The kernel refuses inputs that are not contiguous (e.g. a column slice).
-            out = torch.ops.aten._weight_int8pack_mm(x.to(_COMPUTE).contiguous(), self.weight, self.scale.to(_COMPUTE))
+        if x.device.type == "cpu" and x.shape[0] <= SMALL_BATCH_ROWS and _has_op("_weight_int8pack_mm"):
+            out = torch.ops.aten._weight_int8pack_mm(x.to(_COMPUTE), self.weight, self.scale.to(_COMPUTE))
             return self._finish(out, x.dtype)
         return self._dense(x, self.weight.to(_COMPUTE) * self.scale.to(_COMPUTE)[:, None])
 
@@ -176,24 +180,14 @@ class Int4Linear(_QuantizedLinear):
         return self._dense(x, self.dequantized(_COMPUTE))
 
 
-class FP8Linear(_QuantizedLinear):
+class FP8Linear(_PerChannelLinear):
     """y = x W^T + b with W ~= weight (float8_e4m3fn [N, K]) * scale (float32 [N]).
 
     No FP8 matmul exists on the CPU: the weight is dequantized per call (memory saving only).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__(in_features, out_features, bias)
-        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn))
-        self.register_buffer("scale", torch.ones(out_features))
-
-    @classmethod
-    def from_float(cls, linear: nn.Linear) -> "FP8Linear":
-        module = cls(linear.in_features, linear.out_features, linear.bias is not None)
-        module.weight, module.scale = quantize_fp8(linear.weight.data)
-        if linear.bias is not None:
-            module.bias.data.copy_(linear.bias.data.float())
-        return module
+    weight_dtype = torch.float8_e4m3fn
+    quantize = staticmethod(quantize_fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._dense(x, dequantize_fp8(self.weight, self.scale))
