@@ -140,7 +140,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvflow.config import EngineArgs
-from kvflow.distributed.worker import torchrun_rank
     from kvflow.engine.async_engine import AsyncLLMEngine
     from kvflow.engine.llm_engine import LLMEngine
     from kvflow.entrypoints.openai.server import build_app
