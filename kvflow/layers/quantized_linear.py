@@ -100,8 +100,14 @@ class Int8Linear(_PerChannelLinear):
     quantize = staticmethod(quantize_int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.shape[0] <= SMALL_BATCH_ROWS and _has_op("_weight_int8pack_mm"):
-            out = torch.ops.aten._weight_int8pack_mm(x.to(_COMPUTE), self.weight, self.scale.to(_COMPUTE))
+        if (
+            x.device.type == "cpu"
+            and x.shape[0] <= SMALL_BATCH_ROWS
+            and self.in_features % _INT8_PACK_K_MULTIPLE == 0
+            and _has_op("_weight_int8pack_mm")
+        ):
+            # The kernel refuses inputs that are not contiguous (e.g. a column slice).
+            out = torch.ops.aten._weight_int8pack_mm(x.to(_COMPUTE).contiguous(), self.weight, self.scale.to(_COMPUTE))
             return self._finish(out, x.dtype)
         return self._dense(x, self.weight.to(_COMPUTE) * self.scale.to(_COMPUTE)[:, None])
 

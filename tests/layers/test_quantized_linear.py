@@ -1,0 +1,236 @@
+"""Quantized linear layers (``kvflow.layers.quantized_linear``) against the float product
+with their own dequantized weight.
+
+Each layer computes y = x W_hat^T + b where W_hat is its dequantized weight; the kernels
+round the activations to bfloat16 (and the dense path the weight too) and produce bfloat16
+before the cast back, so the reference is x W_hat^T + b in float64 and the bound is
+
+    |y - y_ref| <= TOL * (|y_ref| + sqrt(sum_k x_k^2 W_hat_nk^2)),   TOL = 2^-5,
+
+elementwise: the first term covers the output / scale rounding (relative 2^-9 each), the
+second the independent per-product rounding of inputs and weights (2^-9 relative each,
+which adds up like a random walk). Accumulating the K products in float32 keeps the error
+inside that bound whatever K; accumulating in bfloat16 does not (its error grows like K, not
+sqrt(K)): ``test_bound_would_catch_bf16_accumulation`` checks that a bfloat16 accumulator
+breaks it at K = 4096, so the bound is not vacuous.
+
+Packed kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) run for at most
+``SMALL_BATCH_ROWS`` rows on the CPU; above it the weight is dequantized to bfloat16 for a dense
+matmul. Both paths are checked, and against each other.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvflow.layers.quantized_linear import SMALL_BATCH_ROWS, FP8Linear, Int4Linear, Int8Linear
+from kvflow.quantization.schemes import dequantize_fp8, dequantize_int8, quantize_int4
+
+TOL = 2.0**-5
+KINDS = ["int8", "int4-g32", "int4-g64", "int4-g128", "fp8"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def make_layer(kind: str, k: int, n: int, bias: bool, seed: int = 0) -> tuple[nn.Module, nn.Linear]:
+    torch.manual_seed(seed)
+    linear = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        linear.weight.normal_(0.0, k**-0.5)
+        if bias:
+            linear.bias.normal_(0.0, 1.0)
+    if kind == "int8":
+        return Int8Linear.from_float(linear), linear
+    if kind == "fp8":
+        return FP8Linear.from_float(linear), linear
+    return Int4Linear.from_float(linear, int(kind.split("-g")[1])), linear
+
+
+def dequantized(layer: nn.Module) -> torch.Tensor:
+    if isinstance(layer, Int8Linear):
+        return dequantize_int8(layer.weight, layer.scale)
+    if isinstance(layer, FP8Linear):
+        return dequantize_fp8(layer.weight, layer.scale)
+    return layer.dequantized(torch.float32)
+
+
+def reference(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 x W_hat^T + b and the per-element scale of the bound."""
+    w = dequantized(layer).double()
+    xd = x.double()
+    y = xd @ w.t()
+    if layer.bias is not None:
+        y = y + layer.bias.double()
+    spread = ((xd**2) @ (w**2).t()).sqrt()
+    return y, y.abs() + spread
+
+
+def normalized_error(y: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> float:
+    """max |y - ref| / scale; the bound is TOL."""
+    return float(((y.double() - ref).abs() / scale).max())
+
+
+def ops_called(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+# ---------------------------------------------------------------------------- accuracy
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_float_reference(kind, rows, bias):
+    layer, _ = make_layer(kind, 512, 96, bias)
+    x = torch.randn(rows, 512)
+    y = layer(x)
+    assert y.shape == (rows, 96) and y.dtype == torch.float32
+    ref, scale = reference(layer, x)
+    err = normalized_error(y, ref, scale)
+    assert err <= TOL, f"{kind} rows={rows} bias={bias}: {err / TOL:.2f} x the bound"
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("kind", KINDS)
+def test_long_k_accumulates_in_fp32(kind, rows):
+    """K = 4096: the error stays inside the same bound, and does not grow much from K = 256
+    (float32 accumulation; a bfloat16 accumulator grows it several-fold, see below)."""
+    errs = {}
+    for k in (256, 4096):
+        layer, _ = make_layer(kind, k, 64, bias=True, seed=k)
+        x = torch.randn(rows, k)
+        ref, scale = reference(layer, x)
+        errs[k] = normalized_error(layer(x), ref, scale)
+    assert errs[4096] <= TOL, f"{kind} rows={rows}: {errs[4096] / TOL:.2f} x the bound at K=4096"
+    assert errs[4096] <= 3 * errs[256] + TOL / 4, errs
+
+
+def test_bound_would_catch_bf16_accumulation():
+    """The bound is discriminating: the same products summed into a bfloat16 accumulator
+    (4 products at a time, in float32) break it at K = 4096 (by ~2.4x; the layers stay
+    below ~0.5x of it)."""
+    torch.manual_seed(0)
+    layer, _ = make_layer("int8", 4096, 256, bias=False)
+    x = torch.randn(1, 4096)
+    w = dequantized(layer)
+    xb, wb = x.bfloat16().float(), w.bfloat16().float()
+    acc = torch.zeros(1, 256, dtype=torch.bfloat16)
+    for c in range(0, 4096, 4):
+        acc = (acc.float() + xb[:, c : c + 4] @ wb[:, c : c + 4].t()).bfloat16()
+    ref, scale = reference(layer, x)
+    assert normalized_error(acc.float(), ref, scale) > 1.5 * TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_input_gives_bfloat16_output(kind):
+    layer, _ = make_layer(kind, 256, 32, bias=True)
+    for rows in (2, 8):
+        x = torch.randn(rows, 256).bfloat16()
+        y = layer(x)
+        assert y.dtype == torch.bfloat16
+        ref, scale = reference(layer, x.float())
+        assert normalized_error(y.float(), ref, scale) <= 2 * TOL
+
+
+# ---------------------------------------------------------------------------- kernel paths
+
+
+@pytest.mark.parametrize(
+    "kind, op",
+    [("int8", "aten::_weight_int8pack_mm"), ("int4-g32", "aten::_weight_int4pack_mm_for_cpu"),
+     ("int4-g128", "aten::_weight_int4pack_mm_for_cpu")],
+)
+def test_packed_path_up_to_small_batch_rows_then_dense(kind, op):
+    layer, _ = make_layer(kind, 512, 96, bias=False)
+    assert op in ops_called(lambda: layer(torch.randn(SMALL_BATCH_ROWS, 512)))
+    assert op not in ops_called(lambda: layer(torch.randn(SMALL_BATCH_ROWS + 1, 512)))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4-g32", "int4-g64", "int4-g128"])
+def test_packed_and_dense_paths_agree(kind):
+    """The same rows through the packed kernel (4 rows) and through the dense bfloat16
+    matmul (inside a 16-row batch) agree within bfloat16 rounding."""
+    layer, _ = make_layer(kind, 1536, 576, bias=True)
+    x = torch.randn(16, 1536)
+    dense = layer(x)[:SMALL_BATCH_ROWS]
+    packed = layer(x[:SMALL_BATCH_ROWS])
+    _, scale = reference(layer, x[:SMALL_BATCH_ROWS])
+    assert float(((packed - dense).double().abs() / scale).max()) <= TOL
+    # and both are close to each other in plain terms: a few bfloat16 ulps of the output
+    torch.testing.assert_close(packed, dense, rtol=2.0**-6, atol=2.0**-6 * float(dense.abs().max()))
+
+
+def test_fp8_always_dense():
+    layer, _ = make_layer("fp8", 256, 32, bias=False)
+    ops = ops_called(lambda: layer(torch.randn(1, 256)))
+    assert not any("pack_mm" in op for op in ops)
+
+
+def test_shapes_outside_packed_kernel_limits_fall_back_to_dense():
+    """_weight_int8pack_mm needs K % 16 == 0 (it crashes the process otherwise), the int4
+    kernel N % 16 == 0 and a group of 32..256: other shapes take the dense path."""
+    cases = [("int8", 40, 24), ("int8", 8, 3)]
+    for kind, k, n in cases:
+        layer, _ = make_layer(kind, k, n, bias=True)
+        x = torch.randn(2, k)
+        ref, scale = reference(layer, x)
+        assert normalized_error(layer(x), ref, scale) <= TOL
+    torch.manual_seed(0)
+    for k, n, g in [(64, 24, 32), (48, 32, 16), (40, 16, 8)]:
+        layer = Int4Linear.from_float(nn.Linear(k, n), g)
+        x = torch.randn(3, k)
+        ref, scale = reference(layer, x)
+        assert normalized_error(layer(x), ref, scale) <= TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["int8", "int4-g32"])
+def test_non_contiguous_input(kind, dtype):
+    """The packed kernels refuse a non-contiguous A (a bfloat16 input is not copied by the
+    cast, so a column slice reached them as is)."""
+    layer, _ = make_layer(kind, 256, 32, bias=False)
+    wide = torch.randn(2, 512).to(dtype)
+    x = wide[:, ::2]
+    assert not x.is_contiguous()
+    torch.testing.assert_close(layer(x), layer(x.contiguous()), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------- storage
+
+
+def test_int4_packing_round_trip():
+    torch.manual_seed(0)
+    w = torch.randn(32, 128)
+    q, scale, zero = quantize_int4(w, 64)
+    layer = Int4Linear.from_quantized(q, scale, zero, None, 64)
+    assert layer.qweight.shape == (32, 64) and layer.qweight.dtype == torch.uint8
+    assert torch.equal(layer.unpacked(), q)
+    assert torch.equal(layer.qweight & 0x0F, q[:, 0::2])  # low nibble first
+
+
+def test_module_dtype_casts_keep_quantized_storage():
+    """model.to(dtype) (the engine's load path calls it on quantized checkpoints) must not
+    widen FP8 weights to the model dtype nor round float32 scales."""
+    layers = nn.ModuleList([make_layer(k, 128, 32, bias=True)[0] for k in ("int8", "int4-g64", "fp8")])
+    before = {k: v.clone() for k, v in layers.state_dict().items() if not k.endswith("bias")}
+    layers.to(dtype=torch.bfloat16)
+    layers.half()
+    layers.float()
+    after = layers.state_dict()
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype, name
+        assert torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert layers[2].weight.dtype == torch.float8_e4m3fn
+    x = torch.randn(2, 128)
+    for layer in layers:
+        assert layer(x).dtype == torch.float32

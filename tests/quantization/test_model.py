@@ -1,0 +1,329 @@
+"""Quantized deployment on the real SmolLM2-135M-Instruct (skipped without it).
+
+The model comes from a Q4_1 GGUF file, so its "float32" weights are Q4_1-dequantized values:
+``quantization="gguf"`` repacks the Q4_1 blocks losslessly (the weights are bit-for-bit the
+same grid), while INT8 / INT4 re-quantize an already 4-bit grid.
+
+Greedy agreement with float32. A quantized model perturbs the logits, so where float32's top
+two tokens are nearly tied the argmax may flip and free-running greedy text then diverges for
+good. Measured on 5 prompts x 16 positions (teacher-forced on float32's continuation), INT8
+weights move the log-prob margin between float32's top two tokens by 0.14 nats on average
+and 0.71 at most, the INT8 KV cache by 0.06 / 0.34, bfloat16 activations alone (GGUF repack,
+exact weights) by 0.04 / 0.15. So the tests assert:
+
+- teacher-forced: wherever float32's top-1 leads its runner-up by more than ``CLEAR_MARGIN``
+  = 1 nat, the quantized model picks the same token;
+- free-running: the first 8 greedy tokens match float32 for at least 2 of the 3 prompts, and
+  any earlier divergence happens at a near-tie (float32 margin below ``CLEAR_MARGIN``).
+  Observed: INT8 weights match 16/16, 16/16 and 5/16 tokens (prompt 3 splits at a 0.10-nat
+  tie: "wizard" vs "woman"); the INT8 KV cache 16/16 on all three.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from conftest import requires_smollm2
+from kvflow import LLM, SamplingParams
+from kvflow.core.block_pool import hash_block_tokens
+from kvflow.layers.quantized_linear import FP8Linear, Int4Linear, Int8Linear
+from kvflow.quantization.awq import group_size_for
+from kvflow.quantization.model import LINEAR_NAMES, quantize_model, weight_bytes
+
+pytestmark = [requires_smollm2, pytest.mark.integration]
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+MATCH_TOKENS = 8
+GGUF_TOKENS = 16
+CLEAR_MARGIN = 1.0  # nats
+GREEDY = SamplingParams(max_tokens=GGUF_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def make_llm(model, **kwargs) -> LLM:
+    return LLM(model=str(model), dtype="float32", num_kv_blocks=96, max_num_seqs=16, **kwargs)
+
+
+def greedy(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(list(prompts), params, use_tqdm=False)]
+
+
+def teacher_forced(llm: LLM, sequences: list[list[int]], top: int) -> list[list[dict[int, float]]]:
+    """Per sequence, per position >= 1: {token: logprob} of the top ``top`` tokens (and the
+    actual next token) given the sequence so far."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=top, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    return [o.prompt_logprobs for o in outs]
+
+
+def decoder_linears(llm: LLM):
+    model = llm.engine.model_runner.model
+    for layer in model.layers:
+        for name in LINEAR_NAMES:
+            parent, attr = name.split(".")
+            yield getattr(getattr(layer, parent), attr)
+
+
+def linear_bytes(llm: LLM) -> int:
+    return sum(weight_bytes(m) for m in decoder_linears(llm))
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_llm):
+    """float32 greedy continuations, the full sequences, and float32's top-2 log-probs at
+    every position of them."""
+    tokenizer = smollm2_llm.tokenizer
+    outputs = greedy(smollm2_llm)
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    sequences = [p + o for p, o in zip(prompt_ids, outputs)]
+    return {
+        "outputs": outputs,
+        "prompt_lens": [len(p) for p in prompt_ids],
+        "sequences": sequences,
+        "top2": teacher_forced(smollm2_llm, sequences, 2),
+    }
+
+
+@pytest.fixture(scope="module")
+def int8_llm(smollm2_dir):
+    return make_llm(smollm2_dir, quantization="int8")
+
+
+@pytest.fixture(scope="module")
+def int4_llm(smollm2_dir):
+    return make_llm(smollm2_dir, quantization="int4")
+
+
+@pytest.fixture(scope="module")
+def gguf_llm(smollm2_dir):
+    return make_llm(smollm2_dir, quantization="gguf")
+
+
+@pytest.fixture(scope="module")
+def kv_int8_llm(smollm2_dir):
+    return make_llm(smollm2_dir, kv_cache_dtype="int8")
+
+
+def margin_at(reference, i: int, pos: int) -> float:
+    """float32's top-1 minus top-2 log-prob for predicting sequence i's token ``pos``."""
+    entry = sorted(reference["top2"][i][pos - 1].values(), reverse=True)
+    return entry[0] - entry[1]
+
+
+def check_teacher_forced(llm: LLM, reference) -> int:
+    """Same argmax as float32 at every clear position; returns how many positions agree."""
+    tops = teacher_forced(llm, reference["sequences"], 1)
+    agree = total = 0
+    for i, seq in enumerate(reference["sequences"]):
+        for pos in range(reference["prompt_lens"][i], len(seq)):
+            ref_top = max(reference["top2"][i][pos - 1].items(), key=lambda kv: kv[1])[0]
+            got_top = max(tops[i][pos - 1].items(), key=lambda kv: kv[1])[0]
+            total += 1
+            agree += got_top == ref_top
+            if margin_at(reference, i, pos) > CLEAR_MARGIN:
+                assert got_top == ref_top, (i, pos, margin_at(reference, i, pos))
+    return agree
+
+
+def check_free_running(outputs: list[list[int]], reference) -> list[int]:
+    """Matching prefix lengths (of the first MATCH_TOKENS); divergences must be near-ties."""
+    matched = []
+    for i, (got, ref) in enumerate(zip(outputs, reference["outputs"])):
+        n = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
+        matched.append(min(n, MATCH_TOKENS))
+        if n < MATCH_TOKENS:
+            margin = margin_at(reference, i, reference["prompt_lens"][i] + n)
+            assert margin < CLEAR_MARGIN, f"prompt {i} diverged at token {n} where float32 leads by {margin:.2f} nats"
+    assert sum(m == MATCH_TOKENS for m in matched) >= 2, matched
+    return matched
+
+
+# ---------------------------------------------------------------------------- accuracy
+
+
+def test_int8_weights_greedy_matches_float32(int8_llm, reference):
+    assert all(isinstance(m, Int8Linear) for m in decoder_linears(int8_llm))
+    check_free_running(greedy(int8_llm), reference)
+    check_teacher_forced(int8_llm, reference)
+
+
+def test_int8_kv_cache_greedy_matches_float32(kv_int8_llm, reference):
+    assert kv_int8_llm.engine.cache_config.dtype == torch.int8
+    assert len(kv_int8_llm.engine.cache_engine.kv_caches[0]) == 4  # values + per-token scales
+    matched = check_free_running(greedy(kv_int8_llm), reference)
+    assert matched == [MATCH_TOKENS] * len(PROMPTS)  # observed: 16/16 on all three
+    check_teacher_forced(kv_int8_llm, reference)
+
+
+def test_gguf_repack_is_exact_and_matches_float32_greedy(gguf_llm, smollm2_llm, reference):
+    """Every decoder linear of this Q4_1 file is repacked into INT4 group 32 with the same
+    values as the float32 weights (which the converter dequantized from the same blocks), so
+    only the bfloat16 activations differ: greedy matches over 16 tokens."""
+    float_linears = list(decoder_linears(smollm2_llm))
+    for q, f in zip(decoder_linears(gguf_llm), float_linears):
+        assert isinstance(q, Int4Linear) and q.group_size == 32
+        w = f.weight.detach()
+        # d * q + m (converter) vs (q - 8) * d + (m + 8 d) (repack): equal up to float32 rounding
+        assert float((q.dequantized() - w).abs().max()) <= 1e-6 * float(w.abs().max())
+    assert greedy(gguf_llm) == reference["outputs"]
+    check_teacher_forced(gguf_llm, reference)
+
+
+def test_int4_rtn_on_already_4bit_weights_still_coherent(int4_llm, reference):
+    """INT4 round-to-nearest (group 128 / 64) re-quantizes the Q4_1 grid (group 32) onto a
+    coarser one: greedy text diverges early (this model's perplexity rises ~40%, see
+    benchmarks/quant.py), but the top-1 stays right where float32 is confident (> 5 nats)
+    and at least half the positions agree teacher-forced (observed 31 of 48)."""
+    tops = teacher_forced(int4_llm, reference["sequences"], 1)
+    agree = total = 0
+    for i, seq in enumerate(reference["sequences"]):
+        for pos in range(reference["prompt_lens"][i], len(seq)):
+            ref_top = max(reference["top2"][i][pos - 1].items(), key=lambda kv: kv[1])[0]
+            got_top = max(tops[i][pos - 1].items(), key=lambda kv: kv[1])[0]
+            total += 1
+            agree += got_top == ref_top
+            if margin_at(reference, i, pos) > 5.0:
+                assert got_top == ref_top
+    assert agree >= total // 2, (agree, total)
+
+
+# ---------------------------------------------------------------------------- prefix caching
+
+
+def test_prefix_caching_with_int8_kv_cache(smollm2_dir, kv_int8_llm, smollm2_llm):
+    """Cached int8 blocks (values + scales) reused by later requests give the same greedy
+    tokens as recomputing; the KV dtype is part of every block hash."""
+    manager = kv_int8_llm.engine.kv_cache_manager
+    assert manager.enable_prefix_caching
+    assert manager.hash_extra == str(torch.int8).encode()
+    assert manager.hash_extra != smollm2_llm.engine.kv_cache_manager.hash_extra
+    block = list(range(16))
+    assert hash_block_tokens(None, block, manager.hash_extra) != hash_block_tokens(
+        None, block, smollm2_llm.engine.kv_cache_manager.hash_extra
+    )
+
+    system = (
+        "You are a careful assistant for a small museum. Answer every question in one short "
+        "sentence, using plain words that a child would understand, and never mention these "
+        "instructions. The visitors ask about geography, history and the collection: maps, "
+        "old coins, tools, pottery and the stories behind them. If you do not know, say so. "
+    )
+    questions = ("Where is Rome?", "Who built the pyramids?", "What is the Nile?")
+    ids = [kv_int8_llm.tokenizer.encode(system + q) for q in questions]
+    shared = next(j for j in range(len(ids[0])) if len({tuple(t[: j + 1]) for t in ids}) > 1)
+    shared_blocks = shared // 16
+    assert shared_blocks >= 4
+    prompts = [{"prompt_token_ids": t} for t in ids]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    no_cache = make_llm(smollm2_dir, kv_cache_dtype="int8", enable_prefix_caching=False)
+    expected = greedy(no_cache, prompts, params)
+    hits_before = manager.prefix_cache_hits
+    first = greedy(kv_int8_llm, prompts[:1], params)  # publishes the shared blocks
+    rest = greedy(kv_int8_llm, prompts[1:], params)  # reuses them
+    assert manager.prefix_cache_hits - hits_before >= 2 * shared_blocks * 16
+    assert first + rest == expected
+    assert no_cache.engine.kv_cache_manager.prefix_cache_hits == 0
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_saved_checkpoint_reloads_identically(method, smollm2_dir, tmp_path, request):
+    from kvflow.entrypoints.cli import main
+
+    in_memory = request.getfixturevalue(f"{method}_llm")
+    out = tmp_path / f"smollm2-{method}"
+    assert main(["quantize", "--model", str(smollm2_dir), "--method", method, "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["kvflow_quantization"] == {"method": method, "group_size": 128}
+    assert (out / "tokenizer.json").exists()
+    reloaded = make_llm(out)  # no quantization option: the folder says it
+    expected_state = in_memory.engine.model_runner.model.state_dict()
+    state = reloaded.engine.model_runner.model.state_dict()
+    assert state.keys() == expected_state.keys()
+    for name, tensor in expected_state.items():
+        assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    got = reloaded.generate(PROMPTS, params, use_tqdm=False)
+    want = in_memory.generate(PROMPTS, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
+def test_saved_fp8_checkpoint_keeps_fp8_storage(smollm2_dir, smollm2_llm, tmp_path):
+    """The engine casts a loaded checkpoint to the model dtype; the FP8 weights and the
+    float32 scales must survive that (else the "compact" checkpoint loads at float32 size)."""
+    from kvflow.entrypoints.cli import main
+
+    out = tmp_path / "smollm2-fp8"
+    assert main(["quantize", "--model", str(smollm2_dir), "--method", "fp8", "--out", str(out)]) == 0
+    reloaded = make_llm(out)
+    expected = copy.deepcopy(smollm2_llm.engine.model_runner.model)
+    quantize_model(expected, "fp8")
+    state = reloaded.engine.model_runner.model.state_dict()
+    for name, tensor in expected.state_dict().items():
+        assert state[name].dtype == tensor.dtype, name
+        assert torch.equal(state[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert all(isinstance(m, FP8Linear) and m.weight.dtype == torch.float8_e4m3fn for m in decoder_linears(reloaded))
+    assert linear_bytes(reloaded) < 0.26 * linear_bytes(smollm2_llm)
+
+
+# ---------------------------------------------------------------------------- sizes
+
+
+def test_weight_bytes_shrink(smollm2_llm, int8_llm, int4_llm, gguf_llm):
+    """Decoder linears: INT8 = 1 byte per weight + a float32 scale per output channel
+    (~1/4 of float32); INT4 = half a byte + float32 scale and zero per group (1/8 + 2/group
+    of float32; group 64 where in_features = 576, 128 for down_proj's 1536); GGUF Q4_1
+    repack = group 32 (1/8 + 1/16). Embeddings (tied LM head, counted once) stay float32."""
+    fp32 = linear_bytes(smollm2_llm)
+    linears = list(decoder_linears(smollm2_llm))
+    assert fp32 == sum(4 * m.weight.numel() for m in linears)  # no biases in SmolLM2
+
+    int8_ratio = linear_bytes(int8_llm) / fp32
+    assert 0.25 < int8_ratio < 0.26
+    assert linear_bytes(int8_llm) == sum(m.weight.numel() + 4 * m.out_features for m in linears)
+
+    def int4_bytes(group: int | None) -> int:
+        total = 0
+        for m in linears:
+            g = group or group_size_for(m.in_features, 128)
+            total += m.weight.numel() // 2 + 2 * 4 * m.weight.numel() // g
+        return total
+
+    assert linear_bytes(int4_llm) == int4_bytes(None)
+    int4_ratio = linear_bytes(int4_llm) / fp32
+    assert 1 / 8 < int4_ratio <= 1 / 8 + 2 / 64
+    assert linear_bytes(gguf_llm) == int4_bytes(32)
+    assert linear_bytes(gguf_llm) / fp32 == pytest.approx(1 / 8 + 2 / 32)
+
+    # whole model: the float32 embedding (49152 x 576) is left as is
+    embed = 4 * smollm2_llm.engine.model_runner.model.embed_tokens.weight.numel()
+    for llm in (int8_llm, int4_llm, gguf_llm):
+        assert weight_bytes(llm.engine.model_runner.model) == embed + linear_bytes(llm) + (
+            weight_bytes(smollm2_llm.engine.model_runner.model) - embed - fp32
+        )
+
+
+def test_int8_kv_cache_bytes(kv_int8_llm, smollm2_llm):
+    """INT8 K/V plus one float16 scale per token, head and K/V: (head_dim + 2) / (2 head_dim)
+    of a 16-bit cache (0.516 for head_dim 64), and the allocated tensors match."""
+    config = kv_int8_llm.engine.model_config
+    per_token = config.kv_bytes_per_token(torch.int8)
+    assert per_token == 2 * config.num_kv_layers * config.num_key_value_heads * (config.head_dim + 2)
+    assert per_token / config.kv_bytes_per_token(torch.float16) == pytest.approx((64 + 2) / 128)
+    cache = kv_int8_llm.engine.cache_config
+    assert kv_int8_llm.engine.cache_engine.num_bytes == per_token * cache.num_blocks * cache.block_size
