@@ -37,7 +37,7 @@ def _load_model(
     dtype: torch.dtype,
     device: torch.device,
     quantization: str | None = None,
-    group_size: int = 128,
+    group_size: int = 32,
     tp: TensorParallel | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build and load a model (this rank's shard under tensor parallelism); quantize its

@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant = sub.add_parser("quantize", help="write a weight-quantized checkpoint that LLM(model=DIR) loads")
     quant.add_argument("--model", default=EngineArgs().model)
     quant.add_argument("--method", required=True, choices=["int8", "int4", "int4-rtn", "int4-awq", "fp8"])
-    quant.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128], help="INT4 group size")
+    quant.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128], help="INT4 group size")
     quant.add_argument("--calibration", default=None, help="text file for AWQ (default: the GPL-3 text)")
     quant.add_argument("--calibration-tokens", type=int, default=512)
     quant.add_argument("--out", required=True, help="output folder")

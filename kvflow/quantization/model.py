@@ -42,7 +42,7 @@ def _linears(model: LlamaForCausalLM):
 
 
 def quantize_model(
-    model: LlamaForCausalLM, method: str, group_size: int = 128, calibration_ids: list[int] | None = None
+    model: LlamaForCausalLM, method: str, group_size: int = 32, calibration_ids: list[int] | None = None
 ) -> None:
     """Replace the decoder's linears by quantized ones, in place.
 
