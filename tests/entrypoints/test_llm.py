@@ -42,9 +42,9 @@ def _engine_like(llm, num_blocks: int, max_num_batched_tokens: int, max_num_seqs
     )
 
 
-def _greedy_tokens(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+def _greedy_tokens(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
     for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, GREEDY)
+        engine.add_request(str(i), ids, params)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -96,9 +96,10 @@ def _hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> tuple[list[int]
 def test_batch_and_chunk_size_do_not_change_greedy_tokens(smollm2_llm):
     tok = smollm2_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
-    alone = [_greedy_tokens(_engine_like(smollm2_llm, 256, 2048), [p])[0] for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)  # chunk 1 = one token per step
+    alone = [_greedy_tokens(_engine_like(smollm2_llm, 256, 2048), [p], params)[0] for p in prompts]
     for chunk in (1, 7, 16, 64, 4096):
-        batched = _greedy_tokens(_engine_like(smollm2_llm, 256, chunk), prompts)
+        batched = _greedy_tokens(_engine_like(smollm2_llm, 256, chunk), prompts, params)
         assert batched == alone, f"max_num_batched_tokens={chunk}"
 
 
