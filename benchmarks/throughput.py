@@ -38,8 +38,10 @@ How to run
 It prints one table (rows kvflow and hf-static) and the kvflow/hf ratios, and writes the
 configuration, machine facts and every number to ``--out`` (default
 ``benchmarks/results/throughput.json``; that folder's JSON files are not tracked by git).
-On a 2-core CPU the default run takes several minutes, most of it in the transformers
-baseline.
+On the 2-core CPU of the development machine, shared with other jobs, the default workload
+with ``--threads 1`` took 17 minutes (kvflow 230 s, transformers 430 s, the rest loading and
+single-stream runs); alone on the machine it should take well under 10. ``--num-prompts 16``
+takes about a quarter of that.
 """
 
 from __future__ import annotations
@@ -600,9 +602,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{engine_kwargs['max_num_batched_tokens']} block_size={engine_kwargs['block_size']} "
           f"num_kv_blocks={engine_kwargs['num_kv_blocks']} | hf-static: batch {args.hf_batch_size}, left padding")
     print(format_table(headers, rows))
-    loads = {"kvflow": kv.get("other_load_cores"), "kvflow 1-stream": kv.get("single_stream", {}).get("other_load_cores")}
-    if hf is not None:
-        loads.update({"hf": hf.get("other_load_cores"), "hf 1-stream": hf.get("single_stream", {}).get("other_load_cores")})
+    loads = {}
+    for name, r in (("kvflow", kv), ("hf", hf)):
+        if r is not None:
+            loads[name] = r.get("other_load_cores")
+            if "single_stream" in r:
+                loads[f"{name} 1-stream"] = r["single_stream"].get("other_load_cores")
     print("other jobs' CPU load during the timed phases: " + ", ".join(f"{k} {_fmt_load(v)}" for k, v in loads.items()))
     cpu = [(name, r) for name, r in (("kvflow", kv), ("hf-static", hf)) if r is not None and r.get("process_cpu_s")]
     if cpu:

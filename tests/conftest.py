@@ -125,3 +125,30 @@ def smollm2_llm(smollm2_dir):
     from kvflow import LLM
 
     return LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=512, max_num_seqs=16)
+
+
+def engine_like(
+    llm,
+    num_blocks: int = 256,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 16,
+    enable_prefix_caching: bool = True,
+    num_cpu_blocks: int = 0,
+    proposer=None,
+    **scheduler_kwargs,
+) -> LLMEngine:
+    """A fresh engine (own cache, scheduler, proposer) over an ``LLM``'s already loaded model."""
+    src = llm.engine
+    return LLMEngine(
+        model=src.model_runner.model,
+        model_config=src.model_config,
+        cache_config=CacheConfig(
+            src.cache_config.block_size, num_blocks, torch.float32, enable_prefix_caching, num_cpu_blocks=num_cpu_blocks
+        ),
+        scheduler_config=SchedulerConfig(
+            max_num_batched_tokens, max_num_seqs, src.scheduler_config.max_model_len, **scheduler_kwargs
+        ),
+        tokenizer=src.tokenizer,
+        device=src.device,
+        proposer=proposer,
+    )

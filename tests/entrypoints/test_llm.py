@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import prefill_logits, requires_smollm2
+from conftest import engine_like, prefill_logits, requires_smollm2
 from kvflow import SamplingParams
-from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
 
 pytestmark = [requires_smollm2, pytest.mark.integration]
@@ -27,19 +26,6 @@ def hf_reference(smollm2_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-
-
-def _engine_like(llm, num_blocks: int, max_num_batched_tokens: int, max_num_seqs: int = 16) -> LLMEngine:
-    """A fresh engine over the already loaded model (own cache and scheduler)."""
-    src = llm.engine
-    return LLMEngine(
-        model=src.model_runner.model,
-        model_config=src.model_config,
-        cache_config=CacheConfig(src.cache_config.block_size, num_blocks, torch.float32),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens, max_num_seqs, src.scheduler_config.max_model_len),
-        tokenizer=src.tokenizer,
-        device=src.device,
-    )
 
 
 def _greedy_tokens(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -97,17 +83,17 @@ def test_batch_and_chunk_size_do_not_change_greedy_tokens(smollm2_llm):
     tok = smollm2_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)  # chunk 1 = one token per step
-    alone = [_greedy_tokens(_engine_like(smollm2_llm, 256, 2048), [p], params)[0] for p in prompts]
+    alone = [_greedy_tokens(engine_like(smollm2_llm, 256, 2048), [p], params)[0] for p in prompts]
     for chunk in (1, 7, 16, 64, 4096):
-        batched = _greedy_tokens(_engine_like(smollm2_llm, 256, chunk), prompts, params)
+        batched = _greedy_tokens(engine_like(smollm2_llm, 256, chunk), prompts, params)
         assert batched == alone, f"max_num_batched_tokens={chunk}"
 
 
 def test_preemption_keeps_outputs(smollm2_llm):
     tok = smollm2_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
-    reference = _greedy_tokens(_engine_like(smollm2_llm, 256, 2048), prompts)
-    small = _engine_like(smollm2_llm, num_blocks=8, max_num_batched_tokens=64)  # 128 slots for 4 requests
+    reference = _greedy_tokens(engine_like(smollm2_llm, 256, 2048), prompts)
+    small = engine_like(smollm2_llm, num_blocks=8, max_num_batched_tokens=64)  # 128 slots for 4 requests
     assert _greedy_tokens(small, prompts) == reference
     assert small.get_stats()["num_preemptions"] > 0
 
@@ -175,20 +161,6 @@ SYSTEM = (
 QUESTIONS = ["What is copyleft?", "Can I sell GPL software?", "What is the source code?", "Who is the licensor?"]
 
 
-def _engine_with(llm, num_blocks: int, enable_prefix_caching: bool = True, **sched) -> LLMEngine:
-    src = llm.engine
-    cache = CacheConfig(src.cache_config.block_size, num_blocks, torch.float32, enable_prefix_caching,
-                        num_cpu_blocks=sched.pop("num_cpu_blocks", 0))
-    return LLMEngine(
-        model=src.model_runner.model,
-        model_config=src.model_config,
-        cache_config=cache,
-        scheduler_config=SchedulerConfig(64, 16, src.scheduler_config.max_model_len, **sched),
-        tokenizer=src.tokenizer,
-        device=src.device,
-    )
-
-
 def _run(engine: LLMEngine, prompts: list[list[int]], params=GREEDY, sequential: bool = False) -> list[list[int]]:
     if not sequential:
         return _greedy_tokens_with(engine, prompts, params)
@@ -215,8 +187,8 @@ def test_prefix_caching_keeps_greedy_outputs(smollm2_llm, aligned):
     system = system[: (len(system) // 16) * 16] if aligned else system[: (len(system) // 16) * 16 + 5]
     prompts = [system + tok.encode(q) for q in QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    reference = _run(_engine_with(smollm2_llm, 256, enable_prefix_caching=False), prompts, params)
-    cached = _engine_with(smollm2_llm, 256)
+    reference = _run(engine_like(smollm2_llm, 256, 64, enable_prefix_caching=False), prompts, params)
+    cached = engine_like(smollm2_llm, 256, 64)
     assert _run(cached, prompts, params, sequential=True) == reference
     stats = cached.get_stats()
     assert stats["prefix_cache_hits"] >= 3 * (len(system) // 16) * 16  # the later three reuse the system prompt
@@ -230,9 +202,9 @@ def test_prefix_caching_under_eviction_pressure(smollm2_llm):
     tok = smollm2_llm.tokenizer
     prompts = [tok.encode(SYSTEM + q) for q in QUESTIONS]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    reference = _run(_engine_with(smollm2_llm, 256, enable_prefix_caching=False), prompts, params)
+    reference = _run(engine_like(smollm2_llm, 256, 64, enable_prefix_caching=False), prompts, params)
     # 7 blocks hold one request at a time; cached blocks of earlier requests get evicted.
-    small = _engine_with(smollm2_llm, 7)
+    small = engine_like(smollm2_llm, 7, 64)
     assert _run(small, prompts * 2, params, sequential=True) == reference * 2
     assert small.kv_cache_manager.block_pool.num_evictions > 0
     assert small.get_stats()["prefix_cache_hits"] > 0
@@ -242,8 +214,8 @@ def test_request_whose_prefix_was_evicted_while_waiting(smollm2_llm):
     tok = smollm2_llm.tokenizer
     first = tok.encode(SYSTEM + QUESTIONS[0])
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    reference = _run(_engine_with(smollm2_llm, 256, enable_prefix_caching=False), [first], params)
-    engine = _engine_with(smollm2_llm, 7)
+    reference = _run(engine_like(smollm2_llm, 256, 64, enable_prefix_caching=False), [first], params)
+    engine = engine_like(smollm2_llm, 7, 64)
     assert _run(engine, [first], params) == reference  # its blocks are now cached (free)
     engine.add_request("late", first, params)  # waits: the filler below is admitted first
     engine.scheduler.waiting.insert(0, engine.scheduler.waiting.pop())
@@ -260,7 +232,7 @@ def test_request_whose_prefix_was_evicted_while_waiting(smollm2_llm):
 
 
 def test_parallel_sampling_shares_prompt_blocks(smollm2_llm):
-    engine = _engine_with(smollm2_llm, 256)
+    engine = engine_like(smollm2_llm, 256, 64)
     prompt = smollm2_llm.tokenizer.encode(SYSTEM + QUESTIONS[1])
     engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True))
     prompt_blocks = -(-len(prompt) // 16)
@@ -277,7 +249,7 @@ def test_parallel_sampling_shares_prompt_blocks(smollm2_llm):
     assert len({tuple(o) for o in outputs}) == 4  # the samples differ
     # Sample i equals an independent request seeded with seed + i (copy-on-write is exact).
     for i, tokens in enumerate(outputs):
-        single = _run(_engine_with(smollm2_llm, 256, enable_prefix_caching=False), [prompt],
+        single = _run(engine_like(smollm2_llm, 256, 64, enable_prefix_caching=False), [prompt],
                       SamplingParams(temperature=1.0, seed=5 + i, max_tokens=16, ignore_eos=True))
         assert single[0] == tokens
 
@@ -293,8 +265,8 @@ def test_seeded_parallel_sampling_is_reproducible(smollm2_llm):
 def test_swap_preemption_keeps_outputs(smollm2_llm, policy):
     tok = smollm2_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
-    reference = _run(_engine_with(smollm2_llm, 256, enable_prefix_caching=False), prompts)
-    small = _engine_with(smollm2_llm, 8, enable_prefix_caching=False, num_cpu_blocks=64,
+    reference = _run(engine_like(smollm2_llm, 256, 64, enable_prefix_caching=False), prompts)
+    small = engine_like(smollm2_llm, 8, 64, enable_prefix_caching=False, num_cpu_blocks=64,
                          preemption_mode="swap", policy=policy)
     assert _run(small, prompts) == reference
     stats = small.get_stats()

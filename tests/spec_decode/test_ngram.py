@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import requires_smollm2, tiny_model, tiny_model_config
+from conftest import engine_like, requires_smollm2, tiny_model, tiny_model_config
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.request import Request
@@ -234,20 +234,6 @@ REAL_PROMPTS = [
 ]
 
 
-def _engine_like(llm, proposer=None, num_blocks=256, max_num_batched_tokens=2048, max_num_seqs=16) -> LLMEngine:
-    """A fresh engine over the already loaded real model (own cache, scheduler, proposer)."""
-    src = llm.engine
-    return LLMEngine(
-        model=src.model_runner.model,
-        model_config=src.model_config,
-        cache_config=CacheConfig(src.cache_config.block_size, num_blocks, torch.float32),
-        scheduler_config=SchedulerConfig(max_num_batched_tokens, max_num_seqs, src.scheduler_config.max_model_len),
-        tokenizer=src.tokenizer,
-        device=src.device,
-        proposer=proposer,
-    )
-
-
 @requires_smollm2
 @pytest.mark.integration
 def test_real_model_greedy_identical_with_ngram(smollm2_llm):
@@ -255,9 +241,9 @@ def test_real_model_greedy_identical_with_ngram(smollm2_llm):
     prompts = [tok.encode(p) for p in REAL_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     arrivals = [(0, p, params) for p in prompts]
-    reference = run_schedule(_engine_like(smollm2_llm), arrivals)
+    reference = run_schedule(engine_like(smollm2_llm), arrivals)
     max_len = smollm2_llm.engine.scheduler_config.max_model_len
-    spec = _engine_like(smollm2_llm, NgramProposer(4, 2, 5, max_len))
+    spec = engine_like(smollm2_llm, proposer=NgramProposer(4, 2, 5, max_len))
     assert run_schedule(spec, arrivals) == reference
     stats = spec.get_stats()
     assert stats["spec_num_accepted_tokens"] > 0
