@@ -35,18 +35,17 @@ Prints a table and writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
 import math
-import os
-import platform
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks import common
 
 DEFAULT_SCHEMES = "fp32,int8,int4,int4-awq,fp8,gguf,kv-int8,kv-fp8"
 TEXT = Path("/usr/share/common-licenses/GPL-3")
@@ -101,32 +100,18 @@ def target_key(scheme: str) -> str | None:
 
 
 def machine_info(threads: int) -> dict[str, Any]:
-    cpu = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    flags = ""
+    """benchmarks.common.machine_info plus the CPU's vector extensions, load and command."""
     try:
         flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
     except (OSError, StopIteration):
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags]
+        flags = ""
     try:
         load = Path("/proc/loadavg").read_text().split()[:3]
     except OSError:
         load = None
     return {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_model": cpu,
-        "cpu_isa": isa,
-        "cpu_count": os.cpu_count(),
+        **common.machine_info(),
+        "cpu_isa": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in flags],
         "torch_num_threads": threads,
         "loadavg_at_start": load,
         "command": "python -m benchmarks.quant " + " ".join(sys.argv[1:]),
