@@ -54,9 +54,18 @@ def _load_model(
     if tp is not None and (quantization == "gguf" or qmodel.quantization_of(model_dir) is not None):
         raise ValueError("tensor parallelism loads float checkpoints (quantization='gguf' or a saved quantized "
                          "checkpoint cannot be sharded yet); use quantization='int8'/'int4'/'fp8' instead")
-    with torch.device(device):
-        model = LlamaForCausalLM(model_config, tp)
     saved = qmodel.quantization_of(model_dir)
+    # Build the parameters directly in the target dtype when nothing is quantized from
+    # them (quantization reads float32 weights), so that loading never holds a float32 copy
+    # of a bfloat16 model.
+    build_dtype = dtype if saved is None and quantization is None and dtype.is_floating_point else torch.float32
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(build_dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(model_config, tp)
+    finally:
+        torch.set_default_dtype(previous)
     if saved is not None:
         qmodel.load_quantized_weights(model, model_dir, saved["method"], saved["group_size"])
     else:
@@ -72,6 +81,8 @@ def _load_model(
             calibration = qmodel.default_calibration_ids(load_tokenizer(model_dir))
         qmodel.quantize_model(model, quantization, group_size, calibration)
     model.to(device)
+    if device.type == "cpu":
+        model.pack_for_cpu()
     return model, model_config
 
 
@@ -216,7 +227,9 @@ class LLMEngine:
                 proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
             else:
                 draft_dir = resolve_model(spec.model, cache_dir=args.model_cache_dir)
-                draft, draft_config = _load_model(draft_dir, dtype, device)
+                draft, draft_config = _load_model(
+                    draft_dir, dtype, device, spec.quantization, args.quantization_group_size
+                )
                 if draft_config.vocab_size != model_config.vocab_size:
                     raise ValueError(
                         f"speculative_config.model has vocab_size {draft_config.vocab_size}, the target "

@@ -52,13 +52,15 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
         if self.owns_kv:
-            q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *cos_sin)
-            write_kv_cache(k, v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache, metadata.slot_mapping)
+            # Rotate the query and key heads together: [T, heads + kv_heads, head_dim].
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *cos_sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+            write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
         else:
-            q = self.qkv_proj(x)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
+            q = apply_rotary(qkv.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
         o = paged_attention(q, kv_cache, metadata, self.scale)
         out = self.o_proj(o.reshape(num_tokens, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -118,11 +120,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
+        # Not a submodule: the packed copy stays out of state_dict and Module.to.
+        self.__dict__["packed_lm_head"] = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         """[vocab_size, hidden_size]; the embedding matrix when embeddings are tied."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.weight
+        return self.lm_head if self.lm_head is not None else self.packed_lm_head.dense_weight()
 
     def forward(
         self,
@@ -160,10 +166,38 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(torch.where(local, input_ids - start, 0)) * local.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
         return self.tp.all_reduce(x)
 
+    def pack_for_cpu(self) -> int:
+        """Prepack the bfloat16 / float16 linears and the LM head for oneDNN
+        (``kvflow.layers.linear``); float32 and quantized layers stay as they are.
+
+        Returns:
+            Extra bytes held: the packed LM head is a copy when the embeddings are tied (the
+            lookup table stays dense), else the dense LM head is dropped (0 extra).
+        """
+        from kvflow.layers.linear import PACKED_DTYPES, PackedLinear, onednn_available, pack_linears
+
+        pack_linears(self.layers)
+        weight = self.lm_head_weight
+        if not onednn_available() or weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu":
+            return 0
+        self.__dict__["packed_lm_head"] = PackedLinear(weight.data)
+        if self.lm_head is None:
+            return weight.numel() * weight.element_size()
+        self.lm_head = None  # the packed copy serves it; state_dict gets it back below
+        return 0
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed_lm_head is not None and not self.config.tie_word_embeddings:
+            destination[prefix + "lm_head"] = self.packed_lm_head.dense_weight()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: [N, hidden_size] -> float32 logits [N, vocab_size] (of the full model;
         under tensor parallelism every rank gets all of them)."""
-        logits = F.linear(hidden, self.lm_head_weight).float()
+        if self.packed_lm_head is not None:
+            logits = self.packed_lm_head(hidden).float()
+        else:
+            logits = F.linear(hidden, self.lm_head_weight).float()
         if self.tp is None:
             return logits
         return self.tp.all_gather_last_dim(logits)[:, : self.tp.plan.full_vocab_size]

@@ -1,0 +1,115 @@
+"""oneDNN-prepacked linears (``kvflow.layers.linear``) and their use in the model.
+
+The packed product must equal the ordinary bfloat16 product up to accumulation order: both
+read the same bfloat16 weight and accumulate in float32, so the bound is a few bfloat16
+ulps of the output. A model packed for the CPU must give the same logits as the same model
+unpacked, and keep its weights reachable through ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.layers.linear import PackedLinear, onednn_available, pack_linears
+from kvflow.layers.quantized_linear import Int8Linear
+from tests.conftest import tiny_model, tiny_model_config
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN linear ops")
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Elementwise error allowed between two float32-accumulated bf16 products: a bf16
+    rounding of the output (2^-8 relative) plus float32 reassociation of the sum."""
+    ref = (x.double() @ w.double().T).abs()
+    return 2.0**-7 * ref + 1e-5 * (x.double().abs() @ w.double().abs().T)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_equals_dense_product(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 80, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    packed = PackedLinear.from_linear(linear)
+    out = packed(x)
+    assert out.shape == (rows, 80) and out.dtype == torch.bfloat16
+    ref = F.linear(x.double(), linear.weight.double(), None if not bias else linear.bias.double())
+    assert ((out.double() - ref).abs() <= _bound(x, linear.weight) + (2.0**-8 if bias else 0)).all()
+
+
+def test_packed_accepts_non_contiguous_input():
+    linear = nn.Linear(32, 16, bias=False).to(torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)[:, :32]
+    torch.testing.assert_close(PackedLinear.from_linear(linear)(x), PackedLinear.from_linear(linear)(x.contiguous()))
+
+
+def test_state_dict_gives_the_dense_weight_back():
+    linear = nn.Linear(48, 32, bias=True).to(torch.bfloat16)
+    state = PackedLinear.from_linear(linear).state_dict()
+    assert set(state) == {"weight", "bias"}
+    assert torch.equal(state["weight"], linear.weight.data)
+    assert torch.equal(state["bias"], linear.bias.data)
+
+
+def test_rejects_float32_weights_and_mismatched_inputs():
+    with pytest.raises(ValueError, match="bfloat16"):
+        PackedLinear(torch.randn(8, 8))
+    packed = PackedLinear(torch.randn(8, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 input"):
+        packed(torch.randn(2, 8))
+
+
+def test_pack_linears_replaces_only_16_bit_dense_linears():
+    model = nn.Sequential(
+        nn.Linear(16, 16).to(torch.bfloat16),
+        nn.Linear(16, 16),  # float32: left to ATen
+        Int8Linear.from_float(nn.Linear(16, 16)),  # quantized: has its own kernels
+        nn.Sequential(nn.Linear(16, 16).to(torch.float16)),
+    )
+    assert pack_linears(model) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[3][0], PackedLinear)
+    assert type(model[1]) is nn.Linear and isinstance(model[2], Int8Linear)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_packed_model_matches_unpacked(tied):
+    from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+    from kvflow.worker.cache_engine import CacheEngine
+    from kvflow.config import CacheConfig
+
+    config = tiny_model_config(tie_word_embeddings=tied, attention_bias=True)
+    model = tiny_model(config).to(torch.bfloat16)
+    reference = tiny_model(config).to(torch.bfloat16)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    extra = model.pack_for_cpu()
+    assert isinstance(model.layers[0].self_attn.qkv_proj, PackedLinear)
+    assert extra == (config.vocab_size * config.hidden_size * 2 if tied else 0)
+    # state_dict (weight counting, checkpoint saving) still sees every dense weight.
+    packed_state = model.state_dict()
+    assert set(packed_state) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(packed_state[name], tensor), name
+    assert torch.equal(model.lm_head_weight, reference.lm_head_weight)
+
+    n = 11
+    logits = []
+    for m in (model, reference):
+        cache = CacheEngine(config, CacheConfig(block_size=4, num_blocks=4, dtype=torch.bfloat16), torch.device("cpu"))
+        group = AttentionGroup.build(0, [n], [n], [[0, 1, 2]], 4, torch.device("cpu"))
+        meta = AttentionMetadata(slot_mapping=torch.arange(n), groups=[group])
+        with torch.inference_mode():
+            hidden = m(torch.arange(n) % config.vocab_size, torch.arange(n), cache.kv_caches, meta)
+            logits.append(m.compute_logits(hidden))
+    assert logits[0].dtype == torch.float32
+    # Same bf16 weights, different accumulation order: agree to bf16 precision.
+    torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.05)
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9
+
+
+def test_float32_model_is_not_packed():
+    model = tiny_model(tiny_model_config())
+    assert model.pack_for_cpu() == 0
+    assert type(model.layers[0].mlp.down_proj) is nn.Linear and model.packed_lm_head is None
