@@ -18,7 +18,7 @@ Python loop over requests inside a layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +44,24 @@ class AttentionGroup:
     query_index: torch.Tensor
     max_query_len: int
     attn_mask: torch.Tensor
+    _folded_masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_requests(self) -> int:
         return self.block_tables.shape[0]
+
+    def folded_mask(self, group_size: int) -> torch.Tensor:
+        """``attn_mask`` repeated for the ``group_size`` query heads that share a KV head,
+        in the folded layout of ``paged_attention``: bool [B, 1, group_size * max_query_len,
+        max_blocks * block_size]. Built once per step and shared by every layer."""
+        mask = self._folded_masks.get(group_size)
+        if mask is None:
+            b, _, max_q, keys = self.attn_mask.shape
+            mask = self.attn_mask
+            if group_size > 1:
+                mask = mask.unsqueeze(2).expand(b, 1, group_size, max_q, keys).reshape(b, 1, group_size * max_q, keys)
+            self._folded_masks[group_size] = mask
+        return mask
 
     @classmethod
     def build(
@@ -142,7 +156,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_map
         kv_cache[2].view(-1, num_kv_heads).index_copy_(0, slot_mapping, k_scale)
         kv_cache[3].view(-1, num_kv_heads).index_copy_(0, slot_mapping, v_scale)
     for cache, new in ((k_cache, k), (v_cache, v)):
-        new = new.to(cache.dtype)
+        if new.dtype != cache.dtype:
+            new = new.to(cache.dtype)
         if cache.dtype == torch.float8_e4m3fn:  # no CPU index_copy for float8: copy the bytes
             cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, new)
@@ -165,7 +180,9 @@ def _gather(kv_cache: KVCache, index: int, block_tables: torch.Tensor, dtype: to
     if len(kv_cache) == 4:
         scales = kv_cache[2 + index].index_select(0, flat).view(b, max_blocks * cache.shape[1], -1)
         values = values.to(dtype) * scales.to(dtype)[..., None]
-    return values.transpose(1, 2).to(dtype)
+    elif values.dtype != dtype:
+        values = values.to(dtype)
+    return values.transpose(1, 2)
 
 
 def paged_attention(
@@ -189,29 +206,31 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache[0].shape[2]
     group_size = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    single = len(metadata.groups) == 1
+    out = None if single else torch.empty_like(q)
     for g in metadata.groups:
         b, max_q = g.num_requests, g.max_query_len
-        # Gather K/V through the block tables: [B, max_blocks * block_size, kv_heads, head_dim].
+        # Gather K/V through the block tables: [B, kv_heads, max_blocks * block_size, head_dim].
         k = _gather(kv_cache, 0, g.block_tables, q.dtype)
         v = _gather(kv_cache, 1, g.block_tables, q.dtype)
-        q_g = q[g.token_start : g.token_end]
+        q_g = q if single else q[g.token_start : g.token_end]
         if max_q == 1:
-            q_pad = q_g.view(b, 1, num_heads, head_dim)
+            # Decode: fold the query heads sharing a KV head into the query axis by a view:
+            # [B, 1, kv * group, D] -> [B, kv, group, D].
+            q_fold = q_g.view(b, num_kv_heads, group_size, head_dim)
         else:
             q_pad = q.new_zeros(b * max_q, num_heads, head_dim)
             q_pad.index_copy_(0, g.query_index, q_g)
-            q_pad = q_pad.view(b, max_q, num_heads, head_dim)
-        # Fold the query heads sharing a KV head into the query axis: [B, kv, group*max_q, D].
-        q_fold = q_pad.view(b, max_q, num_kv_heads, group_size, head_dim).permute(0, 2, 3, 1, 4)
-        q_fold = q_fold.reshape(b, num_kv_heads, group_size * max_q, head_dim)
-        mask = g.attn_mask
-        if group_size > 1:
-            mask = mask.unsqueeze(2).expand(b, 1, group_size, max_q, mask.shape[-1]).reshape(
-                b, 1, group_size * max_q, mask.shape[-1]
-            )
-        o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=mask, scale=scale)
-        o = o.view(b, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
-        o = o.reshape(b * max_q, num_heads, head_dim)
-        out[g.token_start : g.token_end] = o if max_q == 1 else o[g.query_index]
+            q_pad = q_pad.view(b, max_q, num_kv_heads, group_size, head_dim)
+            # [B, kv, group * max_q, D]
+            q_fold = q_pad.permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, group_size * max_q, head_dim)
+        o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.folded_mask(group_size), scale=scale)
+        if max_q == 1:
+            o = o.reshape(b, num_heads, head_dim)  # [B, kv, group, D] is already token-major
+        else:
+            o = o.view(b, num_kv_heads, group_size, max_q, head_dim).permute(0, 3, 1, 2, 4)
+            o = o.reshape(b * max_q, num_heads, head_dim)[g.query_index]
+        if single:
+            return o
+        out[g.token_start : g.token_end] = o
     return out

@@ -53,15 +53,19 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # sin with the sign of "rotate half" folded in: [-sin(f), +sin(f)], so that
+        # rotate_half(x) * sin == roll(x, head_dim / 2) * signed_sin.
+        sin = freqs.sin()
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables [T, 1, head_dim] in ``dtype`` for int64 positions [T]."""
+        """cos and signed-sin tables [T, 1, head_dim] in ``dtype`` for int64 positions [T]
+        (the arguments of ``apply_rotary``)."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate heads x [T, num_heads, head_dim] by tables from ``RotaryEmbedding.cos_sin``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate heads x [T, num_heads, head_dim] by tables from ``RotaryEmbedding.cos_sin``:
+    x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] computed as
+    roll(x, head_dim / 2) times the sign folded into ``signed_sin`` (three ops)."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
