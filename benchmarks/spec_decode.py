@@ -170,6 +170,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per engine and mode, fastest kept (default: %(default)s)")
     p.add_argument("--qwen-repeats", type=int, default=1, help="--repeats for the Qwen setting (default: %(default)s)")
     p.add_argument("--forward-repeats", type=int, default=7, help="timed bare forwards for c and r (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", help="weight and activation dtype of both models (default: %(default)s)")
+    p.add_argument(
+        "--draft-quantization", default=None, choices=["int8", "int4", "int4-awq", "fp8"],
+        help="weight-only quantization of the Qwen draft model (default: none, the --dtype weights)",
+    )
     p.add_argument("--out", default="benchmarks/results/spec_decode.json", help="JSON output path (default: %(default)s)")
     args = p.parse_args(argv)
     for name in ("num_speculative_tokens", "num_threads", "batch_size", "repeats", "qwen_repeats", "forward_repeats"):
@@ -432,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
 
     k = args.num_speculative_tokens
     common = dict(
-        dtype="float32", num_threads=args.num_threads, max_num_seqs=max(4, args.batch_size), seed=0,
+        dtype=args.dtype, num_threads=args.num_threads, max_num_seqs=max(4, args.batch_size), seed=0,
         enable_prefix_caching=False,  # every timed run prefills its prompt (repeats stay comparable)
     )
     results: dict[str, Any] = {"args": vars(args), "machine": machine_info(), "rows": []}
@@ -455,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             llm = LLM(
                 model="qwen2.5-coder-1.5b", num_kv_blocks=160,
-                speculative_config={"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": k},
+                speculative_config={"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": k,
+                                    "quantization": args.draft_quantization},
                 **common,
             )
             print(f"Qwen2.5-Coder 1.5B + 0.5B loaded in {time.perf_counter() - t:.1f} s", flush=True)

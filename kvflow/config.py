@@ -214,6 +214,9 @@ class SpeculativeConfig:
         num_speculative_tokens: draft tokens k verified per step (>= 1).
         model: the draft model (short name, .gguf or HF directory) for "draft_model".
         prompt_lookup_min, prompt_lookup_max: n-gram sizes for "ngram".
+        quantization: weight-only quantization of the draft model ("int8", "int4",
+            "int4-awq", "fp8", or None for the target's dtype); a cheaper draft lowers the
+            cost ratio c of Leviathan et al. (2023), section 3.4.
     """
 
     method: str
@@ -221,6 +224,7 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
+    quantization: str | None = None
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> "SpeculativeConfig":
@@ -240,6 +244,14 @@ class SpeculativeConfig:
         _positive_int("speculative_config.num_speculative_tokens", spec.get("num_speculative_tokens"))
         if spec["method"] == "draft_model" and not spec.get("model"):
             raise ValueError("speculative_config.model is required for method 'draft_model'")
+        if spec.get("quantization") is not None:
+            if spec["method"] != "draft_model":
+                raise ValueError("speculative_config.quantization applies to method 'draft_model' only")
+            if spec["quantization"] not in ("int8", "int4", "int4-awq", "fp8"):
+                raise ValueError(
+                    "speculative_config.quantization must be 'int8', 'int4', 'int4-awq', 'fp8' or None, "
+                    f"got {spec['quantization']!r}"
+                )
         config = cls(**spec)
         _positive_int("speculative_config.prompt_lookup_min", config.prompt_lookup_min)
         _positive_int("speculative_config.prompt_lookup_max", config.prompt_lookup_max)

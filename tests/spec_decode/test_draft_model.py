@@ -394,6 +394,8 @@ def test_engine_stats_consistent_with_steps(kind):
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
          "prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"}, "quantization"),
+        ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x", "quantization": "int3"}, "quantization"),
     ],
 )
 def test_invalid_speculative_config(spec, field):
@@ -435,3 +437,35 @@ def test_vocab_mismatch_raises_at_load(tmp_path):
     )
     with pytest.raises(ValueError, match="vocab"):
         LLMEngine.from_engine_args(args)
+
+
+def test_quantized_draft_model_keeps_greedy_outputs(tmp_path):
+    """speculative_config.quantization quantizes the draft only; the float32 target still
+    decides every token, so greedy outputs equal those without speculation."""
+    from kvflow.layers.quantized_linear import Int8Linear
+    from kvflow import SamplingParams
+
+    target = _save_tiny_hf_llama(tmp_path / "target", 64)
+    draft = _save_tiny_hf_llama(tmp_path / "draft", 64)
+    common = dict(model=target, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, seed=0)
+    plain = LLMEngine.from_engine_args(EngineArgs(**common))
+    spec = LLMEngine.from_engine_args(EngineArgs(
+        **common,
+        speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "quantization": "int8"},
+    ))
+    draft_layer = spec.proposer.runner.model.layers[0]
+    assert isinstance(draft_layer.mlp.down_proj, Int8Linear)
+    assert type(spec.model_runner.model.layers[0].mlp.down_proj) is torch.nn.Linear  # the target stays float
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for engine in (plain, spec):
+        for i, prompt in enumerate(([1, 2, 3, 4, 5], [7, 7, 7], [9, 3, 12, 40, 41, 42, 5])):
+            engine.add_request(str(i), prompt, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        outs.append(done)
+    assert outs[0] == outs[1]
+    assert spec.get_stats()["spec_num_draft_tokens"] > 0
