@@ -21,10 +21,13 @@ For every model and scheme, in one run:
 - how many of the single-stream run's 64 greedy tokens match float32's before the first
   difference.
 
-Schemes: ``fp32`` (baseline, always run), ``int8``, ``int4`` (round-to-nearest, group
+Schemes: ``fp32`` (baseline, always run), ``bf16`` (bfloat16 weights and compute), ``int8``, ``int4`` (round-to-nearest, group
 ``--group-size``; ``int4-g32`` / ``int4-g64`` / ``int4-g128`` pick the group), ``int4-awq``,
 ``fp8``, ``gguf`` (the GGUF file's own quantized tensors, repacked), ``kv-int8`` / ``kv-fp8``
-(float32 weights, quantized KV cache). Targets checked: INT8 perplexity within 1% of float32
+(float32 weights, quantized KV cache). A suffix ``@bf16`` runs a scheme with bfloat16
+activations (``dtype="bfloat16"``: the quantized kernels take bfloat16 inputs anyway, and the
+norms, attention and LM head then run in bfloat16 on oneDNN-packed weights instead of
+float32), e.g. ``int8@bf16``. Targets checked: INT8 perplexity within 1% of float32
 and >= 1.5x single-stream decode; INT4 within 5% and >= 2x; the INT8 KV cache half the bytes
 of a 16-bit cache (plus its float16 scales, 2 bytes per token, head and K/V) with perplexity
 within 0.5%.
@@ -80,8 +83,15 @@ def scheme_options(scheme: str, group_size: int) -> dict[str, Any]:
     Raises:
         ValueError: for an unknown scheme.
     """
+    if "@" in scheme:  # "<scheme>@bf16": the same weights with bfloat16 activations / compute
+        base, compute = scheme.split("@", 1)
+        if compute != "bf16":
+            raise ValueError(f"unknown compute dtype {compute!r} in scheme {scheme!r} (only @bf16)")
+        return {**scheme_options(base, group_size), "dtype": "bfloat16"}
     if scheme == "fp32":
         return {}
+    if scheme == "bf16":
+        return {"dtype": "bfloat16"}
     if scheme in ("int8", "fp8", "gguf", "int4-awq"):
         return {"quantization": scheme, "quantization_group_size": group_size}
     if scheme == "int4":
@@ -94,6 +104,7 @@ def scheme_options(scheme: str, group_size: int) -> dict[str, Any]:
 
 
 def target_key(scheme: str) -> str | None:
+    scheme = scheme.split("@", 1)[0]
     if scheme.startswith("int4-g"):
         return "int4"
     return scheme if scheme in TARGETS or scheme == "kv-int8" else None
@@ -131,15 +142,16 @@ class Runner:
         window_tokens = args.ppl_windows * args.ppl_window_len
         decode_tokens = args.batch * (args.prompt_len + args.new_tokens)
         start = time.perf_counter()
+        options = scheme_options(scheme, args.group_size)
         self.llm = LLM(
             model=model,
-            dtype="float32",
+            dtype=options.pop("dtype", "float32"),
             device="cpu",
             enable_prefix_caching=False,
             num_kv_blocks=-(-max(window_tokens, decode_tokens) // 16) + 2 * args.batch + 8,
             max_num_seqs=max(args.batch, args.ppl_windows),
             max_num_batched_tokens=max(2 * args.ppl_window_len, args.batch * args.prompt_len),
-            **scheme_options(scheme, args.group_size),
+            **options,
         )
         self.load_s = time.perf_counter() - start
         self.engine = self.llm.engine
