@@ -98,6 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "so the run never preempts)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="kvflow weight / activation dtype (default: %(default)s; transformers stays float32)")
     p.add_argument("--stream-repeats", type=int, default=3, help="single-stream runs per engine; the median is kept")
     p.add_argument("--skip-hf", action="store_true", help="run kvflow only")
     p.add_argument("--skip-stream", action="store_true", help="skip the single-stream decode measurement")
@@ -140,7 +142,7 @@ def kvflow_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         per_request = _cdiv(args.max_prompt_len + args.max_output_len, args.block_size)
         num_blocks = min(args.max_num_seqs, max(args.num_prompts, args.profile_batch or 0)) * per_request
     kwargs = {
-        "dtype": "float32",
+        "dtype": getattr(args, "dtype", "float32"),
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size,
@@ -335,7 +337,8 @@ def hf_stream_decode(model: Any, prompt_ids: list[int], new_tokens: int) -> dict
 
 # ---------------------------------------------------------------------------------- profile
 _OP_KINDS = (
-    ("matmul (linear layers)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")),
+    ("matmul (linear layers)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+                                "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm")),
     ("attention (SDPA kernel)", ("aten::_scaled_dot_product", "aten::scaled_dot_product")),
     ("KV gather / scatter / indexing", ("aten::index", "aten::index_copy", "aten::index_put", "aten::gather",
                                         "aten::embedding", "aten::index_select")),
