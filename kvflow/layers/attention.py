@@ -111,6 +111,48 @@ class AttentionGroup:
         )
 
 
+GROUP_OVERHEAD_TOKENS = 512
+"""Cost of one more attention group (its per-layer ops: gather, SDPA, reshapes), in key
+tokens gathered: about 40 us per layer on this project's CPU against ~0.08 us per bfloat16
+key token (K and V of 3 heads x 64)."""
+
+
+def split_by_context(context_blocks: list[int], block_size: int, overhead_tokens: int = GROUP_OVERHEAD_TOKENS) -> list[list[int]]:
+    """Partition decode requests into attention groups so that padding stays small.
+
+    A group gathers ``len(group) * max(context_blocks in group) * block_size`` key slots per
+    layer; every group also costs a fixed ``overhead_tokens``. Sorting by context and cutting
+    the sorted list into runs minimizes that total exactly (an O(n^2) dynamic program over
+    cut points; a cheaper group never needs a request longer than one in a later group).
+
+    Args:
+        context_blocks: blocks in each request's context (after this step's writes).
+        block_size: tokens per block.
+        overhead_tokens: fixed cost of a group, in key tokens.
+
+    Returns:
+        Groups of indices into ``context_blocks``, each sorted by context, in ascending
+        order of context; together a permutation of ``range(len(context_blocks))``.
+    """
+    order = sorted(range(len(context_blocks)), key=context_blocks.__getitem__)
+    lengths = [context_blocks[i] * block_size for i in order]
+    n = len(order)
+    best = [0.0] + [float("inf")] * n
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[j - 1]
+        for i in range(j):
+            cost = best[i] + (j - i) * longest + overhead_tokens
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups = []
+    j = n
+    while j > 0:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
+
+
 @dataclass
 class AttentionMetadata:
     """Everything attention needs for one step, shared by all layers.

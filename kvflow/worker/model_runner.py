@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.core.scheduler import SchedulerOutput
-from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+from kvflow.layers.attention import AttentionGroup, AttentionMetadata, split_by_context
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.request import Request
 from kvflow.sample.logits_processor import apply_logits_processors
@@ -75,7 +75,8 @@ class ModelRunner:
         self.device = device
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
-        """Flatten the batch: decodes (one new token) first, then prefill chunks.
+        """Flatten the batch: decodes (one new token) first, in groups of similar context
+        length (``split_by_context``), then prefill chunks.
 
         Each request contributes tokens ``all_token_ids[num_computed : num_computed + n]`` at
         positions ``num_computed .. num_computed + n - 1``; a request samples only when its
@@ -85,6 +86,12 @@ class ModelRunner:
         decodes = [r for r in out.scheduled_requests if n_sched[r.request_id] == 1]
         prefills = [r for r in out.scheduled_requests if n_sched[r.request_id] > 1]
         bs = self.block_size
+        # Decodes in groups of similar context length: each group gathers K/V padded to its
+        # own longest context instead of the batch's.
+        decode_groups = [
+            [decodes[i] for i in group]
+            for group in split_by_context([-(-(r.num_computed_tokens + 1) // bs) for r in decodes], bs)
+        ]
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
@@ -94,7 +101,7 @@ class ModelRunner:
         spec_requests: list[tuple[Request, list[int]]] = []
         spec_indices: list[int] = []
         groups: list[AttentionGroup] = []
-        for reqs in (decodes, prefills):
+        for reqs in (*decode_groups, prefills):
             if not reqs:
                 continue
             start = len(input_ids)

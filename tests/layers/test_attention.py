@@ -1,0 +1,85 @@
+"""Paged attention helpers (``kvflow/layers/attention.py``): grouping decodes by context
+length, and attention over several groups equal to one group."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from kvflow.layers.attention import AttentionGroup, AttentionMetadata, paged_attention, split_by_context
+
+
+def _cost(groups: list[list[int]], blocks: list[int], block_size: int, overhead: int) -> int:
+    return sum(len(g) * max(blocks[i] for i in g) * block_size + overhead for g in groups)
+
+
+def _brute_force_best(blocks: list[int], block_size: int, overhead: int) -> int:
+    """Cheapest partition of the sorted list into contiguous runs (every cut subset)."""
+    order = sorted(range(len(blocks)), key=blocks.__getitem__)
+    best = None
+    for mask in range(2 ** (len(order) - 1)):
+        groups, current = [], [order[0]]
+        for pos, idx in enumerate(order[1:]):
+            if mask >> pos & 1:
+                groups.append(current)
+                current = []
+            current.append(idx)
+        groups.append(current)
+        cost = _cost(groups, blocks, block_size, overhead)
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_split_is_a_partition_and_optimal(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    blocks = [rng.randint(1, 60) for _ in range(n)]
+    overhead = rng.choice([0, 16, 512, 5000])
+    groups = split_by_context(blocks, 16, overhead)
+    assert sorted(itertools.chain.from_iterable(groups)) == list(range(n))
+    assert all(groups), "no empty group"
+    assert _cost(groups, blocks, 16, overhead) == _brute_force_best(blocks, 16, overhead)
+
+
+def test_split_extremes():
+    assert split_by_context([], 16) == []
+    # Zero overhead: no padding at all (each group holds one context length).
+    blocks = [3, 1, 3, 2]
+    groups = split_by_context(blocks, 16, overhead_tokens=0)
+    assert _cost(groups, blocks, 16, 0) == sum(blocks) * 16
+    assert all(len({blocks[i] for i in g}) == 1 for g in groups)
+    # A huge overhead: one group.
+    assert len(split_by_context([1, 50, 7, 30], 16, overhead_tokens=10**9)) == 1
+    # Two clusters far apart and a moderate overhead: two groups.
+    groups = split_by_context([2, 2, 2, 2, 100, 100, 100, 100], 16, overhead_tokens=512)
+    assert [sorted(g) for g in groups] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_attention_over_several_groups_equals_one_group():
+    """The same decode tokens attended as one padded group and as one group per request."""
+    torch.manual_seed(0)
+    bs, kv_heads, heads, d = 4, 2, 4, 8
+    num_blocks = 16
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d)
+    tables = [[0, 1, 2], [3], [4, 5, 6, 7, 8]]
+    ctx = [10, 3, 17]
+    q = torch.randn(len(ctx), heads, d)
+    one = AttentionMetadata(torch.zeros(3, dtype=torch.int64),
+                            [AttentionGroup.build(0, [1, 1, 1], ctx, tables, bs, torch.device("cpu"))])
+    several = AttentionMetadata(torch.zeros(3, dtype=torch.int64), [
+        AttentionGroup.build(i, [1], [ctx[i]], [tables[i]], bs, torch.device("cpu")) for i in range(3)
+    ])
+    out_one = paged_attention(q, (k_cache, v_cache), one, d**-0.5)
+    out_several = paged_attention(q, (k_cache, v_cache), several, d**-0.5)
+    torch.testing.assert_close(out_one, out_several, rtol=1e-5, atol=1e-6)
+    # And against the explicit computation for request 2 (GQA: head h reads KV head h // 2).
+    keys = k_cache[tables[2]].reshape(-1, kv_heads, d)[: ctx[2]]
+    values = v_cache[tables[2]].reshape(-1, kv_heads, d)[: ctx[2]]
+    for h in range(heads):
+        w = torch.softmax(keys[:, h // 2] @ q[2, h] * d**-0.5, dim=0)
+        torch.testing.assert_close(out_several[2, h], w @ values[:, h // 2], rtol=1e-5, atol=1e-6)
