@@ -217,6 +217,9 @@ class SpeculativeConfig:
         quantization: weight-only quantization of the draft model ("int8", "int4",
             "int4-awq", "fp8", or None for the target's dtype); a cheaper draft lowers the
             cost ratio c of Leviathan et al. (2023), section 3.4.
+        disable_by_batch_size: skip speculation in steps where at least this many requests
+            are running (batched decoding already amortizes the weight reads that
+            speculation saves), or None to always speculate.
     """
 
     method: str
@@ -225,6 +228,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     quantization: str | None = None
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> "SpeculativeConfig":
@@ -244,6 +248,8 @@ class SpeculativeConfig:
         _positive_int("speculative_config.num_speculative_tokens", spec.get("num_speculative_tokens"))
         if spec["method"] == "draft_model" and not spec.get("model"):
             raise ValueError("speculative_config.model is required for method 'draft_model'")
+        if spec.get("disable_by_batch_size") is not None:
+            _positive_int("speculative_config.disable_by_batch_size", spec["disable_by_batch_size"])
         if spec.get("quantization") is not None:
             if spec["method"] != "draft_model":
                 raise ValueError("speculative_config.quantization applies to method 'draft_model' only")

@@ -149,6 +149,8 @@ class LLMEngine:
         seed: seed of the engine generator for unseeded sampling.
         proposer: speculative decoding proposer, or None.
         tp_workers: the tensor-parallel workers (``model`` is then rank 0's shard).
+        spec_disable_by_batch_size: no drafts in a step when at least this many requests are
+            running (``speculative_config["disable_by_batch_size"]``), or None.
     """
 
     def __init__(
@@ -162,10 +164,12 @@ class LLMEngine:
         seed: int = 0,
         proposer: NgramProposer | DraftModelProposer | None = None,
         tp_workers: TPWorkers | None = None,
+        spec_disable_by_batch_size: int | None = None,
     ) -> None:
         self.model_config = model_config
         self.tp_workers = tp_workers
         self.proposer = proposer
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
         self.spec_stats = SpecDecodeStats(proposer.k if proposer is not None else 0)
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -220,6 +224,7 @@ class LLMEngine:
             cache_config = args.cache_config(model_config, dtype)
         scheduler_config = args.scheduler_config(model_config)
         proposer = None
+        spec = None
         if args.speculative_config is not None:
             spec = SpeculativeConfig.from_dict(args.speculative_config)
             k, max_len = spec.num_speculative_tokens, scheduler_config.max_model_len
@@ -247,6 +252,7 @@ class LLMEngine:
             seed=args.seed,
             proposer=proposer,
             tp_workers=tp_workers,
+            spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
         )
 
     def shutdown(self) -> None:
@@ -438,6 +444,13 @@ class LLMEngine:
             for r in self.scheduler.running
             if r.num_computed_tokens == r.num_tokens - 1 and r.grammar is None and not r.pending_forks
         ]
+        limit = self.spec_disable_by_batch_size
+        if limit is not None and len(self.scheduler.running) >= limit:
+            # A large batch is no longer memory-bound per sequence: plain decoding is cheaper.
+            # The draft model catches up on the skipped tokens the next time it proposes.
+            for r in ready:
+                r.spec_token_ids, r.spec_draft_probs = [], None
+            return
         self.proposer.propose(ready)
 
     def _make_output(self, state: _RequestState, now: float) -> RequestOutput:

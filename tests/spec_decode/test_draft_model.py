@@ -395,6 +395,7 @@ def test_engine_stats_consistent_with_steps(kind):
          "prompt_lookup_min"),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
         ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"}, "quantization"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
         ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x", "quantization": "int3"}, "quantization"),
     ],
 )
@@ -469,3 +470,37 @@ def test_quantized_draft_model_keeps_greedy_outputs(tmp_path):
         outs.append(done)
     assert outs[0] == outs[1]
     assert spec.get_stats()["spec_num_draft_tokens"] > 0
+
+
+def test_disable_by_batch_size_skips_drafts_in_large_batches(tmp_path):
+    """With disable_by_batch_size=2, steps with two running requests verify no drafts; once
+    one request is left the draft model proposes again (after catching up), and greedy
+    outputs stay those of plain decoding."""
+    from kvflow import SamplingParams
+
+    target = _save_tiny_hf_llama(tmp_path / "target", 64)
+    common = dict(model=target, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, seed=0)
+    spec_cfg = {"method": "draft_model", "model": target, "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    engine = LLMEngine.from_engine_args(EngineArgs(**common, speculative_config=spec_cfg))
+    plain = LLMEngine.from_engine_args(EngineArgs(**common))
+    outs = []
+    for eng in (engine, plain):
+        eng.add_request("long", [1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+        eng.add_request("short", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        done, drafts_while_two, drafts_while_one = {}, 0, 0
+        while eng.has_unfinished_requests():
+            before = eng.get_stats().get("spec_num_draft_tokens", 0)
+            running = len(eng.scheduler.running)
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            verified = eng.get_stats().get("spec_num_draft_tokens", 0) - before
+            if running >= 2:
+                drafts_while_two += verified
+            else:
+                drafts_while_one += verified
+        outs.append(done)
+        if eng is engine:
+            assert drafts_while_two == 0
+            assert drafts_while_one > 0
+    assert outs[0] == outs[1]
