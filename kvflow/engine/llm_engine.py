@@ -13,7 +13,15 @@ from typing import Any
 
 import torch
 
-from kvflow.config import CacheConfig, EngineArgs, ModelConfig, SchedulerConfig, SpeculativeConfig, resolve_dtype
+from kvflow.config import (
+    CacheConfig,
+    EngineArgs,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import Scheduler
 from kvflow.distributed.parallel_state import TensorParallel, make_shard_plan
@@ -70,17 +78,20 @@ def _load_model(
         qmodel.load_quantized_weights(model, model_dir, saved["method"], saved["group_size"])
     else:
         model.load_weights(iter_weights(model_dir))
-    model.to(dtype=dtype).eval()
+    model.eval()
     if saved is None and quantization == "gguf":
         from kvflow.quantization.gguf import load_gguf_linears
 
         load_gguf_linears(model, model_dir)
     elif saved is None and quantization is not None:
+        # From the float32 weights, as `kvflow quantize` does: a saved checkpoint then
+        # reloads to exactly this model whatever the dtype.
         calibration = None
         if quantization == "int4-awq":
             calibration = qmodel.default_calibration_ids(load_tokenizer(model_dir))
         qmodel.quantize_model(model, quantization, group_size, calibration)
-    model.to(device)
+    # Quantized storage keeps its dtype (``_QuantizedLinear._apply``); the rest moves to dtype.
+    model.to(device=device, dtype=dtype)
     if device.type == "cpu":
         model.pack_for_cpu()
     return model, model_config
@@ -221,26 +232,33 @@ class LLMEngine:
                 raise
         else:
             model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size)
-            cache_config = args.cache_config(model_config, dtype)
+        spec = SpeculativeConfig.from_dict(args.speculative_config) if args.speculative_config is not None else None
+        draft = draft_config = None
+        if spec is not None and spec.method == "draft_model":
+            draft_dir = resolve_model(spec.model, cache_dir=args.model_cache_dir)
+            draft, draft_config = _load_model(draft_dir, dtype, device, spec.quantization, args.quantization_group_size)
+            if draft_config.vocab_size != model_config.vocab_size:
+                raise ValueError(
+                    f"speculative_config.model has vocab_size {draft_config.vocab_size}, the target "
+                    f"{model_config.vocab_size}: the draft must share the target's vocabulary"
+                )
+        if tp_workers is None:
+            # The draft's cache has as many blocks as the target's (it mirrors every request),
+            # and both come out of the one KV budget. (Under tensor parallelism the workers
+            # size their shards on their own: the draft cache on rank 0 comes on top.)
+            kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
+            extra = draft_config.kv_bytes_per_token(kv_dtype) if draft_config is not None else 0
+            cache_config = args.cache_config(model_config, dtype, extra_bytes_per_token=extra)
         scheduler_config = args.scheduler_config(model_config)
         proposer = None
-        spec = None
-        if args.speculative_config is not None:
-            spec = SpeculativeConfig.from_dict(args.speculative_config)
+        if spec is not None:
             k, max_len = spec.num_speculative_tokens, scheduler_config.max_model_len
             if spec.method == "ngram":
                 proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
             else:
-                draft_dir = resolve_model(spec.model, cache_dir=args.model_cache_dir)
-                draft, draft_config = _load_model(
-                    draft_dir, dtype, device, spec.quantization, args.quantization_group_size
+                draft_cache = CacheConfig(
+                    cache_config.block_size, cache_config.num_blocks, cache_config.dtype, enable_prefix_caching=False
                 )
-                if draft_config.vocab_size != model_config.vocab_size:
-                    raise ValueError(
-                        f"speculative_config.model has vocab_size {draft_config.vocab_size}, the target "
-                        f"{model_config.vocab_size}: the draft must share the target's vocabulary"
-                    )
-                draft_cache = CacheConfig(cache_config.block_size, cache_config.num_blocks, dtype, enable_prefix_caching=False)
                 proposer = DraftModelProposer(draft, draft_config, draft_cache, k, max_len, device, args.seed)
         return cls(
             model=model,

@@ -329,3 +329,21 @@ def test_int8_kv_cache_bytes(kv_int8_llm, smollm2_llm):
     assert per_token / config.kv_bytes_per_token(torch.float16) == pytest.approx((64 + 2) / 128)
     cache = kv_int8_llm.engine.cache_config
     assert kv_int8_llm.engine.cache_engine.num_bytes == per_token * cache.num_blocks * cache.block_size
+
+
+def test_bf16_quantization_equals_saved_checkpoint_in_bf16(smollm2_dir, tmp_path):
+    """Quantizing at load in bfloat16 reads the float32 weights, like `kvflow quantize`:
+    the in-memory INT8 model and the saved checkpoint loaded in bfloat16 hold the same
+    tensors (a bf16-rounded weight gives other int8 codes for some channels)."""
+    from kvflow.entrypoints.cli import main
+
+    out = tmp_path / "smollm2-int8"
+    assert main(["quantize", "--model", str(smollm2_dir), "--method", "int8", "--out", str(out)]) == 0
+    common = dict(dtype="bfloat16", num_kv_blocks=32, max_num_seqs=4)
+    in_memory = LLM(model=str(smollm2_dir), quantization="int8", **common)
+    reloaded = LLM(model=str(out), **common)
+    want = in_memory.engine.model_runner.model.state_dict()
+    got = reloaded.engine.model_runner.model.state_dict()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
