@@ -371,9 +371,15 @@ class EngineArgs:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def cache_config(self, model_config: ModelConfig, dtype: torch.dtype) -> CacheConfig:
+    def cache_config(self, model_config: ModelConfig, dtype: torch.dtype, extra_bytes_per_token: int = 0) -> CacheConfig:
         """Size the block pool from ``num_kv_blocks`` or the byte budget (``dtype``: the
         model dtype; the cache's own follows ``kv_cache_dtype``).
+
+        Args:
+            model_config: the model whose K/V the pool holds.
+            dtype: the model dtype.
+            extra_bytes_per_token: bytes per token of another cache with as many blocks,
+                paid from the same budget (a draft model's), 0 for none.
 
         Raises:
             ValueError: if the budget does not hold a single block.
@@ -384,10 +390,11 @@ class EngineArgs:
             num_blocks = self.num_kv_blocks
         else:
             budget = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-            num_blocks = budget // bytes_per_block
+            num_blocks = budget // (bytes_per_block + extra_bytes_per_token * self.block_size)
             if num_blocks < 1:
                 raise ValueError(
-                    f"kv_cache_memory_bytes={budget} holds no block of {bytes_per_block} bytes"
+                    f"kv_cache_memory_bytes={budget} holds no block of "
+                    f"{bytes_per_block + extra_bytes_per_token * self.block_size} bytes"
                 )
         swap_space = self.swap_space_bytes
         if swap_space is None:

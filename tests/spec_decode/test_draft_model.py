@@ -504,3 +504,30 @@ def test_disable_by_batch_size_skips_drafts_in_large_batches(tmp_path):
             assert drafts_while_two == 0
             assert drafts_while_one > 0
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_draft_cache_comes_out_of_the_kv_budget(tmp_path, kv_cache_dtype):
+    """kv_cache_memory_bytes bounds the target's and the draft's caches together; both have
+    the same number of blocks and the draft's follows kv_cache_dtype."""
+    target = _save_tiny_hf_llama(tmp_path / "target", 64)
+    budget = 256 * 1024
+    common = dict(model=target, device="cpu", dtype="float32", kv_cache_memory_bytes=budget, block_size=4,
+                  kv_cache_dtype=kv_cache_dtype)
+    alone = LLMEngine.from_engine_args(EngineArgs(**common))
+    spec = LLMEngine.from_engine_args(EngineArgs(
+        **common, speculative_config={"method": "draft_model", "model": target, "num_speculative_tokens": 2},
+    ))
+
+    def cache_bytes(cache_engine):
+        return sum(t.numel() * t.element_size() for layer in cache_engine.kv_caches for t in layer)
+
+    target_bytes = cache_bytes(spec.model_runner.cache_engine)
+    draft_runner = spec.proposer.runner
+    draft_bytes = cache_bytes(draft_runner.cache_engine)
+    assert target_bytes + draft_bytes <= budget
+    assert cache_bytes(alone.model_runner.cache_engine) <= budget
+    # Same architecture for draft and target here: the budget is split in two.
+    assert spec.cache_config.num_blocks == alone.cache_config.num_blocks // 2
+    assert draft_runner.cache_engine.kv_caches[0][0].shape[0] == spec.cache_config.num_blocks
+    assert draft_runner.cache_engine.kv_caches[0][0].dtype == spec.cache_config.dtype
