@@ -66,8 +66,27 @@ class _QuantizedLinear(nn.Module):
                 self._buffers[name] = self._buffers[name].view(dtype)
 
     def _finish(self, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        out = out.to(dtype)
-        return out if self.bias is None else out + self.bias.to(dtype)
+        if out.dtype != dtype:
+            out = out.to(dtype)
+        if self.bias is None:
+            return out
+        return out + (self.bias if self.bias.dtype == dtype else self.bias.to(dtype))
+
+    @staticmethod
+    def _kernel_input(x: torch.Tensor) -> torch.Tensor:
+        """x as the packed kernels take it: bfloat16, contiguous (no copy when it already is)."""
+        if x.dtype != _COMPUTE:
+            x = x.to(_COMPUTE)
+        return x if x.is_contiguous() else x.contiguous()
+
+    def _compute_copy(self, name: str) -> torch.Tensor:
+        """Buffer ``name`` in bfloat16, converted once per buffer object (not per call)."""
+        source = getattr(self, name)
+        cached = self.__dict__.get("_compute_cache", {}).get(name)
+        if cached is None or cached[0] is not source:
+            cached = (source, source.to(_COMPUTE))
+            self.__dict__.setdefault("_compute_cache", {})[name] = cached
+        return cached[1]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -107,7 +126,7 @@ class Int8Linear(_PerChannelLinear):
             and _has_op("_weight_int8pack_mm")
         ):
             # The kernel refuses inputs that are not contiguous (e.g. a column slice).
-            out = torch.ops.aten._weight_int8pack_mm(x.to(_COMPUTE).contiguous(), self.weight, self.scale.to(_COMPUTE))
+            out = torch.ops.aten._weight_int8pack_mm(self._kernel_input(x), self.weight, self._compute_copy("scale"))
             return self._finish(out, x.dtype)
         return self._dense(x, self.weight.to(_COMPUTE) * self.scale.to(_COMPUTE)[:, None])
 
@@ -180,7 +199,7 @@ class Int4Linear(_QuantizedLinear):
         ):
             packed, scales_and_zeros = self._cpu_kernel_inputs()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(_COMPUTE).contiguous(), packed, self.group_size, scales_and_zeros
+                self._kernel_input(x), packed, self.group_size, scales_and_zeros
             )
             return self._finish(out, x.dtype)
         return self._dense(x, self.dequantized(_COMPUTE))
