@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument(
         "--kv-cache-dtype", default="auto",
         choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp32", "bf16", "fp16", "half"],
-        help="KV element type (auto: float32 on CPU, bfloat16 on CUDA, as the engine)",
+        help="KV element type (auto: float32 on CPU, bfloat16 on CUDA, as the engine with its default --dtype; "
+        "an engine run with --dtype bfloat16 has a bfloat16 cache: pass --kv-cache-dtype bfloat16)",
     )
     mem.add_argument("--budget", default="512MiB", help="KV cache budget: bytes or 512MiB, 8GiB, 2GB (default 512MiB)")
     mem.add_argument("--block-size", type=int, default=EngineArgs().block_size, help="tokens per KV block")
