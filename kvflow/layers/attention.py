@@ -11,9 +11,10 @@ physical blocks in logical order (Kwon et al. 2023, PagedAttention, section 4.1)
 Step 2 gathers K/V through the block tables for a whole group of requests at once and runs
 one ``scaled_dot_product_attention`` call for the group, with GQA handled by folding the
 query heads that share a KV head into the query-length axis (no copy of K/V per query head).
-Requests are split into two groups so that padding stays small: decodes (one query token
-each) and prefills (several query tokens each, padded to the longest chunk). There is no
-Python loop over requests inside a layer.
+Requests are split into groups so that padding stays small: decodes (one query token each)
+in groups of similar context length (``split_by_context``), and prefills (several query
+tokens each, padded to the longest chunk). There is no Python loop over requests inside a
+layer, only over the step's few groups.
 """
 
 from __future__ import annotations
