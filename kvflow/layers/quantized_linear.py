@@ -4,11 +4,12 @@ Kernels on the CPU: PyTorch's weight-packed matmuls ``aten._weight_int8pack_mm``
 weight, per-channel scale) and ``aten._weight_int4pack_mm_for_cpu`` (INT4 weight with
 group-wise scale and zero) read the compact weight directly. Measured on this project's
 2-core AVX2 machine they are about twice as fast as a float32 matmul for a few rows, but
-their cost grows linearly with the rows, while the bfloat16 matmul stays flat. So up to
-``SMALL_BATCH_ROWS`` rows the packed kernel runs (activations in bfloat16, accumulation in
-float32); above it, and on CUDA, and for FP8 everywhere (no FP8 matmul on the CPU), the
-weight is dequantized to bfloat16 for that call and a dense matmul runs: memory stays
-compact, compute is dense.
+their cost grows linearly with the rows, while dequantizing the weight costs the same at
+any row count. So up to ``INT8_PACKED_MAX_ROWS`` / ``INT4_PACKED_MAX_ROWS`` rows (decode
+batches, speculative verification) the packed kernel runs (activations in bfloat16,
+accumulation in float32); above it (long prefill chunks), and on CUDA, and for FP8
+everywhere (no FP8 matmul on the CPU), the weight is dequantized to bfloat16 for that call
+and a dense matmul runs: memory stays compact, compute is dense.
 
 Shapes: inputs x [M, in_features] (float32 or bfloat16), outputs [M, out_features] in the
 input's dtype.
@@ -22,7 +23,13 @@ from torch import nn
 
 from kvflow.quantization.schemes import dequantize_fp8, quantize_fp8, quantize_int4, quantize_int8
 
-SMALL_BATCH_ROWS = 4
+# Rows up to which the packed kernel beats dequantize-then-matmul: the packed kernels' cost
+# grows with the rows, the dequantization (a full bfloat16 copy of the weight per call) does
+# not. Measured with ``python -m benchmarks.micro_linear`` on an 8960 x 1536 weight here:
+# INT8 packed 5.6 ms at 16 rows, 14.6 at 64, 48.9 at 256 vs ~24 ms dequantized; INT4 packed
+# 2.9 / 11.5 / 46.0 ms vs ~60 ms dequantized.
+INT8_PACKED_MAX_ROWS = 64
+INT4_PACKED_MAX_ROWS = 256
 _COMPUTE = torch.bfloat16
 
 
@@ -121,7 +128,7 @@ class Int8Linear(_PerChannelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             x.device.type == "cpu"
-            and x.shape[0] <= SMALL_BATCH_ROWS
+            and x.shape[0] <= INT8_PACKED_MAX_ROWS
             and self.in_features % _INT8_PACK_K_MULTIPLE == 0
             and _has_op("_weight_int8pack_mm")
         ):
@@ -192,7 +199,7 @@ class Int4Linear(_QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             x.device.type == "cpu"
-            and x.shape[0] <= SMALL_BATCH_ROWS
+            and x.shape[0] <= INT4_PACKED_MAX_ROWS
             and self.out_features % _INT4_PACK_N_MULTIPLE == 0
             and self.group_size in _INT4_PACK_GROUP_SIZES
             and _has_op("_weight_int4pack_mm_for_cpu")

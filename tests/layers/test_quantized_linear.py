@@ -15,8 +15,8 @@ sqrt(K)): ``test_bound_would_catch_bf16_accumulation`` checks that a bfloat16 ac
 breaks it at K = 4096, so the bound is not vacuous.
 
 Packed kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) run for at most
-``SMALL_BATCH_ROWS`` rows on the CPU; above it the weight is dequantized to bfloat16 for a dense
-matmul. Both paths are checked, and against each other.
+``INT8_PACKED_MAX_ROWS`` / ``INT4_PACKED_MAX_ROWS`` rows on the CPU; above it the weight is
+dequantized to bfloat16 for a dense matmul. Both paths are checked, and against each other.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvflow.layers.quantized_linear import SMALL_BATCH_ROWS, FP8Linear, Int4Linear, Int8Linear
+from kvflow.layers.quantized_linear import INT4_PACKED_MAX_ROWS, INT8_PACKED_MAX_ROWS, FP8Linear, Int4Linear, Int8Linear
 from kvflow.quantization.schemes import dequantize_fp8, dequantize_int8, quantize_int4
 
 TOL = 2.0**-5
@@ -88,7 +88,7 @@ def ops_called(fn) -> set[str]:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("rows", [1, 16, 64, 300])  # 300: above both packed limits (dense path)
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_float_reference(kind, rows, bias):
     layer, _ = make_layer(kind, 512, 96, bias)
@@ -100,7 +100,7 @@ def test_matches_float_reference(kind, rows, bias):
     assert err <= TOL, f"{kind} rows={rows} bias={bias}: {err / TOL:.2f} x the bound"
 
 
-@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("rows", [1, 16, 64, 300])
 @pytest.mark.parametrize("kind", KINDS)
 def test_long_k_accumulates_in_fp32(kind, rows):
     """K = 4096: the error stays inside the same bound, and does not grow much from K = 256
@@ -150,21 +150,27 @@ def test_bfloat16_input_gives_bfloat16_output(kind):
     [("int8", "aten::_weight_int8pack_mm"), ("int4-g32", "aten::_weight_int4pack_mm_for_cpu"),
      ("int4-g128", "aten::_weight_int4pack_mm_for_cpu")],
 )
-def test_packed_path_up_to_small_batch_rows_then_dense(kind, op):
+def test_packed_path_up_to_max_rows_then_dense(kind, op):
     layer, _ = make_layer(kind, 512, 96, bias=False)
-    assert op in ops_called(lambda: layer(torch.randn(SMALL_BATCH_ROWS, 512)))
-    assert op not in ops_called(lambda: layer(torch.randn(SMALL_BATCH_ROWS + 1, 512)))
+    max_rows = _max_rows(kind)
+    assert op in ops_called(lambda: layer(torch.randn(1, 512)))
+    assert op in ops_called(lambda: layer(torch.randn(max_rows, 512)))
+    assert op not in ops_called(lambda: layer(torch.randn(max_rows + 1, 512)))
+
+
+def _max_rows(kind: str) -> int:
+    return INT8_PACKED_MAX_ROWS if kind == "int8" else INT4_PACKED_MAX_ROWS
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4-g32", "int4-g64", "int4-g128"])
 def test_packed_and_dense_paths_agree(kind):
     """The same rows through the packed kernel (4 rows) and through the dense bfloat16
-    matmul (inside a 16-row batch) agree within bfloat16 rounding."""
+    matmul (inside a batch one row over the packed limit) agree within bfloat16 rounding."""
     layer, _ = make_layer(kind, 1536, 576, bias=True)
-    x = torch.randn(16, 1536)
-    dense = layer(x)[:SMALL_BATCH_ROWS]
-    packed = layer(x[:SMALL_BATCH_ROWS])
-    _, scale = reference(layer, x[:SMALL_BATCH_ROWS])
+    x = torch.randn(_max_rows(kind) + 1, 1536)
+    dense = layer(x)[:4]
+    packed = layer(x[:4])
+    _, scale = reference(layer, x[:4])
     assert float(((packed - dense).double().abs() / scale).max()) <= TOL
     # and both are close to each other in plain terms: a few bfloat16 ulps of the output
     torch.testing.assert_close(packed, dense, rtol=2.0**-6, atol=2.0**-6 * float(dense.abs().max()))
