@@ -15,7 +15,8 @@ Engines (``--engines``, comma-separated; ``--skip`` removes some):
 * ``kvflow``, ``kvflow-bf16``, ``kvflow-bf16-int4``: ``LLM(model, dtype="float32")``,
   ``dtype="bfloat16"`` and ``dtype="bfloat16", quantization="int4"``, with the engine options
   of ``benchmarks.throughput`` (``kvflow_engine_kwargs``: max_num_seqs, the per-step token
-  budget, a KV pool of max_num_seqs worst-case requests). ``--kvflow-config NAME=JSON``
+  budget, a KV pool of max_num_seqs worst-case requests), prefix caching off like the peers.
+  ``--kvflow-config NAME=JSON``
   adds a configuration or replaces one of these (the JSON holds ``LLM`` keyword arguments
   laid over those options). One ``LLM.generate`` call over all requests is timed.
 * ``hf-static``: transformers ``model.generate`` in static left-padded batches of
@@ -118,10 +119,12 @@ from pathlib import Path
 from typing import Any
 
 
+# Prefix caching off: the peers do not reuse a prompt's K/V across requests, and the
+# single-stream runs repeat one prompt (a cache hit would make kvflow's TTFT a decode step).
 DEFAULT_KVFLOW_CONFIGS: dict[str, dict[str, Any]] = {
-    "kvflow": {"dtype": "float32"},
-    "kvflow-bf16": {"dtype": "bfloat16"},
-    "kvflow-bf16-int4": {"dtype": "bfloat16", "quantization": "int4"},
+    "kvflow": {"dtype": "float32", "enable_prefix_caching": False},
+    "kvflow-bf16": {"dtype": "bfloat16", "enable_prefix_caching": False},
+    "kvflow-bf16-int4": {"dtype": "bfloat16", "quantization": "int4", "enable_prefix_caching": False},
 }
 PEERS = ("hf-static", "hf-cb", "llamacpp", "llamacpp-parallel")
 PEER_LABELS = {
