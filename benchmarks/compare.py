@@ -356,6 +356,24 @@ def _stream_result(t0: float, stamps: list[float], n: int) -> dict[str, float]:
     return {"ttft_s": stamps[0] - t0, "total_s": stamps[-1] - t0, "decode_tok_per_s": (n - 1) / (stamps[-1] - stamps[0])}
 
 
+def _single_stream(engine: str, load_cls: Any, repeats: int, n: int, run_once: Any) -> dict[str, Any]:
+    """Median of ``repeats`` single-stream runs of ``n`` tokens, with the other processes' load.
+
+    ``run_once(i)`` runs one stream and returns (start time, its tokens, a timestamp per token).
+
+    Raises:
+        RuntimeError: when a run produces other than ``n`` tokens.
+    """
+    runs = []
+    with load_cls() as load:
+        for i in range(repeats):
+            s0, toks, stamps = run_once(i)
+            if len(toks) != n or len(stamps) != n:
+                raise RuntimeError(f"{engine} stream produced {len(toks)} tokens, expected {n}")
+            runs.append(_stream_result(s0, stamps, n))
+    return {**_median_run(runs), "other_load_cores": load.cores}
+
+
 def _throughput_result(requests: list[dict[str, Any]], tokens: list[list[int]], wall: float,
                        first_token_s: list[float] | None, finish_s: list[float] | None) -> dict[str, Any]:
     """The common throughput fields (tokens/s, requests/s, mean TTFT and latency in s from
@@ -537,14 +555,12 @@ def worker_hf_cb(spec: dict[str, Any]) -> dict[str, Any]:
         _log("hf-cb", f"{res['wall_s']:.1f} s, {res['output_tokens_per_s']:.1f} output tok/s")
         if not cfg["skip_stream"]:
             n = cfg["stream_new_tokens"]
-            runs = []
-            with OtherLoad() as load:
-                for i in range(cfg["stream_repeats"]):
-                    s0, toks, st = _cb_run(manager, [sp], [n], f"stream{i}")
-                    if len(toks[0]) != n or len(st[0]) != n:
-                        raise RuntimeError(f"hf-cb stream produced {len(toks[0])} tokens, expected {n}")
-                    runs.append(_stream_result(s0, st[0], n))
-            res["single_stream"] = {**_median_run(runs), "other_load_cores": load.cores}
+
+            def cb_stream(i: int):
+                s0, toks, st = _cb_run(manager, [sp], [n], f"stream{i}")
+                return s0, toks[0], st[0]
+
+            res["single_stream"] = _single_stream("hf-cb", OtherLoad, cfg["stream_repeats"], n, cb_stream)
     res.update(load_s=load_s, rss_before_load_mib=rss_before_load, torch_num_threads=torch.get_num_threads(),
                continuous_batching_config=cb_options, attn_implementation=attn)
     return res
@@ -644,15 +660,12 @@ def worker_llamacpp(spec: dict[str, Any]) -> dict[str, Any]:
     _log("llamacpp", f"{res['wall_s']:.1f} s, {res['output_tokens_per_s']:.1f} output tok/s")
     if not cfg["skip_stream"]:
         n = cfg["stream_new_tokens"]
-        runs = []
-        with _StdlibOtherLoad() as load:
-            for _ in range(cfg["stream_repeats"]):
-                s0 = time.perf_counter()
-                toks, stamps = _llama_sequential_request(llm, sp, n)
-                if len(toks) != n:
-                    raise RuntimeError(f"llama.cpp stream produced {len(toks)} tokens, expected {n}")
-                runs.append(_stream_result(s0, stamps, n))
-        res["single_stream"] = {**_median_run(runs), "other_load_cores": load.cores}
+
+        def sequential_stream(_: int):
+            s0 = time.perf_counter()
+            return (s0, *_llama_sequential_request(llm, sp, n))
+
+        res["single_stream"] = _single_stream("llama.cpp", _StdlibOtherLoad, cfg["stream_repeats"], n, sequential_stream)
     res.update(load_s=load_s, rss_before_load_mib=rss_before_load, llama_params=params)
     return res
 
@@ -795,12 +808,14 @@ def worker_llamacpp_parallel(spec: dict[str, Any]) -> dict[str, Any]:
         _log("llamacpp-parallel", f"{res['wall_s']:.1f} s, {res['output_tokens_per_s']:.1f} output tok/s")
         if not cfg["skip_stream"]:
             n = cfg["stream_new_tokens"]
-            runs = []
-            with _StdlibOtherLoad() as load:
-                for _ in range(cfg["stream_repeats"]):
-                    s0, toks, st, _ = eng.run([sp], [n])
-                    runs.append(_stream_result(s0, st[0], n))
-            res["single_stream"] = {**_median_run(runs), "other_load_cores": load.cores}
+
+            def parallel_stream(_: int):
+                s0, toks, st, _steps = eng.run([sp], [n])
+                return s0, toks[0], st[0]
+
+            res["single_stream"] = _single_stream(
+                "llama.cpp (parallel)", _StdlibOtherLoad, cfg["stream_repeats"], n, parallel_stream
+            )
     finally:
         eng.close()
     res.update(load_s=load_s, rss_before_load_mib=rss_before_load, llama_params=eng.params)
