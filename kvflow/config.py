@@ -305,6 +305,13 @@ class EngineArgs:
         seed: seed of the engine's generator for unseeded sampling.
         num_threads: torch intra-op threads on the CPU (None leaves torch's default).
         model_cache_dir: where converted GGUF models are cached.
+        attention_backend: "auto" (Triton on CUDA when ``triton`` is installed, else
+            PyTorch), "torch" (gather + ``scaled_dot_product_attention``, any device) or
+            "triton" (``kvflow.layers.triton_attention``; needs CUDA, or Triton's CPU
+            interpreter with ``TRITON_INTERPRET=1``, which is for tests only).
+        enforce_eager: never use CUDA graphs. Otherwise, on CUDA with the Triton backend
+            and no tensor parallelism, decode steps replay CUDA graphs captured at load
+            (``kvflow.worker.cuda_graph``).
     """
 
     model: str = "smollm2-135m"
@@ -328,6 +335,8 @@ class EngineArgs:
     seed: int = 0
     num_threads: int | None = None
     model_cache_dir: str | None = None
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def verify(self) -> None:
         """Check the ranges of the numeric options.
@@ -365,6 +374,30 @@ class EngineArgs:
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        self.resolved_attention_backend()
+
+    def resolved_attention_backend(self) -> str:
+        """"torch" or "triton" for this device.
+
+        Raises:
+            ValueError: for an unknown backend, or "triton" where it cannot run (no
+                ``triton`` package; a CPU device without ``TRITON_INTERPRET=1``).
+        """
+        from kvflow.layers.triton_attention import interpreter_enabled, triton_available
+
+        backend = self.attention_backend
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        on_cuda = self.torch_device().type == "cuda"
+        if backend == "auto":
+            return "triton" if on_cuda and triton_available() else "torch"
+        if backend == "triton":
+            if not triton_available():
+                raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")
+            if not on_cuda and not interpreter_enabled():
+                raise ValueError("attention_backend='triton' needs a CUDA device (on the CPU only Triton's "
+                                 "interpreter runs it: set TRITON_INTERPRET=1 before starting; tests only)")
+        return backend
 
     def torch_device(self) -> torch.device:
         if self.device is None:

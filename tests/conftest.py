@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+
+import torch
+
+# Without CUDA the Triton kernels (kvflow/layers/triton_attention.py) run in Triton's CPU
+# interpreter; it must be chosen before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -58,19 +66,23 @@ def tiny_engine(
     max_model_len: int = 256,
     config: ModelConfig | None = None,
     seed: int = 0,
+    attention_backend: str = "torch",
+    enable_prefix_caching: bool = True,
 ) -> LLMEngine:
     """An engine over a tiny random model, working on token ids (no tokenizer)."""
     config = config or tiny_model_config()
     return LLMEngine(
         model=tiny_model(config),
         model_config=config,
-        cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=torch.float32),
+        cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=torch.float32,
+                                 enable_prefix_caching=enable_prefix_caching),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len
         ),
         tokenizer=None,
         device=torch.device("cpu"),
         seed=seed,
+        attention_backend=attention_backend,
     )
 
 
@@ -135,6 +147,7 @@ def engine_like(
     enable_prefix_caching: bool = True,
     num_cpu_blocks: int = 0,
     proposer=None,
+    attention_backend: str = "torch",
     **scheduler_kwargs,
 ) -> LLMEngine:
     """A fresh engine (own cache, scheduler, proposer) over an ``LLM``'s already loaded model."""
@@ -151,4 +164,5 @@ def engine_like(
         tokenizer=src.tokenizer,
         device=src.device,
         proposer=proposer,
+        attention_backend=attention_backend,
     )

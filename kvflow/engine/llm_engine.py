@@ -124,7 +124,8 @@ def build_rank(args: EngineArgs, rank: int, world_size: int) -> ModelRunner:
     model, _, cache_config = _build_shard(args, model_dir, rank)
     device = args.torch_device()
     cache = CacheEngine(model.config, cache_config, device)
-    return ModelRunner(model, cache, cache_config.block_size, Sampler(torch.Generator(device=device)), device, is_driver=False)
+    return ModelRunner(model, cache, cache_config.block_size, Sampler(torch.Generator(device=device)), device,
+                       is_driver=False, attention_backend=args.resolved_attention_backend())
 
 
 @dataclass
@@ -162,6 +163,9 @@ class LLMEngine:
         tp_workers: the tensor-parallel workers (``model`` is then rank 0's shard).
         spec_disable_by_batch_size: no drafts in a step when at least this many requests are
             running (``speculative_config["disable_by_batch_size"]``), or None.
+        attention_backend: "torch" or "triton" (see ``EngineArgs.attention_backend``).
+        cuda_graph_batch_sizes: capture decode CUDA graphs for these batch sizes (needs
+            CUDA and the Triton backend), or None for none.
     """
 
     def __init__(
@@ -176,6 +180,8 @@ class LLMEngine:
         proposer: NgramProposer | DraftModelProposer | None = None,
         tp_workers: TPWorkers | None = None,
         spec_disable_by_batch_size: int | None = None,
+        attention_backend: str = "torch",
+        cuda_graph_batch_sizes: list[int] | None = None,
     ) -> None:
         self.model_config = model_config
         self.tp_workers = tp_workers
@@ -200,7 +206,17 @@ class LLMEngine:
         self.model_runner = ModelRunner(
             model, self.cache_engine, cache_config.block_size, Sampler(generator), device,
             broadcast=tp_workers.broadcast if tp_workers is not None else None,
+            attention_backend=attention_backend,
         )
+        if cuda_graph_batch_sizes:
+            if device.type != "cuda" or attention_backend != "triton":
+                raise ValueError("cuda_graph_batch_sizes needs a CUDA device and attention_backend='triton'")
+            from kvflow.worker.cuda_graph import DecodeGraphRunner
+
+            self.model_runner.graph_runner = DecodeGraphRunner(
+                model, self.cache_engine.kv_caches, -(-scheduler_config.max_model_len // cache_config.block_size),
+                cuda_graph_batch_sizes, device,
+            )
         self._states: dict[str, _RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
         self._grammar_compiler = None
@@ -250,6 +266,12 @@ class LLMEngine:
             extra = draft_config.kv_bytes_per_token(kv_dtype) if draft_config is not None else 0
             cache_config = args.cache_config(model_config, dtype, extra_bytes_per_token=extra)
         scheduler_config = args.scheduler_config(model_config)
+        backend = args.resolved_attention_backend()
+        graph_sizes = None
+        if device.type == "cuda" and backend == "triton" and not args.enforce_eager and tp_workers is None:
+            from kvflow.worker.cuda_graph import default_batch_sizes
+
+            graph_sizes = default_batch_sizes(scheduler_config.max_num_seqs)
         proposer = None
         if spec is not None:
             k, max_len = spec.num_speculative_tokens, scheduler_config.max_model_len
@@ -271,6 +293,8 @@ class LLMEngine:
             proposer=proposer,
             tp_workers=tp_workers,
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
+            attention_backend=backend,
+            cuda_graph_batch_sizes=graph_sizes,
         )
 
     def shutdown(self) -> None:

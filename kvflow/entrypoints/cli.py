@@ -34,6 +34,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     g.add_argument("--swap-space-bytes", type=int, default=None, help="host memory for swapped KV blocks")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=defaults.attention_backend,
+                   help="paged attention: triton kernels (CUDA) or PyTorch gather + SDPA; auto: triton on CUDA")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -53,6 +56,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_threads",
         "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space_bytes",
         "quantization", "kv_cache_dtype", "speculative_config", "tensor_parallel_size",
+        "attention_backend", "enforce_eager",
     ]
     return {n: getattr(args, n) for n in names}
 

@@ -159,12 +159,60 @@ class AttentionMetadata:
     """Everything attention needs for one step, shared by all layers.
 
     Attributes:
-        slot_mapping: int64 [T]; flat cache slot of each new token.
-        groups: token groups (decodes, prefills) covering the step's tokens.
+        slot_mapping: int64 [T]; flat cache slot of each new token (negative: not stored,
+            Triton backend only).
+        groups: token groups (decodes, prefills) covering the step's tokens (PyTorch
+            backend; empty for the Triton backend).
+        backend: "torch" (this module: gather + ``scaled_dot_product_attention`` per group)
+            or "triton" (``kvflow.layers.triton_attention``: one kernel over the block tables).
+        block_tables: Triton backend: int32 [R, max_blocks], physical blocks per request.
+        query_start_loc: Triton backend: int32 [R + 1], request r's tokens are flat rows
+            ``query_start_loc[r] : query_start_loc[r + 1]``.
+        context_lens: Triton backend: int32 [R], tokens in the cache after this step's writes.
+        max_query_len: Triton backend: longest query chunk of the step, in tokens.
     """
 
     slot_mapping: torch.Tensor
     groups: list[AttentionGroup]
+    backend: str = "torch"
+    block_tables: torch.Tensor | None = None
+    query_start_loc: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    max_query_len: int = 0
+
+    @classmethod
+    def for_triton(
+        cls,
+        slot_mapping: torch.Tensor,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        device: torch.device,
+    ) -> "AttentionMetadata":
+        """Flat per-request metadata of the Triton backend, requests in flat token order.
+
+        Args:
+            slot_mapping: int64 [T] flat cache slot per token.
+            query_lens: new tokens per request this step.
+            context_lens: tokens in the cache per request after this step's writes.
+            block_tables: physical block ids per request, covering ``context_lens``.
+            device: where the tensors go.
+        """
+        width = max((len(t) for t in block_tables), default=1) or 1
+        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+        for i, t in enumerate(block_tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        starts[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        return cls(
+            slot_mapping=slot_mapping,
+            groups=[],
+            backend="triton",
+            block_tables=table.to(device),
+            query_start_loc=starts.to(device),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32).to(device),
+            max_query_len=max(query_lens, default=0),
+        )
 
 
 KVCache = tuple  # (k, v) or, for a quantized cache, (k, v, k_scale, v_scale)
@@ -187,6 +235,16 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     y = (x.float() / scale[..., None]).clamp(-qmax, qmax)
     values = torch.round(y).to(dtype) if dtype == torch.int8 else y.to(dtype)
     return values, scale.to(torch.float16)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
+    """Write this step's K/V [T, num_kv_heads, head_dim] with the step's backend."""
+    if metadata.backend == "triton":
+        from kvflow.layers.triton_attention import triton_write_kv_cache
+
+        triton_write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+    else:
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
@@ -246,6 +304,10 @@ def paged_attention(
     Returns:
         [T, num_heads, head_dim] attention output, dtype of q.
     """
+    if metadata.backend == "triton":
+        from kvflow.layers.triton_attention import triton_paged_attention
+
+        return triton_paged_attention(q, kv_cache, metadata, scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache[0].shape[2]
     group_size = num_heads // num_kv_heads

@@ -21,7 +21,7 @@ from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel, shard_hf_weight
-from kvflow.layers.attention import AttentionMetadata, KVCache, paged_attention, write_kv_cache
+from kvflow.layers.attention import AttentionMetadata, KVCache, paged_attention, store_kv
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -58,7 +58,7 @@ class LlamaAttention(nn.Module):
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *cos_sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-            write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+            store_kv(k, v, kv_cache, metadata)
         else:
             q = apply_rotary(qkv.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
         o = paged_attention(q, kv_cache, metadata, self.scale)

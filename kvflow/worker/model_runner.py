@@ -53,6 +53,8 @@ class ModelRunner:
         is_driver: False on a tensor-parallel worker: it runs the same forward and logits
             collectives as the driver but samples nothing.
         broadcast: on a tensor-parallel driver, sends each step's batch to the workers.
+        attention_backend: "torch" (gather + SDPA per group of requests, any device) or
+            "triton" (``kvflow.layers.triton_attention``; CUDA, or Triton's interpreter).
     """
 
     def __init__(
@@ -64,7 +66,12 @@ class ModelRunner:
         device: torch.device,
         is_driver: bool = True,
         broadcast=None,
+        attention_backend: str = "torch",
     ) -> None:
+        if attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
+        self.attention_backend = attention_backend
+        self.graph_runner = None  # a DecodeGraphRunner (kvflow.worker.cuda_graph) when set
         self.is_driver = is_driver
         self.broadcast = broadcast
         self.model = model
@@ -88,7 +95,8 @@ class ModelRunner:
         bs = self.block_size
         # Decodes in groups of similar context length: each group gathers K/V padded to its
         # own longest context instead of the batch's.
-        decode_groups = [
+        triton = self.attention_backend == "triton"
+        decode_groups = [decodes] if triton else [  # the Triton kernel reads no padded copy
             [decodes[i] for i in group]
             for group in split_by_context([-(-(r.num_computed_tokens + 1) // bs) for r in decodes], bs)
         ]
@@ -101,6 +109,9 @@ class ModelRunner:
         spec_requests: list[tuple[Request, list[int]]] = []
         spec_indices: list[int] = []
         groups: list[AttentionGroup] = []
+        flat_q_lens: list[int] = []
+        flat_ctx_lens: list[int] = []
+        flat_tables: list[list[int]] = []
         for reqs in (*decode_groups, prefills):
             if not reqs:
                 continue
@@ -129,16 +140,26 @@ class ModelRunner:
                 q_lens.append(n)
                 ctx_lens.append(begin + n)
                 tables.append(r.block_ids)
-            groups.append(AttentionGroup.build(start, q_lens, ctx_lens, tables, bs, self.device))
+            if triton:
+                flat_q_lens += q_lens
+                flat_ctx_lens += ctx_lens
+                flat_tables += tables
+            else:
+                groups.append(AttentionGroup.build(start, q_lens, ctx_lens, tables, bs, self.device))
         for child, parent in out.forked:  # parallel samples draw from their parent's logits (no drafts yet)
             logits_indices.append(logits_indices[sampling_requests.index(parent)])
             sampling_requests.append(child)
         logits_indices.extend(spec_indices)
         dev = self.device
+        slot_mapping = torch.cat(slots).to(dev)
+        if triton:
+            metadata = AttentionMetadata.for_triton(slot_mapping, flat_q_lens, flat_ctx_lens, flat_tables, dev)
+        else:
+            metadata = AttentionMetadata(slot_mapping=slot_mapping, groups=groups)
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.cat(positions).to(dev),
-            metadata=AttentionMetadata(slot_mapping=torch.cat(slots).to(dev), groups=groups),
+            metadata=metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             sampling_requests=sampling_requests,
             prompt_logprob_rows=prompt_logprob_rows,
@@ -163,7 +184,10 @@ class ModelRunner:
         if out.blocks_to_copy:
             self.cache_engine.copy_blocks(out.blocks_to_copy)
         inputs = self.prepare_inputs(out)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.kv_caches, inputs.metadata)
+        if self.graph_runner is not None and self.graph_runner.can_run(inputs):
+            hidden = self.graph_runner.run(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.kv_caches, inputs.metadata)
         result = ModelRunnerOutput()
         if inputs.prompt_logprob_rows:
             prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)

@@ -89,6 +89,17 @@ def test_batch_and_chunk_size_do_not_change_greedy_tokens(smollm2_llm):
         assert batched == alone, f"max_num_batched_tokens={chunk}"
 
 
+def test_triton_attention_backend_keeps_greedy_tokens(smollm2_llm):
+    """The Triton kernels on the real model (in Triton's CPU interpreter without CUDA: slow,
+    so two short prompts), prefill in two chunks then decodes, against the PyTorch backend."""
+    pytest.importorskip("triton")
+    tok = smollm2_llm.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS[:2]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    reference = _greedy_tokens(engine_like(smollm2_llm, 64, 4), prompts, params)
+    assert _greedy_tokens(engine_like(smollm2_llm, 64, 4, attention_backend="triton"), prompts, params) == reference
+
+
 def test_preemption_keeps_outputs(smollm2_llm):
     tok = smollm2_llm.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]

@@ -1,0 +1,115 @@
+"""DecodeGraphRunner: static buffers, padding to a captured batch size, replay.
+
+On the CPU the graphs are "eager" stand-ins (replay re-runs the forward on the static
+buffers), which checks everything but the CUDA capture itself; the CUDA test runs only
+where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_to_completion, tiny_model, tiny_model_config
+from kvflow.config import CacheConfig
+from kvflow.layers.attention import AttentionMetadata
+from kvflow.worker.cache_engine import CacheEngine
+from kvflow.worker.cuda_graph import DecodeGraphRunner, default_batch_sizes
+
+pytest.importorskip("triton")
+
+
+def test_default_batch_sizes():
+    assert default_batch_sizes(1) == [1]
+    assert default_batch_sizes(6) == [1, 2, 4, 6]
+    assert default_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+def _decode_inputs(contexts, tables, block_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (len(contexts),), generator=g)
+    positions = torch.tensor([c - 1 for c in contexts])
+    slots = torch.tensor([t[(c - 1) // block_size] * block_size + (c - 1) % block_size for c, t in zip(contexts, tables)])
+    meta = AttentionMetadata.for_triton(slots, [1] * len(contexts), contexts, tables, torch.device("cpu"))
+    return ids, positions, meta
+
+
+@torch.inference_mode()
+def test_padded_replay_equals_eager_forward_and_writes_only_real_slots():
+    config = tiny_model_config()
+    model = tiny_model(config)
+    block_size, num_blocks = 4, 40
+    caches = {name: CacheEngine(config, CacheConfig(block_size, num_blocks, torch.float32), torch.device("cpu"))
+              for name in ("eager", "graph")}
+    g = torch.Generator().manual_seed(3)
+    for layer in range(len(caches["eager"].kv_caches)):  # same random history in both caches
+        for i in range(2):
+            caches["eager"].kv_caches[layer][i].copy_(torch.randn(caches["eager"].kv_caches[layer][i].shape, generator=g))
+            caches["graph"].kv_caches[layer][i].copy_(caches["eager"].kv_caches[layer][i])
+    runner = DecodeGraphRunner(model, caches["graph"].kv_caches, max_blocks_per_seq=8, batch_sizes=[1, 4, 8],
+                               device=torch.device("cpu"), capture="eager")
+    # capturing wrote nothing: every captured row was inert
+    for a, b in zip(caches["eager"].kv_caches, caches["graph"].kv_caches):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    contexts, tables = [9, 30, 2], [[5, 6, 7], [10, 11, 12, 13, 14, 15, 16, 17], [20]]
+    ids, positions, meta = _decode_inputs(contexts, tables, block_size)
+
+    class Inputs:  # the fields DecodeGraphRunner reads from ModelInputs
+        input_ids, metadata, prompt_logprob_rows = ids, meta, []
+
+    Inputs.positions = positions
+    assert runner.can_run(Inputs)
+    got = runner.run(Inputs).clone()  # 3 requests replay the graph of 4
+    want = model(ids, positions, caches["eager"].kv_caches, meta)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    for a, b in zip(caches["eager"].kv_caches, caches["graph"].kv_caches):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # same slots written, nothing else
+    # a second, smaller step reuses the same graph with new padding
+    ids2, pos2, meta2 = _decode_inputs([10], [[5, 6, 7]], block_size, seed=1)
+    Inputs.input_ids, Inputs.positions, Inputs.metadata = ids2, pos2, meta2
+    torch.testing.assert_close(runner.run(Inputs), model(ids2, pos2, caches["eager"].kv_caches, meta2), atol=1e-6, rtol=1e-5)
+
+
+def test_prefill_and_oversized_batches_run_eagerly():
+    model = tiny_model(tiny_model_config())
+    cache = CacheEngine(model.config, CacheConfig(4, 16, torch.float32), torch.device("cpu"))
+    runner = DecodeGraphRunner(model, cache.kv_caches, 4, [2], torch.device("cpu"), capture="eager")
+
+    class Inputs:
+        prompt_logprob_rows = []
+
+    Inputs.input_ids, _, Inputs.metadata = _decode_inputs([3, 5, 6], [[0], [1, 2], [3, 4]], 4)
+    assert not runner.can_run(Inputs)  # 3 > largest graph
+    Inputs.metadata = AttentionMetadata.for_triton(torch.zeros(4, dtype=torch.int64), [4], [4], [[0]], torch.device("cpu"))
+    Inputs.input_ids = torch.zeros(4, dtype=torch.int64)
+    assert not runner.can_run(Inputs)  # a prefill chunk
+
+
+def test_bad_arguments_raise():
+    model = tiny_model(tiny_model_config())
+    cache = CacheEngine(model.config, CacheConfig(4, 16, torch.float32), torch.device("cpu"))
+    with pytest.raises(ValueError, match="batch_sizes"):
+        DecodeGraphRunner(model, cache.kv_caches, 4, [], torch.device("cpu"), capture="eager")
+    with pytest.raises(ValueError, match="capture"):
+        DecodeGraphRunner(model, cache.kv_caches, 4, [1], torch.device("cpu"), capture="cpu-graph")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_engine_matches_eager_engine():
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.config import SchedulerConfig
+    from kvflow.sampling_params import SamplingParams
+
+    config = tiny_model_config()
+    outputs = {}
+    for graphs in (None, [1, 2, 4, 8]):
+        engine = LLMEngine(
+            model=tiny_model(config).cuda(), model_config=config,
+            cache_config=CacheConfig(16, 64, torch.float32), scheduler_config=SchedulerConfig(64, 8, 256),
+            tokenizer=None, device=torch.device("cuda"), attention_backend="triton", cuda_graph_batch_sizes=graphs,
+        )
+        for i in range(5):
+            engine.add_request(f"r{i}", [(7 * i + j) % 128 for j in range(3 + 5 * i)], SamplingParams(temperature=0, max_tokens=12))
+        outputs[graphs is None] = run_to_completion(engine)
+    assert outputs[True] == outputs[False]
