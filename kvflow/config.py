@@ -294,6 +294,9 @@ class EngineArgs:
             "int4" (round-to-nearest), "int4-awq", "fp8", or "gguf" (keep a GGUF file's
             quantized tensors compact); None: float. A quantized checkpoint folder
             (``kvflow quantize``) loads quantized whatever this says.
+        quantize_lm_head: also quantize the LM head with the decoder's scheme (INT4 for
+            int4 / int4-awq, INT8 for int8 and gguf, FP8 for fp8); the embedding lookup stays
+            float (tied embeddings: the head becomes a quantized copy). Off by default.
         quantization_group_size: INT4 group size (32, 64, 128; default 32, which measured
             far better than 128 on SmolLM2 — see the README's quantization table).
         kv_cache_dtype: "auto" (the model dtype), "int8" or "fp8" (per-token, per-head
@@ -329,6 +332,7 @@ class EngineArgs:
     swap_space_bytes: int | None = None
     quantization: str | None = None
     quantization_group_size: int = 32
+    quantize_lm_head: bool = False
     kv_cache_dtype: str = "auto"
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1

@@ -40,6 +40,12 @@ from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
 
 
+# The LM head's scheme for each decoder scheme (``quantize_lm_head``): AWQ's activation
+# scaling is per decoder linear, the head takes plain round-to-nearest; a GGUF file's tied
+# head (token_embd) is usually Q8_0, hence INT8.
+LM_HEAD_METHOD = {"int8": "int8", "int4": "int4", "int4-rtn": "int4", "int4-awq": "int4", "fp8": "fp8", "gguf": "int8"}
+
+
 def _load_model(
     model_dir,
     dtype: torch.dtype,
@@ -47,9 +53,11 @@ def _load_model(
     quantization: str | None = None,
     group_size: int = 32,
     tp: TensorParallel | None = None,
+    quantize_lm_head: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build and load a model (this rank's shard under tensor parallelism); quantize its
-    decoder linears when asked or when the folder is a quantized checkpoint.
+    decoder linears when asked or when the folder is a quantized checkpoint, and its LM head
+    too with ``quantize_lm_head`` (``LM_HEAD_METHOD`` of the decoder's method).
 
     Returns:
         The model and the full model's ``ModelConfig``.
@@ -90,6 +98,12 @@ def _load_model(
         if quantization == "int4-awq":
             calibration = qmodel.default_calibration_ids(load_tokenizer(model_dir))
         qmodel.quantize_model(model, quantization, group_size, calibration)
+    if quantize_lm_head:
+        method = saved["method"] if saved is not None else quantization
+        if method not in LM_HEAD_METHOD:
+            raise ValueError(f"quantize_lm_head needs a quantized model (quantization int8, int4, int4-awq, fp8 "
+                             f"or gguf), got quantization={method!r}")
+        model.quantize_lm_head(LM_HEAD_METHOD[method], saved["group_size"] if saved is not None else group_size)
     # Quantized storage keeps its dtype (``_QuantizedLinear._apply``); the rest moves to dtype.
     model.to(device=device, dtype=dtype)
     if device.type == "cpu":
@@ -111,7 +125,8 @@ def _build_shard(args: EngineArgs, model_dir, rank: int) -> tuple[LlamaForCausal
     dtype = resolve_dtype(args.dtype, device)
     world = args.tensor_parallel_size
     tp = TensorParallel(rank, world, None)
-    model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size, tp)
+    model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size, tp,
+                                      args.quantize_lm_head)
     plans = [make_shard_plan(model_config, world, r) for r in range(world)]
     widest = max(plans, key=lambda p: p.kv_heads[1] - p.kv_heads[0])
     cache_config = args.cache_config(widest.shard_config(model_config), dtype)
@@ -247,7 +262,8 @@ class LLMEngine:
                 tp_workers.shutdown()
                 raise
         else:
-            model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size)
+            model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size,
+                                              quantize_lm_head=args.quantize_lm_head)
         spec = SpeculativeConfig.from_dict(args.speculative_config) if args.speculative_config is not None else None
         draft = draft_config = None
         if spec is not None and spec.method == "draft_model":

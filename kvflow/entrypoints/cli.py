@@ -25,6 +25,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--quantization", default=None, help="int8, int4, int4-awq, fp8 or gguf (weight-only)")
+    g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (embeddings stay float)")
     g.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8 or a float dtype")
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
@@ -56,7 +57,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_threads",
         "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space_bytes",
         "quantization", "kv_cache_dtype", "speculative_config", "tensor_parallel_size",
-        "attention_backend", "enforce_eager",
+        "attention_backend", "enforce_eager", "quantize_lm_head",
     ]
     return {n: getattr(args, n) for n in names}
 

@@ -98,6 +98,10 @@ class _QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
+    def dense_weight(self) -> torch.Tensor:
+        """The dequantized weight, float32 [out_features, in_features]."""
+        raise NotImplementedError
+
 
 class _PerChannelLinear(_QuantizedLinear):
     """A weight of ``weight_dtype`` [N, K] with one float32 scale per output channel [N]."""
@@ -124,6 +128,9 @@ class Int8Linear(_PerChannelLinear):
 
     weight_dtype = torch.int8
     quantize = staticmethod(quantize_int8)
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight.float() * self.scale.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
@@ -183,6 +190,9 @@ class Int4Linear(_QuantizedLinear):
         q[:, 1::2] = self.qweight >> 4
         return q
 
+    def dense_weight(self) -> torch.Tensor:
+        return self.dequantized(torch.float32)
+
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         g = self.unpacked().view(self.out_features, -1, self.group_size).to(dtype)
         w = (g - 8) * self.scale.to(dtype)[..., None] + self.zero.to(dtype)[..., None]
@@ -220,6 +230,9 @@ class FP8Linear(_PerChannelLinear):
 
     weight_dtype = torch.float8_e4m3fn
     quantize = staticmethod(quantize_fp8)
+
+    def dense_weight(self) -> torch.Tensor:
+        return dequantize_fp8(self.weight, self.scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._dense(x, dequantize_fp8(self.weight, self.scale))

@@ -120,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
-        # Not a submodule: the packed copy stays out of state_dict and Module.to.
+        # Not a submodule: the packed (or quantized) copy stays out of state_dict and Module.to.
         self.__dict__["packed_lm_head"] = None
 
     @property
@@ -166,6 +166,36 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(torch.where(local, input_ids - start, 0)) * local.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
         return self.tp.all_reduce(x)
 
+    def quantize_lm_head(self, method: str, group_size: int = 32) -> None:
+        """Serve the LM head from a weight-only quantized copy of its weight (read as float32).
+
+        The embedding lookup stays float: with tied embeddings the quantized head is a copy
+        (the smaller of the two reads per step is the head's); untied, the dense head is
+        dropped (``state_dict`` then holds its dequantized weight).
+
+        Args:
+            method: "int8" (per-channel), "int4" (round-to-nearest, ``group_size``) or "fp8".
+            group_size: INT4 group size along hidden_size.
+
+        Raises:
+            ValueError: for another method, or hidden_size not divisible by ``group_size``.
+        """
+        from kvflow.layers.quantized_linear import FP8Linear, Int4Linear, Int8Linear
+
+        weight = self.lm_head_weight.data.float()
+        dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        dense.weight = nn.Parameter(weight, requires_grad=False)
+        if method == "int8":
+            head = Int8Linear.from_float(dense)
+        elif method == "int4":
+            head = Int4Linear.from_float(dense, group_size)
+        elif method == "fp8":
+            head = FP8Linear.from_float(dense)
+        else:
+            raise ValueError(f"LM head quantization must be 'int8', 'int4' or 'fp8', got {method!r}")
+        self.__dict__["packed_lm_head"] = head
+        self.lm_head = None
+
     def pack_for_cpu(self) -> int:
         """Prepack the bfloat16 / float16 linears and the LM head for oneDNN
         (``kvflow.layers.linear``); float32 and quantized layers stay as they are.
@@ -177,6 +207,8 @@ class LlamaForCausalLM(nn.Module):
         from kvflow.layers.linear import PACKED_DTYPES, PackedLinear, onednn_available, pack_linears
 
         pack_linears(self.layers)
+        if self.packed_lm_head is not None:  # already packed or quantized
+            return 0
         weight = self.lm_head_weight
         if not onednn_available() or weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu":
             return 0
@@ -194,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: [N, hidden_size] -> float32 logits [N, vocab_size] (of the full model;
         under tensor parallelism every rank gets all of them)."""
-        if self.packed_lm_head is not None:
+        if self.packed_lm_head is not None:  # oneDNN-packed or quantized (quantize_lm_head)
             logits = self.packed_lm_head(hidden).float()
         else:
             logits = F.linear(hidden, self.lm_head_weight).float()

@@ -162,3 +162,31 @@ def test_cross_layer_kv_sharing_divides_kv_memory():
     assert model.layers[1].self_attn.qkv_proj.weight.shape[0] == q_size
     with pytest.raises(ValueError, match="unexpected"):
         model.load_weights([("model.layers.1.self_attn.k_proj.weight", torch.zeros(32, 64))])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("method, bound", [("int8", 0.02), ("int4", 0.25), ("fp8", 0.1)])
+def test_quantize_lm_head(tied, method, bound):
+    """The head's logits stay within the scheme's error of the dense head; the embedding
+    lookup is untouched; untied, state_dict still yields an lm_head (dequantized)."""
+    model = tiny_model(tiny_model_config(tie_word_embeddings=tied, hidden_size=64))
+    embed = model.embed_tokens.weight.detach().clone()
+    dense = model.lm_head_weight.detach().clone()
+    hidden = torch.randn(5, 64)
+    want = hidden @ dense.T
+    model.quantize_lm_head(method, group_size=32)
+    assert model.packed_lm_head is not None
+    got = model.compute_logits(hidden)
+    err = (got - want).abs().max() / want.abs().max()
+    assert 0 < err < bound, err
+    assert torch.equal(model.embed_tokens.weight, embed)
+    if not tied:
+        assert model.lm_head is None
+        sd = model.state_dict()
+        assert torch.allclose(sd["lm_head"], dense, atol=bound * dense.abs().max())
+
+
+def test_quantize_lm_head_rejects_unknown_method():
+    model = tiny_model(tiny_model_config())
+    with pytest.raises(ValueError, match="LM head quantization"):
+        model.quantize_lm_head("int2")

@@ -160,6 +160,17 @@ def test_int8_weights_greedy_matches_float32(int8_llm, reference):
     check_teacher_forced(int8_llm, reference)
 
 
+def test_quantized_lm_head_greedy_matches_float32(smollm2_dir, reference):
+    """INT8 decoder and INT8 LM head (quantize_lm_head): the tied embedding stays float32,
+    the head is a quantized copy, and greedy decoding still follows float32."""
+    llm = make_llm(smollm2_dir, quantization="int8", quantize_lm_head=True)
+    model = llm.engine.model_runner.model
+    assert isinstance(model.packed_lm_head, Int8Linear)
+    assert model.embed_tokens.weight.dtype == torch.float32
+    check_free_running(greedy(llm), reference)
+    check_teacher_forced(llm, reference)
+
+
 def test_int8_kv_cache_greedy_matches_float32(kv_int8_llm, reference):
     assert kv_int8_llm.engine.cache_config.dtype == torch.int8
     assert len(kv_int8_llm.engine.cache_engine.kv_caches[0]) == 4  # values + per-token scales
