@@ -392,15 +392,25 @@ class EngineArgs:
         backend = self.attention_backend
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {backend!r}")
-        on_cuda = self.torch_device().type == "cuda"
+        device = self.torch_device()
+        on_cuda = device.type == "cuda"
+        # The kernel loads float8 K/V, which Triton supports from compute capability 8.9 on.
+        fp8_unsupported = (
+            on_cuda and self.kv_cache_dtype == "fp8" and torch.cuda.get_device_capability(device) < (8, 9)
+        )
         if backend == "auto":
-            return "triton" if on_cuda and triton_available() else "torch"
+            return "triton" if on_cuda and triton_available() and not fp8_unsupported else "torch"
         if backend == "triton":
             if not triton_available():
                 raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")
+            if fp8_unsupported:
+                raise ValueError("attention_backend='triton' with kv_cache_dtype='fp8' needs compute capability 8.9+")
             if not on_cuda and not interpreter_enabled():
                 raise ValueError("attention_backend='triton' needs a CUDA device (on the CPU only Triton's "
-                                 "interpreter runs it: set TRITON_INTERPRET=1 before starting; tests only)")
+                                 "interpreter runs it: TRITON_INTERPRET=1 set before kvflow starts; tests only)")
+            if not on_cuda and self.dtype == "bfloat16":
+                raise ValueError("attention_backend='triton' on the CPU (Triton's interpreter) cannot run dtype "
+                                 "'bfloat16'; use float32 / float16 or attention_backend='torch'")
         return backend
 
     def torch_device(self) -> torch.device:

@@ -20,11 +20,17 @@ def test_auto_backend_is_torch_on_the_cpu():
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
 def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    import kvflow.layers.triton_attention as ta
+
+    # tests/conftest.py set TRITON_INTERPRET=1 before the kernels were first imported
+    assert ta.interpreter_enabled() == (not torch.cuda.is_available())
+    monkeypatch.setattr(ta, "interpreter_enabled", lambda: False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         EngineArgs(device="cpu", attention_backend="triton").verify()
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(ta, "interpreter_enabled", lambda: True)
     assert EngineArgs(device="cpu", attention_backend="triton").resolved_attention_backend() == "triton"
+    with pytest.raises(ValueError, match="bfloat16"):
+        EngineArgs(device="cpu", attention_backend="triton", dtype="bfloat16").verify()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")

@@ -226,6 +226,8 @@ class LLMEngine:
         if cuda_graph_batch_sizes:
             if device.type != "cuda" or attention_backend != "triton":
                 raise ValueError("cuda_graph_batch_sizes needs a CUDA device and attention_backend='triton'")
+            if tp_workers is not None:  # the workers run eagerly: their collectives would not match
+                raise ValueError("cuda_graph_batch_sizes cannot be used with tensor parallelism")
             from kvflow.worker.cuda_graph import DecodeGraphRunner
 
             self.model_runner.graph_runner = DecodeGraphRunner(
@@ -297,7 +299,8 @@ class LLMEngine:
                 draft_cache = CacheConfig(
                     cache_config.block_size, cache_config.num_blocks, cache_config.dtype, enable_prefix_caching=False
                 )
-                proposer = DraftModelProposer(draft, draft_config, draft_cache, k, max_len, device, args.seed)
+                proposer = DraftModelProposer(draft, draft_config, draft_cache, k, max_len, device, args.seed,
+                                              attention_backend=backend)
         return cls(
             model=model,
             model_config=model_config,

@@ -22,14 +22,13 @@ A request with no query tokens (``q_len == 0``) is skipped, and a negative slot 
 ``slot_mapping`` writes nothing: that is how padded rows of a CUDA-graph batch are inert.
 
 Runs on CUDA; on a machine without one, the kernels run in Triton's interpreter when
-``TRITON_INTERPRET=1`` is set before ``triton`` is imported (how the tests check them on the
-CPU; slow, for correctness only).
+``TRITON_INTERPRET=1`` is set before this module is first imported (how the tests check them
+on the CPU in float32 / float16; slow, for correctness only; bfloat16 is refused there).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -53,9 +52,9 @@ if _TRITON:
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         KV_QUANT: tl.constexpr, IEEE: tl.constexpr,
     ):
-        req = tl.program_id(0)
+        q_block = tl.program_id(0)  # axis 0: up to 2**31 - 1 programs (axes 1, 2: 65535)
         kv_head = tl.program_id(1)
-        q_block = tl.program_id(2)
+        req = tl.program_id(2)
         q_start = tl.load(query_start_ptr + req)
         q_len = tl.load(query_start_ptr + req + 1) - q_start
         if q_block * BLOCK_Q < q_len:
@@ -132,8 +131,9 @@ def triton_available() -> bool:
 
 
 def interpreter_enabled() -> bool:
-    """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when this module's kernels run in Triton's CPU interpreter: ``TRITON_INTERPRET=1``
+    was set when the module was first imported (Triton decides per kernel at that moment)."""
+    return _TRITON and type(_paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
 def _next_pow2(x: int) -> int:
@@ -191,6 +191,9 @@ def triton_paged_attention(q: torch.Tensor, kv_cache: tuple, metadata, scale: fl
     """
     num_tokens, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if q.device.type != "cuda" and q.dtype == torch.bfloat16:
+        raise ValueError("the Triton attention backend runs bfloat16 on CUDA only (Triton's CPU interpreter "
+                         "computes bfloat16 dot products wrongly); use dtype float32/float16 or the torch backend")
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     block_g = _next_pow2(group)
@@ -207,7 +210,7 @@ def triton_paged_attention(q: torch.Tensor, kv_cache: tuple, metadata, scale: fl
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    grid = (num_reqs, num_kv_heads, triton.cdiv(max(1, metadata.max_query_len), block_q))
+    grid = (triton.cdiv(max(1, metadata.max_query_len), block_q), num_kv_heads, num_reqs)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, out,
         metadata.block_tables, metadata.query_start_loc, metadata.context_lens,

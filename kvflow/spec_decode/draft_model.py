@@ -36,6 +36,7 @@ class DraftModelProposer:
         max_model_len: the context limit, in tokens.
         device: where the draft runs.
         seed: seed of the generator for unseeded requests' draft sampling.
+        attention_backend: the draft runner's attention backend ("torch" or "triton").
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class DraftModelProposer:
         max_model_len: int,
         device: torch.device,
         seed: int = 0,
+        attention_backend: str = "torch",
     ) -> None:
         self.k = k
         self.max_model_len = max_model_len
@@ -56,7 +58,7 @@ class DraftModelProposer:
         generator.manual_seed(seed)
         self.generator = generator
         self.runner = ModelRunner(model, CacheEngine(model_config, cache_config, device), cache_config.block_size,
-                                  Sampler(generator), device)
+                                  Sampler(generator), device, attention_backend=attention_backend)
         self._shadows: dict[str, Request] = {}
 
     def _shadow(self, request: Request) -> Request:

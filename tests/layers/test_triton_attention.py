@@ -142,6 +142,13 @@ def test_write_skips_negative_slots(cache_dtype):
     assert cache[0].abs().sum() > 0  # something was written
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU interpreter's refusal")
+def test_bfloat16_is_refused_in_the_interpreter():
+    q, k, v, tables = _random_step(4, 2, 16, 4, [1], [5], torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        _triton(q, (k, v), [1], [5], tables, 0.25)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bfloat16 tl.dot needs a CUDA device (not in the interpreter)")
 def test_bfloat16_on_cuda():
     q_lens, ctx_lens = STEP

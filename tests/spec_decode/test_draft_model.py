@@ -218,6 +218,18 @@ def test_identical_draft_accepts_everything(reference):
     assert engine.get_stats()["spec_acceptance_rate"] > 0.99
 
 
+def test_draft_on_the_triton_backend_accepts_everything(reference):
+    """The draft runner takes the engine's attention backend (Triton kernels; in Triton's CPU
+    interpreter without CUDA): an identical draft is still fully accepted, same outputs."""
+    pytest.importorskip("triton")
+    proposer = DraftModelProposer(tiny_model(CONFIG), CONFIG, CacheConfig(4, 128, torch.float32, False), 3, 256, CPU,
+                                  attention_backend="triton")
+    assert proposer.runner.attention_backend == "triton"
+    engine = make_engine(proposer)
+    assert run_schedule(engine, greedy_arrivals()) == reference
+    assert engine.get_stats()["spec_acceptance_rate"] == 1.0
+
+
 def test_draft_pool_exhaustion_shortens_drafts(reference):
     """A draft pool too small for every request's drafts: the requests it cannot hold get
     fewer (or no) drafts this step; outputs are unchanged and nothing leaks."""
