@@ -308,10 +308,12 @@ class EngineArgs:
         seed: seed of the engine's generator for unseeded sampling.
         num_threads: torch intra-op threads on the CPU (None leaves torch's default).
         model_cache_dir: where converted GGUF models are cached.
-        attention_backend: "auto" (Triton on CUDA when ``triton`` is installed, else
-            PyTorch), "torch" (gather + ``scaled_dot_product_attention``, any device) or
-            "triton" (``kvflow.layers.triton_attention``; needs CUDA, or Triton's CPU
-            interpreter with ``TRITON_INTERPRET=1``, which is for tests only).
+        attention_backend: "auto" (on CUDA: Triton when ``triton`` is installed; on the CPU:
+            "cpu" when its kernel builds; else "torch"), "torch" (gather +
+            ``scaled_dot_product_attention``, any device), "cpu" (decode attention in
+            ``kvflow.layers.cpu_attention``'s C++ kernel, built on first use; prefill as
+            "torch") or "triton" (``kvflow.layers.triton_attention``; needs CUDA, or
+            Triton's CPU interpreter with ``TRITON_INTERPRET=1``, which is for tests only).
         enforce_eager: never use CUDA graphs. Otherwise, on CUDA with the Triton backend
             and no tensor parallelism, decode steps replay CUDA graphs captured at load
             (``kvflow.worker.cuda_graph``).
@@ -390,8 +392,8 @@ class EngineArgs:
         from kvflow.layers.triton_attention import interpreter_enabled, triton_available
 
         backend = self.attention_backend
-        if backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        if backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
         device = self.torch_device()
         on_cuda = device.type == "cuda"
         # The kernel loads float8 K/V, which Triton supports from compute capability 8.9 on.
@@ -399,7 +401,19 @@ class EngineArgs:
             on_cuda and self.kv_cache_dtype == "fp8" and torch.cuda.get_device_capability(device) < (8, 9)
         )
         if backend == "auto":
-            return "triton" if on_cuda and triton_available() and not fp8_unsupported else "torch"
+            if on_cuda:
+                return "triton" if triton_available() and not fp8_unsupported else "torch"
+            from kvflow.layers.cpu_attention import cpu_kernel_available
+
+            return "cpu" if cpu_kernel_available() else "torch"
+        if backend == "cpu":
+            from kvflow.layers.cpu_attention import cpu_kernel_available
+
+            if on_cuda:
+                raise ValueError("attention_backend='cpu' runs on the CPU only (device is CUDA)")
+            if not cpu_kernel_available():
+                raise ValueError("attention_backend='cpu' needs kvflow's C++ kernel, which could not be built "
+                                 "(a C++ compiler and ninja are needed; see the log) or KVFLOW_CPU_ATTENTION=0")
         if backend == "triton":
             if not triton_available():
                 raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")

@@ -14,10 +14,6 @@ def test_unknown_attention_backend_names_the_field():
         EngineArgs(attention_backend="flashinfer").verify()
 
 
-def test_auto_backend_is_torch_on_the_cpu():
-    assert EngineArgs(device="cpu").resolved_attention_backend() == "torch"
-
-
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
 def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
     import kvflow.layers.triton_attention as ta
@@ -36,3 +32,14 @@ def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
 def test_auto_backend_is_triton_on_cuda():
     assert EngineArgs(device="cuda").resolved_attention_backend() == "triton"
+
+
+def test_auto_backend_on_the_cpu_follows_the_kernel(monkeypatch):
+    import kvflow.layers.cpu_attention as ca
+
+    monkeypatch.setattr(ca, "cpu_kernel_available", lambda: True)
+    assert EngineArgs(device="cpu").resolved_attention_backend() == "cpu"
+    monkeypatch.setattr(ca, "cpu_kernel_available", lambda: False)
+    assert EngineArgs(device="cpu").resolved_attention_backend() == "torch"
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        EngineArgs(device="cpu", attention_backend="cpu").verify()

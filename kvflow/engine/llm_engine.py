@@ -178,7 +178,7 @@ class LLMEngine:
         tp_workers: the tensor-parallel workers (``model`` is then rank 0's shard).
         spec_disable_by_batch_size: no drafts in a step when at least this many requests are
             running (``speculative_config["disable_by_batch_size"]``), or None.
-        attention_backend: "torch" or "triton" (see ``EngineArgs.attention_backend``).
+        attention_backend: "torch", "cpu" or "triton" (see ``EngineArgs.attention_backend``).
         cuda_graph_batch_sizes: capture decode CUDA graphs for these batch sizes (needs
             CUDA and the Triton backend), or None for none.
     """

@@ -35,8 +35,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     g.add_argument("--swap-space-bytes", type=int, default=None, help="host memory for swapped KV blocks")
-    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default=defaults.attention_backend,
-                   help="paged attention: triton kernels (CUDA) or PyTorch gather + SDPA; auto: triton on CUDA")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"], default=defaults.attention_backend,
+                   help="paged attention: triton kernels (CUDA), cpu (C++ decode kernel) or torch (gather + SDPA); "
+                   "auto: triton on CUDA, cpu on the CPU")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 

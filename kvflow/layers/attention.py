@@ -37,6 +37,7 @@ class AttentionGroup:
         max_query_len: longest query chunk in the group, in tokens.
         attn_mask: bool [B, 1, max_query_len, max_blocks * block_size]; True where the
             query may attend (key position <= query position, inside the context).
+        context_lens: int32 [B], tokens in each request's cache after this step's writes.
     """
 
     token_start: int
@@ -45,6 +46,7 @@ class AttentionGroup:
     query_index: torch.Tensor
     max_query_len: int
     attn_mask: torch.Tensor
+    context_lens: torch.Tensor | None = None
     _folded_masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -109,6 +111,7 @@ class AttentionGroup:
             query_index=query_index.to(device),
             max_query_len=max_q,
             attn_mask=mask.unsqueeze(1).to(device),
+            context_lens=ctx_lens.to(torch.int32).to(device),
         )
 
 
@@ -163,8 +166,10 @@ class AttentionMetadata:
             Triton backend only).
         groups: token groups (decodes, prefills) covering the step's tokens (PyTorch
             backend; empty for the Triton backend).
-        backend: "torch" (this module: gather + ``scaled_dot_product_attention`` per group)
-            or "triton" (``kvflow.layers.triton_attention``: one kernel over the block tables).
+        backend: "torch" (this module: gather + ``scaled_dot_product_attention`` per group),
+            "cpu" (as "torch", but decode groups run ``kvflow.layers.cpu_attention``'s C++
+            kernel over the block tables: no gather, no padding) or "triton"
+            (``kvflow.layers.triton_attention``: one kernel over the block tables).
         block_tables: Triton backend: int32 [R, max_blocks], physical blocks per request.
         query_start_loc: Triton backend: int32 [R + 1], request r's tokens are flat rows
             ``query_start_loc[r] : query_start_loc[r + 1]``.
@@ -313,8 +318,18 @@ def paged_attention(
     group_size = num_heads // num_kv_heads
     single = len(metadata.groups) == 1
     out = None if single else torch.empty_like(q)
+    kernel = metadata.backend == "cpu" and len(kv_cache) == 2 and kv_cache[0].dtype == q.dtype
     for g in metadata.groups:
         b, max_q = g.num_requests, g.max_query_len
+        if kernel and max_q == 1:
+            from kvflow.layers.cpu_attention import paged_decode_attention
+
+            q_g = q if single else q[g.token_start : g.token_end]
+            o = paged_decode_attention(q_g, kv_cache[0], kv_cache[1], g.block_tables, g.context_lens, scale)
+            if single:
+                return o
+            out[g.token_start : g.token_end] = o
+            continue
         # Gather K/V through the block tables: [B, kv_heads, max_blocks * block_size, head_dim].
         k = _gather(kv_cache, 0, g.block_tables, q.dtype)
         v = _gather(kv_cache, 1, g.block_tables, q.dtype)

@@ -53,8 +53,10 @@ class ModelRunner:
         is_driver: False on a tensor-parallel worker: it runs the same forward and logits
             collectives as the driver but samples nothing.
         broadcast: on a tensor-parallel driver, sends each step's batch to the workers.
-        attention_backend: "torch" (gather + SDPA per group of requests, any device) or
-            "triton" (``kvflow.layers.triton_attention``; CUDA, or Triton's interpreter).
+        attention_backend: "torch" (gather + SDPA per group of requests, any device), "cpu"
+            (decodes through ``kvflow.layers.cpu_attention``'s C++ kernel, prefills as
+            "torch") or "triton" (``kvflow.layers.triton_attention``; CUDA, or Triton's
+            interpreter).
     """
 
     def __init__(
@@ -68,8 +70,12 @@ class ModelRunner:
         broadcast=None,
         attention_backend: str = "torch",
     ) -> None:
-        if attention_backend not in ("torch", "triton"):
-            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
+        if attention_backend not in ("torch", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be 'torch', 'cpu' or 'triton', got {attention_backend!r}")
+        if attention_backend == "cpu" and cache_engine.kv_caches and (
+            len(cache_engine.kv_caches[0]) != 2 or cache_engine.kv_caches[0][0].dtype != model.embed_tokens.weight.dtype
+        ):
+            attention_backend = "torch"  # the C++ kernel reads float caches of the model's dtype only
         self.attention_backend = attention_backend
         self.graph_runner = None  # a DecodeGraphRunner (kvflow.worker.cuda_graph) when set
         self.is_driver = is_driver
@@ -96,7 +102,8 @@ class ModelRunner:
         # Decodes in groups of similar context length: each group gathers K/V padded to its
         # own longest context instead of the batch's.
         triton = self.attention_backend == "triton"
-        decode_groups = [decodes] if triton else [  # the Triton kernel reads no padded copy
+        # The kernels read the block tables directly: no padded copy, so no need to group.
+        decode_groups = [decodes] if self.attention_backend in ("triton", "cpu") else [
             [decodes[i] for i in group]
             for group in split_by_context([-(-(r.num_computed_tokens + 1) // bs) for r in decodes], bs)
         ]
@@ -155,7 +162,7 @@ class ModelRunner:
         if triton:
             metadata = AttentionMetadata.for_triton(slot_mapping, flat_q_lens, flat_ctx_lens, flat_tables, dev)
         else:
-            metadata = AttentionMetadata(slot_mapping=slot_mapping, groups=groups)
+            metadata = AttentionMetadata(slot_mapping=slot_mapping, groups=groups, backend=self.attention_backend)
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.cat(positions).to(dev),

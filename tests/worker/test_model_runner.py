@@ -1,15 +1,24 @@
-"""ModelRunner with the Triton attention backend against the PyTorch backend (tiny model,
-float32; without CUDA the Triton kernels run in Triton's CPU interpreter)."""
+"""ModelRunner with the kernel attention backends against the PyTorch backend (tiny model,
+float32): "cpu" (the C++ decode kernel) and "triton" (without CUDA the Triton kernels run in
+Triton's CPU interpreter)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
 from conftest import run_to_completion, tiny_engine, tiny_model_config
+from kvflow.config import CacheConfig
+from kvflow.layers.cpu_attention import cpu_kernel_available
 from kvflow.sampling_params import SamplingParams
 
-pytest.importorskip("triton")
+BACKENDS = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernel_available(), reason="C++ kernel not built")),
+    pytest.param("triton", marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton")),
+]
+requires_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton")
 
 PROMPTS = {
     "p1": [42],
@@ -29,16 +38,39 @@ def _generate(backend: str, **engine_kwargs) -> dict[str, list[int]]:
     return run_to_completion(engine)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size, chunk", [(4, 16), (16, 64)])
-def test_triton_backend_greedy_equals_torch_backend(block_size, chunk):
+def test_kernel_backend_greedy_equals_torch_backend(backend, block_size, chunk):
     """Chunked prefill mixed with decodes, a prefix-cache hit, block sizes below and at a
     key tile: the same greedy tokens on both backends."""
     kwargs = dict(block_size=block_size, max_num_batched_tokens=chunk, num_blocks=256 // block_size * 4)
     torch_out = _generate("torch", **kwargs)
     assert all(len(v) == 8 for v in torch_out.values())
-    assert _generate("triton", **kwargs) == torch_out
+    assert _generate(backend, **kwargs) == torch_out
 
 
+@pytest.mark.skipif(not cpu_kernel_available(), reason="C++ kernel not built")
+def test_cpu_backend_puts_all_decodes_in_one_group_and_falls_back_for_int8_kv():
+    engine = tiny_engine(attention_backend="cpu", block_size=4)
+    for rid, prompt in {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": list(range(24))}.items():
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=4))
+    engine.step()  # the three prefills
+    inputs = engine.model_runner.prepare_inputs(engine.scheduler.schedule())
+    assert inputs.metadata.backend == "cpu"
+    assert len(inputs.metadata.groups) == 1  # contexts 5 and 25: one group, no padding concern
+    assert inputs.metadata.groups[0].context_lens.tolist() == [5, 5, 25]
+    from conftest import tiny_model
+    from kvflow.config import SchedulerConfig
+    from kvflow.engine.llm_engine import LLMEngine
+
+    config = tiny_model_config()
+    int8_kv = LLMEngine(model=tiny_model(config), model_config=config,
+                        cache_config=CacheConfig(4, 64, torch.int8), scheduler_config=SchedulerConfig(64, 8, 256),
+                        tokenizer=None, device=torch.device("cpu"), attention_backend="cpu")
+    assert int8_kv.model_runner.attention_backend == "torch"  # the kernel reads float caches only
+
+
+@requires_triton
 def test_triton_backend_metadata_is_flat_per_request():
     engine = tiny_engine(attention_backend="triton", block_size=4)
     engine.add_request("a", PROMPTS["p9"], SamplingParams(temperature=0, max_tokens=4))
@@ -54,10 +86,11 @@ def test_triton_backend_metadata_is_flat_per_request():
     assert meta.block_tables.dtype == torch.int32 and meta.block_tables.shape == (2, 8)
 
 
-def test_triton_backend_logits_match_torch_backend():
-    """Prefill logits of a 45-token prompt in 3 chunks agree to float32 rounding."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kernel_backend_logits_match_torch_backend(backend):
+    """Logits of a 45-token prompt (3 prefill chunks) and its decodes agree to float32 rounding."""
     logits = {}
-    for backend in ("torch", "triton"):
+    for backend in ("torch", backend):
         engine = tiny_engine(attention_backend=backend, max_num_batched_tokens=16)
         runner = engine.model_runner
         captured = []
@@ -67,7 +100,7 @@ def test_triton_backend_logits_match_torch_backend():
         run_to_completion(engine)
         runner.model.compute_logits = original
         logits[backend] = torch.cat(captured)
-    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[backend], logits["torch"], atol=1e-5, rtol=1e-5)
 
 
 def test_unknown_backend_raises():
