@@ -228,8 +228,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto ctx = context_lens.contiguous();
   auto out = torch::empty_like(q);
   const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), num_blocks = k_cache.size(0);
   TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "heads");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) >= num_reqs && ctx.numel() >= num_reqs,
+              "block_tables / context_lens have fewer rows than q");
+  // Every block the kernel will read must exist (an out-of-range id is a bug elsewhere: raise
+  // instead of reading outside the cache).
+  const int64_t width = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int32_t* cp = ctx.data_ptr<int32_t>();
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    TORCH_CHECK(cp[r] >= 1 && cp[r] <= width * block_size, "context_lens[", r, "] = ", cp[r],
+                " is outside 1 .. block_tables width * block_size = ", width * block_size);
+    for (int64_t b = 0; b < (cp[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tp[r * width + b] >= 0 && tp[r * width + b] < num_blocks, "block_tables[", r, ", ", b,
+                  "] = ", tp[r * width + b], " is not a block of the cache (", num_blocks, " blocks)");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
@@ -253,6 +267,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 }
 """
 
+def _build_name() -> str:
+    """The extension's name: the source version and the host CPU's features, because the
+    build uses ``-march=native`` and a cached build must not run on a CPU lacking them."""
+    import hashlib
+    import platform
+
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    tag = hashlib.sha1((platform.machine() + flags + _SOURCE).encode()).hexdigest()[:12]
+    return f"kvflow_cpu_paged_attention_{tag}"
+
+
 _lock = threading.Lock()
 _module = None
 _failed = False
@@ -273,7 +303,7 @@ def _load():
 
             logger.info("building kvflow's CPU paged-attention kernel (once; cached afterwards)")
             _module = load_inline(
-                name="kvflow_cpu_paged_attention_v10",
+                name=_build_name(),
                 cpp_sources=_SOURCE,
                 functions=["paged_decode_attention"],
                 extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
@@ -281,7 +311,8 @@ def _load():
                 verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, a build error: keep the PyTorch path
-            logger.warning("kvflow's CPU paged-attention kernel could not be built (%s); using the PyTorch path", exc)
+            logger.warning("kvflow's CPU paged-attention kernel could not be built (%s: %.300s); using the "
+                           "PyTorch path", type(exc).__name__, str(exc))
             _failed = True
     return _module
 
@@ -313,7 +344,8 @@ def paged_decode_attention(
         [R, num_heads, head_dim] in q's dtype (float32 accumulation).
 
     Raises:
-        RuntimeError: if the kernel is not available or the inputs break the layout above.
+        RuntimeError: if the kernel is not available, or the inputs break the layout above
+            (including a context longer than its block table or a block id outside the cache).
     """
     module = _load()
     if module is None:

@@ -22,7 +22,7 @@ import torch
 
 from kvflow.request import Request
 from kvflow.sample.logits_processor import apply_logits_processors
-from kvflow.sample.sampler import Sampler, SamplingTensors
+from kvflow.sample.sampler import Sampler, SamplingTensors, row_argmax
 
 
 @dataclass
@@ -81,7 +81,7 @@ def processed_probs(logits: torch.Tensor, views: list, vocab_size: int) -> torch
     probs = Sampler.filtered_probs(processed, st)
     greedy = st.temperature == 0
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+        one_hot = torch.zeros_like(probs).scatter_(1, row_argmax(processed).unsqueeze(1), 1.0)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)
     return probs
 

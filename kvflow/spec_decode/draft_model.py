@@ -36,7 +36,7 @@ class DraftModelProposer:
         max_model_len: the context limit, in tokens.
         device: where the draft runs.
         seed: seed of the generator for unseeded requests' draft sampling.
-        attention_backend: the draft runner's attention backend ("torch" or "triton").
+        attention_backend: the draft runner's attention backend ("torch", "cpu" or "triton").
     """
 
     def __init__(

@@ -85,3 +85,9 @@ def test_bad_inputs_raise():
         paged_decode_attention(q.double(), k, v, group.block_tables, group.context_lens, 0.25)
     with pytest.raises(RuntimeError, match="index dtypes"):
         paged_decode_attention(q, k, v, group.block_tables.int(), group.context_lens, 0.25)
+    with pytest.raises(RuntimeError, match="context_lens"):  # longer than its block table
+        paged_decode_attention(q, k, v, group.block_tables, torch.tensor([100], dtype=torch.int32), 0.25)
+    with pytest.raises(RuntimeError, match="is not a block"):
+        paged_decode_attention(q, k, v, torch.tensor([[0, 10**9]]), group.context_lens, 0.25)
+    with pytest.raises(RuntimeError, match="fewer rows"):
+        paged_decode_attention(torch.randn(3, 4, 16), k, v, group.block_tables, group.context_lens, 0.25)

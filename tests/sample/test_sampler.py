@@ -295,3 +295,14 @@ def test_batch_draw_reproducible_and_seeded_row_matches_alone():
     # Row 2 seeded with 2 alone gives the same token.
     alone = sampler(77)(logits[2:3], tensors(1, 30, generators=[gen(2)]))
     assert alone.item() == a[2].item()
+
+
+def test_row_argmax_takes_the_first_of_tied_maxima():
+    from kvflow.sample.sampler import row_argmax
+
+    x = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -0.5]])
+    assert row_argmax(x).tolist() == [1, 0, 2]
+    y = torch.randn(32, 49152)
+    y[:, 100] = y.max() + 1  # a tie far from the first position too
+    y[:, 40000] = y[:, 100]
+    assert torch.equal(row_argmax(y), y.argmax(dim=-1))
