@@ -170,20 +170,44 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
 #pragma omp simd
     for (int64_t t = 0; t < ctx; ++t) si[t] *= inv;
   }
-  // Pass 2: out_i = sum_t p[i, t] v_t.
-  for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
-    const int64_t base = table[b] * block_size;
-    const int64_t n = std::min(block_size, ctx - b * block_size);
-    for (int64_t o = 0; o < n; ++o, ++t) {
-      prefetch_next(v_cache, b, o);
-      load_row(v_cache + (base + o) * slot_stride + head_off, row.data(), nh * D);
-      for (int64_t h = 0; h < nh; ++h) {
-        const float* vr = row.data() + h * D;
-        for (int64_t g = 0; g < g_n; ++g) {
-          const float p = scores[(h * g_n + g) * ctx + t];
-          float* ai = acc.data() + (h * g_n + g) * D;
+  // Pass 2: out_i = sum_t p[i, t] v_t. With the head dim and group fixed at compile time
+  // the group's accumulators live in registers (one KV head at a time; the request's values
+  // are in the L2 cache after the first head).
+  if (HD > 0 && G > 0) {
+    for (int64_t h = 0; h < nh; ++h) {
+      float a[G > 0 ? G : 1][HD > 0 ? HD : 1] = {};
+      const float* ph = scores.data() + h * g_n * ctx;
+      for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
+        const int64_t base = table[b] * block_size;
+        const int64_t n = std::min(block_size, ctx - b * block_size);
+        for (int64_t o = 0; o < n; ++o, ++t) {
+          float vr[HD > 0 ? HD : 1];
+          load_row(v_cache + (base + o) * slot_stride + head_off + h * D, vr, HD);
+          for (int g = 0; g < G; ++g) {
+            const float p = ph[g * ctx + t];
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ai[d] += p * vr[d];
+            for (int d = 0; d < HD; ++d) a[g][d] += p * vr[d];
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < HD; ++d) acc[(h * G + g) * HD + d] = a[g][d];
+    }
+  } else {
+    for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
+      const int64_t base = table[b] * block_size;
+      const int64_t n = std::min(block_size, ctx - b * block_size);
+      for (int64_t o = 0; o < n; ++o, ++t) {
+        prefetch_next(v_cache, b, o);
+        load_row(v_cache + (base + o) * slot_stride + head_off, row.data(), nh * D);
+        for (int64_t h = 0; h < nh; ++h) {
+          const float* vr = row.data() + h * D;
+          for (int64_t g = 0; g < g_n; ++g) {
+            const float p = scores[(h * g_n + g) * ctx + t];
+            float* ai = acc.data() + (h * g_n + g) * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ai[d] += p * vr[d];
+          }
         }
       }
     }
