@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvflow.layers.cpu_attention import paged_decode_attention
+
 
 @dataclass
 class AttentionGroup:
@@ -322,8 +324,6 @@ def paged_attention(
     for g in metadata.groups:
         b, max_q = g.num_requests, g.max_query_len
         if kernel and max_q == 1:
-            from kvflow.layers.cpu_attention import paged_decode_attention
-
             q_g = q if single else q[g.token_start : g.token_end]
             o = paged_decode_attention(q_g, kv_cache[0], kv_cache[1], g.block_tables, g.context_lens, scale)
             if single:
