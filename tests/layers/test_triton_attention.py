@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from conftest import random_paged_step  # noqa: E402
 from kvflow.layers.attention import (  # noqa: E402
     AttentionGroup,
     AttentionMetadata,
@@ -26,15 +27,8 @@ from kvflow.layers.triton_attention import triton_paged_attention  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _random_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens, dtype, seed=0, num_blocks=96):
-    """Random cache contents, scrambled block tables and queries for one step."""
-    g = torch.Generator().manual_seed(seed)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in ctx_lens]
-    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
-    return q, k_cache, v_cache, tables
+def _random_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens, dtype, seed=0):
+    return random_paged_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens, dtype, seed, num_blocks=96)
 
 
 def _torch_reference(q, kv_cache, q_lens, ctx_lens, tables, block_size, scale):
