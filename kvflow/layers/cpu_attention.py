@@ -9,6 +9,15 @@ head_dim]`` through the block table (PagedAttention, Kwon et al. 2023, section 4
 each (request, KV head) it scores the request's keys against the ``group`` query heads that
 share the KV head (GQA), takes a float32 softmax, and accumulates the values.
 
+With AVX-512 (and head dims 64 / 128 with the group sizes compiled in below) the three
+steps are vectorized by hand: keys are scored 16 tokens at a time, the 16 dot products
+reduced together by a transpose-and-add tree instead of one horizontal sum each (bfloat16
+keys and queries multiply exactly in ``vdpbf16ps`` where the CPU has AVX512-BF16); the
+softmax uses a 16-lane exp; values are accumulated in registers with the next block
+prefetched. Elsewhere portable loops (``omp simd``) do the same arithmetic. On the
+development machine (2 cores) this took a batch-32, 400-token, 30-layer bfloat16 decode
+step's attention from 39 ms to 20 ms (``/tmp``-style microbenchmark in the commit message).
+
 Decode only (one query token per request); prefill chunks keep the PyTorch path. Float32,
 bfloat16 and float16 caches; quantized (int8 / fp8) caches keep the PyTorch path.
 
@@ -36,8 +45,12 @@ _SOURCE = r"""
 #include <cmath>
 #include <algorithm>
 #include <vector>
+#include <type_traits>
 
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // exp(x) for x <= 0 in float32, vectorizable (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2,
 // degree-6 polynomial for e^r, 2^n by exponent bits); relative error ~2e-7. Below -87.3
@@ -62,6 +75,157 @@ static inline float exp_neg(float x) {
 
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+// Sixteen dot-product accumulators in, one vector out whose lane i is the sum of v[i]'s
+// lanes: a transpose-and-add tree (45 shuffles and adds for 16 sums, against about 8
+// instructions per sum with one horizontal reduction each). v is clobbered.
+static inline __m512 reduce16(__m512* v) {
+  __m512 s[8];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 u[4];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's partial sums of a, b, c, d
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+// Sixteen float32 values from 16 bfloat16 (the top halves of float32) or float32 ones.
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// Scores of up to 16 consecutive tokens of one block against one query head:
+// out[t] = scale * (q . k_t) for t < n, with k_t = k + t * stride (HD values each).
+// bfloat16 with AVX512-BF16: q and k stay bfloat16 and vdpbf16ps multiplies pairs exactly
+// into float32 sums; otherwise k is widened to float32 and q is qf (float32).
+template <typename T, int HD>
+static inline void scores16(const T* q, const float* qf, const T* k, int64_t stride, int64_t n, float scale,
+                            float* out) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    __m512bh qv[HD / 32];
+    for (int j = 0; j < HD / 32; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+    if (n == 16) {  // constant trip counts: the accumulators stay in registers
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < HD / 32; ++j)
+          acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(k + t * stride + 32 * j), qv[j]);
+    } else {
+      for (int64_t t = 0; t < n; ++t)
+        for (int j = 0; j < HD / 32; ++j)
+          acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(k + t * stride + 32 * j), qv[j]);
+    }
+    const __m512 r = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), r);
+    return;
+  }
+#endif
+  (void)q;
+  if (n == 16) {
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t)
+#pragma GCC unroll 8
+      for (int j = 0; j < HD / 16; ++j)
+        acc[t] = _mm512_fmadd_ps(load16(k + t * stride + 16 * j), _mm512_loadu_ps(qf + 16 * j), acc[t]);
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int j = 0; j < HD / 16; ++j)
+        acc[t] = _mm512_fmadd_ps(load16(k + t * stride + 16 * j), _mm512_loadu_ps(qf + 16 * j), acc[t]);
+  }
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), reduce16(acc));
+}
+#define KVFLOW_HAS_SCORES16 1
+
+// exp_neg on 16 lanes (the same Cephes reduction and polynomial; 2^n by vscalefps).
+static inline __m512 exp_neg16(__m512 x) {
+  const __m512 c = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+#endif
+
+// s[t] = exp(s[t] - max(s)) for t < n; returns their sum (float32).
+static inline float exp_shifted(float* s, int64_t n) {
+  float m = -INFINITY;
+#if defined(__AVX512F__)
+  int64_t t = 0;
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+  m = _mm512_reduce_max_ps(mv);
+  for (; t < n; ++t) m = s[t] > m ? s[t] : m;
+  const __m512 m16 = _mm512_set1_ps(m);
+  __m512 sv = _mm512_setzero_ps();
+  for (t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1u);
+    const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m16));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+  }
+  return _mm512_reduce_add_ps(sv);
+#else
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) { s[t] = exp_neg(s[t] - m); sum += s[t]; }
+  return sum;
+#endif
+}
+
+#if defined(__AVX512F__)
+// acc[g][d] = sum_t p[g * p_stride + t] * v_t[d] for one KV head: g < G, d < HD, the values
+// v_t read through the block table (row t at (table[t / bs] * bs + t % bs) * stride + off).
+// HD is split into chunks whose G x chunk accumulators fit the 32 vector registers.
+template <typename T, int HD, int G>
+static inline void values_head(const T* v_cache, const int64_t* table, int64_t bs, int64_t ctx, int64_t stride,
+                               int64_t off, const float* p, int64_t p_stride, float* acc, int64_t prefetch_bytes) {
+  constexpr int DC = (HD % 64 == 0 && G <= 6) ? 64 : 32;  // G * DC / 16 <= 24 accumulators
+  for (int dc = 0; dc < HD; dc += DC) {
+    __m512 a[G][DC / 16];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < DC / 16; ++j) a[g][j] = _mm512_setzero_ps();
+    for (int64_t b = 0, t = 0; t < ctx; ++b) {
+      const T* base = v_cache + table[b] * bs * stride + off + dc;
+      const int64_t n = std::min(bs, ctx - t);
+      if (prefetch_bytes > 0 && t + n < ctx) {  // the next block's rows, prefetch_bytes from off
+        const char* next = reinterpret_cast<const char*>(v_cache + table[b + 1] * bs * stride + off);
+        for (int64_t o = 0; o < std::min(bs, ctx - t - n); ++o)
+          for (int64_t x = 0; x < prefetch_bytes; x += 64) __builtin_prefetch(next + o * stride * sizeof(T) + x, 0, 3);
+      }
+      for (int64_t o = 0; o < n; ++o, ++t) {
+        __m512 v[DC / 16];
+        for (int j = 0; j < DC / 16; ++j) v[j] = load16(base + o * stride + 16 * j);
+        for (int g = 0; g < G; ++g) {
+          const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
+          for (int j = 0; j < DC / 16; ++j) a[g][j] = _mm512_fmadd_ps(pg, v[j], a[g][j]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < DC / 16; ++j) _mm512_storeu_ps(acc + g * HD + dc + 16 * j, a[g][j]);
+  }
+}
+#endif
 
 // A row of head_dim values as float32 (vectorizable: bfloat16 is the top half of a float32).
 template <typename T>
@@ -93,7 +257,7 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
                         T* out, int64_t head_dim, int64_t group, int64_t block_size, int64_t slot_stride,
                         int64_t h0, int64_t nh, float scale, int64_t q_stride_h, int64_t o_stride_h,
                         std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& row,
-                        std::vector<float>& acc) {
+                        std::vector<float>& acc, std::vector<float>& inv_sum) {
   const int64_t D = HD > 0 ? HD : head_dim;
   const int64_t g_n = G > 0 ? G : group;
   const int64_t rows = nh * g_n;
@@ -116,10 +280,43 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
       for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
     }
   };
-  // Pass 1: scores[i, t] = q_i . k_t, two tokens at a time (two independent accumulation
-  // chains per dot product; the horizontal sums dominate otherwise).
+  // Pass 1: scores[i, t] = q_i . k_t.
   const int64_t width = nh * D;
   row.resize(2 * width);
+#if defined(KVFLOW_HAS_SCORES16)
+  // Vectorized: 16 tokens of a block per call, their 16 sums reduced together.
+  constexpr bool vector_pass1 = HD > 0 && G > 0 && HD % 32 == 0 &&
+                                (std::is_same<T, c10::BFloat16>::value || std::is_same<T, float>::value);
+#else
+  constexpr bool vector_pass1 = false;
+#endif
+  if constexpr (vector_pass1) {
+#if defined(KVFLOW_HAS_SCORES16)
+    constexpr int HDc = HD > 0 ? HD : 32;
+    for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
+      const int64_t base = table[b] * block_size;
+      const int64_t n = std::min(block_size, ctx - b * block_size);
+      if (b + 1 < num_blocks) {  // the next block's rows of these heads, while this one is scored
+        for (int64_t o = 0; o < std::min(block_size, ctx - (b + 1) * block_size); ++o) {
+          const char* p = reinterpret_cast<const char*>(k_cache + (table[b + 1] * block_size + o) * slot_stride + head_off);
+          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+        }
+      }
+      for (int64_t o = 0; o < n; o += 16) {
+        const int64_t m = std::min<int64_t>(16, n - o);
+        for (int64_t h = 0; h < nh; ++h) {
+          const T* kp = k_cache + (base + o) * slot_stride + head_off + h * D;
+          for (int64_t g = 0; g < g_n; ++g) {
+            const int64_t i = h * g_n + g;
+            scores16<T, HDc>(q + (h0 * g_n + i) * q_stride_h, qf.data() + i * D, kp, slot_stride, m, scale,
+                             scores.data() + i * ctx + t + o);
+          }
+        }
+      }
+      t += n;
+    }
+#endif
+  } else
   for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
     const int64_t base = table[b] * block_size;
     const int64_t n = std::min(block_size, ctx - b * block_size);
@@ -157,23 +354,21 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
       }
     }
   }
-  // Softmax over the context, per query head (float32).
-  for (int64_t i = 0; i < rows; ++i) {
-    float* si = scores.data() + i * ctx;
-    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-    for (int64_t t = 0; t < ctx; ++t) m = si[t] > m ? si[t] : m;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < ctx; ++t) { si[t] = exp_neg(si[t] - m); sum += si[t]; }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < ctx; ++t) si[t] *= inv;
-  }
+  // Softmax over the context, per query head (float32); the 1 / sum is applied to the output.
+  inv_sum.resize(rows);
+  for (int64_t i = 0; i < rows; ++i) inv_sum[i] = 1.f / exp_shifted(scores.data() + i * ctx, ctx);
   // Pass 2: out_i = sum_t p[i, t] v_t. With the head dim and group fixed at compile time
   // the group's accumulators live in registers (one KV head at a time; the request's values
   // are in the L2 cache after the first head).
-  if (HD > 0 && G > 0) {
+  if constexpr (vector_pass1) {
+#if defined(__AVX512F__)
+    constexpr int HDc = HD > 0 ? HD : 32, Gc = G > 0 ? G : 1;
+    for (int64_t h = 0; h < nh; ++h)
+      values_head<T, HDc, Gc>(v_cache, table, block_size, ctx, slot_stride, head_off + h * D,
+                              scores.data() + h * g_n * ctx, ctx, acc.data() + h * g_n * D,
+                              h == 0 ? row_bytes : 0);  // the first head's pass brings in the item's rows
+#endif
+  } else if (HD > 0 && G > 0) {
     for (int64_t h = 0; h < nh; ++h) {
       float a[G > 0 ? G : 1][HD > 0 ? HD : 1] = {};
       const float* ph = scores.data() + h * g_n * ctx;
@@ -214,7 +409,7 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
   }
   for (int64_t i = 0; i < rows; ++i) {
     T* op = out + (h0 * g_n + i) * o_stride_h;
-    for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(acc[i * D + d]);
+    for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(acc[i * D + d] * inv_sum[i]);
   }
 }
 
@@ -231,12 +426,12 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
   const int64_t heads_per_item = num_reqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t items_per_req = num_kv_heads / heads_per_item;
   at::parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf, scores, row, acc;
+    std::vector<float> qf, scores, row, acc, inv_sum;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / items_per_req, h0 = (item % items_per_req) * heads_per_item;
       decode_item<T, HD, G>(q + r * q_stride_t, k_cache, v_cache, tables + r * max_blocks, ctx_lens[r],
                             out + r * o_stride_t, head_dim, group, block_size, slot_stride, h0, heads_per_item,
-                            scale, q_stride_h, o_stride_h, qf, scores, row, acc);
+                            scale, q_stride_h, o_stride_h, qf, scores, row, acc, inv_sum);
     }
   });
 }

@@ -45,11 +45,18 @@ def test_matches_torch_path_float32(num_heads, num_kv_heads, head_dim, block_siz
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
-def test_matches_torch_path_half_precision(dtype, tol):
-    q, k, v, group = _decode_step(9, 3, 64, 16, [5, 700, 64, 65], dtype)
-    out = paged_decode_attention(q, k, v, group.block_tables, group.context_lens, 0.125)
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size",
+    [(9, 3, 64, 16), (14, 2, 128, 32), (12, 2, 128, 1), (8, 8, 64, 4), (6, 3, 32, 8)],
+)
+def test_matches_torch_path_half_precision(dtype, tol, num_heads, num_kv_heads, head_dim, block_size):
+    """bfloat16 takes the vectorized passes (AVX512-BF16 dot products where the CPU has them)
+    for the compiled-in shapes; float16 and the generic shape take the portable loops."""
+    q, k, v, group = _decode_step(num_heads, num_kv_heads, head_dim, block_size, [5, 700, 64, 65, 16, 33], dtype)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(q, k, v, group.block_tables, group.context_lens, scale)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), _reference(q, k, v, group, 0.125), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), _reference(q, k, v, group, scale), atol=tol, rtol=tol)
 
 
 def test_long_context_softmax_is_stable():
