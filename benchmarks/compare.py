@@ -125,6 +125,9 @@ DEFAULT_KVFLOW_CONFIGS: dict[str, dict[str, Any]] = {
     "kvflow": {"dtype": "float32", "enable_prefix_caching": False},
     "kvflow-bf16": {"dtype": "bfloat16", "enable_prefix_caching": False},
     "kvflow-bf16-int4": {"dtype": "bfloat16", "quantization": "int4", "enable_prefix_caching": False},
+    # INT4 decoder linears, INT8 LM head (the head is a quarter of SmolLM2's weight bytes).
+    "kvflow-bf16-int4-head8": {"dtype": "bfloat16", "quantization": "int4", "quantize_lm_head": "int8",
+                               "enable_prefix_caching": False},
 }
 PEERS = ("hf-static", "hf-cb", "llamacpp", "llamacpp-parallel")
 PEER_LABELS = {

@@ -28,7 +28,8 @@ Schemes: ``fp32`` (baseline, always run), ``bf16`` (bfloat16 weights and compute
 activations (``dtype="bfloat16"``: the quantized kernels take bfloat16 inputs anyway, and the
 norms, attention and LM head then run in bfloat16 on oneDNN-packed weights instead of
 float32), e.g. ``int8@bf16``; a suffix ``+head`` quantizes the LM head too
-(``quantize_lm_head``), e.g. ``int4-g32@bf16+head``. Targets checked: INT8 perplexity within 1% of float32
+(``quantize_lm_head``), e.g. ``int4-g32@bf16+head``, and ``+head-int8`` (``-int4``, ``-fp8``)
+quantizes it with that scheme, e.g. ``int4-g32@bf16+head-int8``. Targets checked: INT8 perplexity within 1% of float32
 and >= 1.5x single-stream decode; INT4 within 5% and >= 2x; the INT8 KV cache half the bytes
 of a 16-bit cache (plus its float16 scales, 2 bytes per token, head and K/V) with perplexity
 within 0.5%.
@@ -86,6 +87,9 @@ def scheme_options(scheme: str, group_size: int) -> dict[str, Any]:
     """
     if scheme.endswith("+head"):  # "<scheme>+head": the LM head quantized too (quantize_lm_head)
         return {**scheme_options(scheme[: -len("+head")], group_size), "quantize_lm_head": True}
+    for method in ("int8", "int4", "fp8"):  # "<scheme>+head-int8": the LM head in INT8 whatever the scheme
+        if scheme.endswith("+head-" + method):
+            return {**scheme_options(scheme[: -len("+head-" + method)], group_size), "quantize_lm_head": method}
     if "@" in scheme:  # "<scheme>@bf16": the same weights with bfloat16 activations / compute
         base, compute = scheme.split("@", 1)
         if compute != "bf16":
@@ -107,7 +111,7 @@ def scheme_options(scheme: str, group_size: int) -> dict[str, Any]:
 
 
 def target_key(scheme: str) -> str | None:
-    scheme = scheme.removesuffix("+head").split("@", 1)[0]
+    scheme = scheme.split("+head", 1)[0].split("@", 1)[0]
     if scheme.startswith("int4-g"):
         return "int4"
     return scheme if scheme in TARGETS or scheme == "kv-int8" else None

@@ -267,6 +267,8 @@ class SpeculativeConfig:
 
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
+# The schemes ``quantize_lm_head`` may name (``LlamaForCausalLM.quantize_lm_head``).
+LM_HEAD_METHODS = ("int8", "int4", "fp8")
 DEFAULT_SWAP_SPACE_BYTES = 256 * 1024 * 1024
 
 
@@ -294,9 +296,11 @@ class EngineArgs:
             "int4" (round-to-nearest), "int4-awq", "fp8", or "gguf" (keep a GGUF file's
             quantized tensors compact); None: float. A quantized checkpoint folder
             (``kvflow quantize``) loads quantized whatever this says.
-        quantize_lm_head: also quantize the LM head with the decoder's scheme (INT4 for
-            int4 / int4-awq, INT8 for int8 and gguf, FP8 for fp8); the embedding lookup stays
-            float (tied embeddings: the head becomes a quantized copy). Off by default.
+        quantize_lm_head: also quantize the LM head: True takes the decoder's scheme (INT4
+            for int4 / int4-awq, INT8 for int8 and gguf, FP8 for fp8); "int8", "int4" or
+            "fp8" picks one (e.g. an INT8 head under INT4 decoder linears). The embedding
+            lookup stays float (tied embeddings: the head becomes a quantized copy). Off by
+            default; needs ``quantization`` (or a quantized checkpoint).
         quantization_group_size: INT4 group size (32, 64, 128; default 32, which measured
             far better than 128 on SmolLM2 — see the README's quantization table).
         kv_cache_dtype: "auto" (the model dtype), "int8" or "fp8" (per-token, per-head
@@ -334,7 +338,7 @@ class EngineArgs:
     swap_space_bytes: int | None = None
     quantization: str | None = None
     quantization_group_size: int = 32
-    quantize_lm_head: bool = False
+    quantize_lm_head: bool | str = False
     kv_cache_dtype: str = "auto"
     speculative_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
@@ -376,6 +380,9 @@ class EngineArgs:
 
         check_method(self.quantization)
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32, torch.device("cpu"))
+        if not isinstance(self.quantize_lm_head, bool) and self.quantize_lm_head not in LM_HEAD_METHODS:
+            raise ValueError(f"quantize_lm_head must be True, False or one of {', '.join(LM_HEAD_METHODS)}, "
+                             f"got {self.quantize_lm_head!r}")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):

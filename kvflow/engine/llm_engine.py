@@ -53,11 +53,12 @@ def _load_model(
     quantization: str | None = None,
     group_size: int = 32,
     tp: TensorParallel | None = None,
-    quantize_lm_head: bool = False,
+    quantize_lm_head: bool | str = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build and load a model (this rank's shard under tensor parallelism); quantize its
     decoder linears when asked or when the folder is a quantized checkpoint, and its LM head
-    too with ``quantize_lm_head`` (``LM_HEAD_METHOD`` of the decoder's method).
+    too with ``quantize_lm_head``: True for ``LM_HEAD_METHOD`` of the decoder's method, or
+    the head's own method ("int8", "int4", "fp8").
 
     Returns:
         The model and the full model's ``ModelConfig``.
@@ -103,7 +104,8 @@ def _load_model(
         if method not in LM_HEAD_METHOD:
             raise ValueError(f"quantize_lm_head needs a quantized model (quantization int8, int4, int4-awq, fp8 "
                              f"or gguf), got quantization={method!r}")
-        model.quantize_lm_head(LM_HEAD_METHOD[method], saved["group_size"] if saved is not None else group_size)
+        head_method = LM_HEAD_METHOD[method] if quantize_lm_head is True else quantize_lm_head
+        model.quantize_lm_head(head_method, saved["group_size"] if saved is not None else group_size)
     # Quantized storage keeps its dtype (``_QuantizedLinear._apply``); the rest moves to dtype.
     model.to(device=device, dtype=dtype)
     if device.type == "cpu":

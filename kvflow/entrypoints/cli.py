@@ -25,7 +25,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--quantization", default=None, help="int8, int4, int4-awq, fp8 or gguf (weight-only)")
-    g.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too (embeddings stay float)")
+    g.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the LM head too, with the decoder's scheme (embeddings stay float)")
+    g.add_argument("--lm-head-quantization", choices=["int8", "int4", "fp8"], default=None,
+                   help="quantize the LM head with this scheme (implies --quantize-lm-head)")
     g.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8 or a float dtype")
     g.add_argument("--speculative-config", type=json.loads, default=None,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
@@ -60,7 +63,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "quantization", "kv_cache_dtype", "speculative_config", "tensor_parallel_size",
         "attention_backend", "enforce_eager", "quantize_lm_head",
     ]
-    return {n: getattr(args, n) for n in names}
+    kwargs = {n: getattr(args, n) for n in names}
+    if args.lm_head_quantization is not None:
+        kwargs["quantize_lm_head"] = args.lm_head_quantization
+    return kwargs
 
 
 def _sampling_params(args: argparse.Namespace):

@@ -29,13 +29,9 @@ path; set ``KVFLOW_CPU_ATTENTION=0`` to never build it.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-logger = logging.getLogger(__name__)
+from kvflow.layers.cpu_build import InlineExtension
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -486,54 +482,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 }
 """
 
-def _build_name() -> str:
-    """The extension's name: the source version and the host CPU's features, because the
-    build uses ``-march=native`` and a cached build must not run on a CPU lacking them."""
-    import hashlib
-    import platform
-
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    tag = hashlib.sha1((platform.machine() + flags + _SOURCE).encode()).hexdigest()[:12]
-    return f"kvflow_cpu_paged_attention_{tag}"
-
-
-_lock = threading.Lock()
-_module = None
-_failed = False
+_EXTENSION = InlineExtension("kvflow_cpu_paged_attention", _SOURCE, ["paged_decode_attention"],
+                             "KVFLOW_CPU_ATTENTION", "CPU paged-attention kernel")
 
 
 def _load():
-    global _module, _failed
-    if _module is not None or _failed:
-        return _module
-    with _lock:
-        if _module is not None or _failed:
-            return _module
-        if os.environ.get("KVFLOW_CPU_ATTENTION", "1") == "0":
-            _failed = True
-            return None
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            logger.info("building kvflow's CPU paged-attention kernel (once; cached afterwards)")
-            _module = load_inline(
-                name=_build_name(),
-                cpp_sources=_SOURCE,
-                functions=["paged_decode_attention"],
-                extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
-        except Exception as exc:  # no compiler, no ninja, a build error: keep the PyTorch path
-            logger.warning("kvflow's CPU paged-attention kernel could not be built (%s: %.300s); using the "
-                           "PyTorch path", type(exc).__name__, str(exc))
-            _failed = True
-    return _module
+    return _EXTENSION.load()
 
 
 def cpu_kernel_available() -> bool:

@@ -18,6 +18,18 @@ def test_every_subcommand_parses():
         assert parser.parse_args(argv).func is not None
 
 
+def test_lm_head_quantization_option():
+    from kvflow.entrypoints.cli import _engine_kwargs
+
+    parser = build_parser()
+    assert _engine_kwargs(parser.parse_args(["generate", "hi"]))["quantize_lm_head"] is False
+    assert _engine_kwargs(parser.parse_args(["generate", "--quantize-lm-head", "hi"]))["quantize_lm_head"] is True
+    args = parser.parse_args(["generate", "--lm-head-quantization", "int8", "hi"])
+    assert _engine_kwargs(args)["quantize_lm_head"] == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--lm-head-quantization", "int2", "hi"])
+
+
 def test_invalid_option_exits_with_a_clear_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["generate", "hi", "--max-num-seqs", "0", "--model", "smollm2-135m"])

@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch import nn
 
+from kvflow.layers import cpu_linear
 from kvflow.layers.quantized_linear import INT4_PACKED_MAX_ROWS, INT8_PACKED_MAX_ROWS, FP8Linear, Int4Linear, Int8Linear
 from kvflow.quantization.schemes import dequantize_fp8, dequantize_int8, quantize_int4
 
@@ -150,12 +151,35 @@ def test_bfloat16_input_gives_bfloat16_output(kind):
     [("int8", "aten::_weight_int8pack_mm"), ("int4-g32", "aten::_weight_int4pack_mm_for_cpu"),
      ("int4-g128", "aten::_weight_int4pack_mm_for_cpu")],
 )
-def test_packed_path_up_to_max_rows_then_dense(kind, op):
+def test_packed_path_up_to_max_rows_then_dense(kind, op, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "int8_available", lambda: False)  # PyTorch's INT8 kernel
     layer, _ = make_layer(kind, 512, 96, bias=False)
     max_rows = _max_rows(kind)
     assert op in ops_called(lambda: layer(torch.randn(1, 512)))
     assert op in ops_called(lambda: layer(torch.randn(max_rows, 512)))
     assert op not in ops_called(lambda: layer(torch.randn(max_rows + 1, 512)))
+
+
+@pytest.mark.skipif(not cpu_linear.int8_available(), reason="kvflow's INT8 kernel is not built / not supported here")
+def test_int8_takes_kvflow_kernel_up_to_max_rows(monkeypatch):
+    """Where kvflow's C++ INT8 kernel runs, Int8Linear sends it up to INT8_PACKED_MAX_ROWS
+    rows (PyTorch's kernel is not called), and agrees with PyTorch's kernel."""
+    calls = []
+    kernel = cpu_linear.int8_linear
+    monkeypatch.setattr(cpu_linear, "int8_linear", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    layer, _ = make_layer("int8", 512, 96, bias=True)
+    for rows in (1, 3, INT8_PACKED_MAX_ROWS):
+        x = torch.randn(rows, 512)
+        assert "aten::_weight_int8pack_mm" not in ops_called(lambda: layer(x))
+        ours = layer(x)
+        with monkeypatch.context() as m:
+            m.setattr(cpu_linear, "int8_available", lambda: False)
+            theirs = layer(x)
+        # PyTorch's kernel rounds the activations and the scale to bfloat16; ours keeps float32.
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2 * float(theirs.abs().max()))
+    assert calls == [1, 1, 3, 3, INT8_PACKED_MAX_ROWS, INT8_PACKED_MAX_ROWS]
+    layer(torch.randn(INT8_PACKED_MAX_ROWS + 1, 512))
+    assert len(calls) == 6
 
 
 def _max_rows(kind: str) -> int:

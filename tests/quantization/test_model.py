@@ -171,6 +171,17 @@ def test_quantized_lm_head_greedy_matches_float32(smollm2_dir, reference):
     check_teacher_forced(llm, reference)
 
 
+def test_int8_lm_head_under_int4_decoder(smollm2_dir, reference):
+    """quantize_lm_head="int8" picks the head's scheme apart from the decoder's: INT4 group-32
+    decoder linears (the GGUF's own grid: lossless here) with an INT8 head."""
+    llm = make_llm(smollm2_dir, quantization="int4", quantization_group_size=32, quantize_lm_head="int8")
+    model = llm.engine.model_runner.model
+    assert isinstance(model.packed_lm_head, Int8Linear)
+    assert all(isinstance(m, Int4Linear) and m.group_size == 32 for m in decoder_linears(llm))
+    check_free_running(greedy(llm), reference)
+    check_teacher_forced(llm, reference)
+
+
 def test_int8_kv_cache_greedy_matches_float32(kv_int8_llm, reference):
     assert kv_int8_llm.engine.cache_config.dtype == torch.int8
     assert len(kv_int8_llm.engine.cache_engine.kv_caches[0]) == 4  # values + per-token scales

@@ -234,3 +234,14 @@ def test_group_size_for_halves_until_it_divides(in_features, requested, expected
 def test_group_size_for_gives_up_below_8():
     with pytest.raises(ValueError, match="no INT4 group size"):
         group_size_for(100, 128)
+
+
+@pytest.mark.parametrize("good", [False, True, "int8", "int4", "fp8"])
+def test_engine_args_quantize_lm_head_values(good):
+    EngineArgs(quantization="int4", quantize_lm_head=good).verify()
+
+
+@pytest.mark.parametrize("bad", ["int2", "yes", 1, "INT8"])
+def test_engine_args_quantize_lm_head_rejects_others(bad):
+    with pytest.raises(ValueError, match="quantize_lm_head"):
+        EngineArgs(quantization="int4", quantize_lm_head=bad).verify()
