@@ -470,6 +470,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     if (head_dim == 64 && group == 1) run(decode_kernel<scalar_t, 64, 1>);
     else if (head_dim == 64 && group == 3) run(decode_kernel<scalar_t, 64, 3>);
     else if (head_dim == 64 && group == 4) run(decode_kernel<scalar_t, 64, 4>);
+    else if (head_dim == 64 && group == 7) run(decode_kernel<scalar_t, 64, 7>);  // Qwen2.5-0.5B
+    else if (head_dim == 64 && group == 8) run(decode_kernel<scalar_t, 64, 8>);
     else if (head_dim == 64) run(decode_kernel<scalar_t, 64, 0>);
     else if (head_dim == 128 && group == 1) run(decode_kernel<scalar_t, 128, 1>);
     else if (head_dim == 128 && group == 4) run(decode_kernel<scalar_t, 128, 4>);

@@ -30,7 +30,9 @@ def _reference(q, k, v, group, scale):
         (9, 3, 64, 16),  # SmolLM2 (compiled-in head dim 64, group 3)
         (8, 8, 64, 4),  # MHA
         (16, 4, 128, 16),  # group 4, head dim 128
-        (14, 2, 128, 32),  # Qwen2.5-0.5B's group 7
+        (14, 2, 64, 32),  # Qwen2.5-0.5B's group 7
+        (14, 2, 128, 16),  # group 7, head dim 128 (Qwen2.5-7B)
+        (32, 4, 64, 16),  # group 8
         (12, 2, 128, 1),  # Qwen2.5-1.5B's group 6, one-token blocks
         (6, 3, 32, 8),  # generic head dim and group
         (4, 1, 80, 16),  # MQA, head dim not a power of two
@@ -47,7 +49,7 @@ def test_matches_torch_path_float32(num_heads, num_kv_heads, head_dim, block_siz
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, block_size",
-    [(9, 3, 64, 16), (14, 2, 128, 32), (12, 2, 128, 1), (8, 8, 64, 4), (6, 3, 32, 8)],
+    [(9, 3, 64, 16), (14, 2, 64, 32), (14, 2, 128, 32), (12, 2, 128, 1), (32, 4, 64, 16), (8, 8, 64, 4), (6, 3, 32, 8)],
 )
 def test_matches_torch_path_half_precision(dtype, tol, num_heads, num_kv_heads, head_dim, block_size):
     """bfloat16 takes the vectorized passes (AVX512-BF16 dot products where the CPU has them)
