@@ -249,10 +249,28 @@ def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return values, scale.to(torch.float16)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata) -> None:
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    metadata: AttentionMetadata,
+    key_offset: torch.Tensor | None = None,
+) -> None:
     """Write this step's K/V [T, num_kv_heads, head_dim] (model dtype) into the layer's cache
     at ``metadata.slot_mapping`` with the step's backend: ``write_kv_cache`` (index_copy_),
-    or the Triton kernel, which also skips negative slots (padded CUDA-graph rows)."""
+    or the Triton kernel, which also skips negative slots (padded CUDA-graph rows).
+
+    ``key_offset`` [num_kv_heads, head_dim], if given, is subtracted from the keys going into
+    a quantized (int8 / fp8) cache. Attention is unchanged by it: a query's scores all move
+    by the same q . offset, and softmax ignores a common shift. What changes is the
+    quantization: per-token scales follow the keys' largest entries, and when every key
+    carries a large common vector (Qwen2's k_proj bias: in Qwen2.5-Coder-0.5B's first layer
+    keys have entries up to ~140 around a token-dependent part of ~30) that vector, not the
+    part that tells tokens apart, sets the step. The model passes its k_proj bias on the
+    slowly rotating RoPE pairs (``LlamaAttention._key_offset``).
+    """
+    if key_offset is not None and len(kv_cache) == 4:
+        k = k - key_offset
     if metadata.backend == "triton":
         from kvflow.layers.triton_attention import triton_write_kv_cache
 

@@ -57,6 +57,11 @@ class RotaryEmbedding(nn.Module):
         # rotate_half(x) * sin == roll(x, head_dim / 2) * signed_sin.
         sin = freqs.sin()
         self.register_buffer("sin", torch.cat([-sin, sin], dim=-1), persistent=False)
+        # 1.0 on the dimensions of the rotary pairs that turn by at most 60 degrees over all
+        # max_position positions (the low frequencies), 0.0 elsewhere [head_dim]: a vector
+        # there stays within its own length of where it started, at every position.
+        slow = inv_freq * (max_position - 1) <= math.pi / 3
+        self.register_buffer("slow_mask", torch.cat([slow, slow]).float(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed-sin tables [T, 1, head_dim] in ``dtype`` for int64 positions [T]

@@ -44,6 +44,22 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = self.head_dim**-0.5
 
+    def _key_offset(self, kv_cache: KVCache) -> torch.Tensor | None:
+        """For a quantized cache, the part of every key that its k_proj bias makes, where RoPE
+        turns slowly: the bias on the rotary pairs that rotate by at most 60 degrees over all
+        positions (``RotaryEmbedding.slow_mask``), 0 elsewhere, [num_kv_heads, head_dim].
+        Keys are stored minus it (``store_kv``'s key_offset), which leaves attention
+        unchanged. Trained models put their large constant key components in these
+        low-frequency pairs; there a rotated bias stays within the bias's length of it, so
+        the stored values are smaller at every position, and elsewhere nothing changes.
+        None without a bias or for a float cache."""
+        bias = self.qkv_proj.bias
+        rotary = self.__dict__.get("rotary")
+        if bias is None or rotary is None or len(kv_cache) != 4:
+            return None
+        b = bias[self.q_size : self.q_size + self.kv_size].view(self.num_kv_heads, self.head_dim)
+        return b * rotary.slow_mask.to(b.dtype)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -58,7 +74,7 @@ class LlamaAttention(nn.Module):
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *cos_sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-            store_kv(k, v, kv_cache, metadata)
+            store_kv(k, v, kv_cache, metadata, self._key_offset(kv_cache))
         else:
             q = apply_rotary(qkv.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
         o = paged_attention(q, kv_cache, metadata, self.scale)
@@ -117,6 +133,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        for layer in self.layers:  # a reference, not a submodule (LlamaAttention._key_offset)
+            layer.self_attn.__dict__["rotary"] = self.rotary
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))

@@ -83,3 +83,51 @@ def test_attention_over_several_groups_equals_one_group():
     for h in range(heads):
         w = torch.softmax(keys[:, h // 2] @ q[2, h] * d**-0.5, dim=0)
         torch.testing.assert_close(out_several[2, h], w @ values[:, h // 2], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ key offset (quantized caches)
+
+
+def _int8_cache(num_blocks, bs, kv_heads, d):
+    return (torch.zeros(num_blocks, bs, kv_heads, d, dtype=torch.int8),
+            torch.zeros(num_blocks, bs, kv_heads, d, dtype=torch.int8),
+            torch.zeros(num_blocks, bs, kv_heads, dtype=torch.float16),
+            torch.zeros(num_blocks, bs, kv_heads, dtype=torch.float16))
+
+
+def test_key_offset_keeps_attention_and_saves_int8_precision():
+    """Keys = a large common vector (norm ~280, as Qwen2's k_proj bias makes them) + a small
+    token-dependent part. Stored minus that vector (``key_offset``), an int8 cache gives
+    attention close to the float one; stored as they are, the common vector sets every
+    token's scale and the token-dependent part is lost in the rounding."""
+    from kvflow.layers.attention import store_kv, write_kv_cache
+
+    g = torch.Generator().manual_seed(0)
+    bs, kv_heads, heads, d, ctx = 16, 2, 6, 64, [40, 75]
+    offset = torch.randn(kv_heads, d, generator=g) * 35.0
+    k = offset + torch.randn(sum(ctx), kv_heads, d, generator=g)
+    v = torch.randn(sum(ctx), kv_heads, d, generator=g)
+    q = torch.randn(len(ctx), heads, d, generator=g)
+    tables = [[0, 1, 2], [3, 4, 5, 6, 7]]
+    slots = torch.cat([torch.tensor(t).repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs for t, n in zip(tables, ctx)])
+    decode = AttentionMetadata(torch.zeros(2, dtype=torch.int64), [AttentionGroup.build(0, [1, 1], ctx, tables, bs, torch.device("cpu"))])
+
+    float_cache = (torch.zeros(8, bs, kv_heads, d), torch.zeros(8, bs, kv_heads, d))
+    store_kv(k, v, float_cache, AttentionMetadata(slots, []), key_offset=offset)  # ignored: float cache
+    written = float_cache[0].view(-1, kv_heads, d)[slots]
+    assert torch.equal(written, k)
+    want = paged_attention(q, float_cache, decode, d**-0.5)
+
+    def through_int8(key_offset):
+        cache = _int8_cache(8, bs, kv_heads, d)
+        store_kv(k, v, cache, AttentionMetadata(slots, []), key_offset=key_offset)
+        return paged_attention(q, cache, decode, d**-0.5)
+
+    err_offset = float((through_int8(offset) - want).abs().max())
+    err_plain = float((through_int8(None) - want).abs().max())
+    assert err_offset < 0.02
+    assert err_offset < 0.1 * err_plain
+    # The shift is exact in float arithmetic: the same keys minus the offset, unquantized.
+    shifted = (torch.zeros(8, bs, kv_heads, d), torch.zeros(8, bs, kv_heads, d))
+    write_kv_cache(k - offset, v, shifted, slots)
+    torch.testing.assert_close(paged_attention(q, shifted, decode, d**-0.5), want, rtol=1e-4, atol=1e-5)
