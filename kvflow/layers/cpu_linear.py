@@ -129,7 +129,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == weight.size(0),
               "scale: contiguous float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(K % 16 == 0, "K % 16 == 0");
+  TORCH_CHECK(K > 0 && K % 16 == 0, "K % 16 == 0 and K > 0");
   thread_local std::vector<float> buf;
   const float* xp = as_float(x, buf);
   auto y = torch::empty({M, N}, x.options());

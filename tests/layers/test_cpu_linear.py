@@ -53,6 +53,8 @@ def test_bad_inputs_raise():
     x, weight, scale, _ = _case(32, 64, 2, torch.float32)
     with pytest.raises(RuntimeError, match="K % 16"):
         int8_linear(torch.randn(2, 40), torch.zeros(32, 40, dtype=torch.int8), scale)
+    with pytest.raises(RuntimeError, match="K > 0"):
+        int8_linear(torch.randn(2, 0), torch.zeros(32, 0, dtype=torch.int8), scale)
     with pytest.raises(RuntimeError, match="weight"):
         int8_linear(x, weight.float(), scale)
     with pytest.raises(RuntimeError, match="scale"):
