@@ -73,7 +73,8 @@ def test_padded_replay_equals_eager_forward_and_writes_only_real_slots():
     # stale slot must not be written again
     ids3, pos3, meta3 = _decode_inputs([11, 31], [[5, 6, 7], tables[1]], block_size, seed=2)
     Inputs.input_ids, Inputs.positions, Inputs.metadata = ids3, pos3, meta3
-    torch.testing.assert_close(runner.run(Inputs), model(ids3, pos3, caches["eager"].kv_caches, meta3), atol=1e-6, rtol=1e-5)
+    # (float32 matmuls round differently for 2 and 4 rows: observed up to 1.7e-6 here)
+    torch.testing.assert_close(runner.run(Inputs), model(ids3, pos3, caches["eager"].kv_caches, meta3), atol=1e-5, rtol=1e-5)
     for a, b in zip(caches["eager"].kv_caches, caches["graph"].kv_caches):  # rounding differs: 2 vs 4 rows
         torch.testing.assert_close(b[0], a[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(b[1], a[1], atol=1e-5, rtol=1e-5)
