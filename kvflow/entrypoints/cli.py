@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kvflow.config import EngineArgs
+from kvflow.config import LM_HEAD_METHODS, EngineArgs
 from kvflow.distributed.worker import torchrun_rank
 
 
@@ -27,7 +27,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, help="int8, int4, int4-awq, fp8 or gguf (weight-only)")
     g.add_argument("--quantize-lm-head", action="store_true",
                    help="quantize the LM head too, with the decoder's scheme (embeddings stay float)")
-    g.add_argument("--lm-head-quantization", choices=["int8", "int4", "fp8"], default=None,
+    g.add_argument("--lm-head-quantization", choices=list(LM_HEAD_METHODS), default=None,
                    help="quantize the LM head with this scheme (implies --quantize-lm-head)")
     g.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8 or a float dtype")
     g.add_argument("--speculative-config", type=json.loads, default=None,

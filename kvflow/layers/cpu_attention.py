@@ -14,9 +14,10 @@ steps are vectorized by hand: keys are scored 16 tokens at a time, the 16 dot pr
 reduced together by a transpose-and-add tree instead of one horizontal sum each (bfloat16
 keys and queries multiply exactly in ``vdpbf16ps`` where the CPU has AVX512-BF16); the
 softmax uses a 16-lane exp; values are accumulated in registers with the next block
-prefetched. Elsewhere portable loops (``omp simd``) do the same arithmetic. On the
-development machine (2 cores) this took a batch-32, 400-token, 30-layer bfloat16 decode
-step's attention from 39 ms to 20 ms (``/tmp``-style microbenchmark in the commit message).
+prefetched (the bfloat16 scores are scale * (q . k) from exact bfloat16 products; the
+portable loops used elsewhere compute (q * scale) . k in float32). On the development
+machine (2 cores) this took a batch-32, 400-token, 30-layer bfloat16 decode step's
+attention from 39 ms to 20 ms.
 
 Decode only (one query token per request); prefill chunks keep the PyTorch path. Float32,
 bfloat16 and float16 caches; quantized (int8 / fp8) caches keep the PyTorch path.
@@ -143,7 +144,7 @@ static inline void scores16(const T* q, const float* qf, const T* k, int64_t str
 
 // exp_neg on 16 lanes (the same Cephes reduction and polynomial; 2^n by vscalefps).
 static inline __m512 exp_neg16(__m512 x) {
-  const __m512 c = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 c = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);  // x second: a NaN x stays NaN
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
@@ -155,7 +156,8 @@ static inline __m512 exp_neg16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  // unless x < -87.3 (ordered): a NaN score stays NaN and poisons the row, as elsewhere
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ);
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
 #endif

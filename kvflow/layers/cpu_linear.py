@@ -79,8 +79,8 @@ static void int8_tile(const float* x, const int8_t* w, const float* scale, int64
   // The tile's rows are one contiguous region, read 16 columns at a time across the rows:
   // too short a stream per row for the hardware prefetcher, so the next tile's region is
   // prefetched evenly over this tile's steps.
-  const char* next = reinterpret_cast<const char*>(w + (n0 + NR) * K);
   const int64_t next_bytes = n0 + NR < N ? std::min<int64_t>(NR, N - n0 - NR) * K : 0;
+  const char* next = reinterpret_cast<const char*>(next_bytes > 0 ? w + (n0 + NR) * K : w);
   const int64_t per_step = (next_bytes / (K / 16) + 63) / 64 * 64;
   for (int64_t k = 0; k < K; k += 16) {
     for (int64_t off = (k / 16) * per_step; off < std::min(next_bytes, (k / 16 + 1) * per_step); off += 64)
@@ -116,6 +116,7 @@ static const float* as_float(const torch::Tensor& x, std::vector<float>& buf) {
 }
 
 static void check_input(const torch::Tensor& x, int64_t max_rows) {
+  TORCH_CHECK(x.device().is_cpu(), "x: a CPU tensor");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x: [M, K] with contiguous rows");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= max_rows, "1 <= M <= ", max_rows, " rows");
@@ -125,7 +126,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
 #if defined(KVFLOW_INT8)
   check_input(x, 64);  // MAX_ROWS
   TORCH_CHECK(weight.dim() == 2 && x.size(1) == weight.size(1), "x [M, K] and weight [N, K]");
-  TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.is_contiguous(), "weight: contiguous int8");
+  TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.is_contiguous() && weight.device().is_cpu(),
+              "weight: contiguous int8 on the CPU");
+  TORCH_CHECK(scale.device().is_cpu(), "scale: a CPU tensor");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == weight.size(0),
               "scale: contiguous float32 [N]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);

@@ -3,10 +3,10 @@
 On the CPU a small C++ kernel (built on first use like ``cpu_attention``) computes it in one
 pass per row. ``F.rms_norm`` costs ~10.5 us for one 576-wide bfloat16 row here (dispatch and
 its casts), the kernel ~1.4 us, and a decode step runs it 2 x layers + 1 times (61 for
-SmolLM2, ~0.6 ms of an ~11 ms single-stream INT4 step). The kernel follows the arithmetic of
-PyTorch's fused CPU kernel (``aten::_fused_rms_norm``): float32 throughout,
-x * rsqrt(mean(x^2) + eps) * weight rounded once to the input dtype; bfloat16 results are
-then identical, float32 ones differ in the last bit at most (the sum's order).
+SmolLM2, ~0.6 ms of an ~11 ms single-stream INT4 step). Arithmetic: float32 throughout,
+x * rsqrt(mean(x^2) + eps) * weight rounded once to the input dtype, like PyTorch's fused
+CPU kernel; the sum of squares is added in a different order, so float32 results differ by
+a few ulp and bfloat16 ones, rarely, by one rounding step.
 ``KVFLOW_CPU_NORM=0`` (or a failed build) keeps ``F.rms_norm``.
 """
 
@@ -56,6 +56,7 @@ static void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t n, int6
 }
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x: [rows, hidden] with contiguous rows");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous(), "weight: [hidden]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight must share a dtype");

@@ -106,6 +106,7 @@ static void rotate(const T* x, const T* cos, const T* sin, T* out, int64_t token
 }
 
 torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "CPU tensors");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x: [T, heads, head_dim], head_dim even, rows contiguous");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
               sin.numel() == cos.numel(), "cos / sin: contiguous [T, 1, head_dim]");
@@ -148,7 +149,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
     On the CPU (float32 / bfloat16) a small C++ kernel does it in one pass with the same
     arithmetic (x * cos rounded to x's dtype, then the multiply-add rounded once, as
-    ``addcmul``); ~8 us of ``roll`` alone per call otherwise, 30 calls per SmolLM2 step.
+    ``addcmul``): ~1 us per decode call against ~5.4 us for the three ops, 30 calls per
+    SmolLM2 step.
     ``KVFLOW_CPU_ROTARY=0`` keeps the three PyTorch ops.
     """
     if _kernel_applies(x, cos, signed_sin):

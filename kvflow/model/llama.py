@@ -50,8 +50,9 @@ class LlamaAttention(nn.Module):
         positions (``RotaryEmbedding.slow_mask``), 0 elsewhere, [num_kv_heads, head_dim].
         Keys are stored minus it (``store_kv``'s key_offset), which leaves attention
         unchanged. Trained models put their large constant key components in these
-        low-frequency pairs; there a rotated bias stays within the bias's length of it, so
-        the stored values are smaller at every position, and elsewhere nothing changes.
+        low-frequency pairs; there the bias's contribution to a stored key, R_t b - b, is
+        never longer than the bias itself and near 0 at early positions, and elsewhere
+        nothing changes.
         None without a bias or for a float cache."""
         bias = self.qkv_proj.bias
         rotary = self.__dict__.get("rotary")

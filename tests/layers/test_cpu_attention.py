@@ -96,3 +96,15 @@ def test_bad_inputs_raise():
         paged_decode_attention(q, k, v, torch.tensor([[0, 10**9]]), group.context_lens, 0.25)
     with pytest.raises(RuntimeError, match="fewer rows"):
         paged_decode_attention(torch.randn(3, 4, 16), k, v, group.block_tables, group.context_lens, 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_nan_key_poisons_its_request_only(dtype):
+    """A NaN in one request's keys gives NaN for that request (as the PyTorch path does),
+    not a silently dropped token; the other requests are untouched."""
+    q, k, v, group = _decode_step(9, 3, 64, 16, [40, 33], dtype)
+    row = group.block_tables[0, 1] * 16 + 3  # request 0's token 19
+    k.view(-1, 3, 64)[row, 1, 5] = float("nan")
+    out = paged_decode_attention(q, k, v, group.block_tables, group.context_lens, 0.125)
+    assert torch.isnan(out[0, 3:6]).all()  # the query heads of KV head 1
+    assert torch.isfinite(out[0, :3]).all() and torch.isfinite(out[1]).all()
