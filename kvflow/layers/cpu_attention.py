@@ -446,7 +446,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), num_blocks = k_cache.size(0);
-  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "heads");
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "heads");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) >= num_reqs && ctx.numel() >= num_reqs,
               "block_tables / context_lens have fewer rows than q");
   // Every block the kernel will read must exist (an out-of-range id is a bug elsewhere: raise

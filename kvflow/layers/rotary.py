@@ -135,6 +135,8 @@ def _kernel_applies(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
         and x.dtype in (torch.float32, torch.bfloat16)
         and cos.dtype == x.dtype
         and signed_sin.dtype == x.dtype
+        and cos.shape == (x.shape[0], 1, x.shape[2])  # as cos_sin makes them (others broadcast)
+        and signed_sin.shape == cos.shape
         and cos.is_contiguous()
         and signed_sin.is_contiguous()
         and not (torch.is_grad_enabled() and x.requires_grad)

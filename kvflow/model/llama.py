@@ -194,10 +194,12 @@ class LlamaForCausalLM(nn.Module):
 
         Args:
             method: "int8" (per-channel), "int4" (round-to-nearest, ``group_size``) or "fp8".
-            group_size: INT4 group size along hidden_size.
+            group_size: INT4 group size along hidden_size; where it does not divide
+                hidden_size, the largest halving that does (as for the decoder linears,
+                ``group_size_for``).
 
         Raises:
-            ValueError: for another method, or hidden_size not divisible by ``group_size``.
+            ValueError: for another method.
         """
         from kvflow.layers.quantized_linear import FP8Linear, Int4Linear, Int8Linear
 
@@ -207,7 +209,9 @@ class LlamaForCausalLM(nn.Module):
         if method == "int8":
             head = Int8Linear.from_float(dense)
         elif method == "int4":
-            head = Int4Linear.from_float(dense, group_size)
+            from kvflow.quantization.awq import group_size_for
+
+            head = Int4Linear.from_float(dense, group_size_for(weight.shape[1], group_size))
         elif method == "fp8":
             head = FP8Linear.from_float(dense)
         else:

@@ -85,6 +85,9 @@ def test_backend_dispatch_mixes_kernel_decodes_with_sdpa_prefills():
 
 
 def test_bad_inputs_raise():
+    with pytest.raises(RuntimeError, match="heads"):  # no KV heads: an error, not a division by 0
+        empty = torch.randn(2, 16, 0, 64)
+        paged_decode_attention(torch.randn(1, 4, 64), empty, empty, torch.tensor([[0]]), torch.tensor([3], dtype=torch.int32), 0.1)
     q, k, v, group = _decode_step(4, 2, 16, 4, [5], torch.float32)
     with pytest.raises(RuntimeError, match="dtype"):
         paged_decode_attention(q.double(), k, v, group.block_tables, group.context_lens, 0.25)

@@ -37,6 +37,9 @@ def test_other_inputs_take_the_pytorch_ops(monkeypatch):
     cos, sin = emb.cos_sin(torch.arange(3), torch.float16)
     x = torch.randn(3, 2, 16).half()
     assert torch.equal(apply_rotary(x, cos, sin), _reference(x, cos, sin))  # float16
+    cos, sin = emb.cos_sin(torch.arange(1), torch.float32)
+    x = torch.randn(3, 2, 16)
+    assert torch.equal(apply_rotary(x, cos, sin), _reference(x, cos, sin))  # tables broadcast over tokens
     cos, sin = emb.cos_sin(torch.arange(3), torch.float32)
     x = torch.randn(3, 2, 16, requires_grad=True)
     apply_rotary(x, cos, sin).sum().backward()  # autograd

@@ -186,6 +186,16 @@ def test_quantize_lm_head(tied, method, bound):
         assert torch.allclose(sd["lm_head"], dense, atol=bound * dense.abs().max())
 
 
+def test_quantize_lm_head_int4_group_falls_back_like_the_decoder():
+    """A group size that does not divide hidden_size (128 for 64 here; 128 for SmolLM2's
+    576) takes the largest halving that does, as the decoder linears do."""
+    from kvflow.layers.quantized_linear import Int4Linear
+
+    model = tiny_model(tiny_model_config())
+    model.quantize_lm_head("int4", group_size=128)
+    assert isinstance(model.packed_lm_head, Int4Linear) and model.packed_lm_head.group_size == 64
+
+
 def test_quantize_lm_head_rejects_unknown_method():
     model = tiny_model(tiny_model_config())
     with pytest.raises(ValueError, match="LM head quantization"):
