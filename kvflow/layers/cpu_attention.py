@@ -524,7 +524,4 @@ def paged_decode_attention(
         RuntimeError: if the kernel is not available, or the inputs break the layout above
             (including a context longer than its block table or a block id outside the cache).
     """
-    module = _load()
-    if module is None:
-        raise RuntimeError("kvflow's CPU paged-attention kernel is not available")
-    return module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return _EXTENSION.require().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)

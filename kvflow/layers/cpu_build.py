@@ -84,3 +84,14 @@ class InlineExtension:
                                self.what, type(exc).__name__, str(exc))
                 self._failed = True
         return self._module
+
+    def require(self) -> Any:
+        """The compiled module (building it if needed).
+
+        Raises:
+            RuntimeError: when it is disabled or could not be built.
+        """
+        module = self.load()
+        if module is None:
+            raise RuntimeError(f"kvflow's {self.what} is not available")
+        return module

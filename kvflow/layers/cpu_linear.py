@@ -194,7 +194,4 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     Raises:
         RuntimeError: if the kernel is unavailable or the inputs break the layout above.
     """
-    module = _EXTENSION.load()
-    if module is None:
-        raise RuntimeError("kvflow's CPU linear kernels are not available")
-    return module.int8_linear(x, weight, scale)
+    return _EXTENSION.require().int8_linear(x, weight, scale)

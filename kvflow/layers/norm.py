@@ -88,10 +88,7 @@ def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     Raises:
         RuntimeError: if the kernel is unavailable or the inputs break the layout above.
     """
-    module = _EXTENSION.load()
-    if module is None:
-        raise RuntimeError("kvflow's CPU RMSNorm kernel is not available")
-    return module.rms_norm(x, weight, eps)
+    return _EXTENSION.require().rms_norm(x, weight, eps)
 
 
 class RMSNorm(nn.Module):

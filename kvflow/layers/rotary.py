@@ -156,5 +156,5 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     ``KVFLOW_CPU_ROTARY=0`` keeps the three PyTorch ops.
     """
     if _kernel_applies(x, cos, signed_sin):
-        return _EXTENSION.load().apply_rotary(x, cos, signed_sin)
+        return _EXTENSION.require().apply_rotary(x, cos, signed_sin)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

@@ -45,3 +45,12 @@ def test_name_changes_with_the_cpu(monkeypatch):
     avx2 = ext.build_name()
     monkeypatch.setattr(cb, "host_cpu_flags", lambda: "flags : fpu sse2 avx2 avx512f")
     assert ext.build_name() != avx2
+
+
+def test_require_raises_when_unavailable(monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("KVFLOW_TEST_EXT", "0")
+    ext = InlineExtension("kvflow_test_required", _GOOD, ["twice"], "KVFLOW_TEST_EXT", "test kernel")
+    with pytest.raises(RuntimeError, match="kvflow's test kernel is not available"):
+        ext.require()
