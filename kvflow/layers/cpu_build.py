@@ -21,6 +21,8 @@ import platform
 import threading
 from typing import Any
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
@@ -33,6 +35,19 @@ def host_cpu_flags() -> str:
             return next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         return ""
+
+
+def takes_kernel_input(x: torch.Tensor, ndim: int) -> bool:
+    """Whether x suits kvflow's float CPU kernels: a CPU tensor of ``ndim`` dimensions with a
+    contiguous last dimension, float32 or bfloat16, not recording autograd (the kernels
+    have no backward)."""
+    return (
+        x.device.type == "cpu"
+        and x.dim() == ndim
+        and x.stride(-1) == 1
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
 
 
 class InlineExtension:

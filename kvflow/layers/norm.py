@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers.cpu_build import InlineExtension
+from kvflow.layers.cpu_build import InlineExtension, takes_kernel_input
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -105,12 +105,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (
-            x.device.type == "cpu"
-            and x.dim() == 2
-            and x.stride(-1) == 1
-            and x.dtype in (torch.float32, torch.bfloat16)
+            takes_kernel_input(x, 2)
             and w.dtype == x.dtype
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and not (torch.is_grad_enabled() and w.requires_grad)
             and cpu_rms_norm_available()
         ):
             return cpu_rms_norm(x, w, self.eps)

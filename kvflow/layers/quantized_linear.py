@@ -144,24 +144,17 @@ class Int8Linear(_PerChannelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             x.device.type == "cpu"
-            and x.dim() == 2
-            and 1 <= x.shape[0] <= INT8_PACKED_MAX_ROWS
-            and self.in_features % _INT8_PACK_K_MULTIPLE == 0
-            and x.dtype in (torch.float32, torch.bfloat16)
-            and cpu_linear.int8_available()
-        ):
-            if x.stride(-1) != 1:
-                x = x.contiguous()
-            return self._finish(cpu_linear.int8_linear(x, self.weight, self._float_scale()), x.dtype)
-        if (
-            x.device.type == "cpu"
             and x.shape[0] <= INT8_PACKED_MAX_ROWS
             and self.in_features % _INT8_PACK_K_MULTIPLE == 0
-            and _has_op("_weight_int8pack_mm")
         ):
-            # The kernel refuses inputs that are not contiguous (e.g. a column slice).
-            out = torch.ops.aten._weight_int8pack_mm(self._kernel_input(x), self.weight, self._compute_copy("scale"))
-            return self._finish(out, x.dtype)
+            if x.dim() == 2 and x.shape[0] >= 1 and x.dtype in (torch.float32, torch.bfloat16) and cpu_linear.int8_available():
+                if x.stride(-1) != 1:
+                    x = x.contiguous()
+                return self._finish(cpu_linear.int8_linear(x, self.weight, self._float_scale()), x.dtype)
+            if _has_op("_weight_int8pack_mm"):
+                # The kernel refuses inputs that are not contiguous (e.g. a column slice).
+                out = torch.ops.aten._weight_int8pack_mm(self._kernel_input(x), self.weight, self._compute_copy("scale"))
+                return self._finish(out, x.dtype)
         return self._dense(x, self.weight.to(_COMPUTE) * self.scale.to(_COMPUTE)[:, None])
 
 

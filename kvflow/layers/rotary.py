@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvflow.layers.cpu_build import InlineExtension
+from kvflow.layers.cpu_build import InlineExtension, takes_kernel_input
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -129,17 +129,13 @@ _EXTENSION = InlineExtension("kvflow_cpu_rotary", _SOURCE, ["apply_rotary"], "KV
 
 def _kernel_applies(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
     return (
-        x.device.type == "cpu"
-        and x.dim() == 3
-        and x.stride(-1) == 1
-        and x.dtype in (torch.float32, torch.bfloat16)
+        takes_kernel_input(x, 3)
         and cos.dtype == x.dtype
         and signed_sin.dtype == x.dtype
         and cos.shape == (x.shape[0], 1, x.shape[2])  # as cos_sin makes them (others broadcast)
         and signed_sin.shape == cos.shape
         and cos.is_contiguous()
         and signed_sin.is_contiguous()
-        and not (torch.is_grad_enabled() and x.requires_grad)
         and _EXTENSION.load() is not None
     )
 
