@@ -20,6 +20,13 @@ and batched decode cheap. float32 weights are left to ATen: in the model, oneDNN
 path was slower at one row (23.6 vs 31 tokens/s single-stream on SmolLM2-135M), and float32
 is the exactness reference.
 
+oneDNN packs a 16-bit weight only where the CPU converts that type natively (PyTorch's checks,
+``torch.ops.mkldnn._is_mkldnn_bf16_supported`` / ``_is_mkldnn_fp16_supported``): bfloat16
+needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, float16 needs AVX512-FP16 or AVX-NE-CONVERT
+(an AMD Zen 4 has AVX-512 and bfloat16 but neither float16 feature). Elsewhere
+``pack_linears`` leaves those layers to ATen's matmul (correct, slower), and
+``PackedLinear`` refuses the weight naming the missing feature.
+
 The packed weight is an opaque oneDNN tensor: it is not a parameter or buffer, so
 ``Module.to`` does not touch it; ``state_dict`` still yields the dense ``weight`` (and
 ``bias``) under the usual names.
@@ -27,10 +34,20 @@ The packed weight is an opaque oneDNN tensor: it is not a parameter or buffer, s
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
+logger = logging.getLogger(__name__)
+
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
+# What oneDNN's 16-bit paths need of an x86 CPU (the /proc/cpuinfo flag names).
+CPU_FEATURES_NEEDED = {
+    torch.bfloat16: "avx512bw, avx512vl and avx512dq, or avx_ne_convert",
+    torch.float16: "avx512_fp16 or avx_ne_convert",
+}
+_warned: set[torch.dtype] = set()
 
 
 def onednn_available() -> bool:
@@ -40,6 +57,15 @@ def onednn_available() -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """True when oneDNN can prepack and run a ``dtype`` weight on this CPU (bfloat16 /
+    float16 only; see ``CPU_FEATURES_NEEDED``)."""
+    if dtype not in PACKED_DTYPES or not onednn_available():
+        return False
+    check = "_is_mkldnn_bf16_supported" if dtype == torch.bfloat16 else "_is_mkldnn_fp16_supported"
+    return bool(getattr(torch.ops.mkldnn, check)())
 
 
 class PackedLinear(nn.Module):
@@ -53,6 +79,8 @@ class PackedLinear(nn.Module):
 
     Raises:
         ValueError: for a weight that is not a 2-D bfloat16 / float16 CPU tensor.
+        RuntimeError: when this CPU lacks what oneDNN needs for the weight's dtype (the
+            message names the CPU features; ``onednn_packs`` tells beforehand).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -61,6 +89,11 @@ class PackedLinear(nn.Module):
             raise ValueError(
                 f"PackedLinear needs a 2-D bfloat16/float16 CPU weight, got {tuple(weight.shape)} "
                 f"{weight.dtype} on {weight.device}"
+            )
+        if not onednn_packs(weight.dtype):
+            raise RuntimeError(
+                f"oneDNN cannot prepack {weight.dtype} weights on this CPU: it needs "
+                f"{CPU_FEATURES_NEEDED[weight.dtype]} (see /proc/cpuinfo), or a PyTorch build with oneDNN"
             )
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
@@ -91,21 +124,30 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> int:
     """Replace, in place, every ``nn.Linear`` of ``model`` whose weight is a bfloat16 /
-    float16 CPU tensor by a ``PackedLinear``; other modules (float32, quantized, CUDA) stay.
+    float16 CPU tensor that oneDNN can pack on this CPU (``onednn_packs``) by a
+    ``PackedLinear``; other modules (float32, quantized, CUDA, a 16-bit type this CPU lacks
+    the instructions for: logged once) stay.
 
     Returns:
         The number of layers replaced (0 when oneDNN is not available).
     """
-    if not onednn_available():
-        return 0
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if (
-                type(child) is nn.Linear
-                and child.weight.dtype in PACKED_DTYPES
-                and child.weight.device.type == "cpu"
-            ):
+            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
+                continue
+            dtype = child.weight.dtype
+            if onednn_packs(dtype):
                 setattr(module, name, PackedLinear.from_linear(child))
                 replaced += 1
+            else:
+                warn_unpacked(dtype)
     return replaced
+
+
+def warn_unpacked(dtype: torch.dtype) -> None:
+    """Log once per dtype that 16-bit linears stay on ATen's (slower) matmul on this CPU."""
+    if dtype in PACKED_DTYPES and dtype not in _warned and onednn_available():
+        _warned.add(dtype)
+        logger.warning("%s linears use PyTorch's generic matmul on this CPU (oneDNN's prepacked path needs %s); "
+                       "dtype='bfloat16' is usually faster", dtype, CPU_FEATURES_NEEDED[dtype])

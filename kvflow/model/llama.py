@@ -221,19 +221,21 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_for_cpu(self) -> int:
         """Prepack the bfloat16 / float16 linears and the LM head for oneDNN
-        (``kvflow.layers.linear``); float32 and quantized layers stay as they are.
+        (``kvflow.layers.linear``) where this CPU supports that dtype (``onednn_packs``);
+        float32 and quantized layers, and 16-bit ones it cannot pack, stay as they are.
 
         Returns:
             Extra bytes held: the packed LM head is a copy when the embeddings are tied (the
             lookup table stays dense), else the dense LM head is dropped (0 extra).
         """
-        from kvflow.layers.linear import PACKED_DTYPES, PackedLinear, onednn_available, pack_linears
+        from kvflow.layers.linear import PackedLinear, onednn_packs, pack_linears
 
         pack_linears(self.layers)
         if self.packed_lm_head is not None:  # already packed or quantized
             return 0
         weight = self.lm_head_weight
-        if not onednn_available() or weight.dtype not in PACKED_DTYPES or weight.device.type != "cpu":
+        # (a 16-bit type this CPU cannot pack, e.g. float16 without avx512_fp16: F.linear)
+        if weight.device.type != "cpu" or not onednn_packs(weight.dtype):
             return 0
         self.__dict__["packed_lm_head"] = PackedLinear(weight.data)
         if self.lm_head is None:

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers.linear import PackedLinear, onednn_available, pack_linears
+import kvflow.layers.linear as linear_mod
+from kvflow.layers.linear import PackedLinear, onednn_available, onednn_packs, pack_linears
 from kvflow.layers.quantized_linear import Int8Linear
 from tests.conftest import tiny_model, tiny_model_config
 
@@ -69,9 +70,40 @@ def test_pack_linears_replaces_only_16_bit_dense_linears():
         Int8Linear.from_float(nn.Linear(16, 16)),  # quantized: has its own kernels
         nn.Sequential(nn.Linear(16, 16).to(torch.float16)),
     )
-    assert pack_linears(model) == 2
-    assert isinstance(model[0], PackedLinear) and isinstance(model[3][0], PackedLinear)
+    # float16 packs only where the CPU has avx512_fp16 / avx_ne_convert (not on an AMD Zen 4,
+    # where it raised oneDNN's RuntimeError): otherwise it stays on ATen's matmul.
+    fp16 = onednn_packs(torch.float16)
+    assert pack_linears(model) == 1 + fp16
+    assert isinstance(model[0], PackedLinear) and isinstance(model[3][0], PackedLinear if fp16 else nn.Linear)
     assert type(model[1]) is nn.Linear and isinstance(model[2], Int8Linear)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cpu_without_the_16_bit_instructions_keeps_aten(dtype, monkeypatch, caplog):
+    """As on a CPU without the instructions (AVX2-only for bfloat16; no avx512_fp16 for
+    float16): the layers stay dense and compute the same thing, with one warning."""
+    monkeypatch.setattr(linear_mod, "onednn_packs", lambda d: False)
+    monkeypatch.setattr(linear_mod, "_warned", set())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 16).to(dtype), nn.Linear(16, 8).to(dtype))
+    x = torch.randn(3, 32, dtype=dtype)
+    want = model(x)
+    with caplog.at_level("WARNING", logger="kvflow.layers.linear"):
+        assert pack_linears(model) == 0
+    assert all(type(m) is nn.Linear for m in model)
+    assert torch.equal(model(x), want)
+    warnings = [r for r in caplog.records if r.name == "kvflow.layers.linear"]
+    assert len(warnings) == 1 and linear_mod.CPU_FEATURES_NEEDED[dtype] in warnings[0].getMessage()
+    with pytest.raises(RuntimeError, match=linear_mod.CPU_FEATURES_NEEDED[dtype]):
+        PackedLinear(model[0].weight.data)
+
+
+@pytest.mark.skipif(onednn_packs(torch.float16), reason="this CPU packs float16 weights")
+def test_float16_weight_is_refused_naming_the_missing_feature():
+    """On this CPU (no avx512_fp16 / avx_ne_convert) oneDNN's own error was a raw traceback
+    from deep inside the reorder; the refusal names what is missing before calling it."""
+    with pytest.raises(RuntimeError, match="avx512_fp16 or avx_ne_convert"):
+        PackedLinear(torch.randn(8, 8, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -107,6 +139,30 @@ def test_packed_model_matches_unpacked(tied):
     # Same bf16 weights, different accumulation order: agree to bf16 precision.
     torch.testing.assert_close(logits[0], logits[1], atol=0.1, rtol=0.05)
     assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9
+
+
+@torch.inference_mode()
+def test_float16_model_packs_what_this_cpu_can_and_runs():
+    """``pack_for_cpu`` on a float16 model (``--dtype float16``) never raises: where the CPU
+    cannot pack float16 the linears and the LM head stay dense; the logits equal the
+    unpacked model's up to accumulation order either way."""
+    from kvflow.config import CacheConfig
+    from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+    from kvflow.worker.cache_engine import CacheEngine
+
+    config = tiny_model_config(tie_word_embeddings=True)
+    model, reference = tiny_model(config).to(torch.float16), tiny_model(config).to(torch.float16)
+    model.pack_for_cpu()
+    packs = onednn_packs(torch.float16)
+    assert isinstance(model.layers[0].mlp.down_proj, PackedLinear if packs else nn.Linear)
+    assert (model.packed_lm_head is not None) == packs
+    n, logits = 7, []
+    for m in (model, reference):
+        cache = CacheEngine(config, CacheConfig(block_size=4, num_blocks=2, dtype=torch.float16), torch.device("cpu"))
+        meta = AttentionMetadata(slot_mapping=torch.arange(n),
+                                 groups=[AttentionGroup.build(0, [n], [n], [[0, 1]], 4, torch.device("cpu"))])
+        logits.append(m.compute_logits(m(torch.arange(n), torch.arange(n), cache.kv_caches, meta)))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-2, rtol=1e-2)
 
 
 def test_float32_model_is_not_packed():
