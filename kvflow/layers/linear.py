@@ -90,13 +90,13 @@ class PackedLinear(nn.Module):
                 f"PackedLinear needs a 2-D bfloat16/float16 CPU weight, got {tuple(weight.shape)} "
                 f"{weight.dtype} on {weight.device}"
             )
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
         if not onednn_packs(weight.dtype):
             raise RuntimeError(
                 f"oneDNN cannot prepack {weight.dtype} weights on this CPU: it needs "
                 f"{CPU_FEATURES_NEEDED[weight.dtype]} (see /proc/cpuinfo), or a PyTorch build with oneDNN"
             )
-        self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
         # Batch-size hint 1: the decode case; measured no slower at 5-64 rows than no hint.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(weight.dtype), requires_grad=False)
