@@ -21,6 +21,7 @@ def test_disabled_by_environment_variable(monkeypatch):
 
 
 def test_build_failure_falls_back_with_a_warning(caplog, tmp_path, monkeypatch):
+    monkeypatch.delenv("KVFLOW_CPU_KERNELS", raising=False)  # (the CI's kernels-off pass sets it)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     ext = InlineExtension("kvflow_test_broken", _GOOD + "this is not C++;", ["twice"], "KVFLOW_TEST_EXT", "test kernel")
     with caplog.at_level(logging.WARNING, logger="kvflow.layers.cpu_build"):
@@ -93,6 +94,7 @@ def test_a_build_that_is_due_is_announced(monkeypatch, caplog):
     real one takes ~20 s); a cached build loads without the message."""
     import torch.utils.cpp_extension as cpp
 
+    monkeypatch.delenv("KVFLOW_CPU_KERNELS", raising=False)
     calls = []
     monkeypatch.setattr(cpp, "load_inline", lambda **kw: calls.append(kw) or _FakeModule())
     for built in (False, True):
