@@ -22,7 +22,7 @@ from kvflow.layers.quantized_linear import FP8Linear, Int4Linear, Int8Linear
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.quantization.awq import apply_awq, group_size_for
 
-METHODS = ("int8", "int4", "int4-awq", "fp8", "gguf")
+from kvflow.config import QUANTIZATION_METHODS as METHODS  # noqa: E402 - one list for config, CLI and here
 LINEAR_NAMES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 CONFIG_KEY = "kvflow_quantization"
 
