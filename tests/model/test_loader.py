@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -230,6 +231,21 @@ def test_cached_conversion_is_reused_and_invalidated(
     second = loader.resolve_model(str(source), cache_dir=tmp_path / "cache")
     assert second != first and (second / loader.SOURCE_MARKER).is_file()
     assert not list((tmp_path / "cache").glob(".*.tmp-*"))
+
+
+def test_conversion_is_announced_once(tiny_llama: Tiny, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A cold start says it is converting (the CLI prints this logger to stderr); a cached
+    resolve says nothing."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(tiny_llama[0].read_bytes())
+    with caplog.at_level(logging.INFO, logger="kvflow.model.loader"):
+        target = loader.resolve_model(str(source), cache_dir=tmp_path / "cache")
+        first = [r.getMessage() for r in caplog.records if r.name == "kvflow.model.loader"]
+        caplog.clear()
+        loader.resolve_model(str(source), cache_dir=tmp_path / "cache")
+        second = [r.getMessage() for r in caplog.records if r.name == "kvflow.model.loader"]
+    assert first == [f"converting {source} to {target} (once, ~5 s; cached afterwards)"]
+    assert second == []
 
 
 def test_concurrent_resolves_convert_once(tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
