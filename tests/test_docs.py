@@ -25,3 +25,14 @@ def test_ci_runs_the_fallback_passes():
     assert "KVFLOW_CPU_KERNELS=0 python -m pytest" in command
     assert "KVFLOW_CPU_MARCH=x86-64-v3" in command and "ONEDNN_MAX_CPU_ISA=AVX2" in command
 
+
+
+def test_docs_link_nothing_outside_the_repository():
+    """Users have the repository only: no ../shared, and every relative link resolves."""
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        assert "../shared" not in text, path
+        for target in re.findall(r"\]\(([^)#\s]+)", text):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            assert (path.parent / target).exists(), f"{path.name} links {target}, which does not exist"
