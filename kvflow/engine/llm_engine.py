@@ -253,6 +253,10 @@ class LLMEngine:
         """
         args.verify()
         device = args.torch_device()
+        if device.type == "cpu":
+            from kvflow.cpu_threads import check_wait_policy
+
+            check_wait_policy()  # (a hint when torch came first and the machine is busy)
         if args.num_threads is not None and device.type == "cpu":
             torch.set_num_threads(args.num_threads)
         dtype = resolve_dtype(args.dtype, device)
