@@ -67,6 +67,37 @@ def takes_kernel_input(x: torch.Tensor, ndim: int) -> bool:
     )
 
 
+# Compiler macros of the x86 features the kernels key on -> the /proc/cpuinfo flag.
+_X86_FEATURE_MACROS = {
+    "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c",
+    "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl",
+    "__AVX512DQ__": "avx512dq", "__AVX512BF16__": "avx512_bf16", "__AVX512FP16__": "avx512_fp16",
+}
+
+
+def missing_cpu_features(cflags: list[str]) -> list[str]:
+    """The x86 features that ``cflags`` compile for but this CPU lacks ([] when none, for
+    ``-march=native``, off x86, or when the compiler or /proc/cpuinfo cannot be asked).
+
+    A ``KVFLOW_CPU_MARCH`` beyond the host (say ``x86-64-v4`` on an AVX2 machine) would
+    build a kernel that dies on its first illegal instruction; this names what is missing
+    instead.
+    """
+    import subprocess
+
+    host = set(host_cpu_flags().split(":", 1)[-1].split())
+    if "-march=native" in cflags or not host or platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([compiler, *[f for f in cflags if f.startswith("-m")], "-dM", "-E", "-x", "c++", "-"],
+                              input="", capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    macros = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
+    return sorted(flag for macro, flag in _X86_FEATURE_MACROS.items() if macro in macros and flag not in host)
+
+
 class InlineExtension:
     """A C++ extension compiled from ``source`` on first :meth:`load` (thread-safe).
 
@@ -112,6 +143,13 @@ class InlineExtension:
             if self._module is not None or self._failed:
                 return self._module
             if self.disabled():
+                self._failed = True
+                return None
+            missing = missing_cpu_features(build_cflags())
+            if missing:
+                logger.warning("kvflow's %s is not built: KVFLOW_CPU_MARCH=%s needs %s, which this CPU lacks; "
+                               "using the PyTorch path", self.what, os.environ.get("KVFLOW_CPU_MARCH"),
+                               ", ".join(missing))
                 self._failed = True
                 return None
             try:

@@ -116,3 +116,26 @@ def test_is_built_sees_the_compiled_library(monkeypatch, tmp_path):
     assert not ext.is_built()
     (tmp_path / ext.build_name() / f"{ext.build_name()}.so").write_bytes(b"")
     assert ext.is_built()
+
+
+def test_a_target_beyond_this_cpu_is_refused_naming_the_features(monkeypatch, caplog):
+    """KVFLOW_CPU_MARCH=x86-64-v4 on a CPU without AVX-512 (simulated: its flags without
+    avx512*) would build a kernel that dies on an illegal instruction: refused, named."""
+    import platform as plat
+
+    import kvflow.layers.cpu_build as cb
+
+    if plat.machine().lower() not in ("x86_64", "amd64"):
+        import pytest
+
+        pytest.skip("x86 only")
+    monkeypatch.setattr(cb, "host_cpu_flags", lambda: "flags : fpu sse4_2 avx avx2 fma f16c")
+    assert cb.missing_cpu_features(["-O3", "-march=native"]) == []
+    assert cb.missing_cpu_features(["-O3", "-march=x86-64-v3"]) == []
+    assert cb.missing_cpu_features(["-O3", "-march=x86-64-v4"]) == ["avx512bw", "avx512dq", "avx512f", "avx512vl"]
+    monkeypatch.setenv("KVFLOW_CPU_MARCH", "x86-64-v4")
+    monkeypatch.delenv("KVFLOW_CPU_KERNELS", raising=False)
+    ext = InlineExtension("kvflow_test_beyond", _GOOD, ["twice"], "KVFLOW_TEST_EXT", "test kernel")
+    with caplog.at_level(logging.WARNING, logger="kvflow.layers.cpu_build"):
+        assert ext.load() is None
+    assert "KVFLOW_CPU_MARCH=x86-64-v4 needs avx512bw, avx512dq, avx512f, avx512vl" in caplog.text
