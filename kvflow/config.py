@@ -283,8 +283,9 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
 def _option(default: Any, help: str, **cli: Any) -> Any:
     """A dataclass field carrying its documentation: ``help`` is the one text from which the
-    class docstring's Attributes section, ``LLM``'s documentation and the CLI flag's help
-    are made; ``cli`` holds hints for the flag (``choices``, ``metavar``, ``byte_size``)."""
+    class docstring's Attributes section and the CLI flag's help are made; ``cli`` holds
+    hints for the flag (``choices``, ``metavar``, ``byte_size``: also parsed from strings
+    such as "1GiB" by ``EngineArgs``, ``method_flag``)."""
     return field(default=default, metadata={"help": help, **cli})
 
 
@@ -435,7 +436,7 @@ class EngineArgs:
         from kvflow.layers.triton_attention import interpreter_enabled, triton_available
 
         backend = self.attention_backend
-        if backend not in ("auto", "torch", "cpu", "triton"):
+        if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
         device = self.torch_device()
         on_cuda = device.type == "cuda"
