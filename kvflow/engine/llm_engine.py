@@ -329,14 +329,22 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, prompt that leaves no
-                room in the context (``max_model_len``), or a request whose tokens
-                could never fit in the whole KV cache.
+                room in the context (``max_model_len``), a request whose tokens could
+                never fit in the whole KV cache, ``logit_bias`` token ids outside the
+                vocabulary, or ``logprobs`` / ``prompt_logprobs`` above the vocabulary size.
         """
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {value}")
         max_len = self.scheduler_config.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise ValueError(

@@ -257,8 +257,14 @@ def test_unseeded_sampling_follows_engine_seed():
         (list(range(32)), GREEDY, "max_model_len"),
         (list(range(40)), GREEDY, "max_model_len"),
         (list(range(10)), SamplingParams(max_tokens=20), "KV blocks"),
+        ([1, True, 3], GREEDY, "prompt_token_ids"),
+        ([1, 2], SamplingParams(max_tokens=4, logit_bias={128: 1.0}), "logit_bias"),
+        ([1, 2], SamplingParams(max_tokens=4, logit_bias={10**20: 1.0}), "logit_bias"),
+        ([1, 2], SamplingParams(max_tokens=4, logprobs=129), "logprobs"),
+        ([1, 2], SamplingParams(max_tokens=4, prompt_logprobs=10**9), "prompt_logprobs"),
     ],
-    ids=["empty", "id_too_big", "negative_id", "float_id", "prompt_eq_max_len", "prompt_gt_max_len", "cache_too_small"],
+    ids=["empty", "id_too_big", "negative_id", "float_id", "prompt_eq_max_len", "prompt_gt_max_len", "cache_too_small",
+         "bool_id", "logit_bias_past_vocab", "logit_bias_huge_id", "logprobs_past_vocab", "prompt_logprobs_huge"],
 )
 def test_bad_request_raises_value_error_and_engine_keeps_serving(prompt, params, match):
     # 6 blocks x 4 tokens = 24 tokens of cache; max_model_len 32.
@@ -274,6 +280,17 @@ def test_bad_request_raises_value_error_and_engine_keeps_serving(prompt, params,
     out = run_to_completion(engine)
     assert out == {"ok1": reference()["p3"], "bad": reference()["p9"]}
     assert engine.get_stats()["num_free_blocks"] == 6
+
+
+def test_top_k_above_the_vocabulary_samples_as_top_k_off():
+    """top_k = 2**63 used to crash the sampler's tensor build (int64 overflow) and with it the
+    engine; it now keeps every token, exactly as top_k = 0."""
+    outs = {}
+    for top_k in (0, 128, 2**63, 10**20):
+        engine = tiny_engine(seed=3)
+        engine.add_request("x", PROMPTS["p9"], SamplingParams(temperature=1.0, top_k=top_k, seed=11, max_tokens=8))
+        outs[top_k] = run_to_completion(engine)["x"]
+    assert outs[2**63] == outs[10**20] == outs[128] == outs[0] and len(outs[0]) == 8
 
 
 def test_request_that_just_fits_the_cache_is_accepted():
