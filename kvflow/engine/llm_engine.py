@@ -7,7 +7,9 @@ detokenize. ``LLM`` (offline) and the server drive this loop.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,13 +25,13 @@ from kvflow.config import (
     resolve_kv_cache_dtype,
 )
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.scheduler import Scheduler
+from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.parallel_state import TensorParallel, make_shard_plan
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.loader import iter_weights, load_config, load_tokenizer, resolve_model
-from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.outputs import CompletionOutput, RequestFailure, RequestOutput
 from kvflow.request import Request, RequestStatus, make_parallel_samples
 from kvflow.sample.sampler import Sampler
 from kvflow.sampling_params import SamplingParams
@@ -38,6 +40,8 @@ from kvflow.spec_decode.metrics import SpecDecodeStats
 from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 # The LM head's scheme for each decoder scheme (``quantize_lm_head``): AWQ's activation
@@ -453,57 +457,180 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput]:
         """Run one iteration.
 
+        Args:
+            on_scheduled: called after scheduling, before the forward, with the ids of the
+                requests scheduled for the first time (the server refreshes its gauges and
+                its queue count there, so that they are right during a long step).
+
+        A fault of one request fails that request alone: raised while preparing its inputs,
+        in the forward of a batch containing it, while sampling it (``ModelRunner.execute``
+        isolates those), or while its tokens are appended, detokenized or drafted. Its
+        blocks are freed at once and its output comes back finished, with ``error`` set
+        and finish_reason "error"; the other requests go on. When every request of the step
+        failed, a one-token probe forward checks that the engine itself still works.
+
         Returns:
-            A ``RequestOutput`` for every request that produced a token this step
+            A ``RequestOutput`` for every request that produced a token this step or failed
             (cumulative text and token ids; ``finished`` set on the last one).
+
+        Raises:
+            Exception: the engine cannot go on: a fault in the scheduler, in the KV block
+                copies, in a tensor-parallel forward, or in the probe (RuntimeError).
         """
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
         scheduled_time = time.monotonic()
+        started = []
         for request in sched_out.scheduled_requests:
             owner = self._sample_owner[request.request_id][0]
             if owner.first_scheduled_time is None:
                 owner.first_scheduled_time = scheduled_time
+                started.append(owner.request_id)
+        if on_scheduled is not None:
+            on_scheduled(started)
         result = self.model_runner.execute(sched_out)
-        self.scheduler.update(sched_out, result.sampled_token_ids)
+        failures: dict[str, BaseException] = {}  # by user request id
+        failed_outputs: list[RequestOutput] = []
+        if result.failed:
+            for sample_id, exc in result.failed.items():
+                failures.setdefault(self._sample_owner[sample_id][0].request_id, exc)
+            everyone = all(self._sample_owner[r.request_id][0].request_id in failures
+                           for r in sched_out.scheduled_requests)
+            self._drop_from_batch(sched_out, {s.request_id for rid in failures for s in self._states[rid].samples})
+            failed_outputs = [self._fail(request_id, exc) for request_id, exc in failures.items()]
+            if everyone:
+                self._probe()
+        errors: dict[str, BaseException] = {}
+        self.scheduler.update(sched_out, result.sampled_token_ids, errors)
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
         for sample_id, positions in result.prompt_logprobs.items():
-            self._sample_owner[sample_id][0].prompt_logprobs.update(positions)
+            if sample_id in self._sample_owner:
+                self._sample_owner[sample_id][0].prompt_logprobs.update(positions)
         for sample_id, tokens in result.sampled_token_ids.items():
-            state, sample = self._sample_owner[sample_id]
-            index = state.samples.index(sample)
-            if sample_id in result.logprobs:  # tokens may have been cut by a stop (speculation)
-                state.logprobs[index].extend(result.logprobs[sample_id][: len(tokens)])
-            detok = state.detokenizers[index]
-            if detok is not None:
-                stop = detok.update(tokens, finished=sample.is_finished)
-                if stop is not None:
-                    self.scheduler.finish_request(sample_id)
-                    sample.status = RequestStatus.FINISHED_STOPPED
-                    sample.stop_reason = stop
-            if sample.is_finished:
-                del self._sample_owner[sample_id]
+            owner = self._sample_owner.get(sample_id)
+            if owner is None:  # its request failed above
+                continue
+            state, sample = owner
+            if sample_id in errors:
+                touched.pop(state.request_id, None)
+                failed_outputs.append(self._fail(state.request_id, errors[sample_id]))
+                continue
+            try:
+                self._append_output(state, sample, tokens, result.logprobs.get(sample_id))
+            except Exception as exc:  # noqa: BLE001 - this request's fault
+                touched.pop(state.request_id, None)
+                failed_outputs.append(self._fail(state.request_id, exc))
+                continue
             touched[state.request_id] = state
+        for sample_id, exc in errors.items():  # failed without sampling a token
+            if sample_id in self._sample_owner:
+                state = self._sample_owner[sample_id][0]
+                touched.pop(state.request_id, None)
+                failed_outputs.append(self._fail(state.request_id, exc))
         outputs = []
         for state in touched.values():
+            if state.request_id not in self._states:  # failed after it was touched
+                continue
             if state.first_token_time is None:
                 state.first_token_time = now
-            outputs.append(self._make_output(state, now))
+            try:
+                outputs.append(self._make_output(state, now))
+            except Exception as exc:  # noqa: BLE001 - this request's fault
+                failed_outputs.append(self._fail(state.request_id, exc))
+                continue
             if state.finished:
                 del self._states[state.request_id]
         if self.proposer is not None:
             self.spec_stats.record(result.num_accepted.values())
-            self._propose(sched_out)
-        return outputs
+            failed_outputs.extend(self._fail(request_id, exc) for request_id, exc in self._propose(sched_out).items())
+        return outputs + [out for out in failed_outputs if out is not None]
 
-    def _propose(self, sched_out) -> None:
+    def _append_output(self, state: _RequestState, sample: Request, tokens: list[int],
+                       logprobs: list[dict[int, float]] | None) -> None:
+        """Record a sample's new tokens: logprobs, detokenized text, stop strings."""
+        index = state.samples.index(sample)
+        if logprobs is not None:  # tokens may have been cut by a stop (speculation)
+            state.logprobs[index].extend(logprobs[: len(tokens)])
+        detok = state.detokenizers[index]
+        if detok is not None:
+            stop = detok.update(tokens, finished=sample.is_finished)
+            if stop is not None:
+                self.scheduler.finish_request(sample.request_id)
+                sample.status = RequestStatus.FINISHED_STOPPED
+                sample.stop_reason = stop
+        if sample.is_finished:
+            del self._sample_owner[sample.request_id]
+
+    @staticmethod
+    def _drop_from_batch(sched_out: SchedulerOutput, sample_ids: set[str]) -> None:
+        """Take the samples ``sample_ids`` out of the executed batch, so that
+        ``Scheduler.update`` neither advances them nor publishes their blocks."""
+        for r in [r for r in sched_out.scheduled_requests if r.request_id in sample_ids]:
+            sched_out._remove(r)
+            sched_out.scheduled_spec_tokens.pop(r.request_id, None)
+        sched_out.forked = [(c, p) for c, p in sched_out.forked
+                            if c.request_id not in sample_ids and p.request_id not in sample_ids]
+
+    def _fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:
+        """Abort a user request that failed inside the engine (freeing its blocks); its final
+        output, with ``error`` set. None when it is already gone."""
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        failure = RequestFailure.from_exception(exc)
+        logger.error("request %s failed and was aborted: %s", request_id, failure.message)
+        self.abort_request(request_id)
+        for sample in state.samples:
+            sample.status = RequestStatus.FINISHED_ERROR
+        now = time.monotonic()
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[
+                CompletionOutput(index=i, text="", token_ids=sample.output_token_ids, finish_reason="error")
+                for i, sample in enumerate(state.samples)
+            ],
+            finished=True,
+            metrics={"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
+                     "first_token_time": state.first_token_time, "finished_time": now},
+            error=failure,
+        )
+
+    def _probe(self) -> None:
+        """One greedy token of a throwaway one-token request, in a fresh block.
+
+        Raises:
+            RuntimeError: when that fails too: the fault is the engine's, not a request's.
+        """
+        probe = Request("kvflow-probe", [0], SamplingParams(temperature=0, max_tokens=1), None)
+        if not self.kv_cache_manager.allocate_slots(probe, 1):
+            return  # not reached: the failed requests' blocks were just freed
+        batch = SchedulerOutput()
+        batch._add(probe, 1)
+        try:
+            result = self.model_runner.execute(batch)
+        finally:
+            self.kv_cache_manager.free(probe)
+        if result.failed:
+            raise RuntimeError(
+                "the engine is unusable: every request of a step failed, and so did a one-token probe forward"
+            ) from result.failed[probe.request_id]
+
+    def _propose(self, sched_out) -> dict[str, BaseException]:
         """Draft the next tokens of every decoding request; drop the proposer's state of
-        requests that left the running set."""
+        requests that left the running set.
+
+        Returns:
+            user request id -> exception, for the requests whose drafting failed (when a
+            batched proposal raises, its requests' draft state is dropped and each is
+            proposed alone).
+        """
         for request in sched_out.preempted_requests:
             self.proposer.free(request.request_id)
         running = {r.request_id for r in self.scheduler.running}
@@ -521,8 +648,25 @@ class LLMEngine:
             # The draft model catches up on the skipped tokens the next time it proposes.
             for r in ready:
                 r.spec_token_ids, r.spec_draft_probs = [], None
-            return
-        self.proposer.propose(ready)
+            return {}
+        try:
+            self.proposer.propose(ready)
+            return {}
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            logger.warning("drafting for %d requests failed (%s: %s); drafting for each alone",
+                           len(ready), type(exc).__name__, exc)
+        failures: dict[str, BaseException] = {}
+        for r in ready:  # the batched call may have left any of them half-way: start afresh
+            self.proposer.free(r.request_id)
+            r.spec_token_ids, r.spec_draft_probs = [], None
+        for r in ready:
+            try:
+                self.proposer.propose([r])
+            except Exception as exc:  # noqa: BLE001 - this request's fault
+                logger.warning("drafting for request %s failed", r.request_id, exc_info=exc)
+                r.spec_token_ids, r.spec_draft_probs = [], None
+                failures.setdefault(self._sample_owner[r.request_id][0].request_id, exc)
+        return failures
 
     def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
         params = state.samples[0].sampling_params

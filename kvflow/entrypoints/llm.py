@@ -117,6 +117,9 @@ class LLM:
             use_tqdm: show a progress bar when there is more than one prompt.
             priority: per-prompt priority for the "priority" scheduling policy (lower first).
 
+        A request that fails inside the engine (see ``LLMEngine.step``) comes back finished
+        with ``error`` set and finish_reason "error"; the others are not affected.
+
         Raises:
             ValueError: for an invalid prompt or parameters; nothing is queued then.
         """
