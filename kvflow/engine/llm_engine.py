@@ -8,6 +8,7 @@ detokenize. ``LLM`` (offline) and the server drive this loop.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from kvflow.distributed.parallel_state import TensorParallel, make_shard_plan
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.model.llama import LlamaForCausalLM
-from kvflow.model.loader import iter_weights, load_config, load_tokenizer, resolve_model
+from kvflow.model.loader import iter_weights, load_config, load_generation_defaults, load_tokenizer, resolve_model
 from kvflow.outputs import CompletionOutput, RequestFailure, RequestOutput
 from kvflow.request import Request, RequestStatus, make_parallel_samples
 from kvflow.sample.sampler import Sampler
@@ -150,6 +151,23 @@ def build_rank(args: EngineArgs, rank: int, world_size: int) -> ModelRunner:
 
 
 @dataclass
+class PreparedRequest:
+    """A validated request with its engine-independent work done (``prepare_request``).
+
+    Attributes:
+        prompt_token_ids: the prompt.
+        params: its sampling parameters.
+        bad_words_token_ids: token sequences of ``params.bad_words``.
+        grammars: one compiled ``GrammarMatcher`` (or None) per sample.
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    bad_words_token_ids: list[list[int]]
+    grammars: list[Any]
+
+
+@dataclass
 class _RequestState:
     """Output state of one user request: its n samples and their detokenizers."""
 
@@ -187,6 +205,9 @@ class LLMEngine:
         attention_backend: "torch", "cpu" or "triton" (see ``EngineArgs.attention_backend``).
         cuda_graph_batch_sizes: capture decode CUDA graphs for these batch sizes (needs
             CUDA and the Triton backend), or None for none.
+        generation_defaults: ``SamplingParams`` field -> value, the model's own sampling
+            defaults (its ``generation_config.json``; see ``load_generation_defaults``), for
+            requests that leave a field unset.
     """
 
     def __init__(
@@ -203,6 +224,7 @@ class LLMEngine:
         spec_disable_by_batch_size: int | None = None,
         attention_backend: str = "torch",
         cuda_graph_batch_sizes: list[int] | None = None,
+        generation_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.model_config = model_config
         self.tp_workers = tp_workers
@@ -243,6 +265,8 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
         self._grammar_compiler = None
+        self._grammar_lock = threading.Lock()
+        self.generation_defaults = dict(generation_defaults or {})
         self.eos_token_id = model_config.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
@@ -320,7 +344,13 @@ class LLMEngine:
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
             attention_backend=backend,
             cuda_graph_batch_sizes=graph_sizes,
+            generation_defaults=load_generation_defaults(model_dir),
         )
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """``SamplingParams`` with the model's ``generation_defaults`` (then ``overrides``)
+        in place of the built-in defaults."""
+        return SamplingParams(**{**self.generation_defaults, **overrides})
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (a no-op without them)."""
@@ -356,7 +386,7 @@ class LLMEngine:
                 f"max_model_len={max_len} to leave room for output"
             )
         if params.n > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
+            raise ValueError(f"n must be at most max_num_seqs={self.scheduler_config.max_num_seqs}, got {params.n}")
         needed_tokens = min(len(prompt_token_ids) + params.max_tokens, max_len)
         needed_blocks = self.kv_cache_manager.num_blocks_for(needed_tokens)
         if needed_blocks > self.kv_cache_manager.num_total_blocks:
@@ -366,6 +396,20 @@ class LLMEngine:
                 "lower max_tokens or raise num_kv_blocks / kv_cache_memory_bytes"
             )
 
+    def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
+        """Validate a request and do its engine-independent work: the bad words' token ids
+        and one compiled grammar per sample. It touches no engine state, so the server runs
+        it on a worker thread while the engine thread steps.
+
+        Raises:
+            ValueError: see ``validate_prompt`` and ``check_request_features``.
+        """
+        self.validate_prompt(prompt_token_ids, params)
+        self.check_request_features(params)
+        grammars = [self._compile_grammar(params) for _ in range(params.n)]
+        bad_words = self._bad_words_token_ids(params.bad_words)
+        return PreparedRequest(list(prompt_token_ids), params, bad_words, grammars)
+
     def add_request(
         self,
         request_id: str,
@@ -373,23 +417,25 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
+        prepared: PreparedRequest | None = None,
     ) -> None:
         """Validate and queue a request (``params.n`` samples sharing the prompt's blocks).
 
         ``priority`` matters under the "priority" scheduling policy (lower runs first).
+        ``prepared``: the result of ``prepare_request`` for these ids and params, when the
+        caller did that work already.
 
         Raises:
             ValueError: see ``validate_prompt``; or a request_id already in use.
         """
-        self.validate_prompt(prompt_token_ids, params)
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.check_request_features(params)
+        if prepared is None:
+            prepared = self.prepare_request(prompt_token_ids, params)
         samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority)
-        bad_words = self._bad_words_token_ids(params.bad_words)
-        for sample in samples:
-            sample.bad_words_token_ids = bad_words
-            sample.grammar = self._compile_grammar(params)
+        for sample, grammar in zip(samples, prepared.grammars):
+            sample.bad_words_token_ids = prepared.bad_words_token_ids
+            sample.grammar = grammar
         self.scheduler.add_request(samples[0])
         detoks = [
             IncrementalDetokenizer(
@@ -431,10 +477,11 @@ class LLMEngine:
     def _compile_grammar(self, params: SamplingParams):
         if params.guided_json is None and params.guided_regex is None:
             return None
-        if self._grammar_compiler is None:
-            from kvflow.sample.guided import GrammarCompiler
+        with self._grammar_lock:  # built once, from whichever thread needs it first
+            if self._grammar_compiler is None:
+                from kvflow.sample.guided import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
         return self._grammar_compiler.compile(params)
 
     def abort_request(self, request_id: str) -> bool:

@@ -74,16 +74,19 @@ class GrammarCompiler:
         """The matcher for ``params.guided_json`` / ``params.guided_regex``, or None.
 
         Raises:
-            ValueError: naming the field, for a schema or regex llguidance rejects.
+            ValueError: naming the field, for a schema or regex llguidance rejects, or a
+                schema nested too deeply for Python's JSON codec.
         """
         matcher_cls = self._llg.LLMatcher
         if params.guided_json is not None:
             field = "guided_json"
-            schema = params.guided_json if isinstance(params.guided_json, str) else json.dumps(params.guided_json)
             try:
+                schema = params.guided_json if isinstance(params.guided_json, str) else json.dumps(params.guided_json)
                 json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"guided_json is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError("guided_json is nested too deeply") from None
             grammar = matcher_cls.grammar_from_json_schema(schema)
         elif params.guided_regex is not None:
             field = "guided_regex"
