@@ -15,6 +15,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,7 +108,8 @@ def _serve(model_dir, tmp_path_factory, name: str, extra_args: list[str]):
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
-    yield from _serve(smollm2_dir, tmp_path_factory, "server", ["--max-num-seqs", "32"])
+    # 4096 tokens a step: a 4k-token prompt is prefilled in one long step (test_health_during_a_4k_prefill)
+    yield from _serve(smollm2_dir, tmp_path_factory, "server", ["--max-num-seqs", "32", "--max-num-batched-tokens", "4096"])
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +185,8 @@ def _sse(http: httpx.Client, path: str, body: dict) -> list[dict | str]:
 def _metrics(url: str) -> dict[str, float]:
     """``kvflow:*`` samples summed over labels, keyed by sample name."""
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    # (the key is needed on small_server, which has --api-key, and ignored on the other)
+    for line in httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text.splitlines():
         m = re.match(r"^(kvflow:[A-Za-z0-9_:]+)(\{[^}]*\})? (\S+)$", line)
         if m and 'le="' not in (m.group(2) or ""):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
@@ -203,8 +206,9 @@ def _assert_openai_error(r: httpx.Response, status: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- basics
-def test_health_models_and_openapi(http, model):
+def test_health_models_and_openapi(http, model, smollm2_dir):
     assert http.get("/health").text == "ok"
+    assert model == Path(smollm2_dir).name  # --model was a path: the API shows its folder name, not the path
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [model]
     paths = http.get("/openapi.json").json()["paths"]
@@ -469,6 +473,20 @@ def test_client_raises_typed_errors(client, model):
         client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=2)
 
 
+@pytest.mark.parametrize("top_k", [2**63, 10**20])
+def test_huge_top_k_is_top_k_off(client, http, model, top_k):
+    """top_k = 2**63 used to overflow the sampler's int64 tensor in the engine thread, which
+    then died: every later request got 503. It means "every token", as top_k = 0."""
+    kwargs = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5)
+    off = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs, extra_body={"top_k": top_k}).choices[0].text == off
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, extra_body={"top_k": top_k})
+    assert chat.usage.completion_tokens >= 1
+    events = _sse(http, "/v1/completions", {**kwargs, "top_k": top_k, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == off
+    assert http.get("/health").status_code == 200
+
+
 # ---------------------------------------------------------------------------- api key, queue
 def test_api_key(small_server):
     body = {"prompt": "Hi", "max_tokens": 2}
@@ -476,7 +494,10 @@ def test_api_key(small_server):
         r = httpx.post(small_server.url + "/v1/completions", json=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
         _assert_openai_error(r, 401)
     assert httpx.get(small_server.url + "/v1/models", timeout=10).status_code == 401
-    assert httpx.get(small_server.url + "/health", timeout=10).status_code == 200  # not under /v1
+    assert httpx.get(small_server.url + "/health", timeout=10).status_code == 200  # open
+    for path in ("/metrics", "/docs", "/openapi.json"):  # need the key
+        _assert_openai_error(httpx.get(small_server.url + path, timeout=10), 401)
+    assert httpx.get(small_server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).status_code == 200
     with openai.OpenAI(base_url=small_server.url + "/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
@@ -648,6 +669,47 @@ def test_32_concurrent_streaming_chats(server, model, tokenizer):
         assert chunks[0].choices[0].delta.role == "assistant"
     m = _wait_idle(server.url)
     assert m["kvflow:kv_cache_usage_perc"] == 0 and m["kvflow:num_requests_running"] == 0
+
+
+def test_health_during_a_4k_prefill(server, model, tokenizer):
+    """/health answers in milliseconds (p99 < 100 ms) while a 4000-token prompt is prefilled in
+    one step, and while requests arrive and are aborted meanwhile; the gauges are real
+    during the step. (It took 16 s when add_request waited for the step.)"""
+    ids = tokenizer.encode("The history of the printing press in Europe. " * 500)[:4000]
+    assert len(ids) == 4000
+    body = {"model": model, "prompt": ids, "max_tokens": 1}
+    result: dict = {}
+
+    def prefill() -> None:
+        result["r"] = httpx.post(server.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+
+    worker = threading.Thread(target=prefill)
+    _wait_idle(server.url)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while _metrics(server.url)["kvflow:num_requests_running"] != 1:  # the gauge, during the step
+        assert time.monotonic() < deadline, "the 4k prompt never showed as running"
+        time.sleep(0.02)
+    assert _metrics(server.url)["kvflow:kv_cache_usage_perc"] > 0.9  # its 250 blocks
+    latencies: list[float] = []
+    arrivals = 0
+    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as c:
+        while worker.is_alive():
+            if arrivals < 3:  # requests and aborts arriving during the step
+                with c.stream("POST", "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 50, "stream": True}):
+                    pass
+                arrivals += 1
+            t0 = time.monotonic()
+            assert c.get("/health").status_code == 200
+            latencies.append(time.monotonic() - t0)
+            time.sleep(0.02)
+    worker.join()
+    assert result["r"].status_code == 200, result["r"].text
+    assert len(latencies) >= 20, f"the prefill took only {len(latencies)} polls"
+    latencies.sort()
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    assert p99 < 0.1, (p99, latencies[-5:], len(latencies))
+    _wait_idle(server.url)
 
 
 # ---------------------------------------------------------------------------- metrics
