@@ -81,6 +81,29 @@ def tiny_tokenizer():
 TINY_TEXT_VOCAB = 257  # tiny_tokenizer's size
 
 
+def tiny_hf_model_dir(path, generation_config: dict | None = None):
+    """A Hugging Face model folder (a random 2-layer Llama, ``tiny_tokenizer``'s files, and
+    ``generation_config.json`` when given) that ``LLM(model=path)`` and ``kvflow serve``
+    load in a second."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    path = Path(path)
+    config = transformers.LlamaConfig(
+        vocab_size=TINY_TEXT_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        eos_token_id=TINY_TEXT_VOCAB - 1, bos_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation_config))
+    return path
+
+
 def tiny_engine(
     num_blocks: int = 64,
     block_size: int = 4,

@@ -193,7 +193,14 @@ def load_generation_defaults(model_dir: str | os.PathLike[str]) -> dict[str, Any
     path = Path(model_dir) / "generation_config.json"
     if not path.is_file():
         return {}
-    diff = transformers.GenerationConfig.from_pretrained(str(model_dir)).to_diff_dict()
+    # (transformers warns about sampling values without do_sample: they are what we read)
+    quiet = logging.getLogger("transformers.generation.configuration_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        diff = transformers.GenerationConfig.from_pretrained(str(model_dir)).to_diff_dict()
+    finally:
+        quiet.setLevel(level)
     defaults = {ours: diff[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if diff.get(theirs) is not None}
     try:
         SamplingParams(**defaults)

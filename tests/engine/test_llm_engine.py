@@ -603,3 +603,20 @@ def test_a_fault_in_every_forward_stops_the_engine(monkeypatch):
     with pytest.raises(RuntimeError, match="engine is unusable") as exc:
         engine.step()
     assert "device is gone" in str(exc.value.__cause__)
+
+
+# ---------------------------------------------------------------------------- generation defaults
+def test_offline_defaults_come_from_the_model_folders_generation_config(tmp_path):
+    """LLM.generate without sampling_params uses the folder's generation_config.json (here
+    greedy, top_k 3, 5 new tokens), as vLLM; without the file, SamplingParams()."""
+    from conftest import tiny_hf_model_dir
+    from kvflow import LLM
+
+    folder = tiny_hf_model_dir(tmp_path / "m", {"temperature": 0.0, "top_k": 3, "max_new_tokens": 5})
+    llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=32)
+    assert llm.engine.generation_defaults == {"temperature": 0.0, "top_k": 3, "max_tokens": 5}
+    default = llm.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids
+    explicit = llm.generate("Hello", SamplingParams(temperature=0.0, top_k=3, max_tokens=5), use_tqdm=False)
+    assert len(default) == 5 and default == explicit[0].outputs[0].token_ids
+    (folder / "generation_config.json").unlink()
+    assert LLM(model=str(folder), dtype="float32", num_kv_blocks=32).get_default_sampling_params() == SamplingParams()
