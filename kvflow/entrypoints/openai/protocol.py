@@ -24,6 +24,7 @@ from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 _warned_fields: set[str] = set()
+_MAX_WARNED_FIELDS = 100  # distinct names logged; a client inventing names cannot grow this
 
 # Defaults of the sampling fields a request leaves unset when the model has no
 # generation_config.json (documented in the README's Server section).
@@ -39,8 +40,12 @@ class _Body(BaseModel):
     def _warn_unknown_fields(self):
         for name in self.model_extra or {}:
             key = f"{type(self).__name__}.{name}"
-            if key not in _warned_fields:
-                _warned_fields.add(key)
+            if key in _warned_fields or len(_warned_fields) > _MAX_WARNED_FIELDS:
+                continue
+            _warned_fields.add(key)
+            if len(_warned_fields) > _MAX_WARNED_FIELDS:
+                logger.warning("more unknown fields are ignored without a warning")
+            else:
                 logger.warning("ignoring the unknown field %r of %s (logged once)", name, type(self).__name__)
         return self
 

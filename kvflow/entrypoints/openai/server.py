@@ -108,6 +108,9 @@ def _as_api_error(exc: BaseException) -> APIError:
 
 # ---------------------------------------------------------------------------- request bodies
 def _path(path: tuple[str | int, ...]) -> str:
+    """``messages[0].content``; a deep path keeps its first 4 and last 2 steps."""
+    if len(path) > 8:
+        return f"{_path(path[:4])}...{_path(path[-2:])}"
     out = ""
     for key in path:
         out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
@@ -732,7 +735,8 @@ def build_app(
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body')}: {e.get('msg')}" for e in errors)
+        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
+                            for e in errors)
         return error_response(400, message or "invalid request", "BadRequestError", loc[0] if loc else None)
 
     @app.exception_handler(StarletteHTTPException)
