@@ -208,7 +208,8 @@ class ModelRunner:
             self.cache_engine.swap_in(out.blocks_to_swap_in)
         if out.blocks_to_copy:
             self.cache_engine.copy_blocks(out.blocks_to_copy)
-        rng = self._generator_states([*out.scheduled_requests, *(child for child, _ in out.forked)])
+        # (a tensor-parallel worker samples nothing: no generator to restore)
+        rng = self._generator_states([*out.scheduled_requests, *(child for child, _ in out.forked)]) if self.is_driver else []
         try:
             return self._run(out, rng)
         except Exception as exc:  # noqa: BLE001 - isolated below, or re-raised
