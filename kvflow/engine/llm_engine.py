@@ -405,8 +405,8 @@ class LLMEngine:
             ValueError: see ``validate_prompt`` and ``check_request_features``.
         """
         self.validate_prompt(prompt_token_ids, params)
-        self.check_request_features(params)
-        grammars = [self._compile_grammar(params) for _ in range(params.n)]
+        self._check_tokenizer_features(params)
+        grammars = [self._compile_grammar(params) for _ in range(params.n)]  # the first one validates
         bad_words = self._bad_words_token_ids(params.bad_words)
         return PreparedRequest(list(prompt_token_ids), params, bad_words, grammars)
 
@@ -459,10 +459,13 @@ class LLMEngine:
             ValueError: stop strings, bad words or guided decoding without a tokenizer, or a
                 ``guided_json`` / ``guided_regex`` the grammar engine rejects.
         """
+        self._check_tokenizer_features(params)
+        self._compile_grammar(params)
+
+    def _check_tokenizer_features(self, params: SamplingParams) -> None:
         guided = params.guided_json is not None or params.guided_regex is not None
         if (params.stop or params.bad_words or guided) and self.tokenizer is None:
             raise ValueError("stop, bad_words and guided decoding need a tokenizer")
-        self._compile_grammar(params)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Token sequences of each bad word, as written and with a leading space (as vLLM)."""
