@@ -134,12 +134,14 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status == RequestStatus.RUNNING:
+        # By membership, not status: a request that failed half-way through ``update`` may
+        # carry a finished status while still in the running list.
+        if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        else:  # a parallel sample not forked yet
-            request.fork_parent.pending_forks.remove(request)
+        elif request.fork_parent is not None and request in request.fork_parent.pending_forks:
+            request.fork_parent.pending_forks.remove(request)  # a parallel sample not forked yet
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         return request
@@ -278,7 +280,12 @@ class Scheduler:
         out.preempted_requests.append(request)
         self._enqueue(request)
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: dict[str, list[int]],
+        errors: dict[str, BaseException] | None = None,
+    ) -> list[Request]:
         """Advance the scheduled requests after the model ran.
 
         Args:
@@ -286,6 +293,10 @@ class Scheduler:
             sampled_token_ids: request_id -> new tokens, for every request whose scheduled
                 tokens reached ``num_tokens`` (a partial prefill chunk samples nothing): one
                 token, or the accepted draft tokens plus one for a speculative decode.
+            errors: when given, an exception raised while advancing one request (e.g. by
+                its grammar on a token) is recorded here under its id and the others are
+                still advanced; the caller must then abort that request. When None, the
+                exception propagates.
 
         Returns:
             The requests that finished this step (their blocks are already freed).
@@ -298,29 +309,40 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens + out.num_scheduled_tokens[parent.request_id]
         finished = []
         for request in [*out.scheduled_requests, *(child for child, _ in out.forked)]:
-            request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
-            tokens = sampled_token_ids.get(request.request_id)
-            num_drafts = len(out.scheduled_spec_tokens.get(request.request_id, ()))
-            if num_drafts:
-                num_rejected = num_drafts - (len(tokens) - 1)
-                request.num_computed_tokens -= num_rejected
-                request.spec_token_ids = []
-                self.kv_cache_manager.trim(request)
-            for i, token in enumerate(tokens or ()):
-                request.append_output_token(token)
-                if request.check_stop(self.config.max_model_len):
+            try:
+                if self._advance(request, out, sampled_token_ids.get(request.request_id)):
                     finished.append(request)
-                    del tokens[i + 1 :]  # tokens past a stop are dropped (callers see the cut list)
-                    # accepted drafts past the stop were computed but are not the request's
-                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-                    break
-            # Publish after appending: the computed tokens include accepted drafts, which are
-            # only in all_token_ids now (the block hashes are taken from all_token_ids).
-            self.kv_cache_manager.cache_full_blocks(request)
+            except Exception as exc:  # noqa: BLE001 - recorded for the caller, or re-raised
+                if errors is None:
+                    raise
+                errors[request.request_id] = exc
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
             for request in finished:
                 self.kv_cache_manager.free(request)
                 del self.requests[request.request_id]
+        return finished
+
+    def _advance(self, request: Request, out: SchedulerOutput, tokens: list[int] | None) -> bool:
+        """``update`` for one request; True when it finished."""
+        request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
+        num_drafts = len(out.scheduled_spec_tokens.get(request.request_id, ()))
+        if num_drafts:
+            num_rejected = num_drafts - (len(tokens) - 1)
+            request.num_computed_tokens -= num_rejected
+            request.spec_token_ids = []
+            self.kv_cache_manager.trim(request)
+        finished = False
+        for i, token in enumerate(tokens or ()):
+            request.append_output_token(token)
+            if request.check_stop(self.config.max_model_len):
+                finished = True
+                del tokens[i + 1 :]  # tokens past a stop are dropped (callers see the cut list)
+                # accepted drafts past the stop were computed but are not the request's
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                break
+        # Publish after appending: the computed tokens include accepted drafts, which are
+        # only in all_token_ids now (the block hashes are taken from all_token_ids).
+        self.kv_cache_manager.cache_full_blocks(request)
         return finished

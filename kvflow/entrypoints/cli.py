@@ -264,17 +264,33 @@ def _cmd_memory(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import logging
 
     from kvflow.engine.async_engine import AsyncLLMEngine
     from kvflow.engine.llm_engine import LLMEngine
-    from kvflow.entrypoints.openai.server import build_app
+    from kvflow.entrypoints.openai.server import build_app, default_served_name, make_server
 
+    if not args.quiet:
+        logging.getLogger("kvflow").setLevel(args.log_level.upper())
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(args)))
-    name = args.served_model_name or args.model
-    async_engine = AsyncLLMEngine(engine, name, max_queue_len=args.max_queue_len)
-    app = build_app(async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    name = args.served_model_name or default_served_name(args.model)
+    server = None
+
+    def on_dead(exc: BaseException) -> None:  # the engine thread: stop serving, exit non-zero
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncLLMEngine(engine, name, max_queue_len=args.max_queue_len, on_dead=on_dead)
+    app = build_app(
+        async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key,
+        metrics_need_key=not args.metrics_no_auth, max_request_bytes=args.max_request_bytes, model_aliases=(args.model,),
+    )  # fmt: skip
+    server = make_server(app, args.host, args.port, args.log_level, args.timeout_keep_alive, args.request_read_timeout)
+    server.run()
+    if async_engine.error is not None:
+        print(f"kvflow: error: the engine stopped ({async_engine.error!r}); exiting so that a supervisor restarts "
+              "the server", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -343,10 +359,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve = command("serve", "OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port")
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
-    serve.add_argument("--max-queue-len", type=int, default=None, help="refuse requests (429) while this many wait")
-    serve.add_argument("--log-level", default="info", help="uvicorn's log level")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth)")
+    serve.add_argument("--metrics-no-auth", action="store_true", help="with --api-key, leave /metrics open too")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model id in the API (default: the --model short name, file stem or folder name)")
+    serve.add_argument("--max-queue-len", type=int, default=None,
+                       help="at most this many requests accepted and not yet running; more get 429 (default: no limit)")
+    serve.add_argument("--max-request-bytes", type=_byte_size("max_request_bytes"), default="10MiB", metavar="BYTES",
+                       help="larger request bodies get 413 (default: 10MiB)")
+    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="close a keep-alive connection idle this many seconds between requests (default: 5)")
+    serve.add_argument("--request-read-timeout", type=float, default=30.0,
+                       help="close a connection whose request (headers and body) has not arrived this many seconds "
+                       "after its first byte, or after the connection opened (default: 30)")
+    serve.add_argument("--log-level", default="info", help="uvicorn's and kvflow's log level")
     _add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 

@@ -357,3 +357,56 @@ def test_stream_reply_closes_the_request_on_keyboard_interrupt(monkeypatch, tiny
     assert stopped and len(calls) == 3  # the reply ended at the interrupted step
     stats = llm.get_stats()
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_serve_exits_non_zero_when_the_engine_dies(tmp_path):
+    """A fault that leaves the engine unusable (here every forward raises): the in-flight
+    request gets an OpenAI-shaped 503, and the process exits 1 so that a supervisor restarts
+    it. (The server used to stay up answering 503 for ever.)"""
+    import os
+    import socket
+    import time
+
+    import httpx
+
+    from conftest import tiny_hf_model_dir
+
+    folder = tiny_hf_model_dir(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = (
+        "import sys\n"
+        "from kvflow.model.llama import LlamaForCausalLM\n"
+        "def forward(*args, **kwargs):\n"
+        "    raise RuntimeError('injected: the device is gone')\n"
+        "LlamaForCausalLM.forward = forward\n"
+        "from kvflow.entrypoints.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "serve", "--model", str(folder), "--port", str(port), "--dtype", "float32",
+         "--num-kv-blocks", "32", "--num-threads", "1", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError", r.text
+        assert proc.wait(timeout=60) == 1
+        err = proc.stderr.read().decode()
+        assert "kvflow: error: the engine stopped" in err and "unusable" in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -462,3 +462,25 @@ def test_smollm2_second_resolve_does_not_convert(smollm2: Path, monkeypatch: pyt
     monkeypatch.setattr(loader, "convert_gguf", lambda *args, **kwargs: pytest.fail("converted again"))
     assert loader.resolve_model("smollm2-135m", cache_dir=smollm2.parent) == smollm2
     assert marker.stat().st_mtime_ns == before
+
+
+# ---------------------------------------------------------------------------- generation config
+def test_generation_defaults_come_from_generation_config(tmp_path: Path) -> None:
+    from conftest import tiny_hf_model_dir
+    from kvflow.model.loader import load_generation_defaults
+
+    folder = tiny_hf_model_dir(tmp_path / "m", {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                                                 "repetition_penalty": 1.1, "max_new_tokens": 77, "do_sample": True,
+                                                 "bos_token_id": 1})
+    assert load_generation_defaults(folder) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                                                "repetition_penalty": 1.1, "max_tokens": 77}
+    (folder / "generation_config.json").unlink()
+    assert load_generation_defaults(folder) == {}
+
+
+def test_invalid_generation_config_names_the_file(tmp_path: Path) -> None:
+    from kvflow.model.loader import load_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(ValueError, match="generation_config.json: temperature"):
+        load_generation_defaults(tmp_path)
