@@ -58,6 +58,18 @@ def tiny_model(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
     return model.eval()
 
 
+def tiny_tokenizer(vocab_size: int = 128):
+    """A word-level tokenizer over a tiny model's vocabulary: token i is the word ``<i>``,
+    text is the words joined by spaces (``decode([3, 5]) == "<3> <5>"``), no special tokens.
+    Lets unit tests use text features (stop strings) without the real model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
 def tiny_engine(
     num_blocks: int = 64,
     block_size: int = 4,

@@ -30,7 +30,7 @@ from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.loader import iter_weights, load_config, load_tokenizer, resolve_model
 from kvflow.outputs import CompletionOutput, RequestOutput
-from kvflow.request import Request, RequestStatus, make_parallel_samples
+from kvflow.request import Request, make_parallel_samples
 from kvflow.sample.sampler import Sampler
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_model import DraftModelProposer
@@ -461,7 +461,9 @@ class LLMEngine:
             if owner.first_scheduled_time is None:
                 owner.first_scheduled_time = scheduled_time
         result = self.model_runner.execute(sched_out)
-        self.scheduler.update(sched_out, result.sampled_token_ids)
+        # The scheduler appends the tokens one at a time and asks the detokenizer after each
+        # (``_text_stop``), so a stop string ends a request at the token that completed it.
+        self.scheduler.update(sched_out, result.sampled_token_ids, self._text_stop)
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
         for sample_id, positions in result.prompt_logprobs.items():
@@ -471,13 +473,6 @@ class LLMEngine:
             index = state.samples.index(sample)
             if sample_id in result.logprobs:  # tokens may have been cut by a stop (speculation)
                 state.logprobs[index].extend(result.logprobs[sample_id][: len(tokens)])
-            detok = state.detokenizers[index]
-            if detok is not None:
-                stop = detok.update(tokens, finished=sample.is_finished)
-                if stop is not None:
-                    self.scheduler.finish_request(sample_id)
-                    sample.status = RequestStatus.FINISHED_STOPPED
-                    sample.stop_reason = stop
             if sample.is_finished:
                 del self._sample_owner[sample_id]
             touched[state.request_id] = state
@@ -492,6 +487,16 @@ class LLMEngine:
             self.spec_stats.record(result.num_accepted.values())
             self._propose(sched_out)
         return outputs
+
+    def _text_stop(self, sample: Request) -> str | None:
+        """Feed the sample's newest token to its detokenizer; the stop string the text
+        completed with it, or None (also without a tokenizer). ``Scheduler.update``'s
+        ``text_stop``."""
+        state, _ = self._sample_owner[sample.request_id]
+        detok = state.detokenizers[state.samples.index(sample)]
+        if detok is None:
+            return None
+        return detok.update(sample.all_token_ids[-1:], finished=sample.is_finished)
 
     def _propose(self, sched_out) -> None:
         """Draft the next tokens of every decoding request; drop the proposer's state of
