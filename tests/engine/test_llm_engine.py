@@ -350,3 +350,72 @@ def test_abort_preempted_request():
     outputs.update(run_to_completion(engine))
     assert outputs == {k: reference()[k] for k in names if k != preempted}
     assert engine.get_stats()["num_free_blocks"] == 12
+
+
+# ------------------------------------------------------------- quantized KV cache exactness
+def _kernels_or_skip():
+    from kvflow.layers.cpu_attention import cpu_kernel_available
+    from kvflow.layers.invariant_linear import invariant_linear_available
+
+    if not (cpu_kernel_available() and invariant_linear_available()):
+        pytest.skip("the batch-invariant path needs kvflow's C++ kernels (a C++ compiler)")
+
+
+def _quantized_engine(kv_dtype, block_size, max_num_batched_tokens, config):
+    from conftest import tiny_model
+    from kvflow.config import CacheConfig, SchedulerConfig
+
+    return LLMEngine(
+        model=tiny_model(config), model_config=config,
+        cache_config=CacheConfig(block_size, 160, kv_dtype, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens, 8, 256),
+        tokenizer=None, device=torch.device("cpu"), attention_backend="cpu",
+    )  # fmt: skip
+
+
+def _greedy_with_logprobs(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
+    return done
+
+
+# A Qwen2-like variant too: its k_proj bias makes store_kv subtract the key offset
+# (LlamaAttention._key_offset) on every path.
+QUANT_CONFIGS = {"llama": lambda: tiny_model_config(), "qkv_bias": lambda: tiny_model_config(attention_bias=True)}
+
+
+@pytest.mark.parametrize("config_name", sorted(QUANT_CONFIGS))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_kv_output_independent_of_chunking_and_prefix_hits(kv_dtype, block_size, config_name):
+    """With an int8 / fp8 KV cache a request's greedy tokens and logprobs are the same,
+    bit for bit, whatever its prefill chunk size (max_num_batched_tokens 3, 7, 64), whether
+    its prompt blocks came from the prefix cache (fully, or a shared prefix only), and
+    whether another request shared its steps. The "cpu" backend is batch-invariant by
+    construction (every token's K/V and logits are computed the same way), so the
+    tolerance is 0; before it, stored codes depended on the batch's shapes through
+    last-bit float differences."""
+    _kernels_or_skip()
+    config = QUANT_CONFIGS[config_name]()
+    prompt = PROMPTS["p45"]
+    sibling = prompt[:21] + PROMPTS["p17"]  # shares 21 tokens (5 blocks of 4, 1 of 16, 21 of 1)
+    ref = _greedy_with_logprobs(_quantized_engine(kv_dtype, block_size, 64, config), {"a": prompt})["a"]
+    ref_sibling = _greedy_with_logprobs(_quantized_engine(kv_dtype, block_size, 64, config), {"s": sibling})["s"]
+    assert len(set(ref[0])) > 3  # not degenerate
+    for chunk in (3, 7, 64):
+        engine = _quantized_engine(kv_dtype, block_size, chunk, config)
+        assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref, chunk
+        assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref, chunk  # all full blocks cached
+        hits = engine.get_stats()["prefix_cache_hits"]
+        assert hits == (len(prompt) - 1) // block_size * block_size
+        assert _greedy_with_logprobs(engine, {"s": sibling})["s"] == ref_sibling, chunk  # a partial hit
+        assert engine.get_stats()["prefix_cache_hits"] > hits
+        both = _greedy_with_logprobs(_quantized_engine(kv_dtype, block_size, chunk, config), {"a": prompt, "s": sibling})
+        assert both == {"a": ref, "s": ref_sibling}, chunk
