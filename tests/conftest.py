@@ -175,15 +175,18 @@ def engine_like(
     num_cpu_blocks: int = 0,
     proposer=None,
     attention_backend: str = "torch",
+    block_size: int | None = None,
     **scheduler_kwargs,
 ) -> LLMEngine:
-    """A fresh engine (own cache, scheduler, proposer) over an ``LLM``'s already loaded model."""
+    """A fresh engine (own cache, scheduler, proposer) over an ``LLM``'s already loaded model,
+    with the LLM's block size and KV cache dtype unless ``block_size`` is given."""
     src = llm.engine
     return LLMEngine(
         model=src.model_runner.model,
         model_config=src.model_config,
         cache_config=CacheConfig(
-            src.cache_config.block_size, num_blocks, torch.float32, enable_prefix_caching, num_cpu_blocks=num_cpu_blocks
+            block_size or src.cache_config.block_size, num_blocks, src.cache_config.dtype, enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
         ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens, max_num_seqs, src.scheduler_config.max_model_len, **scheduler_kwargs
