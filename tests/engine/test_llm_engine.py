@@ -361,12 +361,14 @@ def _kernels_or_skip():
         pytest.skip("the batch-invariant path needs kvflow's C++ kernels (a C++ compiler)")
 
 
-def _quantized_engine(kv_dtype, block_size, max_num_batched_tokens, config):
+def _quantized_engine(kv_dtype, block_size, max_num_batched_tokens, config, dtype=torch.float32):
     from conftest import tiny_model
     from kvflow.config import CacheConfig, SchedulerConfig
 
+    model = tiny_model(config).to(dtype)
+    model.pack_for_cpu()  # bfloat16: oneDNN-packed linears, as the engine loads them
     return LLMEngine(
-        model=tiny_model(config), model_config=config,
+        model=model, model_config=config,
         cache_config=CacheConfig(block_size, 160, kv_dtype, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(max_num_batched_tokens, 8, 256),
         tokenizer=None, device=torch.device("cpu"), attention_backend="cpu",
@@ -419,3 +421,16 @@ def test_quantized_kv_output_independent_of_chunking_and_prefix_hits(kv_dtype, b
         assert engine.get_stats()["prefix_cache_hits"] > hits
         both = _greedy_with_logprobs(_quantized_engine(kv_dtype, block_size, chunk, config), {"a": prompt, "s": sibling})
         assert both == {"a": ref, "s": ref_sibling}, chunk
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_kv_bfloat16_model_independent_of_chunking_and_prefix_hits(kv_dtype):
+    """The same for a bfloat16 model (its oneDNN-packed linears become batch-invariant too)."""
+    _kernels_or_skip()
+    config = tiny_model_config()
+    prompt = PROMPTS["p45"]
+    ref = _greedy_with_logprobs(_quantized_engine(kv_dtype, 4, 64, config, torch.bfloat16), {"a": prompt})["a"]
+    for chunk in (3, 7):
+        engine = _quantized_engine(kv_dtype, 4, chunk, config, torch.bfloat16)
+        assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref, chunk
+        assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref, chunk

@@ -56,12 +56,14 @@ def test_mkl_linear_is_not_batch_invariant_here_or_skip():
     assert all(torch.equal(layer(x[:m]), layer(x)[:m]) for m in (1, 2, 3, 5, 7, 9))
 
 
-def test_weight_round_trip_state_dict_and_bad_weights():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_round_trip_state_dict_and_bad_weights(dtype):
     torch.manual_seed(3)
-    linear = nn.Linear(32, 40)
+    linear = nn.Linear(32, 40).to(dtype)
     layer = InvariantLinear.from_module(linear)
     assert torch.equal(layer.dense_weight(), linear.weight.data)
     assert pack_panels(linear.weight.data).shape == (3, 32, 16)
+    assert pack_panels(linear.weight.data, pairs=True).shape == (3, 16, 16, 2)
     state = layer.state_dict()
     assert torch.equal(state["weight"], linear.weight.data) and torch.equal(state["bias"], linear.bias.data)
     assert layer.bias is not None  # LlamaAttention._key_offset reads the bias by this name
