@@ -79,11 +79,13 @@ class ModelRunner:
             cache_engine.kv_caches[0][0].dtype != model.embed_tokens.weight.dtype
         ):
             attention_backend = "torch"  # the C++ decode kernel reads float caches of the model's dtype only
-        if attention_backend == "cpu" and quantized_kv:
+        if attention_backend in ("cpu", "triton") and quantized_kv:
             # Batch invariance, so that a token's stored (rounded) K/V never depends on how
-            # its step was batched or chunked: every token's attention is computed as a
-            # one-token decode (``paged_attention_quantized``) and the linears by
-            # ``InvariantLinear`` (``LlamaForCausalLM.make_batch_invariant``).
+            # its step was batched or chunked: the CPU linears by ``InvariantLinear``
+            # (``LlamaForCausalLM.make_batch_invariant``; CUDA ones stay), and on "cpu"
+            # every token's attention as a one-token decode (``paged_attention_quantized``).
+            # The Triton kernel treats each query row alike whatever the chunk (checked in
+            # Triton's CPU interpreter; cuBLAS linears on CUDA are not batch-invariant).
             model.make_batch_invariant()
         self.flat_metadata = attention_backend == "triton" or (attention_backend == "cpu" and quantized_kv)
         self.attention_backend = attention_backend

@@ -8,6 +8,7 @@ clear ValueError and leaves the engine serving the other requests.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -361,7 +362,7 @@ def _kernels_or_skip():
         pytest.skip("the batch-invariant path needs kvflow's C++ kernels (a C++ compiler)")
 
 
-def _quantized_engine(kv_dtype, block_size, max_num_batched_tokens, config, dtype=torch.float32):
+def _quantized_engine(kv_dtype, block_size, max_num_batched_tokens, config, dtype=torch.float32, backend="cpu"):
     from conftest import tiny_model
     from kvflow.config import CacheConfig, SchedulerConfig
 
@@ -371,7 +372,7 @@ def _quantized_engine(kv_dtype, block_size, max_num_batched_tokens, config, dtyp
         model=model, model_config=config,
         cache_config=CacheConfig(block_size, 160, kv_dtype, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(max_num_batched_tokens, 8, 256),
-        tokenizer=None, device=torch.device("cpu"), attention_backend="cpu",
+        tokenizer=None, device=torch.device("cpu"), attention_backend=backend,
     )  # fmt: skip
 
 
@@ -434,3 +435,20 @@ def test_quantized_kv_bfloat16_model_independent_of_chunking_and_prefix_hits(kv_
         engine = _quantized_engine(kv_dtype, 4, chunk, config, torch.bfloat16)
         assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref, chunk
         assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref, chunk
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton")
+def test_quantized_kv_triton_backend_independent_of_chunking_and_prefix_hits():
+    """The Triton backend (in Triton's CPU interpreter here) over an int8 cache, with the
+    CPU linears made batch-invariant: chunk sizes and a prefix hit give the same output."""
+    from kvflow.layers.invariant_linear import invariant_linear_available
+    from kvflow.layers.triton_attention import interpreter_enabled
+
+    if not (interpreter_enabled() and invariant_linear_available()):
+        pytest.skip("needs Triton's CPU interpreter and the batch-invariant linear kernel")
+    config = tiny_model_config()
+    prompt = PROMPTS["p30"]
+    ref = _greedy_with_logprobs(_quantized_engine(torch.int8, 4, 64, config, backend="triton"), {"a": prompt})["a"]
+    engine = _quantized_engine(torch.int8, 4, 3, config, backend="triton")
+    assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref
+    assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref
