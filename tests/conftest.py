@@ -104,6 +104,18 @@ def tiny_hf_model_dir(path, generation_config: dict | None = None):
     return path
 
 
+def tiny_word_tokenizer(vocab_size: int = 128):
+    """A word-level tokenizer over a tiny model's vocabulary: token i is the word ``<i>``,
+    text is the words joined by spaces (``decode([3, 5]) == "<3> <5>"``), no special tokens.
+    Lets unit tests use text features (stop strings) without the real model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
 def tiny_engine(
     num_blocks: int = 64,
     block_size: int = 4,
@@ -213,15 +225,18 @@ def engine_like(
     num_cpu_blocks: int = 0,
     proposer=None,
     attention_backend: str = "torch",
+    block_size: int | None = None,
     **scheduler_kwargs,
 ) -> LLMEngine:
-    """A fresh engine (own cache, scheduler, proposer) over an ``LLM``'s already loaded model."""
+    """A fresh engine (own cache, scheduler, proposer) over an ``LLM``'s already loaded model,
+    with the LLM's block size and KV cache dtype unless ``block_size`` is given."""
     src = llm.engine
     return LLMEngine(
         model=src.model_runner.model,
         model_config=src.model_config,
         cache_config=CacheConfig(
-            src.cache_config.block_size, num_blocks, torch.float32, enable_prefix_caching, num_cpu_blocks=num_cpu_blocks
+            block_size or src.cache_config.block_size, num_blocks, src.cache_config.dtype, enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
         ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens, max_num_seqs, src.scheduler_config.max_model_len, **scheduler_kwargs

@@ -25,6 +25,7 @@ admitted as soon as running requests release enough blocks.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflow.config import SchedulerConfig
@@ -145,16 +146,6 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         return request
-
-    def finish_request(self, request_id: str) -> None:
-        """End a running request with "stop" from outside the model loop (a stop string
-        matched on the text) and free its blocks; a no-op for a finished request."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return
-        self.running.remove(request)
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.FINISHED_STOPPED
 
     @property
     def num_running(self) -> int:
@@ -285,6 +276,7 @@ class Scheduler:
         out: SchedulerOutput,
         sampled_token_ids: dict[str, list[int]],
         errors: dict[str, BaseException] | None = None,
+        text_stop: Callable[[Request], str | None] | None = None,
     ) -> list[Request]:
         """Advance the scheduled requests after the model ran.
 
@@ -292,15 +284,25 @@ class Scheduler:
             out: the batch that was executed.
             sampled_token_ids: request_id -> new tokens, for every request whose scheduled
                 tokens reached ``num_tokens`` (a partial prefill chunk samples nothing): one
-                token, or the accepted draft tokens plus one for a speculative decode.
+                token, or the accepted draft tokens plus one for a speculative decode. A
+                list is cut in place after the token that ends its request.
             errors: when given, an exception raised while advancing one request (e.g. by
                 its grammar on a token) is recorded here under its id and the others are
                 still advanced; the caller must then abort that request. When None, the
                 exception propagates.
+            text_stop: called with the request after each of its new tokens is appended
+                (and its token-level stop checks ran, so ``request.is_finished`` tells
+                whether the text is final); returns the stop string that the request's text
+                completed with that token, or None. The engine's detokenizer answers it.
+                A match ends the request there with "stop" and ``stop_reason`` set to it.
 
         Returns:
             The requests that finished this step (their blocks are already freed).
 
+        Tokens are taken one at a time, as if each had come from its own step (as vLLM's
+        multi-step output processor does): a stop token, EOS, ``max_tokens``, the context
+        limit or a stop string ends the request at that token, and later tokens of the
+        step (accepted drafts past the stop) are dropped before anything is kept for them.
         The K/V of rejected draft tokens is rolled back: ``num_computed_tokens`` counts only
         accepted tokens, blocks past them are freed, and only blocks of final tokens are
         published to the prefix cache.
@@ -310,7 +312,7 @@ class Scheduler:
         finished = []
         for request in [*out.scheduled_requests, *(child for child, _ in out.forked)]:
             try:
-                if self._advance(request, out, sampled_token_ids.get(request.request_id)):
+                if self._advance(request, out, sampled_token_ids.get(request.request_id), text_stop):
                     finished.append(request)
             except Exception as exc:  # noqa: BLE001 - recorded for the caller, or re-raised
                 if errors is None:
@@ -324,7 +326,8 @@ class Scheduler:
                 del self.requests[request.request_id]
         return finished
 
-    def _advance(self, request: Request, out: SchedulerOutput, tokens: list[int] | None) -> bool:
+    def _advance(self, request: Request, out: SchedulerOutput, tokens: list[int] | None,
+                 text_stop: Callable[[Request], str | None] | None) -> bool:
         """``update`` for one request; True when it finished."""
         request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
         num_drafts = len(out.scheduled_spec_tokens.get(request.request_id, ()))
@@ -333,16 +336,19 @@ class Scheduler:
             request.num_computed_tokens -= num_rejected
             request.spec_token_ids = []
             self.kv_cache_manager.trim(request)
-        finished = False
         for i, token in enumerate(tokens or ()):
             request.append_output_token(token)
-            if request.check_stop(self.config.max_model_len):
-                finished = True
+            request.check_stop(self.config.max_model_len)
+            stop = text_stop(request) if text_stop is not None else None
+            if stop is not None:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = stop
+            if request.is_finished:
                 del tokens[i + 1 :]  # tokens past a stop are dropped (callers see the cut list)
                 # accepted drafts past the stop were computed but are not the request's
                 request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
                 break
-        # Publish after appending: the computed tokens include accepted drafts, which are
-        # only in all_token_ids now (the block hashes are taken from all_token_ids).
+        # Publish after appending (and cutting): the computed tokens include accepted drafts,
+        # which are only in all_token_ids now (the block hashes are taken from all_token_ids).
         self.kv_cache_manager.cache_full_blocks(request)
-        return finished
+        return request.is_finished

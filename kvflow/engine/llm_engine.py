@@ -559,7 +559,9 @@ class LLMEngine:
             if everyone:
                 self._probe()
         errors: dict[str, BaseException] = {}
-        self.scheduler.update(sched_out, result.sampled_token_ids, errors)
+        # The scheduler appends the tokens one at a time and asks the detokenizer after each
+        # (``_text_stop``), so a stop string ends a request at the token that completed it.
+        self.scheduler.update(sched_out, result.sampled_token_ids, errors, self._text_stop)
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
         for sample_id, positions in result.prompt_logprobs.items():
@@ -604,19 +606,23 @@ class LLMEngine:
             failed_outputs.extend(self._fail(request_id, exc) for request_id, exc in self._propose(sched_out).items())
         return outputs + [out for out in failed_outputs if out is not None]
 
+    def _text_stop(self, sample: Request) -> str | None:
+        """Feed the sample's newest token to its detokenizer; the stop string the text
+        completed with it, or None (also without a tokenizer). ``Scheduler.update``'s
+        ``text_stop``."""
+        state, _ = self._sample_owner[sample.request_id]
+        detok = state.detokenizers[state.samples.index(sample)]
+        if detok is None:
+            return None
+        return detok.update(sample.all_token_ids[-1:], finished=sample.is_finished)
+
     def _append_output(self, state: _RequestState, sample: Request, tokens: list[int],
                        logprobs: list[dict[int, float]] | None) -> None:
-        """Record a sample's new tokens: logprobs, detokenized text, stop strings."""
+        """Record a sample's new tokens' logprobs (its text was detokenized, and stop strings
+        matched, by ``_text_stop`` during ``Scheduler.update``)."""
         index = state.samples.index(sample)
         if logprobs is not None:  # tokens may have been cut by a stop (speculation)
             state.logprobs[index].extend(logprobs[: len(tokens)])
-        detok = state.detokenizers[index]
-        if detok is not None:
-            stop = detok.update(tokens, finished=sample.is_finished)
-            if stop is not None:
-                self.scheduler.finish_request(sample.request_id)
-                sample.status = RequestStatus.FINISHED_STOPPED
-                sample.stop_reason = stop
         if sample.is_finished:
             del self._sample_owner[sample.request_id]
 

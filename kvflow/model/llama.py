@@ -243,6 +243,45 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None  # the packed copy serves it; state_dict gets it back below
         return 0
 
+    def make_batch_invariant(self) -> int:
+        """Serve the float32 / bfloat16 CPU linears and the LM head from
+        ``kvflow.layers.invariant_linear.InvariantLinear`` (a row's result independent of the
+        other rows of the step), in place; quantized layers (and a quantized LM head) stay.
+        What a quantized KV cache needs for a token's K/V not to depend on how its step was
+        batched or chunked. Idempotent; a no-op without the kernel.
+
+        Returns:
+            The number of layers replaced.
+        """
+        from kvflow.layers.invariant_linear import InvariantLinear, invariant_linear_available
+
+        if not invariant_linear_available():
+            return 0
+
+        def convertible(module: nn.Module) -> bool:
+            if type(module) is nn.Linear:
+                weight = module.weight
+            elif type(module).__name__ == "PackedLinear":
+                weight = module.dense_weight()
+            else:
+                return False
+            return weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
+
+        replaced = 0
+        for module in list(self.layers.modules()):
+            for name, child in list(module.named_children()):
+                if convertible(child):
+                    setattr(module, name, InvariantLinear.from_module(child))
+                    replaced += 1
+        head = self.packed_lm_head
+        if head is None or convertible(head):
+            weight = self.lm_head_weight.data
+            if weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu":
+                self.__dict__["packed_lm_head"] = InvariantLinear(weight)
+                self.lm_head = None  # as pack_for_cpu: state_dict gets the dense head back
+                replaced += 1
+        return replaced
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.packed_lm_head is not None and not self.config.tie_word_embeddings:

@@ -58,8 +58,10 @@ class ModelRunner:
         broadcast: on a tensor-parallel driver, sends each step's batch to the workers.
         attention_backend: "torch" (gather + SDPA per group of requests, any device), "cpu"
             (decodes through ``kvflow.layers.cpu_attention``'s C++ kernel, prefills as
-            "torch") or "triton" (``kvflow.layers.triton_attention``; CUDA, or Triton's
-            interpreter).
+            "torch"; over an int8 / fp8 cache batch-invariant: every token through
+            ``paged_attention_quantized`` and the model's linears made batch-invariant, in
+            place, by ``make_batch_invariant``) or "triton"
+            (``kvflow.layers.triton_attention``; CUDA, or Triton's interpreter).
     """
 
     def __init__(
@@ -75,10 +77,20 @@ class ModelRunner:
     ) -> None:
         if attention_backend not in ("torch", "cpu", "triton"):
             raise ValueError(f"attention_backend must be 'torch', 'cpu' or 'triton', got {attention_backend!r}")
-        if attention_backend == "cpu" and cache_engine.kv_caches and (
-            len(cache_engine.kv_caches[0]) != 2 or cache_engine.kv_caches[0][0].dtype != model.embed_tokens.weight.dtype
+        quantized_kv = bool(cache_engine.kv_caches) and len(cache_engine.kv_caches[0]) == 4
+        if attention_backend == "cpu" and cache_engine.kv_caches and not quantized_kv and (
+            cache_engine.kv_caches[0][0].dtype != model.embed_tokens.weight.dtype
         ):
-            attention_backend = "torch"  # the C++ kernel reads float caches of the model's dtype only
+            attention_backend = "torch"  # the C++ decode kernel reads float caches of the model's dtype only
+        if attention_backend in ("cpu", "triton") and quantized_kv:
+            # Batch invariance, so that a token's stored (rounded) K/V never depends on how
+            # its step was batched or chunked: the CPU linears by ``InvariantLinear``
+            # (``LlamaForCausalLM.make_batch_invariant``; CUDA ones stay), and on "cpu"
+            # every token's attention as a one-token decode (``paged_attention_quantized``).
+            # The Triton kernel treats each query row alike whatever the chunk (checked in
+            # Triton's CPU interpreter; cuBLAS linears on CUDA are not batch-invariant).
+            model.make_batch_invariant()
+        self.flat_metadata = attention_backend == "triton" or (attention_backend == "cpu" and quantized_kv)
         self.attention_backend = attention_backend
         self.graph_runner = None  # a DecodeGraphRunner (kvflow.worker.cuda_graph) when set
         self.is_driver = is_driver
@@ -104,7 +116,7 @@ class ModelRunner:
         bs = self.block_size
         # Decodes in groups of similar context length: each group gathers K/V padded to its
         # own longest context instead of the batch's.
-        triton = self.attention_backend == "triton"
+        flat = self.flat_metadata
         # The kernels read the block tables directly: no padded copy, so no need to group.
         decode_groups = [decodes] if self.attention_backend in ("triton", "cpu") else [
             [decodes[i] for i in group]
@@ -150,7 +162,7 @@ class ModelRunner:
                 q_lens.append(n)
                 ctx_lens.append(begin + n)
                 tables.append(r.block_ids)
-            if triton:
+            if flat:
                 flat_q_lens += q_lens
                 flat_ctx_lens += ctx_lens
                 flat_tables += tables
@@ -162,8 +174,9 @@ class ModelRunner:
         logits_indices.extend(spec_indices)
         dev = self.device
         slot_mapping = torch.cat(slots).to(dev)
-        if triton:
-            metadata = AttentionMetadata.for_triton(slot_mapping, flat_q_lens, flat_ctx_lens, flat_tables, dev)
+        if flat:
+            metadata = AttentionMetadata.flat(slot_mapping, flat_q_lens, flat_ctx_lens, flat_tables, dev,
+                                              self.attention_backend)
         else:
             metadata = AttentionMetadata(slot_mapping=slot_mapping, groups=groups, backend=self.attention_backend)
         return ModelInputs(

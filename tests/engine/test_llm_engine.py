@@ -8,6 +8,7 @@ clear ValueError and leaves the engine serving the other requests.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -620,3 +621,104 @@ def test_offline_defaults_come_from_the_model_folders_generation_config(tmp_path
     assert len(default) == 5 and default == explicit[0].outputs[0].token_ids
     (folder / "generation_config.json").unlink()
     assert LLM(model=str(folder), dtype="float32", num_kv_blocks=32).get_default_sampling_params() == SamplingParams()
+
+
+# ------------------------------------------------------------- quantized KV cache exactness
+def _kernels_or_skip():
+    from kvflow.layers.cpu_attention import cpu_kernel_available
+    from kvflow.layers.invariant_linear import invariant_linear_available
+
+    if not (cpu_kernel_available() and invariant_linear_available()):
+        pytest.skip("the batch-invariant path needs kvflow's C++ kernels (a C++ compiler)")
+
+
+def _quantized_engine(kv_dtype, block_size, max_num_batched_tokens, config, dtype=torch.float32, backend="cpu"):
+    from conftest import tiny_model
+    from kvflow.config import CacheConfig, SchedulerConfig
+
+    model = tiny_model(config).to(dtype)
+    model.pack_for_cpu()  # bfloat16: oneDNN-packed linears, as the engine loads them
+    return LLMEngine(
+        model=model, model_config=config,
+        cache_config=CacheConfig(block_size, 160, kv_dtype, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens, 8, 256),
+        tokenizer=None, device=torch.device("cpu"), attention_backend=backend,
+    )  # fmt: skip
+
+
+def _greedy_with_logprobs(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
+    return done
+
+
+# A Qwen2-like variant too: its k_proj bias makes store_kv subtract the key offset
+# (LlamaAttention._key_offset) on every path.
+QUANT_CONFIGS = {"llama": lambda: tiny_model_config(), "qkv_bias": lambda: tiny_model_config(attention_bias=True)}
+
+
+@pytest.mark.parametrize("config_name", sorted(QUANT_CONFIGS))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_kv_output_independent_of_chunking_and_prefix_hits(kv_dtype, block_size, config_name):
+    """With an int8 / fp8 KV cache a request's greedy tokens and logprobs are the same,
+    bit for bit, whatever its prefill chunk size (max_num_batched_tokens 3, 7, 64), whether
+    its prompt blocks came from the prefix cache (fully, or a shared prefix only), and
+    whether another request shared its steps. The "cpu" backend is batch-invariant by
+    construction (every token's K/V and logits are computed the same way), so the
+    tolerance is 0; before it, stored codes depended on the batch's shapes through
+    last-bit float differences."""
+    _kernels_or_skip()
+    config = QUANT_CONFIGS[config_name]()
+    prompt = PROMPTS["p45"]
+    sibling = prompt[:21] + PROMPTS["p17"]  # shares 21 tokens (5 blocks of 4, 1 of 16, 21 of 1)
+    ref = _greedy_with_logprobs(_quantized_engine(kv_dtype, block_size, 64, config), {"a": prompt})["a"]
+    ref_sibling = _greedy_with_logprobs(_quantized_engine(kv_dtype, block_size, 64, config), {"s": sibling})["s"]
+    assert len(set(ref[0])) > 3  # not degenerate
+    for chunk in (3, 7, 64):
+        engine = _quantized_engine(kv_dtype, block_size, chunk, config)
+        assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref, chunk
+        assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref, chunk  # all full blocks cached
+        hits = engine.get_stats()["prefix_cache_hits"]
+        assert hits == (len(prompt) - 1) // block_size * block_size
+        assert _greedy_with_logprobs(engine, {"s": sibling})["s"] == ref_sibling, chunk  # a partial hit
+        assert engine.get_stats()["prefix_cache_hits"] > hits
+        both = _greedy_with_logprobs(_quantized_engine(kv_dtype, block_size, chunk, config), {"a": prompt, "s": sibling})
+        assert both == {"a": ref, "s": ref_sibling}, chunk
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_kv_bfloat16_model_independent_of_chunking_and_prefix_hits(kv_dtype):
+    """The same for a bfloat16 model (its oneDNN-packed linears become batch-invariant too)."""
+    _kernels_or_skip()
+    config = tiny_model_config()
+    prompt = PROMPTS["p45"]
+    ref = _greedy_with_logprobs(_quantized_engine(kv_dtype, 4, 64, config, torch.bfloat16), {"a": prompt})["a"]
+    for chunk in (3, 7):
+        engine = _quantized_engine(kv_dtype, 4, chunk, config, torch.bfloat16)
+        assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref, chunk
+        assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref, chunk
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton")
+def test_quantized_kv_triton_backend_independent_of_chunking_and_prefix_hits():
+    """The Triton backend (in Triton's CPU interpreter here) over an int8 cache, with the
+    CPU linears made batch-invariant: chunk sizes and a prefix hit give the same output."""
+    from kvflow.layers.invariant_linear import invariant_linear_available
+    from kvflow.layers.triton_attention import interpreter_enabled
+
+    if not (interpreter_enabled() and invariant_linear_available()):
+        pytest.skip("needs Triton's CPU interpreter and the batch-invariant linear kernel")
+    config = tiny_model_config()
+    prompt = PROMPTS["p30"]
+    ref = _greedy_with_logprobs(_quantized_engine(torch.int8, 4, 64, config, backend="triton"), {"a": prompt})["a"]
+    engine = _quantized_engine(torch.int8, 4, 3, config, backend="triton")
+    assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref
+    assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref

@@ -121,6 +121,13 @@ def small_server(smollm2_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def spec_server(smollm2_dir, tmp_path_factory):
+    """N-gram speculative decoding (as in tests/spec_decode/test_ngram.py's real-model test)."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+    yield from _serve(smollm2_dir, tmp_path_factory, "spec_server", ["--speculative-config", spec])
+
+
+@pytest.fixture(scope="module")
 def model(server) -> str:
     return httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
@@ -375,6 +382,49 @@ def test_stop_string(client, model):
             text, finish = out.choices[0].text, out.choices[0].finish_reason
         assert finish == "stop"
         assert text == full[:cut]
+
+
+COPY_PROMPT = (
+    "Repeat the following text exactly.\n\nText: The lighthouse keeper climbed the spiral stairs every evening at "
+    "dusk. He trimmed the wick, polished the great lens, and wrote the weather in a leather logbook: wind from the "
+    "north-east, a falling barometer, three fishing boats returning late.\n\nRepeated text: The lighthouse keeper"
+)
+
+
+def _completion(http: httpx.Client, body: dict, stream: bool) -> dict:
+    """text, token strings, token logprobs, finish reason and usage of one choice."""
+    if not stream:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        c = out["choices"][0]
+        return {"text": c["text"], "tokens": c["logprobs"]["tokens"], "logprobs": c["logprobs"]["token_logprobs"],
+                "finish": c["finish_reason"], "usage": out["usage"]}
+    events = _sse(http, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    choices = [c for e in events[:-1] for c in e["choices"]]
+    finish = [c["finish_reason"] for c in choices if c.get("finish_reason")]
+    return {"text": "".join(c["text"] for c in choices),
+            "tokens": [t for c in choices if "logprobs" in c for t in c["logprobs"]["tokens"]],
+            "logprobs": [t for c in choices if "logprobs" in c for t in c["logprobs"]["token_logprobs"]],
+            "finish": finish[-1] if finish else None, "usage": events[-2]["usage"]}
+
+
+@pytest.mark.parametrize("stop", ["dusk", "logbook"])
+def test_stop_string_with_speculation_counts_no_draft_past_it(server, spec_server, model, stop):
+    """With n-gram speculation a stop string completed by an accepted draft ends the request
+    at that token: text, tokens, logprobs and usage.completion_tokens equal the server
+    without speculation, streamed and not (the copy prompt makes drafts run past the stop)."""
+    body = {"model": model, "prompt": COPY_PROMPT, "max_tokens": 60, "temperature": 0, "logprobs": 0, "stop": [stop]}
+    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as plain, \
+            httpx.Client(base_url=spec_server.url, timeout=REQUEST_TIMEOUT_S) as spec:
+        for stream in (False, True):
+            ref, got = _completion(plain, body, stream), _completion(spec, body, stream)
+            assert ref["finish"] == "stop" and ref["usage"]["completion_tokens"] < 60, ref
+            assert got["text"] == ref["text"] and got["finish"] == ref["finish"]
+            assert got["tokens"] == ref["tokens"]
+            assert got["usage"] == ref["usage"]
+            assert got["usage"]["completion_tokens"] == len(got["tokens"])
+            assert got["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-3)
 
 
 def test_seed_reproducible(client, model):
