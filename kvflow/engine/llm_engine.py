@@ -561,7 +561,7 @@ class LLMEngine:
         errors: dict[str, BaseException] = {}
         # The scheduler appends the tokens one at a time and asks the detokenizer after each
         # (``_text_stop``), so a stop string ends a request at the token that completed it.
-        self.scheduler.update(sched_out, result.sampled_token_ids, errors, self._text_stop)
+        self.scheduler.update(sched_out, result.sampled_token_ids, errors=errors, text_stop=self._text_stop)
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
         for sample_id, positions in result.prompt_logprobs.items():

@@ -231,7 +231,7 @@ def test_text_stop_cuts_accepted_drafts_and_keeps_nothing_past_it():
         return "STOP" if request.all_token_ids[-1] == 52 else None
 
     sampled = {"a": [51, 52, 53, 60]}  # all drafts accepted, plus a bonus token
-    finished = sched.update(out, sampled, text_stop)
+    finished = sched.update(out, sampled, text_stop=text_stop)
     assert seen == [51, 52]  # asked once per token, up to the stop
     assert finished == [a] and sampled["a"] == [51, 52]
     assert a.output_token_ids == [50, 51, 52] and a.status == RequestStatus.FINISHED_STOPPED
@@ -256,7 +256,7 @@ def test_text_stop_on_the_max_tokens_token_finishes_with_stop():
         finished_seen.append(request.is_finished)
         return "x"
 
-    sched.update(out, {"a": [6]}, text_stop)
+    sched.update(out, {"a": [6]}, text_stop=text_stop)
     assert finished_seen == [True]
     assert a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == "x"
 
