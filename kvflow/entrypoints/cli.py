@@ -29,6 +29,8 @@ from typing import Any
 
 from kvflow.config import EngineArgs
 from kvflow.distributed.worker import torchrun_rank
+from kvflow.entrypoints.openai.reasoning import REASONING_PARSERS
+from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 # Errors that mean "the command was asked for something wrong" (exit status 2).
 USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ModuleNotFoundError)
@@ -263,6 +265,23 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself when it is a Jinja template
+    (holds ``{{`` or ``{%``), as vLLM's flag.
+
+    Raises:
+        FileNotFoundError: for a value that is neither.
+    """
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise FileNotFoundError(f"--chat-template: no such file, and not a Jinja template: {value!r}")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -284,6 +303,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(
         async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key,
         metrics_need_key=not args.metrics_no_auth, max_request_bytes=args.max_request_bytes, model_aliases=(args.model,),
+        chat_template=load_chat_template(args.chat_template), tool_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )  # fmt: skip
     server = make_server(app, args.host, args.port, args.log_level, args.timeout_keep_alive, args.request_read_timeout)
     server.run()
@@ -374,6 +395,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="close a connection whose request (headers and body) has not arrived this many seconds "
                        "after its first byte, or after the connection opened (default: 30)")
     serve.add_argument("--log-level", default="info", help="uvicorn's and kvflow's log level")
+    serve.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="how tool calls are read from the model's text under tool_choice 'auto' (default: the "
+                       "family the chat template shows, e.g. hermes for a template with <tool_call>; none otherwise)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split <think>...</think> into reasoning_content (default: no split)")
     _add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 

@@ -15,6 +15,7 @@ unknown field is accepted and logged once as a warning.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, ClassVar, Literal
 
@@ -184,16 +185,72 @@ class CompletionRequest(_SamplingRequest):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {**_SamplingRequest.UNSUPPORTED, "best_of": (1,), "suffix": ("",)}
 
 
-_MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {"tool_calls": ([],), "tool_call_id": (), "function_call": (), "audio": (), "refusal": ()}
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    # Under "required" / a named tool_choice the arguments always follow the schema; under
+    # "auto" they are the model's (as vLLM).
+    strict: bool | None = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text of an object
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_arguments(cls, arguments):
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"arguments is not valid JSON: {exc}") from None
+        return arguments
+
+
+class ToolCallMessage(_Body):
+    """A tool call of an earlier assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+
+_MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {"function_call": (), "audio": (), "refusal": ()}
+# chat_template_kwargs may not set these: the server sets them (apply_chat_template's own
+# arguments and the template variables it fills).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # given to the chat template
+    tool_calls: list[ToolCallMessage] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
     # OpenAI message fields kvflow does not implement
-    tool_calls: Any = None
-    tool_call_id: Any = None
     function_call: Any = None
     audio: Any = None
     refusal: Any = None
@@ -208,11 +265,22 @@ class ChatMessage(_Body):
                 kind = part.get("type")
                 if kind != "text":
                     raise ValueError(
-                        f"content parts of type {_short(kind)} are not supported by kvflow (text parts only)"
+                        f"content parts of type {_short(kind)} are not supported by kvflow (text parts only: "
+                        "the served models read text)"
                     )
                 if not isinstance(part.get("text"), str):
                     raise ValueError("the text of a text content part must be a string")
         return content
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls is for assistant messages, not {self.role}")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id is for tool messages, not {self.role}")
+        return self
 
     def text(self) -> str:
         """The message text; list content joins its text parts, in order."""
@@ -222,11 +290,21 @@ class ChatMessage(_Body):
             return self.content
         return "".join(part["text"] for part in self.content)
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as the chat template sees it (developer renders as system)."""
-        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it, as transformers' ``apply_chat_template``
+        takes it: developer renders as system; tool calls have their arguments as a dict
+        (Qwen2.5's template writes ``tool_call.arguments | tojson``, which would quote a
+        JSON string a second time); null content is ""."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -251,11 +329,13 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    # OpenAI fields that do not change the output without tools
+    # tool calling (kvflow/entrypoints/openai/tools.py)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM: extra variables of the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI fields kvflow does not implement
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     prediction: Any = None
@@ -269,16 +349,15 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: Any = None
     continue_final_message: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     documents: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_SamplingRequest.UNSUPPORTED,
-        "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+        "functions": ([],), "function_call": ("none", "auto"),
         "prediction": (),
         "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
         "echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
-        "chat_template_kwargs": ({},), "documents": (),
+        "documents": (),
     }  # fmt: skip
 
     def unsupported_field(self) -> tuple[str, str] | None:
@@ -292,8 +371,34 @@ class ChatCompletionRequest(_SamplingRequest):
                 return "messages", f"messages[{i}].{found[1]}"
         return None
 
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _free_template_kwargs(cls, kwargs):
+        for key in kwargs or {}:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise ValueError(f"chat_template_kwargs may not set {key!r} (the server sets it)")
+        return kwargs
+
     def guided_schema(self) -> dict[str, Any] | str | None:
-        """``guided_json`` from ``response_format`` (json_object: any JSON object)."""
+        """The schema of ``tool_choice`` "required" / a named function
+        (``tools.tool_choice_schema``), else ``guided_json`` or ``response_format``'s
+        (json_object: any JSON object).
+
+        Raises:
+            ValueError: naming the field, for a tool_choice that does not fit the tools, or
+                a forced tool call together with another output constraint.
+        """
+        from kvflow.entrypoints.openai.tools import check_tools, tool_choice_schema
+
+        check_tools(self.tools, self.tool_choice)
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            constrained = self.guided_json is not None or self.guided_regex is not None or (
+                self.response_format is not None and self.response_format.type != "text"
+            )
+            if constrained:
+                raise ValueError("tool_choice (a forced tool call) cannot be combined with response_format, "
+                                 "guided_json or guided_regex")
+            return tool_choice_schema(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
         if self.guided_json is not None or self.response_format is None:
             return self.guided_json
         if self.response_format.type == "json_object":

@@ -39,7 +39,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
-from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from kvflow.entrypoints.openai.reasoning import get_reasoning_parser
+from kvflow.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS, JSONArrayToolParser, NamedFunctionParser, ToolParser, detect_tool_parser, get_tool_parser,
+)  # fmt: skip
+from kvflow.entrypoints.openai.tools import template_tools
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 
@@ -260,6 +266,31 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _chat_finish_reason(finish_reason: str | None, parser: ChatOutputParser) -> str | None:
+    """A reply that ended by itself after tool calls finished with "tool_calls"."""
+    return "tool_calls" if finish_reason == "stop" and parser.tool_calls else finish_reason
+
+
+def _chat_delta(delta) -> dict[str, Any]:
+    """A ``ChatDelta`` as a chat.completion.chunk delta (OpenAI's shape: a tool call's
+    first piece has its id, type and name, the next ones argument fragments)."""
+    out: dict[str, Any] = {}
+    if delta.reasoning:
+        out["reasoning_content"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.tool_calls:
+        calls = []
+        for t in delta.tool_calls:
+            if t.id is not None:
+                calls.append({"index": t.index, "id": t.id, "type": "function",
+                              "function": {"name": t.name, "arguments": t.arguments}})
+            else:
+                calls.append({"index": t.index, "function": {"arguments": t.arguments}})
+        out["tool_calls"] = calls
+    return out
+
+
 def _sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
@@ -318,12 +349,26 @@ class OpenAIServing:
         model_name: the served model id (``/v1/models``, the ``model`` field).
         max_model_len: context limit in tokens.
         model_aliases: other ``model`` values accepted for it (e.g. the ``--model`` path).
+        chat_template: a Jinja chat template used instead of the tokenizer's.
+        tool_parser: the ``--tool-call-parser`` name (None: the family detected from the chat
+            template, if any).
+        reasoning_parser: the ``--reasoning-parser`` name (None: no reasoning split).
+
+    Raises:
+        ValueError: naming the flag, for an unknown tool or reasoning parser.
     """
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, max_model_len: int,
-                 model_aliases: tuple[str, ...] = ()) -> None:
+                 model_aliases: tuple[str, ...] = (), chat_template: str | None = None,
+                 tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.chat_template = chat_template
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        self.tool_parser_cls: type[ToolParser] | None = (
+            get_tool_parser(tool_parser) if tool_parser else detect_tool_parser(template if isinstance(template, str) else None)
+        )
+        self.reasoning_parser_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.model_name = model_name
         self.model_names = {model_name, *model_aliases}
         self.max_model_len = max_model_len
@@ -509,11 +554,78 @@ class OpenAIServing:
     # ------------------------------------------------------------------ chat
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = [m.template_dict() for m in req.messages]
+        kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = template_tools(req.tools)
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         except Exception as exc:  # noqa: BLE001 - template errors are the client's messages
             raise APIError(400, f"messages could not be rendered with the chat template: {exc}", "BadRequestError", "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _output_parsers(self, req: ChatCompletionRequest) -> tuple[Callable[..., ChatOutputParser], bool]:
+        """The maker of a chat request's output parsers (one per choice; its argument is the
+        tool call id prefix), and whether the text must keep special tokens.
+
+        Raises:
+            APIError: 400 for tools under tool_choice "auto" on a server without a tool parser.
+        """
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+        forced = choice not in ("none", "auto")
+        tool_parser: Callable[[], ToolParser] | None = None
+        if req.tools and choice == "auto":
+            if self.tool_parser_cls is None:
+                raise APIError(
+                    400,
+                    "tools with tool_choice 'auto' need a tool-call parser, and this server's chat template is of no "
+                    f"family kvflow detects: start the server with --tool-call-parser (one of {', '.join(TOOL_PARSERS)}), "
+                    "or set tool_choice to 'required', a named function or 'none'",
+                    "BadRequestError",
+                    "tools",
+                )
+            tool_parser = self.tool_parser_cls
+        elif choice == "required":
+            tool_parser = JSONArrayToolParser
+        elif isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            tool_parser = lambda: NamedFunctionParser(name)  # noqa: E731
+        keep_special = tool_parser is not None and tool_parser is self.tool_parser_cls and tool_parser.needs_special_tokens
+        reasoning = None if forced else self.reasoning_parser_cls  # a forced call is JSON from its first token
+        max_calls = 1 if req.parallel_tool_calls is False else None
+        eos_text = self.tokenizer.eos_token if keep_special else None
+
+        def make(id_prefix: str = "call_") -> ChatOutputParser:
+            return ChatOutputParser(reasoning() if reasoning else None, tool_parser() if tool_parser else None,
+                                    max_calls, eos_text, id_prefix)
+
+        return make, keep_special
+
+    async def start_chat(self, req: ChatCompletionRequest) -> ChatRun:
+        """Check, render (off the loop) and queue a chat request.
+
+        Raises:
+            APIError: 400 / 404 / 429 / 503 as ``check_request``, ``_output_parsers`` and ``_add``.
+        """
+        self.check_request(req)
+        make_parser, keep_special = self._output_parsers(req)
+        if keep_special:
+            req = req.model_copy(update={"skip_special_tokens": False})
+        ids = await self.engine.run_off_loop(self._chat_prompt, req)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self._max_tokens(requested, len(ids), field)
+        top_k = req.top_logprobs or 0
+        params = self._params(req, max_tokens, top_k if req.logprobs else None)
+        try:
+            (iterator,) = await self._add([(ids, None)], params, "messages")
+        except APIError as exc:
+            if exc.param == "guided_json" and req.guided_json is None and req.tools:
+                raise APIError(400, f"tools: a parameter schema cannot be enforced for tool_choice ({exc.message})",
+                               "BadRequestError", "tools") from None
+            raise
+        return ChatRun(ids, iterator, make_parser)
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, float]], top_k: int) -> dict[str, Any]:
         content = []
@@ -534,31 +646,35 @@ class OpenAIServing:
         return {"content": content}
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_request(req)
-        ids = await self.engine.run_off_loop(self._chat_prompt, req)
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self._max_tokens(requested, len(ids), field)
-        top_k = req.top_logprobs or 0
-        params = self._params(req, max_tokens, top_k if req.logprobs else None)
-        (iterator,) = await self._add([(ids, None)], params, "messages")
+        run = await self.start_chat(req)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return StreamingResponse(
-                _guard_stream(self._stream_chat(iterator, len(ids), req, cid, created)), media_type="text/event-stream"
+                _guard_stream(self._stream_chat(run, req, cid, created)), media_type="text/event-stream"
             )
-        (out,) = await self._collect([iterator], raw)
+        (out,) = await self._collect([run.iterator], raw)
         choices = []
         for c in out.outputs:
+            parser = run.new_parser()
+            parser.update(c.text, final=True)
+            message: dict[str, Any] = {"role": "assistant", "content": parser.content}
+            if parser.reasoning_parser is not None:
+                message["reasoning_content"] = parser.reasoning
+            if parser.tool_calls:
+                message["content"] = parser.content if parser.content.strip() else None  # null beside calls (OpenAI)
+                message["tool_calls"] = [
+                    {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+                    for t in parser.tool_calls
+                ]
             choice: dict[str, Any] = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason,
+                "message": message,
+                "finish_reason": _chat_finish_reason(c.finish_reason, parser),
             }
             if c.stop_reason is not None:
                 choice["stop_reason"] = c.stop_reason
             if req.logprobs:
-                choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs or [], top_k)
+                choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0)
             choices.append(choice)
         return JSONResponse(
             {
@@ -567,35 +683,38 @@ class OpenAIServing:
                 "created": created,
                 "model": self.model_name,
                 "choices": choices,
-                "usage": _usage(len(ids), sum(len(c.token_ids) for c in out.outputs)),
+                "usage": _usage(len(run.prompt_ids), sum(len(c.token_ids) for c in out.outputs)),
             }
         )
 
-    async def _stream_chat(self, iterator, prompt_tokens: int, req: ChatCompletionRequest, cid: str, created: int):
+    async def _stream_chat(self, run: ChatRun, req: ChatCompletionRequest, cid: str, created: int):
         base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        sent_text: dict[int, int] = {}
+        parsers: dict[int, ChatOutputParser] = {}
         sent_tokens: dict[int, int] = {}
         completion_tokens = 0
         for i in range(req.n):
             yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]})
-        async for _, out in _merge([iterator]):
+        async for _, out in _merge([run.iterator]):
             for c in out.outputs:
-                start_text, start_tok = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                delta, new_tokens = c.text[start_text:], c.token_ids[start_tok:]
-                if not delta and not new_tokens and c.finish_reason is None:
+                parser = parsers.setdefault(c.index, run.new_parser())
+                start_tok = sent_tokens.get(c.index, 0)
+                new_tokens = c.token_ids[start_tok:]
+                delta = parser.update(c.text, final=c.finish_reason is not None)
+                want_logprobs = req.logprobs and new_tokens
+                if not delta and not want_logprobs and c.finish_reason is None:
                     continue
-                choice: dict[str, Any] = {"index": c.index, "delta": {"content": delta} if delta else {}}
-                if req.logprobs and new_tokens:
+                choice: dict[str, Any] = {"index": c.index, "delta": _chat_delta(delta)}
+                if want_logprobs:
                     choice["logprobs"] = self._chat_logprobs(new_tokens, (c.logprobs or [])[start_tok:], req.top_logprobs or 0)
                 if c.finish_reason is not None:
-                    choice["finish_reason"] = c.finish_reason
+                    choice["finish_reason"] = _chat_finish_reason(c.finish_reason, parser)
                     if c.stop_reason is not None:
                         choice["stop_reason"] = c.stop_reason
                     completion_tokens += len(c.token_ids)
-                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                sent_tokens[c.index] = len(c.token_ids)
                 yield _sse({**base, "choices": [choice]})
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+            yield _sse({**base, "choices": [], "usage": _usage(len(run.prompt_ids), completion_tokens)})
         yield _sse("[DONE]")
 
     # ------------------------------------------------------------------ non-streaming
@@ -695,6 +814,9 @@ def build_app(
     metrics_need_key: bool = True,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     model_aliases: tuple[str, ...] = (),
+    chat_template: str | None = None,
+    tool_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI application over a (not yet started) async engine.
 
@@ -708,10 +830,14 @@ def build_app(
         max_request_bytes: larger bodies get 413, decided from Content-Length before the
             body is read (and by counting the bytes of a chunked body).
         model_aliases: other ``model`` values accepted for the served model.
+        chat_template, tool_parser, reasoning_parser: see ``OpenAIServing``.
+
+    Raises:
+        ValueError: for a bad ``max_request_bytes``, tool parser or reasoning parser.
     """
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
-    serving = OpenAIServing(engine, model_name, max_model_len, model_aliases)
+    serving = OpenAIServing(engine, model_name, max_model_len, model_aliases, chat_template, tool_parser, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -29,10 +29,10 @@ def test_json_numbers_fill_float_fields():
 
 @pytest.mark.parametrize(
     "body,field",
-    [({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "required"}, "tool_choice"),
-     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    [({"functions": [{"name": "f"}]}, "functions"), ({"function_call": {"name": "f"}}, "function_call"),
      ({"modalities": ["audio"]}, "modalities"), ({"add_generation_prompt": False}, "add_generation_prompt"),
-     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}, "messages"),
+     ({"chat_template": "{{ messages }}"}, "chat_template"),
+     ({"messages": [{"role": "assistant", "content": "x", "function_call": {"name": "f"}}]}, "messages"),
      ({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "messages")],
 )  # fmt: skip
 def test_chat_fields_kvflow_lacks_are_named(body, field):
@@ -56,10 +56,21 @@ def test_completion_fields_kvflow_lacks_are_named(body, field):
     assert CompletionRequest.model_validate({"prompt": "x", "best_of": 1, "suffix": ""}).unsupported_field() is None
 
 
-@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "u"}}, {"type": "file"}, {"text": "untyped"}])
+@pytest.mark.parametrize(
+    "part",
+    [{"type": "image_url", "image_url": {"url": "u"}}, {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}},
+     {"type": "file"}, {"text": "untyped"}],
+)  # fmt: skip
 def test_content_parts_other_than_text_are_refused(part):
-    with pytest.raises(ValidationError, match="not supported"):
+    with pytest.raises(ValidationError, match=f"parts of type {part.get('type')!r} are not supported"):
         ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [part]}]})
+
+
+def test_chat_template_kwargs_may_not_set_the_servers_variables():
+    ChatCompletionRequest.model_validate({"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}})
+    for key in ("tools", "add_generation_prompt", "messages", "tokenize"):
+        with pytest.raises(ValidationError, match=f"may not set '{key}'"):
+            ChatCompletionRequest.model_validate({"messages": MSG, "chat_template_kwargs": {key: 1}})
 
 
 def test_unset_fields_take_the_generation_config_then_the_builtin_defaults():

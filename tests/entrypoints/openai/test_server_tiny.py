@@ -232,8 +232,6 @@ def test_huge_top_k_samples_as_top_k_off(server, http):
 
 # ---------------------------------------------------------------------------- unsupported fields
 UNSUPPORTED = [
-    (CH, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    (CH, {"tool_choice": "required"}, "tool_choice"),
     (CH, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     (CH, {"function_call": {"name": "f"}}, "function_call"),
     (C, {"best_of": 2}, "best_of"),
@@ -241,7 +239,8 @@ UNSUPPORTED = [
     (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages"),
     (CH, {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}]}]}, "messages"),
     (CH, {"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages"),
-    (CH, {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, *MSG]}, "messages"),
+    (CH, {"messages": [{"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}}, *MSG]},
+     "messages"),
     (CH, {"response_format": {"type": "grammar", "grammar": "x"}}, "response_format"),
     (CH, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
     (CH, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),

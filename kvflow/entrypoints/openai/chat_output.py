@@ -1,0 +1,140 @@
+"""One chat choice's generated text as an assistant message: reasoning, content and tool
+calls, read whole (non-streaming) or step by step as deltas (streaming).
+
+The text goes through the reasoning parser (``reasoning.py``: ``<think>...</think>`` out of
+the answer), then the tool parser (``tool_parsers``) on the answer. Both read the whole text
+so far and return results that only grow, so a stream sends differences: new reasoning,
+new content, and per tool call an id and name once, then fragments of its arguments (the
+concatenated fragments are the call's arguments). The same output parsed whole gives the
+same message, except where a tool call was cut short (``max_tokens``): a stream has sent
+its first fragments, the whole parse makes it content.
+
+Every API (chat completions, responses, Anthropic messages) renders these parts in its own
+shape.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from kvflow.entrypoints.openai.reasoning import ReasoningParser
+from kvflow.entrypoints.openai.tool_parsers import ToolParser
+from kvflow.outputs import RequestOutput
+
+
+def new_call_id(prefix: str = "call_") -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCall:
+    """A finished tool call: ``arguments`` is the JSON text of an object."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
+class ToolCallDelta:
+    """A streamed piece of tool call ``index``: its first one has ``id`` and ``name``."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
+class ChatDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+class ChatOutputParser:
+    """Reads one choice's text into reasoning, content and tool calls.
+
+    Args:
+        reasoning_parser: splits off the reasoning (None: no reasoning).
+        tool_parser: reads tool calls out of the answer (None: never any).
+        max_tool_calls: keep at most this many calls (1 for ``parallel_tool_calls: false``).
+        strip_suffix: removed from the end of the final text (the EOS token's text, which a
+            request that keeps special tokens has there).
+        id_prefix: prefix of the tool call ids made here (``call_``; ``toolu_`` for Anthropic).
+    """
+
+    def __init__(
+        self,
+        reasoning_parser: ReasoningParser | None = None,
+        tool_parser: ToolParser | None = None,
+        max_tool_calls: int | None = None,
+        strip_suffix: str | None = None,
+        id_prefix: str = "call_",
+    ) -> None:
+        self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
+        self.max_tool_calls = max_tool_calls
+        self.strip_suffix = strip_suffix
+        self.id_prefix = id_prefix
+        self.reasoning = ""
+        self.content = ""
+        self._calls: list[tuple[str, str, str]] = []  # (id, name, arguments sent)
+        self.tool_calls: list[ToolCall] = []  # set by the final update
+
+    def update(self, text: str, final: bool = False) -> ChatDelta:
+        """Read ``text`` (all of the choice's text so far); return what is new since the
+        last call. With ``final``, ``reasoning``, ``content`` and ``tool_calls`` are the
+        whole message."""
+        if final and self.strip_suffix and text.endswith(self.strip_suffix):
+            text = text[: -len(self.strip_suffix)]
+        if self.reasoning_parser is not None:
+            reasoning, answer = self.reasoning_parser.parse(text, final)
+        else:
+            reasoning, answer = "", text
+        calls = []
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.parse(answer, final)
+            answer, calls = parsed.content, parsed.calls[: self.max_tool_calls]
+        delta = ChatDelta(reasoning=_grown(self.reasoning, reasoning), content=_grown(self.content, answer))
+        self.reasoning += delta.reasoning
+        self.content += delta.content
+        for index, call in enumerate(calls):
+            if call.name is None:
+                break  # calls are announced in order, each once its name is complete
+            if index == len(self._calls):
+                call_id = new_call_id(self.id_prefix)
+                self._calls.append((call_id, call.name, call.arguments))
+                delta.tool_calls.append(ToolCallDelta(index, call_id, call.name, call.arguments))
+                continue
+            call_id, name, sent = self._calls[index]
+            more = _grown(sent, call.arguments)
+            if more:
+                self._calls[index] = (call_id, name, sent + more)
+                delta.tool_calls.append(ToolCallDelta(index, arguments=more))
+        if final:
+            self.tool_calls = [
+                ToolCall(call_id, name, call.arguments) for (call_id, name, _), call in zip(self._calls, calls) if call.complete
+            ]
+        return delta
+
+
+def _grown(sent: str, now: str) -> str:
+    """What ``now`` adds to ``sent`` (nothing if it does not extend it: a parse that took
+    back text it had given, which the parsers avoid; what was sent stays)."""
+    return now[len(sent) :] if now.startswith(sent) else ""
+
+
+@dataclass
+class ChatRun:
+    """A queued chat request: its prompt, its output stream, and the maker of its choices'
+    output parsers (argument: the tool call id prefix)."""
+
+    prompt_ids: list[int]
+    iterator: AsyncIterator[RequestOutput]
+    new_parser: Callable[..., ChatOutputParser]

@@ -1,0 +1,108 @@
+"""Tool calling in chat requests: the request types (``tools``, ``tool_choice``, tool calls in
+messages) and the JSON schema that enforces ``tool_choice: "required"`` or a named function.
+
+Semantics follow the OpenAI chat completions API and vLLM:
+
+- ``tool_choice`` ``"auto"`` (the default with tools): the model decides; the server's tool
+  parser (``--tool-call-parser``, or the family detected from the chat template) reads its
+  calls out of the text.
+- ``"none"``: the tools are still rendered in the prompt (as vLLM does by default), the
+  output is never read as calls.
+- ``"required"`` / ``{"type": "function", "function": {"name": ...}}``: the output is
+  constrained by guided decoding (``kvflow.sample.guided``, llguidance) to a JSON array of
+  ``{"name", "parameters"}`` objects (one of the tools each; at most one unless
+  ``parallel_tool_calls``) / to that function's arguments object, so the arguments are
+  valid JSON for the tool's parameter schema by construction. No parser is needed.
+
+``parallel_tool_calls: false`` keeps the first call of an ``"auto"`` reply.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvflow.entrypoints.openai.protocol import ChatTool, NamedToolChoice, ToolCallMessage, ToolChoice
+
+# llguidance's JSON options (its "x-guidance" schema key): one fixed layout, no free
+# whitespace (a model, random weights included, cannot pad forever), unknown schema
+# keywords ignored (tool schemas carry titles, formats, examples...).
+_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def template_tool_calls(calls: list[ToolCallMessage], field: str) -> list[dict[str, Any]]:
+    """Tool calls as chat templates read them (transformers' ``apply_chat_template``): the
+    arguments as a dict (Qwen2.5's template writes ``tool_call.arguments | tojson``, which
+    would quote a JSON string a second time).
+
+    Raises:
+        ValueError: naming ``field``, for arguments that are not JSON.
+    """
+    out = []
+    for j, call in enumerate(calls):
+        try:
+            arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{field}[{j}].function.arguments is not valid JSON: {exc}") from None
+        out.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
+    return out
+
+
+def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
+    """Raises ValueError naming the field: duplicate tool names, a ``tool_choice`` that needs
+    tools without any, a named function that is not among them."""
+    names = [t.function.name for t in tools or []]
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"tools has two functions named {name!r}")
+        seen.add(name)
+    if tool_choice in (None, "none", "auto"):
+        return
+    if not names:
+        raise ValueError(f"tool_choice {_choice_text(tool_choice)} needs tools")
+    if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in seen:
+        raise ValueError(f"tool_choice names the function {tool_choice.function.name!r}, which is not in tools")
+
+
+def _choice_text(tool_choice: ToolChoice) -> str:
+    return repr(tool_choice) if isinstance(tool_choice, str) else f"{{'function': {{'name': {tool_choice.function.name!r}}}}}"
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters if tool.function.parameters else _NO_PARAMETERS
+
+
+def tool_choice_schema(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool) -> dict[str, Any] | None:
+    """The JSON schema the output is constrained to, for ``"required"`` or a named function
+    (None for ``"auto"`` / ``"none"``).
+
+    ``"required"``: ``[{"name": <one of the tools>, "parameters": <its arguments>}, ...]``,
+    at least one item, at most one unless ``parallel_tool_calls`` (vLLM's schema, with the
+    wrapper objects closed). A named function: its parameter schema.
+    """
+    if isinstance(tool_choice, NamedToolChoice):
+        (tool,) = [t for t in tools if t.function.name == tool_choice.function.name]
+        return {**_parameters(tool), "x-guidance": _GUIDANCE}
+    if tool_choice != "required":
+        return None
+    items = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    schema["x-guidance"] = _GUIDANCE
+    return schema
+
+
+def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:
+    """The tools as ``apply_chat_template(tools=...)`` takes them (OpenAI's JSON shape)."""
+    return [t.model_dump(exclude_none=True) for t in tools]

@@ -1,0 +1,183 @@
+"""Tool-call parsers per family: whole texts, texts that are not calls, and streaming (the
+deltas of any split of the text add up to the whole parse)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvflow.entrypoints.openai.chat_output import ChatOutputParser
+from kvflow.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS, JSONArrayToolParser, NamedFunctionParser, detect_tool_parser, get_tool_parser,
+)  # fmt: skip
+from kvflow.entrypoints.openai.tool_parsers.base import Incomplete, NotJSON, scan_value
+
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], "note": "a \\"}\\" b"}}'
+WEATHER_ARGS = '{"city": "Paris", "days": [1, 2], "note": "a \\"}\\" b"}'
+TIME = '{"name": "get_time", "arguments": {}}'
+
+
+def _calls(parsed):
+    return [(c.name, json.loads(c.arguments)) for c in parsed.calls]
+
+
+# ---------------------------------------------------------------------------- whole texts
+HERMES_CASES = [
+    (f"<tool_call>\n{WEATHER}\n</tool_call>", "", [("get_weather", json.loads(WEATHER_ARGS))]),
+    (f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>", "Let me look.\n",
+     [("get_weather", json.loads(WEATHER_ARGS)), ("get_time", {})]),
+    (f"<tool_call>{TIME}</tool_call> done", " done", [("get_time", {})]),  # text after the calls stays
+    (f"<tool_call>\n{TIME}", "", [("get_time", {})]),  # no closing tag at the very end
+    (f"{WEATHER}\n{TIME}", "", [("get_weather", json.loads(WEATHER_ARGS)), ("get_time", {})]),  # bare (Qwen2.5-Coder)
+    ('{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"temperature_c": 18}', '{"temperature_c": 18}',
+     [("get_weather", {"city": "Paris"})]),
+    ('{"name": "f", "arguments": "{\\"x\\": 1}"}', "", [("f", {"x": 1})]),  # arguments as a JSON string
+    ('{"name": "f", "parameters": {"x": 1}}', "", [("f", {"x": 1})]),
+    ("Just text, no calls.", "Just text, no calls.", []),
+    ('{"name": "Ann", "age": 3}', '{"name": "Ann", "age": 3}', []),  # JSON, but no arguments: not a call
+    ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    ('<tool_call>\n{"name": "f", "arguments": {"x": 1', '<tool_call>\n{"name": "f", "arguments": {"x": 1', []),  # cut
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
+    (f"<tool_call>{TIME}</tool_call><tool_call>oops", "<tool_call>oops", [("get_time", {})]),  # the good call stays
+]  # fmt: skip
+
+LLAMA_CASES = [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
+    ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}', "",
+     [("a", {}), ("b", {"x": 1})]),
+    ("The weather is fine.", "The weather is fine.", []),
+    ('{"answer": 42}', '{"answer": 42}', []),
+]  # fmt: skip
+
+MISTRAL_CASES = [
+    (f"[TOOL_CALLS][{WEATHER}, {TIME}]", "", [("get_weather", json.loads(WEATHER_ARGS)), ("get_time", {})]),
+    ('Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}]', "Sure. ", [("f", {"x": 1})]),
+    ('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{}', "", [("f", {"x": 1}), ("g", {})]),  # v11 tokenizers
+    ("No tools needed.", "No tools needed.", []),
+    ("[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "family,text,content,calls",
+    [("hermes", *c) for c in HERMES_CASES] + [("llama3_json", *c) for c in LLAMA_CASES]
+    + [("mistral", *c) for c in MISTRAL_CASES],
+)  # fmt: skip
+def test_whole_text(family, text, content, calls):
+    parsed = TOOL_PARSERS[family]().parse(text, final=True)
+    assert parsed.content == content
+    assert _calls(parsed) == calls
+    assert all(c.complete for c in parsed.calls)
+
+
+def test_guided_outputs():
+    parsed = JSONArrayToolParser().parse('[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]', True)
+    assert _calls(parsed) == [("a", {"x": 1}), ("b", {})] and parsed.content == ""
+    parsed = JSONArrayToolParser().parse('[{"name": "a", "parameters": {"x"', True)  # cut by max_tokens
+    assert parsed.calls == [] and parsed.content == '[{"name": "a", "parameters": {"x"'
+    parsed = NamedFunctionParser("f").parse('{"x": [1, {"y": "}"}]}', True)
+    assert _calls(parsed) == [("f", {"x": [1, {"y": "}"}]})]
+    assert NamedFunctionParser("f").parse('{"x": ', True).calls == []
+
+
+def test_scan_value():
+    assert scan_value('{"a": "}"} tail', 0) == 10
+    assert scan_value("[1, [2]]", 0) == 8
+    assert scan_value("12 ", 0) == 2
+    for partial in ('{"a": "}', "[1, [2]", "12", "tr", '"abc'):
+        with pytest.raises(Incomplete):
+            scan_value(partial, 0)
+    assert scan_value("12", 0, final=True) == 2
+    for bad in ("{]", "x", "@"):
+        with pytest.raises(NotJSON):
+            scan_value(bad, 0)
+
+
+# ---------------------------------------------------------------------------- streaming
+def _stream(parser_factory, text: str, cuts: list[int]) -> tuple[ChatOutputParser, dict]:
+    """Feed the prefixes of ``text`` at ``cuts``, then all of it as final; the deltas summed."""
+    parser = parser_factory()
+    got = {"reasoning": "", "content": "", "calls": {}}
+    for end in [*sorted(set(cuts)), len(text)]:
+        delta = parser.update(text[:end], final=end == len(text))
+        got["reasoning"] += delta.reasoning
+        got["content"] += delta.content
+        for d in delta.tool_calls:
+            if d.id is not None:
+                assert d.index not in got["calls"], "a call announced twice"
+                assert d.index == len(got["calls"]), "calls announced out of order"
+                got["calls"][d.index] = [d.id, d.name, d.arguments]
+            else:
+                assert d.index in got["calls"], "arguments before the call's name"
+                got["calls"][d.index][2] += d.arguments
+    return parser, got
+
+
+def _whole(parser_factory, text):
+    parser = parser_factory()
+    parser.update(text, final=True)
+    return parser
+
+
+STREAM_CASES = (
+    [("hermes", t) for t, _, calls in HERMES_CASES if calls and "oops" not in t]
+    + [("llama3_json", t) for t, _, calls in LLAMA_CASES]
+    + [("mistral", t) for t, _, calls in MISTRAL_CASES if calls]
+    + [("hermes", "Plain text with a < and a <tool but no call.")]
+)
+
+
+@pytest.mark.parametrize("family,text", STREAM_CASES)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_stream_deltas_add_up_to_the_whole_parse(family, text, data):
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
+    factory = lambda: ChatOutputParser(tool_parser=TOOL_PARSERS[family]())  # noqa: E731
+    parser, got = _stream(factory, text, cuts)
+    whole = _whole(factory, text)
+    assert got["content"] == whole.content
+    assert [(n, a) for _, n, a in got["calls"].values()] == [(t.name, t.arguments) for t in whole.tool_calls]
+    assert [i for i, _, _ in got["calls"].values()] == [t.id for t in parser.tool_calls]
+
+
+def test_stream_token_by_token_sends_arguments_in_fragments():
+    text = f"<tool_call>\n{WEATHER}\n</tool_call>"
+    parser = ChatOutputParser(tool_parser=TOOL_PARSERS["hermes"]())
+    deltas = [parser.update(text[:i], final=i == len(text)) for i in range(1, len(text) + 1)]
+    pieces = [d for delta in deltas for d in delta.tool_calls]
+    assert pieces[0].id and pieces[0].name == "get_weather"
+    assert all(p.id is None and p.name is None for p in pieces[1:])
+    assert len(pieces) > 10  # the arguments came as they were generated, not in one piece
+    assert "".join(p.arguments for p in pieces) == WEATHER_ARGS
+    assert not any(d.content for d in deltas)  # no tag or JSON leaked into the content
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    parser = ChatOutputParser(tool_parser=TOOL_PARSERS["hermes"](), max_tool_calls=1)
+    parser.update(f"<tool_call>{WEATHER}</tool_call><tool_call>{TIME}</tool_call>", final=True)
+    assert [t.name for t in parser.tool_calls] == ["get_weather"]
+
+
+def test_eos_text_of_a_special_token_request_is_stripped():
+    parser = ChatOutputParser(tool_parser=TOOL_PARSERS["mistral"](), strip_suffix="</s>")
+    parser.update('[TOOL_CALLS][{"name": "f", "arguments": {}}]</s>', final=True)
+    assert [t.name for t in parser.tool_calls] == ["f"] and parser.content == ""
+
+
+# ---------------------------------------------------------------------------- registry
+def test_detection_from_the_chat_template():
+    assert detect_tool_parser("... <tool_call>\n{{ tool_call.name }} ...").name == "hermes"
+    assert detect_tool_parser("{{ '[TOOL_CALLS]' }}").name == "mistral"
+    assert detect_tool_parser("<|python_tag|>").name == "llama3_json"
+    assert detect_tool_parser("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert detect_tool_parser("<tool_call> and [TOOL_CALLS]") is None  # ambiguous
+    assert detect_tool_parser(None) is None
+
+
+def test_unknown_parser_names_the_flag():
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        get_tool_parser("nope")

@@ -1,0 +1,128 @@
+"""The guided-decoding schema of tool_choice "required" / a named function, checked with the
+grammar engine itself (llguidance over a byte-level tokenizer): calls valid for the tools'
+schemas are accepted to the end, anything else is refused at the first wrong byte."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY_TEXT_VOCAB, tiny_tokenizer
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
+from kvflow.entrypoints.openai.tools import check_tools, tool_choice_schema
+from kvflow.sample.guided import GrammarCompiler
+from kvflow.sampling_params import SamplingParams
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time"}},  # no parameters
+]  # fmt: skip
+MSG = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    tok = tiny_tokenizer()
+    return tok, GrammarCompiler(tok, TINY_TEXT_VOCAB, tok.eos_token_id)
+
+
+def _request(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": MSG, "tools": TOOLS, **kw})
+
+
+def _accepts(compiler, schema, text: str) -> bool:
+    """Whether the grammar takes ``text`` byte by byte and is then complete."""
+    tok, comp = compiler
+    matcher = comp.compile(SamplingParams(guided_json=schema))
+    for token in tok.encode(text, add_special_tokens=False):
+        if not matcher.matcher.consume_token(token):
+            return False
+    return matcher.matcher.is_accepting()
+
+
+def test_required_schema(compiler):
+    schema = _request(tool_choice="required").guided_schema()
+    ok = [
+        '[{"name": "get_weather", "parameters": {"city": "Paris"}}]',
+        '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}, {"name": "get_time", "parameters": {}}]',
+    ]
+    bad = [
+        "[]",  # at least one call
+        '[{"name": "get_news", "parameters": {}}]',  # not a tool
+        '[{"name": "get_weather", "parameters": {"days": 3}}]',  # city is required
+        '[{"name": "get_weather", "parameters": {"city": 3}}]',  # city is a string
+        '[{"name": "get_time", "parameters": {"x": 1}}]',  # no parameters declared: none allowed
+        '[{"name": "get_time", "parameters": {}, "extra": 1}]',
+        '[{"name":"get_time","parameters":{}}]',  # one fixed layout (no free whitespace choices)
+        '[{"name": "get_time", "parameters": {}}] ',
+    ]
+    assert all(_accepts(compiler, schema, t) for t in ok)
+    assert not any(_accepts(compiler, schema, t) for t in bad)
+
+
+def test_required_without_parallel_calls_allows_one(compiler):
+    schema = _request(tool_choice="required", parallel_tool_calls=False).guided_schema()
+    assert _accepts(compiler, schema, '[{"name": "get_time", "parameters": {}}]')
+    assert not _accepts(compiler, schema, '[{"name": "get_time", "parameters": {}}, {"name": "get_time", "parameters": {}}]')
+
+
+def test_named_function_schema_is_its_arguments(compiler):
+    schema = _request(tool_choice={"type": "function", "function": {"name": "get_weather"}}).guided_schema()
+    assert _accepts(compiler, schema, '{"city": "Rome", "days": 2}')
+    assert not _accepts(compiler, schema, '{"days": 2}')
+    assert not _accepts(compiler, schema, '[{"name": "get_weather", "parameters": {"city": "Rome"}}]')
+
+
+def test_auto_and_none_do_not_constrain():
+    assert _request(tool_choice="auto").guided_schema() is None
+    assert _request(tool_choice="none").guided_schema() is None
+    assert _request().guided_schema() is None
+
+
+@pytest.mark.parametrize(
+    "body,match",
+    [({"tool_choice": "required", "tools": None}, "tool_choice 'required' needs tools"),
+     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
+     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot be combined"),
+     ({"tool_choice": "required", "guided_regex": "a+"}, "cannot be combined"),
+     ({"tools": TOOLS + TOOLS[:1]}, "two functions named 'get_weather'")],
+)  # fmt: skip
+def test_bad_tool_choices_are_named(body, match):
+    with pytest.raises(ValueError, match=match) as exc:
+        _request(**body).sampling_params(8, None)
+    assert str(exc.value).split(" ", 1)[0] in ("tools", "tool_choice")
+
+
+def test_assistant_tool_calls_reach_the_template_as_dicts():
+    req = ChatCompletionRequest.model_validate({"messages": [
+        *MSG,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]})  # fmt: skip
+    assistant, tool = (m.template_dict() for m in req.messages[1:])
+    assert assistant == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]}  # fmt: skip
+    assert tool == {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}
+
+
+@pytest.mark.parametrize(
+    "message,match",
+    [({"role": "tool", "content": "x"}, "needs tool_call_id"),
+     ({"role": "user", "content": "x", "tool_call_id": "c"}, "tool_call_id is for tool messages"),
+     ({"role": "user", "content": "x", "tool_calls": []}, "tool_calls is for assistant messages"),
+     ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                            "function": {"name": "f", "arguments": "{oops"}}]}, "not valid JSON")],
+)  # fmt: skip
+def test_bad_tool_messages(message, match):
+    with pytest.raises(ValueError, match=match):
+        ChatCompletionRequest.model_validate({"messages": [message]})
+
+
+def test_check_tools_accepts_no_tools():
+    check_tools(None, None)
+    check_tools([], "none")
+    assert json.loads(json.dumps(tool_choice_schema([], "auto", True))) is None
