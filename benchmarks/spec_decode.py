@@ -313,7 +313,7 @@ def time_forward(model: Any, model_config: Any, dtype: torch.dtype, batch: int, 
     bs = 16
     per_seq = -(-(context + new_tokens) // bs)
     device = next(model.parameters()).device
-    cache = CacheEngine(model_config, CacheConfig(bs, batch * per_seq, dtype), device)
+    cache = CacheEngine(model.kv_cache_spec, CacheConfig(bs, batch * per_seq, dtype), device)
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
     gen = torch.Generator().manual_seed(0)
 
@@ -422,10 +422,10 @@ def run_setting(name: str, llm: Any, prompts_text: list[str], max_tokens: int, a
 
 
 def qwen_installed() -> bool:
-    from kvflow.model import registry
+    from kvflow.model import packages
 
     for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
-        entry = registry.lookup(name)
+        entry = packages.lookup(name)
         if not all(importlib.util.find_spec(module) for module, _ in entry.parts):
             return False
     return True

@@ -27,7 +27,7 @@ one kvflow decode step at batch 32 down into scheduler, model forward by operato
 LM head, sampling and engine bookkeeping.
 
 Both engines run the same float32 weights: kvflow converts the packaged GGUF once into a
-Hugging Face folder (``kvflow.model.loader.resolve_model``) and transformers loads that folder.
+Hugging Face folder (``kvflow.model.resolve.resolve_model``) and transformers loads that folder.
 
 How to run
 ----------
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     from kvflow import LLM, SamplingParams
-    from kvflow.model.loader import resolve_model
+    from kvflow.model.resolve import resolve_model
 
     loadavg_start = os.getloadavg()
     busy_start = wait_for_idle(args.wait_idle) if args.wait_idle > 0 else cpu_busy_fraction(1.0)

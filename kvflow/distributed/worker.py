@@ -92,7 +92,7 @@ def init_process_group(rank: int, world_size: int, init_method: str, device: tor
 
 def worker_main(rank: int, world_size: int, init_method: str, args) -> None:
     """Entry point of a worker process (spawned, or a non-zero torchrun rank)."""
-    from kvflow.engine.llm_engine import build_rank
+    from kvflow.worker.worker import build_rank
 
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)

@@ -24,11 +24,11 @@ from kvflow.config import (
 )
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import Scheduler
-from kvflow.distributed.parallel_state import TensorParallel, make_shard_plan
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
 from kvflow.engine.detokenizer import IncrementalDetokenizer
-from kvflow.model.llama import LlamaForCausalLM
-from kvflow.model.loader import iter_weights, load_config, load_tokenizer, resolve_model
+from kvflow.model.base import CausalLM
+from kvflow.model.loader import load_model
+from kvflow.model.resolve import load_tokenizer, resolve_model
 from kvflow.outputs import CompletionOutput, RequestOutput
 from kvflow.request import Request, RequestStatus, make_parallel_samples
 from kvflow.sample.sampler import Sampler
@@ -38,79 +38,7 @@ from kvflow.spec_decode.metrics import SpecDecodeStats
 from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
-
-
-# The LM head's scheme for each decoder scheme (``quantize_lm_head``): AWQ's activation
-# scaling is per decoder linear, the head takes plain round-to-nearest; a GGUF file's tied
-# head (token_embd) is usually Q8_0, hence INT8.
-LM_HEAD_METHOD = {"int8": "int8", "int4": "int4", "int4-rtn": "int4", "int4-awq": "int4", "fp8": "fp8", "gguf": "int8"}
-
-
-def _load_model(
-    model_dir,
-    dtype: torch.dtype,
-    device: torch.device,
-    quantization: str | None = None,
-    group_size: int = 32,
-    tp: TensorParallel | None = None,
-    quantize_lm_head: bool | str = False,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build and load a model (this rank's shard under tensor parallelism); quantize its
-    decoder linears when asked or when the folder is a quantized checkpoint, and its LM head
-    too with ``quantize_lm_head``: True for ``LM_HEAD_METHOD`` of the decoder's method, or
-    the head's own method ("int8", "int4", "fp8").
-
-    Returns:
-        The model and the full model's ``ModelConfig``.
-    """
-    from kvflow.quantization import model as qmodel
-
-    model_config = ModelConfig.from_hf_config(load_config(model_dir))
-    if tp is not None and tp.plan is None:
-        tp.plan = make_shard_plan(model_config, tp.world_size, tp.rank)
-    if tp is not None and (quantization == "gguf" or qmodel.quantization_of(model_dir) is not None):
-        raise ValueError("tensor parallelism loads float checkpoints (quantization='gguf' or a saved quantized "
-                         "checkpoint cannot be sharded yet); use quantization='int8'/'int4'/'fp8' instead")
-    saved = qmodel.quantization_of(model_dir)
-    # Build the parameters directly in the target dtype when nothing is quantized from
-    # them (quantization reads float32 weights), so that loading never holds a float32 copy
-    # of a bfloat16 model.
-    build_dtype = dtype if saved is None and quantization is None and dtype.is_floating_point else torch.float32
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(build_dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(model_config, tp)
-    finally:
-        torch.set_default_dtype(previous)
-    if saved is not None:
-        qmodel.load_quantized_weights(model, model_dir, saved["method"], saved["group_size"])
-    else:
-        model.load_weights(iter_weights(model_dir))
-    model.eval()
-    if saved is None and quantization == "gguf":
-        from kvflow.quantization.gguf import load_gguf_linears
-
-        load_gguf_linears(model, model_dir)
-    elif saved is None and quantization is not None:
-        # From the float32 weights, as `kvflow quantize` does: a saved checkpoint then
-        # reloads to exactly this model whatever the dtype.
-        calibration = None
-        if quantization == "int4-awq":
-            calibration = qmodel.default_calibration_ids(load_tokenizer(model_dir))
-        qmodel.quantize_model(model, quantization, group_size, calibration)
-    if quantize_lm_head:
-        method = saved["method"] if saved is not None else quantization
-        if method not in LM_HEAD_METHOD:
-            raise ValueError(f"quantize_lm_head needs a quantized model (quantization int8, int4, int4-awq, fp8 "
-                             f"or gguf), got quantization={method!r}")
-        head_method = LM_HEAD_METHOD[method] if quantize_lm_head is True else quantize_lm_head
-        model.quantize_lm_head(head_method, saved["group_size"] if saved is not None else group_size)
-    # Quantized storage keeps its dtype (``_QuantizedLinear._apply``); the rest moves to dtype.
-    model.to(device=device, dtype=dtype)
-    if device.type == "cpu":
-        model.pack_for_cpu()
-    return model, model_config
+from kvflow.worker.worker import build_shard
 
 
 def _has_tokenizer(model_dir) -> bool:
@@ -118,31 +46,6 @@ def _has_tokenizer(model_dir) -> bool:
     from pathlib import Path
 
     return any((Path(model_dir) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-
-
-def _build_shard(args: EngineArgs, model_dir, rank: int) -> tuple[LlamaForCausalLM, ModelConfig, CacheConfig]:
-    """Rank ``rank``'s model shard and the cache layout every rank shares (the block count is
-    sized for the rank holding the most KV heads, so all ranks have the same blocks)."""
-    device = args.torch_device()
-    dtype = resolve_dtype(args.dtype, device)
-    world = args.tensor_parallel_size
-    tp = TensorParallel(rank, world, None)
-    model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size, tp,
-                                      args.quantize_lm_head)
-    plans = [make_shard_plan(model_config, world, r) for r in range(world)]
-    widest = max(plans, key=lambda p: p.kv_heads[1] - p.kv_heads[0])
-    cache_config = args.cache_config(widest.shard_config(model_config), dtype)
-    return model, model_config, cache_config
-
-
-def build_rank(args: EngineArgs, rank: int, world_size: int) -> ModelRunner:
-    """A tensor-parallel worker's model runner (it samples nothing)."""
-    model_dir = resolve_model(args.model, cache_dir=args.model_cache_dir)
-    model, _, cache_config = _build_shard(args, model_dir, rank)
-    device = args.torch_device()
-    cache = CacheEngine(model.config, cache_config, device)
-    return ModelRunner(model, cache, cache_config.block_size, Sampler(torch.Generator(device=device)), device,
-                       is_driver=False, attention_backend=args.resolved_attention_backend())
 
 
 @dataclass
@@ -187,7 +90,7 @@ class LLMEngine:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
@@ -217,7 +120,7 @@ class LLMEngine:
             num_cpu_blocks=cache_config.num_cpu_blocks,
         )
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
-        self.cache_engine = CacheEngine(model.config, cache_config, device)  # this rank's shard of heads
+        self.cache_engine = CacheEngine(model.kv_cache_spec, cache_config, device)  # this rank's shard of heads
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.model_runner = ModelRunner(
@@ -261,18 +164,18 @@ class LLMEngine:
         if args.tensor_parallel_size > 1:
             tp_workers = TPWorkers(args.tensor_parallel_size, args, spawn=torchrun_rank() is None)
             try:
-                model, model_config, cache_config = _build_shard(args, model_dir, 0)
+                model, model_config, cache_config = build_shard(args, model_dir, 0)
             except BaseException:
                 tp_workers.shutdown()
                 raise
         else:
-            model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size,
-                                              quantize_lm_head=args.quantize_lm_head)
+            model, model_config = load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size,
+                                             quantize_lm_head=args.quantize_lm_head)
         spec = SpeculativeConfig.from_dict(args.speculative_config) if args.speculative_config is not None else None
         draft = draft_config = None
         if spec is not None and spec.method == "draft_model":
             draft_dir = resolve_model(spec.model, cache_dir=args.model_cache_dir)
-            draft, draft_config = _load_model(draft_dir, dtype, device, spec.quantization, args.quantization_group_size)
+            draft, draft_config = load_model(draft_dir, dtype, device, spec.quantization, args.quantization_group_size)
             if draft_config.vocab_size != model_config.vocab_size:
                 raise ValueError(
                     f"speculative_config.model has vocab_size {draft_config.vocab_size}, the target "
@@ -284,7 +187,7 @@ class LLMEngine:
             # size their shards on their own: the draft cache on rank 0 comes on top.)
             kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
             extra = draft_config.kv_bytes_per_token(kv_dtype) if draft_config is not None else 0
-            cache_config = args.cache_config(model_config, dtype, extra_bytes_per_token=extra)
+            cache_config = args.cache_config(model_config.kv_cache_spec(), dtype, extra_bytes_per_token=extra)
         scheduler_config = args.scheduler_config(model_config)
         backend = args.resolved_attention_backend()
         graph_sizes = None

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kvflow.layers.cpu_attention import paged_decode_attention
 
@@ -378,3 +379,34 @@ def paged_attention(
             return o
         out[g.token_start : g.token_end] = o
     return out
+
+
+class Attention(nn.Module):
+    """One layer's paged attention: write the step's K/V into the layer's cache, then attend
+    every query over its request's cached K/V (causal).
+
+    Args:
+        num_heads, num_kv_heads: this rank's query and KV heads.
+        head_dim: elements per head.
+        scale: softmax scale (usually head_dim ** -0.5).
+
+    Shapes: q [T, num_heads, head_dim]; k, v [T, num_kv_heads, head_dim] or None (a layer
+    that reads another layer's K/V, cross-layer attention) -> [T, num_heads, head_dim].
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata: AttentionMetadata,
+        key_offset: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if k is not None:
+            store_kv(k, v, kv_cache, metadata, key_offset)
+        return paged_attention(q, kv_cache, metadata, self.scale)

@@ -16,7 +16,7 @@ import torch
 from kvflow.config import CacheConfig, ModelConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import SchedulerOutput
-from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.base import CausalLM
 from kvflow.request import Request
 from kvflow.sample.rejection_sampler import processed_probs
 from kvflow.sample.sampler import Sampler
@@ -41,7 +41,7 @@ class DraftModelProposer:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         model_config: ModelConfig,
         cache_config: CacheConfig,
         k: int,
@@ -57,7 +57,7 @@ class DraftModelProposer:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.generator = generator
-        self.runner = ModelRunner(model, CacheEngine(model_config, cache_config, device), cache_config.block_size,
+        self.runner = ModelRunner(model, CacheEngine(model.kv_cache_spec, cache_config, device), cache_config.block_size,
                                   Sampler(generator), device, attention_backend=attention_backend)
         self._shadows: dict[str, Request] = {}
 

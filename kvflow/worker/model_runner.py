@@ -8,7 +8,7 @@ import torch
 
 from kvflow.core.scheduler import SchedulerOutput
 from kvflow.layers.attention import AttentionGroup, AttentionMetadata, split_by_context
-from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.base import CausalLM
 from kvflow.request import Request
 from kvflow.sample.logits_processor import apply_logits_processors
 from kvflow.sample.rejection_sampler import RejectionSampler
@@ -61,7 +61,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         cache_engine: CacheEngine,
         block_size: int,
         sampler: Sampler,

@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers.linear import PackedLinear, onednn_available, pack_linears
-from kvflow.layers.quantized_linear import Int8Linear
+from kvflow.layers.linear import LinearBase, PackedLinear, UnquantizedLinearMethod, onednn_available
+from kvflow.model.loader import pack_for_cpu
+from kvflow.quantization.int8 import Int8LinearMethod
+from kvflow.quantization.registry import get_quantization_config
 from tests.conftest import tiny_model, tiny_model_config
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN linear ops")
@@ -62,16 +64,19 @@ def test_rejects_float32_weights_and_mismatched_inputs():
         packed(torch.randn(2, 8))
 
 
-def test_pack_linears_replaces_only_16_bit_dense_linears():
-    model = nn.Sequential(
-        nn.Linear(16, 16).to(torch.bfloat16),
-        nn.Linear(16, 16),  # float32: left to ATen
-        Int8Linear.from_float(nn.Linear(16, 16)),  # quantized: has its own kernels
-        nn.Sequential(nn.Linear(16, 16).to(torch.float16)),
-    )
-    assert pack_linears(model) == 2
-    assert isinstance(model[0], PackedLinear) and isinstance(model[3][0], PackedLinear)
-    assert type(model[1]) is nn.Linear and isinstance(model[2], Int8Linear)
+def test_unquantized_method_packs_only_16_bit_dense_weights():
+    linear = nn.Linear(16, 16)
+
+    def layer(dtype, quant=None):
+        return LinearBase.from_weights(linear.weight.data.to(dtype), linear.bias.data.to(dtype), quant)
+
+    bf16, fp32 = layer(torch.bfloat16), layer(torch.float32)  # fp32: left to ATen
+    int8 = layer(torch.float32, get_quantization_config("int8"))  # quantized: has its own kernels
+    assert UnquantizedLinearMethod.is_packed(bf16)
+    assert not UnquantizedLinearMethod.is_packed(fp32) and "weight" in fp32._parameters
+    assert isinstance(int8.quant_method, Int8LinearMethod) and int8.weight.dtype == torch.int8
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(bf16(x.bfloat16()).float(), fp32(x), atol=0.05, rtol=0.05)
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -84,8 +89,8 @@ def test_packed_model_matches_unpacked(tied):
     model = tiny_model(config).to(torch.bfloat16)
     reference = tiny_model(config).to(torch.bfloat16)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    extra = model.pack_for_cpu()
-    assert isinstance(model.layers[0].self_attn.qkv_proj, PackedLinear)
+    extra = pack_for_cpu(model)
+    assert UnquantizedLinearMethod.is_packed(model.layers[0].self_attn.qkv_proj)
     assert extra == (config.vocab_size * config.hidden_size * 2 if tied else 0)
     # state_dict (weight counting, checkpoint saving) still sees every dense weight.
     packed_state = model.state_dict()
@@ -97,7 +102,7 @@ def test_packed_model_matches_unpacked(tied):
     n = 11
     logits = []
     for m in (model, reference):
-        cache = CacheEngine(config, CacheConfig(block_size=4, num_blocks=4, dtype=torch.bfloat16), torch.device("cpu"))
+        cache = CacheEngine(config.kv_cache_spec(), CacheConfig(block_size=4, num_blocks=4, dtype=torch.bfloat16), torch.device("cpu"))
         group = AttentionGroup.build(0, [n], [n], [[0, 1, 2]], 4, torch.device("cpu"))
         meta = AttentionMetadata(slot_mapping=torch.arange(n), groups=[group])
         with torch.inference_mode():
@@ -111,5 +116,5 @@ def test_packed_model_matches_unpacked(tied):
 
 def test_float32_model_is_not_packed():
     model = tiny_model(tiny_model_config())
-    assert model.pack_for_cpu() == 0
-    assert type(model.layers[0].mlp.down_proj) is nn.Linear and model.packed_lm_head is None
+    assert pack_for_cpu(model) == 0
+    assert not UnquantizedLinearMethod.is_packed(model.layers[0].mlp.down_proj) and model.lm_head.packed is None

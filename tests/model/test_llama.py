@@ -152,8 +152,8 @@ def test_cross_layer_kv_sharing_divides_kv_memory():
     for share in (2, 3):
         cfg = tiny_model_config(num_hidden_layers=6, cla_share_factor=share)
         assert cfg.kv_bytes_per_token(torch.float32) * share == base.kv_bytes_per_token(torch.float32)
-        full = CacheEngine(base, CacheConfig(4, 10, torch.float32), torch.device("cpu"))
-        shared = CacheEngine(cfg, CacheConfig(4, 10, torch.float32), torch.device("cpu"))
+        full = CacheEngine(base.kv_cache_spec(), CacheConfig(4, 10, torch.float32), torch.device("cpu"))
+        shared = CacheEngine(cfg.kv_cache_spec(), CacheConfig(4, 10, torch.float32), torch.device("cpu"))
         assert len(shared.kv_caches) == 6 // share
         assert shared.num_bytes * share == full.num_bytes
     # The non-first layers of a group have no K/V projection weights.
@@ -174,32 +174,33 @@ def test_quantize_lm_head(tied, method, bound):
     dense = model.lm_head_weight.detach().clone()
     hidden = torch.randn(5, 64)
     want = hidden @ dense.T
-    model.quantize_lm_head(method, group_size=32)
-    assert model.packed_lm_head is not None
+    model.lm_head.quantize(method, group_size=32)
+    assert model.lm_head.packed is not None
     got = model.compute_logits(hidden)
     err = (got - want).abs().max() / want.abs().max()
     assert 0 < err < bound, err
     assert torch.equal(model.embed_tokens.weight, embed)
     if not tied:
-        assert model.lm_head is None
+        assert "weight" not in model.lm_head._parameters
         sd = model.state_dict()
-        assert torch.allclose(sd["lm_head"], dense, atol=bound * dense.abs().max())
+        assert torch.allclose(sd["lm_head.weight"], dense, atol=bound * dense.abs().max())
 
 
 def test_quantize_lm_head_int4_group_falls_back_like_the_decoder():
     """A group size that does not divide hidden_size (128 for 64 here; 128 for SmolLM2's
     576) takes the largest halving that does, as the decoder linears do."""
-    from kvflow.layers.quantized_linear import Int4Linear
+    from kvflow.quantization.int4 import Int4LinearMethod
 
     model = tiny_model(tiny_model_config())
-    model.quantize_lm_head("int4", group_size=128)
-    assert isinstance(model.packed_lm_head, Int4Linear) and model.packed_lm_head.group_size == 64
+    model.lm_head.quantize("int4", group_size=128)
+    head = model.lm_head.packed
+    assert isinstance(head.quant_method, Int4LinearMethod) and head.group_size == 64
 
 
 def test_quantize_lm_head_rejects_unknown_method():
     model = tiny_model(tiny_model_config())
     with pytest.raises(ValueError, match="LM head quantization"):
-        model.quantize_lm_head("int2")
+        model.lm_head.quantize("int2")
 
 
 def _prefill_logits_with_cache(model, token_ids, cache_dtype, chunk=8, block_size=4):
@@ -209,7 +210,7 @@ def _prefill_logits_with_cache(model, token_ids, cache_dtype, chunk=8, block_siz
 
     n = len(token_ids)
     num_blocks = -(-n // block_size)
-    cache = CacheEngine(model.config, CacheConfig(block_size, num_blocks, cache_dtype), torch.device("cpu"))
+    cache = CacheEngine(model.kv_cache_spec, CacheConfig(block_size, num_blocks, cache_dtype), torch.device("cpu"))
     table = list(range(num_blocks))
     logits = []
     with torch.inference_mode():

@@ -275,7 +275,7 @@ def enumerate_logits(model, prompt: list[int], depth: int, vocab: int) -> list[t
     n, length = seqs.shape[0], len(prompt) + depth
     tokens = torch.cat([torch.tensor(prompt).expand(n, -1), seqs], dim=1)
     bs = length
-    cache = CacheEngine(model.config, CacheConfig(bs, n, torch.float32), CPU)
+    cache = CacheEngine(model.kv_cache_spec, CacheConfig(bs, n, torch.float32), CPU)
     positions = torch.arange(length).repeat(n)
     slots = torch.arange(n * length)  # sequence i in block i
     group = AttentionGroup.build(0, [length] * n, [length] * n, [[i] for i in range(n)], bs, CPU)

@@ -455,7 +455,7 @@ def test_vocab_mismatch_raises_at_load(tmp_path):
 def test_quantized_draft_model_keeps_greedy_outputs(tmp_path):
     """speculative_config.quantization quantizes the draft only; the float32 target still
     decides every token, so greedy outputs equal those without speculation."""
-    from kvflow.layers.quantized_linear import Int8Linear
+    from kvflow.quantization.int8 import Int8LinearMethod
     from kvflow import SamplingParams
 
     target = _save_tiny_hf_llama(tmp_path / "target", 64)
@@ -467,8 +467,10 @@ def test_quantized_draft_model_keeps_greedy_outputs(tmp_path):
         speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "quantization": "int8"},
     ))
     draft_layer = spec.proposer.runner.model.layers[0]
-    assert isinstance(draft_layer.mlp.down_proj, Int8Linear)
-    assert type(spec.model_runner.model.layers[0].mlp.down_proj) is torch.nn.Linear  # the target stays float
+    assert isinstance(draft_layer.mlp.down_proj.quant_method, Int8LinearMethod)
+    from kvflow.layers.linear import UnquantizedLinearMethod
+
+    assert isinstance(spec.model_runner.model.layers[0].mlp.down_proj.quant_method, UnquantizedLinearMethod)  # the target stays float
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = []
     for engine in (plain, spec):

