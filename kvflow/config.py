@@ -88,12 +88,49 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
+def _scaled_rope(scaling: dict[str, Any], max_position_embeddings: int) -> tuple[dict[str, Any], int]:
+    """A RoPE scaling dict completed with what ``kvflow.layers.rotary.rope_frequencies``
+    reads, and the model's context in tokens under it.
+
+    - "yarn": ``factor`` defaults to max_position_embeddings / original (as transformers);
+      the context is max(max_position_embeddings, original x factor) (vLLM's derived length).
+    - "dynamic": the unscaled context max_position_embeddings goes in as
+      ``original_max_position_embeddings``; the context becomes max_position_embeddings x
+      factor (vLLM's; the length its base is fixed for).
+    - "longrope" / "su": ``factor`` defaults to max_position_embeddings / original (the
+      attention factor's input in transformers); the context stays max_position_embeddings.
+    """
+    scaling = dict(scaling)
+    rope_type = scaling["rope_type"]
+    context = max_position_embeddings
+    if rope_type in ("yarn", "longrope", "su"):
+        original = scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_position_embeddings / original
+        if rope_type == "yarn":
+            context = max(context, int(original * float(scaling["factor"])))
+    elif rope_type == "dynamic":
+        scaling["original_max_position_embeddings"] = max_position_embeddings
+        context = int(max_position_embeddings * float(scaling["factor"]))
+    return scaling, context
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture facts of a Llama-family decoder (llama, mistral, qwen2).
 
     Built from a Hugging Face ``PretrainedConfig`` by :meth:`from_hf_config`. Sizes are in
-    elements; ``max_position_embeddings`` in tokens.
+    elements; ``max_position_embeddings`` in tokens: the model's context, which for "yarn"
+    and "dynamic" RoPE scaling is the scaled one (as vLLM derives it: ``factor`` x the
+    original context), the config's own value otherwise.
+
+    ``partial_rotary_factor``: RoPE rotates the first ``rotary_dim = head_dim x factor``
+    dimensions of each head (Phi-3 / Phi-4-mini), 1.0 for all.
+
+    ``max_model_len``: the engine's context limit in tokens when the model is loaded for an
+    engine (``kvflow.model.loader.load_model``), else None (``max_position_embeddings``). It
+    fixes LongRoPE's factor set (``kvflow.layers.rotary``) and decides whether a sliding
+    window that kvflow does not implement yet would ever act (``context_len``).
 
     ``cla_share_factor`` (config.json key of the same name, default 1) enables cross-layer
     attention (Brandon et al. 2024, "Reducing Transformer Key-Value Cache Size with
@@ -120,12 +157,36 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     cla_share_factor: int = 1
+    partial_rotary_factor: float = 1.0
+    max_model_len: int | None = None
     # The transformers config it was read from (architecture-specific fields), if any.
     hf_config: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cla_share_factor < 1:
             raise ValueError(f"cla_share_factor must be >= 1, got {self.cla_share_factor}")
+        rotary_dim = self.head_dim * self.partial_rotary_factor
+        if not (0 < self.partial_rotary_factor <= 1) or int(rotary_dim) % 2 or int(rotary_dim) == 0:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} gives a rotary dimension of {rotary_dim} of "
+                f"head_dim {self.head_dim}; kvflow needs an even number of rotated dimensions, 0 < factor <= 1"
+            )
+        if self.max_model_len is not None and self.max_model_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's context "
+                f"({self.max_position_embeddings} tokens)"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated dimensions of each head (``head_dim`` x ``partial_rotary_factor``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence this model will run, in tokens: ``max_model_len`` when the
+        engine set it, else ``max_position_embeddings``."""
+        return self.max_model_len or self.max_position_embeddings
 
     @property
     def num_kv_layers(self) -> int:
@@ -153,6 +214,10 @@ class ModelConfig:
         rope_theta = rope_params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
         rope_scaling = None if rope_type == "default" else {**rope_params, "rope_type": rope_type}
+        partial_rotary = rope_params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+        context = hf_config.max_position_embeddings
+        if rope_scaling is not None:
+            rope_scaling, context = _scaled_rope(rope_scaling, context)
         eos = hf_config.eos_token_id
         if isinstance(eos, (list, tuple)):
             eos = eos[0] if eos else None
@@ -168,13 +233,14 @@ class ModelConfig:
             rms_norm_eps=hf_config.rms_norm_eps,
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=hf_config.max_position_embeddings,
+            max_position_embeddings=context,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             bos_token_id=hf_config.bos_token_id,
             eos_token_id=eos,
             cla_share_factor=int(getattr(hf_config, "cla_share_factor", 1) or 1),
+            partial_rotary_factor=float(1.0 if partial_rotary is None else partial_rotary),
             hf_config=hf_config,
         )
 

@@ -181,3 +181,77 @@ def engine_like(
         proposer=proposer,
         attention_backend=attention_backend,
     )
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests (``pytestmark =
+    pytest.mark.usefixtures("one_thread")``): tiny matrices gain nothing from threads, and on
+    a shared 2-core machine spinning OpenMP threads make each small op ~1000x slower."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# --- transformers parity through the engine (tiny random checkpoints in a folder) --------------
+
+
+def randomize_hf_model(hf_model, seed: int = 0, std: float = 0.2):
+    """Give a transformers model weights that make distinct logits: matrices N(0, std), norm
+    weights 1 + N(0, 0.1) (so that a norm loaded into the wrong place shows); returns it in
+    eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    return hf_model.eval()
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of ``prompt``, one full forward per token (no cache),
+    and the top-1 minus top-2 logit margin at each step (a near-tie shows as a small margin)."""
+    ids, margins = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            top = logits.topk(2).values
+            margins.append(float(top[0] - top[1]))
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):], margins
+
+
+def engine_greedy_matches_hf(model_dir, hf_model, prompts: list[list[int]], shared_prefix_prompt: list[int],
+                             max_tokens: int = 32, **engine_kwargs) -> dict[str, float]:
+    """Greedy tokens of kvflow's engine (loaded from ``model_dir`` by ``from_engine_args``,
+    float32 on the CPU) against ``hf_greedy``: ``prompts`` run as one mixed batch with chunked
+    prefill (max_num_batched_tokens 16, block_size 4), then ``shared_prefix_prompt`` (which
+    must share at least one full block with ``prompts[0]``) runs from the prefix cache.
+
+    Asserts identical tokens and a prefix-cache hit. Returns the smallest top-2 margin
+    transformers had over all steps (how far from a near-tie the comparison was).
+    """
+    from kvflow.config import EngineArgs
+    from kvflow.sampling_params import SamplingParams
+
+    args = dict(model=str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=128,
+                max_num_batched_tokens=16, max_num_seqs=8, enable_prefix_caching=True)
+    args.update(engine_kwargs)
+    engine = LLMEngine.from_engine_args(EngineArgs(**args))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"batch-{i}", prompt, params)
+    done = run_to_completion(engine)
+    hits_before = engine.get_stats()["prefix_cache_hits"]
+    engine.add_request("prefix", shared_prefix_prompt, params)
+    done.update(run_to_completion(engine))
+    assert engine.get_stats()["prefix_cache_hits"] > hits_before
+    margins = []
+    for rid, prompt in [*((f"batch-{i}", p) for i, p in enumerate(prompts)), ("prefix", shared_prefix_prompt)]:
+        want, margin = hf_greedy(hf_model, prompt, max_tokens)
+        assert done[rid] == want, rid
+        margins += margin
+    return {"min_margin": min(margins)}

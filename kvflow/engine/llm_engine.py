@@ -170,7 +170,7 @@ class LLMEngine:
                 raise
         else:
             model, model_config = load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size,
-                                             quantize_lm_head=args.quantize_lm_head)
+                                             quantize_lm_head=args.quantize_lm_head, max_model_len=args.max_model_len)
         spec = SpeculativeConfig.from_dict(args.speculative_config) if args.speculative_config is not None else None
         draft = draft_config = None
         if spec is not None and spec.method == "draft_model":

@@ -30,10 +30,14 @@ from kvflow.quantization.base import QuantizationConfig
 
 class LlamaAttention(nn.Module):
     """Self-attention; with cross-layer KV sharing only the first layer of a group projects
-    and stores K/V, the others read it (``owns_kv`` False: the projection is Q only)."""
+    and stores K/V, the others read it (``owns_kv`` False: the projection is Q only).
+
+    Subclasses change what happens between the projection and the cache by overriding
+    ``rotate_heads`` (Qwen3 normalizes each head there); ``o_proj_bias`` gives the output
+    projection a bias."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None = None,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "", o_proj_bias: bool = False) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.owns_kv = layer_idx % config.cla_share_factor == 0
@@ -45,7 +49,7 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.num_kv_heads * config.head_dim
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * config.head_dim, config.hidden_size, bias=False, quant_config=quant_config,
+            config.num_attention_heads * config.head_dim, config.hidden_size, bias=o_proj_bias, quant_config=quant_config,
             prefix=f"{prefix}.o_proj", tp=tp, input_range=self.qkv_proj.q_range,
         )
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
@@ -67,6 +71,11 @@ class LlamaAttention(nn.Module):
         b = bias[self.q_size : self.q_size + self.kv_size].view(self.num_kv_heads, self.head_dim)
         return b * rotary.slow_mask.to(b.dtype)
 
+    def rotate_heads(self, heads: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Apply RoPE to projected heads [T, num_heads (+ num_kv_heads), head_dim]: the query
+        heads, followed by the key heads when this layer owns K/V. Returns the same shape."""
+        return apply_rotary(heads, *cos_sin)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -78,12 +87,12 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         if self.owns_kv:
             # Rotate the query and key heads together: [T, heads + kv_heads, head_dim].
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), *cos_sin)
+            qk = self.rotate_heads(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos_sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
             o = self.attn(q, k, v, kv_cache, metadata, self._key_offset(kv_cache))
         else:
-            q = apply_rotary(qkv.view(num_tokens, self.num_heads, self.head_dim), *cos_sin)
+            q = self.rotate_heads(qkv.view(num_tokens, self.num_heads, self.head_dim), cos_sin)
             o = self.attn(q, None, None, kv_cache, metadata)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
@@ -110,10 +119,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residuals; ``attention_cls`` builds the
+    attention (a subclass of ``LlamaAttention`` for Llama-shaped variants)."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None = None,
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, tp, quant_config, f"{prefix}.self_attn")
+        self.self_attn = self.attention_cls(config, layer_idx, tp, quant_config, f"{prefix}.self_attn")
         self.mlp = LlamaMLP(config, tp, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -126,25 +140,47 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """The full decoder with its LM head.
 
+    Llama-shaped variants subclass it with their own ``decoder_layer_cls`` and extend
+    ``check_config`` (``qwen3.py``, ``phi3.py``).
+
     Args:
         config: architecture facts (see ``ModelConfig``) of the full model.
         tp: this rank's tensor-parallel place, or None. With it the layers hold only this
             rank's shard and sum / gather partial results across ranks.
         quant_config: weight quantization of the decoder linears, or None.
+
+    Raises:
+        ValueError: from ``check_config``, naming a config field kvflow does not implement.
     """
+
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+
+    @classmethod
+    def check_config(cls, config: ModelConfig) -> None:
+        """Refuse config fields this architecture's code would silently get wrong.
+
+        Raises:
+            ValueError: naming the field (here: ``hidden_act`` other than "silu").
+        """
+        hf = config.hf_config
+        act = getattr(hf, "hidden_act", None) if hf is not None else None
+        if act not in (None, "silu"):
+            raise ValueError(f"hidden_act={act!r} is not supported by kvflow's {config.model_type} model (SwiGLU: 'silu')")
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
+        self.check_config(config)
         self.config = config
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp, quant_config, f"layers.{i}") for i in range(config.num_hidden_layers)
+            self.decoder_layer_cls(config, i, tp, quant_config, f"layers.{i}") for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling,
+            rotary_dim=config.rotary_dim, max_model_len=config.max_model_len,
         )
         for layer in self.layers:  # a reference, not a submodule (LlamaAttention._key_offset)
             layer.self_attn.__dict__["rotary"] = self.rotary

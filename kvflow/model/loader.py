@@ -18,6 +18,7 @@ Steps (``load_model``):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,7 @@ def load_model(
     tp: TensorParallel | None = None,
     quantize_lm_head: bool | str = False,
     calibration_ids: list[int] | None = None,
+    max_model_len: int | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build and load a model (this rank's shard under tensor parallelism); see the module
     docstring for the steps.
@@ -105,15 +107,22 @@ def load_model(
         quantize_lm_head: True for the scheme's head method (``lm_head_method``), or "int8",
             "int4", "fp8"; False keeps the head dense.
         calibration_ids: AWQ calibration tokens (default: the default text).
+        max_model_len: the engine's context limit in tokens (``ModelConfig.max_model_len``;
+            it fixes LongRoPE's factor set and decides whether a sliding window would act),
+            or None for the model's context.
 
     Returns:
         The model and the full model's ``ModelConfig``.
 
     Raises:
-        ValueError: an unsupported architecture or option, a checkpoint that does not match
-            the model, or tensor parallelism over a compact GGUF / saved quantized checkpoint.
+        ValueError: an unsupported architecture or option (a config field the model refuses
+            is named), a checkpoint that does not match the model, ``max_model_len`` beyond
+            the model's context, or tensor parallelism over a compact GGUF / saved quantized
+            checkpoint.
     """
     model_config = ModelConfig.from_hf_config(load_config(model_dir))
+    if max_model_len is not None:
+        model_config = dataclasses.replace(model_config, max_model_len=max_model_len)
     saved = quantization_of(model_dir)
     if tp is not None and (quantization == "gguf" or saved is not None):
         raise ValueError("tensor parallelism loads float checkpoints (quantization='gguf' or a saved quantized "

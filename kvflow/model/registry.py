@@ -13,6 +13,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "mistral": ("llama", "LlamaForCausalLM"),
     "qwen2": ("llama", "LlamaForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 
 

@@ -10,7 +10,13 @@ Format sources:
 - GGUF container, metadata keys and tensor names: the GGUF spec
   (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) and `gguf-py` (`gguf.constants`),
   read with `gguf.GGUFReader` and dequantized with `gguf.quants.dequantize`.
-- Q/K row permutation of arch `llama`: llama.cpp `convert_hf_to_gguf.py`, `LlamaModel.permute`.
+- Q/K row permutation of arch `llama`: llama.cpp `convert_hf_to_gguf.py`, `LlamaModel.permute`
+  (its `qwen2`, `qwen3` and `phi3` converters store Q/K as in the HF checkpoint).
+- `phi3`: llama.cpp `Phi3MiniModel` writes the fused `attn_qkv` and `ffn_up` (gate then up,
+  the HF `gate_up_proj`), the LongRoPE factors as the tensors `rope_factors_long` /
+  `rope_factors_short` (no `rope.scaling.type` key), `rope.scaling.attn_factor`,
+  `rope.scaling.original_context_length`, `rope.dimension_count` (partial rotary) and
+  `attention.sliding_window` (0: none).
 - HF directory layout, sharded-safetensors index (`model.safetensors.index.json`) and config
   fields: transformers `PreTrainedModel.save_pretrained` / `LlamaConfig` / `Qwen2Config`.
 """
@@ -63,8 +69,15 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",  # qwen3
+    "attn_qkv": "self_attn.qkv_proj",  # phi3 (fused)
 }
+# Per-architecture exceptions to _LAYER_TENSORS.
+_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}  # phi3's ffn_up is gate and up, fused
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF tensors that become config fields rather than weights (phi3's LongRoPE factors).
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Optional `{arch}.rope.scaling.<gguf key>` -> HF yarn `rope_parameters` key.
 _YARN_OPTIONAL_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "attn_factor": "attention_factor"}
 _TOKEN_ID_KEYS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
@@ -72,6 +85,8 @@ _CONFIG_CLASSES: dict[str, type[transformers.PretrainedConfig]] = {
     # llama.cpp also writes Mistral checkpoints as arch "llama" (same layout and permutation).
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+    "phi3": transformers.Phi3Config,
 }
 
 
@@ -89,7 +104,7 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
          model; `qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`), taken from its pip package(s);
          split models are first concatenated into `<cache>/<name>.gguf` (size and SHA-256
          checked);
-      2. a path to a `.gguf` file (arch `llama` or `qwen2`);
+      2. a path to a `.gguf` file (arch `llama`, `qwen2`, `qwen3` or `phi3`);
       3. an HF directory containing `config.json`, returned as is (resolved to absolute).
 
     GGUF files are converted once into `<cache>/<gguf stem>-<key>`, where `<cache>` is
@@ -171,9 +186,11 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> transformers.PreTrained
 def convert_gguf(
     gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], shard_bytes: int = SHARD_BYTES
 ) -> None:
-    """Write the HF-format equivalent of a `llama` or `qwen2` GGUF file into `out_dir`.
+    """Write the HF-format equivalent of a `llama`, `qwen2`, `qwen3` or `phi3` GGUF file into
+    `out_dir`.
 
-    Writes `config.json` (`LlamaConfig`/`Qwen2Config` from the GGUF metadata, dtype float32),
+    Writes `config.json` (`LlamaConfig`/`Qwen2Config`/`Qwen3Config`/`Phi3Config` from the GGUF
+    metadata, dtype float32),
     float32 safetensors (dequantized tensor by tensor, shards of at most `shard_bytes` bytes
     plus `model.safetensors.index.json` when more than one; Q/K permutation of arch `llama`
     undone) and the tokenizer files (via transformers' GGUF tokenizer support, keeping the
@@ -246,7 +263,7 @@ def _build_config(reader: gguf.GGUFReader) -> transformers.PretrainedConfig:
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads))
     rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if rope_dim != head_dim and arch != "phi3":
         raise NotImplementedError(f"Partial rotary embedding ({rope_dim} of {head_dim} dims) is not supported")
     kwargs: dict[str, Any] = dict(
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF dims are reversed: (hidden, vocab)
@@ -266,19 +283,51 @@ def _build_config(reader: gguf.GGUFReader) -> transformers.PretrainedConfig:
         token_id = _field(reader, f"tokenizer.ggml.{gguf_key}_token_id", None)
         if token_id is not None:
             kwargs[hf_key] = int(token_id)
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    if arch == "phi3":
+        kwargs.update(_phi3_fields(reader, tensors, rope_dim / head_dim, kwargs["rope_parameters"]))
     config = _CONFIG_CLASSES[arch](**kwargs)
     config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
     return config
 
 
-def _hf_name(gguf_name: str) -> str:
+def _phi3_fields(
+    reader: gguf.GGUFReader, tensors: dict[str, gguf.ReaderTensor], partial_rotary: float, rope: dict[str, Any]
+) -> dict[str, Any]:
+    """`Phi3Config` fields from phi3 metadata: the LongRoPE factor tensors (their presence is
+    how llama.cpp marks LongRoPE), the attention factor, partial rotary, the sliding window."""
+    fields: dict[str, Any] = {}
+    original = _field(reader, "phi3.rope.scaling.original_context_length", None)
+    if original is not None:
+        fields["original_max_position_embeddings"] = int(original)
+    factors = {name: tensors.get(f"rope_factors_{name}.weight") for name in ("long", "short")}
+    if any(t is not None for t in factors.values()):
+        if None in factors.values() or original is None:
+            raise NotImplementedError("phi3 GGUF has incomplete LongRoPE data (needs rope_factors_long, "
+                                      "rope_factors_short and rope.scaling.original_context_length)")
+        rope.update(
+            rope_type="longrope",
+            original_max_position_embeddings=int(original),
+            **{f"{name}_factor": [_float32(v) for v in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)]
+               for name, t in factors.items()},
+        )
+        attn_factor = _field(reader, "phi3.rope.scaling.attn_factor", None)
+        if attn_factor is not None:
+            rope["attention_factor"] = _float32(attn_factor)
+    rope["partial_rotary_factor"] = partial_rotary
+    window = int(_field(reader, "phi3.attention.sliding_window", 0))
+    fields["sliding_window"] = window or None
+    return fields
+
+
+def _hf_name(gguf_name: str, arch: str) -> str:
     base, _, kind = gguf_name.rpartition(".")
     layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if kind in ("weight", "bias"):
-        if layer and layer[2] in _LAYER_TENSORS:
-            return f"model.layers.{layer[1]}.{_LAYER_TENSORS[layer[2]]}.{kind}"
+        names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
+        if layer and layer[2] in names:
+            return f"model.layers.{layer[1]}.{names[layer[2]]}.{kind}"
         if base in _GLOBAL_TENSORS:
             return f"{_GLOBAL_TENSORS[base]}.{kind}"
     raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in kvflow's converter")
@@ -307,8 +356,10 @@ def _hf_tensor(tensor: gguf.ReaderTensor, config: transformers.PretrainedConfig)
 def _write_weights(reader: gguf.GGUFReader, config: transformers.PretrainedConfig, out: Path, shard_bytes: int) -> None:
     shards: list[list[gguf.ReaderTensor]] = [[]]
     used = 0
-    for tensor in reader.tensors:
-        _hf_name(tensor.name)  # reject unsupported tensors before writing anything
+    arch = config.model_type
+    weights_only = [tensor for tensor in reader.tensors if tensor.name not in _CONFIG_TENSORS]
+    for tensor in weights_only:
+        _hf_name(tensor.name, arch)  # reject unsupported tensors before writing anything
         nbytes = int(tensor.n_elements) * 4
         if shards[-1] and used + nbytes > shard_bytes:
             shards.append([])
@@ -319,12 +370,12 @@ def _write_weights(reader: gguf.GGUFReader, config: transformers.PretrainedConfi
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(shards, start=1):
         file_name = "model.safetensors" if count == 1 else f"model-{number:05d}-of-{count:05d}.safetensors"
-        weights = {_hf_name(tensor.name): _hf_tensor(tensor, config) for tensor in shard}
+        weights = {_hf_name(tensor.name, arch): _hf_tensor(tensor, config) for tensor in shard}
         save_file(weights, str(out / file_name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(weights, file_name))
         del weights  # free this shard before the next one is dequantized
     if count > 1:
-        total = sum(int(tensor.n_elements) * 4 for tensor in reader.tensors)
+        total = sum(int(tensor.n_elements) * 4 for tensor in weights_only)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 

@@ -32,7 +32,8 @@ def build_shard(args: EngineArgs, model_dir: str | os.PathLike, rank: int):
     dtype = resolve_dtype(args.dtype, device)
     world = args.tensor_parallel_size
     model, model_config = load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size,
-                                     TensorParallel(rank, world), args.quantize_lm_head)
+                                     TensorParallel(rank, world), args.quantize_lm_head,
+                                     max_model_len=args.max_model_len)
     widest = max((model_config.kv_cache_spec(world, r) for r in range(world)), key=lambda spec: spec.num_kv_heads)
     cache_config = args.cache_config(widest, dtype)
     return model, model_config, cache_config

@@ -117,6 +117,22 @@ def write_tiny_gguf(
     return expected
 
 
+def write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray],
+               configure: Callable[[gguf.GGUFWriter], None]) -> None:
+    """Write F32 `tensors` (GGUF names, HF layout) under `arch`, with the tiny tokenizer of
+    `_tiny_tokenizer` (261 tokens: the vocabulary size the model must have) and the metadata
+    `configure` adds (as llama.cpp's converter writes it for that architecture)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    _tiny_tokenizer(writer)
+    configure(writer)
+    for name, value in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
