@@ -117,7 +117,7 @@ def _scaled_rope(scaling: dict[str, Any], max_position_embeddings: int) -> tuple
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture facts of a Llama-family decoder (llama, mistral, qwen2).
+    """Architecture facts of a Llama-shaped decoder (llama, mistral, qwen2, qwen3, phi3).
 
     Built from a Hugging Face ``PretrainedConfig`` by :meth:`from_hf_config`. Sizes are in
     elements; ``max_position_embeddings`` in tokens: the model's context, which for "yarn"

@@ -247,3 +247,29 @@ def test_int8_kv_cache_stores_keys_minus_the_k_bias(monkeypatch):
     monkeypatch.setattr(LlamaAttention, "_key_offset", lambda self, cache: None)
     err_without = float((_prefill_logits_with_cache(model, ids, torch.int8) - want).abs().max())
     assert err < 0.2 * err_without, (err, err_without)  # observed 0.16 vs 2.84
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_dynamic_ntk_matches_transformers_at_the_scaled_context(tmp_path):
+    """Dynamic NTK: kvflow fixes the base for factor x max_position_embeddings (as vLLM), the
+    model's context in kvflow (64 here). transformers recomputes it for each sequence longer
+    than 32: the two agree on a 64-token sequence, and differ on shorter ones."""
+    from conftest import randomize_hf_model
+    from kvflow.model.loader import load_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )
+    hf = randomize_hf_model(transformers.LlamaForCausalLM(config))
+    hf.save_pretrained(tmp_path)
+    model, model_config = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    assert model_config.max_position_embeddings == 64
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        shorter = hf(torch.tensor([ids[:40]])).logits[0]  # first: transformers keeps a longer length's base
+        full = hf(torch.tensor([ids])).logits[0]
+    for chunk in (5, 64):
+        torch.testing.assert_close(prefill_logits(model, ids, chunk), full, atol=1e-4, rtol=1e-4)
+    assert (prefill_logits(model, ids[:40], 8) - shorter).abs().max() > 1e-2

@@ -77,7 +77,7 @@ def test_engine_greedy_matches_transformers(overrides, tmp_path):
     hf = save_qwen3(tmp_path, seed=2, **overrides)
     prompts = [_ids(21, 3), _ids(9, 4), _ids(30, 5)]
     stats = engine_greedy_matches_hf(tmp_path, hf, prompts, prompts[0][:12] + _ids(7, 6))
-    assert stats["min_margin"] > 1e-3  # not decided by a near-tie
+    assert stats["min_margin"] > 1e-4  # every step decided by more than the 1e-4 logits tolerance
 
 
 def test_sliding_window_is_refused_unless_it_never_acts(tmp_path):
