@@ -131,7 +131,14 @@ class LlamaForCausalLM(CausalLM):
         tp: this rank's tensor-parallel place, or None. With it the layers hold only this
             rank's shard and sum / gather partial results across ranks.
         quant_config: weight quantization of the decoder linears, or None.
+
+    Attributes:
+        decoder_layer_class: the class of each decoder layer, called as ``(config, layer_idx,
+            tp, quant_config, prefix)``; an architecture that differs only inside its
+            layers (Mixtral's experts, Qwen3-MoE) subclasses this model and sets it.
     """
+
+    decoder_layer_class: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:
@@ -140,7 +147,7 @@ class LlamaForCausalLM(CausalLM):
         self.tp = tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp, quant_config, f"layers.{i}") for i in range(config.num_hidden_layers)
+            self.decoder_layer_class(config, i, tp, quant_config, f"layers.{i}") for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(

@@ -13,6 +13,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "mistral": ("llama", "LlamaForCausalLM"),
     "qwen2": ("llama", "LlamaForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "qwen2_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

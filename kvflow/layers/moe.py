@@ -1,0 +1,418 @@
+"""Mixture-of-experts layer: a top-k softmax router and SwiGLU experts run grouped by expert.
+
+Sparsely-gated MoE (Shazeer et al. 2017, "Outrageously Large Neural Networks", section 2):
+each token's hidden state goes through ``top_k`` of ``num_experts`` SwiGLU MLPs chosen by a
+linear router, and their outputs are summed with the router's weights. Routing follows the
+Hugging Face reference code exactly (``transformers`` ``MixtralTopKRouter`` /
+``Qwen3MoeTopKRouter``): softmax over all experts' logits in float32, ``torch.topk``, then
+optionally the top-k weights divided by their sum (``renormalize``: always for Mixtral —
+which equals a softmax over the top-k logits — and ``norm_topk_prob`` for Qwen3-MoE).
+
+Experts run grouped by expert, never per token: the (token, expert) pairs are sorted by
+expert, and each expert with tokens multiplies all of its rows at once; the weighted
+outputs are scatter-added back to their tokens (``index_add_``). How the groups are
+multiplied is the layer's ``quant_method`` (``kvflow.quantization.base.FusedMoEMethodBase``):
+``UnquantizedFusedMoEMethod`` below (``torch._grouped_mm``: one grouped GEMM per projection
+over all experts, chosen by measurement over a loop over the experts with tokens, a
+gather + ``bmm`` and a dense all-experts product: see ``EXPERT_IMPLS``), or a weight-only
+scheme's method (``kvflow.quantization.moe``: a loop over the experts with tokens through the
+scheme's kernels).
+
+Weights are stacked per layer: ``w13_weight`` [num_experts, 2 * intermediate, hidden]
+(each expert's gate rows, then its up rows) and ``w2_weight`` [num_experts, hidden,
+intermediate] (down), loaded from per-expert checkpoint tensors by ``weight_loader``.
+
+Tensor parallelism splits every expert's intermediate dimension (Megatron-style, as the
+dense MLP: gate/up column-parallel, down row-parallel): each rank holds all experts' slices
+[start, end) of the intermediate features, computes the routed experts' partial outputs,
+and the partial sums are all-reduced once after the down projection. Routing is replicated
+(the router is a ``ReplicatedLinear``), so every rank picks the same experts.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.distributed.parallel_state import TensorParallel, even_partition
+from kvflow.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from kvflow.quantization.base import FusedMoEMethodBase, keep_storage_dtypes
+
+if TYPE_CHECKING:
+    from kvflow.quantization.base import QuantizationConfig
+
+#: Checkpoint projections of one expert -> (stacked parameter, part): gate (w1) and up (w3)
+#: fill the two halves of ``w13_weight``, down (w2) ``w2_weight``.
+EXPERT_PARTS = {"w1": ("w13_weight", 0), "w3": ("w13_weight", 1), "w2": ("w2_weight", 0)}
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k softmax routing, in the order of the transformers reference routers.
+
+    Args:
+        router_logits: [T, num_experts], any float dtype.
+        top_k: experts per token.
+        renormalize: divide the top-k probabilities by their sum.
+
+    Returns:
+        topk_weights float32 [T, top_k] and topk_ids int64 [T, top_k] (descending weight).
+    """
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The (token, expert) pairs sorted by expert.
+
+    Args:
+        topk_ids: int64 [T, top_k].
+
+    Returns:
+        order int64 [T * top_k] (flat pair indices, by expert, stable), tokens int64
+        [T * top_k] (the token of each sorted pair) and the number of pairs per expert
+        (a list of ``num_experts`` ints).
+    """
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, order // topk_ids.shape[1], counts
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [M, 2 * I] gate/up product -> [M, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def experts_loop(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """One matmul pair per expert that has tokens (``index_select`` of its rows, the two
+    projections, ``index_add_`` of the weighted outputs into their tokens).
+
+    Args:
+        x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I] (x's dtype); topk_weights float32
+        [T, k]; topk_ids int64 [T, k].
+
+    Returns:
+        [T, H] in x's dtype (summed in float32).
+    """
+    order, tokens, counts = group_by_expert(topk_ids, w13.shape[0])
+    weights = topk_weights.reshape(-1)[order]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start : start + n]
+        h = F.linear(swiglu(F.linear(x.index_select(0, rows), w13[e])), w2[e])
+        out.index_add_(0, rows, h.float() * weights[start : start + n, None])
+        start += n
+    return out.to(x.dtype)
+
+
+def experts_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """All experts' groups in one grouped GEMM per projection (``torch._grouped_mm`` over
+    the rows sorted by expert, with the cumulative group sizes as offsets); same arguments
+    and result as ``experts_loop``."""
+    order, tokens, counts = group_by_expert(topk_ids, w13.shape[0])
+    offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    xs = x.index_select(0, tokens)
+    h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offsets)
+    h = torch._grouped_mm(swiglu(h), w2.transpose(1, 2), offs=offsets)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, tokens, h.float() * topk_weights.reshape(-1)[order, None])
+    return out.to(x.dtype)
+
+
+def experts_gather_bmm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Each (token, expert) pair as one batch entry of ``torch.bmm`` over the gathered
+    expert weights (a copy of k weight matrices per token); same arguments and result as
+    ``experts_loop``."""
+    t, k = topk_ids.shape
+    ids = topk_ids.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)[:, None, :]  # [T k, 1, H]
+    h = torch.bmm(xs, w13.index_select(0, ids).transpose(1, 2))  # [T k, 1, 2I]
+    h = torch.bmm(swiglu(h), w2.index_select(0, ids).transpose(1, 2))  # [T k, 1, H]
+    out = (h.view(t, k, -1).float() * topk_weights[..., None]).sum(dim=1)
+    return out.to(x.dtype)
+
+
+def experts_dense(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """Every expert on every token (E / k times the routed arithmetic) in two batched
+    matmuls, then the routed outputs weighted; same arguments and result as
+    ``experts_loop``."""
+    h = torch.matmul(x[None], w13.transpose(1, 2))  # [E, T, 2I]
+    h = torch.matmul(swiglu(h), w2.transpose(1, 2))  # [E, T, H]
+    dense = torch.zeros(x.shape[0], w13.shape[0], dtype=torch.float32, device=x.device)
+    dense.scatter_(1, topk_ids, topk_weights)
+    return torch.einsum("eth,te->th", h.float(), dense).to(x.dtype)
+
+
+#: The float expert implementations, measured by ``benchmarks/micro_moe.py`` (``--threads 1
+#: --repeats 21 --tokens 1 2 8 16``; minimum ms per call over 42 calls on two layer copies;
+#: a 2-core AMD EPYC shared with other jobs):
+#:
+#: ==============================  =====  ==========  ==========  =====
+#: shape, dtype, tokens            loop   grouped_mm  gather_bmm  dense
+#: ==============================  =====  ==========  ==========  =====
+#: E8 k2 H1024 I768 fp32, T=1      1.59   1.71        2.29        6.36
+#: E8 k2 H1024 I768 fp32, T=8      16.6   13.4        178         14.4
+#: E8 k2 H1024 I768 bf16, T=16     6.07   5.70        175         11.6
+#: E64 k8 H512 I256 fp32, T=1      1.63   1.70        1.30        21.6
+#: E64 k8 H512 I256 fp32, T=16     26.8   22.9        199         43.0
+#: E64 k8 H512 I256 bf16, T=1      1.62   1.53        0.80        11.5
+#: E64 k8 H512 I256 bf16, T=16     19.1   13.2        145         17.1
+#: ==============================  =====  ==========  ==========  =====
+#:
+#: ``grouped_mm`` is as fast as the loop within noise at 1-2 tokens and faster at 8-16
+#: (up to 1.4x, where most experts have tokens). Gathering the weights copies k expert
+#: matrices per token: it pays only for one token with small experts (0.8 MB each in the
+#: E64 rows; a Qwen3-30B-A3B expert is 9 MB, like the E8 rows, where it loses) and is
+#: 7-30x slower from 8 tokens on. Computing every expert beats the loop in two cells but
+#: never ``grouped_mm``. So the layer uses ``grouped_mm`` where PyTorch has it on the CPU
+#: (``default_expert_impl``).
+EXPERT_IMPLS = {
+    "loop": experts_loop,
+    "grouped_mm": experts_grouped_mm,
+    "gather_bmm": experts_gather_bmm,
+    "dense": experts_dense,
+}
+
+
+def default_expert_impl(x: torch.Tensor) -> str:
+    """"grouped_mm" for CPU inputs when this PyTorch has ``torch._grouped_mm``, else "loop"
+    (CUDA's grouped GEMM has dtype and architecture limits this project does not test)."""
+    return "grouped_mm" if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") else "loop"
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """Float stacked expert weights in the model dtype, multiplied by ``impl`` (a key of
+    ``EXPERT_IMPLS``; None: ``default_expert_impl``).
+
+    Raises:
+        ValueError: for an unknown ``impl``.
+    """
+
+    def __init__(self, impl: str | None = None) -> None:
+        if impl is not None and impl not in EXPERT_IMPLS:
+            raise ValueError(f"expert implementation must be one of {list(EXPERT_IMPLS)}, got {impl!r}")
+        self.impl = impl
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size, dtype) -> None:
+        layer.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+                                        requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
+                                       requires_grad=False)
+
+    def apply(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
+        impl = self.impl or default_expert_impl(x)
+        return EXPERT_IMPLS[impl](x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+
+    def dense_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.w13_weight, layer.w2_weight
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one MoE layer: select_experts over the router logits, then the
+    experts' weighted sum through ``quant_method``.
+
+    Args:
+        num_experts: experts in the layer.
+        top_k: experts per token.
+        hidden_size: model width.
+        intermediate_size: each expert's full intermediate size (``moe_intermediate_size``);
+            this rank holds [start, end) of it (``intermediate_range``).
+        renormalize: divide the top-k routing weights by their sum.
+        quant_config: the model's quantization scheme (its ``get_moe_method``), or None.
+        prefix: module path (``layers.3.mlp.experts``).
+        tp: this rank's tensor-parallel place, or None.
+        reduce_results: all-reduce the output (False: the caller reduces, e.g. after adding
+            a shared expert's partial sum).
+        params_dtype: dtype of float weights (default: torch's default dtype).
+
+    Shapes: forward(x [T, hidden_size], router_logits [T, num_experts]) -> [T, hidden_size]
+    in x's dtype.
+
+    Raises:
+        ValueError: when ``intermediate_size`` is not divisible by the tensor-parallel world
+            size, or for ``top_k`` outside [1, num_experts].
+    """
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
+                 quant_config: "QuantizationConfig | None" = None, prefix: str = "", tp: TensorParallel | None = None,
+                 reduce_results: bool = True, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        world, rank = (1, 0) if tp is None else (tp.world_size, tp.rank)
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.intermediate_range = even_partition(intermediate_size, world, rank, what=f"{prefix or 'moe'} intermediate size")
+        self.intermediate_size_per_partition = self.intermediate_range[1] - self.intermediate_range[0]
+        self.tp, self.prefix, self.reduce_results = tp, prefix, reduce_results
+        method = quant_config.get_moe_method(self, prefix) if quant_config is not None else None
+        self.quant_method: FusedMoEMethodBase = method or UnquantizedFusedMoEMethod()
+        self.quant_method.create_weights(self, num_experts, hidden_size, self.intermediate_size_per_partition,
+                                         params_dtype or torch.get_default_dtype())
+        #: The checkpoint parts each stacked parameter takes, (expert, "w1" / "w3" / "w2"):
+        #: ``CausalLM.load_weights`` checks that each arrives exactly once.
+        self.param_shard_ids = {
+            param: tuple((e, part) for e in range(num_experts) for part, (p, _) in EXPERT_PARTS.items() if p == param)
+            for param in ("w13_weight", "w2_weight")
+        }
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        """Copy this rank's slice of a checkpoint tensor into a stacked parameter.
+
+        Args:
+            param: ``w13_weight`` or ``w2_weight``.
+            loaded: one expert's full tensor — gate (``shard_id`` (e, "w1")) or up ((e, "w3"))
+                [intermediate_size, hidden_size], down ((e, "w2")) [hidden_size,
+                intermediate_size] — or, with ``shard_id`` None, all experts stacked (the
+                transformers-5 layout): gate/up [num_experts, 2 * intermediate_size,
+                hidden_size] (gate rows first) or down [num_experts, hidden_size,
+                intermediate_size].
+
+        Raises:
+            ValueError: when the shapes do not match or the expert index is out of range.
+        """
+        start, end = self.intermediate_range
+        inter, local = self.intermediate_size, self.intermediate_size_per_partition
+        if shard_id is None:
+            is_w13 = param is self._parameters.get("w13_weight")
+            if loaded.dim() != 3 or loaded.shape[0] != self.num_experts:
+                raise ValueError(f"shape {tuple(loaded.shape)}, expected [{self.num_experts}, ...] stacked experts")
+            for e in range(self.num_experts):
+                if is_w13:
+                    if loaded.shape[1] != 2 * inter:
+                        raise ValueError(f"shape {tuple(loaded.shape)}, expected "
+                                         f"{(self.num_experts, 2 * inter, self.hidden_size)}")
+                    self.weight_loader(param, loaded[e, :inter], (e, "w1"))
+                    self.weight_loader(param, loaded[e, inter:], (e, "w3"))
+                else:
+                    self.weight_loader(param, loaded[e], (e, "w2"))
+            return
+        e, part = shard_id
+        if not 0 <= e < self.num_experts:
+            raise ValueError(f"expert index {e} outside num_experts={self.num_experts}")
+        expected = (self.hidden_size, inter) if part == "w2" else (inter, self.hidden_size)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shape {tuple(loaded.shape)}, expected {expected}")
+        if part == "w2":
+            param.data[e].copy_(loaded[:, start:end])
+        else:
+            half = EXPERT_PARTS[part][1]
+            param.data[e, half * local : (half + 1) * local].copy_(loaded[start:end])
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        out = self.quant_method.apply(self, x, topk_weights, topk_ids)
+        if self.tp is not None and self.reduce_results:
+            out = self.tp.all_reduce(out)
+        return out
+
+    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (w13 [E, 2 I, H], w2 [E, H, I]) as float tensors (dequantized)."""
+        return self.quant_method.dense_weights(self)
+
+    def _apply(self, fn, recurse=True):
+        if self.quant_method.quantized:
+            return keep_storage_dtypes(self, fn, lambda f: super(FusedMoE, self)._apply(f, recurse))
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size_per_partition}/{self.intermediate_size}, "
+                f"renormalize={self.renormalize}, method={type(self.quant_method).__name__}")
+
+
+def moe_layers(model: nn.Module) -> list[FusedMoE]:
+    """Every ``FusedMoE`` in ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+class SparseMoeBlock(nn.Module):
+    """A model's MoE feed-forward: the router ``gate`` (a float ``ReplicatedLinear``
+    [num_experts, hidden_size]: routing is not quantized, it decides which weights run),
+    the routed ``experts`` (``FusedMoE``) and, when ``shared_expert_intermediate_size`` > 0,
+    a Qwen2-MoE shared expert: a SwiGLU MLP every token takes, scaled by
+    sigmoid(``shared_expert_gate``(x)) (``transformers`` ``Qwen2MoeSparseMoeBlock``). Under
+    tensor parallelism the routed and shared partial sums are added and all-reduced once.
+
+    Shapes: x [T, hidden_size] -> [T, hidden_size], x's dtype.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
+                 shared_expert_intermediate_size: int = 0, quant_config: "QuantizationConfig | None" = None,
+                 prefix: str = "", tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.tp = tp
+        self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
+        self.gate.keep_float = True  # ``kvflow.model.loader.quantize_model`` leaves it float too
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize, quant_config,
+                                f"{prefix}.experts", tp, reduce_results=False)
+        self.shared_expert = None
+        if shared_expert_intermediate_size:
+            self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, quant_config,
+                                                 f"{prefix}.shared_expert", tp)
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
+        return out
+
+
+class SharedExpertMLP(nn.Module):
+    """SwiGLU MLP whose down projection leaves the all-reduce to the caller
+    (``SparseMoeBlock``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, quant_config=None, prefix: str = "",
+                 tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj", tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj", tp=tp, reduce_results=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+_EXPERT_NAME = re.compile(r"(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight")
+_STACKED_NAME = re.compile(r"(?P<prefix>.*\.experts)\.(?P<param>gate_up_proj|down_proj)")
+
+
+def map_expert_weight(name: str, projections: dict[str, str]) -> tuple[str, object] | None:
+    """Our stacked parameter and shard id for a checkpoint expert tensor, or None for a
+    name that is not one.
+
+    Args:
+        name: a checkpoint name: ``<p>.experts.<e>.<proj>.weight`` (one expert's matrix), or
+            ``<p>.experts.gate_up_proj`` / ``<p>.experts.down_proj`` (all experts stacked, the
+            transformers-5 in-memory layout).
+        projections: checkpoint projection name -> "w1" (gate), "w3" (up) or "w2" (down),
+            e.g. {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} for Qwen-MoE,
+            {"w1": "w1", "w3": "w3", "w2": "w2"} for Mixtral.
+
+    Returns:
+        (``<p>.experts.w13_weight`` or ``w2_weight``, (e, part)), or (..., None) for a
+        stacked tensor.
+    """
+    m = _EXPERT_NAME.fullmatch(name)
+    if m and m["proj"] in projections:
+        part = projections[m["proj"]]
+        return f"{m['prefix']}.{EXPERT_PARTS[part][0]}", (int(m["e"]), part)
+    m = _STACKED_NAME.fullmatch(name)
+    if m:
+        return f"{m['prefix']}.{'w13_weight' if m['param'] == 'gate_up_proj' else 'w2_weight'}", None
+    return None
