@@ -126,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(["impl", *(f"T={t}" for t in args.tokens)], rows), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine_info(), "tokens": args.tokens, "copies": args.copies,
-                               "repeats": args.repeats, "threads": torch.get_num_threads(), "runs": runs}, indent=2) + "\n")
+    record = {"machine": machine_info(), "tokens": args.tokens, "copies": args.copies, "repeats": args.repeats,
+              "threads": torch.get_num_threads(), "runs": runs}
+    out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"\nwrote {out}")
     return 0
 

@@ -8,9 +8,13 @@ Hugging Face reference code exactly (``transformers`` ``MixtralTopKRouter`` /
 optionally the top-k weights divided by their sum (``renormalize``: always for Mixtral —
 which equals a softmax over the top-k logits — and ``norm_topk_prob`` for Qwen3-MoE).
 
+Routing weights stay float32 and the experts' outputs are summed in float32, then rounded
+once to the model dtype (transformers rounds Qwen3-MoE's routing weights to the model dtype
+and sums in it): the same in float32, a little more precise in bfloat16.
+
 Experts run grouped by expert, never per token: the (token, expert) pairs are sorted by
-expert, and each expert with tokens multiplies all of its rows at once; the weighted
-outputs are scatter-added back to their tokens (``index_add_``). How the groups are
+expert, and each expert with tokens multiplies all of its rows at once; the outputs are
+gathered back into token order and summed with the routing weights (``combine_pairs``). How the groups are
 multiplied is the layer's ``quant_method`` (``kvflow.quantization.base.FusedMoEMethodBase``):
 ``UnquantizedFusedMoEMethod`` below (``torch._grouped_mm``: one grouped GEMM per projection
 over all experts, chosen by measurement over a loop over the experts with tokens, a
@@ -26,7 +30,10 @@ Tensor parallelism splits every expert's intermediate dimension (Megatron-style,
 dense MLP: gate/up column-parallel, down row-parallel): each rank holds all experts' slices
 [start, end) of the intermediate features, computes the routed experts' partial outputs,
 and the partial sums are all-reduced once after the down projection. Routing is replicated
-(the router is a ``ReplicatedLinear``), so every rank picks the same experts.
+(the router is a ``ReplicatedLinear``), so every rank picks the same experts. Chosen over
+expert parallelism (whole experts per rank) because the work per rank then does not depend
+on which experts the tokens pick (no rank idles while a popular expert's rank works), and
+the communication is the dense MLP's one all-reduce instead of two all-to-alls.
 """
 
 from __future__ import annotations
@@ -91,9 +98,25 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def combine_pairs(h: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The routed outputs summed per token: h [T * k, H] holds the (token, expert) pairs'
+    outputs in ``order`` (sorted by expert, ``group_by_expert``); returns float32 [T, H] =
+    sum over j of topk_weights[t, j] * output of pair (t, j).
+
+    The pairs are put back in token order with one ``index_select`` by the inverse
+    permutation and summed over k. (Scatter-adding them instead, ``index_add_``, took 6 us
+    per call with one thread but 40-90 ms with two for 1-4 tokens on this shared 2-core
+    machine, and index assignment up to 12 ms; ``index_select`` stayed at 12-50 us.)
+    """
+    t, k = topk_weights.shape
+    inverse = torch.argsort(order)
+    pairs = h.index_select(0, inverse).view(t, k, -1)
+    return (pairs.float() * topk_weights[..., None]).sum(dim=1)
+
+
 def experts_loop(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """One matmul pair per expert that has tokens (``index_select`` of its rows, the two
-    projections, ``index_add_`` of the weighted outputs into their tokens).
+    """One matmul pair per expert that has tokens (its rows of the expert-sorted copy of x,
+    the two projections), then ``combine_pairs``.
 
     Args:
         x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I] (x's dtype); topk_weights float32
@@ -103,17 +126,14 @@ def experts_loop(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
         [T, H] in x's dtype (summed in float32).
     """
     order, tokens, counts = group_by_expert(topk_ids, w13.shape[0])
-    weights = topk_weights.reshape(-1)[order]
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    xs = x.index_select(0, tokens)
+    h = torch.empty(xs.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = tokens[start : start + n]
-        h = F.linear(swiglu(F.linear(x.index_select(0, rows), w13[e])), w2[e])
-        out.index_add_(0, rows, h.float() * weights[start : start + n, None])
-        start += n
-    return out.to(x.dtype)
+        if n:
+            h[start : start + n] = F.linear(swiglu(F.linear(xs[start : start + n], w13[e])), w2[e])
+            start += n
+    return combine_pairs(h, order, topk_weights).to(x.dtype)
 
 
 def experts_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
@@ -125,9 +145,7 @@ def experts_grouped_mm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     xs = x.index_select(0, tokens)
     h = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offsets)
     h = torch._grouped_mm(swiglu(h), w2.transpose(1, 2), offs=offsets)
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, tokens, h.float() * topk_weights.reshape(-1)[order, None])
-    return out.to(x.dtype)
+    return combine_pairs(h, order, topk_weights).to(x.dtype)
 
 
 def experts_gather_bmm(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
@@ -253,7 +271,8 @@ class FusedMoE(nn.Module):
         world, rank = (1, 0) if tp is None else (tp.world_size, tp.rank)
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        self.intermediate_range = even_partition(intermediate_size, world, rank, what=f"{prefix or 'moe'} intermediate size")
+        self.intermediate_range = even_partition(intermediate_size, world, rank,
+                                                 what=f"{prefix or 'moe'} intermediate size")
         self.intermediate_size_per_partition = self.intermediate_range[1] - self.intermediate_range[0]
         self.tp, self.prefix, self.reduce_results = tp, prefix, reduce_results
         method = quant_config.get_moe_method(self, prefix) if quant_config is not None else None
@@ -361,7 +380,8 @@ class SparseMoeBlock(nn.Module):
         if shared_expert_intermediate_size:
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, quant_config,
                                                  f"{prefix}.shared_expert", tp)
-            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
+            self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False,
+                                                       prefix=f"{prefix}.shared_expert_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))
@@ -380,7 +400,8 @@ class SharedExpertMLP(nn.Module):
                  tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=False,
-                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj", tp=tp)
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj",
+                                                       tp=tp)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj", tp=tp, reduce_results=False)
 

@@ -28,7 +28,11 @@ class CausalLM(nn.Module):
 
     Subclasses set ``self.config`` (the full model's ``ModelConfig``), ``self.tp``,
     ``self.embed_tokens`` (``VocabParallelEmbedding``) and ``self.lm_head``
-    (``ParallelLMHead``), and may extend ``stacked_params_mapping`` / ``skip_weights``.
+    (``ParallelLMHead``), and may extend ``stacked_params_mapping`` / ``skip_weights`` or
+    ``map_weight_name`` (names with an index inside, e.g. ``experts.{e}.``). A module whose
+    parameters take different checkpoint parts declares them per parameter in
+    ``param_shard_ids`` (``{"w13_weight": ((0, "w1"), (0, "w3"), ...)}``), else one tuple in
+    ``shard_ids``.
 
     Attributes:
         stacked_params_mapping: (our parameter part, checkpoint part, shard id): checkpoint

@@ -190,11 +190,12 @@ def convert_gguf(
     """Write the HF-format equivalent of a `llama`, `qwen2` or `qwen3moe` GGUF file into `out_dir`.
 
     Writes `config.json` (`LlamaConfig` / `MixtralConfig` for arch `llama` with experts /
-    `Qwen2Config` / `Qwen3MoeConfig` from the GGUF metadata, dtype float32),
-    float32 safetensors (dequantized tensor by tensor, shards of at most `shard_bytes` bytes
-    plus `model.safetensors.index.json` when more than one; Q/K permutation of arch `llama`
-    undone; stacked expert tensors split into the HF per-expert tensors) and the tokenizer files (via transformers' GGUF tokenizer support, keeping the
-    chat template and EOS token of the GGUF metadata). Peak memory is about one shard.
+    `Qwen2Config` / `Qwen3MoeConfig` from the GGUF metadata, dtype float32), float32
+    safetensors (dequantized tensor by tensor, shards of at most `shard_bytes` bytes plus
+    `model.safetensors.index.json` when more than one; Q/K permutation of arch `llama` undone;
+    stacked expert tensors split into the HF per-expert tensors) and the tokenizer files (via
+    transformers' GGUF tokenizer support, keeping the chat template and EOS token of the GGUF
+    metadata). Peak memory is about one shard.
     `out_dir` is created if needed; existing files of the same names are overwritten.
 
     Raises:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvflow.layers.linear import LinearBase
-from kvflow.layers.moe import UnquantizedFusedMoEMethod, group_by_expert, swiglu
+from kvflow.layers.moe import UnquantizedFusedMoEMethod, combine_pairs, group_by_expert, swiglu
 from kvflow.quantization.base import FusedMoEMethodBase, QuantizationConfig
 
 #: The two stacked matrices: name -> (output features, input features) of one expert,
@@ -91,17 +91,15 @@ class ExpertLinearsMoEMethod(FusedMoEMethodBase):
     def apply(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
         w13, w2 = self._experts(layer, "w13"), self._experts(layer, "w2")
         order, tokens, counts = group_by_expert(topk_ids, layer.num_experts)
-        weights = topk_weights.reshape(-1)[order]
-        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        xs = x.index_select(0, tokens)
+        h = torch.empty(xs.shape[0], layer.hidden_size, dtype=x.dtype, device=x.device)
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = tokens[start : start + n]
-            h = w2[e].quant_method.apply(w2[e], swiglu(w13[e].quant_method.apply(w13[e], x.index_select(0, rows))))
-            out.index_add_(0, rows, h.float() * weights[start : start + n, None])
-            start += n
-        return out.to(x.dtype)
+            if n:
+                rows = xs[start : start + n]
+                h[start : start + n] = w2[e].quant_method.apply(w2[e], swiglu(w13[e].quant_method.apply(w13[e], rows)))
+                start += n
+        return combine_pairs(h, order, topk_weights).to(x.dtype)
 
     def dense_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(torch.stack([ex.dense_weight() for ex in self._experts(layer, which)]) for which in _MATRICES)

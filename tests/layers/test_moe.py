@@ -95,7 +95,8 @@ def test_expert_implementations_equal_the_per_token_sum(impl, tokens):
 def test_experts_without_tokens_are_skipped_and_bfloat16_accumulates_in_float32():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, H, generator=g).bfloat16()
-    w13, w2 = (torch.randn(E, 2 * I, H, generator=g) * 0.2).bfloat16(), (torch.randn(E, H, I, generator=g) * 0.2).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.2).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * 0.2).bfloat16()
     ids = torch.tensor([[3, 5]] * 5)  # experts 0-2, 4, 6, 7 get no tokens
     weights = torch.full((5, 2), 0.5)
     ref = _per_token_reference(x.float(), w13.float(), w2.float(), weights, ids)
@@ -160,8 +161,10 @@ def test_weight_loader_takes_per_expert_and_stacked_tensors_and_checks_shapes():
 
 def test_map_expert_weight_names():
     qwen = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-    assert map_expert_weight("layers.3.mlp.experts.12.up_proj.weight", qwen) == ("layers.3.mlp.experts.w13_weight", (12, "w3"))
-    assert map_expert_weight("layers.3.mlp.experts.0.down_proj.weight", qwen) == ("layers.3.mlp.experts.w2_weight", (0, "w2"))
+    assert map_expert_weight("layers.3.mlp.experts.12.up_proj.weight", qwen) == (
+        "layers.3.mlp.experts.w13_weight", (12, "w3"))
+    assert map_expert_weight("layers.3.mlp.experts.0.down_proj.weight", qwen) == (
+        "layers.3.mlp.experts.w2_weight", (0, "w2"))
     assert map_expert_weight("layers.0.mlp.experts.gate_up_proj", qwen) == ("layers.0.mlp.experts.w13_weight", None)
     assert map_expert_weight("layers.0.mlp.gate_proj.weight", qwen) is None  # a dense layer's MLP
     assert map_expert_weight("layers.0.mlp.shared_expert.gate_proj.weight", qwen) is None
@@ -217,11 +220,12 @@ def test_tensor_parallel_shards_sum_to_the_unsharded_output(shared):
 QUANT_BOUNDS = {"int8": (0.02, torch.int8), "int4": (0.25, torch.uint8), "fp8": (0.1, torch.float8_e4m3fn)}
 
 
-def _float_and_quantized(method: str, num_experts: int = E, inter: int = I):
+def _float_and_quantized(method: str):
+    """The same random experts as a float layer and as a ``method``-quantized one."""
     g = torch.Generator().manual_seed(7)
-    w13, w2 = torch.randn(num_experts, 2 * inter, H, generator=g) * 0.2, torch.randn(num_experts, H, inter, generator=g) * 0.2
-    dense = _load(FusedMoE(num_experts, K, H, inter, True), w13, w2)
-    quant = _load(FusedMoE(num_experts, K, H, inter, True, get_quantization_config(method, 32), prefix="l.experts"), w13, w2)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.2, torch.randn(E, H, I, generator=g) * 0.2
+    dense = _load(FusedMoE(E, K, H, I, True), w13, w2)
+    quant = _load(FusedMoE(E, K, H, I, True, get_quantization_config(method, 32), prefix="l.experts"), w13, w2)
     quant.quant_method.process_weights_after_loading(quant)
     return dense, quant, g
 
@@ -231,9 +235,11 @@ def _float_and_quantized(method: str, num_experts: int = E, inter: int = I):
 def test_quantized_experts_stay_within_the_scheme_error(method, tokens):
     bound, storage = QUANT_BOUNDS[method]
     dense, quant, g = _float_and_quantized(method)
-    assert "w13_weight" not in quant._parameters and quant.w13_weight.dtype == storage if method != "int4" else True
+    assert "w13_weight" not in quant._parameters  # the float weights are gone
     if method == "int4":
         assert quant.w13_qweight.dtype == storage and quant.w13_qweight.shape == (E, 2 * I, H // 2)
+    else:
+        assert quant.w13_weight.dtype == storage and quant.w13_scale.shape == (E, 2 * I)
     x = torch.randn(tokens, H, generator=g)
     logits = torch.randn(tokens, E, generator=g)
     with torch.inference_mode():
