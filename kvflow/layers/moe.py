@@ -16,9 +16,9 @@ Experts run grouped by expert, never per token: the (token, expert) pairs are so
 expert, and each expert with tokens multiplies all of its rows at once; the outputs are
 gathered back into token order and summed with the routing weights (``combine_pairs``). How the groups are
 multiplied is the layer's ``quant_method`` (``kvflow.quantization.base.FusedMoEMethodBase``):
-``UnquantizedFusedMoEMethod`` below (``torch._grouped_mm``: one grouped GEMM per projection
-over all experts, chosen by measurement over a loop over the experts with tokens, a
-gather + ``bmm`` and a dense all-experts product: see ``EXPERT_IMPLS``), or a weight-only
+``UnquantizedFusedMoEMethod`` below (chosen by measurement, see ``EXPERT_IMPLS``: a gather
+of the routed experts' weights and one ``bmm`` for decode-size batches, else
+``torch._grouped_mm``, one grouped GEMM per projection over all experts), or a weight-only
 scheme's method (``kvflow.quantization.moe``: a loop over the experts with tokens through the
 scheme's kernels).
 
@@ -172,29 +172,40 @@ def experts_dense(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return torch.einsum("eth,te->th", h.float(), dense).to(x.dtype)
 
 
-#: The float expert implementations, measured by ``benchmarks/micro_moe.py`` (``--threads 1
-#: --repeats 21 --tokens 1 2 8 16``; minimum ms per call over 42 calls on two layer copies;
-#: a 2-core AMD EPYC shared with other jobs):
+#: The float expert implementations, measured by ``benchmarks/micro_moe.py --threads 1
+#: --quantized`` (minimum ms per call over 42 calls on two layer copies, a 2-core AMD EPYC
+#: shared with other jobs; one expert's three matrices: E8 4.7 MB in bfloat16 / 9.4 MB in
+#: float32, E64 0.8 / 1.6 MB):
 #:
 #: ==============================  =====  ==========  ==========  =====
 #: shape, dtype, tokens            loop   grouped_mm  gather_bmm  dense
 #: ==============================  =====  ==========  ==========  =====
-#: E8 k2 H1024 I768 fp32, T=1      1.59   1.71        2.29        6.36
-#: E8 k2 H1024 I768 fp32, T=8      16.6   13.4        178         14.4
-#: E8 k2 H1024 I768 bf16, T=16     6.07   5.70        175         11.6
-#: E64 k8 H512 I256 fp32, T=1      1.63   1.70        1.30        21.6
-#: E64 k8 H512 I256 fp32, T=16     26.8   22.9        199         43.0
-#: E64 k8 H512 I256 bf16, T=1      1.62   1.53        0.80        11.5
-#: E64 k8 H512 I256 bf16, T=16     19.1   13.2        145         17.1
+#: E8 k2 H1024 I768 fp32, T=1      1.37   1.41        1.55        5.54
+#: E8 k2 H1024 I768 fp32, T=32     10.4   10.3        486         19.1
+#: E8 k2 H1024 I768 bf16, T=1      1.13   1.27        0.96        4.51
+#: E8 k2 H1024 I768 bf16, T=2      1.30   1.32        2.14        4.47
+#: E8 k2 H1024 I768 bf16, T=32     6.04   5.92        288         17.2
+#: E64 k8 H512 I256 fp32, T=1      1.52   1.69        1.24        19.2
+#: E64 k8 H512 I256 fp32, T=2      2.95   2.98        8.81        26.6
+#: E64 k8 H512 I256 fp32, T=32     33.5   28.8        373         64.9
+#: E64 k8 H512 I256 bf16, T=1      1.20   1.32        0.64        11.4
+#: E64 k8 H512 I256 bf16, T=2      2.61   2.51        1.62        7.34
+#: E64 k8 H512 I256 bf16, T=8      8.09   10.6        46.8        17.6
+#: E64 k8 H512 I256 bf16, T=32     17.7   13.6        242         30.0
 #: ==============================  =====  ==========  ==========  =====
 #:
-#: ``grouped_mm`` is as fast as the loop within noise at 1-2 tokens and faster at 8-16
-#: (up to 1.4x, where most experts have tokens). Gathering the weights copies k expert
-#: matrices per token: it pays only for one token with small experts (0.8 MB each in the
-#: E64 rows; a Qwen3-30B-A3B expert is 9 MB, like the E8 rows, where it loses) and is
-#: 7-30x slower from 8 tokens on. Computing every expert beats the loop in two cells but
-#: never ``grouped_mm``. So the layer uses ``grouped_mm`` where PyTorch has it on the CPU
-#: (``default_expert_impl``).
+#: On 8 experts the loop and ``grouped_mm`` are equal within noise (minima and medians
+#: within 11%); on 64 experts ``grouped_mm`` is faster from 16 tokens on (loop / grouped
+#: 1.02-1.31 in minimum, 1.0-1.27 in median) and equal or noisy below. Gathering the weights (a copy of the k
+#: experts of every token, then one ``bmm``) is up to 2x faster for decode-size batches
+#: whose gathered experts total at most 12.6 MB (the E64 rows at 1-2 tokens, E8 bfloat16 at
+#: one token) and slower from 18.9 MB on (E8 float32 at one token, every 8+ token batch:
+#: 6-50x). Computing every expert never wins. So ``default_expert_impl`` takes
+#: ``gather_bmm`` when the gathered weights fit ``GATHER_MAX_BYTES`` and ``grouped_mm``
+#: otherwise (a Qwen3-30B-A3B expert is 9.4 MB in bfloat16: 8 per token take the grouped
+#: GEMM). The weight-only quantized experts (``kvflow.quantization.moe``, bfloat16
+#: activations) run at 0.29-0.39 ms for one token (INT8, INT4) and 4.9-10 ms for 32; FP8
+#: dequantizes per call (no FP8 matmul on the CPU) and takes 20-180 ms.
 EXPERT_IMPLS = {
     "loop": experts_loop,
     "grouped_mm": experts_grouped_mm,
@@ -202,11 +213,21 @@ EXPERT_IMPLS = {
     "dense": experts_dense,
 }
 
+#: Largest total size of the expert weights ``gather_bmm`` copies for one call (see above).
+GATHER_MAX_BYTES = 16 * 2**20
 
-def default_expert_impl(x: torch.Tensor) -> str:
-    """"grouped_mm" for CPU inputs when this PyTorch has ``torch._grouped_mm``, else "loop"
-    (CUDA's grouped GEMM has dtype and architecture limits this project does not test)."""
-    return "grouped_mm" if x.device.type == "cpu" and hasattr(torch, "_grouped_mm") else "loop"
+
+def default_expert_impl(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor) -> str:
+    """The measured choice (see ``EXPERT_IMPLS``): on the CPU "gather_bmm" when the
+    T * top_k gathered experts' weights total at most ``GATHER_MAX_BYTES``, else
+    "grouped_mm" (where this PyTorch has ``torch._grouped_mm``); elsewhere "loop" (CUDA's
+    grouped GEMM has dtype and architecture limits this project does not test)."""
+    if x.device.type != "cpu":
+        return "loop"
+    expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    if topk_ids.numel() * expert_bytes <= GATHER_MAX_BYTES:
+        return "gather_bmm"
+    return "grouped_mm" if hasattr(torch, "_grouped_mm") else "loop"
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
@@ -229,8 +250,9 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
                                        requires_grad=False)
 
     def apply(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
-        impl = self.impl or default_expert_impl(x)
-        return EXPERT_IMPLS[impl](x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        impl = self.impl or default_expert_impl(x, w13, w2, topk_ids)
+        return EXPERT_IMPLS[impl](x, w13, w2, topk_weights, topk_ids)
 
     def dense_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         return layer.w13_weight, layer.w2_weight

@@ -21,8 +21,7 @@ from kvflow.layers.linear import LinearBase
 from kvflow.layers.moe import UnquantizedFusedMoEMethod, combine_pairs, group_by_expert, swiglu
 from kvflow.quantization.base import FusedMoEMethodBase, QuantizationConfig
 
-#: The two stacked matrices: name -> (output features, input features) of one expert,
-#: in terms of (2 I, H) / (H, I).
+#: The two stacked matrices of each expert: gate/up [2 I, H] and down [H, I].
 _MATRICES = ("w13", "w2")
 
 

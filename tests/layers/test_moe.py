@@ -278,3 +278,17 @@ def test_schemes_without_expert_support_refuse_by_name(method, match):
 def test_top_k_outside_the_experts_is_refused():
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         FusedMoE(E, E + 1, H, I, True)
+
+
+def test_default_implementation_gathers_small_decode_batches_and_groups_the_rest():
+    """The measured choice (kvflow.layers.moe.EXPERT_IMPLS): gather + bmm while the gathered
+    experts fit GATHER_MAX_BYTES, the grouped GEMM beyond."""
+    from kvflow.layers.moe import GATHER_MAX_BYTES, default_expert_impl
+
+    w13, w2 = torch.empty(64, 512, 512), torch.empty(64, 512, 256)  # 1.5 MiB per expert in float32
+    per_expert = (512 * 512 + 512 * 256) * 4
+    x = torch.empty(1, 512)
+    fits = GATHER_MAX_BYTES // per_expert
+    assert default_expert_impl(x, w13, w2, torch.zeros(1, fits, dtype=torch.long)) == "gather_bmm"
+    assert default_expert_impl(x, w13, w2, torch.zeros(1, fits + 1, dtype=torch.long)) == "grouped_mm"
+    assert default_expert_impl(x, w13.bfloat16(), w2.bfloat16(), torch.zeros(1, fits + 1, dtype=torch.long)) == "gather_bmm"
