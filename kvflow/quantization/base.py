@@ -8,6 +8,11 @@ fills); the loader copies the checkpoint in through the layer's ``weight_loader`
 ``process_weights_after_loading`` turns what was loaded into what ``apply`` computes with
 (quantize float weights, repack them for a kernel). ``apply(layer, x)`` is the forward.
 
+A mixture-of-experts layer (``kvflow.layers.moe.FusedMoE``) takes its ``FusedMoEMethodBase``
+the same way, from ``get_moe_method`` (the int8 / int4 / fp8 schemes quantize every expert
+matrix as they quantize a linear: ``kvflow.quantization.moe``; a scheme without it refuses
+MoE models by name).
+
 Adding a scheme is one file with a ``QuantizationConfig`` subclass and its method(s),
 registered by name in ``kvflow.quantization.registry``; no model code changes.
 """
