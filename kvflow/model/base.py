@@ -28,7 +28,11 @@ class CausalLM(nn.Module):
 
     Subclasses set ``self.config`` (the full model's ``ModelConfig``), ``self.tp``,
     ``self.embed_tokens`` (``VocabParallelEmbedding``) and ``self.lm_head``
-    (``ParallelLMHead``), and may extend ``stacked_params_mapping`` / ``skip_weights``.
+    (``ParallelLMHead``), and may extend ``stacked_params_mapping`` / ``skip_weights`` or
+    ``map_weight_name`` (names with an index inside, e.g. ``experts.{e}.``). A module whose
+    parameters take different checkpoint parts declares them per parameter in
+    ``param_shard_ids`` (``{"w13_weight": ((0, "w1"), (0, "w3"), ...)}``), else one tuple in
+    ``shard_ids``.
 
     Attributes:
         stacked_params_mapping: (our parameter part, checkpoint part, shard id): checkpoint
@@ -65,6 +69,16 @@ class CausalLM(nn.Module):
         (under tensor parallelism every rank gets all of them)."""
         return self.lm_head(hidden)
 
+    def map_weight_name(self, name: str) -> tuple[str, object]:
+        """Our parameter name and shard id for a checkpoint tensor name (``model.`` prefix
+        already stripped): ``stacked_params_mapping`` applied (shard id None: the whole
+        parameter). Models with other layouts (stacked experts) extend it."""
+        for ours, theirs, sid in self.stacked_params_mapping:
+            marker = f".{theirs}."
+            if marker in name:
+                return name.replace(marker, f".{ours}."), sid
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the model through each layer's
         ``weight_loader`` (which takes this rank's slice and fuses Q/K/V and gate/up).
@@ -82,17 +96,12 @@ class CausalLM(nn.Module):
             name = hf_name[len("model.") :] if hf_name.startswith("model.") else hf_name
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            shard_id = None
-            for ours, theirs, sid in self.stacked_params_mapping:
-                marker = f".{theirs}."
-                if marker in name:
-                    name, shard_id = name.replace(marker, f".{ours}."), sid
-                    break
+            name, shard_id = self.map_weight_name(name)
             param = params.get(name)
             if param is None:
                 raise ValueError(f"unexpected weight {hf_name!r}")
             owner = modules[name.rsplit(".", 1)[0]] if "." in name else self
-            parts = getattr(owner, "shard_ids", (None,)) if shard_id is None else (shard_id,)
+            parts = _shard_ids(owner, name) if shard_id is None else (shard_id,)
             if loaded[name] & set(parts):
                 raise ValueError(f"checkpoint repeats weight {hf_name!r}")
             try:
@@ -108,7 +117,7 @@ class CausalLM(nn.Module):
             loaded[name].update(parts)
         missing = sorted(
             name for name in params
-            if loaded[name] != set(getattr(modules.get(name.rsplit(".", 1)[0] if "." in name else ""), "shard_ids", (None,)))
+            if loaded[name] != set(_shard_ids(modules.get(name.rsplit(".", 1)[0] if "." in name else ""), name))
         )
         if missing:
             raise ValueError(f"checkpoint is missing or repeats tensors of {len(missing)} parameters, e.g. {missing[:3]}")
@@ -137,3 +146,12 @@ def refuse_sliding_window(config: ModelConfig, window: int | None, field: str = 
             f"kvflow does not implement sliding-window attention for this model yet. Use max_model_len <= {window} "
             "(the window then never acts) or a config without the window"
         )
+
+
+def _shard_ids(owner: nn.Module | None, param_name: str) -> tuple:
+    """The parts parameter ``param_name`` must receive: its owner's ``param_shard_ids`` entry
+    (a module whose parameters take different parts, e.g. stacked experts), else the owner's
+    ``shard_ids``, else the whole tensor once ((None,))."""
+    per_param = getattr(owner, "param_shard_ids", None) or {}
+    leaf = param_name.rsplit(".", 1)[-1]
+    return per_param.get(leaf) or getattr(owner, "shard_ids", (None,))

@@ -149,6 +149,12 @@ class LlamaForCausalLM(CausalLM):
             rank's shard and sum / gather partial results across ranks.
         quant_config: weight quantization of the decoder linears, or None.
 
+    Attributes:
+        decoder_layer_cls: the class of each decoder layer, called as ``(config, layer_idx,
+            tp, quant_config, prefix)``; an architecture that differs only inside its
+            layers (Mixtral's experts, Qwen3-MoE, Qwen3's q/k norms) subclasses this model and
+            sets it.
+
     Raises:
         ValueError: from ``check_config``, naming a config field kvflow does not implement.
     """

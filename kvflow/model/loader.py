@@ -30,6 +30,7 @@ from torch import nn
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.linear import UnquantizedLinearMethod, linear_layers
+from kvflow.layers.moe import moe_layers
 from kvflow.model.registry import model_class
 from kvflow.model.resolve import iter_weights, load_config, load_tokenizer
 from kvflow.quantization.checkpoint import quantization_of
@@ -37,8 +38,8 @@ from kvflow.quantization.registry import get_quantization_config
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Run every linear layer's ``quant_method.process_weights_after_loading``."""
-    for layer in linear_layers(model):
+    """Run every linear and mixture-of-experts layer's ``quant_method.process_weights_after_loading``."""
+    for layer in [*linear_layers(model), *moe_layers(model)]:
         layer.quant_method.process_weights_after_loading(layer)
 
 
@@ -76,8 +77,12 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, calibrat
     if config.name == "gguf":
         raise ValueError("quantization='gguf' applies to GGUF files at load time (kvflow.quantization.gguf)")
     for layer in linear_layers(model):
+        if getattr(layer, "keep_float", False):  # built without the scheme (a MoE router)
+            continue
         # A float layer holds exactly what a scheme's method loads before quantizing it.
         layer.quant_method = config.get_linear_method(layer, layer.prefix)
+    for layer in moe_layers(model):
+        layer.quant_method = config.get_moe_method(layer, layer.prefix)
     config.prepare_model(model, {"calibration_ids": calibration_ids})
     process_weights_after_loading(model)
 

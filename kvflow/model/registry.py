@@ -15,6 +15,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "qwen2": ("llama", "LlamaForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "qwen2_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -69,12 +69,23 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",  # qwen3
-    "attn_k_norm": "self_attn.k_norm",  # qwen3
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3 / Qwen3-MoE per-head q/k RMSNorm
+    "attn_k_norm": "self_attn.k_norm",
     "attn_qkv": "self_attn.qkv_proj",  # phi3 (fused)
 }
 # Per-architecture exceptions to _LAYER_TENSORS.
 _ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}  # phi3's ffn_up is gate and up, fused
+# Mixture-of-experts tensors, by HF model_type: the MoE block's module path and the HF
+# projection name of each stacked GGUF expert tensor (gguf-py `gguf.constants`:
+# FFN_GATE_INP "ffn_gate_inp" is the router, FFN_{GATE,UP,DOWN}_EXP "ffn_*_exps" hold all
+# experts, numpy shape [n_expert, out, in]; llama.cpp convert_hf_to_gguf.py stacks the HF
+# per-expert matrices in expert order).
+_MOE_LAYOUT = {
+    "qwen3_moe": ("mlp", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}),
+}
+# GGUF `{arch}.expert_gating_func` values (llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_*).
+_GATING_SOFTMAX = 1
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # GGUF tensors that become config fields rather than weights (phi3's LongRoPE factors).
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -87,7 +98,9 @@ _CONFIG_CLASSES: dict[str, type[transformers.PretrainedConfig]] = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "phi3": transformers.Phi3Config,
+    "qwen3moe": transformers.Qwen3MoeConfig,
 }
+# Arch "llama" with `llama.expert_count` > 0 is Mixtral (llama.cpp writes Mixtral that way).
 
 
 def default_cache_dir() -> Path:
@@ -104,7 +117,8 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
          model; `qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`), taken from its pip package(s);
          split models are first concatenated into `<cache>/<name>.gguf` (size and SHA-256
          checked);
-      2. a path to a `.gguf` file (arch `llama`, `qwen2`, `qwen3` or `phi3`);
+      2. a path to a `.gguf` file (arch `llama` — Mixtral when it has experts — `qwen2`,
+         `qwen3`, `phi3` or `qwen3moe`);
       3. an HF directory containing `config.json`, returned as is (resolved to absolute).
 
     GGUF files are converted once into `<cache>/<gguf stem>-<key>`, where `<cache>` is
@@ -186,14 +200,15 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> transformers.PreTrained
 def convert_gguf(
     gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], shard_bytes: int = SHARD_BYTES
 ) -> None:
-    """Write the HF-format equivalent of a `llama`, `qwen2`, `qwen3` or `phi3` GGUF file into
-    `out_dir`.
+    """Write the HF-format equivalent of a `llama`, `qwen2`, `qwen3`, `phi3` or `qwen3moe` GGUF
+    file into `out_dir`.
 
-    Writes `config.json` (`LlamaConfig`/`Qwen2Config`/`Qwen3Config`/`Phi3Config` from the GGUF
-    metadata, dtype float32),
-    float32 safetensors (dequantized tensor by tensor, shards of at most `shard_bytes` bytes
-    plus `model.safetensors.index.json` when more than one; Q/K permutation of arch `llama`
-    undone) and the tokenizer files (via transformers' GGUF tokenizer support, keeping the
+    Writes `config.json` (`LlamaConfig` / `MixtralConfig` for arch `llama` with experts /
+    `Qwen2Config` / `Qwen3Config` / `Phi3Config` / `Qwen3MoeConfig` from the GGUF metadata,
+    dtype float32), float32 safetensors (dequantized tensor by tensor, shards of at most
+    `shard_bytes` bytes plus `model.safetensors.index.json` when more than one; Q/K
+    permutation of arch `llama` undone; stacked expert tensors split into the HF per-expert
+    tensors) and the tokenizer files (via transformers' GGUF tokenizer support, keeping the
     chat template and EOS token of the GGUF metadata). Peak memory is about one shard.
     `out_dir` is created if needed; existing files of the same names are overwritten.
 
@@ -283,11 +298,18 @@ def _build_config(reader: gguf.GGUFReader) -> transformers.PretrainedConfig:
         token_id = _field(reader, f"tokenizer.ggml.{gguf_key}_token_id", None)
         if token_id is not None:
             kwargs[hf_key] = int(token_id)
-    if arch in ("llama", "qwen3"):
+    config_class = _CONFIG_CLASSES[arch]
+    num_experts = int(_field(reader, f"{arch}.expert_count", 0))
+    if num_experts:
+        config_class = transformers.MixtralConfig if arch == "llama" else config_class
+        kwargs.update(_moe_config(reader, arch, num_experts, tensors, kwargs["num_hidden_layers"], config_class))
+    elif arch == "qwen3moe":
+        raise NotImplementedError("GGUF architecture 'qwen3moe' without qwen3moe.expert_count is not supported")
+    if arch in ("llama", "qwen3", "qwen3moe") and config_class is not transformers.MixtralConfig:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "phi3":
         kwargs.update(_phi3_fields(reader, tensors, rope_dim / head_dim, kwargs["rope_parameters"]))
-    config = _CONFIG_CLASSES[arch](**kwargs)
+    config = config_class(**kwargs)
     config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
     return config
 
@@ -321,16 +343,64 @@ def _phi3_fields(
     return fields
 
 
-def _hf_name(gguf_name: str, arch: str) -> str:
+def _moe_config(reader: gguf.GGUFReader, arch: str, num_experts: int, tensors: dict, num_layers: int,
+                config_class: type) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE / Mixtral config from `{arch}.expert_*` metadata.
+
+    Qwen3-MoE: `expert_feed_forward_length` is `moe_intermediate_size`; `norm_topk_prob`
+    is `expert_weights_norm` when present, else True (llama.cpp's qwen3moe graph always
+    renormalizes the top-k weights, src/models/qwen3moe.cpp); layers without a router
+    tensor are dense (`mlp_only_layers`).
+
+    Raises:
+        NotImplementedError: a gating function other than softmax, shared experts, or a
+            Mixtral layer without experts.
+    """
+    gating = _field(reader, f"{arch}.expert_gating_func", _GATING_SOFTMAX)
+    if int(gating) != _GATING_SOFTMAX:
+        raise NotImplementedError(f"GGUF {arch}.expert_gating_func={gating} is not supported (only softmax, 1)")
+    shared = int(_field(reader, f"{arch}.expert_shared_count", 0))
+    if shared:
+        raise NotImplementedError(f"GGUF {arch}.expert_shared_count={shared}: shared experts are not supported here")
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    fields: dict[str, Any] = {"num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count"))}
+    if config_class is transformers.MixtralConfig:
+        if dense:
+            raise NotImplementedError(f"GGUF Mixtral layers {dense} have no experts (ffn_gate_inp)")
+        return {**fields, "num_local_experts": num_experts, "sliding_window": None}
+    return {
+        **fields,
+        "num_experts": num_experts,
+        "moe_intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+        "mlp_only_layers": dense,
+    }
+
+
+def _hf_names(gguf_name: str, config: transformers.PretrainedConfig) -> list[str]:
+    """The HF tensor name(s) of a GGUF tensor: one, or one per expert for a stacked
+    `ffn_*_exps` tensor."""
     base, _, kind = gguf_name.rpartition(".")
     layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if kind in ("weight", "bias"):
-        names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
+        names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(config.model_type, {})}
         if layer and layer[2] in names:
-            return f"model.layers.{layer[1]}.{names[layer[2]]}.{kind}"
+            return [f"model.layers.{layer[1]}.{names[layer[2]]}.{kind}"]
+        moe = _MOE_LAYOUT.get(config.model_type)
+        if layer and moe and kind == "weight":
+            block, projections = moe
+            if layer[2] == "ffn_gate_inp":
+                return [f"model.layers.{layer[1]}.{block}.gate.weight"]
+            if layer[2] in projections:
+                return [f"model.layers.{layer[1]}.{block}.experts.{e}.{projections[layer[2]]}.weight"
+                        for e in range(_num_experts(config))]
         if base in _GLOBAL_TENSORS:
-            return f"{_GLOBAL_TENSORS[base]}.{kind}"
+            return [f"{_GLOBAL_TENSORS[base]}.{kind}"]
     raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in kvflow's converter")
+
+
+def _num_experts(config: transformers.PretrainedConfig) -> int:
+    return int(getattr(config, "num_experts", None) or config.num_local_experts)
 
 
 def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -339,11 +409,27 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return pairs.swapaxes(1, 2).reshape(weight.shape)
 
 
+def _hf_tensors(tensor: gguf.ReaderTensor, config: transformers.PretrainedConfig) -> dict[str, torch.Tensor]:
+    """A GGUF tensor dequantized to float32 torch tensor(s) in HF layout, by HF name (a
+    stacked expert tensor [n_expert, out, in] gives one [out, in] tensor per expert).
+
+    Raises:
+        ValueError: a stacked expert tensor whose expert count is not the config's.
+    """
+    names = _hf_names(tensor.name, config)
+    values = _hf_tensor(tensor, config)
+    if len(names) == 1:
+        return {names[0]: values}
+    if values.dim() != 3 or values.shape[0] != len(names):
+        raise ValueError(f"GGUF tensor {tensor.name!r} has shape {tuple(values.shape)}, expected {len(names)} experts")
+    return {name: values[e].clone() for e, name in enumerate(names)}
+
+
 def _hf_tensor(tensor: gguf.ReaderTensor, config: transformers.PretrainedConfig) -> torch.Tensor:
     """A GGUF tensor dequantized to a float32 torch tensor in HF layout."""
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     values = values.reshape([int(dim) for dim in reversed(tensor.shape)]).astype(np.float32, copy=False)
-    if config.model_type == "llama":
+    if config.model_type in ("llama", "mixtral"):  # llama.cpp arch "llama" permutes Q and K
         if ".attn_q." in tensor.name:
             values = _unpermute_rows(values, config.num_attention_heads)
         elif ".attn_k." in tensor.name:
@@ -356,10 +442,9 @@ def _hf_tensor(tensor: gguf.ReaderTensor, config: transformers.PretrainedConfig)
 def _write_weights(reader: gguf.GGUFReader, config: transformers.PretrainedConfig, out: Path, shard_bytes: int) -> None:
     shards: list[list[gguf.ReaderTensor]] = [[]]
     used = 0
-    arch = config.model_type
     weights_only = [tensor for tensor in reader.tensors if tensor.name not in _CONFIG_TENSORS]
     for tensor in weights_only:
-        _hf_name(tensor.name, arch)  # reject unsupported tensors before writing anything
+        _hf_names(tensor.name, config)  # reject unsupported tensors before writing anything
         nbytes = int(tensor.n_elements) * 4
         if shards[-1] and used + nbytes > shard_bytes:
             shards.append([])
@@ -370,7 +455,7 @@ def _write_weights(reader: gguf.GGUFReader, config: transformers.PretrainedConfi
     weight_map: dict[str, str] = {}
     for number, shard in enumerate(shards, start=1):
         file_name = "model.safetensors" if count == 1 else f"model-{number:05d}-of-{count:05d}.safetensors"
-        weights = {_hf_name(tensor.name, arch): _hf_tensor(tensor, config) for tensor in shard}
+        weights = {name: t for tensor in shard for name, t in _hf_tensors(tensor, config).items()}
         save_file(weights, str(out / file_name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(weights, file_name))
         del weights  # free this shard before the next one is dequantized

@@ -8,6 +8,11 @@ fills); the loader copies the checkpoint in through the layer's ``weight_loader`
 ``process_weights_after_loading`` turns what was loaded into what ``apply`` computes with
 (quantize float weights, repack them for a kernel). ``apply(layer, x)`` is the forward.
 
+A mixture-of-experts layer (``kvflow.layers.moe.FusedMoE``) takes its ``FusedMoEMethodBase``
+the same way, from ``get_moe_method`` (the int8 / int4 / fp8 schemes quantize every expert
+matrix as they quantize a linear: ``kvflow.quantization.moe``; a scheme without it refuses
+MoE models by name).
+
 Adding a scheme is one file with a ``QuantizationConfig`` subclass and its method(s),
 registered by name in ``kvflow.quantization.registry``; no model code changes.
 """
@@ -54,6 +59,41 @@ class LinearMethodBase:
         raise NotImplementedError
 
 
+class FusedMoEMethodBase:
+    """How one mixture-of-experts layer (``kvflow.layers.moe.FusedMoE``) stores and runs its
+    stacked expert weights: gate/up ``w13`` [num_experts, 2 * intermediate, hidden] and down
+    ``w2`` [num_experts, hidden, intermediate] (this rank's intermediate slice).
+
+    Subclasses implement ``create_weights``, ``apply`` and ``dense_weights``;
+    ``process_weights_after_loading`` defaults to nothing.
+    """
+
+    #: True when the expert weights are quantized (kept in their storage dtype by ``Module.to``).
+    quantized: bool = False
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                       dtype: torch.dtype) -> None:
+        """Register the layer's tensors; at least the float parameters ``w13_weight``
+        [num_experts, 2 * intermediate_size, hidden_size] and ``w2_weight`` [num_experts,
+        hidden_size, intermediate_size] that the loader fills (unless the checkpoint is
+        serialized in the scheme's format)."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Convert the loaded tensors into the form ``apply`` uses (quantize, repack)."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum: x [T, hidden], topk_weights float32 [T, top_k],
+        topk_ids int64 [T, top_k] -> [T, hidden] in x's dtype (this rank's partial sum
+        under tensor parallelism)."""
+        raise NotImplementedError
+
+    def dense_weights(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as float tensors of the shapes above (dequantized)."""
+        raise NotImplementedError
+
+
 class QuantizationConfig:
     """A weight-quantization scheme.
 
@@ -74,6 +114,15 @@ class QuantizationConfig:
     def get_linear_method(self, layer: "LinearBase", prefix: str) -> LinearMethodBase:
         """The method of the linear at module path ``prefix`` (e.g. ``layers.3.mlp.down_proj``)."""
         raise NotImplementedError
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethodBase:
+        """The method of the mixture-of-experts layer at module path ``prefix`` (e.g.
+        ``layers.3.mlp.experts``).
+
+        Raises:
+            ValueError: when the scheme does not quantize experts (the default).
+        """
+        raise ValueError(f"quantization={self.name!r} does not support mixture-of-experts layers ({prefix})")
 
     def build_dtype(self) -> torch.dtype:
         """The dtype the float weights are loaded in before ``process_weights_after_loading``

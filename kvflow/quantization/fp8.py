@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.quantization.base import LinearMethodBase, QuantizationConfig, dense_matmul
+from kvflow.quantization.base import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig, dense_matmul
 from kvflow.quantization.int8 import PerChannelLinearMethod
 from kvflow.quantization.schemes import dequantize_fp8, quantize_fp8
 
@@ -33,3 +33,9 @@ class FP8Config(QuantizationConfig):
 
     def get_linear_method(self, layer, prefix) -> LinearMethodBase:
         return FP8LinearMethod(self.serialized)
+
+    def get_moe_method(self, layer, prefix) -> FusedMoEMethodBase:
+        """Experts quantized as this scheme's linears (``kvflow.quantization.moe``)."""
+        from kvflow.quantization.moe import ExpertLinearsMoEMethod
+
+        return ExpertLinearsMoEMethod(self)

@@ -152,6 +152,15 @@ class GGUFConfig(QuantizationConfig):
     def get_linear_method(self, layer, prefix) -> LinearMethodBase:
         return GGUFLinearMethod(self)
 
+    def get_moe_method(self, layer, prefix):
+        """Refused: GGUF's stacked expert tensors are not repacked yet.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(f"quantization='gguf' does not support mixture-of-experts layers yet ({prefix}): load the "
+                         "GGUF file without quantization (float weights) or with quantization='int8', 'int4' or 'fp8'")
+
     def prepare_model(self, model, context) -> None:
         self.plan = plan_gguf_linears(model, context["model_dir"])
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.quantization.base import (
+    FusedMoEMethodBase,
     COMPUTE_DTYPE,
     LinearMethodBase,
     QuantizationConfig,
@@ -144,6 +145,12 @@ class Int4Config(QuantizationConfig):
     def get_linear_method(self, layer, prefix) -> LinearMethodBase:
         return Int4LinearMethod(self.group_size, self.serialized)
 
+    def get_moe_method(self, layer, prefix) -> FusedMoEMethodBase:
+        """Experts quantized as this scheme's linears (``kvflow.quantization.moe``)."""
+        from kvflow.quantization.moe import ExpertLinearsMoEMethod
+
+        return ExpertLinearsMoEMethod(self)
+
 
 class AWQConfig(Int4Config):
     """INT4 after AWQ's activation-aware rescaling (Lin et al. 2024; ``kvflow.quantization.awq``),
@@ -164,6 +171,15 @@ class AWQConfig(Int4Config):
                 raise ValueError("int4-awq needs calibration_ids (token ids of real text)")
             ids = default_calibration_ids(context["load_tokenizer"]())
         apply_awq(model, ids, self.group_size)
+
+    def get_moe_method(self, layer, prefix) -> FusedMoEMethodBase:
+        """Refused: AWQ's scale folding is written for dense Llama-shaped MLPs (``apply_awq``).
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(f"quantization='int4-awq' does not support mixture-of-experts layers ({prefix}): "
+                         "its scale search is written for dense MLPs; use quantization='int4'")
 
     def lm_head_method(self) -> str:
         return "int4"

@@ -17,6 +17,7 @@ import torch
 
 from kvflow.layers import cpu_linear
 from kvflow.quantization.base import (
+    FusedMoEMethodBase,
     COMPUTE_DTYPE,
     LinearMethodBase,
     QuantizationConfig,
@@ -98,3 +99,9 @@ class Int8Config(QuantizationConfig):
 
     def get_linear_method(self, layer, prefix) -> LinearMethodBase:
         return Int8LinearMethod(self.serialized)
+
+    def get_moe_method(self, layer, prefix) -> FusedMoEMethodBase:
+        """Experts quantized as this scheme's linears (``kvflow.quantization.moe``)."""
+        from kvflow.quantization.moe import ExpertLinearsMoEMethod
+
+        return ExpertLinearsMoEMethod(self)

@@ -462,3 +462,154 @@ def test_smollm2_second_resolve_does_not_convert(smollm2: Path, monkeypatch: pyt
     monkeypatch.setattr(resolve, "convert_gguf", lambda *args, **kwargs: pytest.fail("converted again"))
     assert resolve.resolve_model("smollm2-135m", cache_dir=smollm2.parent) == smollm2
     assert marker.stat().st_mtime_ns == before
+
+
+# ---------------------------------------------------------------- mixture-of-experts GGUFs
+def _hf_moe(arch: str, tmp_path: Path):
+    """A tiny random transformers MoE model with the tiny tokenizer's vocabulary (261):
+    Qwen3-MoE (3 layers, the middle one dense) or Mixtral (2 layers)."""
+    from hf_parity import save_random_hf
+
+    common = dict(vocab_size=261, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=500000.0, num_experts_per_tok=2,
+                  bos_token_id=259, eos_token_id=260, pad_token_id=258)
+    if arch == "qwen3moe":
+        config = transformers.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                             num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)
+        return save_random_hf(transformers.Qwen3MoeForCausalLM, config, tmp_path / "hf")
+    config = transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, num_hidden_layers=2)
+    return save_random_hf(transformers.MixtralForCausalLM, config, tmp_path / "hf")
+
+
+def write_moe_gguf(path: Path, arch: str, hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Write the weights of the HF folder ``hf_dir`` as llama.cpp writes a Qwen3-MoE
+    ("qwen3moe") or Mixtral ("llama" with experts) GGUF: stacked ``ffn_{gate,up,down}_exps``
+    [n_expert, out, in] (down as Q8_0), the router as ``ffn_gate_inp``, Q/K permuted for arch
+    llama. Returns the HF-named weights the conversion must reproduce (the down experts as
+    their Q8_0 dequantization)."""
+    cfg = resolve.load_config(hf_dir)
+    sd = dict(resolve.iter_weights(hf_dir))
+    writer = gguf.GGUFWriter(str(path), arch)
+    assert _tiny_tokenizer(writer) == cfg.vocab_size
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(4)
+    writer.add_expert_used_count(2)
+    block, projections = ("mlp", ("gate_proj", "up_proj", "down_proj")) if arch == "qwen3moe" else \
+        ("block_sparse_moe", ("w1", "w3", "w2"))
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+    def add(name: str, value: torch.Tensor) -> None:
+        writer.add_tensor(name, np.ascontiguousarray(value.numpy()))
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    add("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p, hfp = f"blk.{i}.", f"model.layers.{i}."
+        q, k = sd[hfp + "self_attn.q_proj.weight"], sd[hfp + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q = torch.from_numpy(_llama_permute(q.numpy(), cfg.num_attention_heads))
+            k = torch.from_numpy(_llama_permute(k.numpy(), cfg.num_key_value_heads))
+        add(p + "attn_q.weight", q)
+        add(p + "attn_k.weight", k)
+        add(p + "attn_v.weight", sd[hfp + "self_attn.v_proj.weight"])
+        add(p + "attn_output.weight", sd[hfp + "self_attn.o_proj.weight"])
+        add(p + "attn_norm.weight", sd[hfp + "input_layernorm.weight"])
+        add(p + "ffn_norm.weight", sd[hfp + "post_attention_layernorm.weight"])
+        if arch == "qwen3moe":
+            add(p + "attn_q_norm.weight", sd[hfp + "self_attn.q_norm.weight"])
+            add(p + "attn_k_norm.weight", sd[hfp + "self_attn.k_norm.weight"])
+        if hfp + f"{block}.gate.weight" not in sd:  # a dense layer
+            for gguf_name, hf_name in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+                add(p + f"{gguf_name}.weight", sd[hfp + f"mlp.{hf_name}.weight"])
+            continue
+        add(p + "ffn_gate_inp.weight", sd[hfp + f"{block}.gate.weight"])
+        for gguf_name, proj in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), projections):
+            names = [hfp + f"{block}.experts.{e}.{proj}.weight" for e in range(4)]
+            stacked = torch.stack([sd[n] for n in names]).numpy()
+            if gguf_name == "ffn_down_exps":
+                packed = gguf.quants.quantize(stacked, gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor(p + f"{gguf_name}.weight", packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                stacked = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0).reshape(stacked.shape)
+                for e, n in enumerate(names):
+                    sd[n] = torch.from_numpy(stacked[e].copy())
+            else:
+                add(p + f"{gguf_name}.weight", torch.from_numpy(stacked))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return sd
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"], ids=["qwen3moe", "mixtral"])
+def test_moe_gguf_maps_experts_and_matches_the_hf_folder(arch: str, tmp_path: Path) -> None:
+    """A tiny MoE GGUF (stacked expert tensors, Q8_0 down experts) converts to the HF
+    per-expert tensors and config, and kvflow's model from it gives the logits of the
+    transformers model and of kvflow's model from the HF folder of the same weights."""
+    from conftest import prefill_logits
+    from kvflow.model.loader import load_model
+
+    from safetensors.torch import save_file
+
+    _hf_moe(arch, tmp_path)
+    expected = write_moe_gguf(tmp_path / "moe.gguf", arch, tmp_path / "hf")
+    same = tmp_path / "hf-q8"  # the same weights as a Hugging Face folder
+    same.mkdir()
+    (same / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    save_file(expected, str(same / "model.safetensors"), metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(same)).eval()
+    out = resolve.resolve_model(str(tmp_path / "moe.gguf"), cache_dir=tmp_path / "cache")
+    weights = _weights(out)
+    assert sorted(weights) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(weights[name], value), name
+    config = resolve.load_config(out)
+    if arch == "qwen3moe":
+        assert isinstance(config, transformers.Qwen3MoeConfig)
+        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 32)
+        assert config.norm_topk_prob is True and config.mlp_only_layers == [1] and config.intermediate_size == 96
+        assert config.head_dim == 16 and config.use_sliding_window is False
+    else:
+        assert isinstance(config, transformers.MixtralConfig)
+        assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (4, 2, 32)
+        assert config.sliding_window is None
+    ids = torch.randint(0, 261, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    from_gguf, _ = load_model(out, torch.float32, torch.device("cpu"))
+    from_hf, _ = load_model(same, torch.float32, torch.device("cpu"))
+    ours = prefill_logits(from_gguf, ids, 8)
+    assert torch.equal(ours, prefill_logits(from_hf, ids, 8))
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert float((ours - ref).abs().max()) < 1e-4
+
+
+def test_moe_gguf_refuses_other_gating_and_shared_experts(tmp_path: Path) -> None:
+    _hf_moe("qwen3moe", tmp_path)
+    for setting, match in ((lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID), "gating_func"),
+                           (lambda w: w.add_expert_shared_count(1), "shared")):
+        path = tmp_path / f"bad-{match}.gguf"
+        original = gguf.GGUFWriter.add_expert_used_count
+
+        def patched(self, value, setting=setting):
+            original(self, value)
+            setting(self)
+
+        gguf.GGUFWriter.add_expert_used_count = patched
+        try:
+            write_moe_gguf(path, "qwen3moe", tmp_path / "hf")
+        finally:
+            gguf.GGUFWriter.add_expert_used_count = original
+        with pytest.raises(NotImplementedError, match=match):
+            resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
