@@ -220,8 +220,7 @@ def test_loading_checks_the_expert_tensors(qwen3_moe_dir, tmp_path):
     ("use_sliding_window", True, "use_sliding_window"),
     ("hidden_act", "gelu", "hidden_act"),
     ("shared_expert_intermediate_size", 64, "shared_expert_intermediate_size"),
-    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                         "rope_theta": 10000.0}, "rope"),
+    ("rope_parameters", {"rope_type": "mrope", "mrope_section": [2, 2, 4], "rope_theta": 10000.0}, "rope"),
 ])
 def test_unsupported_config_fields_are_refused_at_load(field, value, match, qwen3_moe_dir, tmp_path):
     path, _ = qwen3_moe_dir
