@@ -26,6 +26,17 @@ this process's CPU seconds; the run warns when other jobs took more than 0.2 cor
 one kvflow decode step at batch 32 down into scheduler, model forward by operator kind,
 LM head, sampling and engine bookkeeping.
 
+* **Contention** (``--contention``). The same kvflow workload on a quiet machine and under a
+  fixed background load that the benchmark starts and stops itself (``--load-procs`` busy-
+  looping processes, 1 by default: "one core of other load", optionally pinned with
+  ``--load-pin``), for kvflow's default threading and the alternatives (``--variants``: OpenMP
+  wait policy, thread count), each in a fresh process because libgomp reads its settings when
+  torch is imported. Quiet and loaded runs alternate back to back (``--contention-repeats``
+  pairs); the table gives the median output tok/s of each and the loaded/quiet ratio.
+
+kvflow is imported before torch, so the process (both engines) runs with kvflow's default
+OpenMP wait policy (``kvflow.cpu_threads``) unless the environment sets one.
+
 Both engines run the same float32 weights: kvflow converts the packaged GGUF once into a
 Hugging Face folder (``kvflow.model.resolve.resolve_model``) and transformers loads that folder.
 
@@ -34,6 +45,8 @@ How to run
     python -m benchmarks.throughput                      # defaults: 64 prompts, seed 0
     python -m benchmarks.throughput --num-prompts 16     # a quicker run
     python -m benchmarks.throughput --skip-hf            # kvflow only
+    python -m benchmarks.throughput --contention --dtype bfloat16 --num-prompts 16 --max-prompt-len 128 \
+        --max-output-len 64                              # quiet vs one busy core, per threading variant
 
 It prints one table (rows kvflow and hf-static) and the kvflow/hf ratios, and writes the
 configuration, machine facts and every number to ``--out`` (default
@@ -56,6 +69,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import kvflow  # noqa: F401 - before torch: kvflow's OpenMP wait policy applies (kvflow.cpu_threads)
 import torch
 
 from benchmarks.common import (
@@ -121,6 +135,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SECONDS",
         help="on a shared machine, wait up to this long for the CPUs to be under 10%% busy before starting",
     )
+    p.add_argument("--contention", action="store_true",
+                   help="instead of the benchmark, compare kvflow quiet vs under a background load that this "
+                   "benchmark starts, for each threading variant (see --variants)")
+    p.add_argument("--variants", default=",".join(CONTENTION_VARIANTS),
+                   help="comma-separated variants for --contention, of: " + ", ".join(
+                       f"{k} ({v['what']})" for k, v in CONTENTION_VARIANTS.items()) + " (default: all)")
+    p.add_argument("--load-procs", type=int, default=1, help="busy-looping processes of the --contention load (default: 1)")
+    p.add_argument("--load-pin", default=None, metavar="CPUS",
+                   help="pin the load processes to these CPUs (e.g. 1 or 0,1; default: not pinned)")
+    p.add_argument("--contention-repeats", type=int, default=1, help="quiet/loaded pairs per variant (default: 1)")
     args = p.parse_args(argv)
     for name in ("num_prompts", "hf_batch_size", "max_num_seqs", "max_num_batched_tokens", "block_size", "stream_repeats"):
         if getattr(args, name) < 1:
@@ -128,6 +152,122 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.min_prompt_len <= args.max_prompt_len or not 1 <= args.min_output_len <= args.max_output_len:
         p.error("length ranges must satisfy 1 <= min <= max")
     return args
+
+
+# Threading variants of the contention mode: environment of the child process, torch threads.
+# GOMP_SPINCOUNT=300000 is libgomp's own default spin count (OMP_WAIT_POLICY unset), so the
+# "gomp-default" variant is what torch does when nothing sets the policy.
+CONTENTION_VARIANTS: dict[str, dict[str, Any]] = {
+    "kvflow-default": {"env": {}, "threads": None, "what": "whatever kvflow picks with nothing set"},
+    "gomp-default": {"env": {"GOMP_SPINCOUNT": "300000"}, "threads": None,
+                     "what": "libgomp's default spin-then-sleep, all cores"},
+    "active": {"env": {"OMP_WAIT_POLICY": "ACTIVE"}, "threads": None, "what": "OpenMP threads spin, all cores"},
+    "passive": {"env": {"OMP_WAIT_POLICY": "PASSIVE"}, "threads": None, "what": "OpenMP threads sleep, all cores"},
+    "spin-10k": {"env": {"GOMP_SPINCOUNT": "10000"}, "threads": None, "what": "spin 10k rounds, then sleep"},
+    "spin-1k": {"env": {"GOMP_SPINCOUNT": "1000"}, "threads": None, "what": "spin 1k rounds, then sleep"},
+    "passive-bound": {"env": {"OMP_WAIT_POLICY": "PASSIVE", "OMP_PROC_BIND": "true", "OMP_PLACES": "cores"},
+                      "threads": None, "what": "sleeping threads bound one per core"},
+    "threads-1": {"env": {"GOMP_SPINCOUNT": "300000"}, "threads": 1, "what": "one thread, libgomp's default spin"},
+    "passive-threads-1": {"env": {"OMP_WAIT_POLICY": "PASSIVE"}, "threads": 1, "what": "one thread, sleeping"},
+}
+# Variables of the parent that would leak into a variant's child.
+_THREAD_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES",
+               "GOMP_CPU_AFFINITY")
+
+
+def _start_load(n: int, cpus: set[int] | None) -> list[Any]:
+    """n busy-looping Python processes (one core each), pinned to ``cpus`` if given."""
+    import subprocess
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+            for _ in range(n)]
+
+
+def _child_run(args: argparse.Namespace, variant: str, out: Path) -> dict[str, Any]:
+    """One kvflow-only throughput run of a variant in a fresh process; its JSON record."""
+    import subprocess
+
+    spec = CONTENTION_VARIANTS[variant]
+    env = {k: v for k, v in os.environ.items() if k not in _THREAD_ENV}
+    env.update(spec["env"])
+    command = [sys.executable, "-m", "benchmarks.throughput", "--skip-hf", "--skip-stream", "--out", str(out),
+               "--model", args.model, "--num-prompts", str(args.num_prompts), "--seed", str(args.seed),
+               "--min-prompt-len", str(args.min_prompt_len), "--max-prompt-len", str(args.max_prompt_len),
+               "--min-output-len", str(args.min_output_len), "--max-output-len", str(args.max_output_len),
+               "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+               "--block-size", str(args.block_size), "--dtype", args.dtype]
+    threads = spec["threads"] if spec["threads"] is not None else args.threads
+    if threads is not None:
+        command += ["--threads", str(threads)]
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())
+
+
+def run_contention(args: argparse.Namespace) -> int:
+    """Quiet vs loaded kvflow throughput per threading variant (see the module docstring)."""
+    import tempfile
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in CONTENTION_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown --variants {unknown}; known: {list(CONTENTION_VARIANTS)}")
+    pin = {int(c) for c in args.load_pin.split(",")} if args.load_pin else None
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {v: {"quiet": [], "loaded": []} for v in variants}
+    loadavg_start = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.contention_repeats):
+            for variant in variants:
+                for state in ("quiet", "loaded"):
+                    procs = _start_load(args.load_procs if state == "loaded" else 0, pin)
+                    try:
+                        record = _child_run(args, variant, Path(tmp) / f"{variant}-{state}-{rep}.json")
+                    finally:
+                        for proc in procs:
+                            proc.terminate()
+                            proc.wait()
+                    kv = record["results"]["kvflow"]
+                    # other_load_cores of the child counts the busy loops too; keep the rest apart
+                    background = None if kv["other_load_cores"] is None else kv["other_load_cores"] - len(procs)
+                    runs[variant][state].append({
+                        "output_tokens_per_s": kv["output_tokens_per_s"], "wall_s": kv["wall_s"],
+                        "other_load_cores": kv["other_load_cores"], "background_cores": background,
+                        "threads": record["machine"].get("torch_num_threads"), "loadavg_end": record["machine"]["loadavg_end"],
+                    })
+                    print(f"[contention] {variant:18s} {state:6s} {kv['output_tokens_per_s']:8.1f} output tok/s "
+                          f"({kv['wall_s']:.1f} s; other load {_fmt_load(kv['other_load_cores'])}, "
+                          f"{len(procs)} of them ours)", file=sys.stderr)
+
+    def med(variant: str, state: str, key: str) -> float | None:
+        values = [r[key] for r in runs[variant][state] if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    headers = ["variant", "threads", "quiet tok/s", "loaded tok/s", "loaded/quiet", "background cores q/l"]
+    rows = []
+    for v in variants:
+        q, l = med(v, "quiet", "output_tokens_per_s"), med(v, "loaded", "output_tokens_per_s")
+        bq, bl = med(v, "quiet", "background_cores"), med(v, "loaded", "background_cores")
+        rows.append([v, runs[v]["quiet"][0]["threads"], q, l, l / q if q and l else None, f"{_fmt_load(bq)}/{_fmt_load(bl)}"])
+    print()
+    print(f"kvflow {args.model} {args.dtype}, {args.num_prompts} requests (prompts {args.min_prompt_len}-"
+          f"{args.max_prompt_len}, outputs {args.min_output_len}-{args.max_output_len} tokens); load: "
+          f"{args.load_procs} busy process(es){' pinned to ' + args.load_pin if pin else ''}; "
+          f"{os.cpu_count()} CPUs; median of {args.contention_repeats}")
+    print(format_table(headers, rows))
+    print("background cores: other jobs on the machine besides this benchmark's load (quiet/loaded runs); "
+          "numbers from a machine where they are above ~0.1 are noisy")
+    record = {
+        "benchmark": "throughput-contention",
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "variants": {v: CONTENTION_VARIANTS[v] for v in variants},
+        "machine": {**machine_info(), "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg()},
+        "runs": runs,
+    }
+    out = Path(args.out if args.out != "benchmarks/results/throughput.json" else "benchmarks/results/contention.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -499,6 +639,8 @@ def _prefix_match(a: list[int], b: list[int]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.contention:
+        return run_contention(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 

@@ -8,10 +8,14 @@ the checkpoint), ``CacheConfig`` (paged KV cache) and ``SchedulerConfig`` (batch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+from kvflow.quantization.registry import LM_HEAD_METHODS, QUANTIZATION_METHODS
+from kvflow.utils import parse_bytes
 
 _DTYPES = {
     "float32": torch.float32,
@@ -364,83 +368,106 @@ class SpeculativeConfig:
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
 DEFAULT_SWAP_SPACE_BYTES = 256 * 1024 * 1024
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# Seconds a tensor-parallel rank waits at the start-up rendezvous and in a collective before
+# failing (``EngineArgs.collective_timeout_s``; ``KVFLOW_COLLECTIVE_TIMEOUT_S`` overrides).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+def _option(default: Any, help: str, **cli: Any) -> Any:
+    """A dataclass field carrying its documentation: ``help`` is the one text from which the
+    class docstring's Attributes section and the CLI flag's help are made; ``cli`` holds
+    hints for the flag (``choices``, ``metavar``, ``byte_size``: also parsed from strings
+    such as "1GiB" by ``EngineArgs``, ``method_flag``)."""
+    return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass
 class EngineArgs:
     """User-facing engine options (the keyword arguments of ``LLM`` and the CLI flags).
 
-    Attributes:
-        model: a short name of a packaged model (``smollm2-135m``), a ``.gguf`` file or a
-            Hugging Face directory.
-        dtype: weight and activation dtype: "auto", "float32", "bfloat16", "float16".
-        device: "cpu" or "cuda" (None picks CUDA when available).
-        block_size: tokens per KV cache block.
-        num_kv_blocks: number of KV blocks; overrides ``kv_cache_memory_bytes``.
-        kv_cache_memory_bytes: memory budget for the KV cache in bytes (default 512 MiB).
-        max_num_batched_tokens: per-step token budget.
-        max_num_seqs: maximum number of concurrently running requests.
-        max_model_len: context limit in tokens (default: the model's).
-        enable_prefix_caching: reuse cached K/V of shared prompt prefixes (default on).
-        scheduling_policy: "fcfs" (default) or "priority".
-        preemption_mode: "recompute" (default) or "swap".
-        swap_space_bytes: host memory for swapped-out KV blocks, in bytes (default 256 MiB
-            when preemption_mode is "swap", else 0).
-        quantization: weight-only quantization of the decoder linears at load: "int8",
-            "int4" (round-to-nearest), "int4-awq", "fp8", or "gguf" (keep a GGUF file's
-            quantized tensors compact); None: float. A quantized checkpoint folder
-            (``kvflow quantize``) loads quantized whatever this says.
-        quantize_lm_head: also quantize the LM head: True takes the decoder's scheme (INT4
-            for int4 / int4-awq, INT8 for int8 and gguf, FP8 for fp8); "int8", "int4" or
-            "fp8" picks one (e.g. an INT8 head under INT4 decoder linears). The embedding
-            lookup stays float (tied embeddings: the head becomes a quantized copy). Off by
-            default; needs ``quantization`` (or a quantized checkpoint).
-        quantization_group_size: INT4 group size (32, 64, 128; default 32, which measured
-            far better than 128 on SmolLM2 — see the README's quantization table).
-        kv_cache_dtype: "auto" (the model dtype), "int8" or "fp8" (per-token, per-head
-            scales; dequantized inside attention), or a float dtype name.
-        tensor_parallel_size: shard the model over this many processes (Megatron-style
-            tensor parallelism on torch.distributed: gloo on the CPU, NCCL on CUDA).
-        speculative_config: speculative decoding, e.g. ``{"method": "ngram",
-            "num_speculative_tokens": 4}`` (see ``SpeculativeConfig``); None: off.
-        seed: seed of the engine's generator for unseeded sampling.
-        num_threads: torch intra-op threads on the CPU (None leaves torch's default).
-        model_cache_dir: where converted GGUF models are cached.
-        attention_backend: "auto" (on CUDA: Triton when ``triton`` is installed; on the CPU:
-            "cpu" when its kernel builds; else "torch"), "torch" (gather +
-            ``scaled_dot_product_attention``, any device), "cpu" (decode attention in
-            ``kvflow.layers.cpu_attention``'s C++ kernel, built on first use; prefill as
-            "torch") or "triton" (``kvflow.layers.triton_attention``; needs CUDA, or
-            Triton's CPU interpreter with ``TRITON_INTERPRET=1``, which is for tests only).
-        enforce_eager: never use CUDA graphs. Otherwise, on CUDA with the Triton backend
-            and no tensor parallelism, decode steps replay CUDA graphs captured at load
-            (``kvflow.worker.cuda_graph``).
+    Each field's documentation is its ``help`` metadata (``EngineArgs.help_text(name)``),
+    listed below; the CLI makes one flag per field from it (``--block-size``...).
     """
 
-    model: str = "smollm2-135m"
-    dtype: str = "auto"
-    device: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    swap_space_bytes: int | None = None
-    quantization: str | None = None
-    quantization_group_size: int = 32
-    quantize_lm_head: bool | str = False
-    kv_cache_dtype: str = "auto"
-    speculative_config: dict[str, Any] | None = None
-    tensor_parallel_size: int = 1
-    seed: int = 0
-    num_threads: int | None = None
-    model_cache_dir: str | None = None
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
+    model: str = _option(
+        "smollm2-135m",
+        "a short name of a packaged model (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a .gguf file "
+        "or a Hugging Face directory (see docs/models.md)")
+    dtype: str = _option(
+        "auto", "weight and activation dtype: auto (float32 on the CPU, bfloat16 on CUDA), float32, bfloat16, "
+        "float16 (on the CPU bfloat16 is the fast configuration)", choices=("auto", *_DTYPES))
+    device: str | None = _option(None, "cpu or cuda (default: cuda when available)")
+    block_size: int = _option(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = _option(None, "number of KV blocks; overrides kv_cache_memory_bytes")
+    kv_cache_memory_bytes: int | None = _option(
+        None, "memory budget for the KV cache: bytes, or a size such as 512MiB, 1GiB (default: 512MiB)",
+        byte_size=True)
+    max_num_batched_tokens: int = _option(2048, "per-step token budget (prefill chunks plus decodes)")
+    max_num_seqs: int = _option(64, "maximum number of concurrently running requests")
+    max_model_len: int | None = _option(None, "context limit in tokens (default: the model's)")
+    enable_prefix_caching: bool = _option(True, "reuse cached K/V of shared prompt prefixes")
+    scheduling_policy: str = _option("fcfs", "fcfs (arrival order) or priority (lower priority value first)",
+                                     choices=("fcfs", "priority"))
+    preemption_mode: str = _option("recompute", "recompute or swap (to host memory) when KV blocks run out",
+                                   choices=("recompute", "swap"))
+    swap_space_bytes: int | None = _option(
+        None, "host memory for swapped-out KV blocks: bytes, or a size such as 256MiB (default: 256MiB with "
+        "preemption_mode swap, else 0)", byte_size=True)
+    quantization: str | None = _option(
+        None, "weight-only quantization of the decoder linears at load: int8, int4 (round-to-nearest), int4-awq, "
+        "fp8, or gguf (keep a GGUF file's quantized tensors compact); default: float. A quantized checkpoint "
+        "folder (kvflow quantize) loads quantized whatever this says", choices=QUANTIZATION_METHODS)
+    quantization_group_size: int = _option(
+        32, "INT4 group size: 32, 64 or 128 (32 measured far better than 128 on SmolLM2)", choices=(32, 64, 128))
+    quantize_lm_head: bool | str = _option(
+        False, "also quantize the LM head: True takes the decoder's scheme (INT4 for int4 / int4-awq, INT8 for "
+        "int8 and gguf, FP8 for fp8); int8, int4 or fp8 picks one (e.g. an INT8 head under INT4 decoder "
+        "linears). The embedding lookup stays float. Needs quantization (or a quantized checkpoint)",
+        choices=LM_HEAD_METHODS, method_flag="--lm-head-quantization")
+    kv_cache_dtype: str = _option(
+        "auto", "KV cache element type: auto (the model dtype), int8 or fp8 (per-token, per-head scales; "
+        "dequantized inside attention), or a float dtype name", choices=("auto", *_KV_CACHE_DTYPES, *_DTYPES))
+    speculative_config: dict[str, Any] | None = _option(
+        None, 'speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} (a JSON object on '
+        "the command line; see SpeculativeConfig); default: off", metavar="JSON")
+    tensor_parallel_size: int = _option(
+        1, "shard the model over this many processes (Megatron-style tensor parallelism on torch.distributed: "
+        "gloo on the CPU, NCCL on CUDA)")
+    collective_timeout_s: float | None = _option(
+        None, "seconds a tensor-parallel rank waits at the start-up rendezvous (while the other ranks load "
+        "their shards) and in each collective before failing; a rank that exits is detected at once whatever "
+        f"this says (default: $KVFLOW_COLLECTIVE_TIMEOUT_S, else {DEFAULT_COLLECTIVE_TIMEOUT_S:.0f})",
+        metavar="SECONDS")
+    seed: int = _option(0, "seed of the engine's generator for requests without their own seed")
+    num_threads: int | None = _option(
+        None, "CPU threads for the model (torch intra-op threads); default: torch's choice")
+    model_cache_dir: str | None = _option(
+        None, "where converted GGUF models are cached (default: $KVFLOW_CACHE_DIR or ~/.cache/kvflow/models)")
+    attention_backend: str = _option(
+        "auto", "auto (on CUDA: triton when the triton package is installed; on the CPU: cpu when its kernel "
+        "builds; else torch), torch (gather + scaled_dot_product_attention, any device), cpu (decode attention "
+        "in kvflow's C++ kernel, built on first use; prefill as torch) or triton (needs CUDA, or Triton's CPU "
+        "interpreter with TRITON_INTERPRET=1, for tests only)", choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = _option(
+        False, "never use CUDA graphs (otherwise, on CUDA with the triton backend and no tensor parallelism, "
+        "decode steps replay CUDA graphs captured at load)")
+
+    def __post_init__(self) -> None:
+        # Byte sizes may be written as users write them ("1GiB"); the engine reads ints.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("byte_size") and isinstance(value, str):
+                setattr(self, f.name, parse_bytes(value, f.name))
+
+    @classmethod
+    def help_text(cls, name: str) -> str:
+        """The documentation of field ``name``.
+
+        Raises:
+            KeyError: for a name that is not a field.
+        """
+        return cls.__dataclass_fields__[name].metadata["help"]
 
     def verify(self) -> None:
         """Check the ranges of the numeric options.
@@ -470,7 +497,7 @@ class EngineArgs:
             raise ValueError(f"swap_space_bytes must be a non-negative integer, got {self.swap_space_bytes!r}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
-        from kvflow.quantization.registry import LM_HEAD_METHODS, check_method
+        from kvflow.quantization.registry import check_method
 
         check_method(self.quantization)
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32, torch.device("cpu"))
@@ -481,6 +508,15 @@ class EngineArgs:
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device is not None and self.device != "cpu" and not torch.cuda.is_available():
+            why = "this PyTorch build has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+            raise ValueError(f"device={self.device!r}, but {why} (torch {torch.__version__}); use device='cpu' "
+                             "or leave device unset to pick CUDA only when it is available")
+        if self.collective_timeout_s is not None and (
+            isinstance(self.collective_timeout_s, bool) or not isinstance(self.collective_timeout_s, (int, float))
+            or not 0 < self.collective_timeout_s < float("inf")
+        ):
+            raise ValueError(f"collective_timeout_s must be a positive number of seconds, got {self.collective_timeout_s!r}")
         self.resolved_attention_backend()
 
     def resolved_attention_backend(self) -> str:
@@ -493,7 +529,7 @@ class EngineArgs:
         from kvflow.layers.triton_attention import interpreter_enabled, triton_available
 
         backend = self.attention_backend
-        if backend not in ("auto", "torch", "cpu", "triton"):
+        if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
         device = self.torch_device()
         on_cuda = device.type == "cuda"
@@ -527,6 +563,25 @@ class EngineArgs:
                 raise ValueError("attention_backend='triton' on the CPU (Triton's interpreter) cannot run dtype "
                                  "'bfloat16'; use float32 / float16 or attention_backend='torch'")
         return backend
+
+    def resolved_collective_timeout_s(self) -> float:
+        """``collective_timeout_s``, else ``$KVFLOW_COLLECTIVE_TIMEOUT_S``, else the default.
+
+        Raises:
+            ValueError: for an environment value that is not a positive number.
+        """
+        if self.collective_timeout_s is not None:
+            return float(self.collective_timeout_s)
+        text = os.environ.get("KVFLOW_COLLECTIVE_TIMEOUT_S")
+        if not text:
+            return DEFAULT_COLLECTIVE_TIMEOUT_S
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"KVFLOW_COLLECTIVE_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+        return value
 
     def torch_device(self) -> torch.device:
         if self.device is None:
@@ -584,6 +639,20 @@ class EngineArgs:
             policy=self.scheduling_policy,
             preemption_mode=self.preemption_mode,
         )
+
+
+def _attributes_doc(cls: type) -> str:
+    """An "Attributes:" docstring section from the fields' ``help`` metadata."""
+    import textwrap
+
+    lines = ["", "    Attributes:"]
+    for f in fields(cls):
+        lines += textwrap.wrap(f"{f.name}: {f.metadata['help']}.", width=92, initial_indent=" " * 8,
+                               subsequent_indent=" " * 12)
+    return "\n".join(lines) + "\n"
+
+
+EngineArgs.__doc__ = (EngineArgs.__doc__ or "").rstrip() + "\n" + _attributes_doc(EngineArgs)
 
 
 def _positive_int(name: str, value: object) -> None:

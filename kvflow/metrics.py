@@ -38,6 +38,7 @@ class EngineMetrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
         self.request_success = counter("request_success", "Requests finished (any finish reason).")
+        self.request_failure = counter("request_failure", "Requests the engine failed alone (an error inside the engine).")
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token, seconds.")
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens, seconds.")
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish, seconds.")

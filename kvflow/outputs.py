@@ -13,7 +13,8 @@ class CompletionOutput:
         index: position among the request's outputs (0 when n == 1).
         text: detokenized output text (cumulative).
         token_ids: generated token ids (cumulative).
-        finish_reason: "stop", "length", "abort", or None while still generating.
+        finish_reason: "stop", "length", "abort", "error" (see ``RequestOutput.error``), or
+            None while still generating.
         stop_reason: the stop string or stop token id that ended the output (None for EOS,
             length or abort).
         logprobs: when requested, one {token id: log-probability} per generated token.
@@ -27,6 +28,25 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the engine failed one request while it went on serving the others.
+
+    Attributes:
+        message: ``"ExceptionType: text"`` of the fault.
+        is_invalid_request: True when the request itself is at fault (a ``ValueError``
+            raised while preparing, running or sampling it; the server answers 400), False
+            for an internal fault (500).
+    """
+
+    message: str
+    is_invalid_request: bool = False
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> "RequestFailure":
+        return cls(f"{type(exc).__name__}: {exc}", isinstance(exc, ValueError))
 
 
 @dataclass
@@ -43,6 +63,8 @@ class RequestOutput:
             first_scheduled_time, first_token_time, and finished_time once finished.
         prompt_logprobs: when requested, one {token id: log-probability} per prompt token
             after the first (set on the finished output).
+        error: set (with ``finished`` True and every finish_reason "error") when the engine
+            failed this request; its blocks are freed and the other requests go on.
     """
 
     request_id: str
@@ -52,6 +74,7 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, float]] | None = None
+    error: RequestFailure | None = None
 
 
 @dataclass

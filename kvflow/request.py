@@ -28,6 +28,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # failed inside the engine (see LLMEngine.step)
 
     @property
     def is_finished(self) -> bool:
@@ -35,7 +36,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI-style finish reason: "stop", "length", "abort", or None while unfinished."""
+        """OpenAI-style finish reason: "stop", "length", "abort", "error" (failed inside the
+        engine), or None while unfinished."""
         return _FINISH_REASON.get(self)
 
 
@@ -43,11 +45,13 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

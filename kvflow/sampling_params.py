@@ -8,6 +8,8 @@ request is refused before it reaches the engine.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,11 +23,13 @@ class SamplingParams:
     Attributes:
         n: number of output sequences per prompt (parallel sampling). The samples share the
             prompt's KV blocks; sample i of a seeded request uses seed + i.
-        temperature: softmax temperature (> 0 samples, 0 means greedy argmax). Must be >= 0.
+        temperature: softmax temperature (> 0 samples, 0 means greedy argmax). A finite
+            number >= 0.
         top_p: nucleus sampling, keep the smallest set of tokens whose probability mass is
             >= top_p (Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration",
             section 3.1). Must be in (0, 1]; 1 disables it.
-        top_k: keep the k most likely tokens. 0 or -1 disable it; otherwise >= 1.
+        top_k: keep the k most likely tokens. 0 or -1 disable it; otherwise >= 1 (a value
+            at or above the vocabulary size keeps every token, as if disabled).
         min_p: drop tokens whose probability is below ``min_p`` times the most likely
             token's probability. Must be in [0, 1]; 0 disables it.
         seed: per-request random seed. A seeded request samples from its own
@@ -38,15 +42,19 @@ class SamplingParams:
         skip_special_tokens: drop special tokens when detokenizing the output text.
         logprobs: report, for every generated token, the log-probability of the sampled
             token and of the ``logprobs`` most likely tokens under the raw model
-            distribution (before penalties, temperature and filtering). None: none.
+            distribution (before penalties, temperature and filtering). None: none. The
+            engine refuses more than the vocabulary size.
         prompt_logprobs: the same for every prompt token after the first (the request then
             computes its whole prompt: prefix-cache hits are not used for it).
         presence_penalty: subtracted from the logit of every token that occurs in the output
             so far (OpenAI semantics). In [-2, 2].
         frequency_penalty: subtracted once per occurrence in the output so far. In [-2, 2].
         repetition_penalty: divides positive logits and multiplies negative ones of tokens in
-            the prompt or the output (Keskar et al. 2019, "CTRL", section 4.1). > 0; 1 off.
-        logit_bias: token id -> value added to its logit (OpenAI semantics, in [-100, 100]).
+            the prompt or the output (Keskar et al. 2019, "CTRL", section 4.1). A finite
+            number > 0; 1 is off.
+        logit_bias: token id -> value added to its logit (OpenAI semantics): keys are
+            integers or integer strings >= 0 (the engine refuses ids outside the
+            vocabulary), values numbers in [-100, 100].
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens exist.
         bad_words: words never to generate: the last token of a word's token sequence is
             masked whenever the output ends with the rest of it.
@@ -92,16 +100,13 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.bad_words = list(self.bad_words or [])
         if self.logit_bias:
-            try:
-                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError, AttributeError):
-                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+            self.logit_bias = _parse_logit_bias(self.logit_bias)
         self._verify()
 
     def _verify(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        _check_number("temperature", self.temperature)
+        _check_number("temperature", self.temperature, finite=True)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         _check_number("top_p", self.top_p)
@@ -136,12 +141,9 @@ class SamplingParams:
             _check_number(name, value)
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        _check_number("repetition_penalty", self.repetition_penalty)
+        _check_number("repetition_penalty", self.repetition_penalty, finite=True)
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for tok, bias in (self.logit_bias or {}).items():
-            if tok < 0 or not -100.0 <= bias <= 100.0 or bias != bias:
-                raise ValueError(f"logit_bias needs token ids >= 0 and values in [-100, 100], got {tok}: {bias}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
@@ -170,8 +172,36 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
 
-def _check_number(name: str, value: object) -> None:
+def _check_number(name: str, value: object, finite: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value != value:  # NaN
         raise ValueError(f"{name} must not be NaN")
+    if finite and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+def _parse_logit_bias(bias: object) -> dict[int, float]:
+    """``logit_bias`` with int keys: keys are ints or integer strings (JSON object keys are
+    strings) >= 0, values numbers in [-100, 100].
+
+    Raises:
+        ValueError: naming ``logit_bias``, for anything else.
+    """
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):
+            token = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token = key
+        else:
+            raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}")
+        if token < 0:
+            raise ValueError(f"logit_bias keys must be token ids >= 0, got {token}")
+        _check_number("logit_bias", value)
+        if not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {token}: {value}")
+        out[token] = float(value)
+    return out

@@ -58,6 +58,64 @@ def tiny_model(config: ModelConfig, seed: int = 0) -> LlamaForCausalLM:
     return model.eval()
 
 
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer without merges: each UTF-8 byte is one token (ids 0-255),
+    ``<|endoftext|>`` (id 256) is EOS, and a one-line chat template; for text prompts on a
+    tiny model (vocab_size 257) without any download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    hf.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return hf
+
+
+TINY_TEXT_VOCAB = 257  # tiny_tokenizer's size
+
+
+def tiny_hf_model_dir(path, generation_config: dict | None = None):
+    """A Hugging Face model folder (a random 2-layer Llama, ``tiny_tokenizer``'s files, and
+    ``generation_config.json`` when given) that ``LLM(model=path)`` and ``kvflow serve``
+    load in a second."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    path = Path(path)
+    config = transformers.LlamaConfig(
+        vocab_size=TINY_TEXT_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        eos_token_id=TINY_TEXT_VOCAB - 1, bos_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    if generation_config is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation_config))
+    return path
+
+
+def tiny_word_tokenizer(vocab_size: int = 128):
+    """A word-level tokenizer over a tiny model's vocabulary: token i is the word ``<i>``,
+    text is the words joined by spaces (``decode([3, 5]) == "<3> <5>"``), no special tokens.
+    Lets unit tests use text features (stop strings) without the real model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
 def tiny_engine(
     num_blocks: int = 64,
     block_size: int = 4,
@@ -68,8 +126,11 @@ def tiny_engine(
     seed: int = 0,
     attention_backend: str = "torch",
     enable_prefix_caching: bool = True,
+    tokenizer=None,
+    generation_defaults: dict | None = None,
 ) -> LLMEngine:
-    """An engine over a tiny random model, working on token ids (no tokenizer)."""
+    """An engine over a tiny random model, working on token ids (no tokenizer) unless a
+    tokenizer is given (``tiny_tokenizer`` with ``tiny_model_config(vocab_size=TINY_TEXT_VOCAB)``)."""
     config = config or tiny_model_config()
     return LLMEngine(
         model=tiny_model(config),
@@ -79,10 +140,11 @@ def tiny_engine(
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len
         ),
-        tokenizer=None,
+        tokenizer=tokenizer,
         device=torch.device("cpu"),
         seed=seed,
         attention_backend=attention_backend,
+        generation_defaults=generation_defaults,
     )
 
 
@@ -163,15 +225,18 @@ def engine_like(
     num_cpu_blocks: int = 0,
     proposer=None,
     attention_backend: str = "torch",
+    block_size: int | None = None,
     **scheduler_kwargs,
 ) -> LLMEngine:
-    """A fresh engine (own cache, scheduler, proposer) over an ``LLM``'s already loaded model."""
+    """A fresh engine (own cache, scheduler, proposer) over an ``LLM``'s already loaded model,
+    with the LLM's block size and KV cache dtype unless ``block_size`` is given."""
     src = llm.engine
     return LLMEngine(
         model=src.model_runner.model,
         model_config=src.model_config,
         cache_config=CacheConfig(
-            src.cache_config.block_size, num_blocks, torch.float32, enable_prefix_caching, num_cpu_blocks=num_cpu_blocks
+            block_size or src.cache_config.block_size, num_blocks, src.cache_config.dtype, enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks,
         ),
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens, max_num_seqs, src.scheduler_config.max_model_len, **scheduler_kwargs

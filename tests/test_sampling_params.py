@@ -55,6 +55,30 @@ NAN = math.nan
         ({"stop_token_ids": [3, -7]}, "stop_token_ids"),
         ({"stop_token_ids": [1.5]}, "stop_token_ids"),
         ({"stop_token_ids": ["2"]}, "stop_token_ids"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": -math.inf}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"top_p": math.inf}, "top_p"),
+        ({"min_p": math.inf}, "min_p"),
+        ({"presence_penalty": math.inf}, "presence_penalty"),
+        ({"frequency_penalty": -math.inf}, "frequency_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"repetition_penalty": NAN}, "repetition_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"1.5": 1}}, "logit_bias"),
+        ({"logit_bias": {"1e3": 1}}, "logit_bias"),
+        ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),  # a Unicode digit int() refuses
+        ({"logit_bias": {True: 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {5: True}}, "logit_bias"),
+        ({"logit_bias": {5: "1"}}, "logit_bias"),
+        ({"logit_bias": {5: NAN}}, "logit_bias"),
+        ({"logit_bias": {5: math.inf}}, "logit_bias"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": [5]}, "logit_bias"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"min_tokens": -1}, "min_tokens"),
     ],
 )
 def test_invalid_field_raises_value_error_naming_it(kwargs, field):
@@ -108,6 +132,10 @@ def test_default_stop_token_ids_not_shared():
         {"logprobs": 0},
         {"logprobs": 5},
         {"logprobs": None},
+        {"top_k": 2**63},  # above the vocabulary: every token is kept (the sampler clamps it)
+        {"top_k": 10**20},
+        {"temperature": 1e300},
+        {"repetition_penalty": 1e-3},
     ],
 )
 def test_valid_values_construct(kwargs):
@@ -130,3 +158,8 @@ def test_stop_token_ids_tuple_becomes_list():
 )
 def test_greedy_property(kwargs, greedy):
     assert SamplingParams(**kwargs).greedy is greedy
+
+
+def test_logit_bias_keys_become_ints():
+    p = SamplingParams(logit_bias={"5": 1, 7: -2.5, "0": 100})
+    assert p.logit_bias == {5: 1.0, 7: -2.5, 0: 100.0}

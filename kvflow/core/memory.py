@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvflow.utils import human_bytes, parse_bytes  # noqa: F401 - parse_bytes: re-exported for callers
+
 # Bytes per element of each KV cache dtype (aliases as accepted by kvflow's --dtype).
 KV_DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
@@ -55,15 +57,6 @@ SCALE_BYTES = 4
 
 DEFAULT_BUDGET_BYTES = 512 * 1024**2
 DEFAULT_BLOCK_SIZE = 16
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kib": 1024, "kb": 1000,
-    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
-    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
-}
-
 
 class KVShapeLike(Protocol):
     """What the accounting reads: a ``ModelConfig``, a ``KVSpec`` or any lookalike."""
@@ -353,35 +346,6 @@ def memory_report(
 
 
 # ---------------------------------------------------------------------------- parsing, text
-def parse_bytes(text: str | int) -> int:
-    """A byte count from "536870912", "512MiB", "8GiB", "1.5G", "2GB" (KiB/MiB/GiB/TiB and
-    bare K/M/G/T are powers of 1024, KB/MB/GB/TB powers of 1000; case-insensitive).
-
-    Raises:
-        ValueError: unparsable, or negative.
-    """
-    if isinstance(text, int):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
-            raise ValueError(f"cannot parse a byte size from {text!r} (examples: 536870912, 512MiB, 8GiB, 2GB)")
-        value = int(float(m.group(1)) * _UNITS[unit])
-    if value < 0:
-        raise ValueError(f"byte size must be non-negative, got {text!r}")
-    return value
-
-
-def human_bytes(n: float) -> str:
-    """1024-based: 524288 -> "512 KiB", 46080 -> "45 KiB", 3.5 * 2**30 -> "3.5 GiB"."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" or float(n).is_integer() else f"{n:.3g} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def format_report(report: dict[str, Any]) -> str:
     """The human-readable text of ``memory_report``."""
     m = report["model"]

@@ -25,6 +25,7 @@ admitted as soon as running requests release enough blocks.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvflow.config import SchedulerConfig
@@ -134,25 +135,17 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request.status == RequestStatus.RUNNING:
+        # By membership, not status: a request that failed half-way through ``update`` may
+        # carry a finished status while still in the running list.
+        if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        else:  # a parallel sample not forked yet
-            request.fork_parent.pending_forks.remove(request)
+        elif request.fork_parent is not None and request in request.fork_parent.pending_forks:
+            request.fork_parent.pending_forks.remove(request)  # a parallel sample not forked yet
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         return request
-
-    def finish_request(self, request_id: str) -> None:
-        """End a running request with "stop" from outside the model loop (a stop string
-        matched on the text) and free its blocks; a no-op for a finished request."""
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return
-        self.running.remove(request)
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.FINISHED_STOPPED
 
     @property
     def num_running(self) -> int:
@@ -278,18 +271,38 @@ class Scheduler:
         out.preempted_requests.append(request)
         self._enqueue(request)
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+    def update(
+        self,
+        out: SchedulerOutput,
+        sampled_token_ids: dict[str, list[int]],
+        errors: dict[str, BaseException] | None = None,
+        text_stop: Callable[[Request], str | None] | None = None,
+    ) -> list[Request]:
         """Advance the scheduled requests after the model ran.
 
         Args:
             out: the batch that was executed.
             sampled_token_ids: request_id -> new tokens, for every request whose scheduled
                 tokens reached ``num_tokens`` (a partial prefill chunk samples nothing): one
-                token, or the accepted draft tokens plus one for a speculative decode.
+                token, or the accepted draft tokens plus one for a speculative decode. A
+                list is cut in place after the token that ends its request.
+            errors: when given, an exception raised while advancing one request (e.g. by
+                its grammar on a token) is recorded here under its id and the others are
+                still advanced; the caller must then abort that request. When None, the
+                exception propagates.
+            text_stop: called with the request after each of its new tokens is appended
+                (and its token-level stop checks ran, so ``request.is_finished`` tells
+                whether the text is final); returns the stop string that the request's text
+                completed with that token, or None. The engine's detokenizer answers it.
+                A match ends the request there with "stop" and ``stop_reason`` set to it.
 
         Returns:
             The requests that finished this step (their blocks are already freed).
 
+        Tokens are taken one at a time, as if each had come from its own step (as vLLM's
+        multi-step output processor does): a stop token, EOS, ``max_tokens``, the context
+        limit or a stop string ends the request at that token, and later tokens of the
+        step (accepted drafts past the stop) are dropped before anything is kept for them.
         The K/V of rejected draft tokens is rolled back: ``num_computed_tokens`` counts only
         accepted tokens, blocks past them are freed, and only blocks of final tokens are
         published to the prefix cache.
@@ -298,25 +311,13 @@ class Scheduler:
             child.num_computed_tokens = parent.num_computed_tokens + out.num_scheduled_tokens[parent.request_id]
         finished = []
         for request in [*out.scheduled_requests, *(child for child, _ in out.forked)]:
-            request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
-            tokens = sampled_token_ids.get(request.request_id)
-            num_drafts = len(out.scheduled_spec_tokens.get(request.request_id, ()))
-            if num_drafts:
-                num_rejected = num_drafts - (len(tokens) - 1)
-                request.num_computed_tokens -= num_rejected
-                request.spec_token_ids = []
-                self.kv_cache_manager.trim(request)
-            for i, token in enumerate(tokens or ()):
-                request.append_output_token(token)
-                if request.check_stop(self.config.max_model_len):
+            try:
+                if self._advance(request, out, sampled_token_ids.get(request.request_id), text_stop):
                     finished.append(request)
-                    del tokens[i + 1 :]  # tokens past a stop are dropped (callers see the cut list)
-                    # accepted drafts past the stop were computed but are not the request's
-                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-                    break
-            # Publish after appending: the computed tokens include accepted drafts, which are
-            # only in all_token_ids now (the block hashes are taken from all_token_ids).
-            self.kv_cache_manager.cache_full_blocks(request)
+            except Exception as exc:  # noqa: BLE001 - recorded for the caller, or re-raised
+                if errors is None:
+                    raise
+                errors[request.request_id] = exc
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
@@ -324,3 +325,30 @@ class Scheduler:
                 self.kv_cache_manager.free(request)
                 del self.requests[request.request_id]
         return finished
+
+    def _advance(self, request: Request, out: SchedulerOutput, tokens: list[int] | None,
+                 text_stop: Callable[[Request], str | None] | None) -> bool:
+        """``update`` for one request; True when it finished."""
+        request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
+        num_drafts = len(out.scheduled_spec_tokens.get(request.request_id, ()))
+        if num_drafts:
+            num_rejected = num_drafts - (len(tokens) - 1)
+            request.num_computed_tokens -= num_rejected
+            request.spec_token_ids = []
+            self.kv_cache_manager.trim(request)
+        for i, token in enumerate(tokens or ()):
+            request.append_output_token(token)
+            request.check_stop(self.config.max_model_len)
+            stop = text_stop(request) if text_stop is not None else None
+            if stop is not None:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = stop
+            if request.is_finished:
+                del tokens[i + 1 :]  # tokens past a stop are dropped (callers see the cut list)
+                # accepted drafts past the stop were computed but are not the request's
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                break
+        # Publish after appending (and cutting): the computed tokens include accepted drafts,
+        # which are only in all_token_ids now (the block hashes are taken from all_token_ids).
+        self.kv_cache_manager.cache_full_blocks(request)
+        return request.is_finished

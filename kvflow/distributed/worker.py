@@ -25,7 +25,13 @@ import torch.multiprocessing as mp
 from kvflow.core.scheduler import SchedulerOutput
 from kvflow.sampling_params import SamplingParams
 
-COLLECTIVE_TIMEOUT_S = 120
+
+def timeout_advice(timeout_s: float) -> str:
+    """What to do when a rank missed the rendezvous or a collective."""
+    return (f"a tensor-parallel rank did not answer within {timeout_s:.0f} s (a loaded machine or a slow model "
+            "load can take longer; a rank that was never started never answers): raise the limit with "
+            "collective_timeout_s / --collective-timeout-s / KVFLOW_COLLECTIVE_TIMEOUT_S, and check that "
+            "every rank runs (under torchrun: all --nproc-per-node x --nnodes of them)")
 
 
 @dataclass
@@ -79,15 +85,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_group(rank: int, world_size: int, init_method: str, device: torch.device) -> None:
-    """Join the group: gloo on the CPU, NCCL on CUDA; collectives time out after
-    ``COLLECTIVE_TIMEOUT_S`` seconds so that a dead peer makes the others fail, not hang."""
+def init_process_group(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float) -> None:
+    """Join the group: gloo on the CPU, NCCL on CUDA; the rendezvous and every collective
+    time out after ``timeout_s`` seconds (``EngineArgs.resolved_collective_timeout_s``) so
+    that a hung peer makes the others fail, not hang.
+
+    Raises:
+        RuntimeError: the rendezvous timed out; the message says what to do.
+    """
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    )
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
+    except (RuntimeError, TimeoutError) as exc:  # DistStoreError / DistBackendError are RuntimeErrors
+        if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+            raise
+        raise RuntimeError(f"tensor-parallel start-up (rank {rank} of {world_size}): {timeout_advice(timeout_s)}") from exc
 
 
 def worker_main(rank: int, world_size: int, init_method: str, args) -> None:
@@ -97,7 +113,7 @@ def worker_main(rank: int, world_size: int, init_method: str, args) -> None:
     if args.num_threads is not None:
         torch.set_num_threads(args.num_threads)
     device = args.torch_device()
-    init_process_group(rank, world_size, init_method, device)
+    init_process_group(rank, world_size, init_method, device, args.resolved_collective_timeout_s())
     try:
         runner = build_rank(args, rank, world_size)
         while True:
@@ -121,6 +137,7 @@ class TPWorkers:
 
     def __init__(self, world_size: int, args, spawn: bool = True) -> None:
         self.world_size = world_size
+        self.timeout_s = args.resolved_collective_timeout_s()
         self.procs: list[mp.Process] = []
         self._closed = False
         if spawn:
@@ -139,7 +156,7 @@ class TPWorkers:
 
         def join() -> None:
             try:
-                init_process_group(0, world_size, init_method, args.torch_device())
+                init_process_group(0, world_size, init_method, args.torch_device(), self.timeout_s)
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors.append(exc)
 
@@ -167,8 +184,20 @@ class TPWorkers:
                 raise RuntimeError(f"tensor-parallel worker rank {rank} died (exit code {code}); engine stopped")
 
     def broadcast(self, out: SchedulerOutput) -> None:
+        """Send one step to the workers.
+
+        Raises:
+            RuntimeError: a worker died, or did not take the step within the timeout (the
+                message says what to do).
+        """
         self.check_alive()
-        dist.broadcast_object_list([StepSnapshot.of(out)], src=0)
+        try:
+            dist.broadcast_object_list([StepSnapshot.of(out)], src=0)
+        except RuntimeError as exc:
+            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                raise
+            self.check_alive()
+            raise RuntimeError(timeout_advice(self.timeout_s)) from exc
 
     def shutdown(self) -> None:
         """Stop the workers and leave no process behind."""

@@ -1,40 +1,68 @@
 """The engine behind the server: one background thread drives ``LLMEngine.step()``.
 
-The model forward runs in that thread, never on the asyncio event loop. Requests and aborts
-from the event loop are queued as commands that the thread applies between steps; every
-request has its own ``asyncio.Queue`` into which the thread posts its outputs with
-``loop.call_soon_threadsafe``. Validation runs on the event loop before anything is queued,
-so a bad request is refused (HTTP 400) before a byte of its response is sent.
+The event loop never waits on a model step, as in vLLM's engine-core client:
+
+- Requests and aborts go to the engine thread through a command queue (a ``deque``) that
+  the thread drains between steps; no lock is shared with the thread, so ``add_requests``,
+  ``abort`` and ``get_stats`` return at once whatever the step in progress.
+- The work before admission — validation, grammar compilation (``LLMEngine.prepare_request``)
+  and, in the server, tokenization and the chat template — runs on a worker thread
+  (``run_off_loop``), so that a bad request is still refused (HTTP 400) before a byte of its
+  response is sent.
+- Outputs come back to the loop with one ``loop.call_soon_threadsafe`` per step; the
+  per-request streams, the queue count and the latency histograms are only touched on the
+  loop. The thread publishes the engine's stats (the gauges) after scheduling each step and
+  after it, so that they are right during a long step.
+
+A request that fails inside the engine (``LLMEngine.step``) raises ``RequestFailedError`` in
+its own iterator. A fault that stops the engine fails every open request with
+``EngineDeadError`` and calls ``on_dead`` (the server then exits non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
-import traceback
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from kvflow.engine.llm_engine import LLMEngine
+from kvflow.engine.llm_engine import LLMEngine, PreparedRequest
 from kvflow.metrics import EngineMetrics
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import RequestFailure, RequestOutput
 from kvflow.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
-    """Raised when ``max_queue_len`` requests are already waiting."""
+    """Raised when admitting the requests would exceed ``max_queue_len``."""
 
 
 class EngineDeadError(RuntimeError):
     """Raised for requests once the engine thread has failed."""
 
 
+class RequestFailedError(RuntimeError):
+    """Raised in a request's output iterator when the engine failed that request alone.
+
+    Attributes:
+        failure: what went wrong, and whether the request was at fault.
+    """
+
+    def __init__(self, failure: RequestFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
     num_prompt_tokens: int
     last_token_time: float | None = None
     num_generated: dict[int, int] = field(default_factory=dict)
@@ -45,26 +73,45 @@ class AsyncLLMEngine:
     """Thread-driven wrapper of ``LLMEngine`` for asyncio servers.
 
     Args:
-        engine: the engine (its methods are only called from the engine thread once
-            ``start`` has run, except the read-only ``validate_prompt``).
+        engine: the engine. Once ``start`` has run, its methods are only called from the
+            engine thread, except ``prepare_request`` (thread-safe) on the worker thread.
         model_name: label of the Prometheus metrics.
-        max_queue_len: refuse new requests with ``QueueFullError`` while this many are
-            waiting (None: no limit).
+        max_queue_len: at most this many requests accepted and not yet scheduled (a hard
+            bound); more raise ``QueueFullError`` (None: no limit).
+        on_dead: called (on the engine thread) with the exception that stopped the engine.
     """
 
-    def __init__(self, engine: LLMEngine, model_name: str, max_queue_len: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        model_name: str,
+        max_queue_len: int | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 1):
+            raise ValueError(f"max_queue_len must be a positive integer or None, got {max_queue_len!r}")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_queue_len = max_queue_len
+        self.on_dead = on_dead
         self.metrics = EngineMetrics(model_name)
+        # Appended on the loop, drained by the engine thread (deque appends and pops are
+        # thread-safe).
         self._commands: deque = deque()
-        self._lock = threading.Lock()
         self._wakeup = threading.Event()
+        # Loop side only.
         self._streams: dict[str, _Stream] = {}
-        self._num_waiting_snapshot = 0
+        self._unstarted: set[str] = set()  # accepted, not scheduled yet: the max_queue_len count
+        self._loops: set[asyncio.AbstractEventLoop] = set()
+        self._num_submitted = 0  # add commands queued (written by the loop only)
+        # Engine thread only (read elsewhere as whole values).
+        self._request_loops: dict[str, asyncio.AbstractEventLoop] = {}
+        self._num_applied = 0  # add commands applied
+        self._stats: dict[str, Any] = engine.get_stats()
         self._stopped = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-prepare")
 
     def start(self) -> None:
         self._thread.start()
@@ -74,36 +121,76 @@ class AsyncLLMEngine:
         self._wakeup.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_healthy(self) -> bool:
         return self._error is None and self._thread.is_alive()
 
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that stopped the engine thread, if any."""
+        return self._error
+
     # ------------------------------------------------------------------ event-loop side
-    def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """Validate and queue a request; return the iterator of its outputs.
+    async def run_off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the preparation thread (tokenization, templates, grammars).
+
+        One thread, so the tokenizer is never used by two preparations at once.
+        """
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def prepare(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
+        """``LLMEngine.prepare_request`` off the loop.
 
         Raises:
             ValueError: for a prompt or parameters the engine can never serve.
-            QueueFullError: when ``max_queue_len`` requests are already waiting.
+        """
+        return await self.run_off_loop(self.engine.prepare_request, prompt_token_ids, params)
+
+    def add_requests(self, requests: list[tuple[str, PreparedRequest, str | None]]) -> list[AsyncIterator[RequestOutput]]:
+        """Queue (request_id, prepared request, prompt text) triples, all or none; return
+        their output iterators. Never waits.
+
+        Raises:
+            QueueFullError: when they would take the accepted-but-not-started requests past
+                ``max_queue_len``; none of them is queued then.
             EngineDeadError: when the engine thread has failed.
         """
         if self._error is not None:
             raise EngineDeadError(f"engine failed: {self._error!r}")
-        self.engine.validate_prompt(prompt_token_ids, params)
-        self.engine.check_request_features(params)
-        with self._lock:
-            pending = sum(1 for c in self._commands if c[0] == "add")
-            if self.max_queue_len is not None and self._num_waiting_snapshot + pending >= self.max_queue_len:
-                raise QueueFullError(f"{self.max_queue_len} requests are already waiting")
-            loop = asyncio.get_running_loop()
-            stream = _Stream(asyncio.Queue(), loop, len(prompt_token_ids))
+        if self.max_queue_len is not None and len(self._unstarted) + len(requests) > self.max_queue_len:
+            raise QueueFullError(
+                f"{len(self._unstarted)} requests are waiting and the queue holds {self.max_queue_len}"
+                + (f"; this one needs {len(requests)} places" if len(requests) > 1 else "")
+            )
+        loop = asyncio.get_running_loop()
+        self._loops.add(loop)
+        iterators = []
+        for request_id, prepared, prompt in requests:
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+        for request_id, prepared, prompt in requests:
+            stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids))
             self._streams[request_id] = stream
-            self._commands.append(("add", request_id, prompt_token_ids, params, prompt))
+            self._unstarted.add(request_id)
+            self._commands.append(("add", request_id, prepared, prompt, loop))
+            self._num_submitted += 1
+            iterators.append(self._iterate(request_id, stream))
         self._wakeup.set()
-        return self._iterate(request_id, stream)
+        return iterators
+
+    async def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Prepare (off the loop) and queue one request; its output iterator.
+
+        Raises:
+            ValueError, QueueFullError, EngineDeadError: see ``prepare`` and ``add_requests``.
+        """
+        prepared = await self.prepare(prompt_token_ids, params)
+        (iterator,) = self.add_requests([(request_id, prepared, prompt)])
+        return iterator
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         try:
@@ -119,75 +206,42 @@ class AsyncLLMEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (its blocks are freed before the next step)."""
-        with self._lock:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.finished = True
-            self._commands.append(("abort", request_id))
+        """Abort a request (its blocks are freed before the next step). Never waits."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.finished = True
+        self._unstarted.discard(request_id)
+        self._commands.append(("abort", request_id))
         self._wakeup.set()
 
-    def get_stats(self) -> dict[str, float]:
-        with self._lock:
-            return self.engine.get_stats()
+    def get_stats(self) -> dict[str, Any]:
+        """The engine's stats as of the last scheduling (``LLMEngine.get_stats``), with
+        ``num_waiting`` counting the requests queued for admission too. Never waits."""
+        stats = dict(self._stats)
+        stats["num_waiting"] += self._num_submitted - self._num_applied
+        return stats
 
-    # ------------------------------------------------------------------ engine thread
-    def _run(self) -> None:
-        try:
-            while not self._stopped:
-                self._apply_commands()
-                if not self.engine.has_unfinished_requests():
-                    # Aborts can empty the engine without a step: refresh the gauges and the
-                    # waiting count now, or they keep the last step's values while idle.
-                    self._update_stats()
-                    self._wakeup.wait(timeout=0.5)
-                    self._wakeup.clear()
-                    continue
-                with self._lock:
-                    outputs = self.engine.step()
-                self._update_stats()
-                self._dispatch(outputs)
-        except BaseException as exc:  # noqa: BLE001 - report to every waiting client
-            traceback.print_exc()
-            self._error = exc
-            with self._lock:
-                streams, self._streams = list(self._streams.values()), {}
-            for stream in streams:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(f"engine failed: {exc!r}"))
+    def refresh_gauges(self) -> None:
+        """Set the waiting gauge from ``get_stats`` (requests that arrived during the step
+        in progress are waiting too)."""
+        self.metrics.num_requests_waiting.set(self.get_stats()["num_waiting"])
 
-    def _update_stats(self) -> None:
-        with self._lock:
-            stats = self.engine.get_stats()
-            self._num_waiting_snapshot = stats["num_waiting"]
-        self.metrics.update_engine_stats(stats)
+    def _started(self, request_ids: list[str]) -> None:
+        self._unstarted.difference_update(request_ids)
 
-    def _apply_commands(self) -> None:
-        with self._lock:
-            commands, self._commands = list(self._commands), deque()
-            for command in commands:
-                if command[0] == "add":
-                    _, request_id, prompt_token_ids, params, prompt = command
-                    stream = self._streams.get(request_id)
-                    if stream is None:  # aborted before it was added
-                        continue
-                    try:
-                        self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt)
-                    except ValueError as exc:
-                        self._streams.pop(request_id, None)
-                        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
-                else:
-                    self.engine.abort_request(command[1])
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        now = time.monotonic()
+    def _dispatch(self, outputs: list[RequestOutput], now: float) -> None:
         m = self.metrics
-        with self._lock:
-            targets = [(out, self._streams.get(out.request_id)) for out in outputs]
-            for out in outputs:
-                if out.finished:
-                    self._streams.pop(out.request_id, None)
-        for out, stream in targets:
-            if stream is None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:  # aborted meanwhile
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+                self._unstarted.discard(out.request_id)
+                stream.finished = True
+            if out.error is not None:
+                m.request_failure.inc()
+                stream.queue.put_nowait(RequestFailedError(out.error))
                 continue
             new_tokens = 0
             for c in out.outputs:
@@ -203,7 +257,96 @@ class AsyncLLMEngine:
             stream.last_token_time = now
             m.generation_tokens.inc(new_tokens)
             if out.finished:
-                stream.finished = True
                 m.e2e_request_latency.observe(now - out.metrics["arrival_time"])
                 m.request_success.inc()
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            stream.queue.put_nowait(out)
+
+    def _fail_one(self, request_id: str, exc: BaseException) -> None:
+        stream = self._streams.pop(request_id, None)
+        self._unstarted.discard(request_id)
+        if stream is not None:
+            stream.finished = True
+            stream.queue.put_nowait(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        self._unstarted.clear()
+        for stream in streams.values():
+            stream.finished = True
+            stream.queue.put_nowait(exc)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    # Aborts can empty the engine without a step: refresh the gauges now, or
+                    # they keep the last step's values while idle.
+                    self._publish_stats()
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                outputs = self.engine.step(on_scheduled=self._on_scheduled)
+                self._publish_stats()
+                self._deliver(outputs)
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting client
+            logger.critical("the engine stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            self._error = exc
+            dead = EngineDeadError(f"engine failed: {exc!r}")
+            for loop in list(self._loops):
+                self._post(loop, self._fail_all, dead)
+            if self.on_dead is not None:
+                self.on_dead(exc)
+
+    @staticmethod
+    def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            pass
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.get_stats()
+        self._stats = stats
+        self.metrics.update_engine_stats(self.get_stats())
+
+    def _on_scheduled(self, started: list[str]) -> None:
+        self._publish_stats()
+        by_loop: dict[asyncio.AbstractEventLoop, list[str]] = {}
+        for request_id in started:
+            loop = self._request_loops.get(request_id)
+            if loop is not None:
+                by_loop.setdefault(loop, []).append(request_id)
+        for loop, ids in by_loop.items():
+            self._post(loop, self._started, ids)
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if command[0] == "add":
+                _, request_id, prepared, prompt, loop = command
+                self._num_applied += 1
+                try:
+                    self.engine.add_request(request_id, prepared.prompt_token_ids, prepared.params, prompt=prompt,
+                                            prepared=prepared)
+                except ValueError as exc:
+                    self._post(loop, self._fail_one, request_id, exc)
+                    continue
+                self._request_loops[request_id] = loop
+            else:
+                self.engine.abort_request(command[1])
+                self._request_loops.pop(command[1], None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
+        for out in outputs:
+            loop = self._request_loops.get(out.request_id)
+            if loop is None:
+                continue
+            if out.finished:
+                del self._request_loops[out.request_id]
+            by_loop.setdefault(loop, []).append(out)
+        for loop, outs in by_loop.items():
+            self._post(loop, self._dispatch, outs, now)

@@ -7,7 +7,10 @@ detokenize. ``LLM`` (offline) and the server drive this loop.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,13 +26,13 @@ from kvflow.config import (
     resolve_kv_cache_dtype,
 )
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.scheduler import Scheduler
+from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.model.base import CausalLM
 from kvflow.model.loader import load_model
-from kvflow.model.resolve import load_tokenizer, resolve_model
-from kvflow.outputs import CompletionOutput, RequestOutput
+from kvflow.model.resolve import load_generation_defaults, load_tokenizer, resolve_model
+from kvflow.outputs import CompletionOutput, RequestFailure, RequestOutput
 from kvflow.request import Request, RequestStatus, make_parallel_samples
 from kvflow.sample.sampler import Sampler
 from kvflow.sampling_params import SamplingParams
@@ -40,12 +43,31 @@ from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.worker import build_shard
 
+logger = logging.getLogger(__name__)
+
 
 def _has_tokenizer(model_dir) -> bool:
     """A folder without tokenizer files runs on token ids only (no text in or out)."""
     from pathlib import Path
 
     return any((Path(model_dir) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+@dataclass
+class PreparedRequest:
+    """A validated request with its engine-independent work done (``prepare_request``).
+
+    Attributes:
+        prompt_token_ids: the prompt.
+        params: its sampling parameters.
+        bad_words_token_ids: token sequences of ``params.bad_words``.
+        grammars: one compiled ``GrammarMatcher`` (or None) per sample.
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    bad_words_token_ids: list[list[int]]
+    grammars: list[Any]
 
 
 @dataclass
@@ -86,6 +108,9 @@ class LLMEngine:
         attention_backend: "torch", "cpu" or "triton" (see ``EngineArgs.attention_backend``).
         cuda_graph_batch_sizes: capture decode CUDA graphs for these batch sizes (needs
             CUDA and the Triton backend), or None for none.
+        generation_defaults: ``SamplingParams`` field -> value, the model's own sampling
+            defaults (its ``generation_config.json``; see ``load_generation_defaults``), for
+            requests that leave a field unset.
     """
 
     def __init__(
@@ -102,6 +127,7 @@ class LLMEngine:
         spec_disable_by_batch_size: int | None = None,
         attention_backend: str = "torch",
         cuda_graph_batch_sizes: list[int] | None = None,
+        generation_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.model_config = model_config
         self.tp_workers = tp_workers
@@ -142,6 +168,8 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
         self._grammar_compiler = None
+        self._grammar_lock = threading.Lock()
+        self.generation_defaults = dict(generation_defaults or {})
         self.eos_token_id = model_config.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
@@ -156,6 +184,10 @@ class LLMEngine:
         """
         args.verify()
         device = args.torch_device()
+        if device.type == "cpu":
+            from kvflow.cpu_threads import check_wait_policy
+
+            check_wait_policy()  # (a hint when torch came first and the machine is busy)
         if args.num_threads is not None and device.type == "cpu":
             torch.set_num_threads(args.num_threads)
         dtype = resolve_dtype(args.dtype, device)
@@ -219,7 +251,13 @@ class LLMEngine:
             spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
             attention_backend=backend,
             cuda_graph_batch_sizes=graph_sizes,
+            generation_defaults=load_generation_defaults(model_dir),
         )
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """``SamplingParams`` with the model's ``generation_defaults`` (then ``overrides``)
+        in place of the built-in defaults."""
+        return SamplingParams(**{**self.generation_defaults, **overrides})
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (a no-op without them)."""
@@ -232,14 +270,22 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, prompt that leaves no
-                room in the context (``max_model_len``), or a request whose tokens
-                could never fit in the whole KV cache.
+                room in the context (``max_model_len``), a request whose tokens could
+                never fit in the whole KV cache, ``logit_bias`` token ids outside the
+                vocabulary, or ``logprobs`` / ``prompt_logprobs`` above the vocabulary size.
         """
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
-        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt_token_ids):
+        if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size {vocab}, got {value}")
         max_len = self.scheduler_config.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise ValueError(
@@ -247,7 +293,7 @@ class LLMEngine:
                 f"max_model_len={max_len} to leave room for output"
             )
         if params.n > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.scheduler_config.max_num_seqs}")
+            raise ValueError(f"n must be at most max_num_seqs={self.scheduler_config.max_num_seqs}, got {params.n}")
         needed_tokens = min(len(prompt_token_ids) + params.max_tokens, max_len)
         needed_blocks = self.kv_cache_manager.num_blocks_for(needed_tokens)
         if needed_blocks > self.kv_cache_manager.num_total_blocks:
@@ -257,6 +303,20 @@ class LLMEngine:
                 "lower max_tokens or raise num_kv_blocks / kv_cache_memory_bytes"
             )
 
+    def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
+        """Validate a request and do its engine-independent work: the bad words' token ids
+        and one compiled grammar per sample. It touches no engine state, so the server runs
+        it on a worker thread while the engine thread steps.
+
+        Raises:
+            ValueError: see ``validate_prompt`` and ``check_request_features``.
+        """
+        self.validate_prompt(prompt_token_ids, params)
+        self._check_tokenizer_features(params)
+        grammars = [self._compile_grammar(params) for _ in range(params.n)]  # the first one validates
+        bad_words = self._bad_words_token_ids(params.bad_words)
+        return PreparedRequest(list(prompt_token_ids), params, bad_words, grammars)
+
     def add_request(
         self,
         request_id: str,
@@ -264,23 +324,25 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         priority: int = 0,
+        prepared: PreparedRequest | None = None,
     ) -> None:
         """Validate and queue a request (``params.n`` samples sharing the prompt's blocks).
 
         ``priority`` matters under the "priority" scheduling policy (lower runs first).
+        ``prepared``: the result of ``prepare_request`` for these ids and params, when the
+        caller did that work already.
 
         Raises:
             ValueError: see ``validate_prompt``; or a request_id already in use.
         """
-        self.validate_prompt(prompt_token_ids, params)
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        self.check_request_features(params)
+        if prepared is None:
+            prepared = self.prepare_request(prompt_token_ids, params)
         samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority)
-        bad_words = self._bad_words_token_ids(params.bad_words)
-        for sample in samples:
-            sample.bad_words_token_ids = bad_words
-            sample.grammar = self._compile_grammar(params)
+        for sample, grammar in zip(samples, prepared.grammars):
+            sample.bad_words_token_ids = prepared.bad_words_token_ids
+            sample.grammar = grammar
         self.scheduler.add_request(samples[0])
         detoks = [
             IncrementalDetokenizer(
@@ -304,10 +366,13 @@ class LLMEngine:
             ValueError: stop strings, bad words or guided decoding without a tokenizer, or a
                 ``guided_json`` / ``guided_regex`` the grammar engine rejects.
         """
+        self._check_tokenizer_features(params)
+        self._compile_grammar(params)
+
+    def _check_tokenizer_features(self, params: SamplingParams) -> None:
         guided = params.guided_json is not None or params.guided_regex is not None
         if (params.stop or params.bad_words or guided) and self.tokenizer is None:
             raise ValueError("stop, bad_words and guided decoding need a tokenizer")
-        self._compile_grammar(params)
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Token sequences of each bad word, as written and with a leading space (as vLLM)."""
@@ -322,10 +387,11 @@ class LLMEngine:
     def _compile_grammar(self, params: SamplingParams):
         if params.guided_json is None and params.guided_regex is None:
             return None
-        if self._grammar_compiler is None:
-            from kvflow.sample.guided import GrammarCompiler
+        with self._grammar_lock:  # built once, from whichever thread needs it first
+            if self._grammar_compiler is None:
+                from kvflow.sample.guided import GrammarCompiler
 
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
         return self._grammar_compiler.compile(params)
 
     def abort_request(self, request_id: str) -> bool:
@@ -348,57 +414,186 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput]:
         """Run one iteration.
 
+        Args:
+            on_scheduled: called after scheduling, before the forward, with the ids of the
+                requests scheduled for the first time (the server refreshes its gauges and
+                its queue count there, so that they are right during a long step).
+
+        A fault of one request fails that request alone: raised while preparing its inputs,
+        in the forward of a batch containing it, while sampling it (``ModelRunner.execute``
+        isolates those), or while its tokens are appended, detokenized or drafted. Its
+        blocks are freed at once and its output comes back finished, with ``error`` set
+        and finish_reason "error"; the other requests go on. When every request of the step
+        failed, a one-token probe forward checks that the engine itself still works.
+
         Returns:
-            A ``RequestOutput`` for every request that produced a token this step
+            A ``RequestOutput`` for every request that produced a token this step or failed
             (cumulative text and token ids; ``finished`` set on the last one).
+
+        Raises:
+            Exception: the engine cannot go on: a fault in the scheduler, in the KV block
+                copies, in a tensor-parallel forward, or in the probe (RuntimeError).
         """
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
         scheduled_time = time.monotonic()
+        started = []
         for request in sched_out.scheduled_requests:
             owner = self._sample_owner[request.request_id][0]
             if owner.first_scheduled_time is None:
                 owner.first_scheduled_time = scheduled_time
+                started.append(owner.request_id)
+        if on_scheduled is not None:
+            on_scheduled(started)
         result = self.model_runner.execute(sched_out)
-        self.scheduler.update(sched_out, result.sampled_token_ids)
+        failures: dict[str, BaseException] = {}  # by user request id
+        failed_outputs: list[RequestOutput] = []
+        if result.failed:
+            for sample_id, exc in result.failed.items():
+                failures.setdefault(self._sample_owner[sample_id][0].request_id, exc)
+            everyone = all(self._sample_owner[r.request_id][0].request_id in failures
+                           for r in sched_out.scheduled_requests)
+            self._drop_from_batch(sched_out, {s.request_id for rid in failures for s in self._states[rid].samples})
+            failed_outputs = [self._fail(request_id, exc) for request_id, exc in failures.items()]
+            if everyone:
+                self._probe()
+        errors: dict[str, BaseException] = {}
+        # The scheduler appends the tokens one at a time and asks the detokenizer after each
+        # (``_text_stop``), so a stop string ends a request at the token that completed it.
+        self.scheduler.update(sched_out, result.sampled_token_ids, errors=errors, text_stop=self._text_stop)
         now = time.monotonic()
         touched: dict[str, _RequestState] = {}
         for sample_id, positions in result.prompt_logprobs.items():
-            self._sample_owner[sample_id][0].prompt_logprobs.update(positions)
+            if sample_id in self._sample_owner:
+                self._sample_owner[sample_id][0].prompt_logprobs.update(positions)
         for sample_id, tokens in result.sampled_token_ids.items():
-            state, sample = self._sample_owner[sample_id]
-            index = state.samples.index(sample)
-            if sample_id in result.logprobs:  # tokens may have been cut by a stop (speculation)
-                state.logprobs[index].extend(result.logprobs[sample_id][: len(tokens)])
-            detok = state.detokenizers[index]
-            if detok is not None:
-                stop = detok.update(tokens, finished=sample.is_finished)
-                if stop is not None:
-                    self.scheduler.finish_request(sample_id)
-                    sample.status = RequestStatus.FINISHED_STOPPED
-                    sample.stop_reason = stop
-            if sample.is_finished:
-                del self._sample_owner[sample_id]
+            owner = self._sample_owner.get(sample_id)
+            if owner is None:  # its request failed above
+                continue
+            state, sample = owner
+            if sample_id in errors:
+                touched.pop(state.request_id, None)
+                failed_outputs.append(self._fail(state.request_id, errors[sample_id]))
+                continue
+            try:
+                self._append_output(state, sample, tokens, result.logprobs.get(sample_id))
+            except Exception as exc:  # noqa: BLE001 - this request's fault
+                touched.pop(state.request_id, None)
+                failed_outputs.append(self._fail(state.request_id, exc))
+                continue
             touched[state.request_id] = state
+        for sample_id, exc in errors.items():  # failed without sampling a token
+            if sample_id in self._sample_owner:
+                state = self._sample_owner[sample_id][0]
+                touched.pop(state.request_id, None)
+                failed_outputs.append(self._fail(state.request_id, exc))
         outputs = []
         for state in touched.values():
+            if state.request_id not in self._states:  # failed after it was touched
+                continue
             if state.first_token_time is None:
                 state.first_token_time = now
-            outputs.append(self._make_output(state, now))
+            try:
+                outputs.append(self._make_output(state, now))
+            except Exception as exc:  # noqa: BLE001 - this request's fault
+                failed_outputs.append(self._fail(state.request_id, exc))
+                continue
             if state.finished:
                 del self._states[state.request_id]
         if self.proposer is not None:
             self.spec_stats.record(result.num_accepted.values())
-            self._propose(sched_out)
-        return outputs
+            failed_outputs.extend(self._fail(request_id, exc) for request_id, exc in self._propose(sched_out).items())
+        return outputs + [out for out in failed_outputs if out is not None]
 
-    def _propose(self, sched_out) -> None:
+    def _text_stop(self, sample: Request) -> str | None:
+        """Feed the sample's newest token to its detokenizer; the stop string the text
+        completed with it, or None (also without a tokenizer). ``Scheduler.update``'s
+        ``text_stop``."""
+        state, _ = self._sample_owner[sample.request_id]
+        detok = state.detokenizers[state.samples.index(sample)]
+        if detok is None:
+            return None
+        return detok.update(sample.all_token_ids[-1:], finished=sample.is_finished)
+
+    def _append_output(self, state: _RequestState, sample: Request, tokens: list[int],
+                       logprobs: list[dict[int, float]] | None) -> None:
+        """Record a sample's new tokens' logprobs (its text was detokenized, and stop strings
+        matched, by ``_text_stop`` during ``Scheduler.update``)."""
+        index = state.samples.index(sample)
+        if logprobs is not None:  # tokens may have been cut by a stop (speculation)
+            state.logprobs[index].extend(logprobs[: len(tokens)])
+        if sample.is_finished:
+            del self._sample_owner[sample.request_id]
+
+    @staticmethod
+    def _drop_from_batch(sched_out: SchedulerOutput, sample_ids: set[str]) -> None:
+        """Take the samples ``sample_ids`` out of the executed batch, so that
+        ``Scheduler.update`` neither advances them nor publishes their blocks."""
+        for r in [r for r in sched_out.scheduled_requests if r.request_id in sample_ids]:
+            sched_out._remove(r)
+            sched_out.scheduled_spec_tokens.pop(r.request_id, None)
+        sched_out.forked = [(c, p) for c, p in sched_out.forked
+                            if c.request_id not in sample_ids and p.request_id not in sample_ids]
+
+    def _fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:
+        """Abort a user request that failed inside the engine (freeing its blocks); its final
+        output, with ``error`` set. None when it is already gone."""
+        state = self._states.get(request_id)
+        if state is None:
+            return None
+        failure = RequestFailure.from_exception(exc)
+        logger.error("request %s failed and was aborted: %s", request_id, failure.message)
+        self.abort_request(request_id)
+        for sample in state.samples:
+            sample.status = RequestStatus.FINISHED_ERROR
+        now = time.monotonic()
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[
+                CompletionOutput(index=i, text="", token_ids=sample.output_token_ids, finish_reason="error")
+                for i, sample in enumerate(state.samples)
+            ],
+            finished=True,
+            metrics={"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
+                     "first_token_time": state.first_token_time, "finished_time": now},
+            error=failure,
+        )
+
+    def _probe(self) -> None:
+        """One greedy token of a throwaway one-token request, in a fresh block.
+
+        Raises:
+            RuntimeError: when that fails too: the fault is the engine's, not a request's.
+        """
+        probe = Request("kvflow-probe", [0], SamplingParams(temperature=0, max_tokens=1), None)
+        if not self.kv_cache_manager.allocate_slots(probe, 1):
+            return  # not reached: the failed requests' blocks were just freed
+        batch = SchedulerOutput()
+        batch._add(probe, 1)
+        try:
+            result = self.model_runner.execute(batch)
+        finally:
+            self.kv_cache_manager.free(probe)
+        if result.failed:
+            raise RuntimeError(
+                "the engine is unusable: every request of a step failed, and so did a one-token probe forward"
+            ) from result.failed[probe.request_id]
+
+    def _propose(self, sched_out) -> dict[str, BaseException]:
         """Draft the next tokens of every decoding request; drop the proposer's state of
-        requests that left the running set."""
+        requests that left the running set.
+
+        Returns:
+            user request id -> exception, for the requests whose drafting failed (when a
+            batched proposal raises, its requests' draft state is dropped and each is
+            proposed alone).
+        """
         for request in sched_out.preempted_requests:
             self.proposer.free(request.request_id)
         running = {r.request_id for r in self.scheduler.running}
@@ -416,8 +611,25 @@ class LLMEngine:
             # The draft model catches up on the skipped tokens the next time it proposes.
             for r in ready:
                 r.spec_token_ids, r.spec_draft_probs = [], None
-            return
-        self.proposer.propose(ready)
+            return {}
+        try:
+            self.proposer.propose(ready)
+            return {}
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            logger.warning("drafting for %d requests failed (%s: %s); drafting for each alone",
+                           len(ready), type(exc).__name__, exc)
+        failures: dict[str, BaseException] = {}
+        for r in ready:  # the batched call may have left any of them half-way: start afresh
+            self.proposer.free(r.request_id)
+            r.spec_token_ids, r.spec_draft_probs = [], None
+        for r in ready:
+            try:
+                self.proposer.propose([r])
+            except Exception as exc:  # noqa: BLE001 - this request's fault
+                logger.warning("drafting for request %s failed", r.request_id, exc_info=exc)
+                r.spec_token_ids, r.spec_draft_probs = [], None
+                failures.setdefault(self._sample_owner[r.request_id][0].request_id, exc)
+        return failures
 
     def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
         params = state.samples[0].sampling_params

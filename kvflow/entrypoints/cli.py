@@ -1,73 +1,147 @@
-"""The ``kvflow`` command line: ``kvflow generate``, ``kvflow chat`` and ``kvflow memory``."""
+"""The ``kvflow`` command line: ``generate``, ``chat``, ``serve``, ``memory``, ``quantize``.
+
+The engine flags are made from the ``EngineArgs`` fields (name, type, default and the help
+text in each field's metadata), so every option of ``LLM`` is a flag and none is listed by
+hand. ``--help`` shows each flag's default.
+
+Exit status: 0 on success; 2 for a usage or configuration error (an unknown flag, a bad
+value, a model that does not exist or whose package is not installed, ``--device cuda``
+without CUDA), printed as one line ``kvflow: error: ...``; 1 for a failure while running
+(printed the same way; ``KVFLOW_TRACEBACK=1`` shows the traceback instead); 130 after
+Ctrl-C.
+
+Progress messages of a cold start (converting a GGUF file, building a C++ kernel) go to
+stderr as ``kvflow: ...`` unless ``--quiet`` (or ``KVFLOW_QUIET=1``): the library logs
+them on the ``kvflow`` logger at INFO level, and the CLI prints that logger.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import signal
 import sys
+import threading
+from dataclasses import MISSING, Field, fields
 from typing import Any
 
 from kvflow.config import EngineArgs
-from kvflow.quantization.registry import LM_HEAD_METHODS
 from kvflow.distributed.worker import torchrun_rank
+
+# Errors that mean "the command was asked for something wrong" (exit status 2).
+USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ModuleNotFoundError)
+
+
+def version() -> str:
+    """kvflow's version: the installed distribution's, else the package's ``__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kvflow")
+    except PackageNotFoundError:
+        import kvflow
+
+        return kvflow.__version__
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: ``kvflow: error: ...`` (exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"kvflow: error: {message} (see '{self.prog} --help')\n")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to every flag with a default other than None that its help does
+    not already state."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "%(default)" not in text
+            and "default:" not in text
+            and not any(action.default is v for v in (None, argparse.SUPPRESS, False))
+            and action.option_strings
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _json_object(name: str):
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{name} must be a JSON object, got {text!r}")
+        return value
+
+    return parse
+
+
+def _byte_size(name: str):
+    def parse(text: str) -> int:
+        from kvflow.utils import parse_bytes
+
+        try:
+            return parse_bytes(text, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _field_flag(group: argparse._ArgumentGroup, f: Field) -> None:
+    """One flag for one ``EngineArgs`` field (``--block-size`` for ``block_size``)."""
+    meta = f.metadata
+    flag = "--" + f.name.replace("_", "-")
+    kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
+    kind = str(f.type).replace(" ", "")
+    if meta.get("byte_size"):
+        kwargs.update(type=_byte_size(f.name), metavar="BYTES")
+    elif kind == "bool":
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif kind == "bool|str":  # --quantize-lm-head (True), plus the flag that names a scheme
+        kwargs["action"] = "store_true"
+        group.add_argument(meta["method_flag"], dest=f.name, choices=meta["choices"], default=argparse.SUPPRESS,
+                           help=f"quantize the LM head with this scheme (implies {flag})")
+    elif kind.startswith("dict"):
+        kwargs["type"] = _json_object(f.name)
+    elif kind.startswith("int"):
+        kwargs["type"] = int
+    elif kind.startswith("float"):
+        kwargs["type"] = float
+    if "choices" in meta and kind != "bool|str":
+        kwargs["choices"] = meta["choices"]
+    if "metavar" in meta:
+        kwargs["metavar"] = meta["metavar"]
+    assert f.default is not MISSING, f.name
+    group.add_argument(flag, **kwargs)
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    defaults = EngineArgs()
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=defaults.model, help="short name (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), .gguf file or HF directory")
-    g.add_argument("--dtype", default=defaults.dtype, help="auto, float32, bfloat16, float16")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="number of KV blocks (overrides --kv-cache-memory-bytes)")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache budget in bytes (default 512 MiB)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="per-step token budget")
-    g.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="max concurrently running requests")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
-    g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    g.add_argument("--quantization", default=None, help="int8, int4, int4-awq, fp8 or gguf (weight-only)")
-    g.add_argument("--quantize-lm-head", action="store_true",
-                   help="quantize the LM head too, with the decoder's scheme (embeddings stay float)")
-    g.add_argument("--lm-head-quantization", choices=list(LM_HEAD_METHODS), default=None,
-                   help="quantize the LM head with this scheme (implies --quantize-lm-head)")
-    g.add_argument("--kv-cache-dtype", default="auto", help="auto, int8, fp8 or a float dtype")
-    g.add_argument("--speculative-config", type=json.loads, default=None,
-                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="processes the model is sharded over")
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn automatic prefix caching off")
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    g.add_argument("--swap-space-bytes", type=int, default=None, help="host memory for swapped KV blocks")
-    g.add_argument("--attention-backend", choices=["auto", "torch", "cpu", "triton"], default=defaults.attention_backend,
-                   help="paged attention: triton kernels (CUDA), cpu (C++ decode kernel) or torch (gather + SDPA); "
-                   "auto: triton on CUDA, cpu on the CPU")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    group = parser.add_argument_group("engine (the options of LLM / EngineArgs)")
+    for f in fields(EngineArgs):
+        _field_flag(group, f)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help="max new tokens per reply")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 or -1 = off")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None, help="per-request seed")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the top tokens of this total probability")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 or -1 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the top probability")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = [
-        "dtype", "device", "block_size", "num_kv_blocks", "kv_cache_memory_bytes",
-        "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_threads",
-        "enable_prefix_caching", "scheduling_policy", "preemption_mode", "swap_space_bytes",
-        "quantization", "kv_cache_dtype", "speculative_config", "tensor_parallel_size",
-        "attention_backend", "enforce_eager", "quantize_lm_head",
-    ]
-    kwargs = {n: getattr(args, n) for n in names}
-    if args.lm_head_quantization is not None:
-        kwargs["quantize_lm_head"] = args.lm_head_quantization
-    return kwargs
+    """The ``EngineArgs`` / ``LLM`` keyword arguments of the parsed flags (all fields)."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineArgs)}
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -79,7 +153,6 @@ def _sampling_params(args: argparse.Namespace):
         top_p=args.top_p,
         top_k=args.top_k,
         min_p=args.min_p,
-        seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
 
@@ -88,12 +161,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from kvflow import LLM
 
     params = _sampling_params(args)
-    llm = LLM(model=args.model, **_engine_kwargs(args))
+    llm = LLM(**_engine_kwargs(args))
     prompts = list(args.prompt)
     if args.chat_template:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not args.quiet)
     else:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
     for prompt, out in zip(prompts, outputs):
         if len(prompts) > 1:
             print(f"=== {prompt}")
@@ -101,40 +174,81 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def stream_reply(llm, prompt: dict[str, Any], params, out=None) -> tuple[str, bool]:
+    """Stream one reply to ``out`` (default stdout) as its tokens come.
+
+    Ctrl-C (SIGINT) while it streams stops this reply only: the signal sets a flag that is
+    read after each token, so a model step is never cut in the middle, and closing the
+    stream aborts the request (its KV blocks are freed before the next step).
+
+    Returns:
+        (the reply's text so far, whether Ctrl-C stopped it).
+    """
+    out = out or sys.stdout
+    stop = threading.Event()
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if in_main else None
+    stream = llm.generate_stream(prompt, params)
+    text, printed = "", 0
+    try:
+        for output in stream:
+            text = output.outputs[0].text
+            out.write(text[printed:])
+            out.flush()
+            printed = len(text)
+            if stop.is_set():
+                break
+    except KeyboardInterrupt:  # off the main thread, or before the handler took over
+        stop.set()
+    finally:
+        stream.close()  # an unfinished request is aborted here
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
+    return text, stop.is_set()
+
+
 def _cmd_chat(args: argparse.Namespace) -> int:
+    """An interactive conversation. Ctrl-C during a reply stops that reply and keeps the
+    conversation (with the part of the reply that was shown); an empty line is ignored;
+    Ctrl-D, or Ctrl-C twice in a row at the prompt, quits."""
     from kvflow import LLM
 
     params = _sampling_params(args)
-    llm = LLM(model=args.model, **_engine_kwargs(args))
+    llm = LLM(**_engine_kwargs(args))
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
-    print("kvflow chat — empty line or Ctrl-D to quit.", file=sys.stderr)
+    print("kvflow chat: Ctrl-C stops a reply; Ctrl-D (or Ctrl-C twice at the prompt) quits.", file=sys.stderr)
+    interrupted_at_prompt = False
     while True:
         try:
             user = input("> ")
         except EOFError:
-            break
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            if interrupted_at_prompt:
+                print(file=sys.stderr)
+                return 0
+            interrupted_at_prompt = True
+            print("\n(Ctrl-C again or Ctrl-D to quit)", file=sys.stderr)
+            continue
+        interrupted_at_prompt = False
         if not user.strip():
-            break
+            continue
         history.append({"role": "user", "content": user})
-        prompt = {"prompt_token_ids": llm.apply_chat_template(history)}
-        printed = 0
-        text = ""
-        for out in llm.generate_stream(prompt, params):
-            text = out.outputs[0].text
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
+        text, stopped = stream_reply(llm, {"prompt_token_ids": llm.apply_chat_template(history)}, params)
         sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": text})
-    return 0
+        if stopped:
+            print("[reply stopped]", file=sys.stderr)
+        if text:
+            history.append({"role": "assistant", "content": text})
+        else:  # stopped before its first token: forget the turn
+            history.pop()
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
     """KV cache sizes of a model from its config alone (see ``kvflow.core.memory``)."""
-    import json
-
     from kvflow.core import memory
 
     spec = memory.load_kv_spec(args.model)
@@ -142,7 +256,7 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         spec,
         memory.kv_cache_dtype_for(args.kv_cache_dtype),
         block_size=args.block_size,
-        budget_bytes=memory.parse_bytes(args.budget),
+        budget_bytes=args.budget,
         max_model_len=args.max_model_len,
     )
     print(json.dumps(report, indent=2) if args.json else memory.format_report(report))
@@ -150,18 +264,33 @@ def _cmd_memory(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import logging
 
-    from kvflow.config import EngineArgs
     from kvflow.engine.async_engine import AsyncLLMEngine
     from kvflow.engine.llm_engine import LLMEngine
-    from kvflow.entrypoints.openai.server import build_app
+    from kvflow.entrypoints.openai.server import build_app, default_served_name, make_server
 
-    engine = LLMEngine.from_engine_args(EngineArgs(model=args.model, **_engine_kwargs(args)))
-    name = args.served_model_name or args.model
-    async_engine = AsyncLLMEngine(engine, name, max_queue_len=args.max_queue_len)
-    app = build_app(async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    if not args.quiet:
+        logging.getLogger("kvflow").setLevel(args.log_level.upper())
+    engine = LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(args)))
+    name = args.served_model_name or default_served_name(args.model)
+    server = None
+
+    def on_dead(exc: BaseException) -> None:  # the engine thread: stop serving, exit non-zero
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncLLMEngine(engine, name, max_queue_len=args.max_queue_len, on_dead=on_dead)
+    app = build_app(
+        async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key,
+        metrics_need_key=not args.metrics_no_auth, max_request_bytes=args.max_request_bytes, model_aliases=(args.model,),
+    )  # fmt: skip
+    server = make_server(app, args.host, args.port, args.log_level, args.timeout_keep_alive, args.request_read_timeout)
+    server.run()
+    if async_engine.error is not None:
+        print(f"kvflow: error: the engine stopped ({async_engine.error!r}); exiting so that a supervisor restarts "
+              "the server", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -193,43 +322,64 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvflow", description="kvflow: LLM inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="kvflow", description="kvflow: LLM inference engine", formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"kvflow {version()}")
+    common = _Parser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true", default=os.environ.get("KVFLOW_QUIET") == "1",
+                        help="no progress messages on stderr (GGUF conversion, kernel builds, progress bars); "
+                        "also KVFLOW_QUIET=1")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    gen = sub.add_parser("generate", help="generate completions for prompts")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=_Formatter)
+
+    defaults = EngineArgs()
+    gen = command("generate", "generate completions for prompts")
     gen.add_argument("prompt", nargs="+", help="one or more prompts")
     gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user message in the chat template")
     _add_engine_args(gen)
     _add_sampling_args(gen, max_tokens=64)
     gen.set_defaults(func=_cmd_generate)
 
-    chat = sub.add_parser("chat", help="interactive chat, printing tokens as they are generated")
+    chat = command("chat", "interactive chat, printing tokens as they are generated (Ctrl-C stops a reply, "
+                   "Ctrl-D quits)")
     chat.add_argument("--system", default=None, help="system prompt")
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=_cmd_chat)
 
-    quant = sub.add_parser("quantize", help="write a weight-quantized checkpoint that LLM(model=DIR) loads")
-    quant.add_argument("--model", default=EngineArgs().model)
+    quant = command("quantize", "write a weight-quantized checkpoint that LLM(model=DIR) loads")
+    quant.add_argument("--model", default=defaults.model, help=EngineArgs.help_text("model"))
     quant.add_argument("--method", required=True, choices=["int8", "int4", "int4-rtn", "int4-awq", "fp8"])
     quant.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128], help="INT4 group size")
     quant.add_argument("--calibration", default=None, help="text file for AWQ (default: the GPL-3 text)")
-    quant.add_argument("--calibration-tokens", type=int, default=512)
+    quant.add_argument("--calibration-tokens", type=int, default=512, help="AWQ calibration tokens")
     quant.add_argument("--out", required=True, help="output folder")
     quant.set_defaults(func=_cmd_quantize)
 
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve = command("serve", "OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
-    serve.add_argument("--max-queue-len", type=int, default=None, help="refuse requests (429) while this many wait")
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth)")
+    serve.add_argument("--metrics-no-auth", action="store_true", help="with --api-key, leave /metrics open too")
+    serve.add_argument("--served-model-name", default=None,
+                       help="model id in the API (default: the --model short name, file stem or folder name)")
+    serve.add_argument("--max-queue-len", type=int, default=None,
+                       help="at most this many requests accepted and not yet running; more get 429 (default: no limit)")
+    serve.add_argument("--max-request-bytes", type=_byte_size("max_request_bytes"), default="10MiB", metavar="BYTES",
+                       help="larger request bodies get 413 (default: 10MiB)")
+    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                       help="close a keep-alive connection idle this many seconds between requests (default: 5)")
+    serve.add_argument("--request-read-timeout", type=float, default=30.0,
+                       help="close a connection whose request (headers and body) has not arrived this many seconds "
+                       "after its first byte, or after the connection opened (default: 30)")
+    serve.add_argument("--log-level", default="info", help="uvicorn's and kvflow's log level")
     _add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    mem = sub.add_parser("memory", help="KV cache bytes per token/block, attention variants, what a budget holds")
-    mem.add_argument("--model", default=EngineArgs().model, help="short name, .gguf file or HF directory (only its config is read)")
+    mem = command("memory", "KV cache bytes per token/block, attention variants, what a budget holds")
+    mem.add_argument("--model", default=defaults.model, help="short name, .gguf file or HF directory (only its config is read)")
     mem.add_argument("--max-model-len", type=int, default=None, help="request length in tokens (default: the model's context)")
     mem.add_argument(
         "--kv-cache-dtype", default="auto",
@@ -237,31 +387,84 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV element type (auto: float32 on CPU, bfloat16 on CUDA, as the engine with its default --dtype; "
         "an engine run with --dtype bfloat16 has a bfloat16 cache: pass --kv-cache-dtype bfloat16)",
     )
-    mem.add_argument("--budget", default="512MiB", help="KV cache budget: bytes or 512MiB, 8GiB, 2GB (default 512MiB)")
-    mem.add_argument("--block-size", type=int, default=EngineArgs().block_size, help="tokens per KV block")
+    mem.add_argument("--budget", type=_byte_size("budget"), default="512MiB", metavar="BYTES",
+                     help="KV cache budget: bytes or 512MiB, 8GiB, 2GB")
+    mem.add_argument("--block-size", type=int, default=defaults.block_size, help=EngineArgs.help_text("block_size"))
     mem.add_argument("--json", action="store_true", help="print the report as JSON")
     mem.set_defaults(func=_cmd_memory)
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+class _CliFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        level = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+        return f"kvflow: {level}{record.getMessage()}"
+
+
+def configure_logging(quiet: bool) -> None:
+    """Print the ``kvflow`` logger to stderr (``kvflow: ...``): INFO and up (progress of a
+    cold start), or only warnings and errors when ``quiet``. Idempotent."""
+    logger = logging.getLogger("kvflow")
+    logger.handlers = [h for h in logger.handlers if not isinstance(h, _StderrHandler)]
+    handler = _StderrHandler()
+    handler.setFormatter(_CliFormatter())
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+
+
+def _fail(code: int, exc: BaseException) -> None:
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    if code == 1:
+        message = f"{type(exc).__name__}: {message} (KVFLOW_TRACEBACK=1 shows the traceback)"
+    print(f"kvflow: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvflow`` console script. Invalid options exit with status 2."""
+    """Entry point of the ``kvflow`` console script (exit status: see the module docstring).
+
+    Raises:
+        SystemExit: with status 2 (usage or configuration error) or 1 (runtime failure),
+            after printing one line ``kvflow: error: ...``.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
-    rank = torchrun_rank()
-    if rank is not None and rank[0] != 0 and hasattr(args, "tensor_parallel_size"):
-        # A non-zero torchrun rank serves the driver's steps on its shard; only rank 0 runs
-        # the command itself (the engine, the server, the CLI output).
-        from kvflow.distributed.worker import worker_main
-
-        worker_main(rank[0], rank[1], "env://", EngineArgs(model=args.model, **_engine_kwargs(args)))
-        return 0
+    configure_logging(args.quiet)
     try:
+        rank = torchrun_rank()
+        if rank is not None and rank[0] != 0 and hasattr(args, "tensor_parallel_size"):
+            # A non-zero torchrun rank serves the driver's steps on its shard; only rank 0
+            # runs the command itself (the engine, the server, the CLI output).
+            from kvflow.distributed.worker import worker_main
+
+            worker_main(rank[0], rank[1], "env://", EngineArgs(**_engine_kwargs(args)))
+            return 0
         return args.func(args)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as exc:
-        parser.exit(2, f"kvflow: error: {exc}\n")
     except KeyboardInterrupt:
+        print("kvflow: interrupted", file=sys.stderr)
         return 130
+    except USAGE_ERRORS as exc:
+        _fail(2, exc)
+    except Exception as exc:  # noqa: BLE001 - one line instead of a traceback
+        if os.environ.get("KVFLOW_TRACEBACK") == "1":
+            raise
+        _fail(1, exc)
+    return 1  # unreachable: _fail raises
 
 
 if __name__ == "__main__":

@@ -40,6 +40,12 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``sampling_params=None`` means: ``SamplingParams()`` with the sampling
+        defaults of the model folder's ``generation_config.json`` where it has one
+        (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM."""
+        return self.engine.default_sampling_params()
+
     # ------------------------------------------------------------------ inputs
     def _to_token_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -113,15 +119,18 @@ class LLM:
             prompts: a string, a list of token ids, a dict with ``prompt`` or
                 ``prompt_token_ids``, or a list of these.
             sampling_params: one for all prompts or one per prompt (default
-                ``SamplingParams()``).
+                ``get_default_sampling_params()``).
             use_tqdm: show a progress bar when there is more than one prompt.
             priority: per-prompt priority for the "priority" scheduling policy (lower first).
+
+        A request that fails inside the engine (see ``LLMEngine.step``) comes back finished
+        with ``error`` set and finish_reason "error"; the others are not affected.
 
         Raises:
             ValueError: for an invalid prompt or parameters; nothing is queued then.
         """
         prompt_list = self._normalize_prompts(prompts)
-        request_ids = self._add_all(prompt_list, sampling_params or SamplingParams(), priority)
+        request_ids = self._add_all(prompt_list, sampling_params or self.get_default_sampling_params(), priority)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2)
         try:
@@ -146,7 +155,7 @@ class LLM:
 
         Closing the iterator early aborts the request and frees its blocks.
         """
-        (request_id,) = self._add_all([prompt], sampling_params or SamplingParams())
+        (request_id,) = self._add_all([prompt], sampling_params or self.get_default_sampling_params())
         finished = False
         try:
             while not finished:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers.cpu_attention import paged_decode_attention
+from kvflow.layers.cpu_attention import paged_attention_quantized, paged_decode_attention
 
 
 def padded_block_tables(block_tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
@@ -179,13 +179,16 @@ class AttentionMetadata:
             backend; empty for the Triton backend).
         backend: "torch" (this module: gather + ``scaled_dot_product_attention`` per group),
             "cpu" (as "torch", but decode groups run ``kvflow.layers.cpu_attention``'s C++
-            kernel over the block tables: no gather, no padding) or "triton"
-            (``kvflow.layers.triton_attention``: one kernel over the block tables).
-        block_tables: Triton backend: int32 [R, max_blocks], physical blocks per request.
-        query_start_loc: Triton backend: int32 [R + 1], request r's tokens are flat rows
+            kernel over the block tables: no gather, no padding; over an int8 / fp8 cache
+            every token, prefill ones too, runs ``paged_attention_quantized``, with the flat
+            fields below and no groups) or "triton" (``kvflow.layers.triton_attention``: one
+            kernel over the block tables).
+        block_tables: flat metadata (``flat``): [R, max_blocks], physical blocks per
+            request (int32 for Triton, int64 for the quantized CPU kernel).
+        query_start_loc: flat metadata: int32 [R + 1], request r's tokens are flat rows
             ``query_start_loc[r] : query_start_loc[r + 1]``.
-        context_lens: Triton backend: int32 [R], tokens in the cache after this step's writes.
-        max_query_len: Triton backend: longest query chunk of the step, in tokens.
+        context_lens: flat metadata: int32 [R], tokens in the cache after this step's writes.
+        max_query_len: flat metadata: longest query chunk of the step, in tokens.
     """
 
     slot_mapping: torch.Tensor
@@ -214,13 +217,29 @@ class AttentionMetadata:
             block_tables: physical block ids per request, covering ``context_lens``.
             device: where the tensors go.
         """
-        table = padded_block_tables(block_tables, torch.int32)
+        return cls.flat(slot_mapping, query_lens, context_lens, block_tables, device, "triton")
+
+    @classmethod
+    def flat(
+        cls,
+        slot_mapping: torch.Tensor,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        device: torch.device,
+        backend: str,
+    ) -> "AttentionMetadata":
+        """Flat per-request metadata (no groups), requests in flat token order, for the
+        kernels that read the block tables themselves: ``backend`` "triton" (int32 block
+        tables) or "cpu" over a quantized cache (``paged_attention_quantized``, int64).
+        Arguments as ``for_triton``."""
+        table = padded_block_tables(block_tables, torch.int32 if backend == "triton" else torch.int64)
         starts = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         starts[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
         return cls(
             slot_mapping=slot_mapping,
             groups=[],
-            backend="triton",
+            backend=backend,
             block_tables=table.to(device),
             query_start_loc=starts.to(device),
             context_lens=torch.tensor(context_lens, dtype=torch.int32).to(device),
@@ -341,6 +360,10 @@ def paged_attention(
         from kvflow.layers.triton_attention import triton_paged_attention
 
         return triton_paged_attention(q, kv_cache, metadata, scale)
+    if metadata.backend == "cpu" and len(kv_cache) == 4:
+        return paged_attention_quantized(
+            q, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.context_lens, scale
+        )
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache[0].shape[2]
     group_size = num_heads // num_kv_heads

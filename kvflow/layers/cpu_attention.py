@@ -43,6 +43,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <vector>
 #include <type_traits>
+#include <utility>
 
 #include <cstring>
 #if defined(__AVX512F__)
@@ -484,9 +485,123 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   });
   return out;
 }
+
+// Dispatch on the head dim / group size instantiated above (0: read at run time).
+template <typename T, typename F>
+static void with_shape(int64_t head_dim, int64_t group, F&& f) {
+  if (head_dim == 64 && group == 1) f(std::integral_constant<int, 64>(), std::integral_constant<int, 1>());
+  else if (head_dim == 64 && group == 3) f(std::integral_constant<int, 64>(), std::integral_constant<int, 3>());
+  else if (head_dim == 64 && group == 4) f(std::integral_constant<int, 64>(), std::integral_constant<int, 4>());
+  else if (head_dim == 64 && group == 7) f(std::integral_constant<int, 64>(), std::integral_constant<int, 7>());
+  else if (head_dim == 64 && group == 8) f(std::integral_constant<int, 64>(), std::integral_constant<int, 8>());
+  else if (head_dim == 64) f(std::integral_constant<int, 64>(), std::integral_constant<int, 0>());
+  else if (head_dim == 128 && group == 1) f(std::integral_constant<int, 128>(), std::integral_constant<int, 1>());
+  else if (head_dim == 128 && group == 4) f(std::integral_constant<int, 128>(), std::integral_constant<int, 4>());
+  else if (head_dim == 128 && group == 6) f(std::integral_constant<int, 128>(), std::integral_constant<int, 6>());
+  else if (head_dim == 128 && group == 7) f(std::integral_constant<int, 128>(), std::integral_constant<int, 7>());
+  else if (head_dim == 128) f(std::integral_constant<int, 128>(), std::integral_constant<int, 0>());
+  else f(std::integral_constant<int, 0>(), std::integral_constant<int, 0>());
+}
+
+// Rows t < n of one KV head, dequantized: dst[t * D + d] = lut[code] * scale (float32), the
+// rows read through the block table (slot table[t / bs] * bs + t % bs).
+static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const float* lut, const int64_t* table,
+                         int64_t block_size, int64_t num_kv_heads, int64_t D, int64_t h, int64_t n, float* dst) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const float s = static_cast<float>(scales[slot * num_kv_heads + h]);
+    const uint8_t* c = codes + (slot * num_kv_heads + h) * D;
+    float* o = dst + t * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = lut[c[d]] * s;
+  }
+}
+
+// Every query token of a step over an int8 / fp8 paged cache. Request r's query tokens are
+// rows query_start[r] .. query_start[r + 1] - 1, at positions ctx - q_len .. ctx - 1; the
+// token at position p attends to keys 0 .. p. Each token is computed exactly as a decode of
+// one token with context p + 1 over the request's dequantized K/V of one KV head (one
+// contiguous block, decode_item), so its result does not depend on the chunk it came in,
+// on the other requests of the step or on the block size.
+torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes,
+                                        torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor lut,
+                                        torch::Tensor block_tables, torch::Tensor query_start,
+                                        torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_codes.device().is_cpu() && v_codes.device().is_cpu(), "CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: float32 [T, heads, D]");
+  TORCH_CHECK(k_codes.dim() == 4 && v_codes.sizes() == k_codes.sizes() && k_codes.scalar_type() == torch::kUInt8 &&
+              v_codes.scalar_type() == torch::kUInt8 && k_codes.is_contiguous() && v_codes.is_contiguous(),
+              "codes: uint8 [blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf &&
+              k_scale.is_contiguous() && v_scale.is_contiguous() && k_scale.numel() * k_codes.size(3) == k_codes.numel() &&
+              v_scale.numel() == k_scale.numel(), "scales: float16 [blocks, block_size, kv_heads]");
+  TORCH_CHECK(lut.scalar_type() == torch::kFloat32 && lut.numel() == 256 && lut.is_contiguous(), "lut: float32 [256]");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && query_start.scalar_type() == torch::kInt32 &&
+              context_lens.scalar_type() == torch::kInt32, "index dtypes");
+  auto tables = block_tables.contiguous();
+  auto starts = query_start.contiguous();
+  auto ctx = context_lens.contiguous();
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_codes.size(0), block_size = k_codes.size(1), num_kv_heads = k_codes.size(2);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && k_codes.size(3) == D, "heads");
+  const int64_t num_reqs = ctx.numel();
+  TORCH_CHECK(starts.numel() == num_reqs + 1 && tables.dim() == 2 && tables.size(0) >= num_reqs, "metadata rows");
+  const int64_t width = tables.size(1);
+  const int32_t* sp = starts.data_ptr<int32_t>();
+  const int32_t* cp = ctx.data_ptr<int32_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  TORCH_CHECK(sp[0] == 0 && sp[num_reqs] <= num_tokens, "query_start");
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = sp[r + 1] - sp[r];
+    TORCH_CHECK(q_len >= 0 && cp[r] >= q_len && cp[r] <= width * block_size, "context_lens[", r, "] = ", cp[r],
+                " does not fit its ", q_len, " query tokens and block table");
+    for (int64_t b = 0; b < (cp[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tp[r * width + b] >= 0 && tp[r * width + b] < num_blocks, "block_tables[", r, ", ", b,
+                  "] = ", tp[r * width + b], " is not a block of the cache (", num_blocks, " blocks)");
+  }
+  auto out = torch::empty_like(q);
+  const int64_t group = num_heads / num_kv_heads;
+  constexpr int64_t QB = 16;  // query tokens per work item (they share one dequantization)
+  // Work items: (request, KV head, block of QB query tokens).
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (request, first query token)
+  for (int64_t r = 0; r < num_reqs; ++r)
+    for (int64_t i = 0; i < sp[r + 1] - sp[r]; i += QB) blocks.emplace_back(r, i);
+  const int64_t num_items = static_cast<int64_t>(blocks.size()) * num_kv_heads;
+  const uint8_t* kc = k_codes.data_ptr<uint8_t>();
+  const uint8_t* vc = v_codes.data_ptr<uint8_t>();
+  const c10::Half* ks = reinterpret_cast<const c10::Half*>(k_scale.data_ptr<at::Half>());
+  const c10::Half* vs = reinterpret_cast<const c10::Half*>(v_scale.data_ptr<at::Half>());
+  const float* lp = lut.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  with_shape<float>(D, group, [&](auto hd, auto g) {
+    constexpr int HD = decltype(hd)::value, G = decltype(g)::value;
+    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> kbuf, vbuf, qf, scores, row, acc, inv_sum;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t h = item % num_kv_heads;
+        const auto [r, i0] = blocks[item / num_kv_heads];
+        const int64_t q_len = sp[r + 1] - sp[r], i1 = std::min(q_len, i0 + QB);
+        const int64_t first = cp[r] - q_len;  // position of query token 0
+        const int64_t n = first + i1;         // keys the item's last token sees
+        kbuf.resize(n * D);
+        vbuf.resize(n * D);
+        dequant_rows(kc, ks, lp, tp + r * width, block_size, num_kv_heads, D, h, n, kbuf.data());
+        dequant_rows(vc, vs, lp, tp + r * width, block_size, num_kv_heads, D, h, n, vbuf.data());
+        const int64_t zero = 0;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t t = sp[r] + i;
+          decode_item<float, HD, G>(qp + (t * num_heads + h * group) * D, kbuf.data(), vbuf.data(), &zero,
+                                    first + i + 1, op + (t * num_heads + h * group) * D, D, group, n, D, 0, 1,
+                                    static_cast<float>(scale), D, D, qf, scores, row, acc, inv_sum);
+        }
+      }
+    });
+  });
+  return out;
+}
 """
 
-_EXTENSION = InlineExtension("kvflow_cpu_paged_attention", _SOURCE, ["paged_decode_attention"],
+_EXTENSION = InlineExtension("kvflow_cpu_paged_attention", _SOURCE, ["paged_decode_attention", "paged_attention_quantized"],
                              "KVFLOW_CPU_ATTENTION", "CPU paged-attention kernel")
 
 
@@ -525,3 +640,52 @@ def paged_decode_attention(
             (including a context longer than its block table or a block id outside the cache).
     """
     return _EXTENSION.require().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def _code_table(dtype: torch.dtype) -> torch.Tensor:
+    """float32 [256]: the value of each byte as a code of ``dtype`` (int8 or float8_e4m3fn)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+
+
+_CODE_TABLES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def paged_attention_quantized(
+    q: torch.Tensor,
+    kv_cache: tuple,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of every query token of a step (decodes and prefill chunks alike) over an
+    int8 / fp8 paged cache, each token computed as a one-token decode over its own context
+    (keys ``0 .. position``): batch-invariant, the result of a token depends only on its
+    query and the stored K/V of its context, not on how the step was batched or chunked.
+
+    Args:
+        q: [T, num_heads, head_dim] queries (RoPE applied), float32 / bfloat16 / float16.
+        kv_cache: (k, v, k_scale, v_scale): codes [num_blocks, block_size, num_kv_heads,
+            head_dim] int8 or float8_e4m3fn, scales float16 [num_blocks, block_size,
+            num_kv_heads]; K/V = code * scale.
+        block_tables: int64 [R, max_blocks], physical blocks per request.
+        query_start_loc: int32 [R + 1]; request r's query tokens are rows
+            ``query_start_loc[r] : query_start_loc[r + 1]`` of q, at its last positions.
+        context_lens: int32 [R], tokens in each request's cache after this step's writes.
+        scale: softmax scale.
+
+    Returns:
+        [T, num_heads, head_dim] in q's dtype (float32 throughout, rounded once).
+
+    Raises:
+        RuntimeError: if the kernel is not available or the inputs break the layout above.
+    """
+    k, v, k_scale, v_scale = kv_cache
+    lut = _CODE_TABLES.get(k.dtype)
+    if lut is None:
+        lut = _CODE_TABLES[k.dtype] = _code_table(k.dtype)
+    out = _EXTENSION.require().paged_attention_quantized(
+        q.float().contiguous(), k.view(torch.uint8), v.view(torch.uint8), k_scale, v_scale, lut,
+        block_tables, query_start_loc, context_lens, scale,
+    )
+    return out.to(q.dtype)

@@ -3,13 +3,20 @@
 Each kernel module (``cpu_attention``, ``cpu_linear``) holds its C++ source as a string and
 an :class:`InlineExtension` that compiles it on first use with ``load_inline`` (a C++
 compiler and ninja are needed; tens of seconds the first time, then cached in the torch
-extensions folder, ``TORCH_EXTENSIONS_DIR``). The build uses ``-march=native``, so the
-extension's name hashes the source together with the host CPU's feature flags: a cached
-build never runs on a CPU that lacks an instruction it was compiled for.
+extensions folder, ``TORCH_EXTENSIONS_DIR``). The build targets the host CPU
+(``-march=native``; ``KVFLOW_CPU_MARCH`` names another target, e.g. ``x86-64-v3`` for an
+AVX2 machine without AVX-512), and the extension's name hashes the source together with
+the host CPU's feature flags and the compiler flags: a cached build never runs on a CPU
+that lacks an instruction it was compiled for. Each kernel keys its vectorized passes on
+the compiler's feature macros (``__AVX512F__``, ``__AVX512BW__``, ``__AVX512BF16__``) and
+compiles a portable loop where they are absent, so a CPU without AVX-512 (or a non-x86
+one) gets a working, slower kernel, not a failed build.
 
+A build that is needed logs ``building the C++ <kernel> (once, ~20 s)`` at INFO level on
+logger ``kvflow.layers.cpu_build`` first (the CLI prints it to stderr unless ``--quiet``).
 If the build fails (no compiler, no ninja, a compile error), or the extension's environment
-variable is ``0``, :meth:`InlineExtension.load` returns None once and for all and callers
-keep their PyTorch path.
+variable or ``KVFLOW_CPU_KERNELS`` (all four kernels) is ``0``, :meth:`InlineExtension.load`
+returns None once and for all and callers keep their PyTorch path.
 """
 
 from __future__ import annotations
@@ -25,7 +32,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+# Set to "0" to keep every C++ kernel unbuilt (each also has its own variable).
+ALL_KERNELS_ENV = "KVFLOW_CPU_KERNELS"
+
+
+def build_cflags() -> list[str]:
+    """The compiler flags of the kernels: ``-O3 -march=$KVFLOW_CPU_MARCH`` (default
+    ``native``), 512-bit vectors preferred where the target has them (x86 only), OpenMP."""
+    flags = ["-O3", f"-march={os.environ.get('KVFLOW_CPU_MARCH') or 'native'}"]
+    if platform.machine().lower() in ("x86_64", "amd64", "i686", "i386"):
+        flags.append("-mprefer-vector-width=512")
+    return flags + ["-fopenmp"]
 
 
 def host_cpu_flags() -> str:
@@ -50,6 +67,37 @@ def takes_kernel_input(x: torch.Tensor, ndim: int) -> bool:
     )
 
 
+# Compiler macros of the x86 features the kernels key on -> the /proc/cpuinfo flag.
+_X86_FEATURE_MACROS = {
+    "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c",
+    "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl",
+    "__AVX512DQ__": "avx512dq", "__AVX512BF16__": "avx512_bf16", "__AVX512FP16__": "avx512_fp16",
+}
+
+
+def missing_cpu_features(cflags: list[str]) -> list[str]:
+    """The x86 features that ``cflags`` compile for but this CPU lacks ([] when none, for
+    ``-march=native``, off x86, or when the compiler or /proc/cpuinfo cannot be asked).
+
+    A ``KVFLOW_CPU_MARCH`` beyond the host (say ``x86-64-v4`` on an AVX2 machine) would
+    build a kernel that dies on its first illegal instruction; this names what is missing
+    instead.
+    """
+    import subprocess
+
+    host = set(host_cpu_flags().split(":", 1)[-1].split())
+    if "-march=native" in cflags or not host or platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        done = subprocess.run([compiler, *[f for f in cflags if f.startswith("-m")], "-dM", "-E", "-x", "c++", "-"],
+                              input="", capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    macros = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
+    return sorted(flag for macro, flag in _X86_FEATURE_MACROS.items() if macro in macros and flag not in host)
+
+
 class InlineExtension:
     """A C++ extension compiled from ``source`` on first :meth:`load` (thread-safe).
 
@@ -57,7 +105,8 @@ class InlineExtension:
         prefix: the extension name's stem (a hash of source and CPU flags is appended).
         source: C++ source including ``<torch/extension.h>``.
         functions: the functions to bind.
-        disable_env: an environment variable that, set to "0", keeps the extension unbuilt.
+        disable_env: an environment variable that, set to "0", keeps the extension unbuilt
+            (as ``KVFLOW_CPU_KERNELS=0`` does for all of them).
         what: the kernel's name in log messages.
     """
 
@@ -69,8 +118,22 @@ class InlineExtension:
         self._failed = False
 
     def build_name(self) -> str:
-        tag = hashlib.sha1((platform.machine() + host_cpu_flags() + self.source).encode()).hexdigest()[:12]
-        return f"{self.prefix}_{tag}"
+        key = platform.machine() + host_cpu_flags() + " ".join(build_cflags()) + self.source
+        return f"{self.prefix}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+    def is_built(self) -> bool:
+        """Whether a compiled copy is in the extensions folder (loading it is then quick)."""
+        try:
+            from torch.utils.cpp_extension import _get_build_directory
+
+            folder = _get_build_directory(self.build_name(), verbose=False)
+        except Exception:  # noqa: BLE001 - a private helper of torch: assume a build is due
+            return False
+        return any(name.endswith((".so", ".pyd", ".dylib")) for name in os.listdir(folder)) if os.path.isdir(folder) else False
+
+    def disabled(self) -> bool:
+        """Whether the extension's variable or ``KVFLOW_CPU_KERNELS`` is "0"."""
+        return "0" in (os.environ.get(self.disable_env, "1"), os.environ.get(ALL_KERNELS_ENV, "1"))
 
     def load(self) -> Any:
         """The compiled module, or None when it is disabled or could not be built."""
@@ -79,18 +142,26 @@ class InlineExtension:
         with self._lock:
             if self._module is not None or self._failed:
                 return self._module
-            if os.environ.get(self.disable_env, "1") == "0":
+            if self.disabled():
+                self._failed = True
+                return None
+            missing = missing_cpu_features(build_cflags())
+            if missing:
+                logger.warning("kvflow's %s is not built: KVFLOW_CPU_MARCH=%s needs %s, which this CPU lacks; "
+                               "using the PyTorch path", self.what, os.environ.get("KVFLOW_CPU_MARCH"),
+                               ", ".join(missing))
                 self._failed = True
                 return None
             try:
                 from torch.utils.cpp_extension import load_inline
 
-                logger.info("building kvflow's %s (once; cached afterwards)", self.what)
+                if not self.is_built():
+                    logger.info("building the C++ %s (once, ~20 s; cached afterwards)", self.what)
                 self._module = load_inline(
                     name=self.build_name(),
                     cpp_sources=self.source,
                     functions=self.functions,
-                    extra_cflags=CFLAGS,
+                    extra_cflags=build_cflags(),
                     extra_ldflags=["-fopenmp"],
                     verbose=False,
                 )

@@ -96,10 +96,11 @@ class ParallelLMHead(nn.Module):
             return self.tied.weight
         return self.weight if "weight" in self._parameters else self.packed.dense_weight()
 
-    def _replace_with(self, head: LinearBase) -> None:
+    def replace_with(self, head: LinearBase) -> None:
+        """Serve the head from ``head`` (a processed layer over this head's weight)."""
         self.__dict__["packed"] = head
         if self.tied is None:
-            del self._parameters["weight"]  # the copy serves it; state_dict gets it back below
+            self._parameters.pop("weight", None)  # the copy serves it; state_dict gets it back below
 
     def quantize(self, method: str, group_size: int = 32) -> None:
         """Serve the head from a weight-only quantized copy of its weight (read as float32).
@@ -116,7 +117,7 @@ class ParallelLMHead(nn.Module):
 
         if method not in LM_HEAD_METHODS:
             raise ValueError(f"LM head quantization must be one of {', '.join(LM_HEAD_METHODS)}, got {method!r}")
-        self._replace_with(LinearBase.from_weights(self.dense.data.float(), None, get_quantization_config(method, group_size), "lm_head"))
+        self.replace_with(LinearBase.from_weights(self.dense.data.float(), None, get_quantization_config(method, group_size), "lm_head"))
 
     def pack_for_cpu(self) -> int:
         """Prepack a bfloat16 / float16 CPU head for oneDNN (a no-op when already packed or
@@ -131,7 +132,7 @@ class ParallelLMHead(nn.Module):
         weight = self.dense
         if not can_pack(weight):
             return 0
-        self._replace_with(LinearBase.from_weights(weight.data, prefix="lm_head"))
+        self.replace_with(LinearBase.from_weights(weight.data, prefix="lm_head"))
         return weight.numel() * weight.element_size() if self.tied is not None else 0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,18 @@ Flat cost in the row count is what makes speculative verification (1 + k rows pe
 and batched decode cheap. float32 weights are left to ATen: in the model, oneDNN's float32
 path was slower at one row (23.6 vs 31 tokens/s single-stream on SmolLM2-135M), and float32
 is the exactness reference.
+
+oneDNN packs a 16-bit weight only where the CPU converts that type natively (PyTorch's checks,
+``torch.ops.mkldnn._is_mkldnn_bf16_supported`` / ``_is_mkldnn_fp16_supported``): bfloat16
+needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, float16 needs AVX512-FP16 or AVX-NE-CONVERT
+(an AMD Zen 4 has AVX-512 and bfloat16 but neither float16 feature). Elsewhere those layers
+stay on ATen's matmul (correct, slower; logged once), and ``PackedLinear`` refuses the weight
+naming the missing feature.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,7 +56,15 @@ from kvflow.quantization.base import LinearMethodBase, keep_storage_dtypes
 if TYPE_CHECKING:
     from kvflow.quantization.base import QuantizationConfig
 
+logger = logging.getLogger(__name__)
+
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
+# What oneDNN's 16-bit paths need of an x86 CPU (the /proc/cpuinfo flag names).
+CPU_FEATURES_NEEDED = {
+    torch.bfloat16: "avx512bw, avx512vl and avx512dq, or avx_ne_convert",
+    torch.float16: "avx512_fp16 or avx_ne_convert",
+}
+_warned: set[torch.dtype] = set()
 
 
 def onednn_available() -> bool:
@@ -58,6 +74,23 @@ def onednn_available() -> bool:
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
+
+
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """True when oneDNN can prepack and run a ``dtype`` weight on this CPU (bfloat16 /
+    float16 only; see ``CPU_FEATURES_NEEDED``)."""
+    if dtype not in PACKED_DTYPES or not onednn_available():
+        return False
+    check = "_is_mkldnn_bf16_supported" if dtype == torch.bfloat16 else "_is_mkldnn_fp16_supported"
+    return bool(getattr(torch.ops.mkldnn, check)())
+
+
+def warn_unpacked(dtype: torch.dtype) -> None:
+    """Log once per dtype that 16-bit linears stay on ATen's (slower) matmul on this CPU."""
+    if dtype in PACKED_DTYPES and dtype not in _warned and onednn_available():
+        _warned.add(dtype)
+        logger.warning("%s linears use PyTorch's generic matmul on this CPU (oneDNN's prepacked path needs %s); "
+                       "dtype='bfloat16' is usually faster", dtype, CPU_FEATURES_NEEDED[dtype])
 
 
 class PackedLinear(nn.Module):
@@ -74,6 +107,8 @@ class PackedLinear(nn.Module):
 
     Raises:
         ValueError: for a weight that is not a 2-D bfloat16 / float16 CPU tensor.
+        RuntimeError: when this CPU lacks what oneDNN needs for the weight's dtype (the
+            message names the CPU features; ``onednn_packs`` tells beforehand).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -85,6 +120,11 @@ class PackedLinear(nn.Module):
             )
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
+        if not onednn_packs(weight.dtype):
+            raise RuntimeError(
+                f"oneDNN cannot prepack {weight.dtype} weights on this CPU: it needs "
+                f"{CPU_FEATURES_NEEDED[weight.dtype]} (see /proc/cpuinfo), or a PyTorch build with oneDNN"
+            )
         # Batch-size hint 1: the decode case; measured no slower at 5-64 rows than no hint.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(weight.dtype), requires_grad=False)
@@ -111,8 +151,14 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether a dense weight goes to oneDNN: a bfloat16 / float16 CPU tensor, with oneDNN."""
-    return weight.dtype in PACKED_DTYPES and weight.device.type == "cpu" and onednn_available()
+    """Whether a dense weight goes to oneDNN: a bfloat16 / float16 CPU tensor of a type this
+    CPU packs (``onednn_packs``; a 16-bit type it cannot is logged once and stays on ATen)."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKED_DTYPES:
+        return False
+    if onednn_packs(weight.dtype):
+        return True
+    warn_unpacked(weight.dtype)
+    return False
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -145,6 +191,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     @staticmethod
     def is_packed(layer) -> bool:
         return layer.__dict__.get("packed") is not None
+
+    def saves_dense_weight(self, layer) -> bool:
+        return self.is_packed(layer)
 
 
 class LinearBase(nn.Module):
@@ -246,7 +295,7 @@ class LinearBase(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if UnquantizedLinearMethod.is_packed(self):
+        if self.quant_method.saves_dense_weight(self):
             destination[prefix + "weight"] = self.dense_weight()
 
     def extra_repr(self) -> str:

@@ -197,6 +197,47 @@ def load_tokenizer(model_dir: str | os.PathLike[str]) -> transformers.PreTrained
     return transformers.AutoTokenizer.from_pretrained(str(model_dir))
 
 
+# generation_config.json field -> SamplingParams field: the fields vLLM takes as sampling
+# defaults from a model's generation config (do_sample is not one of them).
+_GENERATION_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def load_generation_defaults(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The sampling defaults a model folder's ``generation_config.json`` sets, as vLLM reads
+    them: temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens (as
+    ``max_tokens``), where they differ from transformers' defaults. {} without the file.
+
+    Raises:
+        ValueError: naming the file, for a value ``SamplingParams`` refuses.
+    """
+    from kvflow.sampling_params import SamplingParams
+
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    # (transformers warns about sampling values without do_sample: they are what we read)
+    quiet = logging.getLogger("transformers.generation.configuration_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        diff = transformers.GenerationConfig.from_pretrained(str(model_dir)).to_diff_dict()
+    finally:
+        quiet.setLevel(level)
+    defaults = {ours: diff[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if diff.get(theirs) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return defaults
+
+
 def convert_gguf(
     gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], shard_bytes: int = SHARD_BYTES
 ) -> None:
@@ -508,7 +549,9 @@ def _convert_cached(source: Path, root: Path) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         if target.exists():  # incomplete, without marker
             shutil.rmtree(target)
-        logger.info("Converting %s into %s (one-time)", source, target)
+        # ~24 s for SmolLM2's 98 MB file on the 2-core development machine (loaded).
+        seconds = max(5, round(source.stat().st_size / 4e6))
+        logger.info("converting %s to %s (once, ~%d s; cached afterwards)", source, target, seconds)
         staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}.tmp-"))
         try:
             convert_gguf(source, staging)
@@ -542,7 +585,7 @@ def _packaged_gguf(entry: packages.PackagedModel, root: Path) -> Path:
             return target
         for stale in root.glob(f".{target.name}.tmp-*"):  # left by a crashed assembly
             stale.unlink()
-        logger.info("Assembling %s from %d parts into %s", entry.name, len(parts), target)
+        logger.info("assembling %s from %d packaged parts into %s (once; cached afterwards)", entry.name, len(parts), target)
         digest = hashlib.sha256()
         with tempfile.NamedTemporaryFile(dir=root, prefix=f".{target.name}.tmp-", delete=False) as staging:
             try:

@@ -58,6 +58,11 @@ class LinearMethodBase:
         """The weight as a float [output_size, input_size] tensor (dequantized, unpacked)."""
         raise NotImplementedError
 
+    def saves_dense_weight(self, layer: "LinearBase") -> bool:
+        """True when the layer holds its dense weight outside its parameters (a kernel's own
+        layout): ``state_dict`` then yields ``dense_weight`` as ``weight``."""
+        return False
+
 
 class FusedMoEMethodBase:
     """How one mixture-of-experts layer (``kvflow.layers.moe.FusedMoE``) stores and runs its

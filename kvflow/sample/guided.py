@@ -26,6 +26,18 @@ def _llguidance():
     return llguidance
 
 
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The allowed tokens of an llguidance token bitmask: bool [vocab_size] from int32
+    [ceil(vocab_size / 32)] (bit j of word i is token 32 i + j), as
+    ``llguidance.torch.apply_token_bitmask_inplace`` reads it. That function is a
+    ``torch.compile`` kernel, compiled on its first call: a stall of seconds in the engine
+    thread for the first guided request, hence this eager version."""
+    return (((bitmask.unsqueeze(1) >> _BIT) & 1) != 0).flatten()[:vocab_size]
+
+
 class GrammarMatcher:
     """The grammar state of one request.
 
@@ -43,8 +55,7 @@ class GrammarMatcher:
     def mask_logits(self, row: torch.Tensor) -> None:
         """Set the logits of tokens the grammar forbids to -inf. row: float32 [vocab_size]."""
         self._lt.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        view = row.view(1, -1)
-        self._lt.apply_token_bitmask_inplace(view, self._bitmask.to(row.device))
+        row.masked_fill_(~unpack_bitmask(self._bitmask[0], row.shape[0]).to(row.device), float("-inf"))
 
     def accept(self, token_id: int) -> None:
         """Advance the grammar by the sampled token."""
@@ -74,16 +85,19 @@ class GrammarCompiler:
         """The matcher for ``params.guided_json`` / ``params.guided_regex``, or None.
 
         Raises:
-            ValueError: naming the field, for a schema or regex llguidance rejects.
+            ValueError: naming the field, for a schema or regex llguidance rejects, or a
+                schema nested too deeply for Python's JSON codec.
         """
         matcher_cls = self._llg.LLMatcher
         if params.guided_json is not None:
             field = "guided_json"
-            schema = params.guided_json if isinstance(params.guided_json, str) else json.dumps(params.guided_json)
             try:
+                schema = params.guided_json if isinstance(params.guided_json, str) else json.dumps(params.guided_json)
                 json.loads(schema)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"guided_json is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError("guided_json is nested too deeply") from None
             grammar = matcher_cls.grammar_from_json_schema(schema)
         elif params.guided_regex is not None:
             field = "guided_regex"

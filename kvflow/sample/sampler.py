@@ -26,7 +26,7 @@ class SamplingTensors:
 
     Attributes (all of length N, the number of rows):
         temperature: float32; 0 for greedy rows.
-        top_k: int64; the vocabulary size where top-k is off.
+        top_k: int64; the vocabulary size where top-k is off or at least the vocabulary.
         top_p: float32; 1 where off.
         min_p: float32; 0 where off.
         generators: per row, the request's own generator or None.
@@ -43,7 +43,10 @@ class SamplingTensors:
         params = [r.sampling_params for r in requests]
         return cls(
             temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64, device=device),
+            # top_k off (0, -1) or at or above the vocabulary (any int: 2**63 does not fit int64)
+            # keeps every token.
+            top_k=torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
+                               dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             generators=[r.generator for r in requests],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +15,8 @@ from kvflow.sample.logits_processor import apply_logits_processors
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingTensors
 from kvflow.worker.cache_engine import CacheEngine
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,8 +58,10 @@ class ModelRunner:
         broadcast: on a tensor-parallel driver, sends each step's batch to the workers.
         attention_backend: "torch" (gather + SDPA per group of requests, any device), "cpu"
             (decodes through ``kvflow.layers.cpu_attention``'s C++ kernel, prefills as
-            "torch") or "triton" (``kvflow.layers.triton_attention``; CUDA, or Triton's
-            interpreter).
+            "torch"; over an int8 / fp8 cache batch-invariant: every token through
+            ``paged_attention_quantized`` and the model's linears made batch-invariant, in
+            place, by ``make_batch_invariant``) or "triton"
+            (``kvflow.layers.triton_attention``; CUDA, or Triton's interpreter).
     """
 
     def __init__(
@@ -72,10 +77,22 @@ class ModelRunner:
     ) -> None:
         if attention_backend not in ("torch", "cpu", "triton"):
             raise ValueError(f"attention_backend must be 'torch', 'cpu' or 'triton', got {attention_backend!r}")
-        if attention_backend == "cpu" and cache_engine.kv_caches and (
-            len(cache_engine.kv_caches[0]) != 2 or cache_engine.kv_caches[0][0].dtype != model.embed_tokens.weight.dtype
+        quantized_kv = bool(cache_engine.kv_caches) and len(cache_engine.kv_caches[0]) == 4
+        if attention_backend == "cpu" and cache_engine.kv_caches and not quantized_kv and (
+            cache_engine.kv_caches[0][0].dtype != model.embed_tokens.weight.dtype
         ):
-            attention_backend = "torch"  # the C++ kernel reads float caches of the model's dtype only
+            attention_backend = "torch"  # the C++ decode kernel reads float caches of the model's dtype only
+        if attention_backend in ("cpu", "triton") and quantized_kv:
+            # Batch invariance, so that a token's stored (rounded) K/V never depends on how
+            # its step was batched or chunked: the CPU linears by ``InvariantLinear``
+            # (``kvflow.layers.invariant_linear.make_batch_invariant``; CUDA ones stay), and on "cpu"
+            # every token's attention as a one-token decode (``paged_attention_quantized``).
+            # The Triton kernel treats each query row alike whatever the chunk (checked in
+            # Triton's CPU interpreter; cuBLAS linears on CUDA are not batch-invariant).
+            from kvflow.layers.invariant_linear import make_batch_invariant
+
+            make_batch_invariant(model)
+        self.flat_metadata = attention_backend == "triton" or (attention_backend == "cpu" and quantized_kv)
         self.attention_backend = attention_backend
         self.graph_runner = None  # a DecodeGraphRunner (kvflow.worker.cuda_graph) when set
         self.is_driver = is_driver
@@ -101,7 +118,7 @@ class ModelRunner:
         bs = self.block_size
         # Decodes in groups of similar context length: each group gathers K/V padded to its
         # own longest context instead of the batch's.
-        triton = self.attention_backend == "triton"
+        flat = self.flat_metadata
         # The kernels read the block tables directly: no padded copy, so no need to group.
         decode_groups = [decodes] if self.attention_backend in ("triton", "cpu") else [
             [decodes[i] for i in group]
@@ -147,7 +164,7 @@ class ModelRunner:
                 q_lens.append(n)
                 ctx_lens.append(begin + n)
                 tables.append(r.block_ids)
-            if triton:
+            if flat:
                 flat_q_lens += q_lens
                 flat_ctx_lens += ctx_lens
                 flat_tables += tables
@@ -159,8 +176,9 @@ class ModelRunner:
         logits_indices.extend(spec_indices)
         dev = self.device
         slot_mapping = torch.cat(slots).to(dev)
-        if triton:
-            metadata = AttentionMetadata.for_triton(slot_mapping, flat_q_lens, flat_ctx_lens, flat_tables, dev)
+        if flat:
+            metadata = AttentionMetadata.flat(slot_mapping, flat_q_lens, flat_ctx_lens, flat_tables, dev,
+                                              self.attention_backend)
         else:
             metadata = AttentionMetadata(slot_mapping=slot_mapping, groups=groups, backend=self.attention_backend)
         return ModelInputs(
@@ -177,9 +195,24 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the model on the batch and sample.
 
+        Fault isolation: when preparing the inputs, the forward or the logits of the batch
+        raise, the batch runs again one request at a time (each with the parallel samples
+        it forks this step). That is safe because re-writing the same tokens' K/V into the
+        same slots is idempotent, the scheduler has not advanced yet, and the generators
+        are first restored to their state before the step (so a seeded request that
+        succeeds alone samples what it would have sampled in the batch). The requests that
+        still raise are reported in ``failed`` instead of in ``sampled_token_ids``; so is a
+        request whose sampling raises (the batch's rows are then sampled one by one). Under
+        tensor parallelism the forward is not re-run, since the workers' collectives follow
+        the driver's batch: a forward fault there propagates.
+
         Returns:
             The sampled token of every request whose chunk reached the end of its known
-            tokens, and log-probabilities for those that asked for them.
+            tokens, log-probabilities for those that asked for them, and the failed ones.
+
+        Raises:
+            Exception: a fault in the block copies (swap and copy-on-write: the cache is then
+                in an unknown state), or a forward fault under tensor parallelism.
         """
         if self.broadcast is not None:
             self.broadcast(out)
@@ -190,6 +223,39 @@ class ModelRunner:
             self.cache_engine.swap_in(out.blocks_to_swap_in)
         if out.blocks_to_copy:
             self.cache_engine.copy_blocks(out.blocks_to_copy)
+        # (a tensor-parallel worker samples nothing: no generator to restore)
+        rng = self._generator_states([*out.scheduled_requests, *(child for child, _ in out.forked)]) if self.is_driver else []
+        try:
+            return self._run(out, rng)
+        except Exception as exc:  # noqa: BLE001 - isolated below, or re-raised
+            if self.broadcast is not None or not self.is_driver:
+                raise
+            logger.warning("a batch of %d requests failed (%s: %s); running them one at a time",
+                           len(out.scheduled_requests), type(exc).__name__, exc)
+            return self._run_one_by_one(out, rng)
+
+    def _run_one_by_one(self, out: SchedulerOutput, rng: list[tuple[torch.Generator, torch.Tensor]]) -> ModelRunnerOutput:
+        """``execute`` without block copies, for one request (and its forks) at a time."""
+        _restore(rng)
+        result = ModelRunnerOutput()
+        for request in out.scheduled_requests:
+            sub = SchedulerOutput()
+            sub._add(request, out.num_scheduled_tokens[request.request_id])
+            if request.request_id in out.scheduled_spec_tokens:
+                sub.scheduled_spec_tokens[request.request_id] = out.scheduled_spec_tokens[request.request_id]
+            sub.forked = [(child, parent) for child, parent in out.forked if parent is request]
+            try:
+                part = self._run(sub, rng)
+            except Exception as exc:  # noqa: BLE001 - this request's fault, reported
+                logger.warning("request %s failed: %s: %s", request.request_id, type(exc).__name__, exc,
+                               exc_info=exc)
+                for r in (request, *(child for child, _ in sub.forked)):
+                    result.failed[r.request_id] = exc
+                continue
+            result.merge(part)
+        return result
+
+    def _run(self, out: SchedulerOutput, rng: list[tuple[torch.Generator, torch.Tensor]]) -> ModelRunnerOutput:
         inputs = self.prepare_inputs(out)
         if self.graph_runner is not None and self.graph_runner.can_run(inputs):
             hidden = self.graph_runner.run(inputs)
@@ -210,26 +276,63 @@ class ModelRunner:
         emitted: list[tuple[Request, torch.Tensor, list[int]]] = []
         if num_plain:
             logits = all_logits[:num_plain]
-            st = SamplingTensors.from_requests(inputs.sampling_requests, logits.shape[-1], self.device)
-            tokens = self.sampler(apply_logits_processors(logits, inputs.sampling_requests), st).tolist()
+            try:
+                tokens = self._sample(logits, inputs.sampling_requests)
+            except Exception as exc:  # noqa: BLE001 - one row's fault: sample the rows alone
+                logger.warning("sampling a batch of %d rows failed (%s: %s); sampling them one at a time",
+                               num_plain, type(exc).__name__, exc)
+                _restore(rng)
+                tokens = []
+                for i, r in enumerate(inputs.sampling_requests):
+                    try:
+                        tokens.append(self._sample(logits[i : i + 1], [r])[0])
+                    except Exception as row_exc:  # noqa: BLE001 - reported
+                        logger.warning("sampling request %s failed: %s: %s", r.request_id, type(row_exc).__name__,
+                                       row_exc, exc_info=row_exc)
+                        result.failed[r.request_id] = row_exc
+                        tokens.append(None)
             for i, (r, t) in enumerate(zip(inputs.sampling_requests, tokens)):
-                result.sampled_token_ids[r.request_id] = [t]
-                emitted.append((r, logits[i : i + 1], [t]))
+                if t is not None:
+                    result.sampled_token_ids[r.request_id] = [t]
+                    emitted.append((r, logits[i : i + 1], [t]))
         row = num_plain
         for r, drafts in inputs.spec_requests:
             rows = all_logits[row : row + len(drafts) + 1]
             row += len(drafts) + 1
-            tokens = self.rejection_sampler(r, drafts, rows)
+            try:
+                tokens = self.rejection_sampler(r, drafts, rows)
+            except Exception as exc:  # noqa: BLE001 - reported
+                logger.warning("verifying the drafts of request %s failed: %s: %s", r.request_id,
+                               type(exc).__name__, exc, exc_info=exc)
+                result.failed[r.request_id] = exc
+                continue
             result.sampled_token_ids[r.request_id] = tokens
             result.num_accepted[r.request_id] = (len(drafts), len(tokens) - 1)
             emitted.append((r, rows[: len(tokens)], tokens))
         for r, rows, tokens in emitted:
             k = r.sampling_params.logprobs
             if k is not None:
-                result.logprobs[r.request_id] = compute_logprobs(
-                    rows, torch.tensor(tokens, device=rows.device), [k] * len(tokens)
-                )
+                try:
+                    result.logprobs[r.request_id] = compute_logprobs(
+                        rows, torch.tensor(tokens, device=rows.device), [k] * len(tokens)
+                    )
+                except Exception as exc:  # noqa: BLE001 - reported
+                    logger.warning("logprobs of request %s failed: %s: %s", r.request_id, type(exc).__name__, exc,
+                                   exc_info=exc)
+                    result.failed[r.request_id] = exc
+                    del result.sampled_token_ids[r.request_id]
+                    result.num_accepted.pop(r.request_id, None)
         return result
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """One token per row of ``logits`` (float32 [N, vocab_size]) for the N ``requests``."""
+        st = SamplingTensors.from_requests(requests, logits.shape[-1], self.device)
+        return self.sampler(apply_logits_processors(logits, requests), st).tolist()
+
+    def _generator_states(self, requests: list[Request]) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The state of every generator the batch may draw from (engine and seeded requests)."""
+        generators = {id(g): g for g in (self.sampler.generator, *(r.generator for r in requests)) if g is not None}
+        return [(g, g.get_state()) for g in generators.values()]
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]
@@ -257,12 +360,28 @@ class ModelRunnerOutput:
         prompt_logprobs: request_id -> {prompt position: {token id: log-probability}} for
             the prompt tokens computed this step (positions >= 1), for requests that set
             ``prompt_logprobs``.
+        failed: request_id -> the exception of each request that failed this step (it has
+            no entry in the fields above; see ``ModelRunner.execute``).
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     num_accepted: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
+    failed: dict[str, BaseException] = field(default_factory=dict)
+
+    def merge(self, other: "ModelRunnerOutput") -> None:
+        """Add another (disjoint) batch's results."""
+        self.sampled_token_ids.update(other.sampled_token_ids)
+        self.logprobs.update(other.logprobs)
+        self.num_accepted.update(other.num_accepted)
+        self.prompt_logprobs.update(other.prompt_logprobs)
+        self.failed.update(other.failed)
+
+
+def _restore(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+    for generator, state in states:
+        generator.set_state(state)
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: list[int]) -> list[dict[int, float]]:

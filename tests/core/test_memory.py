@@ -195,38 +195,6 @@ def test_report_budget_and_max_model_len():
         memory.memory_report(_spec(LLAMA2_7B), "float16", max_model_len=0)
 
 
-@pytest.mark.parametrize(
-    "text, value",
-    [
-        ("536870912", 512 * MiB),
-        ("512MiB", 512 * MiB),
-        ("512mib", 512 * MiB),
-        ("8GiB", 8 * GiB),
-        ("8 GiB", 8 * GiB),
-        ("1.5G", 3 * GiB // 2),
-        ("2GB", 2 * 10**9),
-        ("64KiB", 64 * KiB),
-        ("100B", 100),
-        (4096, 4096),
-    ],
-)
-def test_parse_bytes(text, value):
-    assert memory.parse_bytes(text) == value
-
-
-@pytest.mark.parametrize("text", ["", "lots", "8 GiBs", "-1", "1..5G"])
-def test_parse_bytes_rejects(text):
-    with pytest.raises(ValueError):
-        memory.parse_bytes(text)
-
-
-def test_human_bytes():
-    assert memory.human_bytes(524288) == "512 KiB"
-    assert memory.human_bytes(46080) == "45 KiB"
-    assert memory.human_bytes(100) == "100 B"
-    assert memory.human_bytes(3.5 * GiB) == "3.5 GiB"
-
-
 # ------------------------------------------------------------------ reading configs, CLI
 def test_load_kv_spec_from_dir_and_config_json(llama7b_dir):
     for target in (llama7b_dir, llama7b_dir / "config.json"):

@@ -213,6 +213,54 @@ def test_stop_token_and_eos_finish_with_stop():
     assert sched.kv_cache_manager.num_free_blocks == 64
 
 
+def test_text_stop_cuts_accepted_drafts_and_keeps_nothing_past_it():
+    """A stop string completed by an accepted draft (``text_stop``) ends the request at that
+    token: later tokens are dropped from the sampled list, the request's tokens and computed
+    count, and no block holding them is published."""
+    sched = make_scheduler(block_size=2, enable_prefix_caching=True)
+    a = make_request("a", 4, max_tokens=10)
+    sched.add_request(a)
+    step(sched, token=50)  # prefill; samples 50
+    a.spec_token_ids = [51, 52, 53]
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 4} and out.scheduled_spec_tokens == {"a": [51, 52, 53]}
+    seen = []
+
+    def text_stop(request):
+        seen.append(request.all_token_ids[-1])
+        return "STOP" if request.all_token_ids[-1] == 52 else None
+
+    sampled = {"a": [51, 52, 53, 60]}  # all drafts accepted, plus a bonus token
+    finished = sched.update(out, sampled, text_stop=text_stop)
+    assert seen == [51, 52]  # asked once per token, up to the stop
+    assert finished == [a] and sampled["a"] == [51, 52]
+    assert a.output_token_ids == [50, 51, 52] and a.status == RequestStatus.FINISHED_STOPPED
+    assert a.stop_reason == "STOP"
+    assert a.num_computed_tokens == a.num_tokens == 7
+    # published: [p0 p1] [p2 p3] [50 51]; the block [52 53] held a token past the stop
+    assert sched.kv_cache_manager.block_pool.num_cached_blocks == 3
+    assert sched.kv_cache_manager.num_free_blocks == 64 and not sched.has_unfinished_requests()
+
+
+def test_text_stop_on_the_max_tokens_token_finishes_with_stop():
+    """A stop string on the token that also reaches max_tokens ends with "stop" and the stop
+    string (as without the length limit); text_stop sees the request already finished."""
+    sched = make_scheduler()
+    a = make_request("a", 3, max_tokens=2)
+    sched.add_request(a)
+    step(sched, token=5)
+    out = sched.schedule()
+    finished_seen = []
+
+    def text_stop(request):
+        finished_seen.append(request.is_finished)
+        return "x"
+
+    sched.update(out, {"a": [6]}, text_stop=text_stop)
+    assert finished_seen == [True]
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == "x"
+
+
 def test_max_model_len_finishes_with_length():
     sched = make_scheduler(max_model_len=6)
     a = make_request("a", 4, max_tokens=10)

@@ -154,3 +154,18 @@ def test_dead_worker_fails_loudly_and_cleans_up(tiny_dir):
     llm.shutdown()
     assert _no_children()
     assert not torch.distributed.is_initialized()
+
+
+def test_rendezvous_timeout_is_configurable_and_says_what_to_do(monkeypatch):
+    """A rank that never comes (here: torchrun-style, rank 1 never started) fails the
+    driver after collective_timeout_s, with what to do, instead of a bare store error after
+    a fixed 120 s (which a loaded machine missed while the other ranks loaded)."""
+    from kvflow.config import EngineArgs
+    from kvflow.distributed.worker import TPWorkers, free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="collective_timeout_s / --collective-timeout-s / KVFLOW_COLLECTIVE_TIMEOUT_S"):
+        TPWorkers(2, EngineArgs(device="cpu", collective_timeout_s=1.0), spawn=False)
+    assert time.monotonic() - start < 60  # the 1 s limit was used (a generous bound: a shared machine)

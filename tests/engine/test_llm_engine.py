@@ -8,6 +8,7 @@ clear ValueError and leaves the engine serving the other requests.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -257,8 +258,14 @@ def test_unseeded_sampling_follows_engine_seed():
         (list(range(32)), GREEDY, "max_model_len"),
         (list(range(40)), GREEDY, "max_model_len"),
         (list(range(10)), SamplingParams(max_tokens=20), "KV blocks"),
+        ([1, True, 3], GREEDY, "prompt_token_ids"),
+        ([1, 2], SamplingParams(max_tokens=4, logit_bias={128: 1.0}), "logit_bias"),
+        ([1, 2], SamplingParams(max_tokens=4, logit_bias={10**20: 1.0}), "logit_bias"),
+        ([1, 2], SamplingParams(max_tokens=4, logprobs=129), "logprobs"),
+        ([1, 2], SamplingParams(max_tokens=4, prompt_logprobs=10**9), "prompt_logprobs"),
     ],
-    ids=["empty", "id_too_big", "negative_id", "float_id", "prompt_eq_max_len", "prompt_gt_max_len", "cache_too_small"],
+    ids=["empty", "id_too_big", "negative_id", "float_id", "prompt_eq_max_len", "prompt_gt_max_len", "cache_too_small",
+         "bool_id", "logit_bias_past_vocab", "logit_bias_huge_id", "logprobs_past_vocab", "prompt_logprobs_huge"],
 )
 def test_bad_request_raises_value_error_and_engine_keeps_serving(prompt, params, match):
     # 6 blocks x 4 tokens = 24 tokens of cache; max_model_len 32.
@@ -274,6 +281,17 @@ def test_bad_request_raises_value_error_and_engine_keeps_serving(prompt, params,
     out = run_to_completion(engine)
     assert out == {"ok1": reference()["p3"], "bad": reference()["p9"]}
     assert engine.get_stats()["num_free_blocks"] == 6
+
+
+def test_top_k_above_the_vocabulary_samples_as_top_k_off():
+    """top_k = 2**63 used to crash the sampler's tensor build (int64 overflow) and with it the
+    engine; it now keeps every token, exactly as top_k = 0."""
+    outs = {}
+    for top_k in (0, 128, 2**63, 10**20):
+        engine = tiny_engine(seed=3)
+        engine.add_request("x", PROMPTS["p9"], SamplingParams(temperature=1.0, top_k=top_k, seed=11, max_tokens=8))
+        outs[top_k] = run_to_completion(engine)["x"]
+    assert outs[2**63] == outs[10**20] == outs[128] == outs[0] and len(outs[0]) == 8
 
 
 def test_request_that_just_fits_the_cache_is_accepted():
@@ -350,3 +368,359 @@ def test_abort_preempted_request():
     outputs.update(run_to_completion(engine))
     assert outputs == {k: reference()[k] for k in names if k != preempted}
     assert engine.get_stats()["num_free_blocks"] == 12
+
+
+# ---------------------------------------------------------------------------- fault isolation
+MARK = [127, 127]  # the first tokens of the request the injected faults aim at
+MARKED = MARK + [3, 4, 5, 6]
+FAULT_PROMPTS = {k: PROMPTS[k] for k in ("p3", "p9", "p45")}  # none starts with MARK
+
+
+def _is_marked(request) -> bool:
+    return request.prompt_token_ids[:2] == MARK
+
+
+def _run_with_fault(engine: LLMEngine, extra: dict[str, list[int]] | None = None,
+                    params: SamplingParams = GREEDY) -> dict[str, object]:
+    """Add FAULT_PROMPTS (+ ``extra``) and the marked request together; step to the end.
+
+    Returns: request_id -> token ids, or the ``RequestFailure`` of a failed request."""
+    for request_id, prompt in {**FAULT_PROMPTS, **(extra or {})}.items():
+        engine.add_request(request_id, prompt, params)
+    engine.add_request("marked", MARKED, params)
+    done: dict[str, object] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in done, "a request finished twice"
+                done[out.request_id] = out.error if out.error is not None else out.outputs[0].token_ids
+                if out.error is not None:
+                    assert all(c.finish_reason == "error" for c in out.outputs)
+    return done
+
+
+def _assert_only_marked_failed(engine: LLMEngine, done: dict[str, object], invalid_request: bool) -> None:
+    failure = done.pop("marked")
+    assert failure is not None and not isinstance(failure, list), failure
+    assert failure.is_invalid_request is invalid_request and "injected" in failure.message, failure
+    assert done == {k: reference()[k] for k in FAULT_PROMPTS}
+    stats = engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] and stats["num_running"] == stats["num_waiting"] == 0
+    assert not engine._states and not engine._sample_owner and not engine.scheduler.requests
+    # and the engine keeps serving
+    assert generate(engine, {"later": PROMPTS["p17"]}) == {"later": reference()["p17"]}
+
+
+def test_fault_while_preparing_one_request_fails_it_alone(monkeypatch):
+    from kvflow.worker.model_runner import ModelRunner
+
+    original = ModelRunner.prepare_inputs
+
+    def prepare(self, out):
+        if any(_is_marked(r) for r in out.scheduled_requests):
+            raise RuntimeError("injected prepare fault")
+        return original(self, out)
+
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", prepare)
+    engine = tiny_engine()
+    _assert_only_marked_failed(engine, _run_with_fault(engine), invalid_request=False)
+
+
+@pytest.mark.parametrize("chunk", [64, 8])
+def test_fault_in_the_forward_of_a_batch_fails_only_its_culprit(monkeypatch, chunk):
+    """The marked request's batch gets token ids outside the embedding, so the whole batch's
+    forward raises (IndexError); re-run one request at a time, only the marked one fails,
+    with its prefill chunked over several steps too (its earlier chunks' blocks were written
+    by good steps). The others' outputs are exactly the reference."""
+    from kvflow.worker.model_runner import ModelRunner
+
+    original = ModelRunner.prepare_inputs
+
+    def prepare(self, out):
+        inputs = original(self, out)
+        if any(_is_marked(r) for r in out.scheduled_requests) and any(
+            r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= 5 for r in out.scheduled_requests
+            if _is_marked(r)
+        ):
+            inputs.input_ids = inputs.input_ids + 10_000  # injected: out of the embedding's range
+        return inputs
+
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", prepare)
+    engine = tiny_engine(max_num_batched_tokens=chunk)
+    done = _run_with_fault(engine)
+    failure = done["marked"]
+    assert "IndexError" in failure.message or "index" in failure.message.lower(), failure
+    done["marked"] = type(failure)(failure.message + " (injected)", failure.is_invalid_request)
+    _assert_only_marked_failed(engine, done, invalid_request=False)
+    # Nothing of the failed prefill was published to the prefix cache: the same prompt,
+    # now without the fault, gives the output of a fresh engine.
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", original)
+    fresh = generate(tiny_engine(), {"m": MARKED})
+    assert generate(engine, {"m": MARKED}) == fresh
+
+
+def test_fault_while_sampling_one_row_fails_it_alone_and_keeps_seeded_rows_exact(monkeypatch):
+    """The batched sampler draws its noise and then raises (a ValueError: the request's own
+    fault). Each row is then sampled alone after the generators are restored, so a seeded
+    request batched with the culprit samples exactly what it samples alone."""
+    from kvflow.sample.sampler import Sampler
+
+    original = Sampler.__call__
+    marked: list[torch.Generator] = []
+
+    def call(self, logits, st):
+        tokens = original(self, logits, st)
+        if any(g is m for g in st.generators for m in marked):
+            raise ValueError("injected sampling fault")
+        return tokens
+
+    monkeypatch.setattr(Sampler, "__call__", call)
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=7)
+    alone = generate(tiny_engine(), {"s": PROMPTS["p17"]}, params)["s"]
+    engine = tiny_engine()
+    engine.add_request("s", PROMPTS["p17"], params)
+    engine.add_request("marked", MARKED, params)
+    marked.append(engine._states["marked"].samples[0].generator)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["marked"].error.is_invalid_request and "injected" in done["marked"].error.message
+    assert done["s"].error is None and done["s"].outputs[0].token_ids == alone
+    assert engine.get_stats()["num_free_blocks"] == 64
+
+
+def test_fault_while_advancing_one_request_fails_it_alone(monkeypatch):
+    from kvflow.request import Request
+
+    original = Request.append_output_token
+
+    def append(self, token_id):
+        original(self, token_id)
+        if _is_marked(self) and self.num_output_tokens == 3:
+            raise RuntimeError("injected update fault")  # half-way: the token is already appended
+
+    monkeypatch.setattr(Request, "append_output_token", append)
+    engine = tiny_engine()
+    _assert_only_marked_failed(engine, _run_with_fault(engine), invalid_request=False)
+
+
+def test_fault_while_detokenizing_one_request_fails_it_alone(monkeypatch):
+    original = LLMEngine._append_output
+
+    def append_output(self, state, sample, tokens, logprobs):
+        if _is_marked(sample) and sample.num_output_tokens >= 2:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return original(self, state, sample, tokens, logprobs)
+
+    monkeypatch.setattr(LLMEngine, "_append_output", append_output)
+    engine = tiny_engine()
+    _assert_only_marked_failed(engine, _run_with_fault(engine), invalid_request=True)  # UnicodeDecodeError is a ValueError
+
+
+def test_parallel_samples_of_a_failing_request_all_fail_and_free_their_blocks(monkeypatch):
+    from kvflow.worker.model_runner import ModelRunner
+
+    original = ModelRunner.prepare_inputs
+
+    def prepare(self, out):
+        if any(_is_marked(r) and r.num_output_tokens >= 2 for r in out.scheduled_requests):
+            raise RuntimeError("injected prepare fault")
+        return original(self, out)
+
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", prepare)
+    engine = tiny_engine()
+    engine.add_request("p9", PROMPTS["p9"], GREEDY)
+    engine.add_request("marked", MARKED, SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=MAX_TOKENS))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["marked"].error is not None and len(done["marked"].outputs) == 3
+    assert done["p9"].outputs[0].token_ids == reference()["p9"]
+    assert engine.get_stats()["num_free_blocks"] == 64 and not engine.scheduler.requests
+
+
+def test_fault_while_drafting_one_request_fails_it_alone(monkeypatch):
+    from kvflow.config import CacheConfig, SchedulerConfig
+    from kvflow.spec_decode.ngram import NgramProposer
+    from conftest import tiny_model
+
+    original = NgramProposer.propose
+
+    def propose(self, requests):
+        if any(_is_marked(r) and r.num_output_tokens >= 2 for r in requests):
+            raise RuntimeError("injected drafting fault")
+        return original(self, requests)
+
+    monkeypatch.setattr(NgramProposer, "propose", propose)
+    config = tiny_model_config()
+
+    def engine_with_ngram():
+        return LLMEngine(
+            model=tiny_model(config), model_config=config,
+            cache_config=CacheConfig(block_size=4, num_blocks=64, dtype=torch.float32),
+            scheduler_config=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=256),
+            tokenizer=None, device=torch.device("cpu"), proposer=NgramProposer(3, 1, 3, 256),
+        )
+
+    engine = engine_with_ngram()
+    _assert_only_marked_failed(engine, _run_with_fault(engine), invalid_request=False)
+
+
+def test_a_lone_failing_request_is_failed_and_the_engine_goes_on(monkeypatch):
+    """A step whose only request fails: the probe forward succeeds, so the fault is the
+    request's, not the engine's."""
+    from kvflow.worker.model_runner import ModelRunner
+
+    original = ModelRunner.prepare_inputs
+
+    def prepare(self, out):
+        if any(_is_marked(r) for r in out.scheduled_requests):
+            raise RuntimeError("injected prepare fault")
+        return original(self, out)
+
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", prepare)
+    engine = tiny_engine()
+    engine.add_request("marked", MARKED, GREEDY)
+    (out,) = engine.step()
+    assert out.finished and out.error is not None and "injected" in out.error.message
+    assert generate(engine, {"next": PROMPTS["p9"]}) == {"next": reference()["p9"]}
+
+
+def test_a_fault_in_every_forward_stops_the_engine(monkeypatch):
+    """Every request fails alone and so does the probe: the engine is unusable, and says so."""
+    from kvflow.model.llama import LlamaForCausalLM
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("injected: the device is gone")
+
+    engine = tiny_engine()
+    for k, p in FAULT_PROMPTS.items():
+        engine.add_request(k, p, GREEDY)
+    monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
+    with pytest.raises(RuntimeError, match="engine is unusable") as exc:
+        engine.step()
+    assert "device is gone" in str(exc.value.__cause__)
+
+
+# ---------------------------------------------------------------------------- generation defaults
+def test_offline_defaults_come_from_the_model_folders_generation_config(tmp_path):
+    """LLM.generate without sampling_params uses the folder's generation_config.json (here
+    greedy, top_k 3, 5 new tokens), as vLLM; without the file, SamplingParams()."""
+    from conftest import tiny_hf_model_dir
+    from kvflow import LLM
+
+    folder = tiny_hf_model_dir(tmp_path / "m", {"temperature": 0.0, "top_k": 3, "max_new_tokens": 5})
+    llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=32)
+    assert llm.engine.generation_defaults == {"temperature": 0.0, "top_k": 3, "max_tokens": 5}
+    default = llm.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids
+    explicit = llm.generate("Hello", SamplingParams(temperature=0.0, top_k=3, max_tokens=5), use_tqdm=False)
+    assert len(default) == 5 and default == explicit[0].outputs[0].token_ids
+    (folder / "generation_config.json").unlink()
+    assert LLM(model=str(folder), dtype="float32", num_kv_blocks=32).get_default_sampling_params() == SamplingParams()
+
+
+# ------------------------------------------------------------- quantized KV cache exactness
+def _kernels_or_skip():
+    from kvflow.layers.cpu_attention import cpu_kernel_available
+    from kvflow.layers.invariant_linear import invariant_linear_available
+
+    if not (cpu_kernel_available() and invariant_linear_available()):
+        pytest.skip("the batch-invariant path needs kvflow's C++ kernels (a C++ compiler)")
+
+
+def _quantized_engine(kv_dtype, block_size, max_num_batched_tokens, config, dtype=torch.float32, backend="cpu"):
+    from conftest import tiny_model
+    from kvflow.config import CacheConfig, SchedulerConfig
+
+    from kvflow.model.loader import pack_for_cpu
+
+    model = tiny_model(config).to(dtype)
+    pack_for_cpu(model)  # bfloat16: oneDNN-packed linears, as the engine loads them
+    return LLMEngine(
+        model=model, model_config=config,
+        cache_config=CacheConfig(block_size, 160, kv_dtype, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_batched_tokens, 8, 256),
+        tokenizer=None, device=torch.device("cpu"), attention_backend=backend,
+    )  # fmt: skip
+
+
+def _greedy_with_logprobs(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)])
+    return done
+
+
+# A Qwen2-like variant too: its k_proj bias makes store_kv subtract the key offset
+# (LlamaAttention._key_offset) on every path.
+QUANT_CONFIGS = {"llama": lambda: tiny_model_config(), "qkv_bias": lambda: tiny_model_config(attention_bias=True)}
+
+
+@pytest.mark.parametrize("config_name", sorted(QUANT_CONFIGS))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_kv_output_independent_of_chunking_and_prefix_hits(kv_dtype, block_size, config_name):
+    """With an int8 / fp8 KV cache a request's greedy tokens and logprobs are the same,
+    bit for bit, whatever its prefill chunk size (max_num_batched_tokens 3, 7, 64), whether
+    its prompt blocks came from the prefix cache (fully, or a shared prefix only), and
+    whether another request shared its steps. The "cpu" backend is batch-invariant by
+    construction (every token's K/V and logits are computed the same way), so the
+    tolerance is 0; before it, stored codes depended on the batch's shapes through
+    last-bit float differences."""
+    _kernels_or_skip()
+    config = QUANT_CONFIGS[config_name]()
+    prompt = PROMPTS["p45"]
+    sibling = prompt[:21] + PROMPTS["p17"]  # shares 21 tokens (5 blocks of 4, 1 of 16, 21 of 1)
+    ref = _greedy_with_logprobs(_quantized_engine(kv_dtype, block_size, 64, config), {"a": prompt})["a"]
+    ref_sibling = _greedy_with_logprobs(_quantized_engine(kv_dtype, block_size, 64, config), {"s": sibling})["s"]
+    assert len(set(ref[0])) > 3  # not degenerate
+    for chunk in (3, 7, 64):
+        engine = _quantized_engine(kv_dtype, block_size, chunk, config)
+        assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref, chunk
+        assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref, chunk  # all full blocks cached
+        hits = engine.get_stats()["prefix_cache_hits"]
+        assert hits == (len(prompt) - 1) // block_size * block_size
+        assert _greedy_with_logprobs(engine, {"s": sibling})["s"] == ref_sibling, chunk  # a partial hit
+        assert engine.get_stats()["prefix_cache_hits"] > hits
+        both = _greedy_with_logprobs(_quantized_engine(kv_dtype, block_size, chunk, config), {"a": prompt, "s": sibling})
+        assert both == {"a": ref, "s": ref_sibling}, chunk
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_quantized_kv_bfloat16_model_independent_of_chunking_and_prefix_hits(kv_dtype):
+    """The same for a bfloat16 model (its oneDNN-packed linears become batch-invariant too)."""
+    _kernels_or_skip()
+    config = tiny_model_config()
+    prompt = PROMPTS["p45"]
+    ref = _greedy_with_logprobs(_quantized_engine(kv_dtype, 4, 64, config, torch.bfloat16), {"a": prompt})["a"]
+    for chunk in (3, 7):
+        engine = _quantized_engine(kv_dtype, 4, chunk, config, torch.bfloat16)
+        assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref, chunk
+        assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref, chunk
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="no triton")
+def test_quantized_kv_triton_backend_independent_of_chunking_and_prefix_hits():
+    """The Triton backend (in Triton's CPU interpreter here) over an int8 cache, with the
+    CPU linears made batch-invariant: chunk sizes and a prefix hit give the same output."""
+    from kvflow.layers.invariant_linear import invariant_linear_available
+    from kvflow.layers.triton_attention import interpreter_enabled
+
+    if not (interpreter_enabled() and invariant_linear_available()):
+        pytest.skip("needs Triton's CPU interpreter and the batch-invariant linear kernel")
+    config = tiny_model_config()
+    prompt = PROMPTS["p30"]
+    ref = _greedy_with_logprobs(_quantized_engine(torch.int8, 4, 64, config, backend="triton"), {"a": prompt})["a"]
+    engine = _quantized_engine(torch.int8, 4, 3, config, backend="triton")
+    assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref
+    assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref

@@ -53,3 +53,360 @@ def test_console_script_and_module_entry_point(smollm2_dir):
     for command in commands:
         done = subprocess.run(command + ["--help"], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "generate" in done.stdout
+
+
+# ------------------------------------------------------------------ flags from EngineArgs
+def _help(argv):
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(argv + ["--help"])
+    assert exc.value.code == 0
+    return " ".join(buf.getvalue().split())
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat"], ["serve"]])
+def test_every_engine_args_field_is_one_flag_with_its_default(command):
+    """One flag per EngineArgs field (seed, quantization_group_size and model_cache_dir had
+    none), each with the field's default, none listed by hand."""
+    from dataclasses import asdict, fields
+
+    from kvflow.config import EngineArgs
+    from kvflow.entrypoints.cli import _engine_kwargs
+
+    parser = build_parser()
+    args = parser.parse_args(command)
+    assert _engine_kwargs(args) == asdict(EngineArgs())
+    sub = parser._subparsers._group_actions[0].choices[command[0]]
+    dests = [a.dest for a in sub._actions]
+    for f in fields(EngineArgs):
+        assert dests.count(f.name) == (2 if f.name == "quantize_lm_head" else 1), f.name
+        assert "--" + f.name.replace("_", "-") in sub._option_string_actions
+    assert "seed" in dests and "quantization_group_size" in dests and "model_cache_dir" in dests
+
+
+def test_help_shows_the_defaults():
+    text = _help(["generate"])
+    for wanted in ("tokens per KV cache block (default: 16)", "max new tokens per reply (default: 64)",
+                   "0 = greedy (default: 0.0)", "maximum number of concurrently running requests (default: 64)",
+                   "(default: 512MiB)", "per-step token budget (prefill chunks plus decodes) (default: 2048)"):
+        assert wanted in text, wanted
+    assert "max new tokens per reply (default: 256)" in _help(["chat"])
+    assert "TCP port (default: 8000)" in _help(["serve"])
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == "kvflow 0.1.0"
+
+
+def test_byte_sizes_and_json_flags():
+    from kvflow.entrypoints.cli import _engine_kwargs
+
+    args = build_parser().parse_args(["generate", "hi", "--kv-cache-memory-bytes", "1GiB", "--swap-space-bytes", "512MiB",
+                                      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                                      "--seed", "7", "--quantization-group-size", "64", "--no-enable-prefix-caching"])
+    kw = _engine_kwargs(args)
+    assert (kw["kv_cache_memory_bytes"], kw["swap_space_bytes"]) == (2**30, 512 * 2**20)
+    assert kw["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    assert (kw["seed"], kw["quantization_group_size"], kw["enable_prefix_caching"]) == (7, 64, False)
+    assert build_parser().parse_args(["memory", "--budget", "8GiB"]).budget == 8 * 2**30
+
+
+# ------------------------------------------------------------------ errors: one line
+def _one_line_error(capsys, argv, code):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("kvflow: error: ")]
+    assert exc.value.code == code, err
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["--speculative-config", "{bad"], "argument --speculative-config: not valid JSON"),
+    (["--speculative-config", "[4]"], "speculative_config must be a JSON object"),
+    (["--speculative-config", '{"method": "magic", "num_speculative_tokens": 2}'], "speculative_config.method"),
+    (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    (["--kv-cache-memory-bytes", "lots"], "cannot parse a byte size from 'lots'"),
+    (["--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf"),
+    (["--max-num-seqs", "0"], "max_num_seqs"),
+    (["--collective-timeout-s", "0"], "collective_timeout_s"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, wanted):
+    line = _one_line_error(capsys, ["generate", "hi", "--attention-backend", "torch", *argv], 2)
+    assert wanted in line
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is present")
+def test_device_cuda_without_cuda_is_one_line(capsys):
+    line = _one_line_error(capsys, ["generate", "hi", "--device", "cuda"], 2)
+    assert "device='cuda', but" in line
+
+
+def test_a_runtime_failure_is_one_line_and_exit_1(capsys, monkeypatch):
+    import kvflow
+
+    def broken(**kwargs):
+        raise RuntimeError("the engine broke\nover two lines")
+
+    monkeypatch.setattr(kvflow, "LLM", broken)
+    line = _one_line_error(capsys, ["generate", "hi"], 1)
+    assert line == ("kvflow: error: RuntimeError: the engine broke over two lines "
+                    "(KVFLOW_TRACEBACK=1 shows the traceback)")
+    monkeypatch.setenv("KVFLOW_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="the engine broke"):
+        main(["generate", "hi"])
+
+
+# ------------------------------------------------------------------ progress messages
+@pytest.mark.parametrize("quiet", [False, True])
+def test_progress_messages_on_stderr_unless_quiet(capsys, monkeypatch, quiet):
+    """What the library logs on the kvflow logger during a cold start reaches stderr as
+    'kvflow: ...' (warnings as 'kvflow: warning: ...'); --quiet keeps only the warnings."""
+    import logging
+
+    import kvflow
+
+    class Stub:
+        def __init__(self, **kwargs):
+            logging.getLogger("kvflow.model.loader").info("converting a.gguf to /cache/a (once, ~20 s)")
+            logging.getLogger("kvflow.layers.cpu_build").info("building the C++ CPU RMSNorm kernel (once, ~20 s)")
+            logging.getLogger("kvflow.layers.linear").warning("float16 linears use PyTorch's generic matmul")
+
+        def generate(self, prompts, params, use_tqdm=True):
+            assert use_tqdm is not quiet
+
+            class Out:
+                outputs = [type("C", (), {"text": "ok"})]
+
+            return [Out]
+
+    monkeypatch.setattr(kvflow, "LLM", Stub)
+    assert main(["generate", "hi"] + (["--quiet"] if quiet else [])) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "ok\n"
+    progress = ["kvflow: converting a.gguf to /cache/a (once, ~20 s)",
+                "kvflow: building the C++ CPU RMSNorm kernel (once, ~20 s)"]
+    assert captured.err.splitlines() == ([] if quiet else progress) + [
+        "kvflow: warning: float16 linears use PyTorch's generic matmul"]
+
+
+def test_quiet_from_the_environment(monkeypatch):
+    monkeypatch.setenv("KVFLOW_QUIET", "1")
+    assert build_parser().parse_args(["generate", "hi"]).quiet is True
+    monkeypatch.delenv("KVFLOW_QUIET")
+    assert build_parser().parse_args(["generate", "hi"]).quiet is False
+
+
+# ------------------------------------------------------------------ chat
+@pytest.fixture(scope="module")
+def tiny_chat_dir(tmp_path_factory):
+    """A tiny random Llama with a real (small, byte-level BPE) tokenizer and a chat template."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from conftest import tiny_model, tiny_model_config
+    from model.test_llama import to_hf_state_dict
+
+    path = tmp_path_factory.mktemp("tiny_chat")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello there, how are you today?", "tell me a story about a cat"] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(path)
+    cfg = tiny_model_config(vocab_size=len(fast))
+    hf = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
+    )
+    hf.save_pretrained(path)
+    state = {k: v.contiguous() for k, v in to_hf_state_dict(tiny_model(cfg)).items()}
+    save_file(state, str(path / "model.safetensors"))
+    del torch
+    return path
+
+
+class _Inputs:
+    """input() replacement: returns the scripted lines; an exception class is raised."""
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def __call__(self, prompt=""):
+        item = self.script.pop(0)
+        if isinstance(item, type) and issubclass(item, BaseException):
+            raise item()
+        return item
+
+
+def _run_chat(monkeypatch, tiny_chat_dir, script, interrupt_after_writes=None, max_tokens=40):
+    """Run `kvflow chat` on the tiny model with scripted input; a real SIGINT is sent to this
+    process after the reply's n-th write when interrupt_after_writes is set. Returns the
+    LLM, the conversations it was asked to render and what was written per reply."""
+    import builtins
+    import io
+    import os
+    import signal
+
+    import kvflow
+
+    created, rendered = [], []
+
+    class RecordingLLM(kvflow.LLM):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            created.append(self)
+
+        def apply_chat_template(self, conversation):
+            rendered.append([dict(m) for m in conversation])
+            return super().apply_chat_template(conversation)
+
+    class Out(io.StringIO):
+        writes = 0
+
+        def write(self, text):
+            Out.writes += 1
+            if interrupt_after_writes is not None and Out.writes == interrupt_after_writes:
+                os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C in a terminal does
+            return super().write(text)
+
+    out = Out()
+    monkeypatch.setattr(kvflow, "LLM", RecordingLLM)
+    monkeypatch.setattr(builtins, "input", _Inputs(script))
+    monkeypatch.setattr("sys.stdout", out)
+    code = main(["chat", "--model", str(tiny_chat_dir), "--dtype", "float32", "--num-kv-blocks", "32",
+                 "--max-tokens", str(max_tokens), "--ignore-eos", "--attention-backend", "torch", "--quiet"])
+    return code, created[0], rendered, out.getvalue()
+
+
+def test_chat_ctrl_c_stops_the_reply_and_keeps_the_conversation(monkeypatch, tiny_chat_dir, capsys):
+    """Ctrl-C during a reply: the reply stops (its request aborted, blocks freed), the
+    conversation goes on with the part shown; an empty line is ignored; Ctrl-C twice at
+    the prompt quits with status 0."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGINT)
+    code, llm, rendered, out = _run_chat(
+        monkeypatch, tiny_chat_dir, ["hello", "", "   ", "tell me more", KeyboardInterrupt, KeyboardInterrupt],
+        interrupt_after_writes=3)
+    assert code == 0
+    assert signal.getsignal(signal.SIGINT) is handler  # restored after each reply
+    assert [len(c) for c in rendered] == [1, 3]  # the empty lines sent nothing
+    first_reply = rendered[1][1]
+    assert rendered[1][0] == {"role": "user", "content": "hello"} and first_reply["role"] == "assistant"
+    assert rendered[1][2] == {"role": "user", "content": "tell me more"}
+    stopped_ids = llm.tokenizer.encode(first_reply["content"], add_special_tokens=False)
+    assert 0 < len(stopped_ids) < 40  # stopped early, the shown part kept
+    stats = llm.get_stats()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    err = capsys.readouterr().err
+    assert err.count("[reply stopped]") == 1 and "(Ctrl-C again or Ctrl-D to quit)" in err
+
+
+def test_chat_ctrl_d_quits_and_single_ctrl_c_at_the_prompt_does_not(monkeypatch, tiny_chat_dir):
+    code, llm, rendered, out = _run_chat(monkeypatch, tiny_chat_dir, [KeyboardInterrupt, "hi", EOFError], max_tokens=3)
+    assert code == 0 and len(rendered) == 1 and out.count("\n") == 1
+    assert llm.get_stats()["num_running"] == 0
+
+
+def test_stream_reply_closes_the_request_on_keyboard_interrupt(monkeypatch, tiny_chat_dir):
+    """Off the main thread (no signal handler) a KeyboardInterrupt from the stream still
+    stops only the reply and aborts its request."""
+    import threading
+
+    from kvflow import LLM, SamplingParams
+    from kvflow.entrypoints.cli import stream_reply
+
+    llm = LLM(model=str(tiny_chat_dir), dtype="float32", num_kv_blocks=32, attention_backend="torch")
+    step, calls = llm.engine.step, []
+
+    def interrupted_step():  # Ctrl-C arriving during the third step
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    result = {}
+
+    def run():
+        import io
+
+        result["value"] = stream_reply(llm, {"prompt_token_ids": [5, 6, 7]},
+                                       SamplingParams(max_tokens=30, ignore_eos=True), out=io.StringIO())
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    text, stopped = result["value"]
+    assert stopped and len(calls) == 3  # the reply ended at the interrupted step
+    stats = llm.get_stats()
+    assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_serve_exits_non_zero_when_the_engine_dies(tmp_path):
+    """A fault that leaves the engine unusable (here every forward raises): the in-flight
+    request gets an OpenAI-shaped 503, and the process exits 1 so that a supervisor restarts
+    it. (The server used to stay up answering 503 for ever.)"""
+    import os
+    import socket
+    import time
+
+    import httpx
+
+    from conftest import tiny_hf_model_dir
+
+    folder = tiny_hf_model_dir(tmp_path / "m")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = (
+        "import sys\n"
+        "from kvflow.model.llama import LlamaForCausalLM\n"
+        "def forward(*args, **kwargs):\n"
+        "    raise RuntimeError('injected: the device is gone')\n"
+        "LlamaForCausalLM.forward = forward\n"
+        "from kvflow.entrypoints.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "serve", "--model", str(folder), "--port", str(port), "--dtype", "float32",
+         "--num-kv-blocks", "32", "--num-threads", "1", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError", r.text
+        assert proc.wait(timeout=60) == 1
+        err = proc.stderr.read().decode()
+        assert "kvflow: error: the engine stopped" in err and "unusable" in err, err[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

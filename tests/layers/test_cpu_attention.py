@@ -111,3 +111,62 @@ def test_nan_key_poisons_its_request_only(dtype):
     out = paged_decode_attention(q, k, v, group.block_tables, group.context_lens, 0.125)
     assert torch.isnan(out[0, 3:6]).all()  # the query heads of KV head 1
     assert torch.isfinite(out[0, :3]).all() and torch.isfinite(out[1]).all()
+
+
+# --------------------------------------------------- every token over an int8 / fp8 cache
+def _quantized_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens, dtype, seed=0):
+    from kvflow.layers.attention import quantize_kv
+
+    q, k, v, tables = random_paged_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens,
+                                        torch.float32, seed)
+    (kq, ks), (vq, vs) = (quantize_kv(x.view(-1, num_kv_heads, head_dim), dtype) for x in (k, v))
+    cache = (kq.view(k.shape), vq.view(v.shape), ks.view(k.shape[:3]), vs.view(k.shape[:3]))
+    return q, cache, tables
+
+
+def _flat(q_lens, ctx_lens, tables):
+    meta = AttentionMetadata.flat(torch.zeros(sum(q_lens), dtype=torch.int64), q_lens, ctx_lens, tables,
+                                  torch.device("cpu"), "cpu")
+    return meta.block_tables, meta.query_start_loc, meta.context_lens
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size",
+    [(9, 3, 64, 16), (8, 8, 64, 1), (12, 2, 128, 16), (6, 3, 32, 4), (4, 1, 80, 16)],
+)
+def test_quantized_every_token_matches_torch_path_and_is_batch_invariant(kv_dtype, num_heads, num_kv_heads,
+                                                                          head_dim, block_size):
+    """paged_attention_quantized over decodes and prefill chunks (with a cached prefix) agrees
+    with the PyTorch path to float32 rounding, and each token's result equals, bit for bit,
+    that token computed alone as a decode over its own context."""
+    from kvflow.layers.cpu_attention import paged_attention_quantized
+
+    q_lens, ctx_lens = [1, 5, 20, 1, 40], [9, 5, 30, 1, 70]
+    q, cache, tables = _quantized_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens, kv_dtype)
+    scale = head_dim**-0.5
+    out = paged_attention_quantized(q, cache, *_flat(q_lens, ctx_lens, tables), scale)
+    start, alone, refs = 0, [], []
+    for q_len, ctx, table in zip(q_lens, ctx_lens, tables):
+        group = AttentionGroup.build(0, [q_len], [ctx], [table], block_size, torch.device("cpu"))
+        meta = AttentionMetadata(torch.zeros(q_len, dtype=torch.int64), [group])
+        refs.append(paged_attention(q[start : start + q_len], cache, meta, scale))
+        for i in range(q_len):
+            one = paged_attention_quantized(q[start + i : start + i + 1], cache, *_flat([1], [ctx - q_len + i + 1], [table]), scale)
+            alone.append(one)
+        start += q_len
+    torch.testing.assert_close(out, torch.cat(refs), atol=3e-6, rtol=2e-5)
+    assert torch.equal(torch.cat(alone), out)
+
+
+def test_quantized_kernel_keeps_the_query_dtype_and_checks_metadata():
+    from kvflow.layers.cpu_attention import paged_attention_quantized
+
+    q, cache, tables = _quantized_step(9, 3, 64, 16, [3], [20], torch.int8)
+    tables_t, starts, ctx = _flat([3], [20], tables)
+    out16 = paged_attention_quantized(q.bfloat16(), cache, tables_t, starts, ctx, 0.125)
+    assert out16.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="context_lens"):
+        paged_attention_quantized(q, cache, tables_t, starts, torch.tensor([2], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="not a block of the cache"):
+        paged_attention_quantized(q, cache, torch.full_like(tables_t, 999), starts, ctx, 0.125)

@@ -273,3 +273,27 @@ def test_dynamic_ntk_matches_transformers_at_the_scaled_context(tmp_path):
     for chunk in (5, 64):
         torch.testing.assert_close(prefill_logits(model, ids, chunk), full, atol=1e-4, rtol=1e-4)
     assert (prefill_logits(model, ids[:40], 8) - shorter).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_make_batch_invariant_keeps_the_model(tied):
+    """make_batch_invariant swaps the dense linears and the LM head for InvariantLinear:
+    logits agree with the original to float32 rounding, the k_proj bias (key offset) and
+    the state_dict keys and values are kept, and a second call changes nothing."""
+    from kvflow.layers.invariant_linear import InvariantLinearMethod, invariant_linear_available, make_batch_invariant
+
+    if not invariant_linear_available():
+        pytest.skip("the C++ kernel could not be built here")
+    config = tiny_model_config(attention_bias=True, tie_word_embeddings=tied)
+    model = tiny_model(config)
+    tokens = [(11 * i + 3) % 128 for i in range(13)]
+    before = prefill_logits(model, tokens, chunk=5)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    bias = model.layers[0].self_attn.qkv_proj.bias.clone()
+    assert make_batch_invariant(model) == 2 * 4 + 1  # 4 linears per layer, and the head
+    assert make_batch_invariant(model) == 0
+    assert isinstance(model.layers[1].self_attn.o_proj.quant_method, InvariantLinearMethod)
+    assert torch.equal(model.layers[0].self_attn.qkv_proj.bias, bias)
+    torch.testing.assert_close(prefill_logits(model, tokens, chunk=5), before, atol=2e-5, rtol=1e-5)
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -246,6 +247,21 @@ def test_cached_conversion_is_reused_and_invalidated(
     second = resolve.resolve_model(str(source), cache_dir=tmp_path / "cache")
     assert second != first and (second / resolve.SOURCE_MARKER).is_file()
     assert not list((tmp_path / "cache").glob(".*.tmp-*"))
+
+
+def test_conversion_is_announced_once(tiny_llama: Tiny, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A cold start says it is converting (the CLI prints this logger to stderr); a cached
+    resolve says nothing."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(tiny_llama[0].read_bytes())
+    with caplog.at_level(logging.INFO, logger="kvflow.model.resolve"):
+        target = resolve.resolve_model(str(source), cache_dir=tmp_path / "cache")
+        first = [r.getMessage() for r in caplog.records if r.name == "kvflow.model.resolve"]
+        caplog.clear()
+        resolve.resolve_model(str(source), cache_dir=tmp_path / "cache")
+        second = [r.getMessage() for r in caplog.records if r.name == "kvflow.model.resolve"]
+    assert first == [f"converting {source} to {target} (once, ~5 s; cached afterwards)"]
+    assert second == []
 
 
 def test_concurrent_resolves_convert_once(tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -613,3 +629,25 @@ def test_moe_gguf_refuses_other_gating_and_shared_experts(tmp_path: Path) -> Non
             gguf.GGUFWriter.add_expert_used_count = original
         with pytest.raises(NotImplementedError, match=match):
             resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
+
+
+# ---------------------------------------------------------------------------- generation config
+def test_generation_defaults_come_from_generation_config(tmp_path: Path) -> None:
+    from conftest import tiny_hf_model_dir
+    from kvflow.model.resolve import load_generation_defaults
+
+    folder = tiny_hf_model_dir(tmp_path / "m", {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                                                 "repetition_penalty": 1.1, "max_new_tokens": 77, "do_sample": True,
+                                                 "bos_token_id": 1})
+    assert load_generation_defaults(folder) == {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+                                                "repetition_penalty": 1.1, "max_tokens": 77}
+    (folder / "generation_config.json").unlink()
+    assert load_generation_defaults(folder) == {}
+
+
+def test_invalid_generation_config_names_the_file(tmp_path: Path) -> None:
+    from kvflow.model.resolve import load_generation_defaults
+
+    (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
+    with pytest.raises(ValueError, match="generation_config.json: temperature"):
+        load_generation_defaults(tmp_path)

@@ -259,6 +259,53 @@ def test_prefix_caching_with_int8_kv_cache(smollm2_dir, kv_int8_llm, smollm2_llm
     assert no_cache.engine.kv_cache_manager.prefix_cache_hits == 0
 
 
+# Prompts whose int8-cache outputs parted between a prefix hit and a miss, or between chunk
+# sizes, before the cache path was batch-invariant (block size 4: at tokens 15-24 of 48).
+EXACT_PROMPTS = [
+    "The history of the Roman Empire is long and complicated. It began when Augustus became the "
+    "first emperor in 27 BC, and over the following centuries the empire",
+    "<|im_start|>user\nWrite a short poem about the sea and the wind at night.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_int8_kv_cache_output_independent_of_prefix_hits_and_chunking(kv_int8_llm, block_size):
+    """SmolLM2 with an int8 KV cache (float32, the default "cpu" backend): a prefix-cache hit
+    and a miss give the same greedy text over 48 tokens, and prefill chunk sizes 2048, 7 and
+    3 the same tokens with logprobs equal at float rounding (they are bit-identical)."""
+    from conftest import engine_like
+    from kvflow.layers.cpu_attention import cpu_kernel_available
+    from kvflow.layers.invariant_linear import invariant_linear_available
+
+    if not (cpu_kernel_available() and invariant_linear_available()):
+        pytest.skip("the batch-invariant path needs kvflow's C++ kernels (a C++ compiler)")
+    tok = kv_int8_llm.tokenizer
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def run(engine, request_id, prompt):
+        engine.add_request(request_id, tok.encode(prompt), params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    c = out.outputs[0]
+                    return c.text, c.token_ids, [lp[t] for lp, t in zip(c.logprobs, c.token_ids)]
+
+    for i, prompt in enumerate(EXACT_PROMPTS):
+        reference = None
+        for chunk in (2048, 7, 3):
+            engine = engine_like(kv_int8_llm, num_blocks=160, max_num_batched_tokens=chunk, attention_backend="cpu",
+                                 block_size=block_size)
+            miss = run(engine, f"miss{i}", prompt)
+            hits = engine.get_stats()["prefix_cache_hits"]
+            hit = run(engine, f"hit{i}", prompt)
+            assert engine.get_stats()["prefix_cache_hits"] - hits >= 16  # the prompt came from the cache
+            assert hit[0] == miss[0] and hit[1] == miss[1], (chunk, hit[0], miss[0])
+            assert hit[2] == pytest.approx(miss[2], abs=1e-5)
+            reference = reference or miss
+            assert miss[1] == reference[1], chunk
+            assert miss[2] == pytest.approx(reference[2], abs=1e-5), chunk
+
+
 # ---------------------------------------------------------------------------- checkpoints
 
 

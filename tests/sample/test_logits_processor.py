@@ -308,3 +308,22 @@ def test_no_processor_returns_the_values_unchanged():
     reqs = [make_request([1, 2], [3]) for _ in range(3)]
     out = apply_logits_processors(logits, reqs)
     assert torch.equal(out, logits)
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 257, 49152])
+def test_unpack_bitmask_reads_bits_as_llguidance_does(vocab):
+    """Our eager unpacking of the token bitmask equals llguidance's own (its numpy kernel; the
+    torch one is the same code under torch.compile), bit j of word i being token 32 i + j."""
+    import numpy as np
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    from kvflow.sample.guided import unpack_bitmask
+
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    mask = torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int64, generator=g).to(torch.int32)
+    logits = np.zeros((1, vocab), dtype=np.float32)
+    apply_token_bitmask_inplace(logits, mask.numpy()[None, :].copy())
+    expected = torch.from_numpy(logits[0] == 0)
+    assert torch.equal(unpack_bitmask(mask, vocab), expected)
+    assert unpack_bitmask(torch.tensor([0b101], dtype=torch.int32), 3).tolist() == [True, False, True]

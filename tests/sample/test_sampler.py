@@ -109,6 +109,20 @@ def test_from_requests_maps_params_to_rows():
     assert st.generators[1] is reqs[1].generator and st.generators[1] is not None
 
 
+@pytest.mark.parametrize("top_k", [100, 101, 2**63 - 1, 2**63, 10**20])
+def test_top_k_at_or_above_the_vocabulary_keeps_every_token(top_k):
+    """A top_k the vocabulary cannot reach means "off": it is clamped (2**63 does not even fit
+    the int64 tensor) and samples exactly as top_k=0."""
+    req = Request("a", [1], SamplingParams(temperature=0.8, top_k=top_k, seed=1), None)
+    st = SamplingTensors.from_requests([req], 100, torch.device("cpu"))
+    assert st.top_k.tolist() == [100]
+    torch.manual_seed(5)
+    logits = torch.randn(1, 100)
+    off = SamplingTensors.from_requests([Request("b", [1], SamplingParams(temperature=0.8, seed=1), None)], 100,
+                                        torch.device("cpu"))
+    torch.testing.assert_close(Sampler.filtered_probs(logits, st), Sampler.filtered_probs(logits, off))
+
+
 # ---------------------------------------------------------------------------- filtering
 def test_no_filter_is_softmax_of_scaled_logits():
     torch.manual_seed(3)

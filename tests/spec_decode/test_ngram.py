@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import engine_like, requires_smollm2, tiny_model, tiny_model_config
+from conftest import engine_like, requires_smollm2, tiny_model, tiny_model_config, tiny_word_tokenizer
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.request import Request
@@ -106,14 +106,14 @@ def test_propose_sets_capped_one_hot_drafts():
 
 # ---------------------------------------------------------------- greedy equality (tiny)
 def make_engine(proposer=None, num_blocks=128, block_size=4, max_num_batched_tokens=64, max_num_seqs=16,
-                max_model_len=256, enable_prefix_caching=True, seed=0, vocab_size=32) -> LLMEngine:
+                max_model_len=256, enable_prefix_caching=True, seed=0, vocab_size=32, tokenizer=None) -> LLMEngine:
     config = tiny_model_config(vocab_size=vocab_size)
     return LLMEngine(
         model=tiny_model(config),
         model_config=config,
         cache_config=CacheConfig(block_size, num_blocks, torch.float32, enable_prefix_caching=enable_prefix_caching),
         scheduler_config=SchedulerConfig(max_num_batched_tokens, max_num_seqs, max_model_len),
-        tokenizer=None,
+        tokenizer=tokenizer,
         device=CPU,
         seed=seed,
         proposer=proposer,
@@ -175,6 +175,67 @@ def test_stop_token_inside_accepted_drafts():
         assert run_schedule(make_engine(), [(0, prompt, params)])["0"] == expected
         assert run_schedule(spec, [(0, prompt, params)])["0"] == expected
     assert spec.get_stats()["spec_num_accepted_tokens"] > 0
+
+
+def _run_steps(engine: LLMEngine, prompt: list[int], params: SamplingParams):
+    """One request to the end: its final CompletionOutput and the tokens added per step."""
+    engine.add_request("r", prompt, params)
+    last, steps = None, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            steps.append(len(out.outputs[0].token_ids) - (len(last.outputs[0].token_ids) if last else 0))
+            last = out
+    return last.outputs[0], steps
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[3], PROMPTS[4]])
+def test_stop_string_inside_accepted_drafts(prompt):
+    """A stop string completed by an accepted draft token ends the request at that token:
+    token_ids, logprobs, finish and stop reasons and text equal the run without speculation,
+    and no token past the stop stays computed or reaches the prefix cache."""
+    tok = tiny_word_tokenizer(32)
+    free = SamplingParams(temperature=0.0, max_tokens=40, logprobs=1)
+    base, _ = _run_steps(make_engine(tokenizer=tok, block_size=1), prompt, free)
+    spec_free, steps = _run_steps(make_engine(NgramProposer(6, 1, 4, 256), tokenizer=tok, block_size=1), prompt, free)
+    assert spec_free.token_ids == base.token_ids
+    # stop strings (whole words "<a> <b> ...") whose first occurrence in the text ends at a
+    # token that a step emitted together with later tokens (an accepted draft followed by
+    # more accepted tokens)
+    text = tok.decode(base.token_ids)
+    ends = [sum(steps[: i + 1]) for i in range(len(steps))]
+    stops = []
+    for p in (p for e, n in zip(ends, steps) for p in range(e - n, e - 1)):
+        end = len(tok.decode(base.token_ids[: p + 1]))
+        for start in range(p, -1, -1):
+            stop = tok.decode(base.token_ids[start : p + 1])
+            if text.find(stop) + len(stop) == end:
+                stops.append(stop)
+                break
+    stops = list(dict.fromkeys(stops))[:3]
+    assert stops, steps
+    for stop in stops:
+        for include in (False, True):
+            params = SamplingParams(temperature=0.0, max_tokens=40, logprobs=1, stop=[stop],
+                                    include_stop_str_in_output=include)
+            ref, _ = _run_steps(make_engine(tokenizer=tok, block_size=1), prompt, params)
+            spec_engine = make_engine(NgramProposer(6, 1, 4, 256), tokenizer=tok, block_size=1)
+            got, _ = _run_steps(spec_engine, prompt, params)
+            assert ref.finish_reason == "stop" and ref.stop_reason == stop
+            assert len(ref.token_ids) < len(base.token_ids)
+            assert got.token_ids == ref.token_ids
+            assert (got.text, got.finish_reason, got.stop_reason) == (ref.text, ref.finish_reason, ref.stop_reason)
+            assert len(got.logprobs) == len(ref.logprobs) == len(ref.token_ids)
+            for a, b in zip(got.logprobs, ref.logprobs):
+                assert a.keys() == b.keys() and all(a[t] == pytest.approx(b[t], abs=1e-4) for t in a)
+            assert got.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-3)
+            stats = spec_engine.get_stats()
+            assert stats["num_free_blocks"] == stats["num_total_blocks"]
+            # block_size 1: every computed token's block is published; a follow-up prompt
+            # holding the whole unstopped output hits only blocks up to the stop
+            spec_engine.add_request("follow", prompt + base.token_ids, SamplingParams(temperature=0.0, max_tokens=1))
+            while spec_engine.has_unfinished_requests():
+                spec_engine.step()
+            assert spec_engine.get_stats()["prefix_cache_hits"] <= len(prompt) + len(ref.token_ids)
 
 
 def test_max_tokens_and_context_limit_are_exact():

@@ -50,7 +50,7 @@ def test_kernel_backend_greedy_equals_torch_backend(backend, block_size, chunk):
 
 
 @pytest.mark.skipif(not cpu_kernel_available(), reason="C++ kernel not built")
-def test_cpu_backend_puts_all_decodes_in_one_group_and_falls_back_for_int8_kv():
+def test_cpu_backend_puts_all_decodes_in_one_group():
     engine = tiny_engine(attention_backend="cpu", block_size=4)
     for rid, prompt in {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": list(range(24))}.items():
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=4))
@@ -59,15 +59,34 @@ def test_cpu_backend_puts_all_decodes_in_one_group_and_falls_back_for_int8_kv():
     assert inputs.metadata.backend == "cpu"
     assert len(inputs.metadata.groups) == 1  # contexts 5 and 25: one group, no padding concern
     assert inputs.metadata.groups[0].context_lens.tolist() == [5, 5, 25]
+
+
+def test_cpu_backend_over_int8_kv_is_flat_and_batch_invariant():
+    """An int8 cache keeps the "cpu" backend: flat per-request metadata for
+    ``paged_attention_quantized`` (prefill and decode tokens in one call) and the model's
+    linears and LM head made batch-invariant."""
     from conftest import tiny_model
     from kvflow.config import SchedulerConfig
     from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.layers.invariant_linear import InvariantLinearMethod, invariant_linear_available
 
     config = tiny_model_config()
-    int8_kv = LLMEngine(model=tiny_model(config), model_config=config,
-                        cache_config=CacheConfig(4, 64, torch.int8), scheduler_config=SchedulerConfig(64, 8, 256),
-                        tokenizer=None, device=torch.device("cpu"), attention_backend="cpu")
-    assert int8_kv.model_runner.attention_backend == "torch"  # the kernel reads float caches only
+    engine = LLMEngine(model=tiny_model(config), model_config=config,
+                       cache_config=CacheConfig(4, 64, torch.int8), scheduler_config=SchedulerConfig(64, 8, 256),
+                       tokenizer=None, device=torch.device("cpu"), attention_backend="cpu")
+    assert engine.model_runner.attention_backend == "cpu"
+    engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
+    engine.step()
+    engine.add_request("b", list(range(9)), SamplingParams(temperature=0, max_tokens=4))
+    meta = engine.model_runner.prepare_inputs(engine.scheduler.schedule()).metadata
+    assert meta.backend == "cpu" and meta.groups == []
+    assert meta.query_start_loc.tolist() == [0, 1, 10]  # a's decode, then b's prefill
+    assert meta.context_lens.tolist() == [6, 9] and meta.block_tables.dtype == torch.int64
+    if invariant_linear_available():
+        model = engine.model_runner.model
+        assert isinstance(model.layers[0].self_attn.qkv_proj.quant_method, InvariantLinearMethod)
+        assert isinstance(model.layers[1].mlp.down_proj.quant_method, InvariantLinearMethod)
+        assert isinstance(model.lm_head.packed.quant_method, InvariantLinearMethod)
 
 
 @requires_triton

@@ -2,27 +2,77 @@
 
 Field names and defaults follow the OpenAI API reference (completions and chat completions)
 plus the extra sampling fields vLLM accepts (top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, stop_token_ids, skip_special_tokens, include_stop_str_in_output, guided_json,
-guided_regex). Responses are built as plain dicts in ``server.py`` so that no field is sent
-as an explicit null.
+ignore_eos, stop_token_ids, bad_words, skip_special_tokens, include_stop_str_in_output,
+guided_json, guided_regex). Responses are built as plain dicts in ``server.py`` so that no
+field is sent as an explicit null.
+
+Validation is strict: a number field takes a JSON number (not ``true``, not ``"0.5"``), an
+integer field an integer (not ``2.0``), and no float may be NaN or infinite. Fields of the
+OpenAI API (or well-known vLLM extras) that kvflow does not implement and that would change
+the result are declared here so that ``unsupported_field`` can refuse them by name; any other
+unknown field is accepted and logged once as a warning.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvflow.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+_warned_fields: set[str] = set()
+_MAX_WARNED_FIELDS = 100  # distinct names logged; a client inventing names cannot grow this
 
-class StreamOptions(BaseModel):
+# Defaults of the sampling fields a request leaves unset when the model has no
+# generation_config.json (documented in the README's Server section).
+BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+class _Body(BaseModel):
+    """Strict types, finite floats; unknown fields are kept (``model_extra``) to be logged."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    @model_validator(mode="after")
+    def _warn_unknown_fields(self):
+        for name in self.model_extra or {}:
+            key = f"{type(self).__name__}.{name}"
+            if key in _warned_fields or len(_warned_fields) > _MAX_WARNED_FIELDS:
+                continue
+            _warned_fields.add(key)
+            if len(_warned_fields) > _MAX_WARNED_FIELDS:
+                logger.warning("more unknown fields are ignored without a warning")
+            else:
+                logger.warning("ignoring the unknown field %r of %s (logged once)", name, type(self).__name__)
+        return self
+
+    # field -> the values that change nothing (None always does): set to anything else, the
+    # field is refused.
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """(field, message) for the first field set to a value kvflow does not implement."""
+        for name, harmless in self.UNSUPPORTED.items():
+            value = getattr(self, name)
+            if value is not None and value not in harmless:
+                return name, f"{name} is not supported by kvflow (set to {_short(value)}); leave it unset"
+        return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # no effect on the content
 
 
-class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _SamplingRequest(_Body):
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -34,7 +84,13 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # OpenAI fields that do not change the output
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM extras
     top_k: int | None = None
     min_p: float | None = None
@@ -42,23 +98,54 @@ class _SamplingRequest(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
+    # vLLM extras kvflow does not implement (refused when set; see unsupported_field)
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    priority: Any = None
+    return_tokens_as_token_ids: Any = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's parameters for this request.
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "use_beam_search": (False,),
+        "length_penalty": (1, 1.0), "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+        "priority": (0,), "return_tokens_as_token_ids": (False,),
+    }  # fmt: skip
+
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: dict[str, Any] | None = None,
+    ) -> SamplingParams:
+        """The engine's parameters for this request; a field left unset takes the model's
+        generation-config default (``defaults``), else ``BUILTIN_DEFAULTS``.
 
         Raises:
             ValueError: naming the field, for an invalid value.
         """
+        chosen = {**BUILTIN_DEFAULTS, **(defaults or {})}
+
+        def pick(name: str):
+            value = getattr(self, name)
+            return chosen[name] if value is None else value
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
             seed=self.seed,
             max_tokens=max_tokens,
             stop=self.stop,
@@ -68,9 +155,10 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty"),
             logit_bias=self.logit_bias,
             min_tokens=self.min_tokens,
+            bad_words=self.bad_words,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             guided_json=self.guided_schema(),
@@ -89,35 +177,69 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    # OpenAI fields kvflow does not implement
+    best_of: int | None = None
+    suffix: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {**_SamplingRequest.UNSUPPORTED, "best_of": (1,), "suffix": ("",)}
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+_MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {"tool_calls": ([],), "tool_call_id": (), "function_call": (), "audio": (), "refusal": ()}
 
+
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # given to the chat template
+    # OpenAI message fields kvflow does not implement
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = _MESSAGE_UNSUPPORTED
 
     @field_validator("content")
     @classmethod
-    def _text_parts_are_strings(cls, content):
+    def _text_parts_only(cls, content):
         if isinstance(content, list):
             for part in content:
-                if part.get("type", "text") == "text" and not isinstance(part.get("text", ""), str):
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(
+                        f"content parts of type {_short(kind)} are not supported by kvflow (text parts only)"
+                    )
+                if not isinstance(part.get("text"), str):
                     raise ValueError("the text of a text content part must be a string")
         return content
 
     def text(self) -> str:
-        """The message text; list content keeps its "text" parts, in order."""
+        """The message text; list content joins its text parts, in order."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.get("text", "") for part in self.content if part.get("type", "text") == "text")
+        return "".join(part["text"] for part in self.content)
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as the chat template sees it (developer renders as system)."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
-class ResponseFormat(BaseModel):
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -129,6 +251,46 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    # OpenAI fields that do not change the output without tools
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields kvflow does not implement
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    # vLLM chat extras kvflow does not implement
+    echo: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_SamplingRequest.UNSUPPORTED,
+        "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+        "prediction": (),
+        "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
+        "echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+        "chat_template_kwargs": ({},), "documents": (),
+    }  # fmt: skip
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """See ``_Body.unsupported_field``; also looks into the messages."""
+        found = super().unsupported_field()
+        if found is not None:
+            return found
+        for i, message in enumerate(self.messages):
+            found = message.unsupported_field()
+            if found is not None:
+                return "messages", f"messages[{i}].{found[1]}"
+        return None
 
     def guided_schema(self) -> dict[str, Any] | str | None:
         """``guided_json`` from ``response_format`` (json_object: any JSON object)."""
@@ -137,6 +299,8 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.response_format.type == "json_object":
             return {"type": "object"}
         if self.response_format.type == "json_schema":
-            spec = self.response_format.json_schema or {}
-            return spec.get("schema", spec)
+            spec = self.response_format.json_schema
+            if spec is None or spec.schema_ is None:
+                raise ValueError("response_format.json_schema.schema is required for type json_schema")
+            return spec.schema_
         return None

@@ -1,11 +1,21 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn): ``kvflow serve``.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE streaming
-with ``stream: true``), GET /health, GET /metrics (Prometheus). Errors use the OpenAI body
-``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters and prompts
-that cannot fit (decided before any byte of a stream is sent), 401 for a wrong API key, 404
-for an unknown model, 429 when the waiting queue is full. A client that disconnects has its
-request aborted and its KV blocks freed.
+with ``stream: true``), GET /health, GET /metrics (Prometheus). Every error, of every
+endpoint and middleware, is an OpenAI-shaped JSON body
+``{"error": {"message", "type", "param", "code"}}``:
+
+- 400 for invalid parameters, fields kvflow does not implement, and prompts that cannot fit
+  (all decided before any byte of a stream is sent); bodies that are not valid Unicode
+  (lone surrogates), hold non-finite numbers or nest deeper than ``MAX_JSON_DEPTH``.
+- 401 for a wrong API key, 404 for an unknown model, 413 for a body over
+  ``max_request_bytes`` (from its Content-Length, before reading it), 429 (with
+  ``Retry-After``) when the waiting queue cannot take all of a request's prompts.
+- 400 or 500 for a request the engine failed alone (its fault, or an internal one); 503
+  once the engine has stopped; 500 for any other fault.
+
+In a stream, such a failure comes as a last ``data: {"error": ...}`` event before
+``data: [DONE]``. A client that disconnects has its request aborted and its KV blocks freed.
 """
 
 from __future__ import annotations
@@ -13,38 +23,67 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 
-class APIError(Exception):
-    """An error to return as an OpenAI-shaped body."""
+DEFAULT_MAX_REQUEST_BYTES = 10 * 2**20
+MAX_JSON_DEPTH = 64
+RETRY_AFTER_S = 1
 
-    def __init__(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.err_type, self.param = status, message, err_type, param
+_ERROR_TYPES = {
+    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+    413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+}  # fmt: skip
+
+
+class APIError(StarletteHTTPException):
+    """An error to return as an OpenAI-shaped body (an HTTPException, so that FastAPI lets
+    it through from the body parsing)."""
+
+    def __init__(self, status: int, message: str, err_type: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(status, message, headers)
+        self.status, self.message, self.param = status, message, param
+        self.err_type = err_type or _ERROR_TYPES.get(status, "BadRequestError")
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.err_type, self.param)
+        return error_response(self.status, self.message, self.err_type, self.param, self.headers)
+
+    def body(self) -> dict[str, Any]:
+        return _error_body(self.status, self.message, self.err_type, self.param)
 
 
-def error_response(status: int, message: str, err_type: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status)
+def _error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
+    # A message may quote the client's input: escape what UTF-8 cannot encode (lone
+    # surrogates), or the response itself would fail to encode.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if param is not None:
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, err_type: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(status, message, err_type, param), status_code=status, headers=headers)
 
 
 def _bad_request(exc: ValueError) -> APIError:
@@ -53,6 +92,166 @@ def _bad_request(exc: ValueError) -> APIError:
     return APIError(400, message, "BadRequestError", param)
 
 
+def _as_api_error(exc: BaseException) -> APIError:
+    """The API error for a fault after admission (or any other)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestFailedError):
+        if exc.failure.is_invalid_request:
+            return APIError(400, f"the request failed: {exc.failure.message}", "BadRequestError")
+        return APIError(500, f"the request failed inside the engine: {exc.failure.message}", "InternalServerError")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "ServiceUnavailableError")
+    logger.error("internal error: %s: %s", type(exc).__name__, exc, exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
+
+
+# ---------------------------------------------------------------------------- request bodies
+def _path(path: tuple[str | int, ...]) -> str:
+    """``messages[0].content``; a deep path keeps its first 4 and last 2 steps."""
+    if len(path) > 8:
+        return f"{_path(path[:4])}...{_path(path[-2:])}"
+    out = ""
+    for key in path:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out or "body"
+
+
+def _body_error(path: tuple[str | int, ...], problem: str) -> APIError:
+    param = path[0] if path and isinstance(path[0], str) else None
+    return APIError(400, f"{_path(path)} {problem}", "BadRequestError", param)
+
+
+def _check_string(value: str, path: tuple[str | int, ...]) -> None:
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = value[exc.start]
+            raise _body_error(path, f"holds a lone surrogate ({bad!r}); the text is not valid Unicode") from None
+
+
+def check_json(value: Any) -> None:
+    """Refuse a parsed body that no field could use.
+
+    Raises:
+        APIError: 400 naming the field, for a string with a lone surrogate (``"\\ud800"`` is
+            valid JSON but not Unicode: the tokenizer and the response encoder fail on it),
+            a number that is not finite (``NaN``, ``Infinity``, ``1e999``), or nesting
+            deeper than ``MAX_JSON_DEPTH`` levels.
+    """
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            _check_string(item, path)
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise _body_error(path, f"must be a finite number, got {item}")
+        elif isinstance(item, (dict, list)):
+            if len(path) >= MAX_JSON_DEPTH:
+                raise _body_error(path, f"is nested more than {MAX_JSON_DEPTH} levels deep")
+            children = item.items() if isinstance(item, dict) else enumerate(item)
+            for key, child in children:
+                if isinstance(key, str):
+                    _check_string(key, (*path, key))
+                if isinstance(child, (str, float, dict, list)):
+                    stack.append((child, (*path, key)))
+
+
+def parse_body(body: bytes) -> Any:
+    """The JSON value of a request body, checked by ``check_json``.
+
+    Raises:
+        json.JSONDecodeError: for text that is not JSON (FastAPI answers 400).
+        APIError: 400 for a body that is not UTF-8, nests too deeply for the parser, or
+            fails ``check_json``.
+    """
+    try:
+        value = json.loads(body)
+    except RecursionError:
+        raise APIError(400, f"the body is nested more than {MAX_JSON_DEPTH} levels deep", "BadRequestError") from None
+    except UnicodeDecodeError:
+        raise APIError(400, "the body is not UTF-8 encoded JSON", "BadRequestError") from None
+    check_json(value)
+    return value
+
+
+class _CheckedBodyRequest(Request):
+    """A request whose JSON body is parsed (off the loop) and checked by ``parse_body``."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            self._json = await asyncio.get_running_loop().run_in_executor(None, parse_body, body)
+        return self._json
+
+
+class _CheckedBodyRoute(APIRoute):
+    """Routes whose bodies go through ``parse_body``, and whose faults become API errors
+    here (answered by the exception handlers, not re-raised to the server)."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(_CheckedBodyRequest(request.scope, request.receive))
+            except (StarletteHTTPException, RequestValidationError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - an OpenAI-shaped 500, logged
+                raise _as_api_error(exc) from exc
+
+        return route
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    def __init__(self) -> None:
+        super().__init__(413, "Content Too Large")
+
+
+class _BodyLimitMiddleware:
+    """413 for a request body over ``max_bytes``: at once from its Content-Length, before a
+    byte of it is read; for a chunked body, once its bytes pass the limit (raised from
+    ``receive`` as an HTTPException, which FastAPI's body reading lets through to the
+    handler). Both answers are OpenAI-shaped with ``Connection: close``.
+
+    (Starlette's own ``RequestBodyLimitMiddleware`` replaces every over-limit response with
+    a text/plain one, hence this.)
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _too_large(self.max_bytes)(scope, receive, send)
+            return
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise _BodyTooLarge()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _too_large(max_bytes: int) -> JSONResponse:
+    return error_response(413, f"the request body exceeds the limit of {max_bytes} bytes", "RequestTooLargeError",
+                          headers={"Connection": "close"})  # the rest of the body is not read
+
+
+# ---------------------------------------------------------------------------- helpers
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -64,6 +263,16 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def _sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
+
+
+async def _guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Forward an SSE stream; a fault ends it with an error event and ``[DONE]``."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
+        yield _sse(_as_api_error(exc).body())
+        yield _sse("[DONE]")
 
 
 async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -108,25 +317,40 @@ class OpenAIServing:
         engine: the started async engine.
         model_name: the served model id (``/v1/models``, the ``model`` field).
         max_model_len: context limit in tokens.
+        model_aliases: other ``model`` values accepted for it (e.g. the ``--model`` path).
     """
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_model_len: int,
+                 model_aliases: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
+        self.model_names = {model_name, *model_aliases}
         self.max_model_len = max_model_len
+        self.defaults = dict(engine.engine.generation_defaults)
         kv = engine.engine.kv_cache_manager
         # Tokens one sequence can ever hold: the default max_tokens must fit the KV cache too.
         self.max_seq_tokens = min(max_model_len, kv.num_total_blocks * kv.block_size)
 
     # ------------------------------------------------------------------ helpers
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    def check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        """The model exists and every field set is one kvflow implements.
+
+        Raises:
+            APIError: 404 for an unknown model, 400 naming an unsupported field.
+        """
+        if req.model is not None and req.model not in self.model_names:
+            raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
+        unsupported = req.unsupported_field()
+        if unsupported is not None:
+            raise APIError(400, unsupported[1], "BadRequestError", unsupported[0])
 
     def _max_tokens(self, requested: int | None, prompt_len: int, field: str) -> int:
+        """``requested``, checked against the context; for an unset one, what is left of the
+        context (capped by the model's generation-config ``max_tokens``)."""
         if requested is None:
-            return max(self.max_seq_tokens - prompt_len, 1)
+            left = max(self.max_seq_tokens - prompt_len, 1)
+            return min(left, self.defaults.get("max_tokens", left))
         if requested < 1:
             raise APIError(400, f"{field} must be at least 1, got {requested}", "BadRequestError", field)
         if prompt_len + requested > self.max_model_len:
@@ -139,20 +363,36 @@ class OpenAIServing:
             )
         return requested
 
-    def _add(self, prompts: list[tuple[list[int], str | None]], params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
-        """Validate every prompt, then queue them all (nothing is queued if one is invalid)."""
+    def _params(self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         try:
-            for ids, _ in prompts:
-                self.engine.engine.validate_prompt(ids, params[0])
-            request_id = uuid.uuid4().hex
-            return [
-                self.engine.add_request(f"{request_id}-{i}", ids, p, prompt=text)
-                for i, ((ids, text), p) in enumerate(zip(prompts, params))
-            ]
+            return req.sampling_params(max_tokens, logprobs, prompt_logprobs, self.defaults)
         except ValueError as exc:
             raise _bad_request(exc) from None
+
+    async def _add(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams,
+                   prompt_field: str) -> list[AsyncIterator[RequestOutput]]:
+        """Prepare every prompt off the loop, then queue them all or none.
+
+        Raises:
+            APIError: 400 for a prompt or parameters the engine refuses (a prompt's fault
+                names ``prompt_field``), 429 when the queue cannot take them all, 503 once
+                the engine has stopped.
+        """
+        engine = self.engine.engine
+        try:
+            prepared = await self.engine.run_off_loop(lambda: [engine.prepare_request(ids, params) for ids, _ in prompts])
+        except ValueError as exc:
+            error = _bad_request(exc)
+            if error.param in ("prompt", "prompt_token_ids"):
+                error.param = prompt_field
+            raise error from None
+        request_id = uuid.uuid4().hex
+        try:
+            return self.engine.add_requests(
+                [(f"{request_id}-{i}", p, text) for i, (p, (_, text)) in enumerate(zip(prepared, prompts))]
+            )
         except QueueFullError as exc:
-            raise APIError(429, str(exc), "RateLimitError") from None
+            raise APIError(429, str(exc), "RateLimitError", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc), "ServiceUnavailableError") from None
 
@@ -184,20 +424,22 @@ class OpenAIServing:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
-        prompts = self._completion_prompts(req)
-        max_tokens = max(self._max_tokens(req.max_tokens, len(ids), "max_tokens") for ids, _ in prompts)
-        try:
-            prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
-            params = req.sampling_params(max_tokens, req.logprobs, prompt_logprobs)
-        except ValueError as exc:
-            raise _bad_request(exc) from None
-        iterators = self._add(prompts, [params] * len(prompts))
+        self.check_request(req)
+        prompts = await self.engine.run_off_loop(self._completion_prompts, req)
+        if "max_tokens" in req.model_fields_set:
+            requested = req.max_tokens  # null: what is left of the context
+        else:  # the model's generation-config default, else OpenAI's 16
+            requested = None if "max_tokens" in self.defaults else 16
+        max_tokens = max(self._max_tokens(requested, len(ids), "max_tokens") for ids, _ in prompts)
+        prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
+        params = self._params(req, max_tokens, req.logprobs, prompt_logprobs)
+        iterators = await self._add(prompts, params, "prompt")
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         n = params.n
         if req.stream:
             return StreamingResponse(
-                self._stream_completion(iterators, prompts, req, cid, created, n), media_type="text/event-stream"
+                _guard_stream(self._stream_completion(iterators, prompts, req, cid, created, n)),
+                media_type="text/event-stream",
             )
         finals = await self._collect(iterators, raw)
         choices = []
@@ -266,7 +508,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ chat
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        messages = [m.template_dict() for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - template errors are the client's messages
@@ -292,20 +534,19 @@ class OpenAIServing:
         return {"content": content}
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_model(req.model)
-        ids = self._chat_prompt(req)
+        self.check_request(req)
+        ids = await self.engine.run_off_loop(self._chat_prompt, req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(ids), field)
         top_k = req.top_logprobs or 0
-        try:
-            params = req.sampling_params(max_tokens, top_k if req.logprobs else None)
-        except ValueError as exc:
-            raise _bad_request(exc) from None
-        (iterator,) = self._add([(ids, None)], [params])
+        params = self._params(req, max_tokens, top_k if req.logprobs else None)
+        (iterator,) = await self._add([(ids, None)], params, "messages")
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            return StreamingResponse(self._stream_chat(iterator, len(ids), req, cid, created), media_type="text/event-stream")
+            return StreamingResponse(
+                _guard_stream(self._stream_chat(iterator, len(ids), req, cid, created)), media_type="text/event-stream"
+            )
         (out,) = await self._collect([iterator], raw)
         choices = []
         for c in out.outputs:
@@ -359,7 +600,11 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ non-streaming
     async def _collect(self, iterators: list[AsyncIterator[RequestOutput]], raw: Request) -> list[RequestOutput]:
-        """Final outputs of every iterator; aborts them all if the client disconnects."""
+        """Final outputs of every iterator; aborts them all if the client disconnects.
+
+        Raises:
+            APIError: for a request the engine failed (400 / 500) or a stopped engine (503).
+        """
         finals: list[RequestOutput | None] = [None] * len(iterators)
 
         async def consume() -> None:
@@ -374,8 +619,8 @@ class OpenAIServing:
                     task.cancel()
                     raise APIError(499, "client disconnected", "ClientDisconnected")
             task.result()
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), "ServiceUnavailableError") from None
+        except (RequestFailedError, EngineDeadError) as exc:
+            raise _as_api_error(exc) from None
         finally:
             if not task.done():
                 task.cancel()
@@ -383,19 +628,20 @@ class OpenAIServing:
 
 
 class _APIKeyMiddleware:
-    """401 for /v1 requests without ``Authorization: Bearer <api_key>``.
+    """401 for requests without ``Authorization: Bearer <api_key>``, except on ``open_paths``.
 
     A plain ASGI middleware: ``@app.middleware("http")`` (BaseHTTPMiddleware) wraps
     ``receive`` so that ``Request.is_disconnected()`` never turns true, and a non-streaming
     request whose client went away would then run to its end.
     """
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 await error_response(401, "Invalid or missing API key.", "AuthenticationError")(scope, receive, send)
@@ -403,9 +649,69 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, max_model_len: int, api_key: str | None = None) -> FastAPI:
-    """The FastAPI application over a (not yet started) async engine."""
-    serving = OpenAIServing(engine, model_name, max_model_len)
+def default_served_name(model: str) -> str:
+    """The model id the API shows for ``--model``: a short name as given, a path as its file
+    stem or folder name (the absolute path is never echoed)."""
+    from pathlib import Path
+
+    from kvflow.model import registry
+
+    if model in registry.REGISTRY:
+        return model
+    path = Path(model)
+    return (path.stem if path.suffix == ".gguf" else path.name) or model
+
+
+def make_server(
+    app: FastAPI,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    timeout_keep_alive: float = 5.0,
+    request_read_timeout: float = 30.0,
+):
+    """A ``uvicorn.Server`` for ``app`` whose connections close when idle for
+    ``timeout_keep_alive`` seconds between requests, or when a request (headers and body)
+    has not arrived within ``request_read_timeout`` seconds (``TimedH11Protocol``)."""
+    import uvicorn
+
+    from kvflow.entrypoints.openai.http_timeouts import TimedH11Protocol
+
+    if not timeout_keep_alive > 0:
+        raise ValueError(f"timeout_keep_alive must be > 0 seconds, got {timeout_keep_alive}")
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
+        http=TimedH11Protocol.with_timeout(request_read_timeout),
+    )  # fmt: skip
+    return uvicorn.Server(config)
+
+
+def build_app(
+    engine: AsyncLLMEngine,
+    model_name: str,
+    max_model_len: int,
+    api_key: str | None = None,
+    *,
+    metrics_need_key: bool = True,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    model_aliases: tuple[str, ...] = (),
+) -> FastAPI:
+    """The FastAPI application over a (not yet started) async engine.
+
+    Args:
+        engine: the async engine; the app's lifespan starts and stops it.
+        model_name: the served model id.
+        max_model_len: context limit in tokens.
+        api_key: when set, every path but /health needs ``Authorization: Bearer <key>``
+            (/metrics too, unless ``metrics_need_key`` is False).
+        metrics_need_key: see ``api_key``.
+        max_request_bytes: larger bodies get 413, decided from Content-Length before the
+            body is read (and by counting the bytes of a chunked body).
+        model_aliases: other ``model`` values accepted for the served model.
+    """
+    if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
+    serving = OpenAIServing(engine, model_name, max_model_len, model_aliases)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -414,8 +720,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str, max_model_len: int, api_k
         engine.shutdown()
 
     app = FastAPI(title="kvflow", version="0.1.0", lifespan=lifespan)
+    app.router.route_class = _CheckedBodyRoute
     if api_key is not None:
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+        open_paths = frozenset({"/health"} if metrics_need_key else {"/health", "/metrics"})
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
@@ -426,22 +735,30 @@ def build_app(engine: AsyncLLMEngine, model_name: str, max_model_len: int, api_k
         errors = exc.errors()
         first = errors[0] if errors else {}
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body')}: {e.get('msg')}" for e in errors)
+        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
+                            for e in errors)
         return error_response(400, message or "invalid request", "BadRequestError", loc[0] if loc else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
-        err_type = {404: "NotFoundError", 405: "MethodNotAllowed"}.get(exc.status_code, "BadRequestError")
-        return error_response(exc.status_code, str(exc.detail), err_type)
+        if exc.status_code == 413:
+            return _too_large(max_request_bytes)
+        err_type = _ERROR_TYPES.get(exc.status_code, "BadRequestError")
+        return error_response(exc.status_code, str(exc.detail), err_type, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception):
+        return _as_api_error(exc).response()
 
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_healthy:
-            return error_response(503, "engine is not running", "ServiceUnavailableError")
+            return error_response(503, f"the engine has stopped: {engine.error!r}", "ServiceUnavailableError")
         return PlainTextResponse("ok")
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        engine.refresh_gauges()
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

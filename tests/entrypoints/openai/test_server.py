@@ -15,6 +15,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 API_KEY = "sk-kvflow-test"
 STARTUP_TIMEOUT_S = 180
 REQUEST_TIMEOUT_S = 120
+PREFILL_TIMEOUT_S = 600  # a 4000-token prefill on one thread: about 100 s on the development machine
 
 
 # ---------------------------------------------------------------------------- servers
@@ -107,7 +109,8 @@ def _serve(model_dir, tmp_path_factory, name: str, extra_args: list[str]):
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
-    yield from _serve(smollm2_dir, tmp_path_factory, "server", ["--max-num-seqs", "32"])
+    # 4096 tokens a step: a 4k-token prompt is prefilled in one long step (test_health_during_a_4k_prefill)
+    yield from _serve(smollm2_dir, tmp_path_factory, "server", ["--max-num-seqs", "32", "--max-num-batched-tokens", "4096"])
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +118,13 @@ def small_server(smollm2_dir, tmp_path_factory):
     """API key, one running sequence and a one-request waiting queue."""
     args = ["--max-num-seqs", "1", "--max-queue-len", "1", "--api-key", API_KEY]
     yield from _serve(smollm2_dir, tmp_path_factory, "small_server", args)
+
+
+@pytest.fixture(scope="module")
+def spec_server(smollm2_dir, tmp_path_factory):
+    """N-gram speculative decoding (as in tests/spec_decode/test_ngram.py's real-model test)."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
+    yield from _serve(smollm2_dir, tmp_path_factory, "spec_server", ["--speculative-config", spec])
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +193,8 @@ def _sse(http: httpx.Client, path: str, body: dict) -> list[dict | str]:
 def _metrics(url: str) -> dict[str, float]:
     """``kvflow:*`` samples summed over labels, keyed by sample name."""
     out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+    # (the key is needed on small_server, which has --api-key, and ignored on the other)
+    for line in httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text.splitlines():
         m = re.match(r"^(kvflow:[A-Za-z0-9_:]+)(\{[^}]*\})? (\S+)$", line)
         if m and 'le="' not in (m.group(2) or ""):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
@@ -203,8 +214,9 @@ def _assert_openai_error(r: httpx.Response, status: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- basics
-def test_health_models_and_openapi(http, model):
+def test_health_models_and_openapi(http, model, smollm2_dir):
     assert http.get("/health").text == "ok"
+    assert model == Path(smollm2_dir).name  # --model was a path: the API shows its folder name, not the path
     models = http.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [model]
     paths = http.get("/openapi.json").json()["paths"]
@@ -372,6 +384,49 @@ def test_stop_string(client, model):
         assert text == full[:cut]
 
 
+COPY_PROMPT = (
+    "Repeat the following text exactly.\n\nText: The lighthouse keeper climbed the spiral stairs every evening at "
+    "dusk. He trimmed the wick, polished the great lens, and wrote the weather in a leather logbook: wind from the "
+    "north-east, a falling barometer, three fishing boats returning late.\n\nRepeated text: The lighthouse keeper"
+)
+
+
+def _completion(http: httpx.Client, body: dict, stream: bool) -> dict:
+    """text, token strings, token logprobs, finish reason and usage of one choice."""
+    if not stream:
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        c = out["choices"][0]
+        return {"text": c["text"], "tokens": c["logprobs"]["tokens"], "logprobs": c["logprobs"]["token_logprobs"],
+                "finish": c["finish_reason"], "usage": out["usage"]}
+    events = _sse(http, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    choices = [c for e in events[:-1] for c in e["choices"]]
+    finish = [c["finish_reason"] for c in choices if c.get("finish_reason")]
+    return {"text": "".join(c["text"] for c in choices),
+            "tokens": [t for c in choices if "logprobs" in c for t in c["logprobs"]["tokens"]],
+            "logprobs": [t for c in choices if "logprobs" in c for t in c["logprobs"]["token_logprobs"]],
+            "finish": finish[-1] if finish else None, "usage": events[-2]["usage"]}
+
+
+@pytest.mark.parametrize("stop", ["dusk", "logbook"])
+def test_stop_string_with_speculation_counts_no_draft_past_it(server, spec_server, model, stop):
+    """With n-gram speculation a stop string completed by an accepted draft ends the request
+    at that token: text, tokens, logprobs and usage.completion_tokens equal the server
+    without speculation, streamed and not (the copy prompt makes drafts run past the stop)."""
+    body = {"model": model, "prompt": COPY_PROMPT, "max_tokens": 60, "temperature": 0, "logprobs": 0, "stop": [stop]}
+    with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as plain, \
+            httpx.Client(base_url=spec_server.url, timeout=REQUEST_TIMEOUT_S) as spec:
+        for stream in (False, True):
+            ref, got = _completion(plain, body, stream), _completion(spec, body, stream)
+            assert ref["finish"] == "stop" and ref["usage"]["completion_tokens"] < 60, ref
+            assert got["text"] == ref["text"] and got["finish"] == ref["finish"]
+            assert got["tokens"] == ref["tokens"]
+            assert got["usage"] == ref["usage"]
+            assert got["usage"]["completion_tokens"] == len(got["tokens"])
+            assert got["logprobs"] == pytest.approx(ref["logprobs"], abs=1e-3)
+
+
 def test_seed_reproducible(client, model):
     kwargs = dict(model=model, prompt="Once upon a time", max_tokens=10, temperature=1.0)
     a = client.completions.create(**kwargs, seed=1234).choices[0].text
@@ -469,6 +524,20 @@ def test_client_raises_typed_errors(client, model):
         client.chat.completions.create(model="nope", messages=MESSAGES, max_tokens=2)
 
 
+@pytest.mark.parametrize("top_k", [2**63, 10**20])
+def test_huge_top_k_is_top_k_off(client, http, model, top_k):
+    """top_k = 2**63 used to overflow the sampler's int64 tensor in the engine thread, which
+    then died: every later request got 503. It means "every token", as top_k = 0."""
+    kwargs = dict(model=model, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5)
+    off = client.completions.create(**kwargs).choices[0].text
+    assert client.completions.create(**kwargs, extra_body={"top_k": top_k}).choices[0].text == off
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, extra_body={"top_k": top_k})
+    assert chat.usage.completion_tokens >= 1
+    events = _sse(http, "/v1/completions", {**kwargs, "top_k": top_k, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == off
+    assert http.get("/health").status_code == 200
+
+
 # ---------------------------------------------------------------------------- api key, queue
 def test_api_key(small_server):
     body = {"prompt": "Hi", "max_tokens": 2}
@@ -476,7 +545,10 @@ def test_api_key(small_server):
         r = httpx.post(small_server.url + "/v1/completions", json=body, headers=headers, timeout=REQUEST_TIMEOUT_S)
         _assert_openai_error(r, 401)
     assert httpx.get(small_server.url + "/v1/models", timeout=10).status_code == 401
-    assert httpx.get(small_server.url + "/health", timeout=10).status_code == 200  # not under /v1
+    assert httpx.get(small_server.url + "/health", timeout=10).status_code == 200  # open
+    for path in ("/metrics", "/docs", "/openapi.json"):  # need the key
+        _assert_openai_error(httpx.get(small_server.url + path, timeout=10), 401)
+    assert httpx.get(small_server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).status_code == 200
     with openai.OpenAI(base_url=small_server.url + "/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
@@ -650,6 +722,57 @@ def test_32_concurrent_streaming_chats(server, model, tokenizer):
     assert m["kvflow:kv_cache_usage_perc"] == 0 and m["kvflow:num_requests_running"] == 0
 
 
+def test_health_during_a_4k_prefill(server, model, tokenizer):
+    """/health answers in milliseconds (p99 < 100 ms) while a 4000-token prompt is prefilled in
+    one step, and while requests arrive and are aborted meanwhile; the gauges are real
+    during the step. (/health took 25 s when a request arriving during the step waited for it.)
+
+    The probes are open-loop (one every 20 ms, whether or not the previous one answered), so
+    a stalled event loop shows in every probe sent while it stalls, not in one."""
+    ids = tokenizer.encode("The history of the printing press in Europe. " * 500)[:4000]
+    assert len(ids) == 4000
+    body = {"model": model, "prompt": ids, "max_tokens": 1}
+    _wait_idle(server.url)
+
+    async def main() -> list[float]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=PREFILL_TIMEOUT_S) as c:
+            prefill = asyncio.create_task(c.post("/v1/completions", json=body))
+            deadline = time.monotonic() + 30
+            while _metrics(server.url)["kvflow:num_requests_running"] != 1:  # the gauge, during the step
+                assert time.monotonic() < deadline, "the 4k prompt never showed as running"
+                await asyncio.sleep(0.02)
+            assert _metrics(server.url)["kvflow:kv_cache_usage_perc"] > 0.9  # its 250 blocks
+
+            async def arrive_and_abort() -> None:
+                async with c.stream("POST", "/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 50, "stream": True}):
+                    pass
+
+            latencies: list[float] = []
+
+            async def probe() -> None:
+                t0 = time.monotonic()
+                assert (await c.get("/health")).status_code == 200
+                latencies.append(time.monotonic() - t0)
+
+            others = [asyncio.create_task(c.post("/v1/completions", json={"model": model, "prompt": "Hi", "max_tokens": 1}))
+                      for _ in range(2)] + [asyncio.create_task(arrive_and_abort()) for _ in range(2)]
+            probes = []
+            while not prefill.done():
+                probes.append(asyncio.create_task(probe()))
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*probes, *others)
+            assert prefill.result().status_code == 200, prefill.result().text
+            return latencies
+
+    latencies = sorted(asyncio.run(asyncio.wait_for(main(), PREFILL_TIMEOUT_S)))
+    assert len(latencies) >= 20, f"the prefill took only {len(latencies)} probes"
+    p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
+    print(f"/health during the prefill: {len(latencies)} probes, median {latencies[len(latencies) // 2] * 1e3:.1f} ms, "
+          f"p99 {p99 * 1e3:.1f} ms, max {latencies[-1] * 1e3:.1f} ms")
+    assert p99 < 0.1, (p99, latencies[-5:], len(latencies))
+    _wait_idle(server.url)
+
+
 # ---------------------------------------------------------------------------- metrics
 METRIC_NAMES = [
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
@@ -704,8 +827,20 @@ def _cap_work(case):
     return case
 
 
+def _is_openai_error(response) -> bool:
+    """A JSON body {"error": {..., "code": status}} (schemathesis' headers map names to lists)."""
+    try:
+        err = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    ctype = {k.lower(): v for k, v in response.headers.items()}.get("content-type", "")
+    ctype = ctype[0] if isinstance(ctype, list) else ctype
+    return ctype.startswith("application/json") and err["code"] == response.status_code
+
+
 def test_schemathesis_finds_no_server_errors(server):
-    """Positive and negative bodies from /openapi.json, 25 of each per operation: no 5xx."""
+    """Positive and negative bodies from /openapi.json, 25 of each per operation: no 5xx, and
+    every error is an OpenAI-shaped JSON body."""
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis.errors import Unsatisfiable
@@ -726,6 +861,8 @@ def test_schemathesis_finds_no_server_errors(server):
                 response = case.call(timeout=60)
                 counts[(op.label, mode.value)] = counts.get((op.label, mode.value), 0) + 1
                 if response.status_code >= 500:
+                    failures.append((op.label, mode.value, case.body, response.status_code, response.text[:500]))
+                elif response.status_code >= 400 and not _is_openai_error(response):
                     failures.append((op.label, mode.value, case.body, response.status_code, response.text[:500]))
 
             try:

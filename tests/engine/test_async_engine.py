@@ -1,0 +1,207 @@
+"""AsyncLLMEngine on a tiny random model: the event loop never waits on a model step, the
+queue bound is hard and all-or-nothing, one failed request fails alone, and a dead engine
+fails every open request and says so."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_engine
+from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
+from kvflow.model.llama import LlamaForCausalLM
+from kvflow.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+# Nothing in the loop may take this long; a step below is held for three times as long.
+LOOP_BOUND_S = 1.0
+HELD_STEP_S = 3 * LOOP_BOUND_S
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+class HeldForward:
+    """Patches the model forward so that, once armed, the next forward blocks (like a long
+    prefill) until ``release()`` or ``HELD_STEP_S``; ``entered`` is set when it starts."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.armed = False
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        original = LlamaForCausalLM.forward
+
+        def forward(model, *args, **kwargs):
+            if self.armed:
+                self.armed = False
+                self.entered.set()
+                self.released.wait(HELD_STEP_S)
+            return original(model, *args, **kwargs)
+
+        monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+async def _wait(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def _drain(iterator) -> list:
+    return [out async for out in iterator]
+
+
+def test_add_abort_and_stats_never_wait_for_the_step_in_progress(monkeypatch):
+    held = HeldForward(monkeypatch)
+
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny")
+        engine.start()
+        try:
+            held.armed = True
+            first = await engine.add_request("a", [1, 2, 3, 4, 5], GREEDY)
+            pump = asyncio.create_task(_drain(first))
+            await asyncio.get_running_loop().run_in_executor(None, held.entered.wait, 30)
+            # The engine thread is inside a step now: none of these may wait for it.
+            t0 = time.monotonic()
+            second = await engine.add_request("b", [6, 7, 8], GREEDY)
+            third = await engine.add_request("c", [9, 10], GREEDY)
+            engine.abort("c")
+            stats = engine.get_stats()
+            elapsed = time.monotonic() - t0
+            assert not held.released.is_set()
+            assert elapsed < LOOP_BOUND_S, elapsed
+            # The gauges were published after scheduling, before the (held) forward.
+            assert stats["num_running"] == 1 and stats["kv_cache_usage"] > 0, stats
+            # "b" and "c" are queued for admission (c's abort is applied with it, between steps)
+            assert stats["num_waiting"] == 2, stats
+            assert engine.metrics.num_requests_running._value.get() == 1
+            assert engine.metrics.kv_cache_usage_perc._value.get() > 0
+            held.release()
+            outs = await asyncio.wait_for(pump, 60)
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+            outs = await asyncio.wait_for(_drain(second), 60)
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+            with pytest.raises(asyncio.TimeoutError):  # aborted: never gets an output
+                await asyncio.wait_for(anext(third), 0.5)
+            await _wait(lambda: engine.get_stats()["num_free_blocks"] == 64)
+        finally:
+            held.release()
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_queue_bound_is_hard_and_all_or_nothing():
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny", max_queue_len=3)  # not started: nothing runs yet
+        prepared = [await engine.prepare([1 + i, 2, 3], GREEDY) for i in range(6)]
+        engine.add_requests([("a", prepared[0], None), ("b", prepared[1], None)])
+        with pytest.raises(QueueFullError, match="needs 2 places"):
+            engine.add_requests([("c", prepared[2], None), ("d", prepared[3], None)])
+        assert set(engine._streams) == {"a", "b"} and len(engine._commands) == 2  # neither c nor d
+        engine.add_requests([("c", prepared[2], None)])
+        with pytest.raises(QueueFullError):
+            engine.add_requests([("d", prepared[3], None)])
+        engine.abort("a")  # a place frees at once
+        its = engine.add_requests([("d", prepared[3], None)])
+        engine.start()
+        try:
+            # Once the engine has scheduled them, the queue is empty again.
+            await _wait(lambda: not engine._unstarted)
+            more = engine.add_requests([("e", prepared[4], None), ("f", prepared[5], None)])
+            for it in [*its, *more]:
+                outs = await asyncio.wait_for(_drain(it), 60)
+                assert outs[-1].finished
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_invalid_request_is_refused_before_it_is_queued():
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny")
+        for prompt, params, match in (
+            ([], GREEDY, "empty"),
+            ([1, 500], GREEDY, "prompt_token_ids"),
+            ([1, 2], SamplingParams(logit_bias={500: 1}), "logit_bias"),
+        ):
+            with pytest.raises(ValueError, match=match):
+                await engine.prepare(prompt, params)
+        assert not engine._commands and not engine._streams
+
+    asyncio.run(main())
+
+
+def test_a_failed_request_fails_alone(monkeypatch):
+    from kvflow.worker.model_runner import ModelRunner
+
+    original = ModelRunner.prepare_inputs
+
+    def prepare(self, out):
+        if any(r.prompt_token_ids[:2] == [127, 127] for r in out.scheduled_requests):
+            raise RuntimeError("injected")
+        return original(self, out)
+
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", prepare)
+
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny")
+        engine.start()
+        try:
+            good = await engine.add_request("good", [1, 2, 3], GREEDY)
+            bad = await engine.add_request("bad", [127, 127, 3], GREEDY)
+            with pytest.raises(RequestFailedError) as exc:
+                await asyncio.wait_for(_drain(bad), 60)
+            assert "injected" in exc.value.failure.message and not exc.value.failure.is_invalid_request
+            outs = await asyncio.wait_for(_drain(good), 60)
+            assert outs[-1].finished and outs[-1].error is None
+            assert engine.is_healthy and engine.metrics.request_failure._value.get() == 1
+            later = await engine.add_request("later", [4, 5], GREEDY)
+            assert (await asyncio.wait_for(_drain(later), 60))[-1].finished
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_dead_engine_fails_every_open_request_and_refuses_new_ones(monkeypatch):
+    def forward(model, *args, **kwargs):
+        raise RuntimeError("injected: the device is gone")
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
+    deaths = []
+
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny", on_dead=deaths.append)
+        engine.start()
+        try:
+            prepared = [await engine.prepare([1 + i, 2, 3], GREEDY) for i in range(3)]
+            its = engine.add_requests([(f"r{i}", p, None) for i, p in enumerate(prepared)])
+            for it in its:
+                with pytest.raises(EngineDeadError, match="engine failed"):
+                    await asyncio.wait_for(_drain(it), 60)
+            await _wait(lambda: not engine.is_healthy)
+            assert isinstance(engine.error, RuntimeError) and "unusable" in str(engine.error)
+            prepared = await engine.prepare([1, 2], GREEDY)
+            with pytest.raises(EngineDeadError):
+                engine.add_requests([("late", prepared, None)])
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+    assert len(deaths) == 1 and "unusable" in str(deaths[0])

@@ -1,0 +1,681 @@
+"""The HTTP server on a tiny random model (byte-level tokenizer), in this process: hostile
+input, limits, connection timeouts, injected faults, the API key, generation defaults.
+
+Each server is a real uvicorn on 127.0.0.1 in a thread (``make_server``), so the raw-socket
+tests see uvicorn's own connection handling; injected faults (``monkeypatch``) reach its
+engine thread. One server per module where the tests can share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from conftest import TINY_TEXT_VOCAB, tiny_engine, tiny_model_config, tiny_tokenizer
+from kvflow.engine.async_engine import AsyncLLMEngine
+from kvflow.entrypoints.openai.server import build_app, default_served_name, make_server
+
+MAX_REQUEST_BYTES = 64 * 1024
+READ_TIMEOUT_S = 1.0
+KEEP_ALIVE_S = 1.0
+API_KEY = "sk-tiny"
+C, CH = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "Hi"}]
+MARK = [250, 250]  # prompts starting with these token ids are the injected faults' target
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TinyServer:
+    """``kvflow serve``'s app and uvicorn server over a tiny engine, in a thread."""
+
+    def __init__(self, max_queue_len=None, engine_kwargs=None, **app_kwargs) -> None:
+        engine = tiny_engine(tokenizer=tiny_tokenizer(), config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB),
+                             **(engine_kwargs or {}))
+        self.engine = AsyncLLMEngine(engine, "tiny", max_queue_len=max_queue_len)
+        app_kwargs.setdefault("max_request_bytes", MAX_REQUEST_BYTES)
+        app = build_app(self.engine, "tiny", engine.scheduler_config.max_model_len, model_aliases=("/models/tiny",),
+                        **app_kwargs)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = make_server(app, "127.0.0.1", self.port, "warning", KEEP_ALIVE_S, READ_TIMEOUT_S)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = TinyServer()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def _post_raw(http: httpx.Client, path: str, body: bytes | str) -> httpx.Response:
+    data = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
+    return http.post(path, content=data, headers={"content-type": "application/json"})
+
+
+def _assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["code"] == status and body["error"]["message"], body
+    if param is not None:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+def _wait_idle(server: TinyServer, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while server.engine.get_stats()["num_free_blocks"] != 64 or server.engine.get_stats()["num_running"]:
+        assert time.monotonic() < deadline, server.engine.get_stats()
+        time.sleep(0.05)
+
+
+def _completion(http, **kw) -> dict:
+    r = http.post(C, json={"prompt": "Hello", "max_tokens": 4, "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---------------------------------------------------------------------------- hostile values
+_INF = '{"prompt": "Hello", "max_tokens": 4, "temperature": Infinity}'
+BAD_VALUES = [
+    pytest.param(C, _INF, "temperature", id="temperature-Infinity"),
+    pytest.param(C, _INF.replace("Infinity", "-Infinity"), "temperature", id="temperature--Infinity"),
+    pytest.param(C, _INF.replace("Infinity", "NaN"), "temperature", id="temperature-NaN"),
+    pytest.param(C, _INF.replace("Infinity", "1e999"), "temperature", id="temperature-1e999"),
+    pytest.param(C, _INF.replace("Infinity", "true"), "temperature", id="temperature-true"),
+    pytest.param(C, _INF.replace("Infinity", '"0.5"'), "temperature", id="temperature-string"),
+    pytest.param(C, _INF.replace("temperature\": Infinity", 'top_p": NaN'), "top_p", id="top_p-NaN"),
+    pytest.param(C, {"prompt": "x", "min_p": 2}, "min_p", id="min_p-2"),
+    pytest.param(C, {"prompt": "x", "presence_penalty": 1e308}, "presence_penalty", id="presence_penalty-huge"),
+    pytest.param(C, _INF.replace("temperature", "repetition_penalty"), "repetition_penalty", id="repetition_penalty-inf"),
+    pytest.param(C, {"prompt": "x", "top_k": 1e20}, "top_k", id="top_k-1e20"),
+    pytest.param(C, {"prompt": "x", "top_k": -5}, "top_k", id="top_k--5"),
+    pytest.param(C, {"prompt": "x", "seed": 2**64}, "seed", id="seed-2**64"),
+    pytest.param(C, {"prompt": "x", "seed": 1e20}, "seed", id="seed-1e20"),
+    pytest.param(C, {"prompt": "x", "n": True}, "n", id="n-true"),
+    pytest.param(C, {"prompt": "x", "n": 2.0}, "n", id="n-2.0"),
+    pytest.param(C, {"prompt": "x", "max_tokens": 1e20}, "max_tokens", id="max_tokens-1e20"),
+    pytest.param(C, {"prompt": "x", "max_tokens": 2**63}, "max_tokens", id="max_tokens-2**63"),
+    pytest.param(C, {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", id="logit_bias-key-abc"),
+    pytest.param(C, {"prompt": "x", "logit_bias": {str(10**20): 1}}, "logit_bias", id="logit_bias-key-10**20"),
+    pytest.param(C, {"prompt": "x", "logit_bias": {"300": 1}}, "logit_bias", id="logit_bias-key-past-vocab"),
+    pytest.param(C, {"prompt": "x", "logit_bias": {"5": True}}, "logit_bias", id="logit_bias-value-true"),
+    pytest.param(C, {"prompt": "x", "logit_bias": {"5": 1e300}}, "logit_bias", id="logit_bias-value-huge"),
+    pytest.param(C, {"prompt": "x", "logprobs": 2**63}, "logprobs", id="logprobs-2**63"),
+    pytest.param(CH, {"messages": MSG, "logprobs": True, "top_logprobs": 2**63}, "top_logprobs", id="top_logprobs-2**63"),
+    pytest.param(C, {"prompt": "x", "min_tokens": 2**63}, "min_tokens", id="min_tokens-2**63"),
+    pytest.param(C, {"prompt": [-1]}, "prompt", id="prompt-token--1"),
+    pytest.param(C, {"prompt": [2**63]}, "prompt", id="prompt-token-2**63"),
+    pytest.param(C, {"prompt": [[1, 2], []]}, "prompt", id="prompt-empty-in-list"),
+    pytest.param(C, {"prompt": "x", "stream": "yes"}, "stream", id="stream-string"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD_VALUES)
+def test_hostile_values_are_400_naming_the_field(server, http, path, body, param):
+    r = _post_raw(http, path, body) if isinstance(body, str) else http.post(path, json={"max_tokens": 4, **body})
+    _assert_error(r, 400, param)
+    assert server.engine.is_healthy
+
+
+_SURROGATE = "abc\\ud800"
+SURROGATES = [
+    pytest.param(C, f'{{"prompt": "{_SURROGATE}"}}', "prompt", id="prompt"),
+    pytest.param(C, f'{{"prompt": ["ok", "{_SURROGATE}"]}}', "prompt", id="prompt-list"),
+    pytest.param(CH, f'{{"messages": [{{"role": "user", "content": "{_SURROGATE}"}}]}}', "messages", id="chat-content"),
+    pytest.param(CH, f'{{"messages": [{{"role": "user", "content": [{{"type": "text", "text": "{_SURROGATE}"}}]}}]}}',
+                 "messages", id="chat-content-part"),
+    pytest.param(C, f'{{"prompt": "x", "stop": ["{_SURROGATE}"]}}', "stop", id="stop"),
+    pytest.param(C, f'{{"prompt": "x", "model": "{_SURROGATE}"}}', "model", id="model"),
+    pytest.param(C, f'{{"prompt": "x", "user": "{_SURROGATE}"}}', "user", id="user"),
+    pytest.param(C, f'{{"prompt": "x", "guided_regex": "{_SURROGATE}"}}', "guided_regex", id="guided_regex"),
+    pytest.param(C, f'{{"prompt": "x", "guided_json": {{"enum": ["{_SURROGATE}"]}}}}', "guided_json", id="guided_json"),
+    pytest.param(C, f'{{"prompt": "x", "logit_bias": {{"{_SURROGATE}": 1}}}}', "logit_bias", id="logit_bias-key"),
+    pytest.param(C, f'{{"prompt": "x", "zzz": "{_SURROGATE}"}}', "zzz", id="unknown-field"),
+    pytest.param(C, f'{{"prompt": "x", "{_SURROGATE}": 1}}', None, id="key"),
+    pytest.param(C, '{"prompt": "\\udfff\\ud800"}', "prompt", id="reversed-pair"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", SURROGATES)
+def test_lone_surrogates_anywhere_are_400(http, path, body, param):
+    err = _assert_error(_post_raw(http, path, body), 400, param)
+    assert "surrogate" in err["message"], err
+
+
+def test_a_valid_surrogate_pair_is_text(http):
+    r = _post_raw(http, C, '{"prompt": "smile \\ud83d\\ude00", "max_tokens": 2}')
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len("smile ".encode()) + 4
+
+
+def _nested(n: int, leaf: str = "1") -> str:
+    return '{"a":' * n + leaf + "}" * n
+
+
+DEEP = [
+    pytest.param(C, '{"prompt": "x", "guided_json": ' + _nested(100, '{"type": "object"}') + "}", "guided_json", id="guided_json-100"),
+    pytest.param(C, '{"prompt": "x", "guided_json": ' + _nested(5000) + "}", None, id="guided_json-5000"),
+    pytest.param(C, '{"prompt": "x", "zzz": ' + "[" * 20_000 + "]" * 20_000 + "}", None, id="unknown-20000"),
+    pytest.param(C, json.dumps({"prompt": "x", "guided_json": _nested(5000)}), "guided_json", id="guided_json-string-5000"),
+    pytest.param(C, json.dumps({"prompt": "x", "guided_json": _nested(200)}), "guided_json", id="guided_json-string-200"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", DEEP)
+def test_deeply_nested_bodies_and_schemas_are_400(server, http, path, body, param):
+    _assert_error(_post_raw(http, path, body), 400, param)
+    assert server.engine.is_healthy
+
+
+@pytest.mark.parametrize(
+    "body", [b'{"prompt": "\xff\xfe"}', b"\xff\xfe\x00", b"{not json", b"[]", b"null", b'"x"'],
+    ids=["invalid-utf8-in-string", "invalid-utf8", "not-json", "list", "null", "string"],
+)
+def test_bodies_that_are_not_a_request_are_400(http, body):
+    _assert_error(http.post(C, content=body, headers={"content-type": "application/json"}), 400)
+
+
+def test_huge_top_k_samples_as_top_k_off(server, http):
+    """top_k = 2**63 used to crash the sampler's tensor build and stop the engine."""
+    base = {"prompt": "Hello", "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    off = _completion(http, **base)["choices"][0]["text"]
+    for top_k in (2**63, 2**63 - 1, 10**30):
+        assert _completion(http, **base, top_k=top_k)["choices"][0]["text"] == off
+    r = http.post(CH, json={"messages": MSG, "max_tokens": 3, "top_k": 2**63})
+    assert r.status_code == 200, r.text
+    with http.stream("POST", C, json={**base, "top_k": 2**63, "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events)
+    assert "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]) == off
+    assert server.engine.is_healthy
+
+
+# ---------------------------------------------------------------------------- unsupported fields
+UNSUPPORTED = [
+    (CH, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    (CH, {"tool_choice": "required"}, "tool_choice"),
+    (CH, {"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    (CH, {"function_call": {"name": "f"}}, "function_call"),
+    (C, {"best_of": 2}, "best_of"),
+    (C, {"suffix": "the end"}, "suffix"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}}]}]}, "messages"),
+    (CH, {"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages"),
+    (CH, {"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}, *MSG]}, "messages"),
+    (CH, {"response_format": {"type": "grammar", "grammar": "x"}}, "response_format"),
+    (CH, {"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    (CH, {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    (CH, {"modalities": ["text", "audio"]}, "modalities"),
+    (CH, {"web_search_options": {}}, "web_search_options"),
+    (CH, {"reasoning_effort": "high"}, "reasoning_effort"),
+    (CH, {"guided_choice": ["a", "b"]}, "guided_choice"),
+    (C, {"use_beam_search": True}, "use_beam_search"),
+    (C, {"prompt_logprobs": 1}, "prompt_logprobs"),
+]
+
+
+@pytest.mark.parametrize("path,extra,param", UNSUPPORTED, ids=[p for _, _, p in UNSUPPORTED])
+def test_unimplemented_fields_are_refused_by_name(http, path, extra, param):
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    err = _assert_error(http.post(path, json={**body, "max_tokens": 2, **extra}), 400, param)
+    assert "support" in err["message"] or "Input should be" in err["message"], err
+
+
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        (C, {"best_of": 1, "suffix": "", "user": "u", "store": False, "metadata": {"k": "v"}}),
+        (CH, {"tools": [], "tool_choice": "none", "parallel_tool_calls": False, "modalities": ["text"],
+              "stream_options": None, "service_tier": "auto"}),
+        (CH, {"messages": [{"role": "user", "content": "Hi", "name": "ann"}]}),
+    ],
+    ids=["completions", "chat", "message-name"],
+)
+def test_fields_that_change_nothing_are_accepted(http, path, extra):
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    r = http.post(path, json={**body, "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_fields_are_accepted_and_logged_once(http, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvflow.entrypoints.openai.protocol"):
+        for _ in range(3):
+            _completion(http, zzz_not_a_field=1)
+    warnings = [r for r in caplog.records if "zzz_not_a_field" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+
+
+# ---------------------------------------------------------------------------- size limit
+def _raw_exchange(port: int, data: bytes, read_s: float = 10.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=read_s) as s:
+        s.sendall(data)
+        chunks = []
+        try:
+            while chunk := s.recv(65536):
+                chunks.append(chunk)
+        except TimeoutError:
+            pass
+        return b"".join(chunks)
+
+
+def test_body_over_the_limit_is_413_from_its_content_length(server):
+    """Only the headers are sent: the 413 comes without reading (or waiting for) the body."""
+    head = (f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {MAX_REQUEST_BYTES + 1}\r\n\r\n").encode()  # fmt: skip
+    t0 = time.monotonic()
+    reply = _raw_exchange(server.port, head)
+    assert time.monotonic() - t0 < READ_TIMEOUT_S  # answered, not timed out
+    status, _, rest = reply.partition(b"\r\n")
+    assert b" 413 " in status, reply
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert b"connection: close" in headers.lower() and b"application/json" in headers.lower(), headers
+    err = json.loads(body)["error"]
+    assert err["code"] == 413 and str(MAX_REQUEST_BYTES) in err["message"], err
+
+
+def test_chunked_body_over_the_limit_is_413(http):
+    def chunks():
+        yield b'{"prompt": "'
+        for _ in range(MAX_REQUEST_BYTES // 1024 + 1):
+            yield b"x" * 1024
+        yield b'"}'
+
+    _assert_error(http.post(C, content=chunks(), headers={"content-type": "application/json"}), 413)
+
+
+def test_body_under_the_limit_is_served(http):
+    r = http.post(C, json={"prompt": "word " * 30, "max_tokens": 1, "filler": "x" * (MAX_REQUEST_BYTES - 1000)})
+    assert r.status_code == 200, r.text
+
+
+# ---------------------------------------------------------------------------- slow clients
+def _closed_after(port: int, sends: list[tuple[float, bytes]], limit_s: float = 10.0) -> tuple[float, bytes]:
+    """Open a connection, send each (delay, bytes), then read until the server closes it.
+
+    Returns: seconds from the connection to its close, and what the server sent."""
+    t0 = time.monotonic()
+    received = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=limit_s) as s:
+        s.settimeout(0.05)
+        pending = list(sends)
+        while time.monotonic() - t0 < limit_s:
+            if pending and time.monotonic() - t0 >= pending[0][0]:
+                try:
+                    s.sendall(pending.pop(0)[1])
+                except (BrokenPipeError, ConnectionResetError):
+                    return time.monotonic() - t0, received
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            except ConnectionResetError:
+                return time.monotonic() - t0, received
+            if not chunk:
+                return time.monotonic() - t0, received
+            received += chunk
+    raise AssertionError(f"connection still open after {limit_s} s; received {received[:200]!r}")
+
+
+def _request(body: bytes = b'{"prompt": "Hi", "max_tokens": 1}') -> bytes:
+    return (f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+
+
+def test_a_connection_that_sends_nothing_is_closed(server):
+    elapsed, received = _closed_after(server.port, [])
+    assert READ_TIMEOUT_S * 0.8 <= elapsed and received == b""
+
+
+def test_slowloris_headers_are_cut_off_although_bytes_keep_coming(server):
+    head = _request()[:60]
+    drip = [(0.25 * i, head[i : i + 1]) for i in range(len(head))]  # one byte every 0.25 s: 15 s in all
+    elapsed, received = _closed_after(server.port, drip)
+    assert READ_TIMEOUT_S * 0.8 <= elapsed < 5 and received == b"", (elapsed, received)
+
+
+def test_a_half_sent_body_is_cut_off(server):
+    request = _request(b'{"prompt": "Hi", "max_tokens": 1, "pad": "' + b"x" * 200 + b'"}')
+    elapsed, _ = _closed_after(server.port, [(0, request[:-100])])
+    assert READ_TIMEOUT_S * 0.8 <= elapsed < 5, elapsed
+    assert server.engine.is_healthy
+    _wait_idle(server)
+
+
+def test_an_idle_keep_alive_connection_is_closed_and_a_slow_second_request_too(server):
+    elapsed, received = _closed_after(server.port, [(0, _request())])
+    assert received.startswith(b"HTTP/1.1 200") and KEEP_ALIVE_S * 0.8 <= elapsed < 5, (elapsed, received[:100])
+    second = _request()[:40]
+    drip = [(0, _request())] + [(0.3 + 0.25 * i, second[i : i + 1]) for i in range(len(second))]
+    elapsed, received = _closed_after(server.port, drip)
+    assert received.count(b"HTTP/1.1 200") == 1 and elapsed < 0.3 + READ_TIMEOUT_S + 4, (elapsed, received[:100])
+
+
+def test_a_prompt_request_on_a_keep_alive_connection_is_served(server):
+    """The deadline does not cut a client that sends its requests at once, one after the other."""
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        for _ in range(3):
+            assert c.post(C, json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+            time.sleep(KEEP_ALIVE_S / 3)
+
+
+# ---------------------------------------------------------------------------- injected faults
+def _inject_prepare_fault(monkeypatch, exc_type=RuntimeError):
+    from kvflow.worker.model_runner import ModelRunner
+
+    original = ModelRunner.prepare_inputs
+
+    def prepare(self, out):
+        if any(r.prompt_token_ids[:2] == MARK for r in out.scheduled_requests):
+            raise exc_type("injected fault")
+        return original(self, out)
+
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", prepare)
+
+
+@pytest.mark.parametrize("exc_type,status,err_type", [(RuntimeError, 500, "InternalServerError"),
+                                                      (ValueError, 400, "BadRequestError")])
+def test_a_request_that_fails_in_the_engine_fails_alone(server, monkeypatch, exc_type, status, err_type):
+    """The marked request gets an OpenAI-shaped error (non-streamed: the HTTP status; streamed:
+    an error event before [DONE]) while concurrent requests complete, and later ones too."""
+    _inject_prepare_fault(monkeypatch, exc_type)
+    good = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    marked = {"prompt": [*MARK, 1, 2, 3], **good}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+            async def stream(body):
+                async with c.stream("POST", C, json={**body, "stream": True}) as r:
+                    assert r.status_code == 200
+                    return [line async for line in r.aiter_lines() if line]
+
+            return await asyncio.gather(
+                c.post(C, json=marked), stream(marked),
+                *(c.post(C, json={"prompt": f"Good {i}", **good}) for i in range(3)),
+                stream({"prompt": "Good s", **good}),
+                c.post(CH, json={"messages": MSG, **good}),
+            )
+
+    bad, bad_stream, *goods, good_stream, chat = asyncio.run(main())
+    err = _assert_error(bad, status)
+    assert err["type"] == err_type and "injected fault" in err["message"], err
+    assert bad_stream[-1] == "data: [DONE]"
+    event = json.loads(bad_stream[-2][len("data: "):])
+    assert event["error"]["code"] == status and "injected fault" in event["error"]["message"], event
+    for r in [*goods, chat]:
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8, r.text
+    assert good_stream[-1] == "data: [DONE]" and not any('"error"' in e for e in good_stream)
+    _wait_idle(server)
+    assert _completion(server_http := httpx.Client(base_url=server.url, timeout=60))["usage"]["completion_tokens"] >= 1
+    server_http.close()
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'kvflow:request_failure_total{model_name="tiny"}' in metrics
+
+
+def test_a_handler_fault_is_an_openai_shaped_500(server, http, monkeypatch):
+    from kvflow.entrypoints.openai.server import OpenAIServing
+
+    def broken(self, req):
+        raise KeyError("injected handler fault")
+
+    monkeypatch.setattr(OpenAIServing, "_chat_prompt", broken)
+    err = _assert_error(http.post(CH, json={"messages": MSG, "max_tokens": 2}), 500)
+    assert err["type"] == "InternalServerError" and "injected handler fault" in err["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_a_dead_engine_fails_requests_with_503_and_health_says_so(monkeypatch):
+    from kvflow.model.llama import LlamaForCausalLM
+
+    def forward(model, *args, **kwargs):
+        raise RuntimeError("injected: the device is gone")
+
+    s = TinyServer()
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            assert c.get("/health").status_code == 200
+            monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
+            err = _assert_error(c.post(C, json={"prompt": "Hi", "max_tokens": 2}), 503)
+            assert "engine failed" in err["message"]
+            err = _assert_error(c.get("/health"), 503)
+            assert "device is gone" in err["message"] or "unusable" in err["message"], err
+            _assert_error(c.post(CH, json={"messages": MSG, "max_tokens": 2}), 503)
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------------------- the event loop
+def _health_latencies(url: str, stop: threading.Event) -> list[float]:
+    latencies = []
+    with httpx.Client(base_url=url, timeout=30) as c:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            assert c.get("/health").status_code == 200
+            latencies.append(time.monotonic() - t0)
+            time.sleep(0.02)
+    return latencies
+
+
+def _during(url: str, action) -> list[float]:
+    """/health latencies measured while ``action()`` runs in another thread."""
+    stop = threading.Event()
+    result: list[list[float]] = []
+    poller = threading.Thread(target=lambda: result.append(_health_latencies(url, stop)))
+    poller.start()
+    try:
+        action()
+    finally:
+        stop.set()
+        poller.join(30)
+    return result[0]
+
+
+SLOW_S = 3.0  # each injected stall; /health must answer within half of it, at worst
+
+
+def test_health_does_not_wait_for_a_long_step_nor_for_requests_arriving_during_it(server, monkeypatch):
+    from kvflow.model.llama import LlamaForCausalLM
+
+    original = LlamaForCausalLM.forward
+    entered = threading.Event()
+
+    def slow_forward(model, input_ids, *args, **kwargs):
+        if input_ids.numel() > 20 and not entered.is_set():  # the long prompt's prefill only
+            entered.set()
+            time.sleep(SLOW_S)
+        return original(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", slow_forward)
+
+    def action():
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            long = threading.Thread(target=lambda: c.post(C, json={"prompt": "x" * 40, "max_tokens": 2}))
+            long.start()
+            assert entered.wait(30)
+            # Requests, aborts and metrics arriving during the step must not stall the loop.
+            with httpx.Client(base_url=server.url, timeout=60) as c2:
+                with c2.stream("POST", C, json={"prompt": "Hi", "max_tokens": 50, "stream": True}):
+                    pass  # closed at once: an abort
+                metrics = c2.get("/metrics").text
+                others = [threading.Thread(target=lambda: c2.post(C, json={"prompt": "Hi", "max_tokens": 2}))
+                          for _ in range(3)]
+                for t in others:
+                    t.start()
+                for t in [long, *others]:
+                    t.join(60)
+            assert 'kvflow:num_requests_running{model_name="tiny"} 1.0' in metrics, metrics  # real during the step
+
+    latencies = _during(server.url, action)
+    assert len(latencies) >= 10 and max(latencies) < SLOW_S / 2, sorted(latencies)[-5:]
+
+
+@pytest.mark.parametrize("what", ["tokenizer", "template", "grammar"])
+def test_preparation_runs_off_the_loop(server, monkeypatch, what):
+    """Tokenization, the chat template and grammar compilation are slow for big inputs (a
+    10 MB prompt, a first guided request): each is stalled here, and /health still answers."""
+    from kvflow.sample.guided import GrammarCompiler
+
+    tok = server.engine.tokenizer
+    target, name = {"tokenizer": (tok, "encode"), "template": (tok, "apply_chat_template"),
+                    "grammar": (GrammarCompiler, "compile")}[what]  # fmt: skip
+    original = getattr(target, name)
+    called = threading.Event()
+
+    def slow(*args, **kwargs):
+        called.set()
+        time.sleep(SLOW_S)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, slow if what != "grammar" else lambda self, p: slow(self, p))
+    body = {"messages": MSG, "max_tokens": 2} if what == "template" else {"prompt": "Hi", "max_tokens": 2}
+    if what == "grammar":
+        body["guided_regex"] = "[ab]+"
+    path = CH if what == "template" else C
+    responses = []
+    latencies = _during(server.url, lambda: responses.append(httpx.post(server.url + path, json=body, timeout=60)))
+    assert called.is_set() and responses[0].status_code == 200, responses[0].text
+    assert len(latencies) >= 10 and max(latencies) < SLOW_S / 2, sorted(latencies)[-5:]
+
+
+def test_a_bad_schema_is_400_before_any_stream_byte(http):
+    r = http.post(C, json={"prompt": "x", "max_tokens": 2, "stream": True, "guided_json": {"type": "nonsense"}})
+    assert r.headers["content-type"].startswith("application/json")
+    _assert_error(r, 400, "guided_json")
+
+
+# ---------------------------------------------------------------------------- the queue
+def test_a_multi_prompt_request_refused_with_429_runs_none_of_its_prompts():
+    s = TinyServer(max_queue_len=2, engine_kwargs={"max_num_seqs": 1})
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
+                long = {"max_tokens": 200, "ignore_eos": True, "stream": True}
+                async with c.stream("POST", C, json={"prompt": "first", **long}) as running:
+                    lines = running.aiter_lines()
+                    while not (await anext(lines)).startswith("data:"):
+                        pass
+                    async with c.stream("POST", C, json={"prompt": "second", **long}) as waiting:
+                        assert waiting.status_code == 200
+                        deadline = time.monotonic() + 30
+                        while s.engine.engine.get_stats()["num_waiting"] != 1:
+                            assert time.monotonic() < deadline
+                            await asyncio.sleep(0.02)
+                        before = s.engine.engine.get_stats()
+                        refused = await c.post(C, json={"prompt": ["a", "b"], "max_tokens": 2})
+                        after = s.engine.engine.get_stats()
+                        assert refused.status_code == 429, refused.text
+                        assert refused.headers["retry-after"] == "1"
+                        assert refused.json()["error"]["type"] == "RateLimitError"
+                        # none of its two prompts was queued
+                        assert after["num_waiting"] == before["num_waiting"] == 1, (before, after)
+                        assert len(s.engine.engine._states) == 2
+                        # one place is left: a one-prompt request is accepted
+                        fits = asyncio.create_task(c.post(C, json={"prompt": "c", "max_tokens": 2}))
+                        await asyncio.sleep(0.3)
+                        over = await c.post(C, json={"prompt": "d", "max_tokens": 2})
+                        assert over.status_code == 429, over.text
+                # the two streams are closed (aborted): the accepted request runs
+                return await asyncio.wait_for(fits, 60)
+
+        fits = asyncio.run(main())
+        assert fits.status_code == 200, fits.text
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------------------- api key, names
+@pytest.fixture(scope="module")
+def key_servers():
+    closed, metrics_open = TinyServer(api_key=API_KEY), TinyServer(api_key=API_KEY, metrics_need_key=False)
+    yield closed, metrics_open
+    closed.stop()
+    metrics_open.stop()
+
+
+@pytest.mark.parametrize(
+    "path,closed_status,open_status",
+    [("/health", 200, 200), ("/metrics", 401, 200), ("/docs", 401, 401), ("/openapi.json", 401, 401),
+     ("/redoc", 401, 401), ("/v1/models", 401, 401), ("/no/such/path", 401, 401)],
+)
+def test_api_key_guards_every_path_but_health(key_servers, path, closed_status, open_status):
+    closed, metrics_open = key_servers
+    assert httpx.get(closed.url + path).status_code == closed_status
+    assert httpx.get(metrics_open.url + path).status_code == open_status
+    if closed_status == 401:
+        _assert_error(httpx.get(closed.url + path), 401)
+        r = httpx.get(closed.url + path, headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == (404 if path == "/no/such/path" else 200)
+
+
+def test_model_names(http):
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny"]
+    assert _completion(http, model="/models/tiny")["model"] == "tiny"  # the --model value is an alias
+    _assert_error(http.post(C, json={"prompt": "x", "model": "other"}), 404, "model")
+
+
+@pytest.mark.parametrize(
+    "model,name",
+    [("smollm2-135m", "smollm2-135m"), ("/data/models/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
+     ("/data/models/SmolLM2-135M-Instruct/", "SmolLM2-135M-Instruct"), ("/w/qwen2.5-0.5b-q4_0.gguf", "qwen2.5-0.5b-q4_0"),
+     ("./local-model", "local-model")],
+)
+def test_default_served_name_never_echoes_a_path(model, name):
+    assert default_served_name(model) == name
+
+
+# ---------------------------------------------------------------------------- generation defaults
+def test_generation_config_defaults_apply_to_unset_fields():
+    """A model's generation_config.json (temperature 0, max_new_tokens 5 here) fills the
+    fields a request leaves unset; a request that sets them wins."""
+    s = TinyServer(engine_kwargs={"generation_defaults": {"temperature": 0.0, "max_tokens": 5}})
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            unset = c.post(C, json={"prompt": "Hello", "ignore_eos": True}).json()
+            greedy = c.post(C, json={"prompt": "Hello", "ignore_eos": True, "temperature": 0, "max_tokens": 5}).json()
+            assert unset["usage"]["completion_tokens"] == 5
+            assert unset["choices"][0]["text"] == greedy["choices"][0]["text"]
+            chat = c.post(CH, json={"messages": MSG, "ignore_eos": True}).json()
+            assert chat["usage"]["completion_tokens"] == 5
+            explicit = c.post(C, json={"prompt": "Hello", "ignore_eos": True, "max_tokens": 7}).json()
+            assert explicit["usage"]["completion_tokens"] == 7
+    finally:
+        s.stop()
