@@ -138,3 +138,67 @@ class ChatRun:
     prompt_ids: list[int]
     iterator: AsyncIterator[RequestOutput]
     new_parser: Callable[..., ChatOutputParser]
+
+
+@dataclass
+class PartEvent:
+    """One step of an output part's life (``OutputSequencer``).
+
+    Attributes:
+        kind: "start" (``call`` set for a tool call: its id and name), "delta" (``text``:
+            reasoning or content text, or a tool call's argument fragment) or "stop".
+        part: "reasoning", "text" or "tool_call".
+        index: the part's position in the output (0, 1, ...).
+    """
+
+    kind: str
+    part: str
+    index: int
+    text: str = ""
+    call: ToolCallDelta | None = None
+
+
+class OutputSequencer:
+    """Streamed ``ChatDelta`` s as a sequence of output parts, each started, filled and
+    stopped before the next starts: the shape of the Responses API's output items and of
+    Anthropic's content blocks (reasoning / thinking, text, one part per tool call).
+
+    A part starts at its first piece of text; a piece of another kind (or another tool
+    call) stops the current part. Within one delta the order is reasoning, content, tool
+    calls (the order the text normally has).
+    """
+
+    def __init__(self) -> None:
+        self._current: tuple[str, int | None] | None = None
+        self._count = 0
+
+    def feed(self, delta: ChatDelta) -> list[PartEvent]:
+        events: list[PartEvent] = []
+        if delta.reasoning:
+            events += self._switch(("reasoning", None))
+            events.append(PartEvent("delta", "reasoning", self._count - 1, delta.reasoning))
+        if delta.content:
+            events += self._switch(("text", None))
+            events.append(PartEvent("delta", "text", self._count - 1, delta.content))
+        for t in delta.tool_calls:
+            if t.id is not None:
+                events += self._switch(("tool_call", t.index), t)
+            if t.arguments:
+                events.append(PartEvent("delta", "tool_call", self._count - 1, t.arguments))
+        return events
+
+    def close(self) -> list[PartEvent]:
+        """Stop the open part, if any (at the end of the output)."""
+        if self._current is None:
+            return []
+        part, self._current = self._current[0], None
+        return [PartEvent("stop", part, self._count - 1)]
+
+    def _switch(self, key: tuple[str, int | None], call: ToolCallDelta | None = None) -> list[PartEvent]:
+        if self._current == key:
+            return []
+        events = self.close()
+        self._current = key
+        self._count += 1
+        events.append(PartEvent("start", key[0], self._count - 1, call=call))
+        return events

@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn): ``kvflow serve``.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE streaming
-with ``stream: true``), GET /health, GET /metrics (Prometheus). Every error, of every
-endpoint and middleware, is an OpenAI-shaped JSON body
-``{"error": {"message", "type", "param", "code"}}``:
+with ``stream: true``; tools and reasoning: ``tools.py``, ``tool_parsers``, ``reasoning.py``),
+POST /v1/responses (``serving_responses.py``), POST /v1/messages (Anthropic's Messages API:
+``kvflow.entrypoints.anthropic``), GET /health, GET /metrics (Prometheus). Every error, of
+every endpoint and middleware, is an OpenAI-shaped JSON body
+``{"error": {"message", "type", "param", "code"}}`` (on /v1/messages: Anthropic's shape):
 
 - 400 for invalid parameters, fields kvflow does not implement, and prompts that cannot fit
   (all decided before any byte of a stream is sent); bodies that are not valid Unicode
@@ -35,9 +37,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvflow.entrypoints.anthropic.protocol import MessagesRequest
+from kvflow.entrypoints.anthropic.serving import PATH as ANTHROPIC_PATH
+from kvflow.entrypoints.anthropic.serving import AnthropicErrorMiddleware, create_message
 from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
 from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
@@ -45,6 +51,7 @@ from kvflow.entrypoints.openai.reasoning import get_reasoning_parser
 from kvflow.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS, JSONArrayToolParser, NamedFunctionParser, ToolParser, detect_tool_parser, get_tool_parser,
 )  # fmt: skip
+from kvflow.entrypoints.openai.serving_responses import ResponsesRequest, create_response
 from kvflow.entrypoints.openai.tools import template_tools
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -627,6 +634,28 @@ class OpenAIServing:
             raise
         return ChatRun(ids, iterator, make_parser)
 
+    async def start_chat_from(self, fields: dict[str, Any], renames: dict[str, str]) -> ChatRun:
+        """Queue a request of another API (responses, Anthropic messages) as the chat request
+        ``fields`` describe; an error names the other API's field (``renames``: chat field
+        -> that field).
+
+        Raises:
+            APIError: as ``start_chat``, with the field renamed.
+        """
+        try:
+            try:
+                req = ChatCompletionRequest.model_validate(fields)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                loc = ".".join(str(x) for x in first["loc"])
+                raise APIError(400, f"{loc}: {first['msg']}", "BadRequestError", str(first["loc"][0])) from None
+            return await self.start_chat(req)
+        except APIError as exc:
+            if exc.param in renames:
+                exc.message = exc.message.replace(exc.param, renames[exc.param])
+                exc.param = renames[exc.param]
+            raise
+
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, float]], top_k: int) -> dict[str, Any]:
         content = []
         for tok, entry in zip(token_ids, entries):
@@ -747,7 +776,8 @@ class OpenAIServing:
 
 
 class _APIKeyMiddleware:
-    """401 for requests without ``Authorization: Bearer <api_key>``, except on ``open_paths``.
+    """401 for requests without ``Authorization: Bearer <api_key>`` (or, on /v1/messages,
+    ``x-api-key: <api_key>``), except on ``open_paths``.
 
     A plain ASGI middleware: ``@app.middleware("http")`` (BaseHTTPMiddleware) wraps
     ``receive`` so that ``Request.is_disconnected()`` never turns true, and a non-streaming
@@ -757,12 +787,16 @@ class _APIKeyMiddleware:
     def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
         self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope.get("headers") or [])
+            ok = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            if not ok and scope["path"].startswith(ANTHROPIC_PATH):  # Anthropic clients send x-api-key
+                ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+            if not ok:
                 await error_response(401, "Invalid or missing API key.", "AuthenticationError")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -851,6 +885,7 @@ def build_app(
         open_paths = frozenset({"/health"} if metrics_need_key else {"/health", "/metrics"})
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(AnthropicErrorMiddleware)  # outermost: sees the errors of the two above
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):
@@ -901,5 +936,13 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(req, raw)
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request) -> Response:
+        return await create_response(serving, req, raw)
+
+    @app.post(ANTHROPIC_PATH)
+    async def messages(req: MessagesRequest, raw: Request) -> Response:
+        return await create_message(serving, req, raw)
 
     return app

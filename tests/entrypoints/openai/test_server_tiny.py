@@ -49,9 +49,10 @@ def _free_port() -> int:
 class TinyServer:
     """``kvflow serve``'s app and uvicorn server over a tiny engine, in a thread."""
 
-    def __init__(self, max_queue_len=None, engine_kwargs=None, **app_kwargs) -> None:
-        engine = tiny_engine(tokenizer=tiny_tokenizer(), config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB),
-                             **(engine_kwargs or {}))
+    def __init__(self, max_queue_len=None, engine_kwargs=None, engine=None, **app_kwargs) -> None:
+        if engine is None:
+            engine = tiny_engine(tokenizer=tiny_tokenizer(), config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB),
+                                 **(engine_kwargs or {}))
         self.engine = AsyncLLMEngine(engine, "tiny", max_queue_len=max_queue_len)
         app_kwargs.setdefault("max_request_bytes", MAX_REQUEST_BYTES)
         app = build_app(self.engine, "tiny", engine.scheduler_config.max_model_len, model_aliases=("/models/tiny",),

@@ -1,0 +1,192 @@
+"""Request bodies of the Anthropic Messages API (``POST /v1/messages``), and the chat request
+each one means.
+
+Field names follow Anthropic's API reference. Validation is that of the OpenAI bodies
+(``kvflow.entrypoints.openai.protocol._Body``: strict types, finite numbers, unknown fields
+logged once); fields kvflow does not implement are refused by name (``UNSUPPORTED``).
+
+The mapping to a chat request (``to_chat_fields``): ``system`` is the system message; a
+user message's ``text`` blocks are its content and each ``tool_result`` block a tool message
+(``tool_call_id`` = ``tool_use_id``; an ``is_error`` result's text is prefixed ``Error: ``);
+an assistant message's ``text`` blocks are its content and its ``tool_use`` blocks its tool
+calls; ``thinking`` blocks of earlier turns are not rendered (the chat templates of thinking
+models leave earlier reasoning out of the prompt). ``tool_choice`` ``auto`` / ``any`` /
+``tool`` / ``none`` are chat's ``auto`` / ``required`` / a named function / ``none``, and
+``disable_parallel_tool_use`` is ``parallel_tool_calls: false``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from kvflow.entrypoints.openai.protocol import _Body
+
+
+class AnthropicTool(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: str | None = None  # "custom" (a client tool); Anthropic's server tools have other types
+    cache_control: Any = None  # prompt caching hints: no effect on the output
+
+
+class AnthropicToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(_Body):
+    """POST /v1/messages."""
+
+    model: str
+    max_tokens: int
+    messages: list[AnthropicMessage] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool = False
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    # fields that do not change the output
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    # fields kvflow does not implement
+    thinking: dict[str, Any] | None = None
+    container: Any = None
+    mcp_servers: list[Any] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "thinking": ({"type": "disabled"},), "container": (), "mcp_servers": ([],),
+    }  # fmt: skip
+
+
+_UNREAD_BLOCK = "content blocks of type {kind!r} are not supported by kvflow ({allowed} only: the served models read text)"
+
+
+def _text(block: dict[str, Any], where: str) -> str:
+    if not isinstance(block.get("text"), str):
+        raise ValueError(f"{where}.text must be a string")
+    return block["text"]
+
+
+def _system(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    if system is None:
+        return []
+    if isinstance(system, str):
+        return [{"role": "system", "content": system}]
+    texts = []
+    for j, block in enumerate(system):
+        if block.get("type") != "text":
+            raise ValueError(f"system[{j}]: " + _UNREAD_BLOCK.format(kind=block.get("type"), allowed="text"))
+        texts.append(_text(block, f"system[{j}]"))
+    return [{"role": "system", "content": "\n\n".join(texts)}]
+
+
+def _tool_result_text(block: dict[str, Any], where: str) -> str:
+    content = block.get("content", "")
+    if isinstance(content, list):
+        parts = []
+        for k, inner in enumerate(content):
+            if inner.get("type") != "text":
+                raise ValueError(f"{where}.content[{k}]: " + _UNREAD_BLOCK.format(kind=inner.get("type"), allowed="text"))
+            parts.append(_text(inner, f"{where}.content[{k}]"))
+        content = "".join(parts)
+    elif not isinstance(content, str):
+        raise ValueError(f"{where}.content must be a string or a list of text blocks")
+    return f"Error: {content}" if block.get("is_error") else content
+
+
+def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
+    """The chat messages of ``system`` and ``messages``.
+
+    Raises:
+        ValueError: naming the block, for a block kvflow does not read.
+    """
+    out = _system(req.system)
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, str):
+            out.append({"role": message.role, "content": message.content})
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        allowed = "text, tool_use, thinking" if message.role == "assistant" else "text, tool_result"
+        for j, block in enumerate(message.content):
+            where, kind = f"messages[{i}].content[{j}]", block.get("type")
+            if kind == "text":
+                texts.append(_text(block, where))
+            elif kind == "tool_result" and message.role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise ValueError(f"{where}.tool_use_id must be a string")
+                if texts:  # text before the result: its own user message, in order
+                    out.append({"role": "user", "content": "".join(texts)})
+                    texts = []
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": _tool_result_text(block, where)})
+            elif kind == "tool_use" and message.role == "assistant":
+                if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                    raise ValueError(f"{where} needs a string id and name (a tool_use block)")
+                if not isinstance(block.get("input"), dict):
+                    raise ValueError(f"{where}.input must be an object")
+                calls.append({"id": block["id"], "type": "function",
+                              "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})  # fmt: skip
+            elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":
+                continue
+            else:
+                raise ValueError(f"{where}: " + _UNREAD_BLOCK.format(kind=kind, allowed=allowed))
+        if message.role == "assistant":
+            out.append({"role": "assistant", "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})})
+        elif texts or not any(m["role"] == "tool" for m in out[-1:]):
+            out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _tools(req: MessagesRequest) -> list[dict[str, Any]] | None:
+    if req.tools is None:
+        return None
+    tools = []
+    for i, tool in enumerate(req.tools):
+        if tool.type not in (None, "custom"):
+            raise ValueError(f"tools[{i}].type {tool.type!r} is not supported by kvflow (client tools only: no "
+                             "server tools here)")
+        function = {"name": tool.name, "parameters": tool.input_schema}
+        if tool.description is not None:
+            function["description"] = tool.description
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(choice: AnthropicToolChoice | None) -> Any:
+    if choice is None:
+        return None
+    if choice.type == "tool":
+        if choice.name is None:
+            raise ValueError("tool_choice.name is required for tool_choice of type 'tool'")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+def to_chat_fields(req: MessagesRequest) -> dict[str, Any]:
+    """The chat completions request ``req`` means.
+
+    Raises:
+        ValueError: naming the field, for a block, tool or tool_choice kvflow does not read.
+    """
+    parallel = None
+    if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
+        parallel = False
+    fields: dict[str, Any] = {
+        "model": req.model, "messages": _messages(req), "max_tokens": req.max_tokens, "stop": req.stop_sequences,
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "tools": _tools(req),
+        "tool_choice": _tool_choice(req.tool_choice), "parallel_tool_calls": parallel,
+    }  # fmt: skip
+    return {k: v for k, v in fields.items() if v is not None}

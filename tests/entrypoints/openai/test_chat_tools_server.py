@@ -1,0 +1,191 @@
+"""Tool calling and reasoning output of /v1/chat/completions through the HTTP server and the
+``openai`` client, on a scripted tiny model (``agent_helpers``: the model writes the text a
+test sets) with a Hermes-format chat template (the hermes parser is detected from it) and
+``--reasoning-parser qwen3``."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from agent_helpers import HERMES_TEMPLATE, WEATHER_TOOL, scripted_engine
+from test_server_tiny import TinyServer
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+MSG = [{"role": "user", "content": "Weather in Paris?"}]
+ARGS = {"city": "Paris", "unit": "celsius"}
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine, script = scripted_engine()
+    server = TinyServer(engine=engine, chat_template=HERMES_TEMPLATE, reasoning_parser="qwen3")
+    yield server, script
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def script(served):
+    return served[1]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=served[0].url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _chat(client, **kw):
+    return client.chat.completions.create(model="tiny", messages=kw.pop("messages", MSG), temperature=0,
+                                          max_tokens=kw.pop("max_tokens", 120), **kw)  # fmt: skip
+
+
+def test_auto_tool_call(client, script):
+    script.set(CALL)
+    r = _chat(client, tools=[WEATHER_TOOL])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGS
+
+
+def test_auto_tool_call_streamed(client, script):
+    script.set("Checking. " + CALL)
+    chunks = list(_chat(client, tools=[WEATHER_TOOL], stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    first, rest = pieces[0], pieces[1:]
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == "get_weather"
+    assert rest and all(p.id is None and p.function.name is None and p.index == 0 for p in rest)  # fragments
+    assert json.loads("".join(p.function.arguments for p in pieces)) == ARGS
+    assert content == "Checking. "
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_without_a_call_is_content(client, script):
+    script.set("It is sunny.")
+    r = _chat(client, tools=[WEATHER_TOOL])
+    assert r.choices[0].message.content == "It is sunny." and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_none_reads_no_calls(client, script):
+    script.set(CALL)
+    r = _chat(client, tools=[WEATHER_TOOL], tool_choice="none")
+    assert r.choices[0].message.content == CALL and not r.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_call_is_valid_from_a_model_that_writes_prose(client, script, tool_choice, stream):
+    script.set("I would rather not call any tool, thank you.")
+    tools = [WEATHER_TOOL, {"type": "function", "function": {"name": "get_time"}}]
+    # one call: a model that never stops would fill max_tokens with calls under parallel_tool_calls
+    kw = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": False}
+    if stream:
+        chunks = list(_chat(client, **kw, stream=True))
+        pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+        name, arguments = pieces[0].function.name, "".join(p.function.arguments for p in pieces)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = _chat(client, **kw).choices[0]
+        (call,) = choice.message.tool_calls
+        name, arguments, finish = call.function.name, call.function.arguments, choice.finish_reason
+    assert finish == "tool_calls"
+    if name == "get_weather":
+        args = json.loads(arguments)
+        assert set(args) == {"city", "unit"} and args["city"] in ("Paris", "Tokyo")
+        assert args["unit"] in ("celsius", "fahrenheit")
+    else:
+        assert name == "get_time" and isinstance(tool_choice, str) and json.loads(arguments) == {}
+
+
+def test_required_parallel_calls(client, script):
+    script.set('[{"name": "get_weather", "parameters": {"city": "Tokyo", "unit": "celsius"}}, '
+               '{"name": "get_time", "parameters": {}}]')
+    tools = [WEATHER_TOOL, {"type": "function", "function": {"name": "get_time"}}]
+    choice = _chat(client, tools=tools, tool_choice="required").choices[0]
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Tokyo", "unit": "celsius"}), ("get_time", {})]
+    assert choice.finish_reason == "tool_calls" and len({c.id for c in choice.message.tool_calls}) == 2
+
+
+def test_tool_result_round_trip_reaches_the_template(client, script):
+    script.set("It is 18 degrees in Paris.")
+    messages = [
+        *MSG,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(ARGS)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]  # fmt: skip
+    r = _chat(client, messages=messages, tools=[WEATHER_TOOL])
+    assert r.choices[0].message.content == "It is 18 degrees in Paris."
+    prompt = script.tokenizer.decode(script.seq)
+    # the arguments rendered as an object (a dict in the template), not a quoted JSON string
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in prompt
+    assert "<tool_response>\n18 C\n</tool_response>" in prompt
+    assert '"name": "get_weather"' in prompt.split("</tools>")[0]  # the tool definitions
+
+
+def test_reasoning_content(client, script):
+    script.set("<think>2 and 2 make 4.</think>The answer is 4.")
+    message = _chat(client).choices[0].message
+    assert message.content == "The answer is 4."
+    assert message.model_extra["reasoning_content"] == "2 and 2 make 4."
+    chunks = list(_chat(client, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "2 and 2 make 4."
+    assert "".join(d.content or "" for d in deltas) == "The answer is 4."
+
+
+def test_reasoning_then_tool_call(client, script):
+    script.set("<think>Use the tool.</think>" + CALL)
+    message = _chat(client, tools=[WEATHER_TOOL]).choices[0].message
+    assert message.model_extra["reasoning_content"] == "Use the tool."
+    assert message.tool_calls[0].function.name == "get_weather"
+
+
+def test_chat_template_kwargs_reach_the_template(client, script):
+    script.set("Hi.")
+    _chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\n" in script.tokenizer.decode(script.seq)
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs may not set 'tools'"):
+        _chat(client, extra_body={"chat_template_kwargs": {"tools": []}})
+
+
+@pytest.mark.parametrize("part", [
+    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+    {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+])  # fmt: skip
+def test_image_and_audio_parts_are_refused_by_type(client, part):
+    with pytest.raises(openai.BadRequestError, match=repr(part["type"])):
+        _chat(client, messages=[{"role": "user", "content": [{"type": "text", "text": "What is it?"}, part]}])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("functions", [{"name": "f", "parameters": {}}]), ("function_call", {"name": "f"}),
+])  # fmt: skip
+def test_legacy_function_fields_are_refused_by_name(served, field, value):
+    r = httpx.post(served[0].url + "/v1/chat/completions", json={"messages": MSG, field: value}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_tools_without_a_parser_name_the_flag():
+    engine, script = scripted_engine()
+    server = TinyServer(engine=engine)  # the tiny tokenizer's template: no tool-call family
+    try:
+        body = {"messages": MSG, "tools": [WEATHER_TOOL]}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"], r.text
+        script.set("x")
+        forced = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                            json={**body, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 120})  # needs no parser
+        assert forced.status_code == 200 and forced.json()["choices"][0]["message"].get("tool_calls"), forced.text
+    finally:
+        server.stop()
