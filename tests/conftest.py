@@ -193,6 +193,41 @@ def run_to_completion(engine: LLMEngine) -> dict[str, list[int]]:
     return done
 
 
+class InProcessServer:
+    """``kvflow serve``'s app (``build_app(**app_kwargs)``, model name "tiny") and uvicorn
+    server over ``engine``, on 127.0.0.1 in a thread of this process (so that tests reach
+    the engine). ``stop()`` shuts it down."""
+
+    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None, keep_alive_s: float = 5.0,
+                 read_timeout_s: float = 30.0, **app_kwargs) -> None:
+        import socket
+        import threading
+        import time
+
+        from kvflow.engine.async_engine import AsyncLLMEngine
+        from kvflow.entrypoints.openai.server import build_app, make_server
+
+        self.engine = AsyncLLMEngine(engine, "tiny", max_queue_len=max_queue_len)
+        app = build_app(self.engine, "tiny", engine.scheduler_config.max_model_len, model_aliases=("/models/tiny",),
+                        **app_kwargs)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = make_server(app, "127.0.0.1", self.port, "warning", keep_alive_s, read_timeout_s)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
 def prefill_logits(model: LlamaForCausalLM, token_ids: list[int], chunk: int, block_size: int = 4) -> torch.Tensor:
     """Logits at every position of ``token_ids``, computed in chunks through the paged cache."""
     n = len(token_ids)

@@ -12,7 +12,8 @@ an assistant message's ``text`` blocks are its content and its ``tool_use`` bloc
 calls; ``thinking`` blocks of earlier turns are not rendered (the chat templates of thinking
 models leave earlier reasoning out of the prompt). ``tool_choice`` ``auto`` / ``any`` /
 ``tool`` / ``none`` are chat's ``auto`` / ``required`` / a named function / ``none``, and
-``disable_parallel_tool_use`` is ``parallel_tool_calls: false``.
+``disable_parallel_tool_use`` is ``parallel_tool_calls: false``; ``output_config.format``
+(a JSON schema) is the chat ``response_format``, enforced by guided decoding.
 """
 
 from __future__ import annotations
@@ -58,9 +59,16 @@ class MessagesRequest(_Body):
     stream: bool = False
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    output_config: dict[str, Any] | None = None  # its "format" (a JSON schema) is read; "effort" is refused
     # fields that do not change the output
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    cache_control: Any = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
+    diagnostics: Any = None
     # fields kvflow does not implement
     thinking: dict[str, Any] | None = None
     container: Any = None
@@ -69,6 +77,21 @@ class MessagesRequest(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "thinking": ({"type": "disabled"},), "container": (), "mcp_servers": ([],),
     }  # fmt: skip
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        found = super().unsupported_field()
+        if found is None and (self.output_config or {}).get("effort") is not None:
+            return "output_config", "output_config.effort is not supported by kvflow; leave it unset"
+        return found
+
+
+def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if fmt.get("type") != "json_schema":
+        raise ValueError(f"output_config.format.type must be 'json_schema', got {fmt.get('type')!r}")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
 
 
 _UNREAD_BLOCK = "content blocks of type {kind!r} are not supported by kvflow ({allowed} only: the served models read text)"
@@ -188,5 +211,6 @@ def to_chat_fields(req: MessagesRequest) -> dict[str, Any]:
         "model": req.model, "messages": _messages(req), "max_tokens": req.max_tokens, "stop": req.stop_sequences,
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "tools": _tools(req),
         "tool_choice": _tool_choice(req.tool_choice), "parallel_tool_calls": parallel,
+        "response_format": _response_format(req.output_config),
     }  # fmt: skip
     return {k: v for k, v in fields.items() if v is not None}

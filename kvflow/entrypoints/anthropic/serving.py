@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 PATH = "/v1/messages"
 TOOL_ID_PREFIX = "toolu_"
-RENAMES = {"stop": "stop_sequences"}
+RENAMES = {"stop": "stop_sequences", "response_format": "output_config", "guided_json": "output_config"}
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {

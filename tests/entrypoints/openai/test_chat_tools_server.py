@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from agent_helpers import HERMES_TEMPLATE, WEATHER_TOOL, scripted_engine
-from test_server_tiny import TinyServer
+from conftest import InProcessServer
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 MSG = [{"role": "user", "content": "Weather in Paris?"}]
@@ -22,7 +22,7 @@ ARGS = {"city": "Paris", "unit": "celsius"}
 @pytest.fixture(scope="module")
 def served():
     engine, script = scripted_engine()
-    server = TinyServer(engine=engine, chat_template=HERMES_TEMPLATE, reasoning_parser="qwen3")
+    server = InProcessServer(engine, chat_template=HERMES_TEMPLATE, reasoning_parser="qwen3")
     yield server, script
     server.stop()
 
@@ -178,7 +178,7 @@ def test_legacy_function_fields_are_refused_by_name(served, field, value):
 
 def test_tools_without_a_parser_name_the_flag():
     engine, script = scripted_engine()
-    server = TinyServer(engine=engine)  # the tiny tokenizer's template: no tool-call family
+    server = InProcessServer(engine)  # the tiny tokenizer's template: no tool-call family
     try:
         body = {"messages": MSG, "tools": [WEATHER_TOOL]}
         r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)

@@ -19,9 +19,8 @@ import httpx
 import pytest
 import torch
 
-from conftest import TINY_TEXT_VOCAB, tiny_engine, tiny_model_config, tiny_tokenizer
-from kvflow.engine.async_engine import AsyncLLMEngine
-from kvflow.entrypoints.openai.server import build_app, default_served_name, make_server
+from conftest import TINY_TEXT_VOCAB, InProcessServer, tiny_engine, tiny_model_config, tiny_tokenizer
+from kvflow.entrypoints.openai.server import default_served_name
 
 MAX_REQUEST_BYTES = 64 * 1024
 READ_TIMEOUT_S = 1.0
@@ -40,37 +39,15 @@ def _one_thread():
     torch.set_num_threads(saved)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class TinyServer(InProcessServer):
+    """``kvflow serve``'s app and uvicorn server over a tiny engine, in a thread (this
+    module's body limit and connection timeouts)."""
 
-
-class TinyServer:
-    """``kvflow serve``'s app and uvicorn server over a tiny engine, in a thread."""
-
-    def __init__(self, max_queue_len=None, engine_kwargs=None, engine=None, **app_kwargs) -> None:
-        if engine is None:
-            engine = tiny_engine(tokenizer=tiny_tokenizer(), config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB),
-                                 **(engine_kwargs or {}))
-        self.engine = AsyncLLMEngine(engine, "tiny", max_queue_len=max_queue_len)
+    def __init__(self, max_queue_len=None, engine_kwargs=None, **app_kwargs) -> None:
+        engine = tiny_engine(tokenizer=tiny_tokenizer(), config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB),
+                             **(engine_kwargs or {}))
         app_kwargs.setdefault("max_request_bytes", MAX_REQUEST_BYTES)
-        app = build_app(self.engine, "tiny", engine.scheduler_config.max_model_len, model_aliases=("/models/tiny",),
-                        **app_kwargs)
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = make_server(app, "127.0.0.1", self.port, "warning", KEEP_ALIVE_S, READ_TIMEOUT_S)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
+        super().__init__(engine, max_queue_len, KEEP_ALIVE_S, READ_TIMEOUT_S, **app_kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,169 @@
+"""POST /v1/messages (Anthropic's Messages API) through the HTTP server with the
+``anthropic`` client, on the scripted tiny model of ``agent_helpers`` (Hermes-format
+template, ``--reasoning-parser qwen3``): text, streaming, a tool_use round trip, forced
+tool use, stop reasons, Anthropic-shaped errors and the ``x-api-key`` header."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from agent_helpers import HERMES_TEMPLATE, WEATHER_TOOL, scripted_engine
+from conftest import InProcessServer
+
+anthropic = pytest.importorskip("anthropic")
+
+API_KEY = "sk-tiny-anthropic"
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+ARGS = {"city": "Paris", "unit": "celsius"}
+TOOL = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+        "input_schema": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
+MSG = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine, script = scripted_engine()
+    server = InProcessServer(engine, chat_template=HERMES_TEMPLATE, reasoning_parser="qwen3", api_key=API_KEY)
+    yield server, script
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def script(served):
+    return served[1]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with anthropic.Anthropic(base_url=served[0].url, api_key=API_KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _create(client, **kw):
+    return client.messages.create(model="tiny", max_tokens=kw.pop("max_tokens", 120), messages=kw.pop("messages", MSG),
+                                  **kw)  # fmt: skip
+
+
+def test_text(client, script):
+    script.set("It is sunny.")
+    r = _create(client, system="Be brief.")
+    assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg_")
+    assert [(b.type, b.text) for b in r.content] == [("text", "It is sunny.")]
+    assert r.stop_reason == "end_turn" and r.stop_sequence is None
+    assert r.usage.output_tokens == len(script.script) and r.usage.input_tokens > 0
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in script.tokenizer.decode(script.seq)
+
+
+def test_stop_reasons(client, script):
+    script.set("It is sunny. Really.")
+    r = _create(client, stop_sequences=["."])
+    assert r.stop_reason == "stop_sequence" and r.stop_sequence == "." and r.content[0].text == "It is sunny"
+    r = _create(client, max_tokens=3)
+    assert r.stop_reason == "max_tokens" and r.content[0].text == "It "
+
+
+def test_text_streamed(client, script):
+    script.set("<think>Easy.</think>It is sunny.")
+    with client.messages.stream(model="tiny", max_tokens=120, messages=MSG) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events if e.type not in ("text", "thinking", "input_json", "signature")]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta") \
+        == "It is sunny."
+    assert [(b.type, getattr(b, "text", None) or getattr(b, "thinking", None)) for b in final.content] == [
+        ("thinking", "Easy."), ("text", "It is sunny.")]
+    assert final.stop_reason == "end_turn" and final.usage.output_tokens == len(script.script)
+
+
+def test_tool_use_round_trip(client, script):
+    script.set(CALL)
+    r = _create(client, tools=[TOOL])
+    assert r.stop_reason == "tool_use"
+    (use,) = r.content
+    assert use.type == "tool_use" and use.name == "get_weather" and use.input == ARGS and use.id.startswith("toolu_")
+    script.set("It is 18 C in Paris.")
+    messages = [*MSG, {"role": "assistant", "content": [b.model_dump() for b in r.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C"}]}]
+    r2 = _create(client, tools=[TOOL], messages=messages)
+    assert r2.content[0].text == "It is 18 C in Paris." and r2.stop_reason == "end_turn"
+    prompt = script.tokenizer.decode(script.seq)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in prompt
+    assert "<tool_response>\n18 C\n</tool_response>" in prompt
+
+
+def test_tool_use_streamed(client, script):
+    script.set("Let me check. " + CALL)
+    with client.messages.stream(model="tiny", max_tokens=120, messages=MSG, tools=[TOOL]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    json_deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+                   and e.delta.type == "input_json_delta"]  # fmt: skip
+    assert len(json_deltas) > 1 and json.loads("".join(json_deltas)) == ARGS
+    assert [b.type for b in final.content] == ["text", "tool_use"]
+    assert final.content[0].text == "Let me check. " and final.content[1].input == ARGS
+    assert final.stop_reason == "tool_use"
+
+
+def test_sampling_fields_and_output_format(client, script):
+    script.set('{"ok": true}')
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = _create(client, output_config={"format": {"type": "json_schema", "schema": schema}},
+                extra_body={"temperature": 0, "top_p": 0.9, "top_k": 5})  # not in this client's signature
+    assert json.loads(r.content[0].text) == {"ok": True}
+    with pytest.raises(anthropic.BadRequestError, match="temperature"):
+        _create(client, extra_body={"temperature": -1})
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_forced_tool_use(client, script, tool_choice):
+    script.set("No tool for me.")
+    r = _create(client, tools=[TOOL], tool_choice={**tool_choice, "disable_parallel_tool_use": True})
+    (use,) = r.content
+    assert use.type == "tool_use" and use.name == "get_weather" and r.stop_reason == "tool_use"
+    assert use.input["city"] in ("Paris", "Tokyo") and use.input["unit"] in ("celsius", "fahrenheit")
+
+
+def test_errors_are_anthropic_shaped(client, served):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        _create(client, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    assert info.value.body == {"type": "error", "error": {"type": "invalid_request_error", "message": info.value.body[
+        "error"]["message"]}}
+    assert "'image'" in info.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-nope", max_tokens=5, messages=MSG)
+    url = served[0].url + "/v1/messages"
+    r = httpx.post(url, json={"model": "tiny", "max_tokens": 5, "messages": MSG}, headers={"x-api-key": "wrong"})
+    assert r.status_code == 401 and r.json()["type"] == "error" and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(url, json={"model": "tiny", "messages": MSG}, headers={"x-api-key": API_KEY})  # no max_tokens
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in r.json()["error"]["message"]
+    # Bearer works too; other paths keep OpenAI's shape and do not take x-api-key
+    script_body = {"model": "tiny", "max_tokens": 5, "messages": MSG, "thinking": {"type": "enabled", "budget_tokens": 9}}
+    r = httpx.post(url, json=script_body, headers={"authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 400 and "thinking" in r.json()["error"]["message"], r.text
+    r = httpx.post(served[0].url + "/v1/chat/completions", json={"messages": MSG}, headers={"x-api-key": API_KEY})
+    assert r.status_code == 401 and set(r.json()) == {"error"}
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]}, "'web_search_20250305'"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "'document'"),
+    ({"system": [{"type": "image", "source": {}}]}, "'image'"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "image", "source": {}}]}]}]}, "'image'"),
+    ({"tool_choice": {"type": "tool"}, "tools": [TOOL]}, "tool_choice.name"),
+    ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+    ({"output_config": {"effort": "high"}}, "output_config.effort"),
+])  # fmt: skip
+def test_refused_by_name(served, body, match):
+    r = httpx.post(served[0].url + "/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": MSG, **body},
+                   headers={"x-api-key": API_KEY})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and match in r.json()["error"]["message"], r.json()

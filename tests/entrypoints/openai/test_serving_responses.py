@@ -1,0 +1,143 @@
+"""POST /v1/responses through the HTTP server with the ``openai`` client
+(``client.responses.create``, whole and streamed), on the scripted tiny model of
+``agent_helpers`` (Hermes-format template, ``--reasoning-parser qwen3``)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from agent_helpers import HERMES_TEMPLATE, WEATHER_TOOL, scripted_engine
+from conftest import InProcessServer
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+ARGS = {"city": "Paris", "unit": "celsius"}
+TOOL = {"type": "function", "name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
+        "parameters": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine, script = scripted_engine()
+    server = InProcessServer(engine, chat_template=HERMES_TEMPLATE, reasoning_parser="qwen3")
+    yield server, script
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def script(served):
+    return served[1]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=served[0].url + "/v1", api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def _create(client, **kw):
+    return client.responses.create(model="tiny", input=kw.pop("input", "Weather in Paris?"), temperature=0,
+                                   max_output_tokens=kw.pop("max_output_tokens", 120), **kw)  # fmt: skip
+
+
+def test_text(client, script):
+    script.set("It is sunny.")
+    r = _create(client, instructions="Be brief.")
+    assert r.status == "completed" and r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == "It is sunny."
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert r.usage.output_tokens == len(script.script) and r.usage.input_tokens > 0
+    prompt = script.tokenizer.decode(script.seq)
+    assert "<|im_start|>system\nBe brief.<|im_end|>" in prompt and "Weather in Paris?" in prompt
+
+
+def test_max_output_tokens_is_incomplete(client, script):
+    script.set("It is sunny and warm in Paris today.")
+    r = _create(client, max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text == "It "
+
+
+def test_text_streamed(client, script):
+    script.set("It is sunny.")
+    events = list(_create(client, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "It is sunny."
+    assert events[-1].response.output_text == "It is sunny."
+
+
+def test_function_call_loop(client, script):
+    script.set(CALL)
+    r = _create(client, tools=[TOOL])
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == ARGS
+    assert call.call_id.startswith("call_")
+    script.set("It is 18 C in Paris.")
+    history = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}]  # fmt: skip
+    r2 = _create(client, input=history, tools=[TOOL])
+    assert r2.output_text == "It is 18 C in Paris."
+    prompt = script.tokenizer.decode(script.seq)
+    assert '"arguments": {"city": "Paris", "unit": "celsius"}' in prompt
+    assert "<tool_response>\n18 C\n</tool_response>" in prompt
+
+
+def test_function_call_streamed(client, script):
+    script.set("<think>Use the tool.</think>" + CALL)
+    events = list(_create(client, tools=[TOOL], stream=True))
+    added = [e.item for e in events if e.type == "response.output_item.added"]
+    assert [i.type for i in added] == ["reasoning", "function_call"]
+    assert added[1].name == "get_weather" and added[1].arguments == ""
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(fragments) > 1 and json.loads("".join(fragments)) == ARGS
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads(done.arguments) == ARGS
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == "Use the tool."
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "function_call"]
+    assert final.output[1].call_id == added[1].call_id
+
+
+def test_forced_function_call(client, script):
+    script.set("No tool for me.")
+    r = _create(client, tools=[TOOL], tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = r.output
+    args = json.loads(call.arguments)
+    assert call.name == "get_weather" and args["city"] in ("Paris", "Tokyo") and args["unit"] in ("celsius", "fahrenheit")
+
+
+def test_json_schema_text_format(client, script):
+    script.set('{"ok": true}')
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = _create(client, text={"format": {"type": "json_schema", "name": "r", "schema": schema}})
+    assert json.loads(r.output_text) == {"ok": True}
+
+
+@pytest.mark.parametrize("body, param, match", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "stateless"),
+    ({"store": True}, "store", "stateless"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "'web_search'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input",
+     "'input_image'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, "input",
+     "'input_audio'"),
+    ({"input": [{"type": "file_search_call", "id": "x"}]}, "input", "'file_search_call'"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice", "'file_search'"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be at least 1"),
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
+])  # fmt: skip
+def test_refused_by_name(served, body, param, match):
+    r = httpx.post(served[0].url + "/v1/responses", json={"input": "Hi", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and match in error["message"], error
