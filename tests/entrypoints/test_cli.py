@@ -410,3 +410,20 @@ def test_serve_exits_non_zero_when_the_engine_dies(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_agent_flags(tmp_path):
+    from kvflow.entrypoints.cli import load_chat_template
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert load_chat_template(str(template)) == "{{ messages[0]['content'] }}"
+    assert load_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{% for")
+    assert load_chat_template(None) is None
+    with pytest.raises(FileNotFoundError, match="--chat-template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "mistral", "--reasoning-parser", "deepseek_r1"])
+    assert (args.tool_call_parser, args.reasoning_parser, args.chat_template) == ("mistral", "deepseek_r1", None)
+    for flag in ("--tool-call-parser", "--reasoning-parser"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", flag, "nope"])
