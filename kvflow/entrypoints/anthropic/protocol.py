@@ -89,9 +89,9 @@ def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | N
     fmt = (output_config or {}).get("format")
     if fmt is None:
         return None
-    if fmt.get("type") != "json_schema":
-        raise ValueError(f"output_config.format.type must be 'json_schema', got {fmt.get('type')!r}")
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise ValueError("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 _UNREAD_BLOCK = "content blocks of type {kind!r} are not supported by kvflow ({allowed} only: the served models read text)"
@@ -121,8 +121,9 @@ def _tool_result_text(block: dict[str, Any], where: str) -> str:
     if isinstance(content, list):
         parts = []
         for k, inner in enumerate(content):
-            if inner.get("type") != "text":
-                raise ValueError(f"{where}.content[{k}]: " + _UNREAD_BLOCK.format(kind=inner.get("type"), allowed="text"))
+            kind = inner.get("type") if isinstance(inner, dict) else None
+            if kind != "text":
+                raise ValueError(f"{where}.content[{k}]: " + _UNREAD_BLOCK.format(kind=kind, allowed="text"))
             parts.append(_text(inner, f"{where}.content[{k}]"))
         content = "".join(parts)
     elif not isinstance(content, str):
