@@ -22,31 +22,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvflow.entrypoints.openai.protocol import ChatTool, NamedToolChoice, ToolCallMessage, ToolChoice
+from kvflow.entrypoints.openai.protocol import ChatTool, NamedToolChoice, ToolChoice
 
 # llguidance's JSON options (its "x-guidance" schema key): one fixed layout, no free
 # whitespace (a model, random weights included, cannot pad forever), unknown schema
 # keywords ignored (tool schemas carry titles, formats, examples...).
 _GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
-
-
-def template_tool_calls(calls: list[ToolCallMessage], field: str) -> list[dict[str, Any]]:
-    """Tool calls as chat templates read them (transformers' ``apply_chat_template``): the
-    arguments as a dict (Qwen2.5's template writes ``tool_call.arguments | tojson``, which
-    would quote a JSON string a second time).
-
-    Raises:
-        ValueError: naming ``field``, for arguments that are not JSON.
-    """
-    out = []
-    for j, call in enumerate(calls):
-        try:
-            arguments = json.loads(call.function.arguments) if call.function.arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{field}[{j}].function.arguments is not valid JSON: {exc}") from None
-        out.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
-    return out
 
 
 def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
