@@ -19,7 +19,6 @@ Semantics follow the OpenAI chat completions API and vLLM:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvflow.entrypoints.openai.protocol import ChatTool, NamedToolChoice, ToolChoice
