@@ -10,7 +10,8 @@ user message's ``text`` blocks are its content and each ``tool_result`` block a 
 (``tool_call_id`` = ``tool_use_id``; an ``is_error`` result's text is prefixed ``Error: ``);
 an assistant message's ``text`` blocks are its content and its ``tool_use`` blocks its tool
 calls; ``thinking`` blocks of earlier turns are not rendered (the chat templates of thinking
-models leave earlier reasoning out of the prompt). ``tool_choice`` ``auto`` / ``any`` /
+models leave earlier reasoning out of the prompt). A last assistant message (Anthropic's
+prefill, which the reply continues) is refused. ``tool_choice`` ``auto`` / ``any`` /
 ``tool`` / ``none`` are chat's ``auto`` / ``required`` / a named function / ``none``, and
 ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``; ``output_config.format``
 (a JSON schema) is the chat ``response_format``, enforced by guided decoding.
@@ -137,6 +138,9 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
     Raises:
         ValueError: naming the block, for a block kvflow does not read.
     """
+    if req.messages[-1].role == "assistant":
+        raise ValueError(f"messages[{len(req.messages) - 1}]: a final assistant message (a prefill the reply "
+                         "continues) is not supported by kvflow; end with a user message")
     out = _system(req.system)
     for i, message in enumerate(req.messages):
         if isinstance(message.content, str):

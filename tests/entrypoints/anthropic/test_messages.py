@@ -160,6 +160,7 @@ def test_errors_are_anthropic_shaped(client, served):
         {"type": "image", "source": {}}]}]}]}, "'image'"),
     ({"tool_choice": {"type": "tool"}, "tools": [TOOL]}, "tool_choice.name"),
     ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+    ({"messages": [*MSG, {"role": "assistant", "content": "It is"}]}, "prefill"),
     ({"output_config": {"effort": "high"}}, "output_config.effort"),
 ])  # fmt: skip
 def test_refused_by_name(served, body, match):
