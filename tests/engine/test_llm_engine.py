@@ -417,7 +417,7 @@ def test_fault_while_preparing_one_request_fails_it_alone(monkeypatch):
     original = ModelRunner.prepare_inputs
 
     def prepare(self, out):
-        if any(_is_marked(r) for r in out.scheduled_requests):
+        if any(_is_marked(r) for r in map(self.requests.get, out.scheduled_req_ids)):
             raise RuntimeError("injected prepare fault")
         return original(self, out)
 
@@ -438,8 +438,8 @@ def test_fault_in_the_forward_of_a_batch_fails_only_its_culprit(monkeypatch, chu
 
     def prepare(self, out):
         inputs = original(self, out)
-        if any(_is_marked(r) for r in out.scheduled_requests) and any(
-            r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= 5 for r in out.scheduled_requests
+        if any(_is_marked(r) for r in map(self.requests.get, out.scheduled_req_ids)) and any(
+            r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= 5 for r in map(self.requests.get, out.scheduled_req_ids)
             if _is_marked(r)
         ):
             inputs.input_ids = inputs.input_ids + 10_000  # injected: out of the embedding's range
@@ -525,7 +525,7 @@ def test_parallel_samples_of_a_failing_request_all_fail_and_free_their_blocks(mo
     original = ModelRunner.prepare_inputs
 
     def prepare(self, out):
-        if any(_is_marked(r) and r.num_output_tokens >= 2 for r in out.scheduled_requests):
+        if any(_is_marked(r) and r.num_output_tokens >= 2 for r in map(self.requests.get, out.scheduled_req_ids)):
             raise RuntimeError("injected prepare fault")
         return original(self, out)
 
@@ -578,7 +578,7 @@ def test_a_lone_failing_request_is_failed_and_the_engine_goes_on(monkeypatch):
     original = ModelRunner.prepare_inputs
 
     def prepare(self, out):
-        if any(_is_marked(r) for r in out.scheduled_requests):
+        if any(_is_marked(r) for r in map(self.requests.get, out.scheduled_req_ids)):
             raise RuntimeError("injected prepare fault")
         return original(self, out)
 
