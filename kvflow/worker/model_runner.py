@@ -166,7 +166,10 @@ class ModelRunner:
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply a step's state changes: drop the finished and preempted requests, add the
-        new ones, apply the diffs of the held ones (``execute`` calls it first).
+        new ones, apply the diffs of the held ones (``execute`` calls it first). A request
+        that finishes in a step is dropped at the next step (its id comes in that step's
+        ``finished_req_ids``), as in vLLM; a held request that is not scheduled in a step
+        keeps its state until it is.
 
         Raises:
             KeyError: a diff for a request the runner does not hold (a broken contract).
@@ -266,7 +269,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the model on the batch and sample.
+        """Apply the step's state changes (``update_states``, after broadcasting the step to
+        tensor-parallel workers), run the model on the batch and sample.
 
         Fault isolation: when preparing the inputs, the forward or the logits of the batch
         raise, the batch runs again one request at a time (each with the parallel samples
