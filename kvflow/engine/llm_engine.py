@@ -522,7 +522,10 @@ class LLMEngine:
         Raises:
             RuntimeError: when that fails too: the fault is the engine's, not a request's.
         """
-        probe = Request("kvflow-probe", [0], SamplingParams(temperature=0, max_tokens=1), None)
+        probe_id = "kvflow-probe"
+        while probe_id in self.scheduler.requests:  # the runner holds states by id: never a live one's
+            probe_id += "'"
+        probe = Request(probe_id, [0], SamplingParams(temperature=0, max_tokens=1), None)
         if not self.kv_cache_manager.allocate_slots(probe, 1):
             return  # not reached: the failed requests' blocks were just freed
         batch = SchedulerOutput(scheduled_new_reqs=[NewRequestData.from_request(probe)])

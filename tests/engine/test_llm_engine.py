@@ -724,3 +724,14 @@ def test_quantized_kv_triton_backend_independent_of_chunking_and_prefix_hits():
     engine = _quantized_engine(torch.int8, 4, 3, config, backend="triton")
     assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref
     assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref
+
+
+def test_the_probe_never_takes_the_runner_state_of_a_live_request():
+    """The one-token probe runs through the runner's per-request state like any request; a
+    user request that happens to be called "kvflow-probe" keeps its own state (and output)."""
+    engine = tiny_engine()
+    engine.add_request("kvflow-probe", PROMPTS["p9"], GREEDY)
+    engine.step()  # prefilled: the runner holds it
+    engine._probe()
+    assert engine.model_runner.requests["kvflow-probe"].prompt_token_ids == PROMPTS["p9"]
+    assert run_to_completion(engine) == {"kvflow-probe": reference()["p9"]}
