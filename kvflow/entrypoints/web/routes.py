@@ -84,7 +84,8 @@ def register(app: FastAPI, engine: AsyncLLMEngine) -> None:
         app.add_api_route(path, page(name), methods=["GET"], include_in_schema=False)
     app.mount(STATIC_URL, StaticFiles(directory=STATIC_DIR), name="ui")
 
-    @app.get(STREAM_PATH, summary="Engine snapshots (server-sent events) for the dashboard")
+    # (Not in /openapi.json: a schema-driven client would read the endless stream forever.)
+    @app.get(STREAM_PATH, include_in_schema=False)
     async def snapshot_stream() -> Response:
         return StreamingResponse(snapshot_events(engine), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
