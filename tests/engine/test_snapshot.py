@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from conftest import tiny_engine, tiny_model, tiny_model_config
+from conftest import make_engine, tiny_engine, tiny_model, tiny_model_config
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.engine.llm_engine import LLMEngine
@@ -150,11 +150,10 @@ def test_waiting_queue_shows_recompute_preemptions():
 
 def test_swapped_requests_hold_host_blocks():
     config = tiny_model_config()
-    engine = LLMEngine(
-        model=tiny_model(config), model_config=config,
-        cache_config=CacheConfig(4, 10, torch.float32, enable_prefix_caching=False, num_cpu_blocks=32),
-        scheduler_config=SchedulerConfig(64, 16, 256, preemption_mode="swap"),
-        tokenizer=None, device=torch.device("cpu"),
+    engine = make_engine(
+        tiny_model(config), config,
+        CacheConfig(4, 10, torch.float32, enable_prefix_caching=False, num_cpu_blocks=32),
+        SchedulerConfig(64, 16, 256, preemption_mode="swap"),
     )  # fmt: skip
     producer = SnapshotProducer(engine)
     for i in range(3):
@@ -193,9 +192,8 @@ def test_batch_entries_tell_prefill_chunks_decodes_and_verifies():
         sub.close()
 
     config = tiny_model_config(vocab_size=32)
-    spec = LLMEngine(
-        model=tiny_model(config), model_config=config, cache_config=CacheConfig(4, 64, torch.float32),
-        scheduler_config=SchedulerConfig(64, 16, 256), tokenizer=None, device=torch.device("cpu"),
+    spec = make_engine(
+        tiny_model(config), config, CacheConfig(4, 64, torch.float32), SchedulerConfig(64, 16, 256),
         proposer=NgramProposer(3, 1, 3, 256),
     )  # fmt: skip
     producer = SnapshotProducer(spec, max_rate_hz=1e9)
