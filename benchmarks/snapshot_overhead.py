@@ -41,8 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
-
+import kvflow  # noqa: F401 - before torch: kvflow's OpenMP wait policy applies (kvflow.cpu_threads)
 import torch
 
 from benchmarks.common import format_table, machine_info, make_workload

@@ -244,8 +244,9 @@ class SnapshotProducer:
 
     # ------------------------------------------------------------------ engine thread
     def on_scheduled(self, sched_out: SchedulerOutput) -> None:
-        """After scheduling, before the forward: summarise the batch (and describe it in
-        full when a snapshot is due after this step). Engine thread."""
+        """After scheduling, before the forward: summarise the batch and describe it (the
+        description goes into the snapshot after this step, if one is due then). Engine
+        thread."""
         self.num_steps += 1
         if not self._subscribers:
             return
@@ -268,19 +269,20 @@ class SnapshotProducer:
             "duration_s": None,
         }
         self._steps.append(summary)
-        if self._force or self._step_start - self._last_time >= self.min_interval_s:
-            self._pending_batch = {
-                "step": self.num_steps,
-                "requests": entries,
-                "forked": [{"id": c.request_id, "parent": p.request_id} for c, p in sched_out.forked],
-                "preempted": [r.request_id for r in sched_out.preempted_requests],
-                "num_scheduled_tokens": sched_out.total_num_scheduled_tokens,
-                "max_num_batched_tokens": self.engine.scheduler_config.max_num_batched_tokens,
-                "num_blocks_to_copy": len(sched_out.blocks_to_copy),
-                "num_blocks_swapped_out": len(sched_out.blocks_to_swap_out),
-                "num_blocks_swapped_in": len(sched_out.blocks_to_swap_in),
-                "duration_s": None,
-            }
+        # (Whether a snapshot is due is decided after the step, from the time since the last
+        # one: a step longer than the interval is shown every time.)
+        self._pending_batch = {
+            "step": self.num_steps,
+            "requests": entries,
+            "forked": [{"id": c.request_id, "parent": p.request_id} for c, p in sched_out.forked],
+            "preempted": [r.request_id for r in sched_out.preempted_requests],
+            "num_scheduled_tokens": sched_out.total_num_scheduled_tokens,
+            "max_num_batched_tokens": self.engine.scheduler_config.max_num_batched_tokens,
+            "num_blocks_to_copy": len(sched_out.blocks_to_copy),
+            "num_blocks_swapped_out": len(sched_out.blocks_to_swap_out),
+            "num_blocks_swapped_in": len(sched_out.blocks_to_swap_in),
+            "duration_s": None,
+        }
         self.capture_seconds += time.perf_counter() - start
 
     def after_step(self, stats: dict[str, Any] | None = None) -> None:
@@ -299,7 +301,7 @@ class SnapshotProducer:
         if self._steps:
             self._steps[-1]["duration_s"] = duration
         batch, self._pending_batch = self._pending_batch, None
-        if batch is not None:
+        if batch is not None and (self._force or now - self._last_time >= self.min_interval_s):
             batch["duration_s"] = duration
             self._publish(now, batch, stats)
         else:

@@ -295,6 +295,32 @@ def test_snapshots_are_throttled_but_every_step_is_summarised():
         sub.close()
 
 
+def test_steps_longer_than_the_interval_are_each_shown():
+    """The throttle counts from the last snapshot to the end of a step: with 0.2 s steps
+    and at most 10 snapshots a second, every step's batch is shown (not every other one)."""
+    engine = tiny_engine(num_blocks=64)
+    clock = FakeClock()
+    producer = SnapshotProducer(engine, max_rate_hz=10, clock=clock)
+    sub = Subscriber(producer)
+
+    def scheduled(started):
+        producer.on_scheduled(engine.last_scheduler_output)
+        clock.now += 0.2  # the forward
+
+    try:
+        engine.add_request("a", list(range(12)), params(max_tokens=6))
+        num_steps = 0
+        while engine.has_unfinished_requests():
+            engine.step(on_scheduled=scheduled)
+            producer.after_step()
+            num_steps += 1
+        snaps = sub.drain()
+        assert [s.data["batch"]["step"] for s in snaps] == list(range(1, num_steps + 1))
+        assert all(s.data["batch"]["duration_s"] == pytest.approx(0.2) for s in snaps)
+    finally:
+        sub.close()
+
+
 def test_describe_block_gives_owners_and_tokens():
     engine = tiny_engine(num_blocks=64, block_size=4)
     producer = SnapshotProducer(engine)
