@@ -57,13 +57,16 @@ export class LineChart {
       hi = hi > 0 ? niceCeil(hi * 1.1) : 1;
     }
     const lo = this.min;
+    ctx.font = "10px system-ui, sans-serif";
+    // the left margin fits the widest axis label (e.g. "10000 ms")
+    const ticks = [lo, (lo + hi) / 2, hi];
+    pad.l = Math.max(pad.l, 8 + Math.max(...ticks.map((v) => ctx.measureText(this.format(v)).width)));
     const x = (t) => pad.l + ((t - (now - this.windowS)) / this.windowS) * (width - pad.l - pad.r);
     const y = (v) => height - pad.b - ((v - lo) / (hi - lo || 1)) * (height - pad.t - pad.b);
-    ctx.font = "10px system-ui, sans-serif";
     ctx.fillStyle = text;
     ctx.strokeStyle = grid;
     ctx.lineWidth = 1;
-    for (const v of [lo, (lo + hi) / 2, hi]) {
+    for (const v of ticks) {
       ctx.beginPath();
       ctx.moveTo(pad.l, Math.round(y(v)) + 0.5);
       ctx.lineTo(width - pad.r, Math.round(y(v)) + 0.5);
