@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+
 import kvflow  # noqa: F401 - before torch: kvflow's OpenMP wait policy applies (kvflow.cpu_threads)
 import torch
 
