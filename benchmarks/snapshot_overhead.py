@@ -19,8 +19,10 @@ Each step is driven as ``AsyncLLMEngine``'s engine thread drives it (``engine.st
 in another thread and JSON-encodes each snapshot as the SSE route does. Per mode: steps,
 mean and median step time, snapshots taken, the producer's own engine-thread time per step
 (``SnapshotProducer.capture_seconds``, timed inside the hooks) and its share of the step
-time (the overhead; target < 2 %), and the median step time against ``off`` (the same
-overhead measured from outside, noisy on a shared machine).
+time (the overhead; target < 2 %; it includes waiting for the GIL while the subscriber's
+thread runs), and the median step time against ``off`` (the same overhead measured from
+outside, noisy on a shared machine). Then one snapshot's cost in isolation: the engine
+thread's capture and the subscriber's JSON encoding, median of 100.
 
 How to run
 ----------
@@ -129,6 +131,19 @@ def main(argv: list[str] | None = None) -> int:
         timed_step(engine, producer)
     for _ in range(3):
         timed_step(engine, producer)
+    # The cost of one snapshot in isolation (the batch running, no other thread waking up):
+    # the engine thread's capture, and the JSON encoding that the subscriber's loop does.
+    stats = engine.get_stats()
+    capture_s, json_s = [], []
+    for _ in range(100):
+        t0 = time.perf_counter()
+        snap = producer.capture(None, stats)
+        t1 = time.perf_counter()
+        snap.json()
+        capture_s.append(t1 - t0)
+        json_s.append(time.perf_counter() - t1)
+    isolated = {"capture_us_median": 1e6 * statistics.median(capture_s), "json_us_median": 1e6 * statistics.median(json_s),
+                "json_bytes": len(snap.json())}  # fmt: skip
 
     times: dict[str, list[float]] = {m: [] for m in MODES}
     capture: dict[str, float] = dict.fromkeys(MODES, 0.0)
@@ -174,10 +189,12 @@ def main(argv: list[str] | None = None) -> int:
                      result["producer_ms_per_step"], result["producer_share_pct"], result["median_vs_off_pct"]])  # fmt: skip
     print(f"batch {args.batch} decoding, {args.prompt_len}-token prompts, {num_blocks} KV blocks of {block_size}; "
           f"torch threads {torch.get_num_threads()}; {wall_s:.1f} s of timed steps", file=sys.stderr)  # fmt: skip
+    print(f"one snapshot in isolation: capture {isolated['capture_us_median']:.0f} us on the engine thread, JSON "
+          f"{isolated['json_us_median']:.0f} us on the subscriber's loop ({isolated['json_bytes']} bytes)", file=sys.stderr)  # fmt: skip
     print(format_table(["mode", "steps", "step ms (mean)", "step ms (median)", "snapshots", "producer ms/step",
                         "producer % of step", "median vs off %"], rows))  # fmt: skip
     record = {"args": vars(args), "machine": machine_info(), "num_kv_blocks": num_blocks, "block_size": block_size,
-              "max_tokens": max_tokens, "modes": results, "step_seconds": times, "target_pct": 2.0}  # fmt: skip
+              "max_tokens": max_tokens, "modes": results, "isolated_snapshot": isolated, "step_seconds": times, "target_pct": 2.0}  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
