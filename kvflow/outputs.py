@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvflow.logprobs import Logprob
+
 
 @dataclass
 class CompletionOutput:
@@ -17,7 +19,9 @@ class CompletionOutput:
             None while still generating.
         stop_reason: the stop string or stop token id that ended the output (None for EOS,
             length or abort).
-        logprobs: when requested, one {token id: log-probability} per generated token.
+        logprobs: when requested, one {token id: ``Logprob``} per generated token (the
+            sampled token and the top ``logprobs``; a ``Logprob`` is a float with ``.logprob``,
+            ``.rank`` and ``.decoded_token``, as vLLM's).
         cumulative_logprob: sum of the sampled tokens' log-probabilities, when requested.
     """
 
@@ -26,7 +30,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
 
 
@@ -61,8 +65,9 @@ class RequestOutput:
         finished: True once every output has a finish reason.
         metrics: timings in seconds on the monotonic clock: arrival_time,
             first_scheduled_time, first_token_time, and finished_time once finished.
-        prompt_logprobs: when requested, one {token id: log-probability} per prompt token
-            after the first (set on the finished output).
+        prompt_logprobs: when requested, one entry per prompt token, as vLLM: None for the
+            first (nothing predicts it), then {token id: ``Logprob``} holding the actual
+            token and the top ``prompt_logprobs`` (set on the finished output).
         error: set (with ``finished`` True and every finish_reason "error") when the engine
             failed this request; its blocks are freed and the other requests go on.
     """
@@ -73,7 +78,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
-    prompt_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: RequestFailure | None = None
 
 

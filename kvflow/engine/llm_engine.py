@@ -30,6 +30,7 @@ from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.parallel_state import TensorParallel, make_shard_plan
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
 from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.logprobs import Logprob
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.loader import iter_weights, load_config, load_generation_defaults, load_tokenizer, resolve_model
 from kvflow.outputs import CompletionOutput, RequestFailure, RequestOutput
@@ -176,10 +177,10 @@ class _RequestState:
     prompt_token_ids: list[int]
     samples: list[Request]
     detokenizers: list[IncrementalDetokenizer | None]
-    logprobs: list[list[dict[int, float]]]
+    logprobs: list[list[dict[int, Logprob]]]
     arrival_time: float
     first_scheduled_time: float | None = None
-    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
     first_token_time: float | None = None
 
     @property
@@ -267,6 +268,7 @@ class LLMEngine:
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
         self.generation_defaults = dict(generation_defaults or {})
+        self._token_texts: dict[int, str] = {}  # token id -> decode([id]), for Logprob.decoded_token
         self.eos_token_id = model_config.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
@@ -617,14 +619,28 @@ class LLMEngine:
         return detok.update(sample.all_token_ids[-1:], finished=sample.is_finished)
 
     def _append_output(self, state: _RequestState, sample: Request, tokens: list[int],
-                       logprobs: list[dict[int, float]] | None) -> None:
-        """Record a sample's new tokens' logprobs (its text was detokenized, and stop strings
-        matched, by ``_text_stop`` during ``Scheduler.update``)."""
+                       logprobs: list[dict[int, Logprob]] | None) -> None:
+        """Record a sample's new tokens' logprobs, with their decoded tokens (its text was
+        detokenized, and stop strings matched, by ``_text_stop`` during ``Scheduler.update``)."""
         index = state.samples.index(sample)
         if logprobs is not None:  # tokens may have been cut by a stop (speculation)
-            state.logprobs[index].extend(logprobs[: len(tokens)])
+            state.logprobs[index].extend(self._decoded(entry) for entry in logprobs[: len(tokens)])
         if sample.is_finished:
             del self._sample_owner[sample.request_id]
+
+    def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """``entry`` with every ``Logprob.decoded_token`` set (``tokenizer.decode([id])``,
+        as vLLM; None without a tokenizer)."""
+        if self.tokenizer is None:
+            return entry
+        texts = self._token_texts
+        out = {}
+        for token, logprob in entry.items():
+            text = texts.get(token)
+            if text is None:
+                text = texts[token] = self.tokenizer.decode([token])
+            out[token] = logprob.with_decoded_token(text)
+        return out
 
     @staticmethod
     def _drop_from_batch(sched_out: SchedulerOutput, sample_ids: set[str]) -> None:
@@ -758,8 +774,8 @@ class LLMEngine:
             ],
             finished=state.finished,
             metrics=metrics,
-            prompt_logprobs=(
-                [state.prompt_logprobs[i] for i in range(1, len(state.prompt_token_ids))]
+            prompt_logprobs=(  # as vLLM: None for the first prompt token, which has no predecessor
+                [None, *(self._decoded(state.prompt_logprobs[i]) for i in range(1, len(state.prompt_token_ids)))]
                 if state.finished and params.prompt_logprobs is not None
                 else None
             ),

@@ -9,6 +9,7 @@ import torch
 
 from kvflow.core.scheduler import SchedulerOutput
 from kvflow.layers.attention import AttentionGroup, AttentionMetadata, split_by_context
+from kvflow.logprobs import Logprob
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.request import Request
 from kvflow.sample.logits_processor import apply_logits_processors
@@ -334,12 +335,12 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]
-    ) -> dict[str, dict[int, dict[int, float]]]:
+    ) -> dict[str, dict[int, dict[int, Logprob]]]:
         index = torch.tensor([i for _, i, _ in rows], device=hidden.device)
         logits = self.model.compute_logits(hidden[index])
         targets = torch.tensor([r.all_token_ids[p + 1] for r, _, p in rows], device=hidden.device)
         entries = compute_logprobs(logits, targets, [r.sampling_params.prompt_logprobs for r, _, _ in rows])
-        out: dict[str, dict[int, dict[int, float]]] = {}
+        out: dict[str, dict[int, dict[int, Logprob]]] = {}
         for (r, _, p), entry in zip(rows, entries):
             out.setdefault(r.request_id, {})[p + 1] = entry
         return out
@@ -363,9 +364,9 @@ class ModelRunnerOutput:
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     num_accepted: dict[str, tuple[int, int]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, dict[int, dict[int, Logprob]]] = field(default_factory=dict)
     failed: dict[str, BaseException] = field(default_factory=dict)
 
     def merge(self, other: "ModelRunnerOutput") -> None:
@@ -382,7 +383,7 @@ def _restore(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
         generator.set_state(state)
 
 
-def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: list[int]) -> list[dict[int, float]]:
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: list[int]) -> list[dict[int, Logprob]]:
     """Log-probabilities of the raw model distribution (before temperature and filtering).
 
     Args:
@@ -391,17 +392,23 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: list[int
         top_k: per row, how many of the most likely tokens to report (0: only the sampled one).
 
     Returns:
-        Per row, {token id: log-probability} with the sampled token and the top ``top_k``.
+        Per row, {token id: ``Logprob``} with the top ``top_k`` (ranks 1..k) and the sampled
+        token (its rank: the number of tokens at least as likely, as vLLM), without
+        ``decoded_token`` (the engine adds it).
     """
     logprobs = torch.log_softmax(logits, dim=-1)
     k_max = max(top_k)
     top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None)
-    sampled = logprobs.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
+    sampled_t = logprobs.gather(1, tokens.view(-1, 1))
+    ranks = (logprobs >= sampled_t).sum(dim=-1).tolist()
+    sampled = sampled_t.squeeze(1).tolist()
     entries = []
     for row, k in enumerate(top_k):
         entry = {}
         if k > 0:
-            entry = dict(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist()))
-        entry[int(tokens[row])] = sampled[row]
+            entry = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist()))}
+        token = int(tokens[row])
+        if token not in entry:
+            entry[token] = Logprob(sampled[row], ranks[row])
         entries.append(entry)
     return entries

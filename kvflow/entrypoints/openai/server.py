@@ -458,7 +458,7 @@ class OpenAIServing:
                 if req.logprobs is not None:
                     tokens, entries = list(c.token_ids), list(c.logprobs or [])
                     if req.echo:
-                        tokens, entries = ids + tokens, [None, *(out.prompt_logprobs or [])] + entries
+                        tokens, entries = ids + tokens, list(out.prompt_logprobs or [None] * len(ids)) + entries
                     choice["logprobs"] = self._completion_logprobs(tokens, entries, 0)
                 choices.append(choice)
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
