@@ -106,3 +106,46 @@ class BeamSearchOutput:
     """The best ``beam_width`` sequences of one prompt, best first."""
 
     sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class EmbeddingOutput:
+    """The vector of one embedding request (vLLM's ``EmbeddingOutput``).
+
+    Attributes:
+        embedding: the pooled final hidden state (``kvflow.pooling_params``), L2-normalized
+            unless the request said otherwise; ``hidden_size`` floats (float32 values).
+    """
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """Result of one embedding request (vLLM's ``EmbeddingRequestOutput``).
+
+    Attributes:
+        request_id: the id the request was added with.
+        outputs: its ``EmbeddingOutput`` (an empty vector when ``error`` is set).
+        prompt_token_ids: the prompt's token ids.
+        num_cached_tokens: prompt tokens that were prefix-cache hits (always 0 for mean
+            pooling, which computes every token).
+        finished: True (an embedding is reported once, when its prompt is computed).
+        prompt: the prompt text, or None when it was given as token ids.
+        metrics: as ``RequestOutput.metrics`` (arrival_time, first_scheduled_time,
+            finished_time).
+        error: set when the engine failed this request (see ``RequestOutput.error``).
+    """
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool
+    prompt: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: RequestFailure | None = None

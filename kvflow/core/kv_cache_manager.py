@@ -77,8 +77,8 @@ class KVCacheManager:
         ``(num_tokens - 1) // block_size`` blocks are returned. Call it when the request is
         about to be admitted: the cache may have changed while it waited.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return []  # prompt_logprobs need the logits of every prompt position
+        if not self.enable_prefix_caching or request.needs_every_position:
+            return []  # prompt_logprobs and mean pooling read every prompt position
         hits: list[int] = []
         for block_hash in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
             block_id = self.block_pool.lookup(block_hash)

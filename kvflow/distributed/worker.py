@@ -17,6 +17,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ class RequestSnapshot:
     num_prompt_tokens: int
     block_ids: list[int]
     sampling_params: SamplingParams
+    pooling_params: Any = None  # an embedding request's PoolingParams: no logits row for it
 
 
 @dataclass
@@ -62,7 +64,7 @@ class StepSnapshot:
                 params = SamplingParams(prompt_logprobs=r.sampling_params.prompt_logprobs, max_tokens=1)
                 snaps[r.request_id] = RequestSnapshot(
                     r.request_id, list(r.all_token_ids), r.num_computed_tokens, r.num_tokens,
-                    r.num_prompt_tokens, list(r.block_ids), params,
+                    r.num_prompt_tokens, list(r.block_ids), params, r.pooling_params,
                 )
             return snaps[r.request_id]
 

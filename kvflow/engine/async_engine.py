@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from kvflow.engine.llm_engine import LLMEngine, PreparedRequest
 from kvflow.metrics import EngineMetrics
-from kvflow.outputs import RequestFailure, RequestOutput
+from kvflow.outputs import EmbeddingRequestOutput, RequestFailure, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -242,6 +242,14 @@ class AsyncLLMEngine:
             if out.error is not None:
                 m.request_failure.inc()
                 stream.queue.put_nowait(RequestFailedError(out.error))
+                continue
+            if isinstance(out, EmbeddingRequestOutput):  # one output, no generated tokens
+                m.prompt_tokens.inc(stream.num_prompt_tokens)
+                if out.metrics.get("first_scheduled_time") is not None:
+                    m.request_queue_time.observe(out.metrics["first_scheduled_time"] - out.metrics["arrival_time"])
+                m.e2e_request_latency.observe(now - out.metrics["arrival_time"])
+                m.request_success.inc()
+                stream.queue.put_nowait(out)
                 continue
             new_tokens = 0
             for c in out.outputs:

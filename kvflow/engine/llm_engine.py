@@ -33,7 +33,8 @@ from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.logprobs import Logprob
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.loader import iter_weights, load_config, load_generation_defaults, load_tokenizer, resolve_model
-from kvflow.outputs import CompletionOutput, RequestFailure, RequestOutput
+from kvflow.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestFailure, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, RequestStatus, make_parallel_samples
 from kvflow.sample.sampler import Sampler
 from kvflow.sampling_params import SamplingParams
@@ -44,6 +45,9 @@ from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# The ``sampling_params`` of an embedding request: it never samples (``Request.pooling_params``).
+_POOLING_PLACEHOLDER = SamplingParams(max_tokens=1)
 
 
 # The LM head's scheme for each decoder scheme (``quantize_lm_head``): AWQ's activation
@@ -182,6 +186,11 @@ class _RequestState:
     first_scheduled_time: float | None = None
     prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
     first_token_time: float | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, once computed
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.samples[0].pooling_params is not None
 
     @property
     def finished(self) -> bool:
@@ -209,6 +218,8 @@ class LLMEngine:
         generation_defaults: ``SamplingParams`` field -> value, the model's own sampling
             defaults (its ``generation_config.json``; see ``load_generation_defaults``), for
             requests that leave a field unset.
+        default_pooling: the pooling of embedding requests that do not choose one ("last"
+            or "mean"; see ``kvflow.pooling_params``).
     """
 
     def __init__(
@@ -226,7 +237,9 @@ class LLMEngine:
         attention_backend: str = "torch",
         cuda_graph_batch_sizes: list[int] | None = None,
         generation_defaults: dict[str, Any] | None = None,
+        default_pooling: str = "last",
     ) -> None:
+        self.default_pooling = PoolingParams(pooling_type=default_pooling).pooling_type
         self.model_config = model_config
         self.tp_workers = tp_workers
         self.proposer = proposer
@@ -351,6 +364,7 @@ class LLMEngine:
             attention_backend=backend,
             cuda_graph_batch_sizes=graph_sizes,
             generation_defaults=load_generation_defaults(model_dir),
+            default_pooling=args.pooling,
         )
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
@@ -364,7 +378,7 @@ class LLMEngine:
             self.tp_workers.shutdown()
 
     # ------------------------------------------------------------------ requests
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Refuse a request the engine could never serve.
 
         Raises:
@@ -372,12 +386,20 @@ class LLMEngine:
                 room in the context (``max_model_len``), a request whose tokens could
                 never fit in the whole KV cache, ``logit_bias`` token ids outside the
                 vocabulary, or ``logprobs`` / ``prompt_logprobs`` above the vocabulary size.
+                An embedding request (``PoolingParams``): empty prompt, ids outside the
+                vocabulary, a prompt longer than ``max_model_len`` or the whole KV cache,
+                ``dimensions`` other than the hidden size.
         """
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if isinstance(params, PoolingParams):
+            self._validate_pooling(prompt_token_ids, params)
+            return
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
         if outside:
             raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
@@ -402,7 +424,22 @@ class LLMEngine:
                 "lower max_tokens or raise num_kv_blocks / kv_cache_memory_bytes"
             )
 
-    def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
+    def _validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        max_len = self.scheduler_config.max_model_len
+        if len(prompt_token_ids) > max_len:
+            raise ValueError(f"prompt is {len(prompt_token_ids)} tokens, more than max_model_len={max_len}")
+        needed_blocks = self.kv_cache_manager.num_blocks_for(len(prompt_token_ids))
+        if needed_blocks > self.kv_cache_manager.num_total_blocks:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens and needs {needed_blocks} KV blocks, more than the whole "
+                f"cache ({self.kv_cache_manager.num_total_blocks} blocks); raise num_kv_blocks / kv_cache_memory_bytes"
+            )
+        hidden = self.model_config.hidden_size
+        if params.dimensions is not None and params.dimensions != hidden:
+            raise ValueError(f"dimensions={params.dimensions} is not supported: this model's embeddings have "
+                             f"{hidden} dimensions (kvflow does no matryoshka truncation); leave dimensions unset")
+
+    def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> PreparedRequest:
         """Validate a request and do its engine-independent work: the bad words' token ids
         and one compiled grammar per sample. It touches no engine state, so the server runs
         it on a worker thread while the engine thread steps.
@@ -411,6 +448,8 @@ class LLMEngine:
             ValueError: see ``validate_prompt`` and ``check_request_features``.
         """
         self.validate_prompt(prompt_token_ids, params)
+        if isinstance(params, PoolingParams):
+            return PreparedRequest(list(prompt_token_ids), params.resolved(self.default_pooling), [], [None])
         self._check_tokenizer_features(params)
         grammars = [self._compile_grammar(params) for _ in range(params.n)]  # the first one validates
         bad_words = self._bad_words_token_ids(params.bad_words)
@@ -420,24 +459,32 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         prompt: str | None = None,
         priority: int = 0,
         prepared: PreparedRequest | None = None,
     ) -> None:
-        """Validate and queue a request (``params.n`` samples sharing the prompt's blocks).
+        """Validate and queue a request (``params.n`` samples sharing the prompt's blocks),
+        or, with ``PoolingParams``, an embedding request (see ``kvflow.pooling_params``).
 
         ``priority`` matters under the "priority" scheduling policy (lower runs first).
         ``prepared``: the result of ``prepare_request`` for these ids and params, when the
         caller did that work already.
 
         Raises:
-            ValueError: see ``validate_prompt``; or a request_id already in use.
+            ValueError: see ``validate_prompt``; a request_id already in use; a priority
+                other than 0 without the "priority" scheduling policy.
         """
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if priority != 0 and self.scheduler_config.policy != "priority":
+            raise ValueError(f"priority={priority} needs the priority scheduling policy (scheduling_policy="
+                             f"'priority'); this engine schedules {self.scheduler_config.policy!r}")
         if prepared is None:
             prepared = self.prepare_request(prompt_token_ids, params)
+        if isinstance(prepared.params, PoolingParams):
+            self._add_pooling_request(request_id, prompt_token_ids, prepared.params, prompt, priority)
+            return
         samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority)
         for sample, grammar in zip(samples, prepared.grammars):
             sample.bad_words_token_ids = prepared.bad_words_token_ids
@@ -457,6 +504,15 @@ class LLMEngine:
         self._states[request_id] = state
         for sample in samples:
             self._sample_owner[sample.request_id] = (state, sample)
+
+    def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                             prompt: str | None, priority: int) -> None:
+        request = Request(request_id, prompt_token_ids, _POOLING_PLACEHOLDER, self.eos_token_id, prompt,
+                          priority=priority, pooling_params=params)
+        self.scheduler.add_request(request)
+        state = _RequestState(request_id, prompt, list(prompt_token_ids), [request], [None], [[]], request.arrival_time)
+        self._states[request_id] = state
+        self._sample_owner[request_id] = (state, request)
 
     def check_request_features(self, params: SamplingParams) -> None:
         """Check the text-level features of ``params`` against this engine.
@@ -513,7 +569,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the loop
-    def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput]:
+    def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run one iteration.
 
         Args:
@@ -530,7 +586,9 @@ class LLMEngine:
 
         Returns:
             A ``RequestOutput`` for every request that produced a token this step or failed
-            (cumulative text and token ids; ``finished`` set on the last one).
+            (cumulative text and token ids; ``finished`` set on the last one), and an
+            ``EmbeddingRequestOutput`` for every embedding request whose prompt was
+            completed this step (or that failed).
 
         Raises:
             Exception: the engine cannot go on: a fault in the scheduler, in the KV block
@@ -569,6 +627,14 @@ class LLMEngine:
         for sample_id, positions in result.prompt_logprobs.items():
             if sample_id in self._sample_owner:
                 self._sample_owner[sample_id][0].prompt_logprobs.update(positions)
+        for sample_id, vector in result.pooled.items():  # embeddings whose prompt is done
+            owner = self._sample_owner.pop(sample_id, None)
+            if owner is None:  # its request failed above
+                continue
+            state, request = owner
+            vector = torch.nn.functional.normalize(vector, dim=0) if request.pooling_params.l2_normalize else vector
+            state.embedding = vector.tolist()
+            touched[state.request_id] = state
         for sample_id, tokens in result.sampled_token_ids.items():
             owner = self._sample_owner.get(sample_id)
             if owner is None:  # its request failed above
@@ -594,7 +660,7 @@ class LLMEngine:
         for state in touched.values():
             if state.request_id not in self._states:  # failed after it was touched
                 continue
-            if state.first_token_time is None:
+            if state.first_token_time is None and not state.is_pooling:
                 state.first_token_time = now
             try:
                 outputs.append(self._make_output(state, now))
@@ -664,6 +730,13 @@ class LLMEngine:
         for sample in state.samples:
             sample.status = RequestStatus.FINISHED_ERROR
         now = time.monotonic()
+        if state.is_pooling:
+            return EmbeddingRequestOutput(
+                request_id, EmbeddingOutput([]), state.prompt_token_ids, max(state.samples[0].num_cached_tokens, 0),
+                True, state.prompt, {"arrival_time": state.arrival_time,
+                                     "first_scheduled_time": state.first_scheduled_time, "finished_time": now},
+                error=failure,
+            )
         return RequestOutput(
             request_id=request_id,
             prompt=state.prompt,
@@ -744,7 +817,15 @@ class LLMEngine:
                 failures.setdefault(self._sample_owner[r.request_id][0].request_id, exc)
         return failures
 
-    def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
+    def _make_output(self, state: _RequestState, now: float) -> RequestOutput | EmbeddingRequestOutput:
+        if state.is_pooling:
+            request = state.samples[0]
+            return EmbeddingRequestOutput(
+                state.request_id, EmbeddingOutput(state.embedding), state.prompt_token_ids,
+                max(request.num_cached_tokens, 0), True, state.prompt,
+                {"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
+                 "finished_time": now},
+            )
         params = state.samples[0].sampling_params
         wants_logprobs = params.logprobs is not None
         metrics = {

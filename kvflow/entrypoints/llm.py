@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
 from tqdm.auto import tqdm
 
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -39,6 +40,11 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        """The transformers tokenizer of the model (None for a token-ids-only model), as
+        vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``sampling_params=None`` means: ``SamplingParams()`` with the sampling
@@ -73,20 +79,27 @@ class LLM:
     def _add_all(
         self,
         prompts: list[PromptType],
-        params: SamplingParams | Sequence[SamplingParams],
-        priority: Sequence[int] | None = None,
+        params: SamplingParams | PoolingParams | Sequence[SamplingParams | PoolingParams],
+        priority: int | Sequence[int] | None = None,
+        params_name: str = "sampling_params",
     ) -> list[str]:
-        if isinstance(params, SamplingParams):
+        if isinstance(params, (SamplingParams, PoolingParams)):
             params_list = [params] * len(prompts)
         else:
             params_list = list(params)
             if len(params_list) != len(prompts):
                 raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+                    f"{params_name} has {len(params_list)} entries for {len(prompts)} prompts"
                 )
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if priority is None or isinstance(priority, int):
+            priorities = [priority or 0] * len(prompts)
+        else:
+            priorities = list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+        for prio in priorities:
+            if isinstance(prio, bool) or not isinstance(prio, int):
+                raise ValueError(f"priority must hold integers, got {prio!r}")
         encoded = [self._to_token_ids(p) for p in prompts]
         # Validate everything first so that one bad prompt adds nothing.
         for (ids, _), p in zip(encoded, params_list):
@@ -105,34 +118,14 @@ class LLM:
             raise
         return request_ids
 
-    # ------------------------------------------------------------------ generation
-    def generate(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order.
-
-        Args:
-            prompts: a string, a list of token ids, a dict with ``prompt`` or
-                ``prompt_token_ids``, or a list of these.
-            sampling_params: one for all prompts or one per prompt (default
-                ``get_default_sampling_params()``).
-            use_tqdm: show a progress bar when there is more than one prompt.
-            priority: per-prompt priority for the "priority" scheduling policy (lower first).
-
-        A request that fails inside the engine (see ``LLMEngine.step``) comes back finished
-        with ``error`` set and finish_reason "error"; the others are not affected.
-
-        Raises:
-            ValueError: for an invalid prompt or parameters; nothing is queued then.
-        """
-        prompt_list = self._normalize_prompts(prompts)
-        request_ids = self._add_all(prompt_list, sampling_params or self.get_default_sampling_params(), priority)
-        results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2)
+    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[Any]:
+        """Step until every request of ``request_ids`` finished; their final outputs in that
+        order (aborting the rest when interrupted). ``use_tqdm``: a progress bar when there
+        is more than one request, or a tqdm-like factory (as vLLM)."""
+        results: dict[str, Any] = {}
+        factory = use_tqdm if callable(use_tqdm) else tqdm
+        bar = factory(total=len(request_ids), desc="Processed prompts",
+                      disable=not use_tqdm or len(request_ids) < 2)
         try:
             while len(results) < len(request_ids):
                 for output in self.engine.step():
@@ -147,6 +140,79 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in request_ids]
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        priority: int | Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order.
+
+        Args:
+            prompts: a string, a list of token ids, a dict with ``prompt`` or
+                ``prompt_token_ids``, or a list of these.
+            sampling_params: one for all prompts or one per prompt (default
+                ``get_default_sampling_params()``).
+            use_tqdm: show a progress bar when there is more than one prompt (or a tqdm-like
+                factory to make it, as vLLM).
+            priority: one priority for all prompts or one per prompt, for the "priority"
+                scheduling policy (lower first); other than 0 it needs that policy.
+
+        A request that fails inside the engine (see ``LLMEngine.step``) comes back finished
+        with ``error`` set and finish_reason "error"; the others are not affected.
+
+        Raises:
+            ValueError: for an invalid prompt or parameters; nothing is queued then.
+        """
+        prompt_list = self._normalize_prompts(prompts)
+        request_ids = self._add_all(prompt_list, sampling_params or self.get_default_sampling_params(), priority)
+        return self._run_to_completion(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        priority: int | Sequence[int] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding vector per prompt (vLLM's ``LLM.embed``), in input order.
+
+        Each prompt runs through the engine like any prompt (batched with other requests,
+        chunked by ``max_num_batched_tokens``) and is pooled from the decoder's final hidden
+        states (after the last norm): see ``kvflow.pooling_params``.
+
+        Args:
+            prompts: as for ``generate``.
+            pooling_params: one ``PoolingParams`` for all prompts or one per prompt.
+            pooling: "last" or "mean" for every prompt (default: ``EngineArgs.pooling``);
+                a shortcut for ``PoolingParams(pooling_type=...)``.
+            normalize: L2-normalize the vectors (default True); with ``pooling``, instead of
+                ``pooling_params``.
+            use_tqdm: as for ``generate``.
+            priority: as for ``generate``.
+
+        Returns:
+            ``EmbeddingRequestOutput`` per prompt: ``.outputs.embedding`` is a list of
+            ``hidden_size`` floats. A request that failed inside the engine has ``error``
+            set and an empty vector.
+
+        Raises:
+            ValueError: for an invalid prompt or parameters (e.g. ``dimensions`` other than
+                the hidden size); nothing is queued then.
+        """
+        if pooling_params is None:
+            pooling_params = PoolingParams(pooling_type=pooling, normalize=normalize)
+        elif pooling is not None or normalize is not None:
+            raise ValueError("give pooling / normalize or pooling_params, not both")
+        prompt_list = self._normalize_prompts(prompts)
+        request_ids = self._add_all(prompt_list, pooling_params, priority, "pooling_params")
+        return self._run_to_completion(request_ids, use_tqdm)
 
     def generate_stream(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None

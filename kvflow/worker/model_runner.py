@@ -34,6 +34,8 @@ class ModelInputs:
             token whose successor's log-probability a ``prompt_logprobs`` request needs.
         spec_requests: (request, draft tokens) of the requests verifying drafts; their
             ``len(drafts) + 1`` logits rows follow the N sampling rows in ``logits_indices``.
+        pooling_rows: (request, flat index of its first token this step, tokens this step)
+            of the embedding requests (they never sample).
     """
 
     input_ids: torch.Tensor
@@ -43,6 +45,7 @@ class ModelInputs:
     sampling_requests: list[Request]
     prompt_logprob_rows: list[tuple[Request, int, int]]
     spec_requests: list[tuple[Request, list[int]]]
+    pooling_rows: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -131,6 +134,7 @@ class ModelRunner:
         prompt_logprob_rows: list[tuple[Request, int, int]] = []
         spec_requests: list[tuple[Request, list[int]]] = []
         spec_indices: list[int] = []
+        pooling_rows: list[tuple[Request, int, int]] = []
         groups: list[AttentionGroup] = []
         flat_q_lens: list[int] = []
         flat_ctx_lens: list[int] = []
@@ -154,7 +158,9 @@ class ModelRunner:
                 table = torch.tensor(r.block_ids, dtype=torch.int64)
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
-                if drafts:
+                if r.pooling_params is not None:  # an embedding: pooled, never sampled
+                    pooling_rows.append((r, len(input_ids) - n, n))
+                elif drafts:
                     spec_requests.append((r, drafts))
                     spec_indices.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
                 elif begin + n == r.num_tokens:
@@ -188,6 +194,7 @@ class ModelRunner:
             sampling_requests=sampling_requests,
             prompt_logprob_rows=prompt_logprob_rows,
             spec_requests=spec_requests,
+            pooling_rows=pooling_rows,
         )
 
     @torch.inference_mode()
@@ -225,13 +232,19 @@ class ModelRunner:
         # (a tensor-parallel worker samples nothing: no generator to restore)
         rng = self._generator_states([*out.scheduled_requests, *(child for child, _ in out.forked)]) if self.is_driver else []
         try:
-            return self._run(out, rng)
+            result = self._run(out, rng)
         except Exception as exc:  # noqa: BLE001 - isolated below, or re-raised
             if self.broadcast is not None or not self.is_driver:
                 raise
             logger.warning("a batch of %d requests failed (%s: %s); running them one at a time",
                            len(out.scheduled_requests), type(exc).__name__, exc)
-            return self._run_one_by_one(out, rng)
+            result = self._run_one_by_one(out, rng)
+        # Mean pooling's running sums are kept only now: a batch re-run one request at a
+        # time must not add a chunk twice.
+        for r in out.scheduled_requests:
+            if r.request_id in result.pooled_sums:
+                r.pooled_sum = result.pooled_sums.pop(r.request_id)
+        return result
 
     def _run_one_by_one(self, out: SchedulerOutput, rng: list[tuple[torch.Generator, torch.Tensor]]) -> ModelRunnerOutput:
         """``execute`` without block copies, for one request (and its forks) at a time."""
@@ -261,6 +274,8 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.kv_caches, inputs.metadata)
         result = ModelRunnerOutput()
+        if inputs.pooling_rows and self.is_driver:
+            self._pool(hidden, inputs.pooling_rows, result)
         if inputs.prompt_logprob_rows:
             prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
             if self.is_driver:
@@ -333,6 +348,34 @@ class ModelRunner:
         generators = {id(g): g for g in (self.sampler.generator, *(r.generator for r in requests)) if g is not None}
         return [(g, g.get_state()) for g in generators.values()]
 
+    @staticmethod
+    def _pool(hidden: torch.Tensor, rows: list[tuple[Request, int, int]], result: "ModelRunnerOutput") -> None:
+        """Pool the embedding requests' final hidden states (``kvflow.pooling_params``).
+
+        Last-token pooling reads the prompt's last hidden state when the step computes it.
+        Mean pooling adds the step's states (in float32) to the request's running sum (a
+        first chunk starts it afresh, so a request preempted by recompute starts over) and
+        divides by the prompt length at the end. Results go to ``result.pooled`` (the
+        un-normalized vector, float32 [hidden_size], once the prompt is complete) and
+        ``result.pooled_sums`` (the new sums, kept by ``execute``).
+        """
+        for r, start, n in rows:
+            begin = r.num_computed_tokens
+            done = begin + n >= r.num_tokens
+            if r.pooling_params.pooling_type == "mean":
+                chunk = hidden[start : start + n].float().sum(dim=0)
+                if begin > 0:
+                    if r.pooled_sum is None:
+                        raise RuntimeError(f"request {r.request_id}: mean pooling lost the sum of its first "
+                                           f"{begin} tokens")
+                    chunk = r.pooled_sum + chunk
+                if done:
+                    result.pooled[r.request_id] = chunk / r.num_tokens
+                else:
+                    result.pooled_sums[r.request_id] = chunk
+            elif done:
+                result.pooled[r.request_id] = hidden[start + n - 1].float().clone()
+
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]
     ) -> dict[str, dict[int, dict[int, Logprob]]]:
@@ -361,6 +404,11 @@ class ModelRunnerOutput:
             ``prompt_logprobs``.
         failed: request_id -> the exception of each request that failed this step (it has
             no entry in the fields above; see ``ModelRunner.execute``).
+        pooled: request_id -> the pooled final hidden state (float32 [hidden_size], not
+            normalized), for the embedding requests whose prompt completed this step.
+        pooled_sums: request_id -> the new running sum (float32 [hidden_size]) of a mean
+            pooling request whose prompt is not complete yet (``execute`` moves it onto the
+            request).
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -368,9 +416,13 @@ class ModelRunnerOutput:
     num_accepted: dict[str, tuple[int, int]] = field(default_factory=dict)
     prompt_logprobs: dict[str, dict[int, dict[int, Logprob]]] = field(default_factory=dict)
     failed: dict[str, BaseException] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    pooled_sums: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def merge(self, other: "ModelRunnerOutput") -> None:
         """Add another (disjoint) batch's results."""
+        self.pooled.update(other.pooled)
+        self.pooled_sums.update(other.pooled_sums)
         self.sampled_token_ids.update(other.sampled_token_ids)
         self.logprobs.update(other.logprobs)
         self.num_accepted.update(other.num_accepted)
