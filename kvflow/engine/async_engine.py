@@ -148,9 +148,11 @@ class AsyncLLMEngine:
         """
         return await self.run_off_loop(self.engine.prepare_request, prompt_token_ids, params)
 
-    def add_requests(self, requests: list[tuple[str, PreparedRequest, str | None]]) -> list[AsyncIterator[RequestOutput]]:
-        """Queue (request_id, prepared request, prompt text) triples, all or none; return
-        their output iterators. Never waits.
+    def add_requests(self, requests: list[tuple[str, PreparedRequest, str | None]],
+                     priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
+        """Queue (request_id, prepared request, prompt text) triples, all or none, with one
+        scheduling ``priority`` (see ``LLMEngine.add_request``); return their output
+        iterators (``EmbeddingRequestOutput`` ones for ``PoolingParams``). Never waits.
 
         Raises:
             QueueFullError: when they would take the accepted-but-not-started requests past
@@ -174,7 +176,7 @@ class AsyncLLMEngine:
             stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids))
             self._streams[request_id] = stream
             self._unstarted.add(request_id)
-            self._commands.append(("add", request_id, prepared, prompt, loop))
+            self._commands.append(("add", request_id, prepared, prompt, loop, priority))
             self._num_submitted += 1
             iterators.append(self._iterate(request_id, stream))
         self._wakeup.set()
@@ -333,11 +335,11 @@ class AsyncLLMEngine:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
-                _, request_id, prepared, prompt, loop = command
+                _, request_id, prepared, prompt, loop, priority = command
                 self._num_applied += 1
                 try:
                     self.engine.add_request(request_id, prepared.prompt_token_ids, prepared.params, prompt=prompt,
-                                            prepared=prepared)
+                                            priority=priority, prepared=prepared)
                 except ValueError as exc:
                     self._post(loop, self._fail_one, request_id, exc)
                     continue

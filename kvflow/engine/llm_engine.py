@@ -436,8 +436,8 @@ class LLMEngine:
             )
         hidden = self.model_config.hidden_size
         if params.dimensions is not None and params.dimensions != hidden:
-            raise ValueError(f"dimensions={params.dimensions} is not supported: this model's embeddings have "
-                             f"{hidden} dimensions (kvflow does no matryoshka truncation); leave dimensions unset")
+            raise ValueError(f"dimensions ({params.dimensions}) is not supported: this model's embeddings have "
+                             f"{hidden} dimensions and kvflow does no matryoshka truncation; leave it unset")
 
     def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> PreparedRequest:
         """Validate a request and do its engine-independent work: the bad words' token ids

@@ -10,12 +10,13 @@ from tqdm.auto import tqdm
 
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
+from kvflow.entrypoints.chat_utils import normalize_conversation, render_chat
 from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -39,6 +40,7 @@ class LLM:
             raise ValueError(f"unknown LLM option(s) {sorted(unknown)}; known: {sorted(fields)}")
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        self.chat_template: str | None = None
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -233,33 +235,70 @@ class LLM:
             if not finished:
                 self.engine.abort_request(request_id)
 
-    def apply_chat_template(self, conversation: Conversation) -> list[int]:
-        """Token ids of a conversation rendered with the tokenizer's chat template, ending
-        with the assistant's generation prompt.
+    def apply_chat_template(
+        self,
+        conversation: Conversation,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_content_format: str = "auto",
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (see
+        ``kvflow.entrypoints.chat_utils.render_chat`` for the arguments; ``chat_template``
+        defaults to the one given to ``LLM(chat_template=...)``, else the tokenizer's).
 
         Raises:
-            ValueError: when a message lacks ``role`` or ``content``.
+            ValueError: for a message that is not a dict with a ``role``, a non-text content
+                part, both ``add_generation_prompt`` and ``continue_final_message``, or a
+                template that fails on the messages.
         """
-        for message in conversation:
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError("messages must be dicts with 'role' and 'content'")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        content_format = "string" if chat_template_content_format == "auto" else chat_template_content_format
+        return render_chat(
+            self.tokenizer, normalize_conversation(conversation, content_format),
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template=chat_template or self.chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools,
+        )  # fmt: skip
 
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: None = None,
+        priority: int | Sequence[int] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations.
+        """Generate replies to one conversation or a list of conversations (vLLM's
+        ``LLM.chat``, same arguments in the same order).
 
-        Each conversation is a list of ``{"role": ..., "content": ...}`` messages rendered with
-        the tokenizer's chat template.
+        Each conversation is a list of messages (dicts with ``role`` and ``content``, which
+        may be a list of text parts; ``tool_calls``, ``tool_call_id``, ``name`` and other
+        keys reach the template as given) rendered with the chat template; see
+        ``apply_chat_template`` for the template arguments and ``generate`` for the rest.
+
+        Raises:
+            ValueError: see ``apply_chat_template`` and ``generate``; ``lora_request`` set
+                (kvflow serves no LoRA adapters).
         """
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported by kvflow (no LoRA adapters)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools,
+                chat_template_content_format=chat_template_content_format)}
+            for c in conversations
+        ]  # fmt: skip
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def beam_search(
         self,
