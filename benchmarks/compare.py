@@ -53,7 +53,7 @@ no other repacked layout, so only the AMX path is lost.
 
 llama.cpp runs the GGUF file's quantized weights as stored (Q4_1 for ``smollm2-135m``);
 kvflow and transformers run the float32 weights dequantized from that same file
-(``kvflow.model.loader.resolve_model``). ``kvflow-bf16-int4`` is the closest kvflow
+(``kvflow.model.resolve.resolve_model``). ``kvflow-bf16-int4`` is the closest kvflow
 counterpart in bytes per weight. All engines use ``--threads`` CPU threads (torch
 intra-op threads; llama.cpp ``n_threads`` and ``n_threads_batch``).
 
@@ -868,7 +868,7 @@ def worker_main(args: argparse.Namespace) -> int:
 def gguf_for_model(model: str, explicit: str | None) -> Path:
     """The GGUF file llama.cpp should load: ``explicit``, ``model`` itself when it is a
     ``.gguf`` file, or the packaged model's file, found the way kvflow finds it
-    (``kvflow.model.registry`` and the loader, which also assembles split models).
+    (``kvflow.model.packages`` and the loader, which also assembles split models).
 
     Raises:
         FileNotFoundError, ValueError: no GGUF file for this model (e.g. a Hugging Face folder).
@@ -878,10 +878,10 @@ def gguf_for_model(model: str, explicit: str | None) -> Path:
         if not path.is_file():
             raise FileNotFoundError(f"--gguf {explicit} does not exist")
         return path
-    from kvflow.model import loader, registry
+    from kvflow.model import packages, resolve
 
-    if model in registry.REGISTRY:
-        return loader._packaged_gguf(registry.lookup(model), loader.default_cache_dir())
+    if model in packages.REGISTRY:
+        return resolve._packaged_gguf(packages.lookup(model), resolve.default_cache_dir())
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return path.resolve()
@@ -999,7 +999,7 @@ def main(argv: list[str] | None = None) -> int:
         workload_summary,
     )
     from benchmarks.throughput import STREAM_PROMPT_LEN
-    from kvflow.model.loader import load_tokenizer, resolve_model
+    from kvflow.model.resolve import load_tokenizer, resolve_model
 
     loadavg_start = os.getloadavg()
     model_dir = resolve_model(args.model)

@@ -8,11 +8,11 @@ M rows (M = 1, 2, 5, 16, 64: decode, speculative verification of k = 4, batches)
 * ``aten-f32``    float32 ``F.linear`` (MKL);
 * ``aten-bf16``   bfloat16 ``F.linear``;
 * ``onednn-bf16`` bfloat16 with the weight prepacked for oneDNN (``kvflow.layers.linear``);
-* ``int8-pack``   ``Int8Linear`` (``int8-kvflow`` where it runs, else ``int8-aten``, up to
+* ``int8-pack``   the INT8 method (``int8-kvflow`` where it runs, else ``int8-aten``, up to
                   64 rows);
 * ``int8-aten``   PyTorch's ``_weight_int8pack_mm`` called directly;
 * ``int8-kvflow`` kvflow's C++ kernel (``kvflow.layers.cpu_linear``) called directly;
-* ``int4-pack``   ``Int4Linear`` group 32 (``_weight_int4pack_mm_for_cpu`` up to 4 rows).
+* ``int4-pack``   the INT4 method, group 32 (``_weight_int4pack_mm_for_cpu`` up to 4 rows).
 
 ``--copies`` distinct weights (default 8) are cycled so that the weights do not stay in the
 cache between calls, as in a model where each layer's weight is read once per step. The
@@ -46,8 +46,8 @@ from benchmarks.common import format_table, machine_info
 def _formats(weight: torch.Tensor):
     """name -> callable(x) for every available format of ``weight`` (float32 [N, K])."""
     from kvflow.layers import cpu_linear
-    from kvflow.layers.linear import PackedLinear, onednn_available
-    from kvflow.layers.quantized_linear import Int4Linear, Int8Linear
+    from kvflow.layers.linear import LinearBase, PackedLinear, onednn_available
+    from kvflow.quantization.registry import get_quantization_config
 
     k = weight.shape[1]
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
@@ -59,14 +59,14 @@ def _formats(weight: torch.Tensor):
     }
     if onednn_available():
         formats["onednn-bf16"] = (torch.bfloat16, PackedLinear(bf16))
-    int8 = Int8Linear.from_float(linear)
+    int8 = LinearBase.from_weights(linear.weight.data, None, get_quantization_config("int8"))
     formats["int8-pack"] = (torch.bfloat16, int8)
     if hasattr(torch.ops.aten, "_weight_int8pack_mm") and k % 16 == 0:
         scale = int8.scale.to(torch.bfloat16)
         formats["int8-aten"] = (torch.bfloat16, lambda x, w=int8.weight, s=scale: torch.ops.aten._weight_int8pack_mm(x, w, s))
     if cpu_linear.int8_available() and k % 16 == 0:
         formats["int8-kvflow"] = (torch.bfloat16, lambda x, w=int8.weight, s=int8.scale: cpu_linear.int8_linear(x, w, s))
-    formats["int4-pack"] = (torch.bfloat16, Int4Linear.from_float(linear, 32))
+    formats["int4-pack"] = (torch.bfloat16, LinearBase.from_weights(linear.weight.data, None, get_quantization_config("int4", 32)))
     return formats
 
 

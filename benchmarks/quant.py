@@ -196,14 +196,11 @@ class Runner:
         return tokens / (end - start), [o.outputs[0].token_ids for o in outs]
 
     def sizes(self) -> dict[str, int]:
-        from kvflow.quantization.model import LINEAR_NAMES, weight_bytes
+        from kvflow.layers.linear import linear_layers
+        from kvflow.quantization.checkpoint import weight_bytes
 
         model = self.engine.model_runner.model
-        linears = 0
-        for layer in model.layers:
-            for name in LINEAR_NAMES:
-                parent, attr = name.split(".")
-                linears += weight_bytes(getattr(getattr(layer, parent), attr))
+        linears = sum(weight_bytes(layer) for layer in linear_layers(model))
         config = self.engine.model_config
         return {
             "weight_bytes": weight_bytes(model),

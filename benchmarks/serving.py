@@ -369,7 +369,7 @@ def plot(summaries: list[dict[str, Any]], path: Path, title: str) -> None:
 # ---------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from kvflow.model.loader import load_tokenizer, resolve_model
+    from kvflow.model.resolve import load_tokenizer, resolve_model
 
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)

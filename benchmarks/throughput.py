@@ -38,7 +38,7 @@ kvflow is imported before torch, so the process (both engines) runs with kvflow'
 OpenMP wait policy (``kvflow.cpu_threads``) unless the environment sets one.
 
 Both engines run the same float32 weights: kvflow converts the packaged GGUF once into a
-Hugging Face folder (``kvflow.model.loader.resolve_model``) and transformers loads that folder.
+Hugging Face folder (``kvflow.model.resolve.resolve_model``) and transformers loads that folder.
 
 How to run
 ----------
@@ -645,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     from kvflow import LLM, SamplingParams
-    from kvflow.model.loader import resolve_model
+    from kvflow.model.resolve import resolve_model
 
     loadavg_start = os.getloadavg()
     busy_start = wait_for_idle(args.wait_idle) if args.wait_idle > 0 else cpu_busy_fraction(1.0)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from kvflow.attention.selector import ATTENTION_BACKENDS, check_attention_backend_name
+from kvflow.quantization.registry import LM_HEAD_METHODS, QUANTIZATION_METHODS
 from kvflow.utils import parse_bytes
 
 _DTYPES = {
@@ -27,7 +29,6 @@ _DTYPES = {
     "fp16": torch.float16,
 }
 
-_SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
 QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -69,11 +70,72 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 @dataclass(frozen=True)
+class KVCacheSpec:
+    """The geometry of one rank's paged KV cache: per KV layer, K and V tensors
+    [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Attributes:
+        num_layers: layers that hold their own K/V (one per cross-layer-sharing group).
+        num_kv_heads: this rank's KV heads.
+        head_dim: elements per head.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV cache bytes per token, the one formula of the project: 2 (K and V) x layers x
+        kv_heads x head_dim x element size; an int8 / fp8 cache adds one float16 scale per
+        token, head and K/V (DESIGN.md, "Reference facts")."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        per_head = self.head_dim * elem + (2 if dtype in QUANTIZED_KV_DTYPES else 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+
+def _scaled_rope(scaling: dict[str, Any], max_position_embeddings: int) -> tuple[dict[str, Any], int]:
+    """A RoPE scaling dict completed with what ``kvflow.layers.rotary.rope_frequencies``
+    reads, and the model's context in tokens under it.
+
+    - "yarn": ``factor`` defaults to max_position_embeddings / original (as transformers);
+      the context is max(max_position_embeddings, original x factor) (vLLM's derived length).
+    - "dynamic": the unscaled context max_position_embeddings goes in as
+      ``original_max_position_embeddings``; the context becomes max_position_embeddings x
+      factor (vLLM's; the length its base is fixed for).
+    - "longrope" / "su": ``factor`` defaults to max_position_embeddings / original (the
+      attention factor's input in transformers); the context stays max_position_embeddings.
+    """
+    scaling = dict(scaling)
+    rope_type = scaling["rope_type"]
+    context = max_position_embeddings
+    if rope_type in ("yarn", "longrope", "su"):
+        original = scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+        if scaling.get("factor") is None:
+            scaling["factor"] = max_position_embeddings / original
+        if rope_type == "yarn":
+            context = max(context, int(original * float(scaling["factor"])))
+    elif rope_type == "dynamic":
+        scaling["original_max_position_embeddings"] = max_position_embeddings
+        context = int(max_position_embeddings * float(scaling["factor"]))
+    return scaling, context
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """Architecture facts of a Llama-family decoder (llama, mistral, qwen2).
+    """Architecture facts of a Llama-shaped decoder (llama, mistral, qwen2, qwen3, phi3).
 
     Built from a Hugging Face ``PretrainedConfig`` by :meth:`from_hf_config`. Sizes are in
-    elements; ``max_position_embeddings`` in tokens.
+    elements; ``max_position_embeddings`` in tokens: the model's context, which for "yarn"
+    and "dynamic" RoPE scaling is the scaled one (as vLLM derives it: ``factor`` x the
+    original context), the config's own value otherwise.
+
+    ``partial_rotary_factor``: RoPE rotates the first ``rotary_dim = head_dim x factor``
+    dimensions of each head (Phi-3 / Phi-4-mini), 1.0 for all.
+
+    ``max_model_len``: the engine's context limit in tokens when the model is loaded for an
+    engine (``kvflow.model.loader.load_model``), else None (``max_position_embeddings``). It
+    fixes LongRoPE's factor set (``kvflow.layers.rotary``) and decides whether a sliding
+    window that kvflow does not implement yet would ever act (``context_len``).
 
     ``cla_share_factor`` (config.json key of the same name, default 1) enables cross-layer
     attention (Brandon et al. 2024, "Reducing Transformer Key-Value Cache Size with
@@ -100,10 +162,36 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     cla_share_factor: int = 1
+    partial_rotary_factor: float = 1.0
+    max_model_len: int | None = None
+    # The transformers config it was read from (architecture-specific fields), if any.
+    hf_config: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cla_share_factor < 1:
             raise ValueError(f"cla_share_factor must be >= 1, got {self.cla_share_factor}")
+        rotary_dim = self.head_dim * self.partial_rotary_factor
+        if not (0 < self.partial_rotary_factor <= 1) or int(rotary_dim) % 2 or int(rotary_dim) == 0:
+            raise ValueError(
+                f"partial_rotary_factor={self.partial_rotary_factor} gives a rotary dimension of {rotary_dim} of "
+                f"head_dim {self.head_dim}; kvflow needs an even number of rotated dimensions, 0 < factor <= 1"
+            )
+        if self.max_model_len is not None and self.max_model_len > self.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's context "
+                f"({self.max_position_embeddings} tokens)"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated dimensions of each head (``head_dim`` x ``partial_rotary_factor``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence this model will run, in tokens: ``max_model_len`` when the
+        engine set it, else ``max_position_embeddings``."""
+        return self.max_model_len or self.max_position_embeddings
 
     @property
     def num_kv_layers(self) -> int:
@@ -111,17 +199,18 @@ class ModelConfig:
         return -(-self.num_hidden_layers // self.cla_share_factor)
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> "ModelConfig":
-        """Read a transformers config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``).
+    def from_hf_config(cls, hf_config: Any, max_model_len: int | None = None) -> "ModelConfig":
+        """Read a transformers config of an architecture in ``kvflow.model.registry``;
+        ``max_model_len``: the engine's context limit (None: the model's).
 
         Raises:
-            ValueError: if the architecture is not a supported Llama-family decoder.
+            ValueError: if the architecture is not one kvflow runs (the message lists them),
+                or ``max_model_len`` exceeds the model's context.
         """
+        from kvflow.model.registry import check_supported
+
         model_type = hf_config.model_type
-        if model_type not in _SUPPORTED_ARCHS:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; kvflow runs {sorted(_SUPPORTED_ARCHS)}"
-            )
+        check_supported(model_type)
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
@@ -132,6 +221,10 @@ class ModelConfig:
         rope_theta = rope_params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
         rope_scaling = None if rope_type == "default" else {**rope_params, "rope_type": rope_type}
+        partial_rotary = rope_params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+        context = hf_config.max_position_embeddings
+        if rope_scaling is not None:
+            rope_scaling, context = _scaled_rope(rope_scaling, context)
         eos = hf_config.eos_token_id
         if isinstance(eos, (list, tuple)):
             eos = eos[0] if eos else None
@@ -147,21 +240,29 @@ class ModelConfig:
             rms_norm_eps=hf_config.rms_norm_eps,
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=hf_config.max_position_embeddings,
+            max_position_embeddings=context,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
             mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
             bos_token_id=hf_config.bos_token_id,
             eos_token_id=eos,
             cla_share_factor=int(getattr(hf_config, "cla_share_factor", 1) or 1),
+            partial_rotary_factor=float(1.0 if partial_rotary is None else partial_rotary),
+            hf_config=hf_config,
+            max_model_len=max_model_len,
         )
 
+    def kv_cache_spec(self, world_size: int = 1, rank: int = 0) -> KVCacheSpec:
+        """Rank ``rank``'s KV cache geometry under ``world_size``-way tensor parallelism
+        (KV heads split by ``head_partition``)."""
+        from kvflow.distributed.parallel_state import head_partition
+
+        _, kv = head_partition(self.num_attention_heads, self.num_key_value_heads, world_size, rank)
+        return KVCacheSpec(self.num_kv_layers, kv[1] - kv[0], self.head_dim)
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV cache bytes per token: 2 (K and V) x KV layers x kv_heads x head_dim x element
-        size; an int8 / fp8 cache adds one float16 scale per token, head and K/V."""
-        elem = torch.tensor([], dtype=dtype).element_size()
-        per_head = self.head_dim * elem + (2 if dtype in QUANTIZED_KV_DTYPES else 0)
-        return 2 * self.num_kv_layers * self.num_key_value_heads * per_head
+        """KV cache bytes per token of the whole model (``KVCacheSpec.bytes_per_token``)."""
+        return self.kv_cache_spec().bytes_per_token(dtype)
 
 
 @dataclass(frozen=True)
@@ -270,15 +371,105 @@ class SpeculativeConfig:
 
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
-# The schemes ``quantize_lm_head`` may name (``LlamaForCausalLM.quantize_lm_head``).
-LM_HEAD_METHODS = ("int8", "int4", "fp8")
-# Weight-only quantization methods (``kvflow.quantization.model``).
-QUANTIZATION_METHODS = ("int8", "int4", "int4-awq", "fp8", "gguf")
 DEFAULT_SWAP_SPACE_BYTES = 256 * 1024 * 1024
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # Seconds a tensor-parallel rank waits at the start-up rendezvous and in a collective before
 # failing (``EngineArgs.collective_timeout_s``; ``KVFLOW_COLLECTIVE_TIMEOUT_S`` overrides).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs and in what precision.
+
+    Attributes:
+        device: the torch device.
+        dtype: weights' and activations' dtype.
+        num_threads: torch intra-op threads on the CPU (None: torch's choice).
+    """
+
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    num_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (Megatron-style, on torch.distributed).
+
+    Attributes:
+        tensor_parallel_size: ranks the model is sharded over.
+        collective_timeout_s: seconds a rank waits at the start-up rendezvous and in each
+            collective before failing.
+    """
+
+    tensor_parallel_size: int = 1
+    collective_timeout_s: float = 600.0  # DEFAULT_COLLECTIVE_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What to load and how to quantize it.
+
+    Attributes:
+        model: the model as the user named it (short name, .gguf file or folder).
+        model_dir: the resolved Hugging Face-format folder (``kvflow.model.resolve``).
+        quantization: weight-only scheme of ``kvflow.quantization.registry``, or None.
+        group_size: INT4 group size.
+        quantize_lm_head: False, True (the scheme's head method) or a head scheme name.
+    """
+
+    model: str
+    model_dir: str
+    quantization: str | None = None
+    group_size: int = 32
+    quantize_lm_head: bool | str = False
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel choices.
+
+    Attributes:
+        attention_backend: "auto", "torch", "cpu" or "triton", resolved once per engine by
+            ``kvflow.attention.selector``.
+        enforce_eager: never replay CUDA graphs.
+    """
+
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from, made once by ``EngineArgs.create_config()`` and
+    passed whole to every part (and to every tensor-parallel rank).
+
+    Attributes:
+        model: the target model's architecture (``max_model_len`` set).
+        cache: the paged KV block pool.
+        scheduler: batching limits.
+        device: device, dtype, threads.
+        load: where the weights come from and their quantization (None: the model is handed
+            to the engine built, as tests do).
+        parallel: tensor parallelism.
+        speculative: speculative decoding, or None.
+        draft: the draft model's load settings (``speculative.method == "draft_model"``).
+        draft_model: the draft model's architecture.
+        kernels: kernel choices.
+        seed: seed of the engine generator for requests without their own seed.
+    """
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    load: LoadConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
+    draft: LoadConfig | None = None
+    draft_model: ModelConfig | None = None
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    seed: int = 0
 
 
 def _option(default: Any, help: str, **cli: Any) -> Any:
@@ -408,7 +599,7 @@ class EngineArgs:
             raise ValueError(f"swap_space_bytes must be a non-negative integer, got {self.swap_space_bytes!r}")
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)
-        from kvflow.quantization.model import check_method
+        from kvflow.quantization.registry import check_method
 
         check_method(self.quantization)
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32, torch.device("cpu"))
@@ -430,52 +621,7 @@ class EngineArgs:
             raise ValueError(f"collective_timeout_s must be a positive number of seconds, got {self.collective_timeout_s!r}")
         if self.pooling not in ("last", "mean"):
             raise ValueError(f"pooling must be 'last' or 'mean', got {self.pooling!r}")
-        self.resolved_attention_backend()
-
-    def resolved_attention_backend(self) -> str:
-        """"torch" or "triton" for this device.
-
-        Raises:
-            ValueError: for an unknown backend, or "triton" where it cannot run (no
-                ``triton`` package; a CPU device without ``TRITON_INTERPRET=1``).
-        """
-        from kvflow.layers.triton_attention import interpreter_enabled, triton_available
-
-        backend = self.attention_backend
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
-        device = self.torch_device()
-        on_cuda = device.type == "cuda"
-        # The kernel loads float8 K/V, which Triton supports from compute capability 8.9 on.
-        fp8_unsupported = (
-            on_cuda and self.kv_cache_dtype == "fp8" and torch.cuda.get_device_capability(device) < (8, 9)
-        )
-        if backend == "auto":
-            if on_cuda:
-                return "triton" if triton_available() and not fp8_unsupported else "torch"
-            from kvflow.layers.cpu_attention import cpu_kernel_available
-
-            return "cpu" if cpu_kernel_available() else "torch"
-        if backend == "cpu":
-            from kvflow.layers.cpu_attention import cpu_kernel_available
-
-            if on_cuda:
-                raise ValueError("attention_backend='cpu' runs on the CPU only (device is CUDA)")
-            if not cpu_kernel_available():
-                raise ValueError("attention_backend='cpu' needs kvflow's C++ kernel, which could not be built "
-                                 "(a C++ compiler and ninja are needed; see the log) or KVFLOW_CPU_ATTENTION=0")
-        if backend == "triton":
-            if not triton_available():
-                raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")
-            if fp8_unsupported:
-                raise ValueError("attention_backend='triton' with kv_cache_dtype='fp8' needs compute capability 8.9+")
-            if not on_cuda and not interpreter_enabled():
-                raise ValueError("attention_backend='triton' needs a CUDA device (on the CPU only Triton's "
-                                 "interpreter runs it: TRITON_INTERPRET=1 set before kvflow starts; tests only)")
-            if not on_cuda and self.dtype == "bfloat16":
-                raise ValueError("attention_backend='triton' on the CPU (Triton's interpreter) cannot run dtype "
-                                 "'bfloat16'; use float32 / float16 or attention_backend='torch'")
-        return backend
+        check_attention_backend_name(self.attention_backend)
 
     def resolved_collective_timeout_s(self) -> float:
         """``collective_timeout_s``, else ``$KVFLOW_COLLECTIVE_TIMEOUT_S``, else the default.
@@ -496,17 +642,74 @@ class EngineArgs:
             raise ValueError(f"KVFLOW_COLLECTIVE_TIMEOUT_S must be a positive number of seconds, got {text!r}")
         return value
 
+    def create_config(self) -> EngineConfig:
+        """Validate the options and make the engine's ``EngineConfig``: resolve the model (a
+        packaged short name or GGUF file is converted once into a cached folder), read its
+        architecture (and the draft model's), and size the KV block pool.
+
+        Raises:
+            ValueError: naming the field, for an invalid option, an unsupported model, or a
+                budget that holds no block.
+            FileNotFoundError: for a model path that does not exist.
+        """
+        from kvflow.model.resolve import load_config, resolve_model
+
+        self.verify()
+        device = self.torch_device()
+        dtype = resolve_dtype(self.dtype, device)
+        model_dir = resolve_model(self.model, cache_dir=self.model_cache_dir)
+        model_config = ModelConfig.from_hf_config(load_config(model_dir), max_model_len=self.max_model_len)
+        scheduler = self.scheduler_config(model_config)
+        spec = SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config is not None else None
+        draft = draft_model = None
+        if spec is not None and spec.method == "draft_model":
+            draft_dir = resolve_model(spec.model, cache_dir=self.model_cache_dir)
+            draft = LoadConfig(spec.model, str(draft_dir), spec.quantization, self.quantization_group_size)
+            draft_model = ModelConfig.from_hf_config(load_config(draft_dir))
+            if draft_model.vocab_size != model_config.vocab_size:
+                raise ValueError(
+                    f"speculative_config.model has vocab_size {draft_model.vocab_size}, the target "
+                    f"{model_config.vocab_size}: the draft must share the target's vocabulary"
+                )
+        world = self.tensor_parallel_size
+        if world > 1:
+            # Every rank has as many blocks, sized for the rank holding the most KV heads (the
+            # draft, on rank 0 only, comes on top of the budget).
+            kv_spec = max((model_config.kv_cache_spec(world, r) for r in range(world)), key=lambda k: k.num_kv_heads)
+            extra = 0
+        else:
+            # The draft's cache has as many blocks as the target's (it mirrors every request),
+            # and both come out of the one KV budget.
+            kv_spec = model_config.kv_cache_spec()
+            kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)
+            extra = draft_model.kv_bytes_per_token(kv_dtype) if draft_model is not None else 0
+        return EngineConfig(
+            model=model_config,
+            cache=self.cache_config(kv_spec, dtype, extra_bytes_per_token=extra),
+            scheduler=scheduler,
+            device=DeviceConfig(device, dtype, self.num_threads),
+            load=LoadConfig(self.model, str(model_dir), self.quantization, self.quantization_group_size,
+                            self.quantize_lm_head),
+            parallel=ParallelConfig(world, self.resolved_collective_timeout_s()),
+            speculative=spec,
+            draft=draft,
+            draft_model=draft_model,
+            kernels=KernelConfig(self.attention_backend, self.enforce_eager),
+            seed=self.seed,
+        )
+
     def torch_device(self) -> torch.device:
         if self.device is None:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def cache_config(self, model_config: ModelConfig, dtype: torch.dtype, extra_bytes_per_token: int = 0) -> CacheConfig:
+    def cache_config(self, kv_spec: KVCacheSpec, dtype: torch.dtype, extra_bytes_per_token: int = 0) -> CacheConfig:
         """Size the block pool from ``num_kv_blocks`` or the byte budget (``dtype``: the
         model dtype; the cache's own follows ``kv_cache_dtype``).
 
         Args:
-            model_config: the model whose K/V the pool holds.
+            kv_spec: the KV cache geometry the pool holds (under tensor parallelism the rank
+                with the most KV heads: every rank has the same blocks).
             dtype: the model dtype.
             extra_bytes_per_token: bytes per token of another cache with as many blocks,
                 paid from the same budget (a draft model's), 0 for none.
@@ -515,7 +718,7 @@ class EngineArgs:
             ValueError: if the budget does not hold a single block.
         """
         dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, self.torch_device())
-        bytes_per_block = model_config.kv_bytes_per_token(dtype) * self.block_size
+        bytes_per_block = kv_spec.bytes_per_token(dtype) * self.block_size
         if self.num_kv_blocks is not None:
             num_blocks = self.num_kv_blocks
         else:
@@ -538,6 +741,11 @@ class EngineArgs:
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
+        """The batching limits; the context limit is ``max_model_len`` or the model's.
+
+        Raises:
+            ValueError: for a ``max_model_len`` beyond the model's context.
+        """
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(

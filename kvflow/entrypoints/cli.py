@@ -297,14 +297,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_quantize(args: argparse.Namespace) -> int:
     import torch
 
-    from kvflow.engine.llm_engine import _load_model
-    from kvflow.model.loader import load_tokenizer, resolve_model
-    from kvflow.quantization.model import default_calibration_ids, quantize_model, save_quantized, weight_bytes
+    from kvflow.model.loader import load_model, quantize_model
+    from kvflow.model.resolve import load_tokenizer, resolve_model
+    from kvflow.quantization.awq import default_calibration_ids
+    from kvflow.quantization.checkpoint import save_quantized, weight_bytes
 
     if args.method == "int4-rtn":
         args.method = "int4"
     model_dir = resolve_model(args.model)
-    model, _ = _load_model(model_dir, torch.float32, torch.device("cpu"))
+    model, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
     before = weight_bytes(model)
     calibration = None
     if args.method == "int4-awq":

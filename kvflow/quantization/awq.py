@@ -21,23 +21,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvflow.config import CacheConfig
-from kvflow.layers.attention import AttentionGroup, AttentionMetadata
-from kvflow.model.llama import LlamaForCausalLM
+from kvflow.quantization.int4 import group_size_for
 from kvflow.quantization.schemes import dequantize_int4, quantize_int4
-from kvflow.worker.cache_engine import CacheEngine
 
 ALPHA_GRID = [i / 10 for i in range(11)]
 MAX_SEARCH_ROWS = 128  # calibration rows used in the per-alpha error (CPU cost)
 
 
 @torch.inference_mode()
-def collect_linear_inputs(model: LlamaForCausalLM, token_ids: list[int], names: list[str]) -> dict[str, torch.Tensor]:
+def collect_linear_inputs(model: nn.Module, token_ids: list[int], names: list[str]) -> dict[str, torch.Tensor]:
     """Run the float model over ``token_ids`` and keep the inputs of the named linears.
 
     Returns:
         name -> float32 [len(token_ids), in_features].
     """
+    from kvflow.config import CacheConfig
+    from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
+    from kvflow.worker.cache_engine import CacheEngine
+
     captured: dict[str, torch.Tensor] = {}
     modules = dict(model.named_modules())
     hooks = [
@@ -48,10 +49,10 @@ def collect_linear_inputs(model: LlamaForCausalLM, token_ids: list[int], names: 
         n, bs = len(token_ids), 16
         num_blocks = -(-n // bs)
         dtype = next(model.parameters()).dtype
-        cache = CacheEngine(model.config, CacheConfig(bs, num_blocks, dtype), torch.device("cpu"))
+        cache = CacheEngine(model.kv_cache_spec, CacheConfig(bs, num_blocks, dtype), torch.device("cpu"))
         pos = torch.arange(n)
         group = AttentionGroup.build(0, [n], [n], [list(range(num_blocks))], bs, torch.device("cpu"))
-        model(torch.tensor(token_ids), pos, cache.kv_caches, AttentionMetadata(pos.clone(), [group]))
+        model(torch.tensor(token_ids), pos, cache.kv_caches, GroupedMetadata(pos.clone(), [group]))
     finally:
         for hook in hooks:
             hook.remove()
@@ -86,30 +87,17 @@ def search_scale(weight: torch.Tensor, x: torch.Tensor, group_size: int) -> tupl
     return best[1], best[2]
 
 
-def group_size_for(in_features: int, group_size: int) -> int:
-    """The largest of group_size, group_size / 2, ... (>= 8) dividing in_features.
-
-    Raises:
-        ValueError: when none does.
-    """
-    g = group_size
-    while g >= 8:
-        if in_features % g == 0:
-            return g
-        g //= 2
-    raise ValueError(f"no INT4 group size <= {group_size} divides in_features={in_features}")
-
-
 @torch.inference_mode()
-def apply_awq(model: LlamaForCausalLM, calibration_ids: list[int], group_size: int) -> dict[str, float]:
-    """Rescale the model's weights in place (float-equivalent) so that a following INT4
-    round-to-nearest quantization loses less. Returns the chosen alpha per linear."""
+def apply_awq(model: nn.Module, calibration_ids: list[int], group_size: int) -> dict[str, float]:
+    """Rescale a Llama-shaped float model's weights in place (float-equivalent) so that a
+    following INT4 round-to-nearest quantization loses less (its decoder layers must have
+    ``self_attn.qkv_proj``, ``mlp.gate_up_proj`` / ``down_proj`` and the two RMSNorms).
+    Returns the chosen alpha per linear."""
     names = []
     for i in range(len(model.layers)):
         names += [f"layers.{i}.self_attn.qkv_proj", f"layers.{i}.mlp.gate_up_proj", f"layers.{i}.mlp.down_proj"]
     inputs = collect_linear_inputs(model, calibration_ids, names)
     alphas = {}
-    inter = model.config.intermediate_size
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         for name, linear, fold in (
@@ -120,6 +108,7 @@ def apply_awq(model: LlamaForCausalLM, calibration_ids: list[int], group_size: i
             _scale_columns(linear, s)
             fold.data.div_(s.to(fold.dtype))
         name = f"layers.{i}.mlp.down_proj"
+        inter = mlp.gate_up_proj.part_sizes[0]
         s, alphas[name] = search_scale(mlp.down_proj.weight, inputs[name], group_size_for(inter, group_size))
         _scale_columns(mlp.down_proj, s)
         mlp.gate_up_proj.weight.data[inter:].div_(s.to(mlp.gate_up_proj.weight.dtype)[:, None])
@@ -128,5 +117,20 @@ def apply_awq(model: LlamaForCausalLM, calibration_ids: list[int], group_size: i
     return alphas
 
 
-def _scale_columns(linear: nn.Linear, s: torch.Tensor) -> None:
+def _scale_columns(linear: nn.Module, s: torch.Tensor) -> None:
     linear.weight.data.mul_(s.to(linear.weight.dtype)[None, :])
+
+
+def default_calibration_ids(tokenizer, num_tokens: int = 512) -> list[int]:
+    """Token ids of real English text for AWQ calibration (the GPL-3 license text that
+    Debian ships; a different text can be given to ``kvflow quantize --calibration``).
+
+    Raises:
+        ValueError: when the file is not there.
+    """
+    from pathlib import Path
+
+    path = Path("/usr/share/common-licenses/GPL-3")
+    if not path.exists():
+        raise ValueError("int4-awq needs calibration text: pass calibration_ids / --calibration FILE")
+    return tokenizer.encode(path.read_text())[:num_tokens]

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from kvflow.attention.backend import AttentionBackend
+from kvflow.attention.torch_backend import TORCH_BACKEND
 from kvflow.config import CacheConfig, ModelConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import SchedulerOutput
-from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.base import CausalLM
 from kvflow.request import Request
 from kvflow.sample.rejection_sampler import processed_probs
 from kvflow.sample.sampler import Sampler
@@ -36,19 +38,20 @@ class DraftModelProposer:
         max_model_len: the context limit, in tokens.
         device: where the draft runs.
         seed: seed of the generator for unseeded requests' draft sampling.
-        attention_backend: the draft runner's attention backend ("torch", "cpu" or "triton").
+        attention_backend: the draft runner's attention backend (the engine's,
+            ``kvflow.attention.selector``; default the PyTorch one).
     """
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         model_config: ModelConfig,
         cache_config: CacheConfig,
         k: int,
         max_model_len: int,
         device: torch.device,
         seed: int = 0,
-        attention_backend: str = "torch",
+        attention_backend: AttentionBackend = TORCH_BACKEND,
     ) -> None:
         self.k = k
         self.max_model_len = max_model_len
@@ -57,7 +60,7 @@ class DraftModelProposer:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
         self.generator = generator
-        self.runner = ModelRunner(model, CacheEngine(model_config, cache_config, device), cache_config.block_size,
+        self.runner = ModelRunner(model, CacheEngine(model.kv_cache_spec, cache_config, device), cache_config.block_size,
                                   Sampler(generator), device, attention_backend=attention_backend)
         self._shadows: dict[str, Request] = {}
 

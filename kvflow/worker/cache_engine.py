@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.config import CacheConfig, ModelConfig
-from kvflow.layers.attention import KVCache
+from kvflow.config import CacheConfig, KVCacheSpec
+from kvflow.attention.kv_cache import KVCache
 
 
 class CacheEngine:
-    """Owns one ``KVCache`` per KV layer (``ModelConfig.num_kv_layers``): K and V, plus
+    """Owns one ``KVCache`` per KV layer (``KVCacheSpec.num_layers``): K and V, plus
     per-token per-head float16 scales for an int8 / fp8 cache.
 
     Each tensor has shape ``[num_blocks, block_size, num_kv_heads, head_dim]`` and the cache
@@ -17,18 +17,14 @@ class CacheEngine:
     from it on demand (``KVCacheManager``).
 
     Args:
-        model_config: layer count, KV heads and head size.
+        spec: this rank's KV layer count, KV heads and head size (the model's
+            ``kv_cache_spec``).
         cache_config: block count, block size, dtype.
         device: where the tensors live.
     """
 
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, device: torch.device) -> None:
-        shape = (
-            cache_config.num_blocks,
-            cache_config.block_size,
-            model_config.num_key_value_heads,
-            model_config.head_dim,
-        )
+    def __init__(self, spec: KVCacheSpec, cache_config: CacheConfig, device: torch.device) -> None:
+        shape = (cache_config.num_blocks, cache_config.block_size, spec.num_kv_heads, spec.head_dim)
         quantized = cache_config.dtype in (torch.int8, torch.float8_e4m3fn)
 
         def layer(num_blocks: int, device: torch.device, pin: bool = False) -> KVCache:
@@ -38,12 +34,12 @@ class CacheEngine:
                 tensors += [torch.zeros(kv_shape[:-1], dtype=torch.float16, device=device, pin_memory=pin) for _ in range(2)]
             return tuple(tensors)
 
-        self.kv_caches: list[KVCache] = [layer(cache_config.num_blocks, device) for _ in range(model_config.num_kv_layers)]
+        self.kv_caches: list[KVCache] = [layer(cache_config.num_blocks, device) for _ in range(spec.num_layers)]
         cpu = torch.device("cpu")
         pin = device.type == "cuda"
         self.cpu_kv_caches: list[KVCache] = [
             layer(cache_config.num_cpu_blocks, cpu, pin)
-            for _ in range(model_config.num_kv_layers if cache_config.num_cpu_blocks else 0)
+            for _ in range(spec.num_layers if cache_config.num_cpu_blocks else 0)
         ]
 
     @property

@@ -123,7 +123,7 @@ def test_matches_engine_model_config(llama7b_dir):
     model_config = ModelConfig.from_hf_config(hf)
     report = memory.memory_report(model_config, "float16", budget_bytes=3 * GiB)  # ModelConfig works as is
     assert report["bytes_per_token"] == model_config.kv_bytes_per_token(torch.float16)
-    cache = EngineArgs(kv_cache_memory_bytes=3 * GiB).cache_config(model_config, torch.float16)
+    cache = EngineArgs(kv_cache_memory_bytes=3 * GiB).cache_config(model_config.kv_cache_spec(), torch.float16)
     assert report["budget"]["blocks"] == cache.num_blocks
 
 

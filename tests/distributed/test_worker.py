@@ -134,6 +134,25 @@ def test_tp2_int8_linears_shard_correctly(tiny_dir):
     assert _no_children()
 
 
+def test_tp2_equals_tp1_on_a_tiny_moe_model(tmp_path):
+    """Qwen3-MoE (q/k-norm attention, a dense layer between two MoE layers) sharded over two
+    processes: every rank holds all experts' halves of the intermediate features; tokens
+    and prompt log-probs equal the unsharded model's. (Mixtral's MoE block is the same
+    layer: tests/layers/test_moe.py checks its shards' sum.)"""
+    from model.hf_parity import save_random_hf
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=131, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, num_experts_per_tok=2, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=8, num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)
+    save_random_hf(transformers.Qwen3MoeForCausalLM, config, tmp_path)
+    tokens1, logprobs1 = _run(str(tmp_path), 1)
+    tokens2, logprobs2 = _run(str(tmp_path), 2)
+    assert tokens2 == tokens1
+    _assert_logprobs_close(logprobs2, logprobs1, 1e-4)
+    assert _no_children()
+
+
 @requires_smollm2
 @pytest.mark.integration
 def test_tp2_equals_tp1_on_the_real_model(smollm2_dir):

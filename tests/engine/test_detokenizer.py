@@ -69,12 +69,12 @@ class _Tok:
 
 @pytest.fixture(scope="module", params=["smollm2", "qwen2.5-coder-0.5b"])
 def tok(request) -> _Tok:
-    from kvflow.model.loader import load_tokenizer
+    from kvflow.model.resolve import load_tokenizer
 
     if request.param == "smollm2":
         model_dir = request.getfixturevalue("smollm2_dir")
     else:
-        from kvflow.model.loader import resolve_model
+        from kvflow.model.resolve import resolve_model
 
         try:
             model_dir = resolve_model(request.param)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from conftest import tiny_engine
-from kvflow.config import SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.outputs import EmbeddingRequestOutput
 from kvflow.pooling_params import PoolingParams
@@ -249,11 +248,7 @@ def test_prompt_of_max_model_len_is_accepted_and_default_pooling_applies():
     decides for requests that do not choose."""
     engine = tiny_engine(max_model_len=32)
     ids = (PROMPT + PROMPT)[:32]
-    mean = LLMEngine(
-        model=engine.model_runner.model, model_config=engine.model_config, cache_config=engine.cache_config,
-        scheduler_config=SchedulerConfig(64, 16, 32), tokenizer=None, device=torch.device("cpu"),
-        attention_backend="torch", default_pooling="mean",
-    )  # fmt: skip
+    mean = LLMEngine(engine.config, model=engine.model_runner.model, default_pooling="mean")
     got = {"default": _embed(engine, {"x": ids}, PoolingParams())["x"],
            "mean_default": _embed(mean, {"x": ids}, PoolingParams())["x"],
            "last_explicit": _embed(mean, {"x": ids}, PoolingParams(pooling_type="last"))["x"]}

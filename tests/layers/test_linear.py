@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kvflow.layers.linear as linear_mod
-from kvflow.layers.linear import PackedLinear, onednn_available, onednn_packs, pack_linears
-from kvflow.layers.quantized_linear import Int8Linear
+from kvflow.layers.linear import LinearBase, PackedLinear, UnquantizedLinearMethod, onednn_available, onednn_packs
+from kvflow.model.loader import pack_for_cpu
+from kvflow.quantization.int8 import Int8LinearMethod
+from kvflow.quantization.registry import get_quantization_config
 from tests.conftest import tiny_model, tiny_model_config
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN linear ops")
@@ -71,20 +73,22 @@ def test_rejects_float32_weights_and_mismatched_inputs():
         packed(torch.randn(2, 8))
 
 
-def test_pack_linears_replaces_only_16_bit_dense_linears():
-    model = nn.Sequential(
-        nn.Linear(16, 16).to(torch.bfloat16),
-        nn.Linear(16, 16),  # float32: left to ATen
-        Int8Linear.from_float(nn.Linear(16, 16)),  # quantized: has its own kernels
-        nn.Sequential(nn.Linear(16, 16).to(torch.float16)),
-    )
-    # float16 packs only where the CPU has avx512_fp16 / avx_ne_convert (not on an AMD Zen 4,
-    # where it raised oneDNN's RuntimeError): otherwise it stays on ATen's matmul.
-    bf16, fp16 = onednn_packs(torch.bfloat16), onednn_packs(torch.float16)
-    assert pack_linears(model) == bf16 + fp16
-    assert isinstance(model[0], PackedLinear if bf16 else nn.Linear)
-    assert isinstance(model[3][0], PackedLinear if fp16 else nn.Linear)
-    assert type(model[1]) is nn.Linear and isinstance(model[2], Int8Linear)
+def test_unquantized_method_packs_only_16_bit_dense_weights():
+    linear = nn.Linear(16, 16)
+
+    def layer(dtype, quant=None):
+        return LinearBase.from_weights(linear.weight.data.to(dtype), linear.bias.data.to(dtype), quant)
+
+    bf16, fp16, fp32 = layer(torch.bfloat16), layer(torch.float16), layer(torch.float32)  # fp32: left to ATen
+    int8 = layer(torch.float32, get_quantization_config("int8"))  # quantized: has its own kernels
+    # 16-bit types pack only where the CPU converts them natively (float16: avx512_fp16 or
+    # avx_ne_convert, absent on an AMD Zen 4, where oneDNN raised): otherwise ATen's matmul.
+    assert UnquantizedLinearMethod.is_packed(bf16) == onednn_packs(torch.bfloat16)
+    assert UnquantizedLinearMethod.is_packed(fp16) == onednn_packs(torch.float16)
+    assert not UnquantizedLinearMethod.is_packed(fp32) and "weight" in fp32._parameters
+    assert isinstance(int8.quant_method, Int8LinearMethod) and int8.weight.dtype == torch.int8
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(bf16(x.bfloat16()).float(), fp32(x), atol=0.05, rtol=0.05)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -94,17 +98,17 @@ def test_a_cpu_without_the_16_bit_instructions_keeps_aten(dtype, monkeypatch, ca
     monkeypatch.setattr(linear_mod, "onednn_packs", lambda d: False)
     monkeypatch.setattr(linear_mod, "_warned", set())
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 16).to(dtype), nn.Linear(16, 8).to(dtype))
+    dense = [nn.Linear(32, 16).to(dtype), nn.Linear(16, 8).to(dtype)]
     x = torch.randn(3, 32, dtype=dtype)
-    want = model(x)
+    want = dense[1](dense[0](x))
     with caplog.at_level("WARNING", logger="kvflow.layers.linear"):
-        assert pack_linears(model) == 0
-    assert all(type(m) is nn.Linear for m in model)
-    assert torch.equal(model(x), want)
+        layers = [LinearBase.from_weights(m.weight.data, m.bias.data) for m in dense]
+    assert not any(UnquantizedLinearMethod.is_packed(m) for m in layers)
+    assert torch.equal(layers[1](layers[0](x)), want)
     warnings = [r for r in caplog.records if r.name == "kvflow.layers.linear"]
     assert len(warnings) == 1 and linear_mod.CPU_FEATURES_NEEDED[dtype] in warnings[0].getMessage()
     with pytest.raises(RuntimeError, match=linear_mod.CPU_FEATURES_NEEDED[dtype]):
-        PackedLinear(model[0].weight.data)
+        PackedLinear(dense[0].weight.data)
 
 
 @pytest.mark.skipif(onednn_packs(torch.float16), reason="this CPU packs float16 weights")
@@ -118,7 +122,7 @@ def test_float16_weight_is_refused_naming_the_missing_feature():
 @needs_bf16
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_model_matches_unpacked(tied):
-    from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+    from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
     from kvflow.worker.cache_engine import CacheEngine
     from kvflow.config import CacheConfig
 
@@ -126,8 +130,8 @@ def test_packed_model_matches_unpacked(tied):
     model = tiny_model(config).to(torch.bfloat16)
     reference = tiny_model(config).to(torch.bfloat16)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    extra = model.pack_for_cpu()
-    assert isinstance(model.layers[0].self_attn.qkv_proj, PackedLinear)
+    extra = pack_for_cpu(model)
+    assert UnquantizedLinearMethod.is_packed(model.layers[0].self_attn.qkv_proj)
     assert extra == (config.vocab_size * config.hidden_size * 2 if tied else 0)
     # state_dict (weight counting, checkpoint saving) still sees every dense weight.
     packed_state = model.state_dict()
@@ -139,9 +143,9 @@ def test_packed_model_matches_unpacked(tied):
     n = 11
     logits = []
     for m in (model, reference):
-        cache = CacheEngine(config, CacheConfig(block_size=4, num_blocks=4, dtype=torch.bfloat16), torch.device("cpu"))
+        cache = CacheEngine(config.kv_cache_spec(), CacheConfig(block_size=4, num_blocks=4, dtype=torch.bfloat16), torch.device("cpu"))
         group = AttentionGroup.build(0, [n], [n], [[0, 1, 2]], 4, torch.device("cpu"))
-        meta = AttentionMetadata(slot_mapping=torch.arange(n), groups=[group])
+        meta = GroupedMetadata(slot_mapping=torch.arange(n), groups=[group])
         with torch.inference_mode():
             hidden = m(torch.arange(n) % config.vocab_size, torch.arange(n), cache.kv_caches, meta)
             logits.append(m.compute_logits(hidden))
@@ -157,19 +161,19 @@ def test_float16_model_packs_what_this_cpu_can_and_runs():
     cannot pack float16 the linears and the LM head stay dense; the logits equal the
     unpacked model's up to accumulation order either way."""
     from kvflow.config import CacheConfig
-    from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+    from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
     from kvflow.worker.cache_engine import CacheEngine
 
     config = tiny_model_config(tie_word_embeddings=True)
     model, reference = tiny_model(config).to(torch.float16), tiny_model(config).to(torch.float16)
-    model.pack_for_cpu()
+    pack_for_cpu(model)
     packs = onednn_packs(torch.float16)
-    assert isinstance(model.layers[0].mlp.down_proj, PackedLinear if packs else nn.Linear)
-    assert (model.packed_lm_head is not None) == packs
+    assert UnquantizedLinearMethod.is_packed(model.layers[0].mlp.down_proj) == packs
+    assert (model.lm_head.packed is not None) == packs
     n, logits = 7, []
     for m in (model, reference):
-        cache = CacheEngine(config, CacheConfig(block_size=4, num_blocks=2, dtype=torch.float16), torch.device("cpu"))
-        meta = AttentionMetadata(slot_mapping=torch.arange(n),
+        cache = CacheEngine(config.kv_cache_spec(), CacheConfig(block_size=4, num_blocks=2, dtype=torch.float16), torch.device("cpu"))
+        meta = GroupedMetadata(slot_mapping=torch.arange(n),
                                  groups=[AttentionGroup.build(0, [n], [n], [[0, 1]], 4, torch.device("cpu"))])
         logits.append(m.compute_logits(m(torch.arange(n), torch.arange(n), cache.kv_caches, meta)))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-2, rtol=1e-2)
@@ -177,5 +181,5 @@ def test_float16_model_packs_what_this_cpu_can_and_runs():
 
 def test_float32_model_is_not_packed():
     model = tiny_model(tiny_model_config())
-    assert model.pack_for_cpu() == 0
-    assert type(model.layers[0].mlp.down_proj) is nn.Linear and model.packed_lm_head is None
+    assert pack_for_cpu(model) == 0
+    assert not UnquantizedLinearMethod.is_packed(model.layers[0].mlp.down_proj) and model.lm_head.packed is None

@@ -152,8 +152,8 @@ def test_cross_layer_kv_sharing_divides_kv_memory():
     for share in (2, 3):
         cfg = tiny_model_config(num_hidden_layers=6, cla_share_factor=share)
         assert cfg.kv_bytes_per_token(torch.float32) * share == base.kv_bytes_per_token(torch.float32)
-        full = CacheEngine(base, CacheConfig(4, 10, torch.float32), torch.device("cpu"))
-        shared = CacheEngine(cfg, CacheConfig(4, 10, torch.float32), torch.device("cpu"))
+        full = CacheEngine(base.kv_cache_spec(), CacheConfig(4, 10, torch.float32), torch.device("cpu"))
+        shared = CacheEngine(cfg.kv_cache_spec(), CacheConfig(4, 10, torch.float32), torch.device("cpu"))
         assert len(shared.kv_caches) == 6 // share
         assert shared.num_bytes * share == full.num_bytes
     # The non-first layers of a group have no K/V projection weights.
@@ -174,42 +174,43 @@ def test_quantize_lm_head(tied, method, bound):
     dense = model.lm_head_weight.detach().clone()
     hidden = torch.randn(5, 64)
     want = hidden @ dense.T
-    model.quantize_lm_head(method, group_size=32)
-    assert model.packed_lm_head is not None
+    model.lm_head.quantize(method, group_size=32)
+    assert model.lm_head.packed is not None
     got = model.compute_logits(hidden)
     err = (got - want).abs().max() / want.abs().max()
     assert 0 < err < bound, err
     assert torch.equal(model.embed_tokens.weight, embed)
     if not tied:
-        assert model.lm_head is None
+        assert "weight" not in model.lm_head._parameters
         sd = model.state_dict()
-        assert torch.allclose(sd["lm_head"], dense, atol=bound * dense.abs().max())
+        assert torch.allclose(sd["lm_head.weight"], dense, atol=bound * dense.abs().max())
 
 
 def test_quantize_lm_head_int4_group_falls_back_like_the_decoder():
     """A group size that does not divide hidden_size (128 for 64 here; 128 for SmolLM2's
     576) takes the largest halving that does, as the decoder linears do."""
-    from kvflow.layers.quantized_linear import Int4Linear
+    from kvflow.quantization.int4 import Int4LinearMethod
 
     model = tiny_model(tiny_model_config())
-    model.quantize_lm_head("int4", group_size=128)
-    assert isinstance(model.packed_lm_head, Int4Linear) and model.packed_lm_head.group_size == 64
+    model.lm_head.quantize("int4", group_size=128)
+    head = model.lm_head.packed
+    assert isinstance(head.quant_method, Int4LinearMethod) and head.group_size == 64
 
 
 def test_quantize_lm_head_rejects_unknown_method():
     model = tiny_model(tiny_model_config())
     with pytest.raises(ValueError, match="LM head quantization"):
-        model.quantize_lm_head("int2")
+        model.lm_head.quantize("int2")
 
 
 def _prefill_logits_with_cache(model, token_ids, cache_dtype, chunk=8, block_size=4):
     from kvflow.config import CacheConfig
-    from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+    from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
     from kvflow.worker.cache_engine import CacheEngine
 
     n = len(token_ids)
     num_blocks = -(-n // block_size)
-    cache = CacheEngine(model.config, CacheConfig(block_size, num_blocks, cache_dtype), torch.device("cpu"))
+    cache = CacheEngine(model.kv_cache_spec, CacheConfig(block_size, num_blocks, cache_dtype), torch.device("cpu"))
     table = list(range(num_blocks))
     logits = []
     with torch.inference_mode():
@@ -218,7 +219,7 @@ def _prefill_logits_with_cache(model, token_ids, cache_dtype, chunk=8, block_siz
             pos = torch.arange(start, end)
             group = AttentionGroup.build(0, [end - start], [end], [table[: -(-end // block_size)]], block_size,
                                          torch.device("cpu"))
-            hidden = model(torch.tensor(token_ids[start:end]), pos, cache.kv_caches, AttentionMetadata(pos.clone(), [group]))
+            hidden = model(torch.tensor(token_ids[start:end]), pos, cache.kv_caches, GroupedMetadata(pos.clone(), [group]))
             logits.append(model.compute_logits(hidden))
     return torch.cat(logits)
 
@@ -248,12 +249,38 @@ def test_int8_kv_cache_stores_keys_minus_the_k_bias(monkeypatch):
     assert err < 0.2 * err_without, (err, err_without)  # observed 0.16 vs 2.84
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_dynamic_ntk_matches_transformers_at_the_scaled_context(tmp_path):
+    """Dynamic NTK: kvflow fixes the base for factor x max_position_embeddings (as vLLM), the
+    model's context in kvflow (64 here). transformers recomputes it for each sequence longer
+    than 32: the two agree on a 64-token sequence, and differ on shorter ones."""
+    from conftest import randomize_hf_model
+    from kvflow.model.loader import load_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-6,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )
+    hf = randomize_hf_model(transformers.LlamaForCausalLM(config))
+    hf.save_pretrained(tmp_path)
+    model, model_config = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    assert model_config.max_position_embeddings == 64
+    ids = torch.randint(0, 128, (64,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        shorter = hf(torch.tensor([ids[:40]])).logits[0]  # first: transformers keeps a longer length's base
+        full = hf(torch.tensor([ids])).logits[0]
+    for chunk in (5, 64):
+        torch.testing.assert_close(prefill_logits(model, ids, chunk), full, atol=1e-4, rtol=1e-4)
+    assert (prefill_logits(model, ids[:40], 8) - shorter).abs().max() > 1e-2
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_make_batch_invariant_keeps_the_model(tied):
     """make_batch_invariant swaps the dense linears and the LM head for InvariantLinear:
     logits agree with the original to float32 rounding, the k_proj bias (key offset) and
     the state_dict keys and values are kept, and a second call changes nothing."""
-    from kvflow.layers.invariant_linear import InvariantLinear, invariant_linear_available
+    from kvflow.layers.invariant_linear import InvariantLinearMethod, invariant_linear_available, make_batch_invariant
 
     if not invariant_linear_available():
         pytest.skip("the C++ kernel could not be built here")
@@ -263,9 +290,9 @@ def test_make_batch_invariant_keeps_the_model(tied):
     before = prefill_logits(model, tokens, chunk=5)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     bias = model.layers[0].self_attn.qkv_proj.bias.clone()
-    assert model.make_batch_invariant() == 2 * 4 + 1  # 4 linears per layer, and the head
-    assert model.make_batch_invariant() == 0
-    assert isinstance(model.layers[1].self_attn.o_proj, InvariantLinear)
+    assert make_batch_invariant(model) == 2 * 4 + 1  # 4 linears per layer, and the head
+    assert make_batch_invariant(model) == 0
+    assert isinstance(model.layers[1].self_attn.o_proj.quant_method, InvariantLinearMethod)
     assert torch.equal(model.layers[0].self_attn.qkv_proj.bias, bias)
     torch.testing.assert_close(prefill_logits(model, tokens, chunk=5), before, atol=2e-5, rtol=1e-5)
     after = model.state_dict()

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from conftest import prefill_logits, tiny_model, tiny_model_config
-from kvflow.layers.quantized_linear import Int4Linear
+from kvflow.model.loader import quantize_model
+from kvflow.quantization.int4 import Int4LinearMethod
 from kvflow.quantization.awq import MAX_SEARCH_ROWS, apply_awq, collect_linear_inputs, search_scale
-from kvflow.quantization.model import quantize_model
 from kvflow.quantization.schemes import dequantize_int4, quantize_int4
 
 GROUP = 32
@@ -125,7 +125,7 @@ def test_awq_int4_beats_rtn_int4_end_to_end():
     rtn, awq = copy.deepcopy(model), copy.deepcopy(model)
     quantize_model(rtn, "int4", GROUP)
     quantize_model(awq, "int4-awq", GROUP, calibration_ids=calib)
-    assert all(isinstance(layer.mlp.down_proj, Int4Linear) for layer in awq.layers)
+    assert all(isinstance(layer.mlp.down_proj.quant_method, Int4LinearMethod) for layer in awq.layers)
 
     def mse(m, key, ids):
         return float((prefill_logits(m, ids, chunk=len(ids)) - ref[key]).pow(2).mean())

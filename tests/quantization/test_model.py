@@ -30,9 +30,12 @@ import torch
 from conftest import requires_smollm2
 from kvflow import LLM, SamplingParams
 from kvflow.core.block_pool import hash_block_tokens
-from kvflow.layers.quantized_linear import FP8Linear, Int4Linear, Int8Linear
-from kvflow.quantization.awq import group_size_for
-from kvflow.quantization.model import LINEAR_NAMES, quantize_model, weight_bytes
+from kvflow.layers.linear import linear_layers
+from kvflow.model.loader import quantize_model
+from kvflow.quantization.checkpoint import weight_bytes
+from kvflow.quantization.fp8 import FP8LinearMethod
+from kvflow.quantization.int4 import Int4LinearMethod, group_size_for
+from kvflow.quantization.int8 import Int8LinearMethod
 
 pytestmark = [requires_smollm2, pytest.mark.integration]
 
@@ -68,11 +71,7 @@ def teacher_forced(llm: LLM, sequences: list[list[int]], top: int) -> list[list[
 
 
 def decoder_linears(llm: LLM):
-    model = llm.engine.model_runner.model
-    for layer in model.layers:
-        for name in LINEAR_NAMES:
-            parent, attr = name.split(".")
-            yield getattr(getattr(layer, parent), attr)
+    return linear_layers(llm.engine.model_runner.model)
 
 
 def linear_bytes(llm: LLM) -> int:
@@ -155,7 +154,7 @@ def check_free_running(outputs: list[list[int]], reference) -> list[int]:
 
 
 def test_int8_weights_greedy_matches_float32(int8_llm, reference):
-    assert all(isinstance(m, Int8Linear) for m in decoder_linears(int8_llm))
+    assert all(isinstance(m.quant_method, Int8LinearMethod) for m in decoder_linears(int8_llm))
     check_free_running(greedy(int8_llm), reference)
     check_teacher_forced(int8_llm, reference)
 
@@ -165,7 +164,7 @@ def test_quantized_lm_head_greedy_matches_float32(smollm2_dir, reference):
     the head is a quantized copy, and greedy decoding still follows float32."""
     llm = make_llm(smollm2_dir, quantization="int8", quantize_lm_head=True)
     model = llm.engine.model_runner.model
-    assert isinstance(model.packed_lm_head, Int8Linear)
+    assert isinstance(model.lm_head.packed.quant_method, Int8LinearMethod)
     assert model.embed_tokens.weight.dtype == torch.float32
     check_free_running(greedy(llm), reference)
     check_teacher_forced(llm, reference)
@@ -176,8 +175,8 @@ def test_int8_lm_head_under_int4_decoder(smollm2_dir, reference):
     decoder linears (the GGUF's own grid: lossless here) with an INT8 head."""
     llm = make_llm(smollm2_dir, quantization="int4", quantization_group_size=32, quantize_lm_head="int8")
     model = llm.engine.model_runner.model
-    assert isinstance(model.packed_lm_head, Int8Linear)
-    assert all(isinstance(m, Int4Linear) and m.group_size == 32 for m in decoder_linears(llm))
+    assert isinstance(model.lm_head.packed.quant_method, Int8LinearMethod)
+    assert all(isinstance(m.quant_method, Int4LinearMethod) and m.group_size == 32 for m in decoder_linears(llm))
     check_free_running(greedy(llm), reference)
     check_teacher_forced(llm, reference)
 
@@ -196,10 +195,10 @@ def test_gguf_repack_is_exact_and_matches_float32_greedy(gguf_llm, smollm2_llm, 
     only the bfloat16 activations differ: greedy matches over 16 tokens."""
     float_linears = list(decoder_linears(smollm2_llm))
     for q, f in zip(decoder_linears(gguf_llm), float_linears):
-        assert isinstance(q, Int4Linear) and q.group_size == 32
+        assert isinstance(q.quant_method.inner, Int4LinearMethod) and q.group_size == 32
         w = f.weight.detach()
         # d * q + m (converter) vs (q - 8) * d + (m + 8 d) (repack): equal up to float32 rounding
-        assert float((q.dequantized() - w).abs().max()) <= 1e-6 * float(w.abs().max())
+        assert float((q.dense_weight() - w).abs().max()) <= 1e-6 * float(w.abs().max())
     assert greedy(gguf_llm) == reference["outputs"]
     check_teacher_forced(gguf_llm, reference)
 
@@ -348,7 +347,7 @@ def test_saved_fp8_checkpoint_keeps_fp8_storage(smollm2_dir, smollm2_llm, tmp_pa
     for name, tensor in expected.state_dict().items():
         assert state[name].dtype == tensor.dtype, name
         assert torch.equal(state[name].view(torch.uint8), tensor.view(torch.uint8)), name
-    assert all(isinstance(m, FP8Linear) and m.weight.dtype == torch.float8_e4m3fn for m in decoder_linears(reloaded))
+    assert all(isinstance(m.quant_method, FP8LinearMethod) and m.weight.dtype == torch.float8_e4m3fn for m in decoder_linears(reloaded))
     assert linear_bytes(reloaded) < 0.26 * linear_bytes(smollm2_llm)
 
 

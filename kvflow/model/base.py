@@ -1,0 +1,157 @@
+"""What every kvflow decoder model offers the engine, and the weight loading they share.
+
+A model file (``llama.py``, ...) holds architecture only: it subclasses ``CausalLM``, builds
+its layers from ``kvflow.layers`` (parallel linears, ``VocabParallelEmbedding``,
+``ParallelLMHead``, norms, rotary, ``Attention``) and writes ``forward``. The engine then
+calls:
+
+- ``forward(input_ids, positions, kv_caches, metadata) -> hidden`` over a step's flat
+  token batch;
+- ``compute_logits(hidden) -> float32 logits`` of the full vocabulary;
+- ``kv_cache_spec``: this rank's KV cache geometry (``kvflow.config.KVCacheSpec``);
+- ``load_weights(iterable of (Hugging Face name, tensor))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kvflow.config import KVCacheSpec, ModelConfig
+from kvflow.distributed.parallel_state import TensorParallel
+
+
+class CausalLM(nn.Module):
+    """Base of kvflow's decoder-only language models.
+
+    Subclasses set ``self.config`` (the full model's ``ModelConfig``), ``self.tp``,
+    ``self.embed_tokens`` (``VocabParallelEmbedding``) and ``self.lm_head``
+    (``ParallelLMHead``), and may extend ``stacked_params_mapping`` / ``skip_weights`` or
+    ``map_weight_name`` (names with an index inside, e.g. ``experts.{e}.``). A module whose
+    parameters take different checkpoint parts declares them per parameter in
+    ``param_shard_ids`` (``{"w13_weight": ((0, "w1"), (0, "w3"), ...)}``), else one tuple in
+    ``shard_ids``.
+
+    Attributes:
+        stacked_params_mapping: (our parameter part, checkpoint part, shard id): checkpoint
+            tensors that load into one part of a fused parameter (``q_proj`` into
+            ``qkv_proj`` as shard "q", ...).
+        skip_weights: substrings of checkpoint names that hold nothing to load.
+    """
+
+    stacked_params_mapping: list[tuple[str, str, object]] = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    skip_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+    config: ModelConfig
+    tp: TensorParallel | None
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """This rank's KV cache geometry."""
+        world, rank = (1, 0) if self.tp is None else (self.tp.world_size, self.tp.rank)
+        return self.config.kv_cache_spec(world, rank)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab rows of this rank, hidden_size]; the embedding matrix when embeddings are tied."""
+        return self.lm_head.dense
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head: [N, hidden_size] -> float32 logits [N, vocab_size] of the full model
+        (under tensor parallelism every rank gets all of them)."""
+        return self.lm_head(hidden)
+
+    def map_weight_name(self, name: str) -> tuple[str, object]:
+        """Our parameter name and shard id for a checkpoint tensor name (``model.`` prefix
+        already stripped): ``stacked_params_mapping`` applied (shard id None: the whole
+        parameter). Models with other layouts (stacked experts) extend it."""
+        for ours, theirs, sid in self.stacked_params_mapping:
+            marker = f".{theirs}."
+            if marker in name:
+                return name.replace(marker, f".{ours}."), sid
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the model through each layer's
+        ``weight_loader`` (which takes this rank's slice and fuses Q/K/V and gate/up).
+
+        Raises:
+            ValueError: for an unexpected tensor name or shape, or when a parameter is left
+                without a value or a part of it arrives twice.
+        """
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: dict[str, set] = {name: set() for name in params}
+        for hf_name, tensor in weights:
+            if any(skip in hf_name for skip in self.skip_weights):
+                continue
+            name = hf_name[len("model.") :] if hf_name.startswith("model.") else hf_name
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            name, shard_id = self.map_weight_name(name)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unexpected weight {hf_name!r}")
+            owner = modules[name.rsplit(".", 1)[0]] if "." in name else self
+            parts = _shard_ids(owner, name) if shard_id is None else (shard_id,)
+            if loaded[name] & set(parts):
+                raise ValueError(f"checkpoint repeats weight {hf_name!r}")
+            try:
+                loader = getattr(owner, "weight_loader", None)
+                if loader is not None:
+                    loader(param, tensor, shard_id)
+                elif param.shape != tensor.shape:
+                    raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                else:
+                    param.data.copy_(tensor)
+            except ValueError as exc:
+                raise ValueError(f"weight {hf_name!r} has {exc}") from None
+            loaded[name].update(parts)
+        missing = sorted(
+            name for name in params
+            if loaded[name] != set(_shard_ids(modules.get(name.rsplit(".", 1)[0] if "." in name else ""), name))
+        )
+        if missing:
+            raise ValueError(f"checkpoint is missing or repeats tensors of {len(missing)} parameters, e.g. {missing[:3]}")
+
+
+def refuse_sliding_window(config: ModelConfig, window: int | None, field: str = "sliding_window") -> None:
+    """Refuse a sliding window that kvflow's attention (always the full causal context) would
+    ignore: one that acts within the engine's context.
+
+    A window of W tokens (transformers: key j is visible from query i when i - j < W) changes
+    nothing for sequences of at most W tokens, so it is accepted when
+    ``config.context_len <= W`` (e.g. ``max_model_len`` lowered to the window).
+
+    Args:
+        config: the model's config (``context_len``: the engine's max_model_len, or the
+            model's context).
+        window: the window in tokens, or None / 0 for none.
+        field: the config field to name in the error.
+
+    Raises:
+        ValueError: naming ``field`` when the window is shorter than the context.
+    """
+    if window and window < config.context_len:
+        raise ValueError(
+            f"{config.model_type}: {field}={window} is smaller than the context ({config.context_len} tokens); "
+            f"kvflow does not implement sliding-window attention for this model yet. Use max_model_len <= {window} "
+            "(the window then never acts) or a config without the window"
+        )
+
+
+def _shard_ids(owner: nn.Module | None, param_name: str) -> tuple:
+    """The parts parameter ``param_name`` must receive: its owner's ``param_shard_ids`` entry
+    (a module whose parameters take different parts, e.g. stacked experts), else the owner's
+    ``shard_ids``, else the whole tensor once ((None,))."""
+    per_param = getattr(owner, "param_shard_ids", None) or {}
+    leaf = param_name.rsplit(".", 1)[-1]
+    return per_param.get(leaf) or getattr(owner, "shard_ids", (None,))

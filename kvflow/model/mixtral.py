@@ -1,0 +1,87 @@
+"""Mixtral: the Mistral decoder with a sparse mixture of experts in place of each MLP.
+
+Jiang et al. 2024, "Mixtral of Experts" (arXiv 2401.04088), section 2.1: every layer's
+feed-forward is 8 SwiGLU experts of which a linear router picks the top 2 per token, their
+outputs weighted by a softmax over the two chosen logits (``kvflow.layers.moe``, with
+``renormalize``: the softmax over all experts followed by division by the top-2 sum, as the
+transformers code computes it). Attention, norms and rotary embeddings are Llama's
+(``kvflow.model.llama``).
+
+Checkpoint names (Hugging Face): ``layers.{i}.block_sparse_moe.gate.weight`` (router
+[num_local_experts, hidden]) and ``layers.{i}.block_sparse_moe.experts.{e}.w1 / w3 / w2
+.weight`` (gate, up, down), loaded into the stacked expert parameters.
+
+Not supported (refused at load by ``check_mixtral_config``): a sliding window shorter than
+the context (``sliding_window`` < ``max_position_embeddings``: kvflow attends to the whole
+context; sliding-window attention comes later) and activations other than SiLU.
+``router_jitter_noise`` only acts in training and is ignored.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from kvflow.config import ModelConfig
+from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.layers.moe import SparseMoeBlock, map_expert_weight
+from kvflow.layers.norm import RMSNorm
+from kvflow.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from kvflow.quantization.base import QuantizationConfig
+
+MIXTRAL_PROJECTIONS = {"w1": "w1", "w3": "w3", "w2": "w2"}
+
+
+def check_mixtral_config(config: ModelConfig) -> None:
+    """Refuse what kvflow's Mixtral does not implement.
+
+    Raises:
+        ValueError: naming the field: no transformers config, ``sliding_window`` enabled and
+            shorter than ``max_position_embeddings``, ``hidden_act`` other than "silu".
+    """
+    hf = config.hf_config
+    if hf is None:
+        raise ValueError("mixtral needs the transformers config (ModelConfig.from_hf_config) for its expert fields")
+    window = getattr(hf, "sliding_window", None)
+    if window is not None and window < config.max_position_embeddings:
+        raise ValueError(f"mixtral: sliding_window={window} (< max_position_embeddings="
+                         f"{config.max_position_embeddings}) is not supported yet: kvflow attends to the whole context")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"mixtral: hidden_act={hf.hidden_act!r} is not supported (only 'silu')")
+
+
+class MixtralDecoderLayer(LlamaDecoderLayer):
+    """Llama attention, then the sparse MoE block ``block_sparse_moe`` (pre-norm residuals)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        nn.Module.__init__(self)
+        hf = config.hf_config
+        self.self_attn = LlamaAttention(config, layer_idx, tp, quant_config, f"{prefix}.self_attn")
+        self.block_sparse_moe = SparseMoeBlock(
+            config.hidden_size, hf.num_local_experts, hf.num_experts_per_tok, config.intermediate_size,
+            renormalize=True, quant_config=quant_config, prefix=f"{prefix}.block_sparse_moe", tp=tp,
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos_sin, kv_cache, metadata):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata)
+        return x + self.block_sparse_moe(self.post_attention_layernorm(x))
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral (model_type "mixtral"); arguments as ``LlamaForCausalLM``.
+
+    Raises:
+        ValueError: for an unsupported config field (``check_mixtral_config``).
+    """
+
+    decoder_layer_cls = MixtralDecoderLayer
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        check_mixtral_config(config)
+        super().__init__(config, tp, quant_config)
+
+    def map_weight_name(self, name: str) -> tuple[str, object]:
+        return map_expert_weight(name, MIXTRAL_PROJECTIONS) or super().map_weight_name(name)

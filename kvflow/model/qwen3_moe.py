@@ -1,0 +1,167 @@
+"""Qwen3-MoE (and Qwen2-MoE): Qwen attention with a sparse mixture of experts per layer.
+
+Qwen team 2025, "Qwen3 Technical Report" (arXiv 2505.09388), section 2: Qwen3-MoE layers
+are grouped-query attention with a per-head RMSNorm on queries and keys before RoPE
+(``q_norm``, ``k_norm`` over ``head_dim``; no QKV bias) and a feed-forward of
+``num_experts`` fine-grained SwiGLU experts (``moe_intermediate_size``) of which a linear
+router picks ``num_experts_per_tok`` per token; the top-k softmax weights are renormalized
+to sum to 1 when ``norm_topk_prob`` (``kvflow.layers.moe``). Layers listed in
+``mlp_only_layers``, or not on the ``decoder_sparse_step`` grid, have a dense SwiGLU MLP of
+``intermediate_size`` instead (as transformers' ``Qwen3MoeDecoderLayer`` decides).
+
+Qwen2-MoE (model_type "qwen2_moe", Qwen1.5-MoE / Qwen2-57B-A14B) is the same decoder without
+q/k norms, with Q/K/V biases (``qkv_bias``) and a shared expert: a SwiGLU MLP of
+``shared_expert_intermediate_size`` that every token takes, scaled by
+sigmoid(``shared_expert_gate``(x)) (``SparseMoeBlock``).
+
+The attention here (``QwenMoeAttention``) is written for these two and can be unified with
+the dense Qwen3 model's q/k-norm attention (``kvflow/model/qwen3.py``) once both exist.
+
+Not supported (refused at load by ``check_qwen_moe_config``): sliding-window attention
+(``use_sliding_window``), activations other than SiLU, cross-layer KV sharing, and a shared
+expert on qwen3_moe (transformers' Qwen3-MoE has none; such a config is another architecture).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.config import ModelConfig
+from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.attention.backend import AttentionMetadata
+from kvflow.attention.kv_cache import KVCache
+from kvflow.layers.attention import Attention
+from kvflow.layers.linear import QKVParallelLinear, RowParallelLinear
+from kvflow.layers.moe import SparseMoeBlock, map_expert_weight
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.rotary import apply_rotary
+from kvflow.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from kvflow.quantization.base import QuantizationConfig
+
+QWEN_MOE_PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def check_qwen_moe_config(config: ModelConfig) -> None:
+    """Refuse what kvflow's Qwen3-MoE / Qwen2-MoE do not implement.
+
+    Raises:
+        ValueError: naming the field: no transformers config, ``use_sliding_window`` (or a
+            ``layer_types`` entry other than "full_attention"), ``hidden_act`` other than
+            "silu", ``cla_share_factor`` > 1, or ``shared_expert_intermediate_size`` > 0 on
+            qwen3_moe.
+    """
+    hf, kind = config.hf_config, config.model_type
+    if hf is None:
+        raise ValueError(f"{kind} needs the transformers config (ModelConfig.from_hf_config) for its expert fields")
+    if getattr(hf, "use_sliding_window", False):
+        raise ValueError(f"{kind}: use_sliding_window=True (sliding_window={getattr(hf, 'sliding_window', None)}) "
+                         "is not supported yet: kvflow attends to the whole context")
+    layer_types = getattr(hf, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"{kind}: layer_types {sorted(set(layer_types))} are not supported (only 'full_attention')")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"{kind}: hidden_act={hf.hidden_act!r} is not supported (only 'silu')")
+    if config.cla_share_factor != 1:
+        raise ValueError(f"{kind}: cla_share_factor={config.cla_share_factor} is not supported (only 1)")
+    shared = getattr(hf, "shared_expert_intermediate_size", 0) or 0
+    if kind == "qwen3_moe" and shared > 0:
+        raise ValueError(f"qwen3_moe: shared_expert_intermediate_size={shared} is not supported: Qwen3-MoE has no "
+                         "shared expert (a Qwen2-MoE-style checkpoint is model_type 'qwen2_moe')")
+
+
+class QwenMoeAttention(nn.Module):
+    """Grouped-query self-attention with optional per-head RMSNorm of queries and keys
+    before RoPE (Qwen3: ``q_norm`` / ``k_norm`` over ``head_dim``) and optional biases.
+
+    Args:
+        config: the model's ``ModelConfig``.
+        qkv_bias: biases on the Q/K/V projections; o_bias: on the output projection.
+        qk_norm: the per-head q/k RMSNorms.
+
+    Shapes: forward(x [T, hidden], cos_sin, kv_cache, metadata) -> [T, hidden].
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None, quant_config: QuantizationConfig | None,
+                 prefix: str, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
+            bias=qkv_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj", tp=tp,
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim, config.hidden_size, bias=o_bias, quant_config=quant_config,
+            prefix=f"{prefix}.o_proj", tp=tp, input_range=self.qkv_proj.q_range,
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # per head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, d))
+            k = self.k_norm(k.reshape(-1, d))
+        # Rotate the query and key heads together: [T, heads + kv_heads, head_dim].
+        qk = apply_rotary(torch.cat([q.reshape(t, -1, d), k.reshape(t, -1, d)], dim=1), *cos_sin)
+        o = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v.reshape(t, self.num_kv_heads, d),
+                      kv_cache, metadata)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+def is_sparse_layer(hf_config, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` has experts (transformers' ``Qwen3MoeDecoderLayer`` rule):
+    not in ``mlp_only_layers``, experts configured, and on the ``decoder_sparse_step`` grid."""
+    mlp_only = getattr(hf_config, "mlp_only_layers", None) or []
+    step = getattr(hf_config, "decoder_sparse_step", 1) or 1
+    return layer_idx not in mlp_only and hf_config.num_experts > 0 and (layer_idx + 1) % step == 0
+
+
+class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
+    """Pre-norm attention, then the MoE block (or a dense MLP: ``is_sparse_layer``) as ``mlp``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None = None,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
+        nn.Module.__init__(self)
+        hf = config.hf_config
+        qwen3 = config.model_type == "qwen3_moe"
+        self.self_attn = QwenMoeAttention(
+            config, tp, quant_config, f"{prefix}.self_attn",
+            qkv_bias=config.attention_bias if qwen3 else bool(getattr(hf, "qkv_bias", True)),
+            o_bias=config.attention_bias if qwen3 else False, qk_norm=qwen3,
+        )
+        if is_sparse_layer(hf, layer_idx):
+            self.mlp = SparseMoeBlock(
+                config.hidden_size, hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,
+                renormalize=bool(hf.norm_topk_prob),
+                shared_expert_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
+                quant_config=quant_config, prefix=f"{prefix}.mlp", tp=tp,
+            )
+        else:
+            self.mlp = LlamaMLP(config, tp, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3-MoE (model_type "qwen3_moe") and Qwen2-MoE ("qwen2_moe"); arguments as
+    ``LlamaForCausalLM``.
+
+    Raises:
+        ValueError: for an unsupported config field (``check_qwen_moe_config``).
+    """
+
+    decoder_layer_cls = Qwen3MoeDecoderLayer
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
+        check_qwen_moe_config(config)
+        super().__init__(config, tp, quant_config)
+
+    def map_weight_name(self, name: str) -> tuple[str, object]:
+        return map_expert_weight(name, QWEN_MOE_PROJECTIONS) or super().map_weight_name(name)
