@@ -784,4 +784,9 @@ def build_app(
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(req, raw)
 
+    # vLLM's further endpoints, in their own modules (they import this one)
+    from kvflow.entrypoints.openai import serving_embedding, serving_tokenization
+
+    serving_embedding.attach_routes(app, serving)
+    serving_tokenization.attach_routes(app, serving)
     return app
