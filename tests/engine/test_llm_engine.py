@@ -762,3 +762,21 @@ def test_logprobs_are_vllm_logprob_objects():
         check(logprobs[i], len(prompt) - 1 + i, t, 3)
         assert logprobs[i][t].rank == 1  # greedy
     assert final.outputs[0].cumulative_logprob == pytest.approx(sum(lp[t] for lp, t in zip(logprobs, generated)))
+
+
+def test_priority_policy_runs_the_lowest_priority_value_first_under_load():
+    """One request at a time (max_num_seqs=1): queued together, they finish in priority
+    order (lower first; ties by arrival), not in arrival order; fcfs keeps arrival order."""
+
+    def finish_order(policy: str, priorities: dict[str, int]) -> list[str]:
+        engine = tiny_engine(max_num_seqs=1, scheduling_policy=policy)
+        for i, (request_id, prio) in enumerate(priorities.items()):
+            engine.add_request(request_id, [(7 * i + 1) % 128] * 5, SamplingParams(temperature=0, max_tokens=3,
+                                                                              ignore_eos=True), priority=prio)
+        order = []
+        while engine.has_unfinished_requests():
+            order += [o.request_id for o in engine.step() if o.finished]
+        return order
+
+    assert finish_order("priority", {"a": 5, "b": 0, "c": -1, "d": 0}) == ["c", "b", "d", "a"]
+    assert finish_order("fcfs", {"a": 0, "b": 0, "c": 0, "d": 0}) == ["a", "b", "c", "d"]
