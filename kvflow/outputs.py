@@ -70,6 +70,8 @@ class RequestOutput:
             token and the top ``prompt_logprobs`` (set on the finished output).
         error: set (with ``finished`` True and every finish_reason "error") when the engine
             failed this request; its blocks are freed and the other requests go on.
+        num_cached_tokens: prompt tokens that were prefix-cache hits when the request was
+            first scheduled (vLLM's field; 0 before that).
     """
 
     request_id: str
@@ -80,6 +82,7 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: RequestFailure | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass

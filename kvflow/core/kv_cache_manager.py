@@ -55,6 +55,10 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """See ``BlockPool.reset_prefix_cache``."""
+        return self.block_pool.reset_prefix_cache()
+
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return cdiv(num_tokens, self.block_size)

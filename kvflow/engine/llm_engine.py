@@ -404,6 +404,17 @@ class LLMEngine:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
         return self._grammar_compiler.compile(params)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached K/V of every block no request holds, so that later requests
+        recompute their prompts (vLLM's ``reset_prefix_cache``; e.g. after changing
+        weights, or to measure cold prefill).
+
+        Returns:
+            True when nothing cached is left, False when running requests' blocks stay
+            indexed.
+        """
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its samples) and free its KV blocks at once.
 
@@ -715,6 +726,7 @@ class LLMEngine:
                 if state.finished and params.prompt_logprobs is not None
                 else None
             ),
+            num_cached_tokens=max(state.samples[0].num_cached_tokens, 0),
         )
 
     def get_stats(self) -> dict[str, float | int]:

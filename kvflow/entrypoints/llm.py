@@ -27,17 +27,23 @@ class LLM:
             ``qwen2.5-coder-1.5b``), a ``.gguf`` file or a Hugging Face directory.
         **kwargs: any ``EngineArgs`` field (``dtype``, ``block_size``, ``num_kv_blocks``,
             ``kv_cache_memory_bytes``, ``max_num_batched_tokens``, ``max_num_seqs``,
-            ``max_model_len``, ``seed``, ...).
+            ``max_model_len``, ``seed``, ...), or one of vLLM's ``LLM`` keywords, mapped
+            or accepted without effect as ``kvflow.entrypoints.vllm_compat`` lists
+            (``gpu_memory_utilization``, ``swap_space``, ``trust_remote_code``...).
 
     Raises:
         ValueError: for an unknown option or an invalid value (naming the field).
     """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+        from kvflow.entrypoints import vllm_compat
+
         fields = set(EngineArgs.__dataclass_fields__)
+        kwargs = vllm_compat.translate_llm_kwargs(model, kwargs, fields)
         unknown = set(kwargs) - fields
         if unknown:
-            raise ValueError(f"unknown LLM option(s) {sorted(unknown)}; known: {sorted(fields)}")
+            raise ValueError(f"unknown LLM option(s) {sorted(unknown)}; known: {sorted(fields)} and vLLM's "
+                             f"{sorted(vllm_compat.vllm_option_names())}")
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self.chat_template: str | None = None
@@ -54,6 +60,19 @@ class LLM:
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM."""
         return self.engine.default_sampling_params()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prompt prefix no request holds (vLLM's ``reset_prefix_cache``):
+        later prompts are computed from scratch. Returns True when nothing cached is left
+        (always between ``generate`` calls).
+
+        Raises:
+            ValueError: for ``reset_running_requests`` (kvflow never preempts requests to
+                reset the cache); ``reset_connector`` has no effect (no KV connector).
+        """
+        if reset_running_requests:
+            raise ValueError("reset_running_requests is not supported by kvflow")
+        return self.engine.reset_prefix_cache()
+
     # ------------------------------------------------------------------ inputs
     def _to_token_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
@@ -61,6 +80,8 @@ class LLM:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt), prompt
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):
+                raise ValueError("multi_modal_data is not supported by kvflow (text models only)")
             if "prompt_token_ids" in prompt:
                 return list(prompt["prompt_token_ids"]), prompt.get("prompt")
             if "prompt" in prompt:
@@ -150,8 +171,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
         priority: int | Sequence[int] | None = None,
+        *,
+        lora_request: None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order.
+        """Generate for every prompt; results come back in input order (vLLM's
+        ``LLM.generate``; ``lora_request``, ``tokenization_kwargs`` and
+        ``mm_processor_kwargs`` are accepted unset).
 
         Args:
             prompts: a string, a list of token ids, a dict with ``prompt`` or
@@ -167,8 +194,11 @@ class LLM:
         with ``error`` set and finish_reason "error"; the others are not affected.
 
         Raises:
-            ValueError: for an invalid prompt or parameters; nothing is queued then.
+            ValueError: for an invalid prompt or parameters, a ``lora_request`` or non-empty
+                ``tokenization_kwargs`` / ``mm_processor_kwargs``; nothing is queued then.
         """
+        _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                      mm_processor_kwargs=mm_processor_kwargs)
         prompt_list = self._normalize_prompts(prompts)
         request_ids = self._add_all(prompt_list, sampling_params or self.get_default_sampling_params(), priority)
         return self._run_to_completion(request_ids, use_tqdm)
@@ -182,6 +212,8 @@ class LLM:
         normalize: bool | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
         priority: int | Sequence[int] | None = None,
+        lora_request: None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding vector per prompt (vLLM's ``LLM.embed``), in input order.
 
@@ -208,6 +240,7 @@ class LLM:
             ValueError: for an invalid prompt or parameters (e.g. ``dimensions`` other than
                 the hidden size); nothing is queued then.
         """
+        _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         if pooling_params is None:
             pooling_params = PoolingParams(pooling_type=pooling, normalize=normalize)
         elif pooling is not None or normalize is not None:
@@ -275,6 +308,8 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of conversations (vLLM's
         ``LLM.chat``, same arguments in the same order).
@@ -285,11 +320,11 @@ class LLM:
         ``apply_chat_template`` for the template arguments and ``generate`` for the rest.
 
         Raises:
-            ValueError: see ``apply_chat_template`` and ``generate``; ``lora_request`` set
-                (kvflow serves no LoRA adapters).
+            ValueError: see ``apply_chat_template`` and ``generate`` (``lora_request``,
+                ``tokenization_kwargs``, ``mm_processor_kwargs`` set).
         """
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported by kvflow (no LoRA adapters)")
+        _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                      mm_processor_kwargs=mm_processor_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             {"prompt_token_ids": self.apply_chat_template(
@@ -382,3 +417,16 @@ class LLM:
     def get_stats(self) -> dict[str, float | int]:
         """See ``LLMEngine.get_stats``."""
         return self.engine.get_stats()
+
+
+def _refuse_unset(**options: Any) -> None:
+    """vLLM arguments kvflow accepts only unset (None or empty).
+
+    Raises:
+        ValueError: naming the first one set.
+    """
+    why = {"lora_request": "no LoRA adapters", "tokenization_kwargs": "the tokenizer's defaults are used",
+           "mm_processor_kwargs": "text models only"}
+    for name, value in options.items():
+        if value is not None and value != {}:
+            raise ValueError(f"{name} is not supported by kvflow ({why[name]}); leave it unset")
