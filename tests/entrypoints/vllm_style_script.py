@@ -42,7 +42,7 @@ def _logprobs(entries) -> list[dict[str, Any]]:
 def run(model_dir: str, api: str = "kvflow") -> dict[str, Any]:
     LLM, SamplingParams = _import(api)
     llm = LLM(
-        model=model_dir, tokenizer=model_dir, dtype="float32", seed=0, max_model_len=512, block_size=16,
+        model=model_dir, tokenizer=model_dir, dtype="float32", seed=0, max_model_len=512, block_size=32,
         enable_prefix_caching=True, max_num_seqs=8, max_num_batched_tokens=64, enforce_eager=True,
         trust_remote_code=False, tensor_parallel_size=1, gpu_memory_utilization=0.9,
         kv_cache_memory_bytes=64 * 2**20, disable_log_stats=True, tokenizer_mode="auto",
