@@ -422,9 +422,9 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: list[int
         top_k: per row, how many of the most likely tokens to report (0: only the sampled one).
 
     Returns:
-        Per row, {token id: ``Logprob``} with the top ``top_k`` (ranks 1..k) and the sampled
-        token (its rank: the number of tokens at least as likely, as vLLM), without
-        ``decoded_token`` (the engine adds it).
+        Per row, {token id: ``Logprob``}: the sampled token first (its rank: the number of
+        tokens at least as likely), then the top ``top_k`` (ranks 1..k), in vLLM's order;
+        without ``decoded_token`` (the engine adds it).
     """
     logprobs = torch.log_softmax(logits, dim=-1)
     k_max = max(top_k)
@@ -434,11 +434,11 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: list[int
     sampled = sampled_t.squeeze(1).tolist()
     entries = []
     for row, k in enumerate(top_k):
-        entry = {}
+        # As vLLM: the sampled (or actual prompt) token first, then the top k in rank order;
+        # a sampled token among the top k keeps its place first and takes its top-k rank.
+        entry = {int(tokens[row]): Logprob(sampled[row], ranks[row])}
         if k > 0:
-            entry = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist()))}
-        token = int(tokens[row])
-        if token not in entry:
-            entry[token] = Logprob(sampled[row], ranks[row])
+            for i, (t, v) in enumerate(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist())):
+                entry[t] = Logprob(v, i + 1)
         entries.append(entry)
     return entries

@@ -84,6 +84,10 @@ def test_logprobs_are_vllm_objects_and_floats(llm):
     assert entry.rank == 1 and entry.logprob == float(entry) < 0 and entry.decoded_token is not None
     assert sum(e[t] for e, t in zip(c.logprobs, c.token_ids)) == pytest.approx(c.cumulative_logprob, abs=1e-5)
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 3
+    # vLLM's order: the actual token first, then the top k
+    assert [next(iter(e)) for e in out.prompt_logprobs[1:]] == [6, 7]
+    assert all(len(e) == 2 for e in out.prompt_logprobs[1:])  # (neither is the top-1 token here)
+    assert [next(iter(e)) for e in c.logprobs] == c.token_ids
 
 
 @pytest.mark.parametrize("kwargs,match", [
