@@ -6,13 +6,14 @@ fields), asserts the shapes vLLM documents and returns a JSON-able summary (toke
 texts, logprobs, embeddings) so that two runs can be compared.
 
 - CI: ``tests/entrypoints/test_vllm_compat.py`` runs it on kvflow (``api="kvflow"``).
-- By hand against the real vLLM CPU build (minutes to start; see the README's "Coming from
-  vLLM")::
+- By hand against a real vLLM (its own environment; vLLM's CPU build needs a block size
+  that is a multiple of 32, hence 32 here, and takes minutes to start)::
 
-      VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=/work/peers \\
-        /work/peers/vllm-venv/bin/python -c "import vllm_launcher, runpy, sys; \\
-        sys.argv[1:] = ['MODEL_DIR', 'vllm', 'out.json']; \\
-        runpy.run_path('tests/entrypoints/vllm_style_script.py', run_name='__main__')"
+      VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_KVCACHE_SPACE=1 \\
+        <vllm-venv>/bin/python tests/entrypoints/vllm_style_script.py MODEL_DIR vllm out.json
+
+  then compare out.json with ``python tests/entrypoints/vllm_style_script.py MODEL_DIR
+  kvflow out-kvflow.json``.
 """
 
 from __future__ import annotations
