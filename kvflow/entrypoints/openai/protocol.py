@@ -3,8 +3,8 @@
 Field names and defaults follow the OpenAI API reference (completions and chat completions)
 plus the extra sampling fields vLLM accepts (top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, bad_words, skip_special_tokens, include_stop_str_in_output,
-guided_json, guided_regex) and vLLM's ``priority``. Responses are built as plain dicts in ``server.py`` so that no
-field is sent as an explicit null.
+guided_json, guided_regex) and vLLM's ``priority``. Responses are built as plain dicts in
+``server.py`` so that no field is sent as an explicit null.
 
 Validation is strict: a number field takes a JSON number (not ``true``, not ``"0.5"``), an
 integer field an integer (not ``2.0``), and no float may be NaN or infinite. Fields of the
@@ -26,11 +26,11 @@ logger = logging.getLogger(__name__)
 _warned_fields: set[str] = set()
 _MAX_WARNED_FIELDS = 100  # distinct names logged; a client inventing names cannot grow this
 
-# Defaults of the sampling fields a request leaves unset when the model has no
-# generation_config.json (documented in the README's Server section).
 # vLLM's range of ``priority`` (a signed 64-bit integer).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
+# Defaults of the sampling fields a request leaves unset when the model has no
+# generation_config.json (documented in the README's Server section).
 BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
