@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any, ClassVar
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
@@ -115,11 +115,11 @@ def attach_routes(app: FastAPI, serving: OpenAIServing) -> None:
     version = kvflow_version()
 
     @app.post("/tokenize")
-    async def tokenize(raw: Request) -> Response:
+    async def tokenize(body: dict[str, Any] = Body(...)) -> Response:
         """Raises: APIError 400 for a bad body, an unsupported field, a template failure or a
         model without tokenizer; 404 for an unknown model."""
-        body = await raw.json()
-        chat = isinstance(body, dict) and "messages" in body
+        # (a JSON object parsed and checked by the server's route, then one of two shapes)
+        chat = "messages" in body
         req = _validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
         serving.check_request(req)
         _check_tokenizer(serving, "messages" if chat else "prompt")

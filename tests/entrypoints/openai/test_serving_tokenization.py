@@ -96,6 +96,12 @@ def test_bad_tokenization_requests_are_400s(http, path, body, param):
     _assert_error(http.post(path, json=body), 400, param)
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+@pytest.mark.parametrize("content", [b"", b"{", b"[1]", b'"x"'])
+def test_a_body_that_is_not_a_json_object_is_400(http, path, content):
+    _assert_error(http.post(path, content=content, headers={"content-type": "application/json"}), 400)
+
+
 def test_unknown_model_is_404(http):
     _assert_error(http.post("/tokenize", json={"prompt": "x", "model": "other"}), 404, "model")
     _assert_error(http.post("/detokenize", json={"tokens": [1], "model": "other"}), 404, "model")
