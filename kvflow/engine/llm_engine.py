@@ -189,6 +189,7 @@ class LLMEngine:
                 model, self.cache_engine.kv_caches, -(-config.scheduler.max_model_len // cache_config.block_size),
                 default_batch_sizes(config.scheduler.max_num_seqs), device, backend,
             )
+        self.last_scheduler_output: SchedulerOutput | None = None  # the batch of the step in progress / last run
         self._states: dict[str, _RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
         self._grammar_compiler = None
@@ -441,7 +442,8 @@ class LLMEngine:
         Args:
             on_scheduled: called after scheduling, before the forward, with the ids of the
                 requests scheduled for the first time (the server refreshes its gauges and
-                its queue count there, so that they are right during a long step).
+                its queue count there, so that they are right during a long step; the batch
+                itself is ``last_scheduler_output`` then).
 
         A fault of one request fails that request alone: raised while preparing its inputs,
         in the forward of a batch containing it, while sampling it (``ModelRunner.execute``
@@ -463,6 +465,7 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
+        self.last_scheduler_output = sched_out
         scheduled_time = time.monotonic()
         started = []
         for request in sched_out.scheduled_requests:
