@@ -12,7 +12,8 @@ The event loop never waits on a model step, as in vLLM's engine-core client:
 - Outputs come back to the loop with one ``loop.call_soon_threadsafe`` per step; the
   per-request streams, the queue count and the latency histograms are only touched on the
   loop. The thread publishes the engine's stats (the gauges) after scheduling each step and
-  after it, so that they are right during a long step.
+  after it, so that they are right during a long step. It also takes the dashboard's
+  snapshots of the engine's state between steps (``kvflow/engine/snapshot.py``).
 
 A request that fails inside the engine (``LLMEngine.step``) raises ``RequestFailedError`` in
 its own iterator. A fault that stops the engine fails every open request with
@@ -32,8 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvflow.engine.llm_engine import LLMEngine, PreparedRequest
+from kvflow.engine.snapshot import SnapshotProducer
 from kvflow.metrics import EngineMetrics
-from kvflow.outputs import RequestFailure, RequestOutput
+from kvflow.outputs import EmbeddingRequestOutput, RequestFailure, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -110,6 +112,9 @@ class AsyncLLMEngine:
         self._stats: dict[str, Any] = engine.get_stats()
         self._stopped = False
         self._error: BaseException | None = None
+        # Per-step snapshots for the dashboard, taken on the engine thread between steps
+        # (nothing but a counter while nobody is subscribed).
+        self.snapshots = SnapshotProducer(engine, wake=self._wakeup.set)
         self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-prepare")
 
@@ -148,9 +153,11 @@ class AsyncLLMEngine:
         """
         return await self.run_off_loop(self.engine.prepare_request, prompt_token_ids, params)
 
-    def add_requests(self, requests: list[tuple[str, PreparedRequest, str | None]]) -> list[AsyncIterator[RequestOutput]]:
-        """Queue (request_id, prepared request, prompt text) triples, all or none; return
-        their output iterators. Never waits.
+    def add_requests(self, requests: list[tuple[str, PreparedRequest, str | None]],
+                     priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
+        """Queue (request_id, prepared request, prompt text) triples, all or none, with one
+        scheduling ``priority`` (see ``LLMEngine.add_request``); return their output
+        iterators (``EmbeddingRequestOutput`` ones for ``PoolingParams``). Never waits.
 
         Raises:
             QueueFullError: when they would take the accepted-but-not-started requests past
@@ -174,7 +181,7 @@ class AsyncLLMEngine:
             stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids))
             self._streams[request_id] = stream
             self._unstarted.add(request_id)
-            self._commands.append(("add", request_id, prepared, prompt, loop))
+            self._commands.append(("add", request_id, prepared, prompt, loop, priority))
             self._num_submitted += 1
             iterators.append(self._iterate(request_id, stream))
         self._wakeup.set()
@@ -243,6 +250,14 @@ class AsyncLLMEngine:
                 m.request_failure.inc()
                 stream.queue.put_nowait(RequestFailedError(out.error))
                 continue
+            if isinstance(out, EmbeddingRequestOutput):  # one output, no generated tokens
+                m.prompt_tokens.inc(stream.num_prompt_tokens)
+                if out.metrics.get("first_scheduled_time") is not None:
+                    m.request_queue_time.observe(out.metrics["first_scheduled_time"] - out.metrics["arrival_time"])
+                m.e2e_request_latency.observe(now - out.metrics["arrival_time"])
+                m.request_success.inc()
+                stream.queue.put_nowait(out)
+                continue
             new_tokens = 0
             for c in out.outputs:
                 new_tokens += len(c.token_ids) - stream.num_generated.get(c.index, 0)
@@ -284,12 +299,14 @@ class AsyncLLMEngine:
                     # Aborts can empty the engine without a step: refresh the gauges now, or
                     # they keep the last step's values while idle.
                     self._publish_stats()
+                    self.snapshots.on_idle(self._stats)
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step(on_scheduled=self._on_scheduled)
                 self._publish_stats()
                 self._deliver(outputs)
+                self.snapshots.after_step(self._stats)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting client
             logger.critical("the engine stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
             self._error = exc
@@ -313,6 +330,7 @@ class AsyncLLMEngine:
 
     def _on_scheduled(self, started: list[str]) -> None:
         self._publish_stats()
+        self.snapshots.on_scheduled(self.engine.last_scheduler_output)
         by_loop: dict[asyncio.AbstractEventLoop, list[str]] = {}
         for request_id in started:
             loop = self._request_loops.get(request_id)
@@ -325,11 +343,11 @@ class AsyncLLMEngine:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
-                _, request_id, prepared, prompt, loop = command
+                _, request_id, prepared, prompt, loop, priority = command
                 self._num_applied += 1
                 try:
                     self.engine.add_request(request_id, prepared.prompt_token_ids, prepared.params, prompt=prompt,
-                                            prepared=prepared)
+                                            priority=priority, prepared=prepared)
                 except ValueError as exc:
                     self._post(loop, self._fail_one, request_id, exc)
                     continue

@@ -18,13 +18,15 @@ import torch
 
 from kvflow.config import CacheConfig, EngineArgs, EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.scheduler import Scheduler, SchedulerOutput
+from kvflow.core.scheduler import NewRequestData, Scheduler, SchedulerOutput
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
 from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.logprobs import Logprob
 from kvflow.model.base import CausalLM
 from kvflow.model.loader import load_model
 from kvflow.model.resolve import load_generation_defaults, load_tokenizer, resolve_model
-from kvflow.outputs import CompletionOutput, RequestFailure, RequestOutput
+from kvflow.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestFailure, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, RequestStatus, make_parallel_samples
 from kvflow.sample.sampler import Sampler
 from kvflow.sampling_params import SamplingParams
@@ -36,6 +38,9 @@ from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.worker import attention_backend_for, build_shard
 
 logger = logging.getLogger(__name__)
+
+# The ``sampling_params`` of an embedding request: it never samples (``Request.pooling_params``).
+_POOLING_PLACEHOLDER = SamplingParams(max_tokens=1)
 
 
 def _make_proposer(config: EngineConfig, backend) -> NgramProposer | DraftModelProposer:
@@ -88,11 +93,16 @@ class _RequestState:
     prompt_token_ids: list[int]
     samples: list[Request]
     detokenizers: list[IncrementalDetokenizer | None]
-    logprobs: list[list[dict[int, float]]]
+    logprobs: list[list[dict[int, Logprob]]]
     arrival_time: float
     first_scheduled_time: float | None = None
-    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
     first_token_time: float | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, once computed
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.samples[0].pooling_params is not None
 
     @property
     def finished(self) -> bool:
@@ -112,6 +122,8 @@ class LLMEngine:
             requests that leave a field unset.
         proposer: the speculative proposer; None builds the one ``config.speculative``
             names (a draft model is loaded from ``config.draft``).
+        default_pooling: the pooling of embedding requests that do not choose one ("last"
+            or "mean"; see ``kvflow.pooling_params``).
 
     Raises:
         ValueError: for a model that cannot be loaded as configured, an attention backend
@@ -126,8 +138,10 @@ class LLMEngine:
         tokenizer: Any | None = None,
         generation_defaults: dict[str, Any] | None = None,
         proposer: NgramProposer | DraftModelProposer | None = None,
+        default_pooling: str = "last",
     ) -> None:
         self.config = config
+        self.default_pooling = PoolingParams(pooling_type=default_pooling).pooling_type
         device = config.device.device
         self.device = device
         self.model_config = config.model
@@ -175,11 +189,13 @@ class LLMEngine:
                 model, self.cache_engine.kv_caches, -(-config.scheduler.max_model_len // cache_config.block_size),
                 default_batch_sizes(config.scheduler.max_num_seqs), device, backend,
             )
+        self.last_scheduler_output: SchedulerOutput | None = None  # the batch of the step in progress / last run
         self._states: dict[str, _RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
         self.generation_defaults = dict(generation_defaults or {})
+        self._token_texts: dict[int, str] = {}  # token id -> decode([id]), for Logprob.decoded_token
         self.eos_token_id = config.model.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
@@ -204,6 +220,7 @@ class LLMEngine:
             config,
             tokenizer=load_tokenizer(model_dir) if _has_tokenizer(model_dir) else None,
             generation_defaults=load_generation_defaults(model_dir),
+            default_pooling=args.pooling,
         )
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
@@ -217,7 +234,7 @@ class LLMEngine:
             self.tp_workers.shutdown()
 
     # ------------------------------------------------------------------ requests
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Refuse a request the engine could never serve.
 
         Raises:
@@ -225,12 +242,20 @@ class LLMEngine:
                 room in the context (``max_model_len``), a request whose tokens could
                 never fit in the whole KV cache, ``logit_bias`` token ids outside the
                 vocabulary, or ``logprobs`` / ``prompt_logprobs`` above the vocabulary size.
+                An embedding request (``PoolingParams``): empty prompt, ids outside the
+                vocabulary, a prompt longer than ``max_model_len`` or the whole KV cache,
+                ``dimensions`` other than the hidden size.
         """
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if isinstance(params, PoolingParams):
+            self._validate_pooling(prompt_token_ids, params)
+            return
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
         if outside:
             raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
@@ -255,7 +280,22 @@ class LLMEngine:
                 "lower max_tokens or raise num_kv_blocks / kv_cache_memory_bytes"
             )
 
-    def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
+    def _validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        max_len = self.scheduler_config.max_model_len
+        if len(prompt_token_ids) > max_len:
+            raise ValueError(f"prompt is {len(prompt_token_ids)} tokens, more than max_model_len={max_len}")
+        needed_blocks = self.kv_cache_manager.num_blocks_for(len(prompt_token_ids))
+        if needed_blocks > self.kv_cache_manager.num_total_blocks:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens and needs {needed_blocks} KV blocks, more than the whole "
+                f"cache ({self.kv_cache_manager.num_total_blocks} blocks); raise num_kv_blocks / kv_cache_memory_bytes"
+            )
+        hidden = self.model_config.hidden_size
+        if params.dimensions is not None and params.dimensions != hidden:
+            raise ValueError(f"dimensions ({params.dimensions}) is not supported: this model's embeddings have "
+                             f"{hidden} dimensions and kvflow does no matryoshka truncation; leave it unset")
+
+    def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> PreparedRequest:
         """Validate a request and do its engine-independent work: the bad words' token ids
         and one compiled grammar per sample. It touches no engine state, so the server runs
         it on a worker thread while the engine thread steps.
@@ -264,6 +304,8 @@ class LLMEngine:
             ValueError: see ``validate_prompt`` and ``check_request_features``.
         """
         self.validate_prompt(prompt_token_ids, params)
+        if isinstance(params, PoolingParams):
+            return PreparedRequest(list(prompt_token_ids), params.resolved(self.default_pooling), [], [None])
         self._check_tokenizer_features(params)
         grammars = [self._compile_grammar(params) for _ in range(params.n)]  # the first one validates
         bad_words = self._bad_words_token_ids(params.bad_words)
@@ -273,24 +315,32 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         prompt: str | None = None,
         priority: int = 0,
         prepared: PreparedRequest | None = None,
     ) -> None:
-        """Validate and queue a request (``params.n`` samples sharing the prompt's blocks).
+        """Validate and queue a request (``params.n`` samples sharing the prompt's blocks),
+        or, with ``PoolingParams``, an embedding request (see ``kvflow.pooling_params``).
 
         ``priority`` matters under the "priority" scheduling policy (lower runs first).
         ``prepared``: the result of ``prepare_request`` for these ids and params, when the
         caller did that work already.
 
         Raises:
-            ValueError: see ``validate_prompt``; or a request_id already in use.
+            ValueError: see ``validate_prompt``; a request_id already in use; a priority
+                other than 0 without the "priority" scheduling policy.
         """
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if priority != 0 and self.scheduler_config.policy != "priority":
+            raise ValueError(f"priority={priority} needs the priority scheduling policy (scheduling_policy="
+                             f"'priority'); this engine schedules {self.scheduler_config.policy!r}")
         if prepared is None:
             prepared = self.prepare_request(prompt_token_ids, params)
+        if isinstance(prepared.params, PoolingParams):
+            self._add_pooling_request(request_id, prompt_token_ids, prepared.params, prompt, priority)
+            return
         samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority)
         for sample, grammar in zip(samples, prepared.grammars):
             sample.bad_words_token_ids = prepared.bad_words_token_ids
@@ -310,6 +360,15 @@ class LLMEngine:
         self._states[request_id] = state
         for sample in samples:
             self._sample_owner[sample.request_id] = (state, sample)
+
+    def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                             prompt: str | None, priority: int) -> None:
+        request = Request(request_id, prompt_token_ids, _POOLING_PLACEHOLDER, self.eos_token_id, prompt,
+                          priority=priority, pooling_params=params)
+        self.scheduler.add_request(request)
+        state = _RequestState(request_id, prompt, list(prompt_token_ids), [request], [None], [[]], request.arrival_time)
+        self._states[request_id] = state
+        self._sample_owner[request_id] = (state, request)
 
     def check_request_features(self, params: SamplingParams) -> None:
         """Check the text-level features of ``params`` against this engine.
@@ -346,6 +405,17 @@ class LLMEngine:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
         return self._grammar_compiler.compile(params)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached K/V of every block no request holds, so that later requests
+        recompute their prompts (vLLM's ``reset_prefix_cache``; e.g. after changing
+        weights, or to measure cold prefill).
+
+        Returns:
+            True when nothing cached is left, False when running requests' blocks stay
+            indexed.
+        """
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its samples) and free its KV blocks at once.
 
@@ -366,13 +436,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the loop
-    def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput]:
+    def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run one iteration.
 
         Args:
             on_scheduled: called after scheduling, before the forward, with the ids of the
                 requests scheduled for the first time (the server refreshes its gauges and
-                its queue count there, so that they are right during a long step).
+                its queue count there, so that they are right during a long step; the batch
+                itself is ``last_scheduler_output`` then).
 
         A fault of one request fails that request alone: raised while preparing its inputs,
         in the forward of a batch containing it, while sampling it (``ModelRunner.execute``
@@ -383,7 +454,9 @@ class LLMEngine:
 
         Returns:
             A ``RequestOutput`` for every request that produced a token this step or failed
-            (cumulative text and token ids; ``finished`` set on the last one).
+            (cumulative text and token ids; ``finished`` set on the last one), and an
+            ``EmbeddingRequestOutput`` for every embedding request whose prompt was
+            completed this step (or that failed).
 
         Raises:
             Exception: the engine cannot go on: a fault in the scheduler, in the KV block
@@ -392,10 +465,11 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
+        self.last_scheduler_output = sched_out
         scheduled_time = time.monotonic()
         started = []
-        for request in sched_out.scheduled_requests:
-            owner = self._sample_owner[request.request_id][0]
+        for request_id in sched_out.num_scheduled_tokens:
+            owner = self._sample_owner[request_id][0]
             if owner.first_scheduled_time is None:
                 owner.first_scheduled_time = scheduled_time
                 started.append(owner.request_id)
@@ -407,8 +481,8 @@ class LLMEngine:
         if result.failed:
             for sample_id, exc in result.failed.items():
                 failures.setdefault(self._sample_owner[sample_id][0].request_id, exc)
-            everyone = all(self._sample_owner[r.request_id][0].request_id in failures
-                           for r in sched_out.scheduled_requests)
+            everyone = all(self._sample_owner[request_id][0].request_id in failures
+                           for request_id in sched_out.num_scheduled_tokens)
             self._drop_from_batch(sched_out, {s.request_id for rid in failures for s in self._states[rid].samples})
             failed_outputs = [self._fail(request_id, exc) for request_id, exc in failures.items()]
             if everyone:
@@ -422,6 +496,17 @@ class LLMEngine:
         for sample_id, positions in result.prompt_logprobs.items():
             if sample_id in self._sample_owner:
                 self._sample_owner[sample_id][0].prompt_logprobs.update(positions)
+        for sample_id, pooled_sum in result.pooled_sums.items():  # mean pooling's sum so far, kept on
+            if sample_id in self._sample_owner:                    # the request (a swap resumes from it)
+                self._sample_owner[sample_id][1].pooled_sum = pooled_sum
+        for sample_id, vector in result.pooled.items():  # embeddings whose prompt is done
+            owner = self._sample_owner.pop(sample_id, None)
+            if owner is None:  # its request failed above
+                continue
+            state, request = owner
+            vector = torch.nn.functional.normalize(vector, dim=0) if request.pooling_params.l2_normalize else vector
+            state.embedding = vector.tolist()
+            touched[state.request_id] = state
         for sample_id, tokens in result.sampled_token_ids.items():
             owner = self._sample_owner.get(sample_id)
             if owner is None:  # its request failed above
@@ -447,7 +532,7 @@ class LLMEngine:
         for state in touched.values():
             if state.request_id not in self._states:  # failed after it was touched
                 continue
-            if state.first_token_time is None:
+            if state.first_token_time is None and not state.is_pooling:
                 state.first_token_time = now
             try:
                 outputs.append(self._make_output(state, now))
@@ -472,24 +557,37 @@ class LLMEngine:
         return detok.update(sample.all_token_ids[-1:], finished=sample.is_finished)
 
     def _append_output(self, state: _RequestState, sample: Request, tokens: list[int],
-                       logprobs: list[dict[int, float]] | None) -> None:
-        """Record a sample's new tokens' logprobs (its text was detokenized, and stop strings
-        matched, by ``_text_stop`` during ``Scheduler.update``)."""
+                       logprobs: list[dict[int, Logprob]] | None) -> None:
+        """Record a sample's new tokens' logprobs, with their decoded tokens (its text was
+        detokenized, and stop strings matched, by ``_text_stop`` during ``Scheduler.update``)."""
         index = state.samples.index(sample)
         if logprobs is not None:  # tokens may have been cut by a stop (speculation)
-            state.logprobs[index].extend(logprobs[: len(tokens)])
+            state.logprobs[index].extend(self._decoded(entry) for entry in logprobs[: len(tokens)])
         if sample.is_finished:
             del self._sample_owner[sample.request_id]
+
+    def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """``entry`` with every ``Logprob.decoded_token`` set (``tokenizer.decode([id])``,
+        as vLLM; None without a tokenizer)."""
+        if self.tokenizer is None:
+            return entry
+        texts = self._token_texts
+        out = {}
+        for token, logprob in entry.items():
+            text = texts.get(token)
+            if text is None:
+                text = texts[token] = self.tokenizer.decode([token])
+            out[token] = logprob.with_decoded_token(text)
+        return out
 
     @staticmethod
     def _drop_from_batch(sched_out: SchedulerOutput, sample_ids: set[str]) -> None:
         """Take the samples ``sample_ids`` out of the executed batch, so that
         ``Scheduler.update`` neither advances them nor publishes their blocks."""
-        for r in [r for r in sched_out.scheduled_requests if r.request_id in sample_ids]:
-            sched_out._remove(r)
-            sched_out.scheduled_spec_tokens.pop(r.request_id, None)
-        sched_out.forked = [(c, p) for c, p in sched_out.forked
-                            if c.request_id not in sample_ids and p.request_id not in sample_ids]
+        for request_id in [r for r in sched_out.num_scheduled_tokens if r in sample_ids]:
+            sched_out._remove(request_id)
+            sched_out.scheduled_spec_tokens.pop(request_id, None)
+        sched_out.forked = [(c, p) for c, p in sched_out.forked if c not in sample_ids and p not in sample_ids]
 
     def _fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:
         """Abort a user request that failed inside the engine (freeing its blocks); its final
@@ -503,6 +601,13 @@ class LLMEngine:
         for sample in state.samples:
             sample.status = RequestStatus.FINISHED_ERROR
         now = time.monotonic()
+        if state.is_pooling:
+            return EmbeddingRequestOutput(
+                request_id, EmbeddingOutput([]), state.prompt_token_ids, max(state.samples[0].num_cached_tokens, 0),
+                True, state.prompt, {"arrival_time": state.arrival_time,
+                                     "first_scheduled_time": state.first_scheduled_time, "finished_time": now},
+                error=failure,
+            )
         return RequestOutput(
             request_id=request_id,
             prompt=state.prompt,
@@ -523,15 +628,19 @@ class LLMEngine:
         Raises:
             RuntimeError: when that fails too: the fault is the engine's, not a request's.
         """
-        probe = Request("kvflow-probe", [0], SamplingParams(temperature=0, max_tokens=1), None)
+        probe_id = "kvflow-probe"
+        while probe_id in self.scheduler.requests:  # the runner holds states by id: never a live one's
+            probe_id += "'"
+        probe = Request(probe_id, [0], SamplingParams(temperature=0, max_tokens=1), None)
         if not self.kv_cache_manager.allocate_slots(probe, 1):
             return  # not reached: the failed requests' blocks were just freed
-        batch = SchedulerOutput()
-        batch._add(probe, 1)
+        batch = SchedulerOutput(scheduled_new_reqs=[NewRequestData.from_request(probe)])
+        batch._add(probe.request_id, 1)
         try:
             result = self.model_runner.execute(batch)
         finally:
             self.kv_cache_manager.free(probe)
+            self.scheduler.release(probe.request_id)
         if result.failed:
             raise RuntimeError(
                 "the engine is unusable: every request of a step failed, and so did a one-token probe forward"
@@ -546,12 +655,12 @@ class LLMEngine:
             batched proposal raises, its requests' draft state is dropped and each is
             proposed alone).
         """
-        for request in sched_out.preempted_requests:
-            self.proposer.free(request.request_id)
+        for request_id in sched_out.preempted_req_ids:
+            self.proposer.free(request_id)
         running = {r.request_id for r in self.scheduler.running}
-        for request in sched_out.scheduled_requests:
-            if request.request_id not in running:
-                self.proposer.free(request.request_id)
+        for request_id in sched_out.num_scheduled_tokens:
+            if request_id not in running:
+                self.proposer.free(request_id)
         ready = [
             r
             for r in self.scheduler.running
@@ -583,7 +692,15 @@ class LLMEngine:
                 failures.setdefault(self._sample_owner[r.request_id][0].request_id, exc)
         return failures
 
-    def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
+    def _make_output(self, state: _RequestState, now: float) -> RequestOutput | EmbeddingRequestOutput:
+        if state.is_pooling:
+            request = state.samples[0]
+            return EmbeddingRequestOutput(
+                state.request_id, EmbeddingOutput(state.embedding), state.prompt_token_ids,
+                max(request.num_cached_tokens, 0), True, state.prompt,
+                {"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
+                 "finished_time": now},
+            )
         params = state.samples[0].sampling_params
         wants_logprobs = params.logprobs is not None
         metrics = {
@@ -613,11 +730,12 @@ class LLMEngine:
             ],
             finished=state.finished,
             metrics=metrics,
-            prompt_logprobs=(
-                [state.prompt_logprobs[i] for i in range(1, len(state.prompt_token_ids))]
+            prompt_logprobs=(  # as vLLM: None for the first prompt token, which has no predecessor
+                [None, *(self._decoded(state.prompt_logprobs[i]) for i in range(1, len(state.prompt_token_ids)))]
                 if state.finished and params.prompt_logprobs is not None
                 else None
             ),
+            num_cached_tokens=max(state.samples[0].num_cached_tokens, 0),
         )
 
     def get_stats(self) -> dict[str, float | int]:

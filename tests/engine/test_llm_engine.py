@@ -417,7 +417,7 @@ def test_fault_while_preparing_one_request_fails_it_alone(monkeypatch):
     original = ModelRunner.prepare_inputs
 
     def prepare(self, out):
-        if any(_is_marked(r) for r in out.scheduled_requests):
+        if any(_is_marked(r) for r in map(self.requests.get, out.scheduled_req_ids)):
             raise RuntimeError("injected prepare fault")
         return original(self, out)
 
@@ -438,8 +438,8 @@ def test_fault_in_the_forward_of_a_batch_fails_only_its_culprit(monkeypatch, chu
 
     def prepare(self, out):
         inputs = original(self, out)
-        if any(_is_marked(r) for r in out.scheduled_requests) and any(
-            r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= 5 for r in out.scheduled_requests
+        if any(_is_marked(r) for r in map(self.requests.get, out.scheduled_req_ids)) and any(
+            r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= 5 for r in map(self.requests.get, out.scheduled_req_ids)
             if _is_marked(r)
         ):
             inputs.input_ids = inputs.input_ids + 10_000  # injected: out of the embedding's range
@@ -525,7 +525,7 @@ def test_parallel_samples_of_a_failing_request_all_fail_and_free_their_blocks(mo
     original = ModelRunner.prepare_inputs
 
     def prepare(self, out):
-        if any(_is_marked(r) and r.num_output_tokens >= 2 for r in out.scheduled_requests):
+        if any(_is_marked(r) and r.num_output_tokens >= 2 for r in map(self.requests.get, out.scheduled_req_ids)):
             raise RuntimeError("injected prepare fault")
         return original(self, out)
 
@@ -578,7 +578,7 @@ def test_a_lone_failing_request_is_failed_and_the_engine_goes_on(monkeypatch):
     original = ModelRunner.prepare_inputs
 
     def prepare(self, out):
-        if any(_is_marked(r) for r in out.scheduled_requests):
+        if any(_is_marked(r) for r in map(self.requests.get, out.scheduled_req_ids)):
             raise RuntimeError("injected prepare fault")
         return original(self, out)
 
@@ -724,3 +724,70 @@ def test_quantized_kv_triton_backend_independent_of_chunking_and_prefix_hits():
     engine = _quantized_engine(torch.int8, 4, 3, config, backend="triton")
     assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref
     assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref
+
+
+def test_the_probe_never_takes_the_runner_state_of_a_live_request():
+    """The one-token probe runs through the runner's per-request state like any request; a
+    user request that happens to be called "kvflow-probe" keeps its own state (and output)."""
+    engine = tiny_engine()
+    engine.add_request("kvflow-probe", PROMPTS["p9"], GREEDY)
+    engine.step()  # prefilled: the runner holds it
+    engine._probe()
+    assert engine.model_runner.requests["kvflow-probe"].prompt_token_ids == PROMPTS["p9"]
+    assert run_to_completion(engine) == {"kvflow-probe": reference()["p9"]}
+
+
+# ------------------------------------------------------------------ vLLM's logprob shapes
+def test_logprobs_are_vllm_logprob_objects():
+    """Generated and prompt logprobs are ``Logprob`` objects with vLLM's rank and decoded
+    token, and ``prompt_logprobs`` starts with None (vLLM's shape)."""
+    from conftest import TINY_TEXT_VOCAB, prefill_logits, tiny_tokenizer
+    from kvflow.logprobs import Logprob
+
+    tok = tiny_tokenizer()
+    engine = tiny_engine(tokenizer=tok, config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    prompt = tok.encode("Hello, paged world")
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out if out.finished else final
+    generated = final.outputs[0].token_ids
+    ref = torch.log_softmax(prefill_logits(engine.model_runner.model, prompt + generated, chunk=64), dim=-1)
+
+    def check(entry, row, actual, top):
+        assert actual in entry and len(entry) <= top + 1
+        for t, lp in entry.items():
+            assert type(lp) is Logprob and lp.decoded_token == tok.decode([t])
+            assert lp.logprob == pytest.approx(ref[row, t].item(), abs=1e-5)
+            assert lp.rank == int((ref[row] >= ref[row, t]).sum())
+        assert set(ref[row].topk(top).indices.tolist()) <= set(entry)
+
+    assert len(final.prompt_logprobs) == len(prompt) and final.prompt_logprobs[0] is None
+    for p in range(1, len(prompt)):
+        check(final.prompt_logprobs[p], p - 1, prompt[p], 2)
+    logprobs = final.outputs[0].logprobs
+    assert len(logprobs) == len(generated)
+    for i, t in enumerate(generated):
+        check(logprobs[i], len(prompt) - 1 + i, t, 3)
+        assert logprobs[i][t].rank == 1  # greedy
+    assert final.outputs[0].cumulative_logprob == pytest.approx(sum(lp[t] for lp, t in zip(logprobs, generated)))
+
+
+def test_priority_policy_runs_the_lowest_priority_value_first_under_load():
+    """One request at a time (max_num_seqs=1): queued together, they finish in priority
+    order (lower first; ties by arrival), not in arrival order; fcfs keeps arrival order."""
+
+    def finish_order(policy: str, priorities: dict[str, int]) -> list[str]:
+        engine = tiny_engine(max_num_seqs=1, scheduling_policy=policy)
+        for i, (request_id, prio) in enumerate(priorities.items()):
+            engine.add_request(request_id, [(7 * i + 1) % 128] * 5, SamplingParams(temperature=0, max_tokens=3,
+                                                                              ignore_eos=True), priority=prio)
+        order = []
+        while engine.has_unfinished_requests():
+            order += [o.request_id for o in engine.step() if o.finished]
+        return order
+
+    assert finish_order("priority", {"a": 5, "b": 0, "c": -1, "d": 0}) == ["c", "b", "d", "a"]
+    assert finish_order("fcfs", {"a": 0, "b": 0, "c": 0, "d": 0}) == ["a", "b", "c", "d"]

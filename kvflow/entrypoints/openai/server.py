@@ -3,8 +3,10 @@
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE streaming
 with ``stream: true``; tools and reasoning: ``tools.py``, ``tool_parsers``, ``reasoning.py``),
 POST /v1/responses (``serving_responses.py``), POST /v1/messages (Anthropic's Messages API:
-``kvflow.entrypoints.anthropic``), GET /health, GET /metrics (Prometheus). Every error, of
-every endpoint and middleware, is an OpenAI-shaped JSON body
+``kvflow.entrypoints.anthropic``), GET /health, GET /metrics (Prometheus); the web UI (``/``,
+``/dashboard`` and their endpoints, ``kvflow/entrypoints/web/routes.py``) and the API docs
+(``/docs``, ``/redoc``) with their assets served from installed packages, not a CDN. Every
+error, of every endpoint and middleware, is an OpenAI-shaped JSON body
 ``{"error": {"message", "type", "param", "code"}}`` (on /v1/messages: Anthropic's shape):
 
 - 400 for invalid parameters, fields kvflow does not implement, and prompts that cannot fit
@@ -34,6 +36,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi_offline import FastAPIOffline
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -54,6 +57,7 @@ from kvflow.entrypoints.openai.tool_parsers import (
 from kvflow.entrypoints.openai.serving_responses import ResponsesRequest, create_response
 from kvflow.entrypoints.openai.tools import template_tools
 from kvflow.outputs import RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -421,16 +425,22 @@ class OpenAIServing:
         except ValueError as exc:
             raise _bad_request(exc) from None
 
-    async def _add(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams,
-                   prompt_field: str) -> list[AsyncIterator[RequestOutput]]:
-        """Prepare every prompt off the loop, then queue them all or none.
+    async def _add(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams | PoolingParams,
+                   prompt_field: str, priority: int | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Prepare every prompt off the loop, then queue them all or none (with one
+        scheduling ``priority``, vLLM's extension: lower runs first).
 
         Raises:
             APIError: 400 for a prompt or parameters the engine refuses (a prompt's fault
-                names ``prompt_field``), 429 when the queue cannot take them all, 503 once
-                the engine has stopped.
+                names ``prompt_field``), or a ``priority`` other than 0 when the server runs
+                ``--scheduling-policy fcfs``; 429 when the queue cannot take them all, 503
+                once the engine has stopped.
         """
         engine = self.engine.engine
+        policy = engine.scheduler_config.policy
+        if priority and policy != "priority":
+            raise APIError(400, f"priority is set ({priority}) but the server schedules {policy!r}: start it with "
+                           "--scheduling-policy priority, or leave priority unset", "BadRequestError", "priority")
         try:
             prepared = await self.engine.run_off_loop(lambda: [engine.prepare_request(ids, params) for ids, _ in prompts])
         except ValueError as exc:
@@ -441,7 +451,8 @@ class OpenAIServing:
         request_id = uuid.uuid4().hex
         try:
             return self.engine.add_requests(
-                [(f"{request_id}-{i}", p, text) for i, (p, (_, text)) in enumerate(zip(prepared, prompts))]
+                [(f"{request_id}-{i}", p, text) for i, (p, (_, text)) in enumerate(zip(prepared, prompts))],
+                priority=priority or 0,
             )
         except QueueFullError as exc:
             raise APIError(429, str(exc), "RateLimitError", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -485,7 +496,7 @@ class OpenAIServing:
         max_tokens = max(self._max_tokens(requested, len(ids), "max_tokens") for ids, _ in prompts)
         prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = self._params(req, max_tokens, req.logprobs, prompt_logprobs)
-        iterators = await self._add(prompts, params, "prompt")
+        iterators = await self._add(prompts, params, "prompt", req.priority)
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         n = params.n
         if req.stream:
@@ -510,7 +521,7 @@ class OpenAIServing:
                 if req.logprobs is not None:
                     tokens, entries = list(c.token_ids), list(c.logprobs or [])
                     if req.echo:
-                        tokens, entries = ids + tokens, [None, *(out.prompt_logprobs or [])] + entries
+                        tokens, entries = ids + tokens, list(out.prompt_logprobs or [None] * len(ids)) + entries
                     choice["logprobs"] = self._completion_logprobs(tokens, entries, 0)
                 choices.append(choice)
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
@@ -626,7 +637,7 @@ class OpenAIServing:
         top_k = req.top_logprobs or 0
         params = self._params(req, max_tokens, top_k if req.logprobs else None)
         try:
-            (iterator,) = await self._add([(ids, None)], params, "messages")
+            (iterator,) = await self._add([(ids, None)], params, "messages", req.priority)
         except APIError as exc:
             if exc.param == "guided_json" and req.guided_json is None and req.tools:
                 raise APIError(400, f"tools: a parameter schema cannot be enforced for tool_choice ({exc.message})",
@@ -858,8 +869,9 @@ def build_app(
         engine: the async engine; the app's lifespan starts and stops it.
         model_name: the served model id.
         max_model_len: context limit in tokens.
-        api_key: when set, every path but /health needs ``Authorization: Bearer <key>``
-            (/metrics too, unless ``metrics_need_key`` is False).
+        api_key: when set, every path but /health and the web pages' files needs
+            ``Authorization: Bearer <key>`` (/metrics and the dashboard's snapshot stream
+            too, unless ``metrics_need_key`` is False).
         metrics_need_key: see ``api_key``.
         max_request_bytes: larger bodies get 413, decided from Content-Length before the
             body is read (and by counting the bytes of a chunked body).
@@ -879,11 +891,18 @@ def build_app(
         yield
         engine.shutdown()
 
-    app = FastAPI(title="kvflow", version="0.1.0", lifespan=lifespan)
+    from kvflow.entrypoints import web  # (imports this module)
+
+    # FastAPIOffline: /docs and /redoc load Swagger UI's and ReDoc's files from the
+    # fastapi-offline package, not from a CDN (no online validator badge either).
+    app = FastAPIOffline(title="kvflow", version="0.1.0", lifespan=lifespan, static_url="/docs-assets",
+                         swagger_ui_parameters={"validatorUrl": None})
     app.router.route_class = _CheckedBodyRoute
     if api_key is not None:
-        open_paths = frozenset({"/health"} if metrics_need_key else {"/health", "/metrics"})
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
+        open_paths = {"/health", *web.PUBLIC_PATHS}
+        if not metrics_need_key:
+            open_paths |= {"/metrics", *web.METRICS_PATHS}
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
     app.add_middleware(AnthropicErrorMiddleware)  # outermost: sees the errors of the two above
 
@@ -945,4 +964,10 @@ def build_app(
     async def messages(req: MessagesRequest, raw: Request) -> Response:
         return await create_message(serving, req, raw)
 
+    # vLLM's further endpoints, in their own modules (they import this one)
+    from kvflow.entrypoints.openai import serving_embedding, serving_tokenization
+
+    serving_embedding.attach_routes(app, serving)
+    serving_tokenization.attach_routes(app, serving)
+    web.register(app, engine)
     return app
