@@ -297,3 +297,59 @@ def test_make_batch_invariant_keeps_the_model(tied):
     torch.testing.assert_close(prefill_logits(model, tokens, chunk=5), before, atol=2e-5, rtol=1e-5)
     after = model.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+
+
+def _tiny_hf(cls, config_cls, path, seed=0, **fields):
+    from conftest import randomize_hf_model
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                attn_implementation="eager")
+    hf = randomize_hf_model(cls(config_cls(**{**base, **fields})), seed)
+    hf.save_pretrained(path)
+    return hf
+
+
+SLIDING = {
+    # every layer windowed (Mistral): blocks behind the window may be freed
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, {"sliding_window": 8}, [8, 8, 8]),
+    # Qwen2's use_sliding_window from layer max_window_layers on: layer 0 keeps full attention
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
+              {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, [None, 8, 8]),
+}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("arch", sorted(SLIDING))
+def test_sliding_window_matches_transformers(arch, tmp_path):
+    """Mistral / Qwen2 with an 8-token window over a 40-token prompt: logits through the paged
+    path with chunked prefill, and 32 greedy tokens through the engine (mixed batch, prefix
+    cache), as transformers (eager attention with its sliding-window mask)."""
+    from conftest import engine_greedy_matches_hf
+    from kvflow.model.loader import load_model
+
+    cls, config_cls, fields, windows = SLIDING[arch]
+    hf = _tiny_hf(cls, config_cls, tmp_path, **fields)
+    model, config = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    assert config.sliding_windows == windows
+    assert config.kv_free_window == (8 if all(windows) else None)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunk in (1, 7, 64):
+        torch.testing.assert_close(prefill_logits(model, ids, chunk), want, atol=1e-4, rtol=1e-4)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 9, 30)]
+    stats = engine_greedy_matches_hf(tmp_path, hf, prompts, prompts[0][:12] + [5, 6, 7, 8, 9, 10, 11])
+    assert stats["min_margin"] > 1e-4
+
+
+def test_window_at_least_the_context_never_acts(tmp_path):
+    """A window as long as the engine's context reads as none (no mask, no block freeing)."""
+    from kvflow.model.loader import load_model
+
+    _tiny_hf(transformers.MistralForCausalLM, transformers.MistralConfig, tmp_path, sliding_window=64)
+    _, config = load_model(tmp_path, torch.float32, torch.device("cpu"), max_model_len=64)
+    assert config.sliding_windows == [None, None, None] and config.kv_free_window is None
+    _, config = load_model(tmp_path, torch.float32, torch.device("cpu"), max_model_len=65)
+    assert config.sliding_windows == [64, 64, 64] and config.kv_free_window == 64
