@@ -353,3 +353,42 @@ def test_window_at_least_the_context_never_acts(tmp_path):
     assert config.sliding_windows == [None, None, None] and config.kv_free_window is None
     _, config = load_model(tmp_path, torch.float32, torch.device("cpu"), max_model_len=65)
     assert config.sliding_windows == [64, 64, 64] and config.kv_free_window == 64
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_window_frees_blocks_in_the_engine_with_exact_outputs(preemption_mode, tmp_path):
+    """Mistral, window 8, blocks of 4, a 12-block pool: three requests of 40 + 32 tokens (18
+    blocks each, more than the pool, without freeing) run to transformers' greedy tokens; each
+    holds at most ``max_blocks_held`` = 7 blocks, blocks behind the window go back to the pool
+    (``num_window_freed_blocks``), requests are preempted and resumed on the way, and at the
+    end every block is free again."""
+    from conftest import hf_greedy
+    from kvflow.config import EngineArgs
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.sampling_params import SamplingParams
+
+    hf = _tiny_hf(transformers.MistralForCausalLM, transformers.MistralConfig, tmp_path, sliding_window=8)
+    swap = {"preemption_mode": "swap", "swap_space_bytes": 1 << 20} if preemption_mode == "swap" else {}
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tmp_path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=12,
+        max_num_batched_tokens=16, max_num_seqs=8, enable_prefix_caching=True, **swap))
+    kv = engine.kv_cache_manager
+    assert kv.sliding_window == 8 and kv.max_blocks_held(72, 16) == 7 and kv.num_blocks_for(72) == 18
+    gen = torch.Generator().manual_seed(4)
+    prompts = {f"r{i}": torch.randint(0, 128, (40,), generator=gen).tolist() for i in range(3)}
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    done, peak = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        peak = max([peak, *(kv.num_held_blocks(r) for r in engine.scheduler.running)])
+    for rid, prompt in prompts.items():
+        assert done[rid] == hf_greedy(hf, prompt, 32)[0], rid
+    stats = engine.get_stats()
+    assert 0 < peak <= 7 and stats["num_window_freed_blocks"] >= 3 * (18 - 7)
+    assert stats["num_preemptions"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] == 11
