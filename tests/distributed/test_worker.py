@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -160,12 +161,14 @@ def test_rendezvous_timeout_is_configurable_and_says_what_to_do(monkeypatch):
     """A rank that never comes (here: torchrun-style, rank 1 never started) fails the
     driver after collective_timeout_s, with what to do, instead of a bare store error after
     a fixed 120 s (which a loaded machine missed while the other ranks loaded)."""
-    from kvflow.config import EngineArgs
+    from kvflow.config import DeviceConfig, ParallelConfig
     from kvflow.distributed.worker import TPWorkers, free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="collective_timeout_s / --collective-timeout-s / KVFLOW_COLLECTIVE_TIMEOUT_S"):
-        TPWorkers(2, EngineArgs(device="cpu", collective_timeout_s=1.0), spawn=False)
+        config = SimpleNamespace(parallel=ParallelConfig(2, collective_timeout_s=1.0),
+                                 device=DeviceConfig(torch.device("cpu"), torch.float32))  # the parts TPWorkers reads
+        TPWorkers(config, spawn=False)
     assert time.monotonic() - start < 60  # the 1 s limit was used (a generous bound: a shared machine)
