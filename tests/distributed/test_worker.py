@@ -80,6 +80,29 @@ def test_tp2_equals_tp1_on_a_tiny_model(tiny_dir):
     assert _no_children()
 
 
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_tp2_workers_follow_the_diff_through_preemption_forks_and_chunks(tiny_dir, preemption_mode):
+    """The workers keep their per-request state from the broadcast diffs only: a KV pool
+    too small for the batch (preemptions, by recompute or swap), chunked prefill, parallel
+    samples sharing blocks (fork, copy-on-write) and a prefix-cache hit give the same tokens
+    on two ranks as on one."""
+    prompts = [*PROMPTS, PROMPTS[1][:8] + [21, 22, 23, 24, 25]]  # the last one hits the cache
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2)
+
+    def run(tp: int):
+        with LLM(model=str(tiny_dir), dtype="float32", tensor_parallel_size=tp, num_threads=1, block_size=4,
+                 num_kv_blocks=14, max_num_batched_tokens=8, preemption_mode=preemption_mode,
+                 swap_space_bytes=1 << 20) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            stats = llm.get_stats()
+        assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert (stats["num_swapped_out"] > 0) == (preemption_mode == "swap")
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    assert run(2) == run(1)
+    assert _no_children()
+
+
 def test_tp2_int8_linears_shard_correctly(tiny_dir):
     # Column-parallel layers quantize per output channel, so rank 0's INT8 rows are exactly
     # the matching rows of the unsharded INT8 weight.
