@@ -1,6 +1,8 @@
 """kvflow: an LLM inference and serving engine.
 
-Public API: ``LLM``, ``SamplingParams``, ``EngineArgs``, ``RequestOutput``, ``CompletionOutput``.
+Public API: ``LLM``, ``SamplingParams``, ``PoolingParams``, ``EngineArgs``, ``RequestOutput``,
+``CompletionOutput``, ``EmbeddingRequestOutput``, ``Logprob`` (the names of vLLM's, so that a
+vLLM script switches by its import line).
 """
 
 # Before anything imports torch: libgomp reads its wait policy once, when torch loads it.
@@ -10,8 +12,11 @@ _set_openmp_defaults()
 
 from kvflow.config import EngineArgs  # noqa: E402
 from kvflow.entrypoints.llm import LLM  # noqa: E402
-from kvflow.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from kvflow.logprobs import Logprob  # noqa: E402
+from kvflow.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput  # noqa: E402
+from kvflow.pooling_params import PoolingParams  # noqa: E402
 from kvflow.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "EngineArgs", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "EngineArgs", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob"]
 __version__ = "0.1.0"

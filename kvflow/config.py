@@ -590,6 +590,10 @@ class EngineArgs:
         "builds; else torch), torch (gather + scaled_dot_product_attention, any device), cpu (decode attention "
         "in kvflow's C++ kernel, built on first use; prefill as torch) or triton (needs CUDA, or Triton's CPU "
         "interpreter with TRITON_INTERPRET=1, for tests only)", choices=ATTENTION_BACKENDS)
+    pooling: str = _option(
+        "last", "how embedding requests (LLM.embed, POST /v1/embeddings) pool the final hidden states when "
+        "they do not choose: last (the prompt's last token) or mean (all prompt tokens; no prefix-cache hits)",
+        choices=("last", "mean"))
     enforce_eager: bool = _option(
         False, "never use CUDA graphs (otherwise, on CUDA with the triton backend and no tensor parallelism, "
         "decode steps replay CUDA graphs captured at load)")
@@ -658,6 +662,8 @@ class EngineArgs:
             or not 0 < self.collective_timeout_s < float("inf")
         ):
             raise ValueError(f"collective_timeout_s must be a positive number of seconds, got {self.collective_timeout_s!r}")
+        if self.pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be 'last' or 'mean', got {self.pooling!r}")
         check_attention_backend_name(self.attention_backend)
 
     def resolved_collective_timeout_s(self) -> float:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvflow.logprobs import Logprob
+
 
 @dataclass
 class CompletionOutput:
@@ -17,7 +19,9 @@ class CompletionOutput:
             None while still generating.
         stop_reason: the stop string or stop token id that ended the output (None for EOS,
             length or abort).
-        logprobs: when requested, one {token id: log-probability} per generated token.
+        logprobs: when requested, one {token id: ``Logprob``} per generated token (the
+            sampled token and the top ``logprobs``; a ``Logprob`` is a float with ``.logprob``,
+            ``.rank`` and ``.decoded_token``, as vLLM's).
         cumulative_logprob: sum of the sampled tokens' log-probabilities, when requested.
     """
 
@@ -26,7 +30,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
 
 
@@ -61,10 +65,13 @@ class RequestOutput:
         finished: True once every output has a finish reason.
         metrics: timings in seconds on the monotonic clock: arrival_time,
             first_scheduled_time, first_token_time, and finished_time once finished.
-        prompt_logprobs: when requested, one {token id: log-probability} per prompt token
-            after the first (set on the finished output).
+        prompt_logprobs: when requested, one entry per prompt token, as vLLM: None for the
+            first (nothing predicts it), then {token id: ``Logprob``} holding the actual
+            token and the top ``prompt_logprobs`` (set on the finished output).
         error: set (with ``finished`` True and every finish_reason "error") when the engine
             failed this request; its blocks are freed and the other requests go on.
+        num_cached_tokens: prompt tokens that were prefix-cache hits when the request was
+            first scheduled (vLLM's field; 0 before that).
     """
 
     request_id: str
@@ -73,8 +80,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
-    prompt_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: RequestFailure | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -101,3 +109,46 @@ class BeamSearchOutput:
     """The best ``beam_width`` sequences of one prompt, best first."""
 
     sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class EmbeddingOutput:
+    """The vector of one embedding request (vLLM's ``EmbeddingOutput``).
+
+    Attributes:
+        embedding: the pooled final hidden state (``kvflow.pooling_params``), L2-normalized
+            unless the request said otherwise; ``hidden_size`` floats (float32 values).
+    """
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """Result of one embedding request (vLLM's ``EmbeddingRequestOutput``).
+
+    Attributes:
+        request_id: the id the request was added with.
+        outputs: its ``EmbeddingOutput`` (an empty vector when ``error`` is set).
+        prompt_token_ids: the prompt's token ids.
+        num_cached_tokens: prompt tokens that were prefix-cache hits (always 0 for mean
+            pooling, which computes every token).
+        finished: True (an embedding is reported once, when its prompt is computed).
+        prompt: the prompt text, or None when it was given as token ids.
+        metrics: as ``RequestOutput.metrics`` (arrival_time, first_scheduled_time,
+            finished_time).
+        error: set when the engine failed this request (see ``RequestOutput.error``).
+    """
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool
+    prompt: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: RequestFailure | None = None

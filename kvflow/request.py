@@ -17,6 +17,7 @@ import torch
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvflow.pooling_params import PoolingParams
     from kvflow.sample.guided import GrammarMatcher
 
 
@@ -71,6 +72,12 @@ class Request:
             overrides ``sampling_params.seed``, for parallel samples), else None.
         arrival_time: ``time.monotonic()`` at creation, in seconds.
         priority: scheduling priority under the ``priority`` policy; lower runs first.
+        pooling_params: set (resolved) for an embedding request: it never samples and
+            finishes once its prompt is computed (``sampling_params`` is then a placeholder).
+        pooled_sum: float32 [hidden_size], the sum of the final hidden states computed so
+            far (mean pooling; kept by the model runner across prefill chunks).
+        num_cached_tokens: prompt tokens found in the prefix cache when it was first
+            admitted (-1 before that).
     """
 
     def __init__(
@@ -83,6 +90,7 @@ class Request:
         arrival_time: float | None = None,
         seed: int | None = None,
         priority: int = 0,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -112,6 +120,9 @@ class Request:
         # is computed; see Scheduler.schedule.
         self.pending_forks: list[Request] = []
         self.fork_parent: Request | None = None
+        self.pooling_params = pooling_params
+        self.pooled_sum: torch.Tensor | None = None
+        self.num_cached_tokens = -1
         seed = sampling_params.seed if seed is None else seed
         self.generator: torch.Generator | None = None
         if seed is not None:
@@ -138,6 +149,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_every_position(self) -> bool:
+        """True when every prompt token must be computed (no prefix-cache hits): for
+        ``prompt_logprobs`` and for mean pooling."""
+        if self.sampling_params.prompt_logprobs is not None:
+            return True
+        return self.pooling_params is not None and self.pooling_params.needs_every_position
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -163,6 +163,7 @@ def tiny_engine(
     enable_prefix_caching: bool = True,
     tokenizer=None,
     generation_defaults: dict | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> LLMEngine:
     """An engine over a tiny random model, working on token ids (no tokenizer) unless a
     tokenizer is given (``tiny_tokenizer`` with ``tiny_model_config(vocab_size=TINY_TEXT_VOCAB)``)."""
@@ -173,7 +174,8 @@ def tiny_engine(
         cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=torch.float32,
                                  enable_prefix_caching=enable_prefix_caching),
         scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+            policy=scheduling_policy,
         ),
         tokenizer=tokenizer,
         device=torch.device("cpu"),

@@ -139,6 +139,18 @@ class BlockPool:
         return len(self._free) - sum(1 for b in block_ids if self.blocks[b].ref_cnt == 0)
 
     # ------------------------------------------------------------------ prefix index
+    def reset_prefix_cache(self) -> bool:
+        """Drop every free block from the prefix index (its K/V is then never reused; the
+        block stays free). Blocks in use keep their hashes.
+
+        Returns:
+            True when the index is now empty, False when blocks in use are still indexed
+            (vLLM's ``reset_prefix_cache`` returns False while blocks are in use).
+        """
+        for block_id in self._free:
+            self._forget(self.blocks[block_id])
+        return not self._cached
+
     def lookup(self, block_hash: bytes) -> int | None:
         """The block holding content ``block_hash``, or None."""
         return self._cached.get(block_hash)

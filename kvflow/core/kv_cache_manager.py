@@ -123,6 +123,10 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """See ``BlockPool.reset_prefix_cache``."""
+        return self.block_pool.reset_prefix_cache()
+
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return cdiv(num_tokens, self.block_size)
@@ -150,8 +154,8 @@ class KVCacheManager:
         again): the longest such n, its first ``num_dead_blocks(n * block_size)`` entries
         ``NULL_BLOCK``.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return []  # prompt_logprobs need the logits of every prompt position
+        if not self.enable_prefix_caching or request.needs_every_position:
+            return []  # prompt_logprobs and mean pooling read every prompt position
         hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
         if self.sliding_window is None:
             hits: list[int] = []

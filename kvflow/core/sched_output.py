@@ -49,6 +49,10 @@ class NewRequestData:
         num_computed_tokens: tokens whose K/V are in the cache.
         generator: driver only: the request's own seeded generator (None: the engine's).
         grammar: driver only: its structured-output matcher, or None.
+        pooling_params: an embedding request's ``PoolingParams`` (no logits row, never
+            sampled), or None; workers keep it.
+        pooled_sum: driver only: mean pooling's running sum (float32 [hidden_size]) of the
+            tokens computed before a preemption by swap, or None.
     """
 
     request_id: str
@@ -61,6 +65,8 @@ class NewRequestData:
     num_computed_tokens: int
     generator: torch.Generator | None = None
     grammar: "GrammarMatcher | None" = None
+    pooling_params: Any = None
+    pooled_sum: torch.Tensor | None = None
 
     @classmethod
     def from_request(cls, request: Any) -> "NewRequestData":
@@ -69,14 +75,15 @@ class NewRequestData:
         return cls(
             request.request_id, list(prompt), list(request.all_token_ids[len(prompt) :]), request.sampling_params,
             request.eos_token_id, request.bad_words_token_ids, list(request.block_ids), request.num_computed_tokens,
-            request.generator, request.grammar,
+            request.generator, request.grammar, getattr(request, "pooling_params", None),
+            getattr(request, "pooled_sum", None),
         )
 
     def for_workers(self) -> "NewRequestData":
         """The part a tensor-parallel worker needs (it builds inputs and logits, samples nothing)."""
         params = SamplingParams(prompt_logprobs=self.sampling_params.prompt_logprobs, max_tokens=1)
         return replace(self, sampling_params=params, eos_token_id=None, bad_words_token_ids=[], generator=None,
-                       grammar=None)
+                       grammar=None, pooled_sum=None)
 
 
 @dataclass

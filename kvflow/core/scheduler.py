@@ -200,6 +200,8 @@ class Scheduler:
                 admitted = kv.allocate_slots(request, num_new, hits)
                 if admitted:
                     request.num_computed_tokens = num_cached
+                    if request.num_cached_tokens < 0:
+                        request.num_cached_tokens = num_cached
             if not admitted:
                 if request.num_skips >= self.config.max_head_skips:
                     break  # nobody passes it any more
@@ -267,6 +269,8 @@ class Scheduler:
                 tokens reached ``num_tokens`` (a partial prefill chunk samples nothing): one
                 token, or the accepted draft tokens plus one for a speculative decode. A
                 list is cut in place after the token that ends its request.
+                An embedding request (``pooling_params`` set) samples nothing and finishes
+                in the step that computes the end of its prompt.
             errors: when given, an exception raised while advancing one request (e.g. by
                 its grammar on a token) is recorded here under its id and the others are
                 still advanced; the caller must then abort that request. When None, the
@@ -315,6 +319,11 @@ class Scheduler:
                  text_stop: Callable[[Request], str | None] | None) -> bool:
         """``update`` for one request; True when it finished."""
         request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
+        if request.pooling_params is not None:  # an embedding: done once its prompt is computed
+            if request.num_computed_tokens >= request.num_tokens:
+                request.status = RequestStatus.FINISHED_STOPPED
+            self.kv_cache_manager.cache_full_blocks(request)
+            return request.is_finished
         num_drafts = len(out.scheduled_spec_tokens.get(request.request_id, ()))
         if num_drafts:
             num_rejected = num_drafts - (len(tokens) - 1)

@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist

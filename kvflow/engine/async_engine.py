@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from kvflow.engine.llm_engine import LLMEngine, PreparedRequest
 from kvflow.engine.snapshot import SnapshotProducer
 from kvflow.metrics import EngineMetrics
-from kvflow.outputs import RequestFailure, RequestOutput
+from kvflow.outputs import EmbeddingRequestOutput, RequestFailure, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -153,9 +153,11 @@ class AsyncLLMEngine:
         """
         return await self.run_off_loop(self.engine.prepare_request, prompt_token_ids, params)
 
-    def add_requests(self, requests: list[tuple[str, PreparedRequest, str | None]]) -> list[AsyncIterator[RequestOutput]]:
-        """Queue (request_id, prepared request, prompt text) triples, all or none; return
-        their output iterators. Never waits.
+    def add_requests(self, requests: list[tuple[str, PreparedRequest, str | None]],
+                     priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
+        """Queue (request_id, prepared request, prompt text) triples, all or none, with one
+        scheduling ``priority`` (see ``LLMEngine.add_request``); return their output
+        iterators (``EmbeddingRequestOutput`` ones for ``PoolingParams``). Never waits.
 
         Raises:
             QueueFullError: when they would take the accepted-but-not-started requests past
@@ -179,7 +181,7 @@ class AsyncLLMEngine:
             stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids))
             self._streams[request_id] = stream
             self._unstarted.add(request_id)
-            self._commands.append(("add", request_id, prepared, prompt, loop))
+            self._commands.append(("add", request_id, prepared, prompt, loop, priority))
             self._num_submitted += 1
             iterators.append(self._iterate(request_id, stream))
         self._wakeup.set()
@@ -247,6 +249,14 @@ class AsyncLLMEngine:
             if out.error is not None:
                 m.request_failure.inc()
                 stream.queue.put_nowait(RequestFailedError(out.error))
+                continue
+            if isinstance(out, EmbeddingRequestOutput):  # one output, no generated tokens
+                m.prompt_tokens.inc(stream.num_prompt_tokens)
+                if out.metrics.get("first_scheduled_time") is not None:
+                    m.request_queue_time.observe(out.metrics["first_scheduled_time"] - out.metrics["arrival_time"])
+                m.e2e_request_latency.observe(now - out.metrics["arrival_time"])
+                m.request_success.inc()
+                stream.queue.put_nowait(out)
                 continue
             new_tokens = 0
             for c in out.outputs:
@@ -333,11 +343,11 @@ class AsyncLLMEngine:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
-                _, request_id, prepared, prompt, loop = command
+                _, request_id, prepared, prompt, loop, priority = command
                 self._num_applied += 1
                 try:
                     self.engine.add_request(request_id, prepared.prompt_token_ids, prepared.params, prompt=prompt,
-                                            prepared=prepared)
+                                            priority=priority, prepared=prepared)
                 except ValueError as exc:
                     self._post(loop, self._fail_one, request_id, exc)
                     continue

@@ -21,10 +21,12 @@ from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import NewRequestData, Scheduler, SchedulerOutput
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
 from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.logprobs import Logprob
 from kvflow.model.base import CausalLM
 from kvflow.model.loader import load_model
 from kvflow.model.resolve import load_generation_defaults, load_tokenizer, resolve_model
-from kvflow.outputs import CompletionOutput, RequestFailure, RequestOutput
+from kvflow.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestFailure, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, RequestStatus, make_parallel_samples
 from kvflow.sample.sampler import Sampler
 from kvflow.sampling_params import SamplingParams
@@ -36,6 +38,9 @@ from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.worker import attention_backend_for, build_shard
 
 logger = logging.getLogger(__name__)
+
+# The ``sampling_params`` of an embedding request: it never samples (``Request.pooling_params``).
+_POOLING_PLACEHOLDER = SamplingParams(max_tokens=1)
 
 
 def _make_proposer(config: EngineConfig, backend) -> NgramProposer | DraftModelProposer:
@@ -88,11 +93,16 @@ class _RequestState:
     prompt_token_ids: list[int]
     samples: list[Request]
     detokenizers: list[IncrementalDetokenizer | None]
-    logprobs: list[list[dict[int, float]]]
+    logprobs: list[list[dict[int, Logprob]]]
     arrival_time: float
     first_scheduled_time: float | None = None
-    prompt_logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
     first_token_time: float | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, once computed
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.samples[0].pooling_params is not None
 
     @property
     def finished(self) -> bool:
@@ -112,6 +122,8 @@ class LLMEngine:
             requests that leave a field unset.
         proposer: the speculative proposer; None builds the one ``config.speculative``
             names (a draft model is loaded from ``config.draft``).
+        default_pooling: the pooling of embedding requests that do not choose one ("last"
+            or "mean"; see ``kvflow.pooling_params``).
 
     Raises:
         ValueError: for a model that cannot be loaded as configured, an attention backend
@@ -126,8 +138,10 @@ class LLMEngine:
         tokenizer: Any | None = None,
         generation_defaults: dict[str, Any] | None = None,
         proposer: NgramProposer | DraftModelProposer | None = None,
+        default_pooling: str = "last",
     ) -> None:
         self.config = config
+        self.default_pooling = PoolingParams(pooling_type=default_pooling).pooling_type
         device = config.device.device
         self.device = device
         self.model_config = config.model
@@ -182,6 +196,7 @@ class LLMEngine:
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
         self.generation_defaults = dict(generation_defaults or {})
+        self._token_texts: dict[int, str] = {}  # token id -> decode([id]), for Logprob.decoded_token
         self.eos_token_id = config.model.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
@@ -206,6 +221,7 @@ class LLMEngine:
             config,
             tokenizer=load_tokenizer(model_dir) if _has_tokenizer(model_dir) else None,
             generation_defaults=load_generation_defaults(model_dir),
+            default_pooling=args.pooling,
         )
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
@@ -219,7 +235,7 @@ class LLMEngine:
             self.tp_workers.shutdown()
 
     # ------------------------------------------------------------------ requests
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
         """Refuse a request the engine could never serve.
 
         Raises:
@@ -227,12 +243,20 @@ class LLMEngine:
                 room in the context (``max_model_len``), a request whose tokens could
                 never fit in the whole KV cache, ``logit_bias`` token ids outside the
                 vocabulary, or ``logprobs`` / ``prompt_logprobs`` above the vocabulary size.
+                An embedding request (``PoolingParams``): empty prompt, ids outside the
+                vocabulary, a prompt longer than ``max_model_len`` or the whole KV cache,
+                ``dimensions`` other than the hidden size.
         """
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if isinstance(params, PoolingParams):
+            self._validate_pooling(prompt_token_ids, params)
+            return
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
         if outside:
             raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
@@ -259,7 +283,22 @@ class LLMEngine:
                 "lower max_tokens or raise num_kv_blocks / kv_cache_memory_bytes"
             )
 
-    def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
+    def _validate_pooling(self, prompt_token_ids: list[int], params: PoolingParams) -> None:
+        max_len = self.scheduler_config.max_model_len
+        if len(prompt_token_ids) > max_len:
+            raise ValueError(f"prompt is {len(prompt_token_ids)} tokens, more than max_model_len={max_len}")
+        needed_blocks = self.kv_cache_manager.num_blocks_for(len(prompt_token_ids))
+        if needed_blocks > self.kv_cache_manager.num_total_blocks:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens and needs {needed_blocks} KV blocks, more than the whole "
+                f"cache ({self.kv_cache_manager.num_total_blocks} blocks); raise num_kv_blocks / kv_cache_memory_bytes"
+            )
+        hidden = self.model_config.hidden_size
+        if params.dimensions is not None and params.dimensions != hidden:
+            raise ValueError(f"dimensions ({params.dimensions}) is not supported: this model's embeddings have "
+                             f"{hidden} dimensions and kvflow does no matryoshka truncation; leave it unset")
+
+    def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> PreparedRequest:
         """Validate a request and do its engine-independent work: the bad words' token ids
         and one compiled grammar per sample. It touches no engine state, so the server runs
         it on a worker thread while the engine thread steps.
@@ -268,6 +307,8 @@ class LLMEngine:
             ValueError: see ``validate_prompt`` and ``check_request_features``.
         """
         self.validate_prompt(prompt_token_ids, params)
+        if isinstance(params, PoolingParams):
+            return PreparedRequest(list(prompt_token_ids), params.resolved(self.default_pooling), [], [None])
         self._check_tokenizer_features(params)
         grammars = [self._compile_grammar(params) for _ in range(params.n)]  # the first one validates
         bad_words = self._bad_words_token_ids(params.bad_words)
@@ -277,24 +318,32 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         prompt: str | None = None,
         priority: int = 0,
         prepared: PreparedRequest | None = None,
     ) -> None:
-        """Validate and queue a request (``params.n`` samples sharing the prompt's blocks).
+        """Validate and queue a request (``params.n`` samples sharing the prompt's blocks),
+        or, with ``PoolingParams``, an embedding request (see ``kvflow.pooling_params``).
 
         ``priority`` matters under the "priority" scheduling policy (lower runs first).
         ``prepared``: the result of ``prepare_request`` for these ids and params, when the
         caller did that work already.
 
         Raises:
-            ValueError: see ``validate_prompt``; or a request_id already in use.
+            ValueError: see ``validate_prompt``; a request_id already in use; a priority
+                other than 0 without the "priority" scheduling policy.
         """
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if priority != 0 and self.scheduler_config.policy != "priority":
+            raise ValueError(f"priority={priority} needs the priority scheduling policy (scheduling_policy="
+                             f"'priority'); this engine schedules {self.scheduler_config.policy!r}")
         if prepared is None:
             prepared = self.prepare_request(prompt_token_ids, params)
+        if isinstance(prepared.params, PoolingParams):
+            self._add_pooling_request(request_id, prompt_token_ids, prepared.params, prompt, priority)
+            return
         samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority)
         for sample, grammar in zip(samples, prepared.grammars):
             sample.bad_words_token_ids = prepared.bad_words_token_ids
@@ -314,6 +363,15 @@ class LLMEngine:
         self._states[request_id] = state
         for sample in samples:
             self._sample_owner[sample.request_id] = (state, sample)
+
+    def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
+                             prompt: str | None, priority: int) -> None:
+        request = Request(request_id, prompt_token_ids, _POOLING_PLACEHOLDER, self.eos_token_id, prompt,
+                          priority=priority, pooling_params=params)
+        self.scheduler.add_request(request)
+        state = _RequestState(request_id, prompt, list(prompt_token_ids), [request], [None], [[]], request.arrival_time)
+        self._states[request_id] = state
+        self._sample_owner[request_id] = (state, request)
 
     def check_request_features(self, params: SamplingParams) -> None:
         """Check the text-level features of ``params`` against this engine.
@@ -350,6 +408,17 @@ class LLMEngine:
                 self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
         return self._grammar_compiler.compile(params)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached K/V of every block no request holds, so that later requests
+        recompute their prompts (vLLM's ``reset_prefix_cache``; e.g. after changing
+        weights, or to measure cold prefill).
+
+        Returns:
+            True when nothing cached is left, False when running requests' blocks stay
+            indexed.
+        """
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its samples) and free its KV blocks at once.
 
@@ -370,7 +439,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the loop
-    def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput]:
+    def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput | EmbeddingRequestOutput]:
         """Run one iteration.
 
         Args:
@@ -388,7 +457,9 @@ class LLMEngine:
 
         Returns:
             A ``RequestOutput`` for every request that produced a token this step or failed
-            (cumulative text and token ids; ``finished`` set on the last one).
+            (cumulative text and token ids; ``finished`` set on the last one), and an
+            ``EmbeddingRequestOutput`` for every embedding request whose prompt was
+            completed this step (or that failed).
 
         Raises:
             Exception: the engine cannot go on: a fault in the scheduler, in the KV block
@@ -428,6 +499,17 @@ class LLMEngine:
         for sample_id, positions in result.prompt_logprobs.items():
             if sample_id in self._sample_owner:
                 self._sample_owner[sample_id][0].prompt_logprobs.update(positions)
+        for sample_id, pooled_sum in result.pooled_sums.items():  # mean pooling's sum so far, kept on
+            if sample_id in self._sample_owner:                    # the request (a swap resumes from it)
+                self._sample_owner[sample_id][1].pooled_sum = pooled_sum
+        for sample_id, vector in result.pooled.items():  # embeddings whose prompt is done
+            owner = self._sample_owner.pop(sample_id, None)
+            if owner is None:  # its request failed above
+                continue
+            state, request = owner
+            vector = torch.nn.functional.normalize(vector, dim=0) if request.pooling_params.l2_normalize else vector
+            state.embedding = vector.tolist()
+            touched[state.request_id] = state
         for sample_id, tokens in result.sampled_token_ids.items():
             owner = self._sample_owner.get(sample_id)
             if owner is None:  # its request failed above
@@ -453,7 +535,7 @@ class LLMEngine:
         for state in touched.values():
             if state.request_id not in self._states:  # failed after it was touched
                 continue
-            if state.first_token_time is None:
+            if state.first_token_time is None and not state.is_pooling:
                 state.first_token_time = now
             try:
                 outputs.append(self._make_output(state, now))
@@ -478,14 +560,28 @@ class LLMEngine:
         return detok.update(sample.all_token_ids[-1:], finished=sample.is_finished)
 
     def _append_output(self, state: _RequestState, sample: Request, tokens: list[int],
-                       logprobs: list[dict[int, float]] | None) -> None:
-        """Record a sample's new tokens' logprobs (its text was detokenized, and stop strings
-        matched, by ``_text_stop`` during ``Scheduler.update``)."""
+                       logprobs: list[dict[int, Logprob]] | None) -> None:
+        """Record a sample's new tokens' logprobs, with their decoded tokens (its text was
+        detokenized, and stop strings matched, by ``_text_stop`` during ``Scheduler.update``)."""
         index = state.samples.index(sample)
         if logprobs is not None:  # tokens may have been cut by a stop (speculation)
-            state.logprobs[index].extend(logprobs[: len(tokens)])
+            state.logprobs[index].extend(self._decoded(entry) for entry in logprobs[: len(tokens)])
         if sample.is_finished:
             del self._sample_owner[sample.request_id]
+
+    def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """``entry`` with every ``Logprob.decoded_token`` set (``tokenizer.decode([id])``,
+        as vLLM; None without a tokenizer)."""
+        if self.tokenizer is None:
+            return entry
+        texts = self._token_texts
+        out = {}
+        for token, logprob in entry.items():
+            text = texts.get(token)
+            if text is None:
+                text = texts[token] = self.tokenizer.decode([token])
+            out[token] = logprob.with_decoded_token(text)
+        return out
 
     @staticmethod
     def _drop_from_batch(sched_out: SchedulerOutput, sample_ids: set[str]) -> None:
@@ -508,6 +604,13 @@ class LLMEngine:
         for sample in state.samples:
             sample.status = RequestStatus.FINISHED_ERROR
         now = time.monotonic()
+        if state.is_pooling:
+            return EmbeddingRequestOutput(
+                request_id, EmbeddingOutput([]), state.prompt_token_ids, max(state.samples[0].num_cached_tokens, 0),
+                True, state.prompt, {"arrival_time": state.arrival_time,
+                                     "first_scheduled_time": state.first_scheduled_time, "finished_time": now},
+                error=failure,
+            )
         return RequestOutput(
             request_id=request_id,
             prompt=state.prompt,
@@ -592,7 +695,15 @@ class LLMEngine:
                 failures.setdefault(self._sample_owner[r.request_id][0].request_id, exc)
         return failures
 
-    def _make_output(self, state: _RequestState, now: float) -> RequestOutput:
+    def _make_output(self, state: _RequestState, now: float) -> RequestOutput | EmbeddingRequestOutput:
+        if state.is_pooling:
+            request = state.samples[0]
+            return EmbeddingRequestOutput(
+                state.request_id, EmbeddingOutput(state.embedding), state.prompt_token_ids,
+                max(request.num_cached_tokens, 0), True, state.prompt,
+                {"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
+                 "finished_time": now},
+            )
         params = state.samples[0].sampling_params
         wants_logprobs = params.logprobs is not None
         metrics = {
@@ -622,11 +733,12 @@ class LLMEngine:
             ],
             finished=state.finished,
             metrics=metrics,
-            prompt_logprobs=(
-                [state.prompt_logprobs[i] for i in range(1, len(state.prompt_token_ids))]
+            prompt_logprobs=(  # as vLLM: None for the first prompt token, which has no predecessor
+                [None, *(self._decoded(state.prompt_logprobs[i]) for i in range(1, len(state.prompt_token_ids)))]
                 if state.finished and params.prompt_logprobs is not None
                 else None
             ),
+            num_cached_tokens=max(state.samples[0].num_cached_tokens, 0),
         )
 
     def get_stats(self) -> dict[str, float | int]:

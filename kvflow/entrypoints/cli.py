@@ -270,6 +270,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from kvflow.engine.llm_engine import LLMEngine
     from kvflow.entrypoints.openai.server import build_app, default_served_name, make_server
 
+    if args.model_tag is not None:
+        if args.model not in (EngineArgs.model, args.model_tag):
+            raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}); give it once")
+        args.model = args.model_tag
     if not args.quiet:
         logging.getLogger("kvflow").setLevel(args.log_level.upper())
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(args)))
@@ -358,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     quant.set_defaults(func=_cmd_quantize)
 
     serve = command("serve", "OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as --model (vLLM's `vllm serve MODEL`)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port")
     serve.add_argument("--api-key", default=None,

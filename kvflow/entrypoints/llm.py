@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
 from tqdm.auto import tqdm
 
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from kvflow.entrypoints.chat_utils import normalize_conversation, render_chat
+from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
-Conversation = list[dict[str, str]]
+Conversation = list[dict[str, Any]]
 
 
 class LLM:
@@ -25,26 +27,51 @@ class LLM:
             ``qwen2.5-coder-1.5b``), a ``.gguf`` file or a Hugging Face directory.
         **kwargs: any ``EngineArgs`` field (``dtype``, ``block_size``, ``num_kv_blocks``,
             ``kv_cache_memory_bytes``, ``max_num_batched_tokens``, ``max_num_seqs``,
-            ``max_model_len``, ``seed``, ...).
+            ``max_model_len``, ``seed``, ...), or one of vLLM's ``LLM`` keywords, mapped
+            or accepted without effect as ``kvflow.entrypoints.vllm_compat`` lists
+            (``gpu_memory_utilization``, ``swap_space``, ``trust_remote_code``...).
 
     Raises:
         ValueError: for an unknown option or an invalid value (naming the field).
     """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+        from kvflow.entrypoints import vllm_compat
+
         fields = set(EngineArgs.__dataclass_fields__)
+        kwargs = vllm_compat.translate_llm_kwargs(model, kwargs, fields)
         unknown = set(kwargs) - fields
         if unknown:
-            raise ValueError(f"unknown LLM option(s) {sorted(unknown)}; known: {sorted(fields)}")
+            raise ValueError(f"unknown LLM option(s) {sorted(unknown)}; known: {sorted(fields)} and vLLM's "
+                             f"{sorted(vllm_compat.vllm_option_names())}")
         self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
+        self.chat_template: str | None = None
         self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        """The transformers tokenizer of the model (None for a token-ids-only model), as
+        vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``sampling_params=None`` means: ``SamplingParams()`` with the sampling
         defaults of the model folder's ``generation_config.json`` where it has one
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM."""
         return self.engine.default_sampling_params()
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget every cached prompt prefix no request holds (vLLM's ``reset_prefix_cache``):
+        later prompts are computed from scratch. Returns True when nothing cached is left
+        (always between ``generate`` calls).
+
+        Raises:
+            ValueError: for ``reset_running_requests`` (kvflow never preempts requests to
+                reset the cache); ``reset_connector`` has no effect (no KV connector).
+        """
+        if reset_running_requests:
+            raise ValueError("reset_running_requests is not supported by kvflow")
+        return self.engine.reset_prefix_cache()
 
     # ------------------------------------------------------------------ inputs
     def _to_token_ids(self, prompt: PromptType) -> tuple[list[int], str | None]:
@@ -53,6 +80,8 @@ class LLM:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt), prompt
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):
+                raise ValueError("multi_modal_data is not supported by kvflow (text models only)")
             if "prompt_token_ids" in prompt:
                 return list(prompt["prompt_token_ids"]), prompt.get("prompt")
             if "prompt" in prompt:
@@ -73,20 +102,27 @@ class LLM:
     def _add_all(
         self,
         prompts: list[PromptType],
-        params: SamplingParams | Sequence[SamplingParams],
-        priority: Sequence[int] | None = None,
+        params: SamplingParams | PoolingParams | Sequence[SamplingParams | PoolingParams],
+        priority: int | Sequence[int] | None = None,
+        params_name: str = "sampling_params",
     ) -> list[str]:
-        if isinstance(params, SamplingParams):
+        if isinstance(params, (SamplingParams, PoolingParams)):
             params_list = [params] * len(prompts)
         else:
             params_list = list(params)
             if len(params_list) != len(prompts):
                 raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+                    f"{params_name} has {len(params_list)} entries for {len(prompts)} prompts"
                 )
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if priority is None or isinstance(priority, int):
+            priorities = [priority or 0] * len(prompts)
+        else:
+            priorities = list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompts)} prompts")
+        for prio in priorities:
+            if isinstance(prio, bool) or not isinstance(prio, int):
+                raise ValueError(f"priority must hold integers, got {prio!r}")
         encoded = [self._to_token_ids(p) for p in prompts]
         # Validate everything first so that one bad prompt adds nothing.
         for (ids, _), p in zip(encoded, params_list):
@@ -105,34 +141,14 @@ class LLM:
             raise
         return request_ids
 
-    # ------------------------------------------------------------------ generation
-    def generate(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        priority: Sequence[int] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order.
-
-        Args:
-            prompts: a string, a list of token ids, a dict with ``prompt`` or
-                ``prompt_token_ids``, or a list of these.
-            sampling_params: one for all prompts or one per prompt (default
-                ``get_default_sampling_params()``).
-            use_tqdm: show a progress bar when there is more than one prompt.
-            priority: per-prompt priority for the "priority" scheduling policy (lower first).
-
-        A request that fails inside the engine (see ``LLMEngine.step``) comes back finished
-        with ``error`` set and finish_reason "error"; the others are not affected.
-
-        Raises:
-            ValueError: for an invalid prompt or parameters; nothing is queued then.
-        """
-        prompt_list = self._normalize_prompts(prompts)
-        request_ids = self._add_all(prompt_list, sampling_params or self.get_default_sampling_params(), priority)
-        results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm or len(request_ids) < 2)
+    def _run_to_completion(self, request_ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[Any]:
+        """Step until every request of ``request_ids`` finished; their final outputs in that
+        order (aborting the rest when interrupted). ``use_tqdm``: a progress bar when there
+        is more than one request, or a tqdm-like factory (as vLLM)."""
+        results: dict[str, Any] = {}
+        factory = use_tqdm if callable(use_tqdm) else tqdm
+        bar = factory(total=len(request_ids), desc="Processed prompts",
+                      disable=not use_tqdm or len(request_ids) < 2)
         try:
             while len(results) < len(request_ids):
                 for output in self.engine.step():
@@ -147,6 +163,91 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in request_ids]
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        priority: int | Sequence[int] | None = None,
+        *,
+        lora_request: None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order (vLLM's
+        ``LLM.generate``; ``lora_request``, ``tokenization_kwargs`` and
+        ``mm_processor_kwargs`` are accepted unset).
+
+        Args:
+            prompts: a string, a list of token ids, a dict with ``prompt`` or
+                ``prompt_token_ids``, or a list of these.
+            sampling_params: one for all prompts or one per prompt (default
+                ``get_default_sampling_params()``).
+            use_tqdm: show a progress bar when there is more than one prompt (or a tqdm-like
+                factory to make it, as vLLM).
+            priority: one priority for all prompts or one per prompt, for the "priority"
+                scheduling policy (lower first); other than 0 it needs that policy.
+
+        A request that fails inside the engine (see ``LLMEngine.step``) comes back finished
+        with ``error`` set and finish_reason "error"; the others are not affected.
+
+        Raises:
+            ValueError: for an invalid prompt or parameters, a ``lora_request`` or non-empty
+                ``tokenization_kwargs`` / ``mm_processor_kwargs``; nothing is queued then.
+        """
+        _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                      mm_processor_kwargs=mm_processor_kwargs)
+        prompt_list = self._normalize_prompts(prompts)
+        request_ids = self._add_all(prompt_list, sampling_params or self.get_default_sampling_params(), priority)
+        return self._run_to_completion(request_ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        pooling: str | None = None,
+        normalize: bool | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        priority: int | Sequence[int] | None = None,
+        lora_request: None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding vector per prompt (vLLM's ``LLM.embed``), in input order.
+
+        Each prompt runs through the engine like any prompt (batched with other requests,
+        chunked by ``max_num_batched_tokens``) and is pooled from the decoder's final hidden
+        states (after the last norm): see ``kvflow.pooling_params``.
+
+        Args:
+            prompts: as for ``generate``.
+            pooling_params: one ``PoolingParams`` for all prompts or one per prompt.
+            pooling: "last" or "mean" for every prompt (default: ``EngineArgs.pooling``);
+                a shortcut for ``PoolingParams(pooling_type=...)``.
+            normalize: L2-normalize the vectors (default True); with ``pooling``, instead of
+                ``pooling_params``.
+            use_tqdm: as for ``generate``.
+            priority: as for ``generate``.
+
+        Returns:
+            ``EmbeddingRequestOutput`` per prompt: ``.outputs.embedding`` is a list of
+            ``hidden_size`` floats. A request that failed inside the engine has ``error``
+            set and an empty vector.
+
+        Raises:
+            ValueError: for an invalid prompt or parameters (e.g. ``dimensions`` other than
+                the hidden size); nothing is queued then.
+        """
+        _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
+        if pooling_params is None:
+            pooling_params = PoolingParams(pooling_type=pooling, normalize=normalize)
+        elif pooling is not None or normalize is not None:
+            raise ValueError("give pooling / normalize or pooling_params, not both")
+        prompt_list = self._normalize_prompts(prompts)
+        request_ids = self._add_all(prompt_list, pooling_params, priority, "pooling_params")
+        return self._run_to_completion(request_ids, use_tqdm)
 
     def generate_stream(
         self, prompt: PromptType, sampling_params: SamplingParams | None = None
@@ -167,33 +268,72 @@ class LLM:
             if not finished:
                 self.engine.abort_request(request_id)
 
-    def apply_chat_template(self, conversation: Conversation) -> list[int]:
-        """Token ids of a conversation rendered with the tokenizer's chat template, ending
-        with the assistant's generation prompt.
+    def apply_chat_template(
+        self,
+        conversation: Conversation,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_content_format: str = "auto",
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (see
+        ``kvflow.entrypoints.chat_utils.render_chat`` for the arguments; ``chat_template``
+        defaults to the one given to ``LLM(chat_template=...)``, else the tokenizer's).
 
         Raises:
-            ValueError: when a message lacks ``role`` or ``content``.
+            ValueError: for a message that is not a dict with a ``role``, a non-text content
+                part, both ``add_generation_prompt`` and ``continue_final_message``, or a
+                template that fails on the messages.
         """
-        for message in conversation:
-            if not isinstance(message, dict) or "role" not in message or "content" not in message:
-                raise ValueError("messages must be dicts with 'role' and 'content'")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        content_format = "string" if chat_template_content_format == "auto" else chat_template_content_format
+        return render_chat(
+            self.tokenizer, normalize_conversation(conversation, content_format),
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            chat_template=chat_template or self.chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools,
+        )  # fmt: skip
 
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request: None = None,
+        priority: int | Sequence[int] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of conversations.
+        """Generate replies to one conversation or a list of conversations (vLLM's
+        ``LLM.chat``, same arguments in the same order).
 
-        Each conversation is a list of ``{"role": ..., "content": ...}`` messages rendered with
-        the tokenizer's chat template.
+        Each conversation is a list of messages (dicts with ``role`` and ``content``, which
+        may be a list of text parts; ``tool_calls``, ``tool_call_id``, ``name`` and other
+        keys reach the template as given) rendered with the chat template; see
+        ``apply_chat_template`` for the template arguments and ``generate`` for the rest.
+
+        Raises:
+            ValueError: see ``apply_chat_template`` and ``generate`` (``lora_request``,
+                ``tokenization_kwargs``, ``mm_processor_kwargs`` set).
         """
+        _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                      mm_processor_kwargs=mm_processor_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools,
+                chat_template_content_format=chat_template_content_format)}
+            for c in conversations
+        ]  # fmt: skip
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def beam_search(
         self,
@@ -277,3 +417,16 @@ class LLM:
     def get_stats(self) -> dict[str, float | int]:
         """See ``LLMEngine.get_stats``."""
         return self.engine.get_stats()
+
+
+def _refuse_unset(**options: Any) -> None:
+    """vLLM arguments kvflow accepts only unset (None or empty).
+
+    Raises:
+        ValueError: naming the first one set.
+    """
+    why = {"lora_request": "no LoRA adapters", "tokenization_kwargs": "the tokenizer's defaults are used",
+           "mm_processor_kwargs": "text models only"}
+    for name, value in options.items():
+        if value is not None and value != {}:
+            raise ValueError(f"{name} is not supported by kvflow ({why[name]}); leave it unset")

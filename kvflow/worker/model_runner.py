@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout
 from kvflow.attention.torch_backend import TORCH_BACKEND
 from kvflow.core.sched_output import NewRequestData, SchedulerOutput
+from kvflow.logprobs import Logprob
 from kvflow.model.base import CausalLM
 from kvflow.sampling_params import SamplingParams
 from kvflow.sample.logits_processor import apply_logits_processors
@@ -51,6 +52,9 @@ class CachedRequestState:
         grammar: its structured-output matcher, or None.
         spec_token_ids: the draft tokens verified this step.
         spec_draft_probs: their draft distribution (float32 [k, vocab]), or None.
+        pooling_params: an embedding request's ``PoolingParams`` (it never samples), or None.
+        pooled_sum: mean pooling's running sum of its final hidden states (float32
+            [hidden_size]) over the tokens computed so far, or None.
     """
 
     request_id: str
@@ -65,12 +69,15 @@ class CachedRequestState:
     grammar: "GrammarMatcher | None" = None
     spec_token_ids: list[int] = field(default_factory=list)
     spec_draft_probs: torch.Tensor | None = None
+    pooling_params: Any = None
+    pooled_sum: torch.Tensor | None = None
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
         return cls(data.request_id, data.prompt_token_ids, [*data.prompt_token_ids, *data.output_token_ids],
                    data.sampling_params, data.eos_token_id, data.bad_words_token_ids, list(data.block_ids),
-                   data.num_computed_tokens, data.generator, data.grammar)
+                   data.num_computed_tokens, data.generator, data.grammar, pooling_params=data.pooling_params,
+                   pooled_sum=data.pooled_sum)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,6 +110,8 @@ class ModelInputs:
             token whose successor's log-probability a ``prompt_logprobs`` request needs.
         spec_requests: (state, draft tokens) of the requests verifying drafts; their
             ``len(drafts) + 1`` logits rows follow the N sampling rows in ``logits_indices``.
+        pooling_rows: (state, flat index of its first token this step, tokens this step)
+            of the embedding requests (they never sample).
     """
 
     input_ids: torch.Tensor
@@ -112,6 +121,7 @@ class ModelInputs:
     sampling_requests: list[CachedRequestState]
     prompt_logprob_rows: list[tuple[CachedRequestState, int, int]]
     spec_requests: list[tuple[CachedRequestState, list[int]]]
+    pooling_rows: list[tuple[CachedRequestState, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -217,6 +227,7 @@ class ModelRunner:
         prompt_logprob_rows: list[tuple[CachedRequestState, int, int]] = []
         spec_requests: list[tuple[CachedRequestState, list[int]]] = []
         spec_indices: list[int] = []
+        pooling_rows: list[tuple[CachedRequestState, int, int]] = []
         q_lens: list[int] = []
         ctx_lens: list[int] = []
         tables: list[list[int]] = []
@@ -239,7 +250,9 @@ class ModelRunner:
                 table = torch.tensor(r.block_ids, dtype=torch.int64)
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
-                if drafts:
+                if r.pooling_params is not None:  # an embedding: pooled, never sampled
+                    pooling_rows.append((r, len(input_ids) - n, n))
+                elif drafts:
                     spec_requests.append((r, drafts))
                     spec_indices.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
                 elif begin + n == r.num_tokens:
@@ -265,6 +278,7 @@ class ModelRunner:
             sampling_requests=sampling_requests,
             prompt_logprob_rows=prompt_logprob_rows,
             spec_requests=spec_requests,
+            pooling_rows=pooling_rows,
         )
 
     @torch.inference_mode()
@@ -306,13 +320,20 @@ class ModelRunner:
                                       (*out.num_scheduled_tokens, *(child for child, _ in out.forked))]) \
             if self.is_driver else []
         try:
-            return self._run(out, rng)
+            result = self._run(out, rng)
         except Exception as exc:  # noqa: BLE001 - isolated below, or re-raised
             if self.broadcast is not None or not self.is_driver:
                 raise
             logger.warning("a batch of %d requests failed (%s: %s); running them one at a time",
                            len(out.num_scheduled_tokens), type(exc).__name__, exc)
-            return self._run_one_by_one(out, rng)
+            result = self._run_one_by_one(out, rng)
+        # Mean pooling's running sums are kept only now: a batch re-run one request at a
+        # time must not add a chunk twice. (They stay in ``result.pooled_sums`` too: the
+        # engine keeps them on the request, so that a request resumed after a swap
+        # preemption comes back with its sum in its ``NewRequestData``.)
+        for request_id, pooled_sum in result.pooled_sums.items():
+            self.requests[request_id].pooled_sum = pooled_sum
+        return result
 
     def _run_one_by_one(self, out: SchedulerOutput, rng: list[tuple[torch.Generator, torch.Tensor]]) -> ModelRunnerOutput:
         """``execute`` without block copies, for one request (and its forks) at a time."""
@@ -337,6 +358,8 @@ class ModelRunner:
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.kv_caches, inputs.metadata)
         result = ModelRunnerOutput()
+        if inputs.pooling_rows and self.is_driver:
+            self._pool(hidden, inputs.pooling_rows, result)
         if inputs.prompt_logprob_rows:
             prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_logprob_rows)
             if self.is_driver:
@@ -409,14 +432,42 @@ class ModelRunner:
         generators = {id(g): g for g in (self.sampler.generator, *(r.generator for r in requests)) if g is not None}
         return [(g, g.get_state()) for g in generators.values()]
 
+    @staticmethod
+    def _pool(hidden: torch.Tensor, rows: list[tuple[CachedRequestState, int, int]], result: "ModelRunnerOutput") -> None:
+        """Pool the embedding requests' final hidden states (``kvflow.pooling_params``).
+
+        Last-token pooling reads the prompt's last hidden state when the step computes it.
+        Mean pooling adds the step's states (in float32) to the request's running sum (a
+        first chunk starts it afresh, so a request preempted by recompute starts over) and
+        divides by the prompt length at the end. Results go to ``result.pooled`` (the
+        un-normalized vector, float32 [hidden_size], once the prompt is complete) and
+        ``result.pooled_sums`` (the new sums, kept by ``execute``).
+        """
+        for r, start, n in rows:
+            begin = r.num_computed_tokens
+            done = begin + n >= r.num_tokens
+            if r.pooling_params.pooling_type == "mean":
+                chunk = hidden[start : start + n].float().sum(dim=0)
+                if begin > 0:
+                    if r.pooled_sum is None:
+                        raise RuntimeError(f"request {r.request_id}: mean pooling lost the sum of its first "
+                                           f"{begin} tokens")
+                    chunk = r.pooled_sum + chunk
+                if done:
+                    result.pooled[r.request_id] = chunk / r.num_tokens
+                else:
+                    result.pooled_sums[r.request_id] = chunk
+            elif done:
+                result.pooled[r.request_id] = hidden[start + n - 1].float().clone()
+
     def _prompt_logprobs(
         self, hidden: torch.Tensor, rows: list[tuple[CachedRequestState, int, int]]
-    ) -> dict[str, dict[int, dict[int, float]]]:
+    ) -> dict[str, dict[int, dict[int, Logprob]]]:
         index = torch.tensor([i for _, i, _ in rows], device=hidden.device)
         logits = self.model.compute_logits(hidden[index])
         targets = torch.tensor([r.all_token_ids[p + 1] for r, _, p in rows], device=hidden.device)
         entries = compute_logprobs(logits, targets, [r.sampling_params.prompt_logprobs for r, _, _ in rows])
-        out: dict[str, dict[int, dict[int, float]]] = {}
+        out: dict[str, dict[int, dict[int, Logprob]]] = {}
         for (r, _, p), entry in zip(rows, entries):
             out.setdefault(r.request_id, {})[p + 1] = entry
         return out
@@ -437,16 +488,25 @@ class ModelRunnerOutput:
             ``prompt_logprobs``.
         failed: request_id -> the exception of each request that failed this step (it has
             no entry in the fields above; see ``ModelRunner.execute``).
+        pooled: request_id -> the pooled final hidden state (float32 [hidden_size], not
+            normalized), for the embedding requests whose prompt completed this step.
+        pooled_sums: request_id -> the new running sum (float32 [hidden_size]) of a mean
+            pooling request whose prompt is not complete yet (``execute`` moves it onto the
+            request).
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)
     num_accepted: dict[str, tuple[int, int]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, dict[int, dict[int, float]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, dict[int, dict[int, Logprob]]] = field(default_factory=dict)
     failed: dict[str, BaseException] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
+    pooled_sums: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def merge(self, other: "ModelRunnerOutput") -> None:
         """Add another (disjoint) batch's results."""
+        self.pooled.update(other.pooled)
+        self.pooled_sums.update(other.pooled_sums)
         self.sampled_token_ids.update(other.sampled_token_ids)
         self.logprobs.update(other.logprobs)
         self.num_accepted.update(other.num_accepted)
@@ -459,7 +519,7 @@ def _restore(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
         generator.set_state(state)
 
 
-def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: list[int]) -> list[dict[int, float]]:
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: list[int]) -> list[dict[int, Logprob]]:
     """Log-probabilities of the raw model distribution (before temperature and filtering).
 
     Args:
@@ -468,17 +528,23 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_k: list[int
         top_k: per row, how many of the most likely tokens to report (0: only the sampled one).
 
     Returns:
-        Per row, {token id: log-probability} with the sampled token and the top ``top_k``.
+        Per row, {token id: ``Logprob``}: the sampled token first (its rank: the number of
+        tokens at least as likely), then the top ``top_k`` (ranks 1..k), in vLLM's order;
+        without ``decoded_token`` (the engine adds it).
     """
     logprobs = torch.log_softmax(logits, dim=-1)
     k_max = max(top_k)
     top_vals, top_ids = logprobs.topk(k_max, dim=-1) if k_max > 0 else (None, None)
-    sampled = logprobs.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
+    sampled_t = logprobs.gather(1, tokens.view(-1, 1))
+    ranks = (logprobs >= sampled_t).sum(dim=-1).tolist()
+    sampled = sampled_t.squeeze(1).tolist()
     entries = []
     for row, k in enumerate(top_k):
-        entry = {}
+        # As vLLM: the sampled (or actual prompt) token first, then the top k in rank order;
+        # a sampled token among the top k keeps its place first and takes its top-k rank.
+        entry = {int(tokens[row]): Logprob(sampled[row], ranks[row])}
         if k > 0:
-            entry = dict(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist()))
-        entry[int(tokens[row])] = sampled[row]
+            for i, (t, v) in enumerate(zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist())):
+                entry[t] = Logprob(v, i + 1)
         entries.append(entry)
     return entries

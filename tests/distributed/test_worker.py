@@ -45,7 +45,7 @@ def _run(model: str, tp: int, logprobs: int | None = None, **kwargs):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         stats = llm.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    result = [o.outputs[0].token_ids for o in outs], [o.prompt_logprobs for o in outs]
+    result = [o.outputs[0].token_ids for o in outs], [o.prompt_logprobs[1:] for o in outs]  # (entry 0 is None)
     return result if logprobs is None else (*result, [o.outputs[0].logprobs for o in outs])
 
 
@@ -70,6 +70,27 @@ def _no_children() -> bool:
     while multiprocessing.active_children() and time.time() < deadline:
         time.sleep(0.2)
     return not multiprocessing.active_children()
+
+
+def test_tp2_embeddings_equal_tp1(tiny_dir):
+    """Embedding requests under tensor parallelism: the workers leave them out of the
+    logits rows as the driver does (a worker's LM-head all-gather would otherwise wait for
+    a driver that never joins), and the vectors equal one process's."""
+    from kvflow.pooling_params import PoolingParams
+
+    def run(tp):
+        with LLM(model=str(tiny_dir), dtype="float32", tensor_parallel_size=tp, num_threads=1, num_kv_blocks=64,
+                 max_num_batched_tokens=8) as llm:
+            prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+            vectors = [[o.outputs.embedding for o in llm.embed(prompts, PoolingParams(pooling_type=p), use_tqdm=False)]
+                       for p in ("last", "mean")]
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4))]
+        return torch.tensor(vectors), tokens
+
+    (v1, t1), (v2, t2) = run(1), run(2)
+    assert t2 == t1
+    torch.testing.assert_close(v2, v1, atol=1e-5, rtol=0)
+    assert _no_children()
 
 
 def test_tp2_equals_tp1_on_a_tiny_model(tiny_dir):

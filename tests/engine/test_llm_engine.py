@@ -735,3 +735,59 @@ def test_the_probe_never_takes_the_runner_state_of_a_live_request():
     engine._probe()
     assert engine.model_runner.requests["kvflow-probe"].prompt_token_ids == PROMPTS["p9"]
     assert run_to_completion(engine) == {"kvflow-probe": reference()["p9"]}
+
+
+# ------------------------------------------------------------------ vLLM's logprob shapes
+def test_logprobs_are_vllm_logprob_objects():
+    """Generated and prompt logprobs are ``Logprob`` objects with vLLM's rank and decoded
+    token, and ``prompt_logprobs`` starts with None (vLLM's shape)."""
+    from conftest import TINY_TEXT_VOCAB, prefill_logits, tiny_tokenizer
+    from kvflow.logprobs import Logprob
+
+    tok = tiny_tokenizer()
+    engine = tiny_engine(tokenizer=tok, config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    prompt = tok.encode("Hello, paged world")
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out if out.finished else final
+    generated = final.outputs[0].token_ids
+    ref = torch.log_softmax(prefill_logits(engine.model_runner.model, prompt + generated, chunk=64), dim=-1)
+
+    def check(entry, row, actual, top):
+        assert actual in entry and len(entry) <= top + 1
+        for t, lp in entry.items():
+            assert type(lp) is Logprob and lp.decoded_token == tok.decode([t])
+            assert lp.logprob == pytest.approx(ref[row, t].item(), abs=1e-5)
+            assert lp.rank == int((ref[row] >= ref[row, t]).sum())
+        assert set(ref[row].topk(top).indices.tolist()) <= set(entry)
+
+    assert len(final.prompt_logprobs) == len(prompt) and final.prompt_logprobs[0] is None
+    for p in range(1, len(prompt)):
+        check(final.prompt_logprobs[p], p - 1, prompt[p], 2)
+    logprobs = final.outputs[0].logprobs
+    assert len(logprobs) == len(generated)
+    for i, t in enumerate(generated):
+        check(logprobs[i], len(prompt) - 1 + i, t, 3)
+        assert logprobs[i][t].rank == 1  # greedy
+    assert final.outputs[0].cumulative_logprob == pytest.approx(sum(lp[t] for lp, t in zip(logprobs, generated)))
+
+
+def test_priority_policy_runs_the_lowest_priority_value_first_under_load():
+    """One request at a time (max_num_seqs=1): queued together, they finish in priority
+    order (lower first; ties by arrival), not in arrival order; fcfs keeps arrival order."""
+
+    def finish_order(policy: str, priorities: dict[str, int]) -> list[str]:
+        engine = tiny_engine(max_num_seqs=1, scheduling_policy=policy)
+        for i, (request_id, prio) in enumerate(priorities.items()):
+            engine.add_request(request_id, [(7 * i + 1) % 128] * 5, SamplingParams(temperature=0, max_tokens=3,
+                                                                              ignore_eos=True), priority=prio)
+        order = []
+        while engine.has_unfinished_requests():
+            order += [o.request_id for o in engine.step() if o.finished]
+        return order
+
+    assert finish_order("priority", {"a": 5, "b": 0, "c": -1, "d": 0}) == ["c", "b", "d", "a"]
+    assert finish_order("fcfs", {"a": 0, "b": 0, "c": 0, "d": 0}) == ["a", "b", "c", "d"]

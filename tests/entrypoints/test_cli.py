@@ -410,3 +410,60 @@ def test_serve_exits_non_zero_when_the_engine_dies(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_takes_the_model_positionally_like_vllm_serve(tmp_path):
+    """`kvflow serve MODEL` (vLLM's form) with --pooling mean and --scheduling-policy
+    priority: the folder is served, /v1/embeddings pools by the mean, priority is accepted,
+    /tokenize and /version answer."""
+    import importlib.metadata
+    import os
+    import socket
+    import time
+
+    import httpx
+
+    from conftest import tiny_hf_model_dir, tiny_tokenizer
+    from kvflow import LLM
+
+    folder = tiny_hf_model_dir(tmp_path / "tiny-serve")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", str(folder), "--port", str(port), "--dtype",
+         "float32", "--num-kv-blocks", "32", "--num-threads", "1", "--log-level", "warning", "--pooling", "mean",
+         "--scheduling-policy", "priority", "--attention-backend", "torch"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=10)
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny-serve"
+        assert httpx.get(url + "/version").json() == {"version": importlib.metadata.version("kvflow")}
+        assert httpx.post(url + "/tokenize", json={"prompt": "abc"}).json()["tokens"] == tiny_tokenizer().encode("abc")
+        got = httpx.post(url + "/v1/embeddings", json={"input": "Hello there"}, timeout=60).json()["data"][0]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "priority": -3}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    with LLM(model=str(folder), dtype="float32", num_kv_blocks=32, attention_backend="torch") as llm:
+        want = llm.embed("Hello there", pooling="mean", use_tqdm=False)[0].outputs.embedding
+    assert max(abs(a - b) for a, b in zip(got["embedding"], want)) < 1e-5
+
+
+def test_serve_refuses_the_model_given_twice(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "smollm2-135m", "--model", "qwen2.5-coder-0.5b"])
+    assert info.value.code == 2
+    assert "the model is given twice" in capsys.readouterr().err

@@ -230,12 +230,16 @@ def test_prompt_logprobs(smollm2_llm):
     # Twice: the second run finds the prompt in the prefix cache and must still compute it.
     for _ in range(2):
         (out,) = smollm2_llm.generate(text, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
-        assert len(out.prompt_logprobs) == len(prompt) - 1
-        for i, entry in enumerate(out.prompt_logprobs):
+        # vLLM's shape: one entry per prompt token, None for the first.
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for i, entry in enumerate(out.prompt_logprobs[1:]):
             actual = prompt[i + 1]
             assert actual in entry and len(entry) <= 3
             for t, lp in entry.items():
                 assert lp == pytest.approx(reference[i, t].item(), abs=1e-4)
+                assert lp.logprob == float(lp) and lp.decoded_token == tok.decode([t])
+                # rank: 1 + the tokens strictly more likely (no exact ties here)
+                assert lp.rank == int((reference[i] > reference[i, t]).sum()) + 1
             assert set(reference[i].topk(2).indices.tolist()) <= set(entry)
     assert_all_blocks_free(smollm2_llm)
 

@@ -67,7 +67,7 @@ def teacher_forced(llm: LLM, sequences: list[list[int]], top: int) -> list[list[
     actual next token) given the sequence so far."""
     params = SamplingParams(max_tokens=1, prompt_logprobs=top, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
-    return [o.prompt_logprobs for o in outs]
+    return [o.prompt_logprobs[1:] for o in outs]  # (vLLM's entry 0 is None)
 
 
 def decoder_linears(llm: LLM):

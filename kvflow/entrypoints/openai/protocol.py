@@ -3,8 +3,8 @@
 Field names and defaults follow the OpenAI API reference (completions and chat completions)
 plus the extra sampling fields vLLM accepts (top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, bad_words, skip_special_tokens, include_stop_str_in_output,
-guided_json, guided_regex). Responses are built as plain dicts in ``server.py`` so that no
-field is sent as an explicit null.
+guided_json, guided_regex) and vLLM's ``priority``. Responses are built as plain dicts in
+``server.py`` so that no field is sent as an explicit null.
 
 Validation is strict: a number field takes a JSON number (not ``true``, not ``"0.5"``), an
 integer field an integer (not ``2.0``), and no float may be NaN or infinite. Fields of the
@@ -25,6 +25,9 @@ from kvflow.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 _warned_fields: set[str] = set()
 _MAX_WARNED_FIELDS = 100  # distinct names logged; a client inventing names cannot grow this
+
+# vLLM's range of ``priority`` (a signed 64-bit integer).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # Defaults of the sampling fields a request leaves unset when the model has no
 # generation_config.json (documented in the README's Server section).
@@ -103,6 +106,8 @@ class _SamplingRequest(_Body):
     include_stop_str_in_output: bool = False
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
+    # scheduling priority (lower first); other than 0 it needs --scheduling-policy priority
+    priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     # vLLM extras kvflow does not implement (refused when set; see unsupported_field)
     guided_choice: Any = None
     guided_grammar: Any = None
@@ -112,13 +117,12 @@ class _SamplingRequest(_Body):
     allowed_token_ids: Any = None
     prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
-    priority: Any = None
     return_tokens_as_token_ids: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "use_beam_search": (False,),
         "length_penalty": (1, 1.0), "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
-        "priority": (0,), "return_tokens_as_token_ids": (False,),
+        "return_tokens_as_token_ids": (False,),
     }  # fmt: skip
 
     def sampling_params(

@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvflow.outputs import RequestOutput
+from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -372,16 +373,22 @@ class OpenAIServing:
         except ValueError as exc:
             raise _bad_request(exc) from None
 
-    async def _add(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams,
-                   prompt_field: str) -> list[AsyncIterator[RequestOutput]]:
-        """Prepare every prompt off the loop, then queue them all or none.
+    async def _add(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams | PoolingParams,
+                   prompt_field: str, priority: int | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Prepare every prompt off the loop, then queue them all or none (with one
+        scheduling ``priority``, vLLM's extension: lower runs first).
 
         Raises:
             APIError: 400 for a prompt or parameters the engine refuses (a prompt's fault
-                names ``prompt_field``), 429 when the queue cannot take them all, 503 once
-                the engine has stopped.
+                names ``prompt_field``), or a ``priority`` other than 0 when the server runs
+                ``--scheduling-policy fcfs``; 429 when the queue cannot take them all, 503
+                once the engine has stopped.
         """
         engine = self.engine.engine
+        policy = engine.scheduler_config.policy
+        if priority and policy != "priority":
+            raise APIError(400, f"priority is set ({priority}) but the server schedules {policy!r}: start it with "
+                           "--scheduling-policy priority, or leave priority unset", "BadRequestError", "priority")
         try:
             prepared = await self.engine.run_off_loop(lambda: [engine.prepare_request(ids, params) for ids, _ in prompts])
         except ValueError as exc:
@@ -392,7 +399,8 @@ class OpenAIServing:
         request_id = uuid.uuid4().hex
         try:
             return self.engine.add_requests(
-                [(f"{request_id}-{i}", p, text) for i, (p, (_, text)) in enumerate(zip(prepared, prompts))]
+                [(f"{request_id}-{i}", p, text) for i, (p, (_, text)) in enumerate(zip(prepared, prompts))],
+                priority=priority or 0,
             )
         except QueueFullError as exc:
             raise APIError(429, str(exc), "RateLimitError", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -436,7 +444,7 @@ class OpenAIServing:
         max_tokens = max(self._max_tokens(requested, len(ids), "max_tokens") for ids, _ in prompts)
         prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = self._params(req, max_tokens, req.logprobs, prompt_logprobs)
-        iterators = await self._add(prompts, params, "prompt")
+        iterators = await self._add(prompts, params, "prompt", req.priority)
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         n = params.n
         if req.stream:
@@ -461,7 +469,7 @@ class OpenAIServing:
                 if req.logprobs is not None:
                     tokens, entries = list(c.token_ids), list(c.logprobs or [])
                     if req.echo:
-                        tokens, entries = ids + tokens, [None, *(out.prompt_logprobs or [])] + entries
+                        tokens, entries = ids + tokens, list(out.prompt_logprobs or [None] * len(ids)) + entries
                     choice["logprobs"] = self._completion_logprobs(tokens, entries, 0)
                 choices.append(choice)
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
@@ -544,7 +552,7 @@ class OpenAIServing:
         max_tokens = self._max_tokens(requested, len(ids), field)
         top_k = req.top_logprobs or 0
         params = self._params(req, max_tokens, top_k if req.logprobs else None)
-        (iterator,) = await self._add([(ids, None)], params, "messages")
+        (iterator,) = await self._add([(ids, None)], params, "messages", req.priority)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             return StreamingResponse(
@@ -787,5 +795,10 @@ def build_app(
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(req, raw)
 
+    # vLLM's further endpoints, in their own modules (they import this one)
+    from kvflow.entrypoints.openai import serving_embedding, serving_tokenization
+
+    serving_embedding.attach_routes(app, serving)
+    serving_tokenization.attach_routes(app, serving)
     web.register(app, engine)
     return app

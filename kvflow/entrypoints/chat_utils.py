@@ -1,0 +1,121 @@
+"""Rendering a conversation with the tokenizer's chat template (transformers'
+``apply_chat_template``), for ``LLM.chat`` and the server's ``POST /tokenize``.
+
+A message is a dict with ``role`` and ``content`` (a string, None, or a list of OpenAI
+content parts of which only ``{"type": "text", "text": ...}`` is accepted: kvflow's models
+take text only), plus whatever else the template reads (``name``, ``tool_calls``,
+``tool_call_id``...), passed through as given.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# apply_chat_template's own parameters: not settable through chat_template_kwargs.
+_RESERVED_KWARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+})  # fmt: skip
+
+
+def text_content(content: Any, where: str) -> str:
+    """A message's content as one string: list content joins its text parts in order.
+
+    Raises:
+        ValueError: naming ``where`` and the part type, for a non-text part (image, audio,
+            file...) or a content that is neither a string, None nor a list of parts.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}.content must be a string or a list of content parts, got {type(content).__name__}")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"{where}.content[{i}]: content parts of type {kind!r} are not supported by kvflow "
+                             "(text parts only; no multimodal model is served)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.content[{i}].text must be a string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def normalize_conversation(conversation: Any, content_format: str = "string") -> list[dict[str, Any]]:
+    """The messages as the template sees them: "developer" rendered as "system" (as
+    OpenAI's servers do), content flattened to a string (``text_content``), or with
+    ``content_format="openai"`` as one text part ``[{"type": "text", "text": ...}]`` (for
+    templates that iterate over parts; vLLM's two formats).
+
+    Raises:
+        ValueError: for a message that is not a dict with a string ``role``, bad content, or
+            an unknown ``content_format``.
+    """
+    if content_format not in ("string", "openai"):
+        raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {content_format!r}")
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError("messages must be a non-empty list of message dicts")
+    out = []
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a string 'role'")
+        rendered = dict(message)
+        text = text_content(message.get("content"), f"messages[{i}]")
+        rendered["content"] = text if content_format == "string" else [{"type": "text", "text": text}]
+        if rendered["role"] == "developer":
+            rendered["role"] = "system"
+        out.append(rendered)
+    return out
+
+
+def render_chat(
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Token ids of ``conversation`` rendered with the chat template (the tokenizer's, or
+    ``chat_template``, a Jinja string), then encoded with ``add_special_tokens`` (False by
+    default: the template writes the special tokens).
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        conversation: messages as ``normalize_conversation`` returns them.
+        add_generation_prompt: end with the assistant's turn header.
+        continue_final_message: leave the last (assistant) message open, for the model to
+            continue it; excludes ``add_generation_prompt``.
+        chat_template: a template to use instead of the tokenizer's.
+        chat_template_kwargs: extra variables for the template (e.g. ``enable_thinking``).
+        tools: tool (function) schemas, given to the template as transformers does.
+        add_special_tokens: add the tokenizer's special tokens (BOS) on top.
+
+    Raises:
+        ValueError: without a tokenizer; for both ``add_generation_prompt`` and
+            ``continue_final_message``; for a ``chat_template_kwargs`` key that is one of
+            apply_chat_template's own parameters; when the template fails on the messages
+            (its message says why).
+    """
+    if tokenizer is None:
+        raise ValueError("messages: this model has no tokenizer (and no chat template); send token ids")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(_RESERVED_KWARGS & set(kwargs))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)} (an argument of its own)")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tools=tools, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False, **kwargs,
+        )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the template's errors are the caller's messages
+        raise ValueError(f"messages could not be rendered with the chat template: {type(exc).__name__}: {exc}") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -1,0 +1,123 @@
+"""``/tokenize``, ``/detokenize``, ``/version`` and the ``priority`` field on the tiny
+in-process server (``test_server_tiny.TinyServer``)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import httpx
+import pytest
+import torch
+from test_server_tiny import TinyServer, _assert_error, _wait_idle
+
+from conftest import tiny_tokenizer
+
+MSG = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = TinyServer()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def priority_http():
+    s = TinyServer(engine_kwargs={"scheduling_policy": "priority"})
+    with httpx.Client(base_url=s.url, timeout=60) as c:
+        yield c
+    s.stop()
+
+
+def _ok(r: httpx.Response) -> dict:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_tokenize_prompt(http):
+    tok = tiny_tokenizer()
+    out = _ok(http.post("/tokenize", json={"prompt": "Hello there", "model": "tiny"}))
+    assert out == {"count": 11, "max_model_len": 256, "tokens": tok.encode("Hello there")}
+    strs = _ok(http.post("/tokenize", json={"prompt": "Hi", "return_token_strs": True}))
+    assert strs["token_strs"] == tok.convert_ids_to_tokens(tok.encode("Hi"))
+
+
+def test_tokenize_messages_counts_what_chat_completions_sends(http):
+    out = _ok(http.post("/tokenize", json={"messages": MSG}))
+    chat = _ok(http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 1}))
+    assert out["count"] == len(out["tokens"]) == chat["usage"]["prompt_tokens"]
+    text = "<system>Be brief.\n<user>Hi\n"
+    assert tiny_tokenizer().decode(out["tokens"]) == text + "<assistant>"
+    no_prompt = _ok(http.post("/tokenize", json={"messages": MSG, "add_generation_prompt": False}))
+    assert tiny_tokenizer().decode(no_prompt["tokens"]) == text
+
+
+def test_detokenize_round_trips(http):
+    tokens = _ok(http.post("/tokenize", json={"prompt": "Grüße, 世界"}))["tokens"]
+    assert _ok(http.post("/detokenize", json={"tokens": tokens, "model": "tiny"})) == {"prompt": "Grüße, 世界"}
+    assert _ok(http.post("/detokenize", json={"tokens": []})) == {"prompt": ""}
+
+
+def test_version(http):
+    assert _ok(http.get("/version")) == {"version": importlib.metadata.version("kvflow")}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/detokenize", {"tokens": [72, 257]}, "tokens"),  # the tiny tokenizer has ids 0..256
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}]},
+     "messages"),
+    ("/tokenize", {"messages": MSG, "add_generation_prompt": True, "continue_final_message": True},
+     "add_generation_prompt"),
+    ("/tokenize", {"messages": MSG, "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+])  # fmt: skip
+def test_bad_tokenization_requests_are_400s(http, path, body, param):
+    _assert_error(http.post(path, json=body), 400, param)
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+@pytest.mark.parametrize("content", [b"", b"{", b"[1]", b'"x"'])
+def test_a_body_that_is_not_a_json_object_is_400(http, path, content):
+    _assert_error(http.post(path, content=content, headers={"content-type": "application/json"}), 400)
+
+
+def test_unknown_model_is_404(http):
+    _assert_error(http.post("/tokenize", json={"prompt": "x", "model": "other"}), 404, "model")
+    _assert_error(http.post("/detokenize", json={"tokens": [1], "model": "other"}), 404, "model")
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 2}),
+    ("/v1/embeddings", {"input": "Hello"}),
+])  # fmt: skip
+def test_priority_needs_the_priority_policy(server, http, priority_http, path, body):
+    error = _assert_error(http.post(path, json={**body, "priority": 3}), 400, "priority")
+    assert "--scheduling-policy priority" in error["message"]
+    _ok(http.post(path, json={**body, "priority": 0}))  # vLLM's default: accepted under fcfs
+    for priority in (-5, 3, 2**63 - 1):
+        _ok(priority_http.post(path, json={**body, "priority": priority}))
+    for bad in (2**63, -(2**63) - 1, 1.5, "1", True):
+        _assert_error(priority_http.post(path, json={**body, "priority": bad}), 400, "priority")
+    _wait_idle(server)

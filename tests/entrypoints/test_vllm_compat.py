@@ -1,0 +1,164 @@
+"""vLLM's offline API on kvflow: the vLLM-style script (``vllm_style_script.py``) runs on
+``kvflow.LLM`` unchanged but for its import, and vLLM's keyword arguments are mapped,
+accepted or refused as ``kvflow.entrypoints.vllm_compat`` says."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import vllm_style_script
+
+from conftest import tiny_hf_model_dir
+from kvflow import LLM, SamplingParams
+from kvflow.entrypoints import vllm_compat
+
+COMMON = dict(dtype="float32", num_kv_blocks=64, block_size=4, attention_backend="torch")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny_hf_model_dir(tmp_path_factory.mktemp("compat") / "m")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(model=str(tiny_dir), **COMMON)
+
+
+def test_the_vllm_style_script_runs_on_kvflow(tiny_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="kvflow.entrypoints.vllm_compat"):
+        out = vllm_style_script.run(str(tiny_dir), "kvflow")
+    assert len(out["greedy_token_ids"]) == 6 and out["embedding_dim"] == 64
+    assert out["prompt_logprobs"][0] is None
+    # every logprob entry carries vLLM's rank and decoded token
+    assert all(rank >= 1 and isinstance(text, str) for entry in out["logprobs"] for _, rank, text in entry.values())
+    notes = caplog.text
+    for name in ("trust_remote_code", "disable_log_stats", "tokenizer_mode", "runner"):
+        assert f"vLLM option {name}=" in notes
+    assert "gpu_memory_utilization=0.9: no effect: kv_cache_memory_bytes / num_kv_blocks is set" in notes
+
+
+def test_reset_prefix_cache_drops_the_cached_prompt(llm):
+    ids = list(range(3, 40))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    first = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    cached = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert cached.num_cached_tokens >= 32
+    assert llm.reset_prefix_cache() is True
+    cold = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0
+    assert cold.outputs[0].token_ids == cached.outputs[0].token_ids == first.outputs[0].token_ids
+    with pytest.raises(ValueError, match="reset_running_requests"):
+        llm.reset_prefix_cache(reset_running_requests=True)
+
+
+def test_block_pool_reset_keeps_blocks_in_use_indexed():
+    from kvflow.core.block_pool import BlockPool
+
+    pool = BlockPool(4, enable_caching=True)
+    a, b = pool.allocate(2)
+    pool.publish(a, b"a")
+    pool.publish(b, b"b")
+    pool.free([a])
+    assert pool.reset_prefix_cache() is False  # b is in use: still indexed
+    assert pool.lookup(b"a") is None and pool.lookup(b"b") == b
+    pool.free([b])
+    assert pool.reset_prefix_cache() is True and pool.num_cached_blocks == 0 and pool.num_free_blocks == 4
+
+
+def test_logprobs_are_vllm_objects_and_floats(llm):
+    (out,) = llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1),
+                          use_tqdm=False)
+    c = out.outputs[0]
+    entry = c.logprobs[0][c.token_ids[0]]
+    assert entry.rank == 1 and entry.logprob == float(entry) < 0 and entry.decoded_token is not None
+    assert sum(e[t] for e, t in zip(c.logprobs, c.token_ids)) == pytest.approx(c.cumulative_logprob, abs=1e-5)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 3
+    # vLLM's order: the actual token first, then the top k
+    assert [next(iter(e)) for e in out.prompt_logprobs[1:]] == [6, 7]
+    assert all(len(e) == 2 for e in out.prompt_logprobs[1:])  # (neither is the top-1 token here)
+    assert [next(iter(e)) for e in c.logprobs] == c.token_ids
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"no_such_option": 1}, r"unknown LLM option\(s\) \['no_such_option'\]"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported"),
+    ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported"),
+    ({"tokenizer": "/elsewhere"}, "tokenizer='/elsewhere' is not supported"),
+    ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be a fraction in \(0, 1\]"),
+    ({"gpu_memory_utilization": 1e-9, "num_kv_blocks": None}, "gpu_memory_utilization=1e-09 leaves no KV cache"),
+    ({"swap_space": -1}, "swap_space must be a non-negative number of GiB"),
+    ({"pooler_config": {"pooling_type": "MEAN", "normalize": False}}, "only pooling_type is supported"),
+    ({"pooler_config": {"pooling_type": "CLS"}}, "pooling must be 'last' or 'mean'"),
+    ({"logprobs_mode": "processed_logprobs"}, "logprobs_mode='processed_logprobs' is not supported"),
+])  # fmt: skip
+def test_vllm_keywords_kvflow_cannot_honour_are_value_errors(tiny_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(tiny_dir), **{**COMMON, **kwargs})
+
+
+def test_vllm_keywords_that_map(tiny_dir):
+    fields = {"dtype", "seed", "preemption_mode", "kv_cache_memory_bytes", "pooling", "swap_space_bytes"}
+    t = vllm_compat.translate_llm_kwargs
+    assert t("m", {"dtype": "half", "seed": None}, fields) == {"dtype": "float16", "seed": 0}
+    assert t("m", {"swap_space": 2, "preemption_mode": "swap"}, fields) == {"preemption_mode": "swap",
+                                                                              "swap_space_bytes": 2 * 2**30}
+    assert t("m", {"swap_space": 4}, fields) == {}  # no swap preemption: nothing to size
+    assert t("m", {"override_pooler_config": {"pooling_type": "MEAN"}}, fields) == {"pooling": "mean"}
+    assert t("m", {"trust_remote_code": True, "revision": "main", "enable_chunked_prefill": True}, fields) == {}
+    assert t("m", {"bogus": 1}, fields) == {"bogus": 1}  # left for LLM to refuse by name
+    with LLM(model=str(tiny_dir), **{**COMMON, "pooler_config": {"pooling_type": "MEAN"}}) as mean:
+        assert mean.engine.default_pooling == "mean"
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache_from_ram(tiny_dir, monkeypatch):
+    """fraction x total RAM - this process's resident memory - the weight files."""
+    import psutil
+
+    weights = sum(f.stat().st_size for f in tiny_dir.iterdir() if f.name.endswith(".safetensors"))
+    rss = psutil.Process().memory_info().rss
+    total = rss + weights + 2 * 2**30
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"total": total})())
+    budget = vllm_compat.kv_budget_from_utilization(0.5, str(tiny_dir), "cpu")
+    assert abs(budget - (total // 2 - rss - weights)) < 64 * 2**20  # (the resident set moves a little)
+    args = vllm_compat.translate_llm_kwargs(str(tiny_dir), {"gpu_memory_utilization": 0.5, "device": "cpu"},
+                                            {"device", "kv_cache_memory_bytes"})
+    assert abs(args["kv_cache_memory_bytes"] - budget) < 64 * 2**20
+    with pytest.raises(ValueError, match="leaves no KV cache memory"):
+        vllm_compat.kv_budget_from_utilization(0.01, str(tiny_dir), "cpu")
+
+
+def test_offline_chat_takes_vllms_arguments(llm):
+    msgs = [{"role": "user", "content": "Hi"}]
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=2)
+    (plain,) = llm.chat(msgs, params, use_tqdm=False)
+    assert tok.decode(plain.prompt_token_ids) == "<user>Hi\n<assistant>"
+    (cont,) = llm.chat([*msgs, {"role": "assistant", "content": "Hel"}], params, use_tqdm=False,
+                       add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(cont.prompt_token_ids).endswith("<assistant>Hel")
+    (custom,) = llm.chat(msgs, params, use_tqdm=False, chat_template="{{ messages[0]['content'] }}!{{ x }}",
+                         chat_template_kwargs={"x": "y"})
+    assert tok.decode(custom.prompt_token_ids) == "Hi!y"
+    (parts,) = llm.chat([{"role": "user", "content": [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]}],
+                        params, use_tqdm=False)
+    assert parts.prompt_token_ids == plain.prompt_token_ids
+    for kwargs, match in [({"lora_request": object()}, "lora_request"),
+                          ({"add_generation_prompt": True, "continue_final_message": True}, "cannot both"),
+                          ({"tokenization_kwargs": {"truncation": True}}, "tokenization_kwargs")]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat(msgs, params, use_tqdm=False, **kwargs)
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: content parts of type 'image_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}], params)
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": "x", "multi_modal_data": {"image": 1}}, params)
