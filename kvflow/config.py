@@ -135,7 +135,7 @@ class ModelConfig:
     ``max_model_len``: the engine's context limit in tokens when the model is loaded for an
     engine (``kvflow.model.loader.load_model``), else None (``max_position_embeddings``). It
     fixes LongRoPE's factor set (``kvflow.layers.rotary``) and decides whether a sliding
-    window that kvflow does not implement yet would ever act (``context_len``).
+    window would ever act (``context_len``, ``sliding_windows``).
 
     ``cla_share_factor`` (config.json key of the same name, default 1) enables cross-layer
     attention (Brandon et al. 2024, "Reducing Transformer Key-Value Cache Size with
@@ -194,6 +194,45 @@ class ModelConfig:
         return self.max_model_len or self.max_position_embeddings
 
     @property
+    def sliding_windows(self) -> list[int | None]:
+        """Per decoder layer, its attention's sliding window in tokens (key j is visible from
+        query i when ``i - W < j <= i``, transformers' convention), or None for full causal
+        attention.
+
+        Read from the transformers config: ``sliding_window`` with ``layer_types`` (Gemma 3,
+        Qwen2/Qwen3 with ``use_sliding_window``: "sliding_attention" layers take the window,
+        "full_attention" ones none), or ``sliding_window`` alone for every layer (Mistral,
+        Mixtral, Phi-3). A window of at least ``context_len`` tokens never acts and reads as
+        None.
+
+        Raises:
+            ValueError: naming ``layer_types`` for an attention type other than full /
+                sliding, or ``cla_share_factor`` with an acting window (shared K/V layers).
+        """
+        hf = self.hf_config
+        n = self.num_hidden_layers
+        window = getattr(hf, "sliding_window", None) if hf is not None else None
+        types = list(getattr(hf, "layer_types", None) or []) if hf is not None else []
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise ValueError(f"{self.model_type}: layer_types {unknown} are not supported "
+                             "(full_attention, sliding_attention)")
+        if not window or window >= self.context_len:
+            return [None] * n
+        windows = [window if t == "sliding_attention" else None for t in types] if types else [window] * n
+        if self.cla_share_factor > 1 and any(windows):
+            raise ValueError("cla_share_factor > 1 with a sliding window is not supported")
+        return windows
+
+    @property
+    def kv_free_window(self) -> int | None:
+        """The window after which a request's KV blocks may be freed: the largest window when
+        every layer has one (no layer reads further back), else None (a full-attention layer
+        reads the whole context: every block is kept)."""
+        windows = self.sliding_windows
+        return max(windows) if windows and all(windows) else None
+
+    @property
     def num_kv_layers(self) -> int:
         """Layers that hold their own K/V: one per group of ``cla_share_factor`` layers."""
         return -(-self.num_hidden_layers // self.cla_share_factor)
@@ -215,6 +254,10 @@ class ModelConfig:
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         rope_params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        if isinstance(rope_params.get("full_attention"), dict):
+            # Per-layer-type parameters (Gemma 3): the full-attention layers' are the model's;
+            # the model reads the others (e.g. "sliding_attention") itself.
+            rope_params = dict(rope_params["full_attention"])
         legacy_scaling = getattr(hf_config, "rope_scaling", None)
         if legacy_scaling:
             rope_params = {**dict(legacy_scaling), **rope_params}

@@ -72,11 +72,14 @@ class AttentionBackend:
             for this backend's guarantee that a token's stored K/V never depend on how its
             step was batched (a quantized cache, ``kvflow.layers.invariant_linear``).
         supports_cuda_graphs: decode steps may replay CUDA graphs over ``graph_metadata``.
+        supports_sliding_window: ``attend`` takes a layer's ``sliding_window`` (the selector
+            never gives a model with windowed layers a backend without it).
     """
 
     name = "base"
     needs_batch_invariant_linears = False
     supports_cuda_graphs = False
+    supports_sliding_window = False
 
     def decode_groups(self, context_blocks: list[int], block_size: int) -> list[list[int]]:
         """The step's decodes (their context lengths in blocks, in batch order) split into
@@ -91,9 +94,11 @@ class AttentionBackend:
         """Store this step's K/V [T, num_kv_heads, head_dim] at ``metadata.slot_mapping``."""
         raise NotImplementedError
 
-    def attend(self, q: torch.Tensor, kv_cache: KVCache, metadata, scale: float) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv_cache: KVCache, metadata, scale: float,
+               sliding_window: int | None = None) -> torch.Tensor:
         """Causal attention of q [T, num_heads, head_dim] over the cached K/V (already holding
-        this step's); returns [T, num_heads, head_dim] in q's dtype."""
+        this step's); with ``sliding_window`` W only keys at positions ``i - W < j <= i`` of
+        the query's position i. Returns [T, num_heads, head_dim] in q's dtype."""
         raise NotImplementedError
 
     def forward(
@@ -105,13 +110,24 @@ class AttentionBackend:
         metadata,
         scale: float,
         key_offset: torch.Tensor | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """Write k, v [T, num_kv_heads, head_dim] (None: a layer that reads another layer's
         K/V) into ``kv_cache`` (keys minus ``key_offset`` for a quantized cache, see
-        ``kv_cache.subtract_key_offset``), then attend; returns [T, num_heads, head_dim]."""
+        ``kv_cache.subtract_key_offset``), then attend (within ``sliding_window`` tokens when
+        given); returns [T, num_heads, head_dim].
+
+        Raises:
+            ValueError: a ``sliding_window`` on a backend without ``supports_sliding_window``
+                (the selector prevents it; never attend to the whole context instead).
+        """
         if k is not None:
             self.write_kv(subtract_key_offset(k, kv_cache, key_offset), v, kv_cache, metadata)
-        return self.attend(q, kv_cache, metadata, scale)
+        if sliding_window is None:
+            return self.attend(q, kv_cache, metadata, scale)
+        if not self.supports_sliding_window:
+            raise ValueError(f"attention backend {self!r} does not implement sliding-window attention")
+        return self.attend(q, kv_cache, metadata, scale, sliding_window)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -2,7 +2,9 @@
 
 - ``CpuAttentionBackend`` (a float cache of the model's dtype): decodes read K/V straight
   from the paged cache through the block tables (no gather, no padding, so all decodes form
-  one group); prefill chunks take the PyTorch path of ``torch_backend``.
+  one group); prefill chunks take the PyTorch path of ``torch_backend``. Sliding-window
+  layers (the C++ decode kernel attends from position 0) take the PyTorch path with the
+  window's mask for their decodes too; full-attention layers keep the kernel.
 - ``CpuQuantizedAttentionBackend`` (an int8 / fp8 cache): every token, prefill ones too, is
   attended as a one-token decode over its own dequantized context
   (``paged_attention_quantized``): batch-invariant, so together with batch-invariant linears
@@ -35,7 +37,11 @@ class CpuAttentionBackend(AttentionBackend):
     def write_kv(self, k, v, kv_cache, metadata) -> None:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
 
-    def attend(self, q, kv_cache, metadata, scale) -> torch.Tensor:
+    supports_sliding_window = True
+
+    def attend(self, q, kv_cache, metadata, scale, sliding_window=None) -> torch.Tensor:
+        if sliding_window is not None:  # the C++ kernel has no window: gather + SDPA with its mask
+            return grouped_attention(q, kv_cache, metadata, scale, sliding_window=sliding_window)
         return grouped_attention(q, kv_cache, metadata, scale, decode_kernel=_decode_kernel)
 
 

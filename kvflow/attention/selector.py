@@ -3,7 +3,10 @@ the user's ``attention_backend`` ("auto", "torch", "cpu", "triton").
 
 "auto" takes Triton on CUDA (when ``triton`` is installed and the GPU can load the cache
 dtype) and the C++ kernels on the CPU (when they build), else the PyTorch backend. The choice
-is logged once per engine. No other module tests backend names.
+is logged once per engine. No other module tests backend names. A model with sliding-window
+layers gets a backend that implements the window (``supports_sliding_window``): "auto" moves
+to the PyTorch backend, logged, where its first choice lacks it; a requested one that lacks it
+is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def select_attention_backend(
     model_dtype: torch.dtype,
     kv_cache_dtype: torch.dtype,
     log: bool = True,
+    sliding_window: bool = False,
 ) -> AttentionBackend:
     """The backend that runs paged attention for this engine.
 
@@ -42,12 +46,15 @@ def select_attention_backend(
         model_dtype: the activations' dtype.
         kv_cache_dtype: the KV cache's element dtype (int8 / fp8 for a quantized cache).
         log: log the choice at INFO (the engine's own choice; a draft model's is quiet).
+        sliding_window: the model has layers with an acting sliding window
+            (``ModelConfig.sliding_windows``).
 
     Raises:
         ValueError: naming ``attention_backend`` for an unknown name, or a backend that cannot
             run here: "cpu" on CUDA or without its C++ kernel; "triton" without the package,
             on a CPU without ``TRITON_INTERPRET=1`` (tests only), in bfloat16 in the
-            interpreter, or over an fp8 cache below compute capability 8.9.
+            interpreter, or over an fp8 cache below compute capability 8.9, or a requested
+            backend without sliding-window attention for a model with windowed layers.
     """
     from kvflow.layers.cpu_attention import cpu_kernel_available
     from kvflow.layers.triton_attention import interpreter_enabled, triton_available
@@ -83,6 +90,12 @@ def select_attention_backend(
             raise ValueError("attention_backend='triton' on the CPU (Triton's interpreter) cannot run dtype "
                              "'bfloat16'; use float32 / float16 or attention_backend='torch'")
     backend = _instantiate(name, quantized, kv_cache_dtype, model_dtype)
+    if sliding_window and not backend.supports_sliding_window:
+        if requested != "auto":
+            raise ValueError(f"attention_backend={requested!r} ({backend!r}) does not implement sliding-window "
+                             "attention, which this model's layers use; use attention_backend='torch'")
+        logger.info("attention backend: %r has no sliding-window attention, which this model uses: PyTorch's", backend)
+        backend, reason = TORCH_BACKEND, f"{reason}; sliding-window layers"
     if log:
         logger.info("attention backend: %r (%s; %s, model %s, KV cache %s)", backend, reason, device,
                     str(model_dtype).replace("torch.", ""), str(kv_cache_dtype).replace("torch.", ""))

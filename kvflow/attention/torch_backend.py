@@ -34,6 +34,8 @@ class AttentionGroup:
         attn_mask: bool [B, 1, max_query_len, max_blocks * block_size]; True where the
             query may attend (key position <= query position, inside the context).
         context_lens: int32 [B], tokens in each request's cache after this step's writes.
+        query_positions: int64 [B, max_query_len], the position of each padded query row
+            (for sliding-window masks, ``window_mask``).
     """
 
     token_start: int
@@ -43,23 +45,41 @@ class AttentionGroup:
     max_query_len: int
     attn_mask: torch.Tensor
     context_lens: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
+    _window_masks: dict = field(default_factory=dict, repr=False, compare=False)
     _folded_masks: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_requests(self) -> int:
         return self.block_tables.shape[0]
 
-    def folded_mask(self, group_size: int) -> torch.Tensor:
-        """``attn_mask`` repeated for the ``group_size`` query heads that share a KV head,
-        in the folded layout of ``paged_attention``: bool [B, 1, group_size * max_query_len,
-        max_blocks * block_size]. Built once per step and shared by every layer."""
-        mask = self._folded_masks.get(group_size)
+    def window_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``attn_mask`` restricted to a sliding window of ``sliding_window`` tokens: key j is
+        visible from the query at position i when ``i - sliding_window < j <= i``
+        (transformers' ``sliding_window_overlay``); None: ``attn_mask``. Same shape; built
+        once per step and window, shared by the layers of that window."""
+        if sliding_window is None:
+            return self.attn_mask
+        mask = self._window_masks.get(sliding_window)
+        if mask is None:
+            keys = torch.arange(self.attn_mask.shape[-1], device=self.attn_mask.device)
+            # [B, 1, max_q, keys]
+            inside = keys.view(1, 1, 1, -1) > (self.query_positions - sliding_window).unsqueeze(1).unsqueeze(-1)
+            mask = self._window_masks[sliding_window] = self.attn_mask & inside
+        return mask
+
+    def folded_mask(self, group_size: int, sliding_window: int | None = None) -> torch.Tensor:
+        """``window_mask(sliding_window)`` repeated for the ``group_size`` query heads that
+        share a KV head, in the folded layout of ``grouped_attention``: bool [B, 1,
+        group_size * max_query_len, max_blocks * block_size]. Built once per step and shared
+        by every layer."""
+        mask = self._folded_masks.get((group_size, sliding_window))
         if mask is None:
             b, _, max_q, keys = self.attn_mask.shape
-            mask = self.attn_mask
+            mask = self.window_mask(sliding_window)
             if group_size > 1:
                 mask = mask.unsqueeze(2).expand(b, 1, group_size, max_q, keys).reshape(b, 1, group_size * max_q, keys)
-            self._folded_masks[group_size] = mask
+            self._folded_masks[(group_size, sliding_window)] = mask
         return mask
 
     @classmethod
@@ -106,6 +126,7 @@ class AttentionGroup:
             max_query_len=max_q,
             attn_mask=mask.unsqueeze(1).to(device),
             context_lens=ctx_lens.to(torch.int32).to(device),
+            query_positions=q_pos.to(device),
         )
 
 
@@ -187,7 +208,7 @@ DecodeKernel = Callable[[torch.Tensor, KVCache, AttentionGroup, float], torch.Te
 
 
 def grouped_attention(q: torch.Tensor, kv_cache: KVCache, metadata: GroupedMetadata, scale: float,
-                      decode_kernel: DecodeKernel | None = None) -> torch.Tensor:
+                      decode_kernel: DecodeKernel | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of the step's queries over their requests' cached K/V, group by group.
 
     Args:
@@ -198,6 +219,8 @@ def grouped_attention(q: torch.Tensor, kv_cache: KVCache, metadata: GroupedMetad
         scale: softmax scale, usually head_dim ** -0.5.
         decode_kernel: runs a decode group (one query token per request) instead of gather +
             SDPA, or None.
+        sliding_window: the layer's window in tokens (``AttentionGroup.window_mask``), or
+            None for full causal attention.
 
     Returns:
         [T, num_heads, head_dim] attention output, dtype of q.
@@ -229,7 +252,8 @@ def grouped_attention(q: torch.Tensor, kv_cache: KVCache, metadata: GroupedMetad
             q_pad = q_pad.view(b, max_q, num_kv_heads, group_size, head_dim)
             # [B, kv, group * max_q, D]
             q_fold = q_pad.permute(0, 2, 3, 1, 4).reshape(b, num_kv_heads, group_size * max_q, head_dim)
-        o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.folded_mask(group_size), scale=scale)
+        o = F.scaled_dot_product_attention(q_fold, k, v, attn_mask=g.folded_mask(group_size, sliding_window),
+                                           scale=scale)
         if max_q == 1:
             o = o.reshape(b, num_heads, head_dim)  # [B, kv, group, D] is already token-major
         else:
@@ -256,8 +280,10 @@ class TorchAttentionBackend(AttentionBackend):
     def write_kv(self, k, v, kv_cache, metadata) -> None:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
 
-    def attend(self, q, kv_cache, metadata, scale) -> torch.Tensor:
-        return grouped_attention(q, kv_cache, metadata, scale)
+    supports_sliding_window = True
+
+    def attend(self, q, kv_cache, metadata, scale, sliding_window=None) -> torch.Tensor:
+        return grouped_attention(q, kv_cache, metadata, scale, sliding_window=sliding_window)
 
 
 TORCH_BACKEND = TorchAttentionBackend()

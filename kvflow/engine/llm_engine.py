@@ -169,6 +169,7 @@ class LLMEngine:
             enable_prefix_caching=cache_config.enable_prefix_caching,
             hash_extra=str(cache_config.dtype).encode(),
             num_cpu_blocks=cache_config.num_cpu_blocks,
+            sliding_window=config.model.kv_free_window,  # frees blocks behind the window (all layers windowed)
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.cache_engine = CacheEngine(model.kv_cache_spec, cache_config, device)  # this rank's shard of heads
@@ -272,7 +273,9 @@ class LLMEngine:
         if params.n > self.scheduler_config.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs={self.scheduler_config.max_num_seqs}, got {params.n}")
         needed_tokens = min(len(prompt_token_ids) + params.max_tokens, max_len)
-        needed_blocks = self.kv_cache_manager.num_blocks_for(needed_tokens)
+        # (behind a sliding window a request holds only its window's blocks)
+        needed_blocks = self.kv_cache_manager.max_blocks_held(needed_tokens,
+                                                              self.scheduler_config.max_num_batched_tokens)
         if needed_blocks > self.kv_cache_manager.num_total_blocks:
             raise ValueError(
                 f"prompt + max_tokens = {needed_tokens} tokens need {needed_blocks} KV blocks, "
@@ -744,7 +747,9 @@ class LLMEngine:
         Keys: num_total_blocks, num_free_blocks, kv_cache_usage (0-1), fragmentation
         (allocated slots not holding a token / allocated slots), prefix_cache_queries and
         prefix_cache_hits (tokens), num_cached_blocks, num_preemptions, num_running,
-        num_waiting; with speculative decoding also the ``SpecDecodeStats`` counters.
+        num_waiting, num_window_freed_blocks (blocks returned to the pool behind a sliding
+        window as requests advanced, in all; 0 unless every layer is windowed); with
+        speculative decoding also the ``SpecDecodeStats`` counters.
         """
         kv = self.kv_cache_manager
         return {
@@ -755,6 +760,7 @@ class LLMEngine:
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_cached_blocks": kv.block_pool.num_cached_blocks,
+            "num_window_freed_blocks": kv.num_window_freed_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_swapped_out": self.scheduler.num_swapped_out,
             **self.spec_stats.as_dict(),

@@ -27,14 +27,20 @@ class Attention(nn.Module):
         num_heads, num_kv_heads: this rank's query and KV heads.
         head_dim: elements per head.
         scale: softmax scale (usually head_dim ** -0.5).
+        sliding_window: the layer's attention window in tokens (key j is visible from the
+            query at position i when ``i - sliding_window < j <= i``), or None: full causal.
 
     Shapes: q [T, num_heads, head_dim]; k, v [T, num_kv_heads, head_dim] or None (a layer
     that reads another layer's K/V, cross-layer attention) -> [T, num_heads, head_dim].
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -48,4 +54,4 @@ class Attention(nn.Module):
         """``metadata``: the step's attention metadata (``kvflow.attention``), which names its
         backend. ``key_offset`` [num_kv_heads, head_dim]: subtracted from keys going into a
         quantized cache (``kvflow.attention.kv_cache.subtract_key_offset``)."""
-        return metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale, key_offset)
+        return metadata.backend.forward(q, k, v, kv_cache, metadata, self.scale, key_offset, self.sliding_window)

@@ -123,31 +123,6 @@ class CausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing or repeats tensors of {len(missing)} parameters, e.g. {missing[:3]}")
 
 
-def refuse_sliding_window(config: ModelConfig, window: int | None, field: str = "sliding_window") -> None:
-    """Refuse a sliding window that kvflow's attention (always the full causal context) would
-    ignore: one that acts within the engine's context.
-
-    A window of W tokens (transformers: key j is visible from query i when i - j < W) changes
-    nothing for sequences of at most W tokens, so it is accepted when
-    ``config.context_len <= W`` (e.g. ``max_model_len`` lowered to the window).
-
-    Args:
-        config: the model's config (``context_len``: the engine's max_model_len, or the
-            model's context).
-        window: the window in tokens, or None / 0 for none.
-        field: the config field to name in the error.
-
-    Raises:
-        ValueError: naming ``field`` when the window is shorter than the context.
-    """
-    if window and window < config.context_len:
-        raise ValueError(
-            f"{config.model_type}: {field}={window} is smaller than the context ({config.context_len} tokens); "
-            f"kvflow does not implement sliding-window attention for this model yet. Use max_model_len <= {window} "
-            "(the window then never acts) or a config without the window"
-        )
-
-
 def _shard_ids(owner: nn.Module | None, param_name: str) -> tuple:
     """The parts parameter ``param_name`` must receive: its owner's ``param_shard_ids`` entry
     (a module whose parameters take different parts, e.g. stacked experts), else the owner's

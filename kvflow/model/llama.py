@@ -3,7 +3,9 @@
 Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models", section 2.2:
 pre-norm RMSNorm, SwiGLU MLP, rotary embeddings; grouped-query attention (Ainslie et al.
 2023, "GQA") when ``num_key_value_heads < num_attention_heads``. Qwen2 adds biases to the
-Q/K/V projections. The forward works on a flat batch of tokens from many requests (no batch
+Q/K/V projections. Mistral (Jiang et al. 2023, "Mistral 7B", section 2) and Qwen2 with
+``use_sliding_window`` attend within a sliding window (``ModelConfig.sliding_windows``: every
+layer, or the config's ``layer_types``). The forward works on a flat batch of tokens from many requests (no batch
 or padding axis): linear layers see every token of the step at once, attention reads K/V
 through the block tables (``kvflow/layers/attention.py``, run by a ``kvflow.attention`` backend).
 
@@ -54,7 +56,8 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads * config.head_dim, config.hidden_size, bias=o_proj_bias, quant_config=quant_config,
             prefix=f"{prefix}.o_proj", tp=tp, input_range=self.qkv_proj.q_range,
         )
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+                              sliding_window=config.sliding_windows[layer_idx])
 
     def _key_offset(self, kv_cache: KVCache) -> torch.Tensor | None:
         """For a quantized cache, the part of every key that its k_proj bias makes, where RoPE

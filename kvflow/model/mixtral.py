@@ -11,9 +11,8 @@ Checkpoint names (Hugging Face): ``layers.{i}.block_sparse_moe.gate.weight`` (ro
 [num_local_experts, hidden]) and ``layers.{i}.block_sparse_moe.experts.{e}.w1 / w3 / w2
 .weight`` (gate, up, down), loaded into the stacked expert parameters.
 
-Not supported (refused at load by ``check_mixtral_config``): a sliding window shorter than
-the context (``sliding_window`` < ``max_position_embeddings``: kvflow attends to the whole
-context; sliding-window attention comes later) and activations other than SiLU.
+``sliding_window`` acts in every layer (``ModelConfig.sliding_windows``, as Mistral). Not
+supported (refused at load by ``check_mixtral_config``): activations other than SiLU.
 ``router_jitter_noise`` only acts in training and is ignored.
 """
 
@@ -35,16 +34,11 @@ def check_mixtral_config(config: ModelConfig) -> None:
     """Refuse what kvflow's Mixtral does not implement.
 
     Raises:
-        ValueError: naming the field: no transformers config, ``sliding_window`` enabled and
-            shorter than ``max_position_embeddings``, ``hidden_act`` other than "silu".
+        ValueError: naming the field: no transformers config, ``hidden_act`` other than "silu".
     """
     hf = config.hf_config
     if hf is None:
         raise ValueError("mixtral needs the transformers config (ModelConfig.from_hf_config) for its expert fields")
-    window = getattr(hf, "sliding_window", None)
-    if window is not None and window < config.max_position_embeddings:
-        raise ValueError(f"mixtral: sliding_window={window} (< max_position_embeddings="
-                         f"{config.max_position_embeddings}) is not supported yet: kvflow attends to the whole context")
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ValueError(f"mixtral: hidden_act={hf.hidden_act!r} is not supported (only 'silu')")
 

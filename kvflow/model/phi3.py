@@ -12,26 +12,14 @@ block structure (pre-norm RMSNorm, SwiGLU, RoPE, no biases) — so the model is
   short / long factor sets fixed per engine by ``max_model_len`` (``kvflow.layers.rotary``);
 - partial rotary (``partial_rotary_factor``, 0.75 in Phi-4-mini): RoPE on the first
   rotary_dim dimensions of each head;
-- ``sliding_window`` (2047 in Phi-3-mini-4k): refused at load where it would act within
-  the engine's context (``refuse_sliding_window``).
+- ``sliding_window`` (2047 in Phi-3-mini-4k): every layer attends within it
+  (``ModelConfig.sliding_windows``, as Mistral).
 """
 
 from __future__ import annotations
 
-from kvflow.config import ModelConfig
-from kvflow.model.base import refuse_sliding_window
 from kvflow.model.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3; same constructor and forward as ``LlamaForCausalLM``.
-
-    Raises:
-        ValueError: for a ``sliding_window`` shorter than the context.
-    """
-
-    @classmethod
-    def check_config(cls, config: ModelConfig) -> None:
-        super().check_config(config)
-        if config.hf_config is not None:
-            refuse_sliding_window(config, getattr(config.hf_config, "sliding_window", None))
+    """Phi-3; same constructor, forward and config checks as ``LlamaForCausalLM``."""

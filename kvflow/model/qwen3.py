@@ -9,8 +9,8 @@ config field (128 in every Qwen3, whatever hidden_size / num_heads). Biases foll
 ``attention_bias`` (Q/K/V and output projection, as transformers' ``Qwen3Attention``).
 
 Qwen3 configs carry ``use_sliding_window`` / ``sliding_window`` / ``max_window_layers`` /
-``layer_types``; released checkpoints leave the window off. A window that would act within
-the engine's context is refused at load (``refuse_sliding_window``), never ignored.
+``layer_types``; released checkpoints leave the window off. With it on, the "sliding_attention"
+layers of ``layer_types`` attend within the window (``ModelConfig.sliding_windows``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import apply_rotary
-from kvflow.model.base import refuse_sliding_window
 from kvflow.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from kvflow.quantization.base import QuantizationConfig
 
@@ -53,23 +52,8 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3 dense; same constructor and forward as ``LlamaForCausalLM``.
 
     Raises:
-        ValueError: for a sliding window that acts within the context, or a ``layer_types``
-            entry other than full / sliding attention.
+        ValueError: for a ``layer_types`` entry other than full / sliding attention
+            (``ModelConfig.sliding_windows``).
     """
 
     decoder_layer_cls = Qwen3DecoderLayer
-
-    @classmethod
-    def check_config(cls, config: ModelConfig) -> None:
-        super().check_config(config)
-        hf = config.hf_config
-        if hf is None:
-            return
-        layer_types = list(getattr(hf, "layer_types", None) or [])
-        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise ValueError(f"qwen3: layer_types {unknown} are not supported (full_attention, sliding_attention)")
-        # transformers' Qwen3Config sets sliding_window to None unless use_sliding_window.
-        window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", False) else None
-        if "sliding_attention" in layer_types:
-            refuse_sliding_window(config, window, "sliding_window (use_sliding_window=True, layer_types)")

@@ -18,6 +18,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
 }
 
 

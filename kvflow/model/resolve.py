@@ -17,6 +17,13 @@ Format sources:
   `rope_factors_short` (no `rope.scaling.type` key), `rope.scaling.attn_factor`,
   `rope.scaling.original_context_length`, `rope.dimension_count` (partial rotary) and
   `attention.sliding_window` (0: none).
+- `gemma3` (llama.cpp `Gemma3Model`): norm weights stored as ``1 + w`` (the HF checkpoint's
+  ``w``; transformers' GGUF loader subtracts the 1 back, `Gemma2TensorProcessor`), `ffn_norm`
+  / `post_attention_norm` / `post_ffw_norm` are the pre-/post-feed-forward and post-attention
+  norms, `attention.sliding_window`; what llama.cpp fixes in code and does not store (its
+  `llama-model.cpp`, LLM_ARCH_GEMMA3): a local layer in every position but each sixth
+  (`set_swa_pattern(6)`), local RoPE base 10000, `query_pre_attn_scalar` = head_dim except
+  the 62-layer 27B model (hidden / heads).
 - HF directory layout, sharded-safetensors index (`model.safetensors.index.json`) and config
   fields: transformers `PreTrainedModel.save_pretrained` / `LlamaConfig` / `Qwen2Config`.
 """
@@ -74,7 +81,11 @@ _LAYER_TENSORS = {
     "attn_qkv": "self_attn.qkv_proj",  # phi3 (fused)
 }
 # Per-architecture exceptions to _LAYER_TENSORS.
-_ARCH_LAYER_TENSORS = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}  # phi3's ffn_up is gate and up, fused
+_ARCH_LAYER_TENSORS = {
+    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # phi3's ffn_up is gate and up, fused
+    "gemma3_text": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                    "post_ffw_norm": "post_feedforward_layernorm"},
+}
 # Mixture-of-experts tensors, by HF model_type: the MoE block's module path and the HF
 # projection name of each stacked GGUF expert tensor (gguf-py `gguf.constants`:
 # FFN_GATE_INP "ffn_gate_inp" is the router, FFN_{GATE,UP,DOWN}_EXP "ffn_*_exps" hold all
@@ -99,6 +110,7 @@ _CONFIG_CLASSES: dict[str, type[transformers.PretrainedConfig]] = {
     "qwen3": transformers.Qwen3Config,
     "phi3": transformers.Phi3Config,
     "qwen3moe": transformers.Qwen3MoeConfig,
+    "gemma3": transformers.Gemma3TextConfig,
 }
 # Arch "llama" with `llama.expert_count` > 0 is Mixtral (llama.cpp writes Mixtral that way).
 
@@ -118,7 +130,7 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
          split models are first concatenated into `<cache>/<name>.gguf` (size and SHA-256
          checked);
       2. a path to a `.gguf` file (arch `llama` — Mixtral when it has experts — `qwen2`,
-         `qwen3`, `phi3` or `qwen3moe`);
+         `qwen3`, `phi3`, `qwen3moe` or `gemma3`);
       3. an HF directory containing `config.json`, returned as is (resolved to absolute).
 
     GGUF files are converted once into `<cache>/<gguf stem>-<key>`, where `<cache>` is
@@ -257,7 +269,7 @@ def load_generation_defaults(model_dir: str | os.PathLike[str]) -> dict[str, Any
 def convert_gguf(
     gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], shard_bytes: int = SHARD_BYTES
 ) -> None:
-    """Write the HF-format equivalent of a `llama`, `qwen2`, `qwen3`, `phi3` or `qwen3moe` GGUF
+    """Write the HF-format equivalent of a `llama`, `qwen2`, `qwen3`, `phi3`, `qwen3moe` or `gemma3` GGUF
     file into `out_dir`.
 
     Writes `config.json` (`LlamaConfig` / `MixtralConfig` for arch `llama` with experts /
@@ -366,9 +378,28 @@ def _build_config(reader: gguf.GGUFReader) -> transformers.PretrainedConfig:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "phi3":
         kwargs.update(_phi3_fields(reader, tensors, rope_dim / head_dim, kwargs["rope_parameters"]))
+    if arch == "gemma3":
+        kwargs.update(_gemma3_fields(reader, kwargs))
     config = config_class(**kwargs)
-    config.architectures = [config.__class__.__name__.replace("Config", "ForCausalLM")]
+    config.architectures = ["Gemma3ForCausalLM" if arch == "gemma3" else config.__class__.__name__.replace("Config", "ForCausalLM")]
     return config
+
+
+def _gemma3_fields(reader: gguf.GGUFReader, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`Gemma3TextConfig` fields of a gemma3 GGUF: the window, the per-layer-type RoPE (the
+    global layers' from the metadata, the local ones' base 10000) and what llama.cpp fixes in
+    code (see the module docstring)."""
+    layers, heads = kwargs["num_hidden_layers"], kwargs["num_attention_heads"]
+    window = int(_field(reader, "gemma3.attention.sliding_window", 0))
+    return {
+        "sliding_window": window or None,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        "rope_parameters": {"full_attention": kwargs["rope_parameters"],
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "query_pre_attn_scalar": kwargs["hidden_size"] // heads if layers == 62 else kwargs["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+    }
 
 
 def _phi3_fields(
@@ -491,6 +522,8 @@ def _hf_tensor(tensor: gguf.ReaderTensor, config: transformers.PretrainedConfig)
             values = _unpermute_rows(values, config.num_attention_heads)
         elif ".attn_k." in tensor.name:
             values = _unpermute_rows(values, config.num_key_value_heads)
+    elif config.model_type == "gemma3_text" and tensor.name.endswith("norm.weight"):
+        values = values - 1.0  # llama.cpp stores Gemma's 1 + w
     if not values.flags.writeable:  # a view of the memory-mapped file (F32 tensors)
         values = values.copy()
     return torch.from_numpy(np.ascontiguousarray(values))

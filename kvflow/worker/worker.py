@@ -39,7 +39,7 @@ def build_shard(config: EngineConfig, rank: int = 0):
 def attention_backend_for(config: EngineConfig, log: bool = True) -> AttentionBackend:
     """The engine's attention backend (``kvflow.attention.selector``)."""
     return select_attention_backend(config.kernels.attention_backend, config.device.device, config.device.dtype,
-                                    config.cache.dtype, log=log)
+                                    config.cache.dtype, log=log, sliding_window=any(config.model.sliding_windows))
 
 
 def build_rank(config: EngineConfig, rank: int) -> ModelRunner:

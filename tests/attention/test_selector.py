@@ -77,3 +77,20 @@ def test_the_choice_is_logged(caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "kvflow.attention.selector"] == [
         "attention backend: TorchAttentionBackend() (requested; cpu, model float32, KV cache float32)"
     ]
+
+
+def test_windowed_models_get_a_backend_with_the_window(monkeypatch, caplog):
+    """A model with sliding-window layers never runs a backend that would attend to the whole
+    context: "auto" moves from the C++ quantized-cache path (no window) to PyTorch's, logged;
+    asking for it by name is refused. The float C++ backend handles windows itself."""
+    import kvflow.layers.cpu_attention as ca
+
+    monkeypatch.setattr(ca, "cpu_kernel_available", lambda: True)
+    assert select_attention_backend("auto", CPU, F32, F32, sliding_window=True).name == "cpu"
+    assert select_attention_backend("auto", CPU, F32, torch.int8).name == "cpu"
+    with caplog.at_level(logging.INFO, logger="kvflow.attention.selector"):
+        backend = select_attention_backend("auto", CPU, F32, torch.int8, sliding_window=True)
+    assert backend.name == "torch" and backend.supports_sliding_window
+    assert any("no sliding-window attention" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValueError, match="attention_backend='cpu'.*sliding-window"):
+        select_attention_backend("cpu", CPU, F32, torch.int8, sliding_window=True)

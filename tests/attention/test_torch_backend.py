@@ -132,3 +132,56 @@ def test_key_offset_keeps_attention_and_saves_int8_precision():
     shifted = (torch.zeros(8, bs, kv_heads, d), torch.zeros(8, bs, kv_heads, d))
     write_kv_cache(k - offset, v, shifted, slots)
     torch.testing.assert_close(attend(q, shifted, decode, d**-0.5), want, rtol=1e-4, atol=1e-5)
+
+
+def _reference_window_attention(q, k, v, positions, window, scale):
+    """Dense attention of one request: q [Tq, H, D] at ``positions``, over k/v [S, KV, D] of
+    positions 0..S-1; key j visible from query i when i - window < j <= i."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) * scale
+    j = torch.arange(k.shape[0])
+    visible = (j.view(1, -1) <= positions.view(-1, 1)) & (j.view(1, -1) > positions.view(-1, 1) - window)
+    scores = scores.masked_fill(~visible.unsqueeze(0), float("-inf"))
+    return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_sliding_window_attention_matches_dense_reference(backend_name):
+    """Two requests in one step, a decode (context 23) and a prefill chunk (positions 9..17 of
+    a context of 18), window 5, over scrambled block tables: every query sees exactly the
+    keys i - 5 < j <= i (the torch path's mask; the CPU backend routes windowed layers past
+    its C++ decode kernel, which has no window)."""
+    from kvflow.attention.cpu_backend import CpuAttentionBackend
+    from kvflow.attention.backend import BatchLayout
+    from kvflow.attention.torch_backend import TORCH_BACKEND
+
+    backend = TORCH_BACKEND if backend_name == "torch" else CpuAttentionBackend()
+    torch.manual_seed(0)
+    bs, h, kv, d, window = 4, 4, 2, 16, 5
+    k_cache, v_cache = torch.randn(16, bs, kv, d), torch.randn(16, bs, kv, d)
+    tables = [[7, 2, 9, 0, 11, 4], [3, 14, 5, 8, 1]]
+    ctx, q_lens = [23, 18], [1, 9]
+    q = torch.randn(sum(q_lens), h, d)
+    slots = torch.zeros(sum(q_lens), dtype=torch.int64)  # nothing written (k is None below)
+    groups = [[0], [1]]  # the decode, then the prefill chunk
+    layout = BatchLayout(slots, q_lens, ctx, tables, [len(g) for g in groups], bs, torch.device("cpu"))
+    metadata = backend.build_metadata(layout)
+    out = backend.forward(q, None, None, (k_cache, v_cache), metadata, d**-0.5, sliding_window=window)
+    start = 0
+    for table, c, n in zip(tables, ctx, q_lens):
+        idx = torch.tensor(table).repeat_interleave(bs) * bs + torch.arange(len(table) * bs) % bs
+        k = k_cache.view(-1, kv, d)[idx[:c]]
+        v = v_cache.view(-1, kv, d)[idx[:c]]
+        want = _reference_window_attention(q[start : start + n], k, v, torch.arange(c - n, c), window, d**-0.5)
+        torch.testing.assert_close(out[start : start + n], want, atol=1e-5, rtol=1e-5)
+        start += n
+    full = backend.forward(q, None, None, (k_cache, v_cache), metadata, d**-0.5)
+    assert (full - out).abs().max() > 1e-2  # the window acts
+
+
+def test_backend_without_window_refuses_one():
+    from kvflow.attention.cpu_backend import CpuQuantizedAttentionBackend
+
+    with pytest.raises(ValueError, match="sliding-window"):
+        CpuQuantizedAttentionBackend().forward(torch.zeros(1, 1, 4), None, None, (), None, 1.0, sliding_window=4)

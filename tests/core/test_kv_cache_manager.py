@@ -275,3 +275,109 @@ def test_swap_out_refuses_when_host_pool_is_full():
     computed(kv, a, 10)
     assert kv.swap_out(a) is None and len(a.block_ids) == 3 and kv.cpu_pool.num_free_blocks == 2
     assert KVCacheManager(num_blocks=8, block_size=4).swap_out(a) is None  # no swap space at all
+
+
+# ---------------------------------------------------------------------------- sliding window
+from kvflow.core.kv_cache_manager import NULL_BLOCK  # noqa: E402
+
+
+def test_window_frees_the_blocks_behind_it_as_the_request_advances():
+    """Window 8, blocks of 4: before computing position p the leading (p - 7) // 4 blocks
+    (every key <= p - 8) are back in the pool, their entries NULL_BLOCK; the request never
+    holds more than the window's blocks plus the one being filled. Without the window every
+    block is kept."""
+    held = {}
+    for window in (None, 8):
+        kv = KVCacheManager(num_blocks=32, block_size=4, sliding_window=window)
+        assert kv.num_total_blocks == (31 if window else 32)  # block 0 reserved as NULL_BLOCK
+        req = make_request("a", prompt_len=10)
+        computed(kv, req, 10)
+        peak = 0
+        for _ in range(50):  # decode positions 10..59
+            p = req.num_computed_tokens
+            assert kv.allocate_slots(req, 1)
+            dead = max(0, (p - 7) // 4) if window else 0
+            assert req.block_ids[:dead] == [NULL_BLOCK] * dead
+            assert window is None or NULL_BLOCK not in req.block_ids[dead:]
+            assert kv.num_held_blocks(req) == cdiv(p + 1, 4) - dead
+            assert kv.num_free_blocks == kv.num_total_blocks - kv.num_held_blocks(req)
+            peak = max(peak, kv.num_held_blocks(req))
+            req.num_computed_tokens += 1
+            kv.cache_full_blocks(req)
+        held[window] = (peak, kv.num_window_freed_blocks)
+        kv.free(req)
+        assert kv.num_free_blocks == kv.num_total_blocks
+        assert ref_counts(kv)[0] == (1 if window else 0)  # NULL_BLOCK stays reserved
+    assert held == {None: (15, 0), 8: (3, 13)}  # 60 tokens: 15 blocks kept, or at most 3 with 13 freed
+
+
+def test_window_prefix_hit_needs_only_the_blocks_inside_the_window():
+    """The rule: a prefix of n blocks hits when its blocks [dead(n), n) are cached, dead(n) =
+    (4n - 7) // 4 for window 8 (those before are not read again, they need not be cached and
+    come back as NULL_BLOCK entries). Cached {3, 4, 5, 6} of 7: the full 7-block prefix hits
+    with a window (blocks 5, 6 are its window), no block does without one. Cached {0, 1, 2, 6}:
+    block 5 is missing from the 7-block prefix's window, and 3 from every longer one than 3."""
+    prompt = 30  # (30 - 1) // 4 = 7 blocks may hit
+    for cached, want_window, want_full in [({3, 4, 5, 6}, 7, 0), ({0, 1, 2, 6}, 3, 3)]:
+        for window, want in ((8, want_window), (None, want_full)):
+            kv = KVCacheManager(num_blocks=32, block_size=4, sliding_window=window)
+            owner = make_request("owner", prompt_len=prompt)
+            hashes = kv._block_hashes(owner, 7)
+            ids = kv.block_pool.allocate(7)
+            for i in cached:
+                kv.block_pool.publish(ids[i], hashes[i])
+            kv.block_pool.free(ids)
+            b = make_request("b", prompt_len=prompt)
+            hits = kv.get_computed_blocks(b)
+            dead = max(0, (4 * want - 7) // 4) if window else 0
+            assert hits == [NULL_BLOCK] * dead + ids[dead:want], (cached, window)
+            assert kv.allocate_slots(b, prompt - 4 * want, hits)
+            assert b.block_ids[:want] == hits and kv.prefix_cache_hits == 4 * want
+            assert all(kv.block_pool.blocks[i].ref_cnt == 1 for i in ids[dead:want])
+            kv.free(b)
+            assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_window_fork_and_swap_keep_the_null_entries():
+    """A forked child shares only held blocks; swap-out moves only the window's blocks and
+    swap-in puts the NULL_BLOCK entries back at the same logical places."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=False, num_cpu_blocks=8, sliding_window=8)
+    a = make_request("a", prompt_len=10)
+    computed(kv, a, 10)
+    for _ in range(14):
+        computed(kv, a, 1)  # up to 24 tokens
+    assert kv.allocate_slots(a, 1)  # position 24: (24 - 7) // 4 = 4 dead blocks
+    assert a.block_ids[:4] == [NULL_BLOCK] * 4 and len(a.block_ids) == 7
+    child = make_request("c", prompt_len=10)
+    kv.fork(a, child)
+    assert child.block_ids == a.block_ids and [kv.block_pool.blocks[b].ref_cnt for b in a.block_ids[4:]] == [2, 2, 2]
+    kv.free(child)
+    held = a.block_ids[4:]
+    mapping = kv.swap_out(a)
+    assert [d for d, _ in mapping] == held and len(a.cpu_block_ids) == 3
+    assert kv.num_free_blocks == kv.num_total_blocks
+    host = list(a.cpu_block_ids)
+    back = kv.swap_in(a, 1)
+    assert back == list(zip(host, a.block_ids[4:])) and a.block_ids[:4] == [NULL_BLOCK] * 4 and len(a.block_ids) == 7
+    assert kv.num_held_blocks(a) == 3 and kv.cpu_pool.num_free_blocks == 8
+
+
+@pytest.mark.parametrize(("window", "block_size", "chunk"), [(8, 4, 16), (5, 4, 1), (7, 3, 5), (16, 16, 64)])
+def test_max_blocks_held_bounds_every_step(window, block_size, chunk):
+    """``max_blocks_held`` (the engine's admission check) is the largest count any step of a
+    windowed request holds, whatever chunks it is computed in (exact for full chunks)."""
+    kv = KVCacheManager(num_blocks=256, block_size=block_size, sliding_window=window)
+    total = 150
+    worst = 0
+    for first in range(1, chunk + 1):  # every chunk alignment
+        req = make_request("a", prompt_len=total)
+        n = first
+        while req.num_computed_tokens < total:
+            n = min(n, total - req.num_computed_tokens)
+            assert kv.allocate_slots(req, n)
+            worst = max(worst, kv.num_held_blocks(req))
+            req.num_computed_tokens += n
+            n = chunk
+        kv.free(req)
+    assert worst == kv.max_blocks_held(total, chunk) < kv.num_blocks_for(total)
+    assert KVCacheManager(num_blocks=8, block_size=4).max_blocks_held(total, chunk) == cdiv(total, 4)

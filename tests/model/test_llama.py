@@ -297,3 +297,98 @@ def test_make_batch_invariant_keeps_the_model(tied):
     torch.testing.assert_close(prefill_logits(model, tokens, chunk=5), before, atol=2e-5, rtol=1e-5)
     after = model.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+
+
+def _tiny_hf(cls, config_cls, path, seed=0, **fields):
+    from conftest import randomize_hf_model
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                attn_implementation="eager")
+    hf = randomize_hf_model(cls(config_cls(**{**base, **fields})), seed)
+    hf.save_pretrained(path)
+    return hf
+
+
+SLIDING = {
+    # every layer windowed (Mistral): blocks behind the window may be freed
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, {"sliding_window": 8}, [8, 8, 8]),
+    # Qwen2's use_sliding_window from layer max_window_layers on: layer 0 keeps full attention
+    "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
+              {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, [None, 8, 8]),
+}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("arch", sorted(SLIDING))
+def test_sliding_window_matches_transformers(arch, tmp_path):
+    """Mistral / Qwen2 with an 8-token window over a 40-token prompt: logits through the paged
+    path with chunked prefill, and 32 greedy tokens through the engine (mixed batch, prefix
+    cache), as transformers (eager attention with its sliding-window mask)."""
+    from conftest import engine_greedy_matches_hf
+    from kvflow.model.loader import load_model
+
+    cls, config_cls, fields, windows = SLIDING[arch]
+    hf = _tiny_hf(cls, config_cls, tmp_path, **fields)
+    model, config = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    assert config.sliding_windows == windows
+    assert config.kv_free_window == (8 if all(windows) else None)
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunk in (1, 7, 64):
+        torch.testing.assert_close(prefill_logits(model, ids, chunk), want, atol=1e-4, rtol=1e-4)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 9, 30)]
+    stats = engine_greedy_matches_hf(tmp_path, hf, prompts, prompts[0][:12] + [5, 6, 7, 8, 9, 10, 11])
+    assert stats["min_margin"] > 1e-4
+
+
+def test_window_at_least_the_context_never_acts(tmp_path):
+    """A window as long as the engine's context reads as none (no mask, no block freeing)."""
+    from kvflow.model.loader import load_model
+
+    _tiny_hf(transformers.MistralForCausalLM, transformers.MistralConfig, tmp_path, sliding_window=64)
+    _, config = load_model(tmp_path, torch.float32, torch.device("cpu"), max_model_len=64)
+    assert config.sliding_windows == [None, None, None] and config.kv_free_window is None
+    _, config = load_model(tmp_path, torch.float32, torch.device("cpu"), max_model_len=65)
+    assert config.sliding_windows == [64, 64, 64] and config.kv_free_window == 64
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_window_frees_blocks_in_the_engine_with_exact_outputs(preemption_mode, tmp_path):
+    """Mistral, window 8, blocks of 4, a 12-block pool: three requests of 40 + 32 tokens (18
+    blocks each, more than the pool, without freeing) run to transformers' greedy tokens; each
+    holds at most ``max_blocks_held`` = 7 blocks, blocks behind the window go back to the pool
+    (``num_window_freed_blocks``), requests are preempted and resumed on the way, and at the
+    end every block is free again."""
+    from conftest import hf_greedy
+    from kvflow.config import EngineArgs
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.sampling_params import SamplingParams
+
+    hf = _tiny_hf(transformers.MistralForCausalLM, transformers.MistralConfig, tmp_path, sliding_window=8)
+    swap = {"preemption_mode": "swap", "swap_space_bytes": 1 << 20} if preemption_mode == "swap" else {}
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(tmp_path), dtype="float32", device="cpu", block_size=4, num_kv_blocks=12,
+        max_num_batched_tokens=16, max_num_seqs=8, enable_prefix_caching=True, **swap))
+    kv = engine.kv_cache_manager
+    assert kv.sliding_window == 8 and kv.max_blocks_held(72, 16) == 7 and kv.num_blocks_for(72) == 18
+    gen = torch.Generator().manual_seed(4)
+    prompts = {f"r{i}": torch.randint(0, 128, (40,), generator=gen).tolist() for i in range(3)}
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    done, peak = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        peak = max([peak, *(kv.num_held_blocks(r) for r in engine.scheduler.running)])
+    for rid, prompt in prompts.items():
+        assert done[rid] == hf_greedy(hf, prompt, 32)[0], rid
+    stats = engine.get_stats()
+    assert 0 < peak <= 7 and stats["num_window_freed_blocks"] >= 3 * (18 - 7)
+    assert stats["num_preemptions"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] == 11

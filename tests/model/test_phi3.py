@@ -139,12 +139,17 @@ def test_fused_tensors_shard_over_two_ranks(tmp_path):
         assert torch.equal(down, ref.mlp.down_proj.weight)
 
 
-def test_sliding_window_is_refused_unless_it_never_acts(tmp_path):
-    save_phi3(tmp_path, sliding_window=48)  # Phi-3-mini-4k: 2047 of 4096
-    with pytest.raises(ValueError, match=r"sliding_window=48 is smaller than the context \(256"):
-        load_model(tmp_path, torch.float32, CPU)
-    _, config = load_model(tmp_path, torch.float32, CPU, max_model_len=48)
-    assert config.context_len == 48
+def test_sliding_window_matches_transformers(tmp_path):
+    """Phi-3-mini-4k's window (2047 of 4096), here 8 tokens of 256, in every layer: 40-token
+    prompts in chunks of 1, 7 and 64 as transformers (eager, sliding-window mask)."""
+    hf = save_phi3(tmp_path, sliding_window=8, attn_implementation="eager")
+    model, config = load_model(tmp_path, torch.float32, CPU)
+    assert set(config.sliding_windows) == {8} and config.kv_free_window == 8
+    ids = _ids(40, seed=1)
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunk in (1, 7, 64):
+        torch.testing.assert_close(prefill_logits(model, ids, chunk), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -80,15 +80,22 @@ def test_engine_greedy_matches_transformers(overrides, tmp_path):
     assert stats["min_margin"] > 1e-4  # every step decided by more than the 1e-4 logits tolerance
 
 
-def test_sliding_window_is_refused_unless_it_never_acts(tmp_path):
-    save_qwen3(tmp_path, use_sliding_window=True, sliding_window=32, max_window_layers=1)
-    with pytest.raises(ValueError, match=r"sliding_window.*32.*smaller than the context \(256"):
-        load_model(tmp_path, torch.float32, CPU)
-    model, config = load_model(tmp_path, torch.float32, CPU, max_model_len=32)  # the window never acts
-    assert config.context_len == 32
-    # use_sliding_window=False (every released Qwen3): transformers attends to all tokens.
-    save_qwen3(tmp_path / "off", use_sliding_window=False, sliding_window=32, max_window_layers=1)
-    load_model(tmp_path / "off", torch.float32, CPU)
+def test_sliding_window_matches_transformers(tmp_path):
+    """use_sliding_window with max_window_layers=1: layer 1 attends within 8 tokens, layer 0
+    to all (transformers' layer_types); 40-token prompts in chunks of 1, 7 and 64. Off (every
+    released Qwen3), transformers attends to all tokens and so does kvflow."""
+    hf = save_qwen3(tmp_path, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                    attn_implementation="eager")
+    model, config = load_model(tmp_path, torch.float32, CPU)
+    assert config.sliding_windows == [None, 8]
+    ids = _ids(40, seed=1)
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunk in (1, 7, 64):
+        torch.testing.assert_close(prefill_logits(model, ids, chunk), want, atol=1e-4, rtol=1e-4)
+    save_qwen3(tmp_path / "off", use_sliding_window=False, sliding_window=8, max_window_layers=1)
+    _, config = load_model(tmp_path / "off", torch.float32, CPU)
+    assert config.sliding_windows == [None, None]
 
 
 def test_unsupported_activation_is_refused(tmp_path):

