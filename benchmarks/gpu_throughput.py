@@ -68,9 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_engine(config_name: str, args: argparse.Namespace, device: torch.device):
+    from kvflow.config import DeviceConfig, EngineConfig, KernelConfig
     from kvflow.engine.llm_engine import LLMEngine
     from kvflow.model.llama import LlamaForCausalLM
-    from kvflow.worker.cuda_graph import default_batch_sizes
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(args.seed)
@@ -87,17 +87,15 @@ def build_engine(config_name: str, args: argparse.Namespace, device: torch.devic
     max_len = args.max_prompt_len + args.max_output_len
     per_request = -(-max_len // args.block_size)
     backend = "torch" if config_name == "torch-eager" else "triton"
-    return LLMEngine(
-        model=model,
-        model_config=SMOLLM2_135M,
-        cache_config=CacheConfig(args.block_size, args.max_num_seqs * per_request, dtype, enable_prefix_caching=False),
-        scheduler_config=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len),
-        tokenizer=None,
-        device=device,
+    config = EngineConfig(
+        model=SMOLLM2_135M,
+        cache=CacheConfig(args.block_size, args.max_num_seqs * per_request, dtype, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs, max_len),
+        device=DeviceConfig(device, dtype),
+        kernels=KernelConfig(backend, enforce_eager=config_name != "triton+graphs"),
         seed=args.seed,
-        attention_backend=backend,
-        cuda_graph_batch_sizes=default_batch_sizes(args.max_num_seqs) if config_name == "triton+graphs" else None,
     )
+    return LLMEngine(config, model=model)
 
 
 def workload(args: argparse.Namespace) -> list[tuple[list[int], int]]:

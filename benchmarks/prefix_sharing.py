@@ -295,13 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prefix caching on: {on['wall_s']:.1f} s", file=sys.stderr)
 
     unshared = LLMEngine(
+        dataclasses.replace(shared.config, cache=dataclasses.replace(shared.cache_config, enable_prefix_caching=False)),
         model=shared.model_runner.model,
-        model_config=shared.model_config,
-        cache_config=dataclasses.replace(shared.cache_config, enable_prefix_caching=False),
-        scheduler_config=shared.scheduler_config,
         tokenizer=shared.tokenizer,
-        device=shared.device,
-        seed=0,
     )
     warm_up(unshared, tokenizer)
     off = run(unshared, prompts, args.max_tokens, max_model_len)

@@ -185,20 +185,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def baseline_like(llm: Any):
     """An engine without proposer over the speculative LLM's loaded target model."""
-    from kvflow.config import CacheConfig, SchedulerConfig
+    import dataclasses
+
     from kvflow.engine.llm_engine import LLMEngine
 
     src = llm.engine
-    cc, sc = src.cache_config, src.scheduler_config
-    return LLMEngine(
-        model=src.model_runner.model,
-        model_config=src.model_config,
-        cache_config=CacheConfig(cc.block_size, cc.num_blocks, cc.dtype, cc.enable_prefix_caching, cc.num_cpu_blocks),
-        scheduler_config=SchedulerConfig(sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len),
-        tokenizer=src.tokenizer,
-        device=src.device,
-        seed=0,
-    )
+    # The same configuration (backend, cache, limits) without speculation.
+    config = dataclasses.replace(src.config, speculative=None, draft=None, draft_model=None, seed=0)
+    return LLMEngine(config, model=src.model_runner.model, tokenizer=src.tokenizer)
 
 
 def chat_ids(tokenizer: Any, prompt: str) -> list[int]:
@@ -307,7 +301,7 @@ def time_forward(model: Any, model_config: Any, dtype: torch.dtype, batch: int, 
     ``new_tokens`` tokens after ``context`` cached ones, plus the LM head on ``logit_rows``
     rows per sequence."""
     from kvflow.config import CacheConfig
-    from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+    from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
     from kvflow.worker.cache_engine import CacheEngine
 
     bs = 16
@@ -324,7 +318,7 @@ def time_forward(model: Any, model_config: Any, dtype: torch.dtype, batch: int, 
         seq = torch.arange(batch).repeat_interleave(n)
         slots = table[seq, pos // bs] * bs + pos % bs
         group = AttentionGroup.build(0, [n] * batch, [start + n] * batch, tables, bs, device)
-        hidden = model(ids.to(device), pos.to(device), cache.kv_caches, AttentionMetadata(slots.to(device), [group]))
+        hidden = model(ids.to(device), pos.to(device), cache.kv_caches, GroupedMetadata(slots.to(device), [group]))
         last = torch.arange(batch) * n + n - 1
         index = torch.cat([last - i for i in range(rows)])
         model.compute_logits(hidden[index.to(device)])

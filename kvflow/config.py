@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvflow.attention.selector import ATTENTION_BACKENDS, check_attention_backend_name
 from kvflow.quantization.registry import LM_HEAD_METHODS, QUANTIZATION_METHODS
 from kvflow.utils import parse_bytes
 
@@ -198,11 +199,13 @@ class ModelConfig:
         return -(-self.num_hidden_layers // self.cla_share_factor)
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> "ModelConfig":
-        """Read a transformers config of an architecture in ``kvflow.model.registry``.
+    def from_hf_config(cls, hf_config: Any, max_model_len: int | None = None) -> "ModelConfig":
+        """Read a transformers config of an architecture in ``kvflow.model.registry``;
+        ``max_model_len``: the engine's context limit (None: the model's).
 
         Raises:
-            ValueError: if the architecture is not one kvflow runs (the message lists them).
+            ValueError: if the architecture is not one kvflow runs (the message lists them),
+                or ``max_model_len`` exceeds the model's context.
         """
         from kvflow.model.registry import check_supported
 
@@ -246,6 +249,7 @@ class ModelConfig:
             cla_share_factor=int(getattr(hf_config, "cla_share_factor", 1) or 1),
             partial_rotary_factor=float(1.0 if partial_rotary is None else partial_rotary),
             hf_config=hf_config,
+            max_model_len=max_model_len,
         )
 
     def kv_cache_spec(self, world_size: int = 1, rank: int = 0) -> KVCacheSpec:
@@ -368,10 +372,104 @@ class SpeculativeConfig:
 
 DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
 DEFAULT_SWAP_SPACE_BYTES = 256 * 1024 * 1024
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # Seconds a tensor-parallel rank waits at the start-up rendezvous and in a collective before
 # failing (``EngineArgs.collective_timeout_s``; ``KVFLOW_COLLECTIVE_TIMEOUT_S`` overrides).
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs and in what precision.
+
+    Attributes:
+        device: the torch device.
+        dtype: weights' and activations' dtype.
+        num_threads: torch intra-op threads on the CPU (None: torch's choice).
+    """
+
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+    num_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (Megatron-style, on torch.distributed).
+
+    Attributes:
+        tensor_parallel_size: ranks the model is sharded over.
+        collective_timeout_s: seconds a rank waits at the start-up rendezvous and in each
+            collective before failing.
+    """
+
+    tensor_parallel_size: int = 1
+    collective_timeout_s: float = 600.0  # DEFAULT_COLLECTIVE_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What to load and how to quantize it.
+
+    Attributes:
+        model: the model as the user named it (short name, .gguf file or folder).
+        model_dir: the resolved Hugging Face-format folder (``kvflow.model.resolve``).
+        quantization: weight-only scheme of ``kvflow.quantization.registry``, or None.
+        group_size: INT4 group size.
+        quantize_lm_head: False, True (the scheme's head method) or a head scheme name.
+    """
+
+    model: str
+    model_dir: str
+    quantization: str | None = None
+    group_size: int = 32
+    quantize_lm_head: bool | str = False
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel choices.
+
+    Attributes:
+        attention_backend: "auto", "torch", "cpu" or "triton", resolved once per engine by
+            ``kvflow.attention.selector``.
+        enforce_eager: never replay CUDA graphs.
+    """
+
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from, made once by ``EngineArgs.create_config()`` and
+    passed whole to every part (and to every tensor-parallel rank).
+
+    Attributes:
+        model: the target model's architecture (``max_model_len`` set).
+        cache: the paged KV block pool.
+        scheduler: batching limits.
+        device: device, dtype, threads.
+        load: where the weights come from and their quantization (None: the model is handed
+            to the engine built, as tests do).
+        parallel: tensor parallelism.
+        speculative: speculative decoding, or None.
+        draft: the draft model's load settings (``speculative.method == "draft_model"``).
+        draft_model: the draft model's architecture.
+        kernels: kernel choices.
+        seed: seed of the engine generator for requests without their own seed.
+    """
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    load: LoadConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
+    draft: LoadConfig | None = None
+    draft_model: ModelConfig | None = None
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    seed: int = 0
 
 
 def _option(default: Any, help: str, **cli: Any) -> Any:
@@ -517,52 +615,7 @@ class EngineArgs:
             or not 0 < self.collective_timeout_s < float("inf")
         ):
             raise ValueError(f"collective_timeout_s must be a positive number of seconds, got {self.collective_timeout_s!r}")
-        self.resolved_attention_backend()
-
-    def resolved_attention_backend(self) -> str:
-        """"torch" or "triton" for this device.
-
-        Raises:
-            ValueError: for an unknown backend, or "triton" where it cannot run (no
-                ``triton`` package; a CPU device without ``TRITON_INTERPRET=1``).
-        """
-        from kvflow.layers.triton_attention import interpreter_enabled, triton_available
-
-        backend = self.attention_backend
-        if backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be 'auto', 'torch', 'cpu' or 'triton', got {backend!r}")
-        device = self.torch_device()
-        on_cuda = device.type == "cuda"
-        # The kernel loads float8 K/V, which Triton supports from compute capability 8.9 on.
-        fp8_unsupported = (
-            on_cuda and self.kv_cache_dtype == "fp8" and torch.cuda.get_device_capability(device) < (8, 9)
-        )
-        if backend == "auto":
-            if on_cuda:
-                return "triton" if triton_available() and not fp8_unsupported else "torch"
-            from kvflow.layers.cpu_attention import cpu_kernel_available
-
-            return "cpu" if cpu_kernel_available() else "torch"
-        if backend == "cpu":
-            from kvflow.layers.cpu_attention import cpu_kernel_available
-
-            if on_cuda:
-                raise ValueError("attention_backend='cpu' runs on the CPU only (device is CUDA)")
-            if not cpu_kernel_available():
-                raise ValueError("attention_backend='cpu' needs kvflow's C++ kernel, which could not be built "
-                                 "(a C++ compiler and ninja are needed; see the log) or KVFLOW_CPU_ATTENTION=0")
-        if backend == "triton":
-            if not triton_available():
-                raise ValueError("attention_backend='triton' needs the triton package (pip install triton)")
-            if fp8_unsupported:
-                raise ValueError("attention_backend='triton' with kv_cache_dtype='fp8' needs compute capability 8.9+")
-            if not on_cuda and not interpreter_enabled():
-                raise ValueError("attention_backend='triton' needs a CUDA device (on the CPU only Triton's "
-                                 "interpreter runs it: TRITON_INTERPRET=1 set before kvflow starts; tests only)")
-            if not on_cuda and self.dtype == "bfloat16":
-                raise ValueError("attention_backend='triton' on the CPU (Triton's interpreter) cannot run dtype "
-                                 "'bfloat16'; use float32 / float16 or attention_backend='torch'")
-        return backend
+        check_attention_backend_name(self.attention_backend)
 
     def resolved_collective_timeout_s(self) -> float:
         """``collective_timeout_s``, else ``$KVFLOW_COLLECTIVE_TIMEOUT_S``, else the default.
@@ -582,6 +635,62 @@ class EngineArgs:
         if not value > 0 or value == float("inf"):
             raise ValueError(f"KVFLOW_COLLECTIVE_TIMEOUT_S must be a positive number of seconds, got {text!r}")
         return value
+
+    def create_config(self) -> EngineConfig:
+        """Validate the options and make the engine's ``EngineConfig``: resolve the model (a
+        packaged short name or GGUF file is converted once into a cached folder), read its
+        architecture (and the draft model's), and size the KV block pool.
+
+        Raises:
+            ValueError: naming the field, for an invalid option, an unsupported model, or a
+                budget that holds no block.
+            FileNotFoundError: for a model path that does not exist.
+        """
+        from kvflow.model.resolve import load_config, resolve_model
+
+        self.verify()
+        device = self.torch_device()
+        dtype = resolve_dtype(self.dtype, device)
+        model_dir = resolve_model(self.model, cache_dir=self.model_cache_dir)
+        model_config = ModelConfig.from_hf_config(load_config(model_dir), max_model_len=self.max_model_len)
+        scheduler = self.scheduler_config(model_config)
+        spec = SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config is not None else None
+        draft = draft_model = None
+        if spec is not None and spec.method == "draft_model":
+            draft_dir = resolve_model(spec.model, cache_dir=self.model_cache_dir)
+            draft = LoadConfig(spec.model, str(draft_dir), spec.quantization, self.quantization_group_size)
+            draft_model = ModelConfig.from_hf_config(load_config(draft_dir))
+            if draft_model.vocab_size != model_config.vocab_size:
+                raise ValueError(
+                    f"speculative_config.model has vocab_size {draft_model.vocab_size}, the target "
+                    f"{model_config.vocab_size}: the draft must share the target's vocabulary"
+                )
+        world = self.tensor_parallel_size
+        if world > 1:
+            # Every rank has as many blocks, sized for the rank holding the most KV heads (the
+            # draft, on rank 0 only, comes on top of the budget).
+            kv_spec = max((model_config.kv_cache_spec(world, r) for r in range(world)), key=lambda k: k.num_kv_heads)
+            extra = 0
+        else:
+            # The draft's cache has as many blocks as the target's (it mirrors every request),
+            # and both come out of the one KV budget.
+            kv_spec = model_config.kv_cache_spec()
+            kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)
+            extra = draft_model.kv_bytes_per_token(kv_dtype) if draft_model is not None else 0
+        return EngineConfig(
+            model=model_config,
+            cache=self.cache_config(kv_spec, dtype, extra_bytes_per_token=extra),
+            scheduler=scheduler,
+            device=DeviceConfig(device, dtype, self.num_threads),
+            load=LoadConfig(self.model, str(model_dir), self.quantization, self.quantization_group_size,
+                            self.quantize_lm_head),
+            parallel=ParallelConfig(world, self.resolved_collective_timeout_s()),
+            speculative=spec,
+            draft=draft,
+            draft_model=draft_model,
+            kernels=KernelConfig(self.attention_backend, self.enforce_eager),
+            seed=self.seed,
+        )
 
     def torch_device(self) -> torch.device:
         if self.device is None:
@@ -626,6 +735,11 @@ class EngineArgs:
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
+        """The batching limits; the context limit is ``max_model_len`` or the model's.
+
+        Raises:
+            ValueError: for a ``max_model_len`` beyond the model's context.
+        """
         max_model_len = self.max_model_len or model_config.max_position_embeddings
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(

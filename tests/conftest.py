@@ -17,7 +17,9 @@ import torch
 
 from kvflow.config import CacheConfig, ModelConfig, SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+from kvflow.attention.backend import BatchLayout, FlatMetadata
+from kvflow.attention.kv_cache import subtract_key_offset
+from kvflow.attention.torch_backend import TORCH_BACKEND, AttentionGroup, GroupedMetadata
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.worker.cache_engine import CacheEngine
 
@@ -116,6 +118,39 @@ def tiny_word_tokenizer(vocab_size: int = 128):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
+def make_engine(
+    model,
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    tokenizer=None,
+    device: torch.device = torch.device("cpu"),
+    seed: int = 0,
+    attention_backend: str = "torch",
+    proposer=None,
+    spec_disable_by_batch_size: int | None = None,
+    generation_defaults: dict | None = None,
+    enforce_eager: bool = True,
+) -> LLMEngine:
+    """An engine over an already built ``model`` (``LLMEngine(EngineConfig(...), model=...)``),
+    with ``proposer`` for speculative decoding (``spec_disable_by_batch_size`` as
+    ``speculative_config["disable_by_batch_size"]``)."""
+    from kvflow.config import DeviceConfig, EngineConfig, KernelConfig, SpeculativeConfig
+
+    speculative = None
+    if proposer is not None:
+        method = "ngram" if type(proposer).__name__ == "NgramProposer" else "draft_model"
+        speculative = SpeculativeConfig(method, proposer.k, model="(given)" if method == "draft_model" else None,
+                                        disable_by_batch_size=spec_disable_by_batch_size)
+    dtype = model.embed_tokens.weight.dtype
+    config = EngineConfig(
+        model=model_config, cache=cache_config, scheduler=scheduler_config,
+        device=DeviceConfig(torch.device(device), dtype), speculative=speculative,
+        kernels=KernelConfig(attention_backend, enforce_eager), seed=seed,
+    )  # fmt: skip
+    return LLMEngine(config, model=model, tokenizer=tokenizer, generation_defaults=generation_defaults, proposer=proposer)
+
+
 def tiny_engine(
     num_blocks: int = 64,
     block_size: int = 4,
@@ -132,7 +167,7 @@ def tiny_engine(
     """An engine over a tiny random model, working on token ids (no tokenizer) unless a
     tokenizer is given (``tiny_tokenizer`` with ``tiny_model_config(vocab_size=TINY_TEXT_VOCAB)``)."""
     config = config or tiny_model_config()
-    return LLMEngine(
+    return make_engine(
         model=tiny_model(config),
         model_config=config,
         cache_config=CacheConfig(block_size=block_size, num_blocks=num_blocks, dtype=torch.float32,
@@ -172,9 +207,28 @@ def prefill_logits(model: LlamaForCausalLM, token_ids: list[int], chunk: int, bl
             pos = torch.arange(start, end)
             slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
             group = AttentionGroup.build(0, [end - start], [end], [table[: -(-end // block_size)]], block_size, torch.device("cpu"))
-            hidden = model(torch.tensor(token_ids[start:end]), pos, cache.kv_caches, AttentionMetadata(slots, [group]))
+            hidden = model(torch.tensor(token_ids[start:end]), pos, cache.kv_caches, GroupedMetadata(slots, [group]))
             logits.append(model.compute_logits(hidden))
     return torch.cat(logits)
+
+
+def attend(q, kv_cache, metadata, scale):
+    """Paged attention of ``q`` over ``kv_cache`` by the metadata's backend."""
+    return metadata.backend.attend(q, kv_cache, metadata, scale)
+
+
+def store_kv(k, v, kv_cache, slot_mapping, key_offset=None, backend=TORCH_BACKEND):
+    """Write K/V at ``slot_mapping`` as ``backend`` does (keys minus ``key_offset`` for a
+    quantized cache)."""
+    backend.write_kv(subtract_key_offset(k, kv_cache, key_offset), v, kv_cache, GroupedMetadata(slot_mapping, [], backend))
+
+
+def flat_metadata(backend, slot_mapping, query_lens, context_lens, block_tables, device, table_dtype=None):
+    """``FlatMetadata`` of ``backend`` for one step (requests in flat token order)."""
+    layout = BatchLayout(slot_mapping, query_lens, context_lens, block_tables, [len(query_lens)], 1, device)
+    if table_dtype is None:
+        return backend.build_metadata(layout)
+    return FlatMetadata.build(backend, layout, table_dtype)
 
 
 def random_paged_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens, dtype, seed=0, num_blocks=None):
@@ -231,7 +285,7 @@ def engine_like(
     """A fresh engine (own cache, scheduler, proposer) over an ``LLM``'s already loaded model,
     with the LLM's block size and KV cache dtype unless ``block_size`` is given."""
     src = llm.engine
-    return LLMEngine(
+    return make_engine(
         model=src.model_runner.model,
         model_config=src.model_config,
         cache_config=CacheConfig(

@@ -1,4 +1,4 @@
-"""EngineArgs option checks (the attention backend choice)."""
+"""EngineArgs option checks and the EngineConfig made from them."""
 
 from __future__ import annotations
 
@@ -6,43 +6,11 @@ import pytest
 import torch
 
 from kvflow.config import EngineArgs
-from kvflow.layers.triton_attention import triton_available
 
 
 def test_unknown_attention_backend_names_the_field():
     with pytest.raises(ValueError, match="attention_backend"):
         EngineArgs(attention_backend="flashinfer").verify()
-
-
-@pytest.mark.skipif(not triton_available(), reason="triton not installed")
-def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
-    import kvflow.layers.triton_attention as ta
-
-    # tests/conftest.py set TRITON_INTERPRET=1 before the kernels were first imported
-    assert ta.interpreter_enabled() == (not torch.cuda.is_available())
-    monkeypatch.setattr(ta, "interpreter_enabled", lambda: False)
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        EngineArgs(device="cpu", attention_backend="triton").verify()
-    monkeypatch.setattr(ta, "interpreter_enabled", lambda: True)
-    assert EngineArgs(device="cpu", attention_backend="triton").resolved_attention_backend() == "triton"
-    with pytest.raises(ValueError, match="bfloat16"):
-        EngineArgs(device="cpu", attention_backend="triton", dtype="bfloat16").verify()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
-def test_auto_backend_is_triton_on_cuda():
-    assert EngineArgs(device="cuda").resolved_attention_backend() == "triton"
-
-
-def test_auto_backend_on_the_cpu_follows_the_kernel(monkeypatch):
-    import kvflow.layers.cpu_attention as ca
-
-    monkeypatch.setattr(ca, "cpu_kernel_available", lambda: True)
-    assert EngineArgs(device="cpu").resolved_attention_backend() == "cpu"
-    monkeypatch.setattr(ca, "cpu_kernel_available", lambda: False)
-    assert EngineArgs(device="cpu").resolved_attention_backend() == "torch"
-    with pytest.raises(ValueError, match="attention_backend='cpu'"):
-        EngineArgs(device="cpu", attention_backend="cpu").verify()
 
 
 def test_collective_timeout_field_then_environment_then_default(monkeypatch):
@@ -86,3 +54,22 @@ def test_every_field_is_documented_once():
         assert f.metadata.get("help"), f.name
         assert f"        {f.name}: " in EngineArgs.__doc__
     assert EngineArgs.help_text("block_size") == "tokens per KV cache block"
+
+
+def test_create_config_builds_the_whole_engine_config(tmp_path):
+    """One EngineConfig from EngineArgs: the model's architecture with max_model_len, the
+    block pool sized from the budget by the one KV-bytes formula, and every group of options."""
+    from conftest import tiny_hf_model_dir
+
+    folder = tiny_hf_model_dir(tmp_path / "m")
+    args = EngineArgs(model=str(folder), device="cpu", dtype="float32", kv_cache_memory_bytes="1MiB", block_size=8,
+                      max_model_len=128, max_num_seqs=5, tensor_parallel_size=1, attention_backend="torch", seed=7)
+    config = args.create_config()
+    assert config.model.max_model_len == 128 and config.scheduler.max_model_len == 128
+    assert config.scheduler.max_num_seqs == 5 and config.seed == 7
+    per_block = config.model.kv_cache_spec().bytes_per_token(torch.float32) * 8
+    assert config.cache.num_blocks == 2**20 // per_block and config.cache.block_size == 8
+    assert config.device.dtype == torch.float32 and config.kernels.attention_backend == "torch"
+    assert config.load.model_dir == str(folder.resolve()) and config.speculative is None
+    with pytest.raises(ValueError, match="max_model_len"):
+        EngineArgs(model=str(folder), device="cpu", max_model_len=10**6).create_config()

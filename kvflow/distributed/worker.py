@@ -106,16 +106,16 @@ def init_process_group(rank: int, world_size: int, init_method: str, device: tor
         raise RuntimeError(f"tensor-parallel start-up (rank {rank} of {world_size}): {timeout_advice(timeout_s)}") from exc
 
 
-def worker_main(rank: int, world_size: int, init_method: str, args) -> None:
-    """Entry point of a worker process (spawned, or a non-zero torchrun rank)."""
+def worker_main(rank: int, world_size: int, init_method: str, config) -> None:
+    """Entry point of a worker process (spawned, or a non-zero torchrun rank): join the group,
+    build this rank's shard from the engine's ``EngineConfig`` and mirror the driver's steps."""
     from kvflow.worker.worker import build_rank
 
-    if args.num_threads is not None:
-        torch.set_num_threads(args.num_threads)
-    device = args.torch_device()
-    init_process_group(rank, world_size, init_method, device, args.resolved_collective_timeout_s())
+    if config.device.num_threads is not None:
+        torch.set_num_threads(config.device.num_threads)
+    init_process_group(rank, world_size, init_method, config.device.device, config.parallel.collective_timeout_s)
     try:
-        runner = build_rank(args, rank, world_size)
+        runner = build_rank(config, rank)
         while True:
             message = [None]
             dist.broadcast_object_list(message, src=0)
@@ -130,21 +130,21 @@ class TPWorkers:
     """The driver's handle on its workers: broadcast steps, detect deaths, shut down.
 
     Args:
-        world_size: ranks including the driver.
-        args: the ``EngineArgs`` every rank builds its shard from.
+        config: the ``EngineConfig`` every rank builds its shard from (sent whole).
         spawn: start local worker processes (False under torchrun, where they exist).
     """
 
-    def __init__(self, world_size: int, args, spawn: bool = True) -> None:
+    def __init__(self, config, spawn: bool = True) -> None:
+        world_size = config.parallel.tensor_parallel_size
         self.world_size = world_size
-        self.timeout_s = args.resolved_collective_timeout_s()
+        self.timeout_s = config.parallel.collective_timeout_s
         self.procs: list[mp.Process] = []
         self._closed = False
         if spawn:
             init_method = f"tcp://127.0.0.1:{free_port()}"
             ctx = mp.get_context("spawn")
             for rank in range(1, world_size):
-                proc = ctx.Process(target=worker_main, args=(rank, world_size, init_method, args), daemon=True)
+                proc = ctx.Process(target=worker_main, args=(rank, world_size, init_method, config), daemon=True)
                 proc.start()
                 self.procs.append(proc)
         else:
@@ -156,7 +156,7 @@ class TPWorkers:
 
         def join() -> None:
             try:
-                init_process_group(0, world_size, init_method, args.torch_device(), self.timeout_s)
+                init_process_group(0, world_size, init_method, config.device.device, self.timeout_s)
             except BaseException as exc:  # noqa: BLE001 - re-raised below
                 errors.append(exc)
 

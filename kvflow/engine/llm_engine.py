@@ -16,15 +16,7 @@ from typing import Any
 
 import torch
 
-from kvflow.config import (
-    CacheConfig,
-    EngineArgs,
-    ModelConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    resolve_dtype,
-    resolve_kv_cache_dtype,
-)
+from kvflow.config import CacheConfig, EngineArgs, EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import Scheduler, SchedulerOutput
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
@@ -41,9 +33,26 @@ from kvflow.spec_decode.metrics import SpecDecodeStats
 from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
-from kvflow.worker.worker import build_shard
+from kvflow.worker.worker import attention_backend_for, build_shard
 
 logger = logging.getLogger(__name__)
+
+
+def _make_proposer(config: EngineConfig, backend) -> NgramProposer | DraftModelProposer:
+    """The speculative proposer of ``config.speculative``: n-gram prompt lookup, or a draft
+    model (loaded from ``config.draft``) with its own KV cache of as many blocks as the
+    target's (prefix caching off)."""
+    spec, max_len = config.speculative, config.scheduler.max_model_len
+    k = spec.num_speculative_tokens
+    if spec.method == "ngram":
+        return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
+    device = config.device
+    draft, draft_config = load_model(config.draft.model_dir, device.dtype, device.device, config.draft.quantization,
+                                     config.draft.group_size, model_config=config.draft_model)
+    cache = config.cache
+    draft_cache = CacheConfig(cache.block_size, cache.num_blocks, cache.dtype, enable_prefix_caching=False)
+    return DraftModelProposer(draft, draft_config, draft_cache, k, max_len, device.device, config.seed,
+                              attention_backend=backend)
 
 
 def _has_tokenizer(model_dir) -> bool:
@@ -94,50 +103,52 @@ class LLMEngine:
     """Owns the model, the KV cache, the scheduler and the per-request output state.
 
     Args:
-        model: the decoder with loaded weights.
-        model_config: its architecture facts.
-        cache_config: KV block pool layout.
-        scheduler_config: batching limits.
+        config: everything the engine is built from (``EngineArgs.create_config()``).
+        model: the decoder with loaded weights; None loads it from ``config.load`` (this
+            rank's shard, with the tensor-parallel workers started first).
         tokenizer: a transformers tokenizer, or None to work on token ids only (no text).
-        device: where the model and cache live.
-        seed: seed of the engine generator for unseeded sampling.
-        proposer: speculative decoding proposer, or None.
-        tp_workers: the tensor-parallel workers (``model`` is then rank 0's shard).
-        spec_disable_by_batch_size: no drafts in a step when at least this many requests are
-            running (``speculative_config["disable_by_batch_size"]``), or None.
-        attention_backend: "torch", "cpu" or "triton" (see ``EngineArgs.attention_backend``).
-        cuda_graph_batch_sizes: capture decode CUDA graphs for these batch sizes (needs
-            CUDA and the Triton backend), or None for none.
         generation_defaults: ``SamplingParams`` field -> value, the model's own sampling
             defaults (its ``generation_config.json``; see ``load_generation_defaults``), for
             requests that leave a field unset.
+        proposer: the speculative proposer; None builds the one ``config.speculative``
+            names (a draft model is loaded from ``config.draft``).
+
+    Raises:
+        ValueError: for a model that cannot be loaded as configured, an attention backend
+            that cannot run here (``kvflow.attention.selector``), or CUDA graphs where the
+            backend has no graph-safe metadata.
     """
 
     def __init__(
         self,
-        model: CausalLM,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
-        tokenizer: Any | None,
-        device: torch.device,
-        seed: int = 0,
-        proposer: NgramProposer | DraftModelProposer | None = None,
-        tp_workers: TPWorkers | None = None,
-        spec_disable_by_batch_size: int | None = None,
-        attention_backend: str = "torch",
-        cuda_graph_batch_sizes: list[int] | None = None,
+        config: EngineConfig,
+        model: CausalLM | None = None,
+        tokenizer: Any | None = None,
         generation_defaults: dict[str, Any] | None = None,
+        proposer: NgramProposer | DraftModelProposer | None = None,
     ) -> None:
-        self.model_config = model_config
-        self.tp_workers = tp_workers
-        self.proposer = proposer
-        self.spec_disable_by_batch_size = spec_disable_by_batch_size
-        self.spec_stats = SpecDecodeStats(proposer.k if proposer is not None else 0)
-        self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
-        self.tokenizer = tokenizer
+        self.config = config
+        device = config.device.device
         self.device = device
+        self.model_config = config.model
+        self.cache_config = config.cache
+        self.scheduler_config = config.scheduler
+        backend = attention_backend_for(config)
+        self.tp_workers = None
+        if model is None:
+            if config.parallel.tensor_parallel_size > 1:
+                self.tp_workers = TPWorkers(config, spawn=torchrun_rank() is None)
+            try:
+                model = build_shard(config, 0)
+            except BaseException:
+                self.shutdown()
+                raise
+        spec = config.speculative
+        self.proposer = proposer if proposer is not None or spec is None else _make_proposer(config, backend)
+        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
+        self.spec_stats = SpecDecodeStats(self.proposer.k if self.proposer is not None else 0)
+        self.tokenizer = tokenizer
+        cache_config = config.cache
         self.kv_cache_manager = KVCacheManager(
             cache_config.num_blocks,
             cache_config.block_size,
@@ -145,32 +156,31 @@ class LLMEngine:
             hash_extra=str(cache_config.dtype).encode(),
             num_cpu_blocks=cache_config.num_cpu_blocks,
         )
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.cache_engine = CacheEngine(model.kv_cache_spec, cache_config, device)  # this rank's shard of heads
         generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
+        generator.manual_seed(config.seed)
         self.model_runner = ModelRunner(
             model, self.cache_engine, cache_config.block_size, Sampler(generator), device,
-            broadcast=tp_workers.broadcast if tp_workers is not None else None,
-            attention_backend=attention_backend,
+            broadcast=self.tp_workers.broadcast if self.tp_workers is not None else None,
+            attention_backend=backend,
         )
-        if cuda_graph_batch_sizes:
-            if device.type != "cuda" or attention_backend != "triton":
-                raise ValueError("cuda_graph_batch_sizes needs a CUDA device and attention_backend='triton'")
-            if tp_workers is not None:  # the workers run eagerly: their collectives would not match
-                raise ValueError("cuda_graph_batch_sizes cannot be used with tensor parallelism")
-            from kvflow.worker.cuda_graph import DecodeGraphRunner
+        # Decode CUDA graphs: on CUDA, with a backend that has graph-safe metadata, without
+        # tensor parallelism (the workers run eagerly: their collectives would not match).
+        if device.type == "cuda" and backend.supports_cuda_graphs and not config.kernels.enforce_eager \
+                and self.tp_workers is None and config.parallel.tensor_parallel_size == 1:
+            from kvflow.worker.cuda_graph import DecodeGraphRunner, default_batch_sizes
 
             self.model_runner.graph_runner = DecodeGraphRunner(
-                model, self.cache_engine.kv_caches, -(-scheduler_config.max_model_len // cache_config.block_size),
-                cuda_graph_batch_sizes, device,
+                model, self.cache_engine.kv_caches, -(-config.scheduler.max_model_len // cache_config.block_size),
+                default_batch_sizes(config.scheduler.max_num_seqs), device, backend,
             )
         self._states: dict[str, _RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
         self.generation_defaults = dict(generation_defaults or {})
-        self.eos_token_id = model_config.eos_token_id
+        self.eos_token_id = config.model.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
 
@@ -182,75 +192,17 @@ class LLMEngine:
             ValueError: for invalid options or an unsupported model.
             FileNotFoundError: for a model path that does not exist.
         """
-        args.verify()
-        device = args.torch_device()
-        if device.type == "cpu":
+        config = args.create_config()
+        if config.device.device.type == "cpu":
             from kvflow.cpu_threads import check_wait_policy
 
             check_wait_policy()  # (a hint when torch came first and the machine is busy)
-        if args.num_threads is not None and device.type == "cpu":
-            torch.set_num_threads(args.num_threads)
-        dtype = resolve_dtype(args.dtype, device)
-        model_dir = resolve_model(args.model, cache_dir=args.model_cache_dir)
-        tp_workers = None
-        if args.tensor_parallel_size > 1:
-            tp_workers = TPWorkers(args.tensor_parallel_size, args, spawn=torchrun_rank() is None)
-            try:
-                model, model_config, cache_config = build_shard(args, model_dir, 0)
-            except BaseException:
-                tp_workers.shutdown()
-                raise
-        else:
-            model, model_config = load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size,
-                                             quantize_lm_head=args.quantize_lm_head, max_model_len=args.max_model_len)
-        spec = SpeculativeConfig.from_dict(args.speculative_config) if args.speculative_config is not None else None
-        draft = draft_config = None
-        if spec is not None and spec.method == "draft_model":
-            draft_dir = resolve_model(spec.model, cache_dir=args.model_cache_dir)
-            draft, draft_config = load_model(draft_dir, dtype, device, spec.quantization, args.quantization_group_size)
-            if draft_config.vocab_size != model_config.vocab_size:
-                raise ValueError(
-                    f"speculative_config.model has vocab_size {draft_config.vocab_size}, the target "
-                    f"{model_config.vocab_size}: the draft must share the target's vocabulary"
-                )
-        if tp_workers is None:
-            # The draft's cache has as many blocks as the target's (it mirrors every request),
-            # and both come out of the one KV budget. (Under tensor parallelism the workers
-            # size their shards on their own: the draft cache on rank 0 comes on top.)
-            kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, device)
-            extra = draft_config.kv_bytes_per_token(kv_dtype) if draft_config is not None else 0
-            cache_config = args.cache_config(model_config.kv_cache_spec(), dtype, extra_bytes_per_token=extra)
-        scheduler_config = args.scheduler_config(model_config)
-        backend = args.resolved_attention_backend()
-        graph_sizes = None
-        if device.type == "cuda" and backend == "triton" and not args.enforce_eager and tp_workers is None:
-            from kvflow.worker.cuda_graph import default_batch_sizes
-
-            graph_sizes = default_batch_sizes(scheduler_config.max_num_seqs)
-        proposer = None
-        if spec is not None:
-            k, max_len = spec.num_speculative_tokens, scheduler_config.max_model_len
-            if spec.method == "ngram":
-                proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
-            else:
-                draft_cache = CacheConfig(
-                    cache_config.block_size, cache_config.num_blocks, cache_config.dtype, enable_prefix_caching=False
-                )
-                proposer = DraftModelProposer(draft, draft_config, draft_cache, k, max_len, device, args.seed,
-                                              attention_backend=backend)
+            if config.device.num_threads is not None:
+                torch.set_num_threads(config.device.num_threads)
+        model_dir = config.load.model_dir
         return cls(
-            model=model,
-            model_config=model_config,
-            cache_config=cache_config,
-            scheduler_config=scheduler_config,
+            config,
             tokenizer=load_tokenizer(model_dir) if _has_tokenizer(model_dir) else None,
-            device=device,
-            seed=args.seed,
-            proposer=proposer,
-            tp_workers=tp_workers,
-            spec_disable_by_batch_size=spec.disable_by_batch_size if spec is not None else None,
-            attention_backend=backend,
-            cuda_graph_batch_sizes=graph_sizes,
             generation_defaults=load_generation_defaults(model_dir),
         )
 

@@ -2,7 +2,7 @@
 
 One kernel serves decode, prefill and chunked prefill with a cached prefix: every program
 takes ``BLOCK_Q`` query tokens of one request and the ``group`` query heads that share one
-KV head (GQA folded into the rows, as in ``kvflow.layers.attention``), walks the request's
+KV head (GQA folded into the rows, as in ``kvflow.attention.torch_backend``), walks the request's
 block table over its cached keys and keeps a running softmax (FlashAttention-2, Dao 2023,
 algorithm 1: running max ``m``, running sum ``l``, rescaled accumulator), so no K/V is
 gathered into a padded copy and there is no mask tensor: causality and context length come
@@ -31,6 +31,8 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+
+from kvflow.attention.kv_cache import quantize_kv
 
 _TRITON = importlib.util.find_spec("triton") is not None
 
@@ -161,9 +163,7 @@ def _write_rows(src: torch.Tensor, dst: torch.Tensor, slot_mapping: torch.Tensor
 def triton_write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple, slot_mapping: torch.Tensor) -> None:
     """Store new K/V [T, num_kv_heads, head_dim] at the flat slots ``slot_mapping`` int64 [T]
     (``block_id * block_size + offset``; negative: skip the token), quantizing them first for
-    an int8 / fp8 cache (per-token, per-head scales, ``kvflow.layers.attention.quantize_kv``)."""
-    from kvflow.layers.attention import quantize_kv
-
+    an int8 / fp8 cache (per-token, per-head scales, ``kvflow.attention.kv_cache.quantize_kv``)."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     if len(kv_cache) == 4:
         (k, k_scale), (v, v_scale) = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
@@ -181,8 +181,8 @@ def triton_paged_attention(q: torch.Tensor, kv_cache: tuple, metadata, scale: fl
         kv_cache: the layer's (k, v) cache [num_blocks, block_size, num_kv_heads, head_dim],
             or (k, v, k_scale, v_scale) for an int8 / fp8 cache with float16 scales
             [num_blocks, block_size, num_kv_heads]; already holding this step's K/V.
-        metadata: ``AttentionMetadata`` with ``block_tables``, ``query_start_loc``,
-            ``context_lens`` and ``max_query_len`` set (see the module docstring).
+        metadata: ``kvflow.attention.backend.FlatMetadata`` (``block_tables`` int32,
+            ``query_start_loc``, ``context_lens``, ``max_query_len``; see the module docstring).
         scale: softmax scale, usually head_dim ** -0.5.
 
     Returns:

@@ -5,7 +5,7 @@ pre-norm RMSNorm, SwiGLU MLP, rotary embeddings; grouped-query attention (Ainsli
 2023, "GQA") when ``num_key_value_heads < num_attention_heads``. Qwen2 adds biases to the
 Q/K/V projections. The forward works on a flat batch of tokens from many requests (no batch
 or padding axis): linear layers see every token of the step at once, attention reads K/V
-through the block tables (``kvflow/layers/attention.py``).
+through the block tables (``kvflow/layers/attention.py``, run by a ``kvflow.attention`` backend).
 
 Weights use Hugging Face names; Q/K/V and gate/up projections are fused at load time
 (``CausalLM.stacked_params_mapping``) so one matrix product serves each group.
@@ -19,7 +19,9 @@ from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.layers.attention import Attention, AttentionMetadata, KVCache
+from kvflow.attention.backend import AttentionMetadata
+from kvflow.attention.kv_cache import KVCache
+from kvflow.layers.attention import Attention
 from kvflow.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.norm import RMSNorm
@@ -209,7 +211,7 @@ class LlamaForCausalLM(CausalLM):
             kv_caches: per KV layer (``config.num_kv_layers`` of them: one per group of
                 ``cla_share_factor`` layers), (K, V) tensors
                 [num_blocks, block_size, num_kv_heads, head_dim] (plus scales for a
-                quantized cache, see ``kvflow.layers.attention.KVCache``).
+                quantized cache, see ``kvflow.attention.kv_cache.KVCache``).
             metadata: slot mapping and attention groups of the step.
 
         Returns:

@@ -97,6 +97,7 @@ def load_model(
     quantize_lm_head: bool | str = False,
     calibration_ids: list[int] | None = None,
     max_model_len: int | None = None,
+    model_config: ModelConfig | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build and load a model (this rank's shard under tensor parallelism); see the module
     docstring for the steps.
@@ -112,6 +113,8 @@ def load_model(
         quantize_lm_head: True for the scheme's head method (``lm_head_method``), or "int8",
             "int4", "fp8"; False keeps the head dense.
         calibration_ids: AWQ calibration tokens (default: the default text).
+        model_config: the folder's architecture when already read (``EngineConfig.model``),
+            else read from ``model_dir``.
         max_model_len: the engine's context limit in tokens (``ModelConfig.max_model_len``;
             it fixes LongRoPE's factor set and decides whether a sliding window would act),
             or None for the model's context.
@@ -125,7 +128,8 @@ def load_model(
             the model's context, or tensor parallelism over a compact GGUF / saved quantized
             checkpoint.
     """
-    model_config = ModelConfig.from_hf_config(load_config(model_dir))
+    if model_config is None:
+        model_config = ModelConfig.from_hf_config(load_config(model_dir))
     if max_model_len is not None:
         model_config = dataclasses.replace(model_config, max_model_len=max_model_len)
     saved = quantization_of(model_dir)

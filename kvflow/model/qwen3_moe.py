@@ -29,7 +29,9 @@ from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.layers.attention import Attention, AttentionMetadata, KVCache
+from kvflow.attention.backend import AttentionMetadata
+from kvflow.attention.kv_cache import KVCache
+from kvflow.layers.attention import Attention
 from kvflow.layers.linear import QKVParallelLinear, RowParallelLinear
 from kvflow.layers.moe import SparseMoeBlock, map_expert_weight
 from kvflow.layers.norm import RMSNorm

@@ -36,7 +36,7 @@ def collect_linear_inputs(model: nn.Module, token_ids: list[int], names: list[st
         name -> float32 [len(token_ids), in_features].
     """
     from kvflow.config import CacheConfig
-    from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+    from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
     from kvflow.worker.cache_engine import CacheEngine
 
     captured: dict[str, torch.Tensor] = {}
@@ -52,7 +52,7 @@ def collect_linear_inputs(model: nn.Module, token_ids: list[int], names: list[st
         cache = CacheEngine(model.kv_cache_spec, CacheConfig(bs, num_blocks, dtype), torch.device("cpu"))
         pos = torch.arange(n)
         group = AttentionGroup.build(0, [n], [n], [list(range(num_blocks))], bs, torch.device("cpu"))
-        model(torch.tensor(token_ids), pos, cache.kv_caches, AttentionMetadata(pos.clone(), [group]))
+        model(torch.tensor(token_ids), pos, cache.kv_caches, GroupedMetadata(pos.clone(), [group]))
     finally:
         for hook in hooks:
             hook.remove()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from kvflow.attention.backend import AttentionBackend
+from kvflow.attention.torch_backend import TORCH_BACKEND
 from kvflow.config import CacheConfig, ModelConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import SchedulerOutput
@@ -36,7 +38,8 @@ class DraftModelProposer:
         max_model_len: the context limit, in tokens.
         device: where the draft runs.
         seed: seed of the generator for unseeded requests' draft sampling.
-        attention_backend: the draft runner's attention backend ("torch", "cpu" or "triton").
+        attention_backend: the draft runner's attention backend (the engine's,
+            ``kvflow.attention.selector``; default the PyTorch one).
     """
 
     def __init__(
@@ -48,7 +51,7 @@ class DraftModelProposer:
         max_model_len: int,
         device: torch.device,
         seed: int = 0,
-        attention_backend: str = "torch",
+        attention_backend: AttentionBackend = TORCH_BACKEND,
     ) -> None:
         self.k = k
         self.max_model_len = max_model_len

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.config import CacheConfig, KVCacheSpec
-from kvflow.layers.attention import KVCache
+from kvflow.attention.kv_cache import KVCache
 
 
 class CacheEngine:

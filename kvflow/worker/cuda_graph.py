@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvflow.layers.attention import AttentionMetadata
+from kvflow.attention.backend import AttentionBackend
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -53,10 +53,13 @@ class DecodeGraphRunner:
             block_size)``).
         batch_sizes: batch sizes to capture, e.g. ``default_batch_sizes(max_num_seqs)``.
         device: the model's device.
+        backend: the attention backend; it must offer graph-safe metadata
+            (``supports_cuda_graphs``: ``graph_metadata`` over static buffers).
         capture: "cuda" (``torch.cuda.CUDAGraph``) or "eager" (no graph; tests on the CPU).
 
     Raises:
-        ValueError: for an empty ``batch_sizes`` or an unknown ``capture``.
+        ValueError: for an empty ``batch_sizes``, an unknown ``capture`` or a backend without
+            graph-safe metadata.
     """
 
     def __init__(
@@ -66,13 +69,17 @@ class DecodeGraphRunner:
         max_blocks_per_seq: int,
         batch_sizes: list[int],
         device: torch.device,
+        backend: AttentionBackend,
         capture: str = "cuda",
     ) -> None:
+        if not backend.supports_cuda_graphs:
+            raise ValueError(f"{backend!r} has no graph-safe metadata (CUDA graphs need the Triton backend)")
         if not batch_sizes:
             raise ValueError("batch_sizes must not be empty")
         if capture not in ("cuda", "eager"):
             raise ValueError(f"capture must be 'cuda' or 'eager', got {capture!r}")
         self.model = model
+        self.backend = backend
         self.kv_caches = kv_caches
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_batch = self.batch_sizes[-1]
@@ -88,14 +95,8 @@ class DecodeGraphRunner:
         self._capture_all(capture, device)
 
     def _forward(self, b: int) -> torch.Tensor:
-        metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:b],
-            groups=[],
-            backend="triton",
-            block_tables=self.block_tables[:b],
-            query_start_loc=self.query_start_loc[: b + 1],
-            context_lens=self.context_lens[:b],
-            max_query_len=1,
+        metadata = self.backend.graph_metadata(
+            self.slot_mapping[:b], self.block_tables[:b], self.query_start_loc[: b + 1], self.context_lens[:b]
         )
         return self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, metadata)
 
@@ -126,7 +127,7 @@ class DecodeGraphRunner:
         """True for a decode-only step of the Triton backend that fits a captured batch."""
         meta = inputs.metadata
         return (
-            meta.backend == "triton"
+            meta.backend is self.backend
             and meta.max_query_len == 1
             and not inputs.prompt_logprob_rows
             and 0 < inputs.input_ids.shape[0] <= self.max_batch

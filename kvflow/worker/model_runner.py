@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvflow.core.scheduler import SchedulerOutput
-from kvflow.layers.attention import AttentionGroup, AttentionMetadata, split_by_context
+from kvflow.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout
+from kvflow.attention.torch_backend import TORCH_BACKEND
 from kvflow.model.base import CausalLM
 from kvflow.request import Request
 from kvflow.sample.logits_processor import apply_logits_processors
@@ -56,12 +57,9 @@ class ModelRunner:
         is_driver: False on a tensor-parallel worker: it runs the same forward and logits
             collectives as the driver but samples nothing.
         broadcast: on a tensor-parallel driver, sends each step's batch to the workers.
-        attention_backend: "torch" (gather + SDPA per group of requests, any device), "cpu"
-            (decodes through ``kvflow.layers.cpu_attention``'s C++ kernel, prefills as
-            "torch"; over an int8 / fp8 cache batch-invariant: every token through
-            ``paged_attention_quantized`` and the model's linears made batch-invariant, in
-            place, by ``make_batch_invariant``) or "triton"
-            (``kvflow.layers.triton_attention``; CUDA, or Triton's interpreter).
+        attention_backend: the paged-attention backend (``kvflow.attention.selector``); one
+            that asks for batch-invariant linears (over a quantized cache) has the model's
+            dense CPU linears switched, in place.
     """
 
     def __init__(
@@ -73,26 +71,18 @@ class ModelRunner:
         device: torch.device,
         is_driver: bool = True,
         broadcast=None,
-        attention_backend: str = "torch",
+        attention_backend: AttentionBackend = TORCH_BACKEND,
     ) -> None:
-        if attention_backend not in ("torch", "cpu", "triton"):
-            raise ValueError(f"attention_backend must be 'torch', 'cpu' or 'triton', got {attention_backend!r}")
-        quantized_kv = bool(cache_engine.kv_caches) and len(cache_engine.kv_caches[0]) == 4
-        if attention_backend == "cpu" and cache_engine.kv_caches and not quantized_kv and (
-            cache_engine.kv_caches[0][0].dtype != model.embed_tokens.weight.dtype
-        ):
-            attention_backend = "torch"  # the C++ decode kernel reads float caches of the model's dtype only
-        if attention_backend in ("cpu", "triton") and quantized_kv:
-            # Batch invariance, so that a token's stored (rounded) K/V never depends on how
-            # its step was batched or chunked: the CPU linears by ``InvariantLinear``
-            # (``kvflow.layers.invariant_linear.make_batch_invariant``; CUDA ones stay), and on "cpu"
-            # every token's attention as a one-token decode (``paged_attention_quantized``).
-            # The Triton kernel treats each query row alike whatever the chunk (checked in
-            # Triton's CPU interpreter; cuBLAS linears on CUDA are not batch-invariant).
+        if not isinstance(attention_backend, AttentionBackend):
+            raise ValueError(f"attention_backend must be an AttentionBackend (kvflow.attention.selector), "
+                             f"got {attention_backend!r}")
+        if attention_backend.needs_batch_invariant_linears:
+            # So that a token's stored (rounded) K/V never depends on how its step was batched
+            # or chunked: the CPU linears by ``InvariantLinear`` (CUDA ones stay), with the
+            # backend's batch-invariant attention over the quantized cache.
             from kvflow.layers.invariant_linear import make_batch_invariant
 
             make_batch_invariant(model)
-        self.flat_metadata = attention_backend == "triton" or (attention_backend == "cpu" and quantized_kv)
         self.attention_backend = attention_backend
         self.graph_runner = None  # a DecodeGraphRunner (kvflow.worker.cuda_graph) when set
         self.is_driver = is_driver
@@ -116,14 +106,10 @@ class ModelRunner:
         decodes = [r for r in out.scheduled_requests if n_sched[r.request_id] == 1]
         prefills = [r for r in out.scheduled_requests if n_sched[r.request_id] > 1]
         bs = self.block_size
-        # Decodes in groups of similar context length: each group gathers K/V padded to its
-        # own longest context instead of the batch's.
-        flat = self.flat_metadata
-        # The kernels read the block tables directly: no padded copy, so no need to group.
-        decode_groups = [decodes] if self.attention_backend in ("triton", "cpu") else [
-            [decodes[i] for i in group]
-            for group in split_by_context([-(-(r.num_computed_tokens + 1) // bs) for r in decodes], bs)
-        ]
+        backend = self.attention_backend
+        # The backend orders the decodes (a padding-bound one groups them by context length).
+        decode_groups = [[decodes[i] for i in group]
+                         for group in backend.decode_groups([-(-(r.num_computed_tokens + 1) // bs) for r in decodes], bs)]
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
@@ -132,15 +118,14 @@ class ModelRunner:
         prompt_logprob_rows: list[tuple[Request, int, int]] = []
         spec_requests: list[tuple[Request, list[int]]] = []
         spec_indices: list[int] = []
-        groups: list[AttentionGroup] = []
-        flat_q_lens: list[int] = []
-        flat_ctx_lens: list[int] = []
-        flat_tables: list[list[int]] = []
+        q_lens: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        group_sizes: list[int] = []
         for reqs in (*decode_groups, prefills):
             if not reqs:
                 continue
-            start = len(input_ids)
-            q_lens, ctx_lens, tables = [], [], []
+            group_sizes.append(len(reqs))
             for r in reqs:
                 n = n_sched[r.request_id]
                 begin = r.num_computed_tokens
@@ -164,23 +149,14 @@ class ModelRunner:
                 q_lens.append(n)
                 ctx_lens.append(begin + n)
                 tables.append(r.block_ids)
-            if flat:
-                flat_q_lens += q_lens
-                flat_ctx_lens += ctx_lens
-                flat_tables += tables
-            else:
-                groups.append(AttentionGroup.build(start, q_lens, ctx_lens, tables, bs, self.device))
         for child, parent in out.forked:  # parallel samples draw from their parent's logits (no drafts yet)
             logits_indices.append(logits_indices[sampling_requests.index(parent)])
             sampling_requests.append(child)
         logits_indices.extend(spec_indices)
         dev = self.device
-        slot_mapping = torch.cat(slots).to(dev)
-        if flat:
-            metadata = AttentionMetadata.flat(slot_mapping, flat_q_lens, flat_ctx_lens, flat_tables, dev,
-                                              self.attention_backend)
-        else:
-            metadata = AttentionMetadata(slot_mapping=slot_mapping, groups=groups, backend=self.attention_backend)
+        metadata = backend.build_metadata(
+            BatchLayout(torch.cat(slots).to(dev), q_lens, ctx_lens, tables, group_sizes, bs, dev)
+        )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.cat(positions).to(dev),

@@ -1,49 +1,51 @@
-"""One rank's model and cache: what a tensor-parallel worker builds for itself (and the
-driver, rank 0, for its own shard).
+"""One rank's model, KV cache and runner: what a tensor-parallel worker builds for itself from
+the engine's ``EngineConfig`` (and the driver, rank 0, for its own shard).
 
 Every rank loads its shard of the model (``kvflow.model.loader.load_model`` with its
-``TensorParallel`` place) and a KV block pool of the same number of blocks: the count is
-sized for the rank holding the most KV heads, so that one block table serves every rank.
+``TensorParallel`` place) and a KV block pool of the same number of blocks (sized once by
+``EngineArgs.create_config`` for the rank holding the most KV heads, so that one block
+table serves every rank), and runs the attention backend the selector picks from the same
+config (the same on every rank).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kvflow.config import EngineArgs, resolve_dtype
+from kvflow.attention.backend import AttentionBackend
+from kvflow.attention.selector import select_attention_backend
+from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.model.loader import load_model
-from kvflow.model.resolve import resolve_model
 from kvflow.sample.sampler import Sampler
 from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
 
 
-def build_shard(args: EngineArgs, model_dir: str | os.PathLike, rank: int):
-    """Rank ``rank``'s model shard, the full model's config, and the cache layout every rank
-    shares.
+def build_shard(config: EngineConfig, rank: int = 0):
+    """Rank ``rank``'s model shard (the whole model without tensor parallelism).
 
-    Returns:
-        (model, model_config, cache_config).
+    Raises:
+        ValueError: see ``load_model``.
     """
-    device = args.torch_device()
-    dtype = resolve_dtype(args.dtype, device)
-    world = args.tensor_parallel_size
-    model, model_config = load_model(model_dir, dtype, device, args.quantization, args.quantization_group_size,
-                                     TensorParallel(rank, world), args.quantize_lm_head,
-                                     max_model_len=args.max_model_len)
-    widest = max((model_config.kv_cache_spec(world, r) for r in range(world)), key=lambda spec: spec.num_kv_heads)
-    cache_config = args.cache_config(widest, dtype)
-    return model, model_config, cache_config
+    load, device = config.load, config.device
+    world = config.parallel.tensor_parallel_size
+    tp = TensorParallel(rank, world) if world > 1 else None
+    model, _ = load_model(load.model_dir, device.dtype, device.device, load.quantization, load.group_size, tp,
+                          load.quantize_lm_head, model_config=config.model)
+    return model
 
 
-def build_rank(args: EngineArgs, rank: int, world_size: int) -> ModelRunner:
+def attention_backend_for(config: EngineConfig, log: bool = True) -> AttentionBackend:
+    """The engine's attention backend (``kvflow.attention.selector``)."""
+    return select_attention_backend(config.kernels.attention_backend, config.device.device, config.device.dtype,
+                                    config.cache.dtype, log=log)
+
+
+def build_rank(config: EngineConfig, rank: int) -> ModelRunner:
     """A tensor-parallel worker's model runner (it samples nothing)."""
-    model_dir = resolve_model(args.model, cache_dir=args.model_cache_dir)
-    model, _, cache_config = build_shard(args, model_dir, rank)
-    device = args.torch_device()
-    cache = CacheEngine(model.kv_cache_spec, cache_config, device)
-    return ModelRunner(model, cache, cache_config.block_size, Sampler(torch.Generator(device=device)), device,
-                       is_driver=False, attention_backend=args.resolved_attention_backend())
+    model = build_shard(config, rank)
+    device = config.device.device
+    cache = CacheEngine(model.kv_cache_spec, config.cache, device)
+    return ModelRunner(model, cache, config.cache.block_size, Sampler(torch.Generator(device=device)), device,
+                       is_driver=False, attention_backend=attention_backend_for(config, log=False))

@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import run_to_completion, tiny_engine, tiny_model_config
+from conftest import make_engine, run_to_completion, tiny_engine, tiny_model_config
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.sampling_params import SamplingParams
 
@@ -559,7 +559,7 @@ def test_fault_while_drafting_one_request_fails_it_alone(monkeypatch):
     config = tiny_model_config()
 
     def engine_with_ngram():
-        return LLMEngine(
+        return make_engine(
             model=tiny_model(config), model_config=config,
             cache_config=CacheConfig(block_size=4, num_blocks=64, dtype=torch.float32),
             scheduler_config=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=256),
@@ -640,7 +640,7 @@ def _quantized_engine(kv_dtype, block_size, max_num_batched_tokens, config, dtyp
 
     model = tiny_model(config).to(dtype)
     pack_for_cpu(model)  # bfloat16: oneDNN-packed linears, as the engine loads them
-    return LLMEngine(
+    return make_engine(
         model=model, model_config=config,
         cache_config=CacheConfig(block_size, 160, kv_dtype, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(max_num_batched_tokens, 8, 256),

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from conftest import random_paged_step
-from kvflow.layers.attention import AttentionGroup, AttentionMetadata, paged_attention
+from conftest import attend, flat_metadata
+from kvflow.attention.cpu_backend import CpuAttentionBackend, CpuQuantizedAttentionBackend
+from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
 from kvflow.layers.cpu_attention import cpu_kernel_available, paged_decode_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel could not be built here")
@@ -20,8 +22,8 @@ def _decode_step(num_heads, num_kv_heads, head_dim, block_size, ctx_lens, dtype,
 
 
 def _reference(q, k, v, group, scale):
-    meta = AttentionMetadata(torch.zeros(q.shape[0], dtype=torch.int64), [group])
-    return paged_attention(q.float(), (k.float(), v.float()), meta, scale)
+    meta = GroupedMetadata(torch.zeros(q.shape[0], dtype=torch.int64), [group])
+    return attend(q.float(), (k.float(), v.float()), meta, scale)
 
 
 @pytest.mark.parametrize(
@@ -70,7 +72,7 @@ def test_long_context_softmax_is_stable():
 
 
 def test_backend_dispatch_mixes_kernel_decodes_with_sdpa_prefills():
-    """backend="cpu": decode groups through the kernel, a prefill group through SDPA, in one
+    """The cpu backend: decode groups through the kernel, a prefill group through SDPA, in one
     step; equal to the torch backend."""
     g = torch.Generator().manual_seed(3)
     k = torch.randn(40, 4, 2, 16, generator=g)
@@ -79,8 +81,8 @@ def test_backend_dispatch_mixes_kernel_decodes_with_sdpa_prefills():
     decode = AttentionGroup.build(0, [1, 1], [9, 14], [[1, 2, 3], [4, 5, 6, 7]], 4, torch.device("cpu"))
     prefill = AttentionGroup.build(2, [5], [11], [[8, 9, 10]], 4, torch.device("cpu"))
     slots = torch.zeros(7, dtype=torch.int64)
-    want = paged_attention(q, (k, v), AttentionMetadata(slots, [decode, prefill]), 0.25)
-    got = paged_attention(q, (k, v), AttentionMetadata(slots, [decode, prefill], backend="cpu"), 0.25)
+    want = attend(q, (k, v), GroupedMetadata(slots, [decode, prefill]), 0.25)
+    got = attend(q, (k, v), GroupedMetadata(slots, [decode, prefill], CpuAttentionBackend()), 0.25)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
 
 
@@ -115,7 +117,7 @@ def test_nan_key_poisons_its_request_only(dtype):
 
 # --------------------------------------------------- every token over an int8 / fp8 cache
 def _quantized_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens, dtype, seed=0):
-    from kvflow.layers.attention import quantize_kv
+    from kvflow.attention.kv_cache import quantize_kv
 
     q, k, v, tables = random_paged_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens,
                                         torch.float32, seed)
@@ -125,8 +127,8 @@ def _quantized_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_l
 
 
 def _flat(q_lens, ctx_lens, tables):
-    meta = AttentionMetadata.flat(torch.zeros(sum(q_lens), dtype=torch.int64), q_lens, ctx_lens, tables,
-                                  torch.device("cpu"), "cpu")
+    meta = flat_metadata(CpuQuantizedAttentionBackend(), torch.zeros(sum(q_lens), dtype=torch.int64), q_lens, ctx_lens,
+                         tables, torch.device("cpu"))
     return meta.block_tables, meta.query_start_loc, meta.context_lens
 
 
@@ -149,8 +151,8 @@ def test_quantized_every_token_matches_torch_path_and_is_batch_invariant(kv_dtyp
     start, alone, refs = 0, [], []
     for q_len, ctx, table in zip(q_lens, ctx_lens, tables):
         group = AttentionGroup.build(0, [q_len], [ctx], [table], block_size, torch.device("cpu"))
-        meta = AttentionMetadata(torch.zeros(q_len, dtype=torch.int64), [group])
-        refs.append(paged_attention(q[start : start + q_len], cache, meta, scale))
+        meta = GroupedMetadata(torch.zeros(q_len, dtype=torch.int64), [group])
+        refs.append(attend(q[start : start + q_len], cache, meta, scale))
         for i in range(q_len):
             one = paged_attention_quantized(q[start + i : start + i + 1], cache, *_flat([1], [ctx - q_len + i + 1], [table]), scale)
             alone.append(one)

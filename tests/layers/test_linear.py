@@ -122,7 +122,7 @@ def test_float16_weight_is_refused_naming_the_missing_feature():
 @needs_bf16
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_model_matches_unpacked(tied):
-    from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+    from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
     from kvflow.worker.cache_engine import CacheEngine
     from kvflow.config import CacheConfig
 
@@ -145,7 +145,7 @@ def test_packed_model_matches_unpacked(tied):
     for m in (model, reference):
         cache = CacheEngine(config.kv_cache_spec(), CacheConfig(block_size=4, num_blocks=4, dtype=torch.bfloat16), torch.device("cpu"))
         group = AttentionGroup.build(0, [n], [n], [[0, 1, 2]], 4, torch.device("cpu"))
-        meta = AttentionMetadata(slot_mapping=torch.arange(n), groups=[group])
+        meta = GroupedMetadata(slot_mapping=torch.arange(n), groups=[group])
         with torch.inference_mode():
             hidden = m(torch.arange(n) % config.vocab_size, torch.arange(n), cache.kv_caches, meta)
             logits.append(m.compute_logits(hidden))
@@ -161,7 +161,7 @@ def test_float16_model_packs_what_this_cpu_can_and_runs():
     cannot pack float16 the linears and the LM head stay dense; the logits equal the
     unpacked model's up to accumulation order either way."""
     from kvflow.config import CacheConfig
-    from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+    from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
     from kvflow.worker.cache_engine import CacheEngine
 
     config = tiny_model_config(tie_word_embeddings=True)
@@ -173,7 +173,7 @@ def test_float16_model_packs_what_this_cpu_can_and_runs():
     n, logits = 7, []
     for m in (model, reference):
         cache = CacheEngine(config.kv_cache_spec(), CacheConfig(block_size=4, num_blocks=2, dtype=torch.float16), torch.device("cpu"))
-        meta = AttentionMetadata(slot_mapping=torch.arange(n),
+        meta = GroupedMetadata(slot_mapping=torch.arange(n),
                                  groups=[AttentionGroup.build(0, [n], [n], [[0, 1]], 4, torch.device("cpu"))])
         logits.append(m.compute_logits(m(torch.arange(n), torch.arange(n), cache.kv_caches, meta)))
     torch.testing.assert_close(logits[0], logits[1], atol=1e-2, rtol=1e-2)

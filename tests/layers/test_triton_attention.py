@@ -14,17 +14,16 @@ import torch
 pytest.importorskip("triton")
 
 from conftest import random_paged_step  # noqa: E402
-from kvflow.layers.attention import (  # noqa: E402
-    AttentionGroup,
-    AttentionMetadata,
-    paged_attention,
-    quantize_kv,
-    store_kv,
-    write_kv_cache,
-)
+from conftest import attend, flat_metadata, store_kv  # noqa: E402
+from kvflow.attention.kv_cache import quantize_kv, write_kv_cache  # noqa: E402
+from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata  # noqa: E402
+from kvflow.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from kvflow.layers.triton_attention import triton_paged_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+TRITON = TritonAttentionBackend()
 
 
 def _random_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens, dtype, seed=0):
@@ -36,13 +35,13 @@ def _torch_reference(q, kv_cache, q_lens, ctx_lens, tables, block_size, scale):
     for n, c, t in zip(q_lens, ctx_lens, tables):  # one group per request: no padding at all
         groups.append(AttentionGroup.build(start, [n], [c], [t], block_size, torch.device("cpu")))
         start += n
-    return paged_attention(q, kv_cache, AttentionMetadata(torch.zeros(start, dtype=torch.int64), groups), scale)
+    return attend(q, kv_cache, GroupedMetadata(torch.zeros(start, dtype=torch.int64), groups), scale)
 
 
 def _triton(q, kv_cache, q_lens, ctx_lens, tables, scale):
-    meta = AttentionMetadata.for_triton(torch.zeros(q.shape[0], dtype=torch.int64, device=DEVICE), q_lens, ctx_lens,
-                                        tables, DEVICE)
-    out = paged_attention(q.to(DEVICE), tuple(t.to(DEVICE) for t in kv_cache), meta, scale)
+    meta = flat_metadata(TRITON, torch.zeros(q.shape[0], dtype=torch.int64, device=DEVICE), q_lens, ctx_lens,
+                         tables, DEVICE)
+    out = attend(q.to(DEVICE), tuple(t.to(DEVICE) for t in kv_cache), meta, scale)
     return out.cpu()
 
 
@@ -100,11 +99,8 @@ def test_int8_kv_cache_matches_torch_backend():
 def test_request_without_query_tokens_is_skipped():
     """A padded CUDA-graph row (no query tokens, empty context) neither fails nor writes."""
     q, k, v, tables = _random_step(4, 2, 16, 4, [3, 2], [10, 6], torch.float32)
-    meta = AttentionMetadata.for_triton(torch.zeros(5, dtype=torch.int64), [3, 0, 2], [10, 0, 6],
-                                        [tables[0], [0], tables[1]], torch.device("cpu"))
-    meta = AttentionMetadata(**{**meta.__dict__, "block_tables": meta.block_tables.to(DEVICE),
-                                "query_start_loc": meta.query_start_loc.to(DEVICE),
-                                "context_lens": meta.context_lens.to(DEVICE)})
+    meta = flat_metadata(TRITON, torch.zeros(5, dtype=torch.int64, device=DEVICE), [3, 0, 2], [10, 0, 6],
+                         [tables[0], [0], tables[1]], DEVICE)
     out = triton_paged_attention(q.to(DEVICE), (k.to(DEVICE), v.to(DEVICE)), meta, 0.25).cpu()
     ref = _torch_reference(q, (k, v), [3, 2], [10, 6], tables, 4, 0.25)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-5)
@@ -129,8 +125,7 @@ def test_write_skips_negative_slots(cache_dtype):
     keep = slots >= 0
     write_kv_cache(k[keep], v[keep], ref, slots[keep])
     cache = tuple(t.to(DEVICE) for t in empty_cache())
-    meta = AttentionMetadata(slot_mapping=slots.to(DEVICE), groups=[], backend="triton")
-    store_kv(k.to(DEVICE), v.to(DEVICE), cache, meta)
+    store_kv(k.to(DEVICE), v.to(DEVICE), cache, slots.to(DEVICE), backend=TRITON)
     for got, want in zip(cache, ref):
         assert torch.equal(got.cpu(), want)
     assert cache[0].abs().sum() > 0  # something was written

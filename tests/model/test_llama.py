@@ -205,7 +205,7 @@ def test_quantize_lm_head_rejects_unknown_method():
 
 def _prefill_logits_with_cache(model, token_ids, cache_dtype, chunk=8, block_size=4):
     from kvflow.config import CacheConfig
-    from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+    from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
     from kvflow.worker.cache_engine import CacheEngine
 
     n = len(token_ids)
@@ -219,7 +219,7 @@ def _prefill_logits_with_cache(model, token_ids, cache_dtype, chunk=8, block_siz
             pos = torch.arange(start, end)
             group = AttentionGroup.build(0, [end - start], [end], [table[: -(-end // block_size)]], block_size,
                                          torch.device("cpu"))
-            hidden = model(torch.tensor(token_ids[start:end]), pos, cache.kv_caches, AttentionMetadata(pos.clone(), [group]))
+            hidden = model(torch.tensor(token_ids[start:end]), pos, cache.kv_caches, GroupedMetadata(pos.clone(), [group]))
             logits.append(model.compute_logits(hidden))
     return torch.cat(logits)
 

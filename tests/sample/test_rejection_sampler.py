@@ -18,10 +18,10 @@ import sys
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_model_config
+from conftest import make_engine, tiny_model, tiny_model_config
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.layers.attention import AttentionGroup, AttentionMetadata
+from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
 from kvflow.request import Request
 from kvflow.sample.rejection_sampler import RejectionSampler, processed_probs
 from kvflow.sampling_params import SamplingParams
@@ -279,7 +279,7 @@ def enumerate_logits(model, prompt: list[int], depth: int, vocab: int) -> list[t
     positions = torch.arange(length).repeat(n)
     slots = torch.arange(n * length)  # sequence i in block i
     group = AttentionGroup.build(0, [length] * n, [length] * n, [[i] for i in range(n)], bs, CPU)
-    hidden = model(tokens.reshape(-1), positions, cache.kv_caches, AttentionMetadata(slots, [group]))
+    hidden = model(tokens.reshape(-1), positions, cache.kv_caches, GroupedMetadata(slots, [group]))
     logits = model.compute_logits(hidden).reshape([vocab] * depth + [length, vocab]).float()
     out = []
     for j in range(depth + 1):
@@ -360,7 +360,7 @@ def test_speculative_sampling_preserves_target_distribution():
     proposer = DraftModelProposer(
         draft, cfg, CacheConfig(bs, 2 * batch, torch.float32, enable_prefix_caching=False), 3, 64, CPU, seed=1
     )
-    engine = LLMEngine(
+    engine = make_engine(
         target, cfg, CacheConfig(bs, 2 * batch, torch.float32), SchedulerConfig(1 << 20, batch, 64), None, CPU,
         seed=0, proposer=proposer,
     )

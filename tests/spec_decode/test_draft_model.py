@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import tiny_model, tiny_model_config
+from conftest import make_engine as conftest_make_engine, tiny_model, tiny_model_config
 from kvflow.config import CacheConfig, EngineArgs, SchedulerConfig, SpeculativeConfig
 from kvflow.core.block_pool import hash_block_tokens
 from kvflow.core.kv_cache_manager import cdiv
@@ -67,7 +67,7 @@ def make_proposer(kind: str, k: int, max_model_len: int = 256, block_size: int =
 def make_engine(proposer=None, num_blocks=128, block_size=4, max_num_batched_tokens=64, max_num_seqs=16,
                 max_model_len=256, enable_prefix_caching=True, preemption_mode="recompute", num_cpu_blocks=0,
                 seed=0) -> LLMEngine:
-    return LLMEngine(
+    return conftest_make_engine(
         model=tiny_model(CONFIG),
         model_config=CONFIG,
         cache_config=CacheConfig(block_size, num_blocks, torch.float32, enable_prefix_caching, num_cpu_blocks),
@@ -222,9 +222,11 @@ def test_draft_on_the_triton_backend_accepts_everything(reference):
     """The draft runner takes the engine's attention backend (Triton kernels; in Triton's CPU
     interpreter without CUDA): an identical draft is still fully accepted, same outputs."""
     pytest.importorskip("triton")
+    from kvflow.attention.triton_backend import TritonAttentionBackend
+
     proposer = DraftModelProposer(tiny_model(CONFIG), CONFIG, CacheConfig(4, 128, torch.float32, False), 3, 256, CPU,
-                                  attention_backend="triton")
-    assert proposer.runner.attention_backend == "triton"
+                                  attention_backend=TritonAttentionBackend())
+    assert proposer.runner.attention_backend.name == "triton"
     engine = make_engine(proposer)
     assert run_schedule(engine, greedy_arrivals()) == reference
     assert engine.get_stats()["spec_acceptance_rate"] == 1.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import engine_like, requires_smollm2, tiny_model, tiny_model_config, tiny_word_tokenizer
+from conftest import make_engine as conftest_make_engine, engine_like, requires_smollm2, tiny_model, tiny_model_config, tiny_word_tokenizer
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.request import Request
@@ -108,7 +108,7 @@ def test_propose_sets_capped_one_hot_drafts():
 def make_engine(proposer=None, num_blocks=128, block_size=4, max_num_batched_tokens=64, max_num_seqs=16,
                 max_model_len=256, enable_prefix_caching=True, seed=0, vocab_size=32, tokenizer=None) -> LLMEngine:
     config = tiny_model_config(vocab_size=vocab_size)
-    return LLMEngine(
+    return conftest_make_engine(
         model=tiny_model(config),
         model_config=config,
         cache_config=CacheConfig(block_size, num_blocks, torch.float32, enable_prefix_caching=enable_prefix_caching),

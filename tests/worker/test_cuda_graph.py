@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_to_completion, tiny_model, tiny_model_config
+from conftest import make_engine, run_to_completion, tiny_model, tiny_model_config
 from kvflow.config import CacheConfig
-from kvflow.layers.attention import AttentionMetadata
+from kvflow.attention.backend import BatchLayout
+from kvflow.attention.triton_backend import TritonAttentionBackend
 from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.cuda_graph import DecodeGraphRunner, default_batch_sizes
 
@@ -26,12 +27,19 @@ def test_default_batch_sizes():
     assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
+TRITON = TritonAttentionBackend()
+
+
+def _flat(slots, q_lens, contexts, tables, block_size=4):
+    return TRITON.build_metadata(BatchLayout(slots, q_lens, contexts, tables, [len(q_lens)], block_size, torch.device("cpu")))
+
+
 def _decode_inputs(contexts, tables, block_size, seed=0):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 128, (len(contexts),), generator=g)
     positions = torch.tensor([c - 1 for c in contexts])
     slots = torch.tensor([t[(c - 1) // block_size] * block_size + (c - 1) % block_size for c, t in zip(contexts, tables)])
-    meta = AttentionMetadata.for_triton(slots, [1] * len(contexts), contexts, tables, torch.device("cpu"))
+    meta = _flat(slots, [1] * len(contexts), contexts, tables, block_size)
     return ids, positions, meta
 
 
@@ -74,7 +82,7 @@ def test_padded_replay_equals_eager_forward_and_writes_only_real_slots():
             caches["eager"].kv_caches[layer][i].copy_(torch.randn(caches["eager"].kv_caches[layer][i].shape, generator=g))
             caches["graph"].kv_caches[layer][i].copy_(caches["eager"].kv_caches[layer][i])
     runner = DecodeGraphRunner(model, caches["graph"].kv_caches, max_blocks_per_seq=8, batch_sizes=[1, 4, 8],
-                               device=torch.device("cpu"), capture="eager")
+                               device=torch.device("cpu"), backend=TRITON, capture="eager")
     # capturing wrote nothing: every captured row was inert
     for a, b in zip(caches["eager"].kv_caches, caches["graph"].kv_caches):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -110,14 +118,14 @@ def test_padded_replay_equals_eager_forward_and_writes_only_real_slots():
 def test_prefill_and_oversized_batches_run_eagerly():
     model = tiny_model(tiny_model_config())
     cache = CacheEngine(model.kv_cache_spec, CacheConfig(4, 16, torch.float32), torch.device("cpu"))
-    runner = DecodeGraphRunner(model, cache.kv_caches, 4, [2], torch.device("cpu"), capture="eager")
+    runner = DecodeGraphRunner(model, cache.kv_caches, 4, [2], torch.device("cpu"), TRITON, capture="eager")
 
     class Inputs:
         prompt_logprob_rows = []
 
     Inputs.input_ids, _, Inputs.metadata = _decode_inputs([3, 5, 6], [[0], [1, 2], [3, 4]], 4)
     assert not runner.can_run(Inputs)  # 3 > largest graph
-    Inputs.metadata = AttentionMetadata.for_triton(torch.zeros(4, dtype=torch.int64), [4], [4], [[0]], torch.device("cpu"))
+    Inputs.metadata = _flat(torch.zeros(4, dtype=torch.int64), [4], [4], [[0]])
     Inputs.input_ids = torch.zeros(4, dtype=torch.int64)
     assert not runner.can_run(Inputs)  # a prefill chunk
 
@@ -126,9 +134,9 @@ def test_bad_arguments_raise():
     model = tiny_model(tiny_model_config())
     cache = CacheEngine(model.kv_cache_spec, CacheConfig(4, 16, torch.float32), torch.device("cpu"))
     with pytest.raises(ValueError, match="batch_sizes"):
-        DecodeGraphRunner(model, cache.kv_caches, 4, [], torch.device("cpu"), capture="eager")
+        DecodeGraphRunner(model, cache.kv_caches, 4, [], torch.device("cpu"), TRITON, capture="eager")
     with pytest.raises(ValueError, match="capture"):
-        DecodeGraphRunner(model, cache.kv_caches, 4, [1], torch.device("cpu"), capture="cpu-graph")
+        DecodeGraphRunner(model, cache.kv_caches, 4, [1], torch.device("cpu"), TRITON, capture="cpu-graph")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -140,10 +148,10 @@ def test_cuda_graph_engine_matches_eager_engine():
     config = tiny_model_config()
     outputs = {}
     for graphs in (None, [1, 2, 4, 8]):
-        engine = LLMEngine(
+        engine = make_engine(
             model=tiny_model(config).cuda(), model_config=config,
             cache_config=CacheConfig(16, 64, torch.float32), scheduler_config=SchedulerConfig(64, 8, 256),
-            tokenizer=None, device=torch.device("cuda"), attention_backend="triton", cuda_graph_batch_sizes=graphs,
+            tokenizer=None, device=torch.device("cuda"), attention_backend="triton", enforce_eager=graphs is None,
         )
         for i in range(5):
             engine.add_request(f"r{i}", [(7 * i + j) % 128 for j in range(3 + 5 * i)], SamplingParams(temperature=0, max_tokens=12))

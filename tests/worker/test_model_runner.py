@@ -9,7 +9,8 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import run_to_completion, tiny_engine, tiny_model_config
+from kvflow.attention.backend import FlatMetadata
+from conftest import make_engine, run_to_completion, tiny_engine, tiny_model_config
 from kvflow.config import CacheConfig
 from kvflow.layers.cpu_attention import cpu_kernel_available
 from kvflow.sampling_params import SamplingParams
@@ -56,7 +57,7 @@ def test_cpu_backend_puts_all_decodes_in_one_group():
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=4))
     engine.step()  # the three prefills
     inputs = engine.model_runner.prepare_inputs(engine.scheduler.schedule())
-    assert inputs.metadata.backend == "cpu"
+    assert inputs.metadata.backend.name == "cpu"
     assert len(inputs.metadata.groups) == 1  # contexts 5 and 25: one group, no padding concern
     assert inputs.metadata.groups[0].context_lens.tolist() == [5, 5, 25]
 
@@ -71,15 +72,15 @@ def test_cpu_backend_over_int8_kv_is_flat_and_batch_invariant():
     from kvflow.layers.invariant_linear import InvariantLinearMethod, invariant_linear_available
 
     config = tiny_model_config()
-    engine = LLMEngine(model=tiny_model(config), model_config=config,
+    engine = make_engine(model=tiny_model(config), model_config=config,
                        cache_config=CacheConfig(4, 64, torch.int8), scheduler_config=SchedulerConfig(64, 8, 256),
                        tokenizer=None, device=torch.device("cpu"), attention_backend="cpu")
-    assert engine.model_runner.attention_backend == "cpu"
+    assert engine.model_runner.attention_backend.name == "cpu"
     engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
     engine.step()
     engine.add_request("b", list(range(9)), SamplingParams(temperature=0, max_tokens=4))
     meta = engine.model_runner.prepare_inputs(engine.scheduler.schedule()).metadata
-    assert meta.backend == "cpu" and meta.groups == []
+    assert meta.backend.name == "cpu" and isinstance(meta, FlatMetadata)
     assert meta.query_start_loc.tolist() == [0, 1, 10]  # a's decode, then b's prefill
     assert meta.context_lens.tolist() == [6, 9] and meta.block_tables.dtype == torch.int64
     if invariant_linear_available():
@@ -98,7 +99,7 @@ def test_triton_backend_metadata_is_flat_per_request():
     out = engine.scheduler.schedule()
     inputs = engine.model_runner.prepare_inputs(out)
     meta = inputs.metadata
-    assert meta.backend == "triton" and meta.groups == []
+    assert meta.backend.name == "triton" and isinstance(meta, FlatMetadata)
     assert meta.max_query_len == 1
     assert meta.query_start_loc.tolist() == [0, 1, 2]
     assert sorted(meta.context_lens.tolist()) == [10, 31]

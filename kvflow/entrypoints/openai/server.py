@@ -654,9 +654,9 @@ def default_served_name(model: str) -> str:
     stem or folder name (the absolute path is never echoed)."""
     from pathlib import Path
 
-    from kvflow.model import registry
+    from kvflow.model import packages
 
-    if model in registry.REGISTRY:
+    if model in packages.REGISTRY:
         return model
     path = Path(model)
     return (path.stem if path.suffix == ".gguf" else path.name) or model

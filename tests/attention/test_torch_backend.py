@@ -1,4 +1,4 @@
-"""Paged attention helpers (``kvflow/layers/attention.py``): grouping decodes by context
+"""The PyTorch attention backend (``kvflow/attention/torch_backend.py``): grouping decodes by context
 length, and attention over several groups equal to one group."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from kvflow.layers.attention import AttentionGroup, AttentionMetadata, paged_attention, split_by_context
+from conftest import attend, store_kv
+from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata, split_by_context
 
 
 def _cost(groups: list[list[int]], blocks: list[int], block_size: int, overhead: int) -> int:
@@ -69,13 +70,13 @@ def test_attention_over_several_groups_equals_one_group():
     tables = [[0, 1, 2], [3], [4, 5, 6, 7, 8]]
     ctx = [10, 3, 17]
     q = torch.randn(len(ctx), heads, d)
-    one = AttentionMetadata(torch.zeros(3, dtype=torch.int64),
+    one = GroupedMetadata(torch.zeros(3, dtype=torch.int64),
                             [AttentionGroup.build(0, [1, 1, 1], ctx, tables, bs, torch.device("cpu"))])
-    several = AttentionMetadata(torch.zeros(3, dtype=torch.int64), [
+    several = GroupedMetadata(torch.zeros(3, dtype=torch.int64), [
         AttentionGroup.build(i, [1], [ctx[i]], [tables[i]], bs, torch.device("cpu")) for i in range(3)
     ])
-    out_one = paged_attention(q, (k_cache, v_cache), one, d**-0.5)
-    out_several = paged_attention(q, (k_cache, v_cache), several, d**-0.5)
+    out_one = attend(q, (k_cache, v_cache), one, d**-0.5)
+    out_several = attend(q, (k_cache, v_cache), several, d**-0.5)
     torch.testing.assert_close(out_one, out_several, rtol=1e-5, atol=1e-6)
     # And against the explicit computation for request 2 (GQA: head h reads KV head h // 2).
     keys = k_cache[tables[2]].reshape(-1, kv_heads, d)[: ctx[2]]
@@ -100,7 +101,7 @@ def test_key_offset_keeps_attention_and_saves_int8_precision():
     token-dependent part. Stored minus that vector (``key_offset``), an int8 cache gives
     attention close to the float one; stored as they are, the common vector sets every
     token's scale and the token-dependent part is lost in the rounding."""
-    from kvflow.layers.attention import store_kv, write_kv_cache
+    from kvflow.attention.kv_cache import write_kv_cache
 
     g = torch.Generator().manual_seed(0)
     bs, kv_heads, heads, d, ctx = 16, 2, 6, 64, [40, 75]
@@ -110,18 +111,18 @@ def test_key_offset_keeps_attention_and_saves_int8_precision():
     q = torch.randn(len(ctx), heads, d, generator=g)
     tables = [[0, 1, 2], [3, 4, 5, 6, 7]]
     slots = torch.cat([torch.tensor(t).repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs for t, n in zip(tables, ctx)])
-    decode = AttentionMetadata(torch.zeros(2, dtype=torch.int64), [AttentionGroup.build(0, [1, 1], ctx, tables, bs, torch.device("cpu"))])
+    decode = GroupedMetadata(torch.zeros(2, dtype=torch.int64), [AttentionGroup.build(0, [1, 1], ctx, tables, bs, torch.device("cpu"))])
 
     float_cache = (torch.zeros(8, bs, kv_heads, d), torch.zeros(8, bs, kv_heads, d))
-    store_kv(k, v, float_cache, AttentionMetadata(slots, []), key_offset=offset)  # ignored: float cache
+    store_kv(k, v, float_cache, slots, key_offset=offset)  # ignored: float cache
     written = float_cache[0].view(-1, kv_heads, d)[slots]
     assert torch.equal(written, k)
-    want = paged_attention(q, float_cache, decode, d**-0.5)
+    want = attend(q, float_cache, decode, d**-0.5)
 
     def through_int8(key_offset):
         cache = _int8_cache(8, bs, kv_heads, d)
-        store_kv(k, v, cache, AttentionMetadata(slots, []), key_offset=key_offset)
-        return paged_attention(q, cache, decode, d**-0.5)
+        store_kv(k, v, cache, slots, key_offset=key_offset)
+        return attend(q, cache, decode, d**-0.5)
 
     err_offset = float((through_int8(offset) - want).abs().max())
     err_plain = float((through_int8(None) - want).abs().max())
@@ -130,4 +131,4 @@ def test_key_offset_keeps_attention_and_saves_int8_precision():
     # The shift is exact in float arithmetic: the same keys minus the offset, unquantized.
     shifted = (torch.zeros(8, bs, kv_heads, d), torch.zeros(8, bs, kv_heads, d))
     write_kv_cache(k - offset, v, shifted, slots)
-    torch.testing.assert_close(paged_attention(q, shifted, decode, d**-0.5), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(attend(q, shifted, decode, d**-0.5), want, rtol=1e-4, atol=1e-5)

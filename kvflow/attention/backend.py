@@ -1,0 +1,156 @@
+"""The attention-backend interface, and the step layout every backend builds its metadata from.
+
+A backend is a stateless object that knows one way to run paged attention:
+
+- ``decode_groups``: how the runner should order the step's decodes (a padding-bound
+  backend groups them by context length; kernels that read the block tables take them all);
+- ``build_metadata(layout)``: the per-step metadata (built once, shared by every layer);
+- ``forward(q, k, v, kv_cache, metadata, scale, key_offset)``: write the step's K/V into one
+  layer's cache, then attend every query over its request's cached K/V (causal).
+
+The metadata carries its backend (``metadata.backend``), so a model's ``Attention`` layer
+runs whatever backend the runner chose, passed explicitly with the step (no global context).
+Which backend runs is decided once, by ``kvflow.attention.selector``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvflow.attention.kv_cache import KVCache, subtract_key_offset
+
+
+#: A backend's per-step metadata (``torch_backend.GroupedMetadata``, ``FlatMetadata``): it
+#: carries ``backend`` and ``slot_mapping``; only its backend reads the rest.
+AttentionMetadata = Any
+
+
+@dataclass
+class BatchLayout:
+    """One step's requests as the model runner flattened them.
+
+    Attributes:
+        slot_mapping: int64 [T] on the device: the flat cache slot of each new token.
+        query_lens: new tokens per request, in flat token order (request r's tokens follow
+            request r - 1's).
+        context_lens: tokens in each request's cache after this step's writes.
+        block_tables: physical block ids per request, covering ``context_lens``.
+        group_sizes: requests per attention group, in order (sums to the request count):
+            the decode groups the backend asked for (``decode_groups``), then the prefills.
+        block_size: tokens per block.
+        device: where the metadata tensors go.
+    """
+
+    slot_mapping: torch.Tensor
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    group_sizes: list[int]
+    block_size: int
+    device: torch.device
+
+
+def padded_block_tables(block_tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """Block tables as one [R, max(len, 1)] tensor of ``dtype``, short rows padded with block 0
+    (never read past a request's context)."""
+    width = max((len(t) for t in block_tables), default=1) or 1
+    table = torch.zeros(len(block_tables), width, dtype=dtype)
+    for i, t in enumerate(block_tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=dtype)
+    return table
+
+
+class AttentionBackend:
+    """Base class of the paged-attention backends (see the module docstring).
+
+    Attributes:
+        name: the backend's name in ``EngineArgs.attention_backend`` and the logs.
+        needs_batch_invariant_linears: the model's dense CPU linears must be batch-invariant
+            for this backend's guarantee that a token's stored K/V never depend on how its
+            step was batched (a quantized cache, ``kvflow.layers.invariant_linear``).
+        supports_cuda_graphs: decode steps may replay CUDA graphs over ``graph_metadata``.
+    """
+
+    name = "base"
+    needs_batch_invariant_linears = False
+    supports_cuda_graphs = False
+
+    def decode_groups(self, context_blocks: list[int], block_size: int) -> list[list[int]]:
+        """The step's decodes (their context lengths in blocks, in batch order) split into
+        attention groups: lists of indices, in the order the runner lays them out. Default:
+        all in one group, in order."""
+        return [list(range(len(context_blocks)))] if context_blocks else []
+
+    def build_metadata(self, layout: BatchLayout):
+        raise NotImplementedError
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, metadata) -> None:
+        """Store this step's K/V [T, num_kv_heads, head_dim] at ``metadata.slot_mapping``."""
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, kv_cache: KVCache, metadata, scale: float) -> torch.Tensor:
+        """Causal attention of q [T, num_heads, head_dim] over the cached K/V (already holding
+        this step's); returns [T, num_heads, head_dim] in q's dtype."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        kv_cache: KVCache,
+        metadata,
+        scale: float,
+        key_offset: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write k, v [T, num_kv_heads, head_dim] (None: a layer that reads another layer's
+        K/V) into ``kv_cache`` (keys minus ``key_offset`` for a quantized cache, see
+        ``kv_cache.subtract_key_offset``), then attend; returns [T, num_heads, head_dim]."""
+        if k is not None:
+            self.write_kv(subtract_key_offset(k, kv_cache, key_offset), v, kv_cache, metadata)
+        return self.attend(q, kv_cache, metadata, scale)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+@dataclass
+class FlatMetadata:
+    """Per-request metadata, requests in flat token order, for the kernels that read the
+    block tables themselves (Triton; the CPU kernel over a quantized cache).
+
+    Attributes:
+        backend: the backend that runs it.
+        slot_mapping: int64 [T]; flat cache slot of each new token (negative: not stored,
+            CUDA-graph padding rows of the Triton backend).
+        block_tables: [R, max_blocks] physical blocks per request (dtype as the backend's
+            kernel reads it).
+        query_start_loc: int32 [R + 1]; request r's tokens are rows
+            ``query_start_loc[r] : query_start_loc[r + 1]``.
+        context_lens: int32 [R], tokens in the cache after this step's writes.
+        max_query_len: longest query chunk of the step, in tokens.
+    """
+
+    backend: AttentionBackend
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    context_lens: torch.Tensor
+    max_query_len: int
+
+    @classmethod
+    def build(cls, backend: AttentionBackend, layout: BatchLayout, table_dtype: torch.dtype) -> "FlatMetadata":
+        table = padded_block_tables(layout.block_tables, table_dtype)
+        starts = torch.zeros(len(layout.query_lens) + 1, dtype=torch.int32)
+        starts[1:] = torch.tensor(layout.query_lens, dtype=torch.int32).cumsum(0)
+        return cls(
+            backend=backend,
+            slot_mapping=layout.slot_mapping,
+            block_tables=table.to(layout.device),
+            query_start_loc=starts.to(layout.device),
+            context_lens=torch.tensor(layout.context_lens, dtype=torch.int32).to(layout.device),
+            max_query_len=max(layout.query_lens, default=0),
+        )

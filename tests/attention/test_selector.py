@@ -1,0 +1,79 @@
+"""The attention-backend selector (``kvflow.attention.selector``): the one place that
+chooses by device, dtypes and the user's ``attention_backend``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvflow.attention.selector import select_attention_backend
+from kvflow.layers.triton_attention import triton_available
+
+CPU = torch.device("cpu")
+F32 = torch.float32
+
+
+def test_unknown_name_names_the_field():
+    with pytest.raises(ValueError, match="attention_backend"):
+        select_attention_backend("flashinfer", CPU, F32, F32)
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton not installed")
+def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
+    import kvflow.layers.triton_attention as ta
+
+    # tests/conftest.py set TRITON_INTERPRET=1 before the kernels were first imported
+    assert ta.interpreter_enabled() == (not torch.cuda.is_available())
+    monkeypatch.setattr(ta, "interpreter_enabled", lambda: False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        select_attention_backend("triton", CPU, F32, F32)
+    monkeypatch.setattr(ta, "interpreter_enabled", lambda: True)
+    assert select_attention_backend("triton", CPU, F32, F32).name == "triton"
+    assert select_attention_backend("triton", CPU, F32, torch.int8).needs_batch_invariant_linears
+    assert not select_attention_backend("triton", CPU, F32, F32).needs_batch_invariant_linears
+    with pytest.raises(ValueError, match="bfloat16"):
+        select_attention_backend("triton", CPU, torch.bfloat16, torch.bfloat16)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
+def test_auto_backend_is_triton_on_cuda():
+    assert select_attention_backend("auto", torch.device("cuda"), torch.bfloat16, torch.bfloat16).name == "triton"
+
+
+def test_auto_backend_on_the_cpu_follows_the_kernel(monkeypatch):
+    import kvflow.layers.cpu_attention as ca
+
+    monkeypatch.setattr(ca, "cpu_kernel_available", lambda: True)
+    assert select_attention_backend("auto", CPU, F32, F32).name == "cpu"
+    monkeypatch.setattr(ca, "cpu_kernel_available", lambda: False)
+    assert select_attention_backend("auto", CPU, F32, F32).name == "torch"
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        select_attention_backend("cpu", CPU, F32, F32)
+
+
+def test_cpu_backend_variants_by_cache_dtype(monkeypatch, caplog):
+    """Over a quantized cache the C++ path attends every token as a one-token decode and asks
+    for batch-invariant linears; a float cache of another dtype than the model's (which the
+    decode kernel cannot read) takes the PyTorch path, and says so (it used to be a silent
+    downgrade inside the model runner)."""
+    import kvflow.layers.cpu_attention as ca
+
+    monkeypatch.setattr(ca, "cpu_kernel_available", lambda: True)
+    plain = select_attention_backend("cpu", CPU, F32, F32)
+    assert type(plain).__name__ == "CpuAttentionBackend" and not plain.needs_batch_invariant_linears
+    quantized = select_attention_backend("cpu", CPU, F32, torch.int8)
+    assert type(quantized).__name__ == "CpuQuantizedAttentionBackend" and quantized.needs_batch_invariant_linears
+    with caplog.at_level(logging.INFO, logger="kvflow.attention.selector"):
+        other = select_attention_backend("cpu", CPU, torch.bfloat16, F32)
+    assert other.name == "torch"
+    assert any("model's dtype only" in r.getMessage() for r in caplog.records)
+
+
+def test_the_choice_is_logged(caplog):
+    with caplog.at_level(logging.INFO, logger="kvflow.attention.selector"):
+        select_attention_backend("torch", CPU, F32, F32)
+    assert [r.getMessage() for r in caplog.records if r.name == "kvflow.attention.selector"] == [
+        "attention backend: TorchAttentionBackend() (requested; cpu, model float32, KV cache float32)"
+    ]
