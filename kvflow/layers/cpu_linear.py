@@ -16,8 +16,9 @@ the weight, read 16 columns at a time across its rows, which is too short a stre
 for the hardware prefetcher: the next tile's region is prefetched in software.
 
 The C++ source is ``kvflow/ops/csrc/int8_linear.cpp`` (built on first use by
-``kvflow.ops.build``). Needs AVX-512 (F, BW) and K % 16 == 0: ``int8_available()`` is False without them, if the
-build fails, or with ``KVFLOW_CPU_LINEAR=0``, and the INT8 method keeps PyTorch's kernel.
+``kvflow.ops.build``). Needs AVX-512 (F, BW) and K % 16 == 0: ``int8_available()`` is False
+without them, if the build fails, or with ``KVFLOW_CPU_LINEAR=0``, and the INT8 method keeps
+PyTorch's kernel.
 (An INT4 kernel in the same style was measured slower than PyTorch's
 ``_weight_int4pack_mm_for_cpu`` here and is not kept.)
 """

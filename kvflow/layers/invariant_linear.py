@@ -25,8 +25,8 @@ float32 in the kernel (bfloat16 ones are widened exactly) and results are rounde
 input dtype once.
 
 The C++ source is ``kvflow/ops/csrc/invariant_linear.cpp``. Needs a C++ compiler
-(``kvflow.ops.build``); ``invariant_linear_available()`` is
-False without one or with ``KVFLOW_CPU_INVARIANT_LINEAR=0``, and then
+(``kvflow.ops.build``); ``invariant_linear_available()`` is False without one or with
+``KVFLOW_CPU_INVARIANT_LINEAR=0``, and then
 ``make_batch_invariant`` changes nothing (results are exact again only up to the BLAS's
 behaviour).
 """

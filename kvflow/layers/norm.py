@@ -1,9 +1,9 @@
 """RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4).
 
 On the CPU a small C++ kernel (``kvflow/ops/csrc/rms_norm.cpp``, built on first use like
-``cpu_attention``) computes it in one pass per row. ``F.rms_norm`` costs ~10.5 us for one 576-wide bfloat16 row here (dispatch and
-its casts), the kernel ~1.4 us, and a decode step runs it 2 x layers + 1 times (61 for
-SmolLM2, ~0.6 ms of an ~11 ms single-stream INT4 step). Arithmetic: float32 throughout,
+``cpu_attention``) computes it in one pass per row. ``F.rms_norm`` costs ~10.5 us for one
+576-wide bfloat16 row here (dispatch and its casts), the kernel ~1.4 us, and a decode step
+runs it 2 x layers + 1 times (61 for SmolLM2, ~0.6 ms of an ~11 ms single-stream INT4 step). Arithmetic: float32 throughout,
 x * rsqrt(mean(x^2) + eps) * weight rounded once to the input dtype, like PyTorch's fused
 CPU kernel; the sum of squares is added in a different order, so float32 results differ by
 a few ulp and bfloat16 ones, rarely, by one rounding step.

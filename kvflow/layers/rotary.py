@@ -235,9 +235,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     and pass the rest through.
 
     On the CPU (float32 / bfloat16) a small C++ kernel (``kvflow/ops/csrc/rotary.cpp``) does
-    it in one pass with the same arithmetic (x * cos rounded to x's dtype, then the multiply-add rounded once, as
-    ``addcmul``): ~1 us per decode call against ~5.4 us for the three ops, 30 calls per
-    SmolLM2 step.
+    it in one pass with the same arithmetic (x * cos rounded to x's dtype, then the
+    multiply-add rounded once, as ``addcmul``): ~1 us per decode call against ~5.4 us for the
+    three ops, 30 calls per SmolLM2 step.
     ``KVFLOW_CPU_ROTARY=0`` keeps the three PyTorch ops.
     """
     rotary_dim = cos.shape[-1]
