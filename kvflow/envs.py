@@ -4,8 +4,9 @@ Each switch is read when it is asked for: ``kvflow.envs.KVFLOW_CPU_MARCH`` looks
 ``os.environ`` at that moment (a module ``__getattr__``, as vLLM's ``vllm/envs.py``), so a
 test can ``monkeypatch.setenv`` and a program can change a variable before the part that
 reads it runs. ``read(name, environ)`` reads one from another mapping. The table
-``SWITCHES`` holds each switch's name, type, default and effect; docs/environment.md is
-generated from it (``python -m kvflow.envs``; tests/test_envs.py checks the two agree).
+``SWITCHES`` holds each switch's name, type, default and effect; the README's table of
+environment variables is ``markdown_table(SWITCHES)`` (tests/test_envs.py checks the two
+agree).
 
 ``EXTERNAL`` lists the variables of other programs that kvflow reads (torchrun's rank
 variables, libgomp's wait policy, the C++ compiler), read through ``read`` too.
@@ -177,29 +178,3 @@ def markdown_table(switches: Mapping[str, Switch]) -> str:
     rows = ["| variable | type | default | effect |", "|---|---|---|---|"]
     rows += [f"| `{s.name}` | {s.type} | {s.default} | {s.effect} |" for s in switches.values()]
     return "\n".join(rows)
-
-
-def environment_doc() -> str:
-    """docs/environment.md's text."""
-    return "\n".join([
-        "# Environment variables",
-        "",
-        "kvflow reads these switches from the environment (all in `kvflow/envs.py`, where each is",
-        "documented; this page is generated from it by `python -m kvflow.envs > docs/environment.md`).",
-        "Each is read when the part that uses it runs, not once at import. A kernel's switches are",
-        "decided once per process, when the kernel is first asked for.",
-        "",
-        markdown_table(SWITCHES),
-        "",
-        "Variables of other programs that kvflow reads:",
-        "",
-        markdown_table(EXTERNAL),
-        "",
-        "PyTorch's own `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`) is where the C++",
-        "kernels are built and cached.",
-        "",
-    ])
-
-
-if __name__ == "__main__":
-    print(environment_doc(), end="")
