@@ -1,5 +1,5 @@
 """Weight quantization schemes (``kvflow.quantization.schemes``) and the KV cache's per-token
-quantization (``kvflow.layers.attention.quantize_kv``): error bounds, shapes and dtypes,
+quantization (``kvflow.attention.kv_cache.quantize_kv``): error bounds, shapes and dtypes,
 group-size validation.
 
 Bounds (per element, on random tensors with a spread of magnitudes and a few outliers):
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvflow.config import EngineArgs
-from kvflow.layers.attention import quantize_kv
+from kvflow.attention.kv_cache import quantize_kv
 from kvflow.model.loader import quantize_model
 from kvflow.quantization.int4 import group_size_for
 from kvflow.quantization.registry import check_method
