@@ -132,8 +132,10 @@ class CppKernel:
 
     def build_name(self) -> str:
         """``<prefix>_<12 hex digits>``: the digits hash the machine, this CPU's feature flags,
-        the compiler flags and the source."""
-        key = platform.machine() + host_cpu_flags() + " ".join(build_cflags()) + self.source
+        the compiler flags, the source and its path (the build's ninja file names the path:
+        two copies of kvflow sharing one extensions folder, a checkout and an installed
+        wheel say, would otherwise rebuild each other's build on every switch)."""
+        key = platform.machine() + host_cpu_flags() + " ".join(build_cflags()) + self.source + str(self.source_path)
         return f"{self.prefix}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
     def is_built(self) -> bool:

@@ -75,6 +75,10 @@ def test_name_hashes_source_and_cpu(tmp_path, source):
     b = CppKernel("kvflow_x", edited, SWITCH, "k")
     assert a.build_name().startswith("kvflow_x_") and a.build_name() != b.build_name()
     assert a.build_name() == CppKernel("kvflow_x", source, SWITCH, "k").build_name()
+    copy = tmp_path / "copy" / "twice.cpp"  # the same text elsewhere (another install)
+    copy.parent.mkdir()
+    copy.write_text(_GOOD)
+    assert CppKernel("kvflow_x", copy, SWITCH, "k").build_name() != a.build_name()
 
 
 def test_name_changes_with_the_cpu(monkeypatch, source):
