@@ -158,7 +158,7 @@ def run(engine: Any, prompts: list[list[int]], max_tokens: int, max_model_len: i
 
     def recording_schedule():  # an instance attribute shadows the method; removed below
         out = schedule()
-        for r in out.scheduled_requests:
+        for r in map(engine.scheduler.requests.get, out.scheduled_req_ids):
             n = out.num_scheduled_tokens[r.request_id]
             decode = n == 1 and r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1
             tally["decode" if decode else "prefill"] += n

@@ -144,7 +144,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.Popen, str, Any]:
+def start_server(args: argparse.Namespace, log_path: Path, extra_args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, Any]:
+    """``kvflow serve`` on 127.0.0.1 (a free port) with ``args``' engine flags and ``extra_args``;
+    (process, base URL, open log file) once /health answers. Raises RuntimeError if it exits
+    or is not healthy within ``args.startup_timeout`` seconds."""
     port = _free_port()
     cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--model", args.model,
            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]  # fmt: skip
@@ -152,6 +155,7 @@ def start_server(args: argparse.Namespace, log_path: Path) -> tuple[subprocess.P
         value = getattr(args, flag)
         if value is not None:
             cmd += ["--" + flag.replace("_", "-"), str(value)]
+    cmd += list(extra_args)
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"

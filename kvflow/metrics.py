@@ -39,6 +39,8 @@ class EngineMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
         self.request_success = counter("request_success", "Requests finished (any finish reason).")
         self.request_failure = counter("request_failure", "Requests the engine failed alone (an error inside the engine).")
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).")
+        self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).")
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token, seconds.")
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens, seconds.")
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish, seconds.")
@@ -46,7 +48,8 @@ class EngineMetrics:
         self._last_stats: dict[str, float] = {}
 
     def update_engine_stats(self, stats: dict[str, float]) -> None:
-        """Set the gauges and advance the counters from ``LLMEngine.get_stats()``."""
+        """Set the gauges and advance the counters from ``LLMEngine.get_stats()`` (the
+        speculative-decoding counters stay 0 without a proposer)."""
         self.num_requests_running.set(stats["num_running"])
         self.num_requests_waiting.set(stats["num_waiting"])
         self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
@@ -54,8 +57,10 @@ class EngineMetrics:
             ("num_preemptions", self.num_preemptions),
             ("prefix_cache_queries", self.prefix_cache_queries),
             ("prefix_cache_hits", self.prefix_cache_hits),
+            ("spec_num_draft_tokens", self.spec_decode_num_draft_tokens),
+            ("spec_num_accepted_tokens", self.spec_decode_num_accepted_tokens),
         ):
-            delta = stats[key] - self._last_stats.get(key, 0)
+            delta = stats.get(key, 0) - self._last_stats.get(key, 0)
             if delta > 0:
                 counter.inc(delta)
         self._last_stats = dict(stats)

@@ -20,6 +20,14 @@ def test_readme_test_command_is_what_ci_runs():
     assert commands == [_ci_command()]
 
 
+def test_ci_installs_the_browser_the_readme_names():
+    """The browser test's Chromium: .ci/run installs the packages the README names."""
+    packages = "chromium chromium-driver"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(rf"apt-get install -y (-qq )?{packages}", ci)
+    assert f"apt-get install -y {packages}" in (ROOT / "README.md").read_text()
+
+
 def test_ci_runs_the_fallback_passes():
     command = _ci_command()
     assert "KVFLOW_CPU_KERNELS=0 python -m pytest" in command

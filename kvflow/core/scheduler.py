@@ -17,6 +17,10 @@ by recompute (its blocks are freed and ``num_computed_tokens`` reset) or, with
 ``preemption_mode="swap"``, by copying its blocks to host memory and back (Kwon et al. 2023,
 PagedAttention, section 4.5, which compares the two).
 
+The batch goes to the model runner as data (``kvflow/core/sched_output.py``): each
+request's static data once, then per-step diffs; ``RunnerStateTracker`` remembers what the
+runner holds.
+
 Admission does not block on the head of the queue: a request that does not fit yet may be
 passed by later ones at most ``max_head_skips`` times; after that nothing passes it, so it is
 admitted as soon as running requests release enough blocks.
@@ -26,55 +30,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from kvflow.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
+from kvflow.core.sched_output import CachedRequestData, NewRequestData, RunnerStateTracker, SchedulerOutput
 from kvflow.request import Request, RequestStatus
 
-
-@dataclass
-class SchedulerOutput:
-    """One step's batch.
-
-    Attributes:
-        scheduled_requests: requests to run this step, in batch order.
-        num_scheduled_tokens: request_id -> tokens to compute this step.
-        total_num_scheduled_tokens: sum of the above (<= max_num_batched_tokens).
-        preempted_requests: requests preempted while building this batch.
-        blocks_to_copy: (src, dst) block copies to do before the forward (copy-on-write).
-        blocks_to_swap_out: (device block, host block) copies, done first.
-        blocks_to_swap_in: (host block, device block) copies, done after the swap-outs.
-        forked: (child, parent) pairs: parallel samples that joined this step sharing the
-            parent's blocks; each samples its first token from the parent's logits.
-        scheduled_spec_tokens: request_id -> draft tokens verified this step (speculative
-            decoding); they are part of the request's scheduled tokens.
-    """
-
-    scheduled_requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    total_num_scheduled_tokens: int = 0
-    preempted_requests: list[Request] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    forked: list[tuple[Request, Request]] = field(default_factory=list)
-    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled_requests
-
-    def _add(self, request: Request, num_tokens: int) -> None:
-        self.scheduled_requests.append(request)
-        self.num_scheduled_tokens[request.request_id] = num_tokens
-        self.total_num_scheduled_tokens += num_tokens
-
-    def _remove(self, request: Request) -> int:
-        self.scheduled_requests.remove(request)
-        num_tokens = self.num_scheduled_tokens.pop(request.request_id)
-        self.total_num_scheduled_tokens -= num_tokens
-        return num_tokens
+__all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -94,6 +56,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out = 0
         self._arrivals = 0
+        self._runner_state = RunnerStateTracker()  # what the model runner holds
+        self._finished_req_ids: list[str] = []  # for the runner, at the next step
+
+    def release(self, request_id: str) -> None:
+        """Tell the runner, at the next step, to drop ``request_id``'s state: for a request
+        that finished outside the scheduler (the engine's probe)."""
+        self._runner_state.forget(request_id)
+        self._finished_req_ids.append(request_id)
 
     # ---------------------------------------------------------------- queue management
     def add_request(self, request: Request) -> None:
@@ -145,6 +115,8 @@ class Scheduler:
             request.fork_parent.pending_forks.remove(request)  # a parallel sample not forked yet
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
+        if self._runner_state.forget(request_id):
+            self._finished_req_ids.append(request_id)
         return request
 
     @property
@@ -174,7 +146,9 @@ class Scheduler:
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
                 if victim.request_id in out.num_scheduled_tokens:  # priority: already in this batch
-                    budget += out._remove(victim)
+                    budget += out._remove(victim.request_id)
+                    out.scheduled_spec_tokens.pop(victim.request_id, None)
+                    out.spec_draft_probs.pop(victim.request_id, None)
                 if victim_index < index:
                     index -= 1
                 self._preempt(victim, out)
@@ -182,21 +156,27 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            out._add(request, num_new)
+            out._add(request.request_id, num_new)
             num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
             if num_spec > 0:  # a decode verifying draft tokens (the budget may trim them)
                 out.scheduled_spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+                if request.spec_draft_probs is not None:
+                    out.spec_draft_probs[request.request_id] = request.spec_draft_probs
             budget -= num_new
             index += 1
 
         # Admitting new work while others are being preempted would only thrash the cache.
-        if not out.preempted_requests:
+        if not out.preempted_req_ids:
             self._admit(out, budget)
         # Fork only once the batch is final: a child forked inside the loops above would be
         # visited (and scheduled) by the running loop, or chosen as a victim, in this step.
-        for request in list(out.scheduled_requests):
-            self._maybe_fork(request, out.num_scheduled_tokens[request.request_id], out)
+        for request_id, num_new in list(out.num_scheduled_tokens.items()):
+            self._maybe_fork(self.requests[request_id], num_new, out)
         out.blocks_to_copy = kv.take_pending_copies()
+        # The runner's view: new-request data or diffs of the batch, then the forked samples.
+        for request_id in (*out.num_scheduled_tokens, *(child for child, _ in out.forked)):
+            self._runner_state.record(out, self.requests[request_id])
+        out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
@@ -228,7 +208,7 @@ class Scheduler:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out._add(request, num_new)
+            out._add(request.request_id, num_new)
             budget -= num_new
 
     def _pick_victim(self) -> Request:
@@ -250,7 +230,7 @@ class Scheduler:
             self.kv_cache_manager.fork(request, child)
             child.status = RequestStatus.RUNNING
             self.running.append(child)
-            out.forked.append((child, request))
+            out.forked.append((child.request_id, request.request_id))
         request.pending_forks = []
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -268,7 +248,8 @@ class Scheduler:
             request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted_requests.append(request)
+        self._runner_state.forget(request.request_id)  # the runner drops it (preempted_req_ids)
+        out.preempted_req_ids.append(request.request_id)
         self._enqueue(request)
 
     def update(
@@ -307,10 +288,12 @@ class Scheduler:
         accepted tokens, blocks past them are freed, and only blocks of final tokens are
         published to the prefix cache.
         """
-        for child, parent in out.forked:
-            child.num_computed_tokens = parent.num_computed_tokens + out.num_scheduled_tokens[parent.request_id]
+        for child_id, parent_id in out.forked:
+            self.requests[child_id].num_computed_tokens = (self.requests[parent_id].num_computed_tokens
+                                                           + out.num_scheduled_tokens[parent_id])
         finished = []
-        for request in [*out.scheduled_requests, *(child for child, _ in out.forked)]:
+        for request_id in [*out.num_scheduled_tokens, *(child for child, _ in out.forked)]:
+            request = self.requests[request_id]
             try:
                 if self._advance(request, out, sampled_token_ids.get(request.request_id), text_stop):
                     finished.append(request)
@@ -324,6 +307,8 @@ class Scheduler:
             for request in finished:
                 self.kv_cache_manager.free(request)
                 del self.requests[request.request_id]
+                if self._runner_state.forget(request.request_id):
+                    self._finished_req_ids.append(request.request_id)
         return finished
 
     def _advance(self, request: Request, out: SchedulerOutput, tokens: list[int] | None,

@@ -1,10 +1,11 @@
 """Tensor-parallel execution: the driver (rank 0) schedules and samples; workers mirror its
 forward passes on their shards.
 
-Each step the driver broadcasts a picklable snapshot of the batch (``StepSnapshot``: token
-ids, positions' sources, block tables, copies and swaps) with
-``torch.distributed.broadcast_object_list``; every rank then builds the same inputs and runs
-its shard, the all-reduces and all-gathers inside the model keeping them in step. Workers
+Each step the driver broadcasts the scheduler's diff (``SchedulerOutput.for_workers``: the
+new requests' data once, then per request the tokens appended and block-table changes, the
+copies and swaps) with ``torch.distributed.broadcast_object_list``; every rank's runner
+keeps the same per-request state, builds the same inputs and runs its shard, the
+all-reduces and all-gathers inside the model keeping them in step. Workers
 are started by the engine with ``torch.multiprocessing`` (spawn) on one machine, or by
 ``torchrun`` across machines (``init_method="env://"``). A broadcast of None stops them.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import atexit
 import socket
 import threading
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -22,8 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvflow import envs
-from kvflow.core.scheduler import SchedulerOutput
-from kvflow.sampling_params import SamplingParams
+from kvflow.core.sched_output import SchedulerOutput
 
 
 def timeout_advice(timeout_s: float) -> str:
@@ -32,51 +31,6 @@ def timeout_advice(timeout_s: float) -> str:
             "load can take longer; a rank that was never started never answers): raise the limit with "
             "collective_timeout_s / --collective-timeout-s / KVFLOW_COLLECTIVE_TIMEOUT_S, and check that "
             "every rank runs (under torchrun: all --nproc-per-node x --nnodes of them)")
-
-
-@dataclass
-class RequestSnapshot:
-    """What a worker needs of a scheduled request to build the step's inputs."""
-
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int
-    num_tokens: int
-    num_prompt_tokens: int
-    block_ids: list[int]
-    sampling_params: SamplingParams
-
-
-@dataclass
-class StepSnapshot:
-    """A picklable copy of a ``SchedulerOutput`` (requests as ``RequestSnapshot``)."""
-
-    out: SchedulerOutput = field(default_factory=SchedulerOutput)
-
-    @classmethod
-    def of(cls, out: SchedulerOutput) -> "StepSnapshot":
-        snaps = {}
-
-        def snap(r) -> RequestSnapshot:
-            if r.request_id not in snaps:
-                params = SamplingParams(prompt_logprobs=r.sampling_params.prompt_logprobs, max_tokens=1)
-                snaps[r.request_id] = RequestSnapshot(
-                    r.request_id, list(r.all_token_ids), r.num_computed_tokens, r.num_tokens,
-                    r.num_prompt_tokens, list(r.block_ids), params,
-                )
-            return snaps[r.request_id]
-
-        copy = SchedulerOutput(
-            scheduled_requests=[snap(r) for r in out.scheduled_requests],
-            num_scheduled_tokens=dict(out.num_scheduled_tokens),
-            total_num_scheduled_tokens=out.total_num_scheduled_tokens,
-            blocks_to_copy=list(out.blocks_to_copy),
-            blocks_to_swap_out=list(out.blocks_to_swap_out),
-            blocks_to_swap_in=list(out.blocks_to_swap_in),
-            forked=[(snap(c), snap(p)) for c, p in out.forked],
-            scheduled_spec_tokens={k: list(v) for k, v in out.scheduled_spec_tokens.items()},
-        )
-        return cls(copy)
 
 
 def free_port() -> int:
@@ -121,7 +75,7 @@ def worker_main(rank: int, world_size: int, init_method: str, config) -> None:
             dist.broadcast_object_list(message, src=0)
             if message[0] is None:
                 break
-            runner.execute(message[0].out)
+            runner.execute(message[0])
     finally:
         dist.destroy_process_group()
 
@@ -192,7 +146,7 @@ class TPWorkers:
         """
         self.check_alive()
         try:
-            dist.broadcast_object_list([StepSnapshot.of(out)], src=0)
+            dist.broadcast_object_list([out.for_workers()], src=0)
         except RuntimeError as exc:
             if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                 raise

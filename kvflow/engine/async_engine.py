@@ -12,7 +12,8 @@ The event loop never waits on a model step, as in vLLM's engine-core client:
 - Outputs come back to the loop with one ``loop.call_soon_threadsafe`` per step; the
   per-request streams, the queue count and the latency histograms are only touched on the
   loop. The thread publishes the engine's stats (the gauges) after scheduling each step and
-  after it, so that they are right during a long step.
+  after it, so that they are right during a long step. It also takes the dashboard's
+  snapshots of the engine's state between steps (``kvflow/engine/snapshot.py``).
 
 A request that fails inside the engine (``LLMEngine.step``) raises ``RequestFailedError`` in
 its own iterator. A fault that stops the engine fails every open request with
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvflow.engine.llm_engine import LLMEngine, PreparedRequest
+from kvflow.engine.snapshot import SnapshotProducer
 from kvflow.metrics import EngineMetrics
 from kvflow.outputs import RequestFailure, RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -110,6 +112,9 @@ class AsyncLLMEngine:
         self._stats: dict[str, Any] = engine.get_stats()
         self._stopped = False
         self._error: BaseException | None = None
+        # Per-step snapshots for the dashboard, taken on the engine thread between steps
+        # (nothing but a counter while nobody is subscribed).
+        self.snapshots = SnapshotProducer(engine, wake=self._wakeup.set)
         self._thread = threading.Thread(target=self._run, name="kvflow-engine", daemon=True)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-prepare")
 
@@ -284,12 +289,14 @@ class AsyncLLMEngine:
                     # Aborts can empty the engine without a step: refresh the gauges now, or
                     # they keep the last step's values while idle.
                     self._publish_stats()
+                    self.snapshots.on_idle(self._stats)
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step(on_scheduled=self._on_scheduled)
                 self._publish_stats()
                 self._deliver(outputs)
+                self.snapshots.after_step(self._stats)
         except BaseException as exc:  # noqa: BLE001 - reported to every waiting client
             logger.critical("the engine stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
             self._error = exc
@@ -313,6 +320,7 @@ class AsyncLLMEngine:
 
     def _on_scheduled(self, started: list[str]) -> None:
         self._publish_stats()
+        self.snapshots.on_scheduled(self.engine.last_scheduler_output)
         by_loop: dict[asyncio.AbstractEventLoop, list[str]] = {}
         for request_id in started:
             loop = self._request_loops.get(request_id)

@@ -18,7 +18,7 @@ import torch
 
 from kvflow.config import CacheConfig, EngineArgs, EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.scheduler import Scheduler, SchedulerOutput
+from kvflow.core.scheduler import NewRequestData, Scheduler, SchedulerOutput
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
 from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.model.base import CausalLM
@@ -175,6 +175,7 @@ class LLMEngine:
                 model, self.cache_engine.kv_caches, -(-config.scheduler.max_model_len // cache_config.block_size),
                 default_batch_sizes(config.scheduler.max_num_seqs), device, backend,
             )
+        self.last_scheduler_output: SchedulerOutput | None = None  # the batch of the step in progress / last run
         self._states: dict[str, _RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
         self._grammar_compiler = None
@@ -372,7 +373,8 @@ class LLMEngine:
         Args:
             on_scheduled: called after scheduling, before the forward, with the ids of the
                 requests scheduled for the first time (the server refreshes its gauges and
-                its queue count there, so that they are right during a long step).
+                its queue count there, so that they are right during a long step; the batch
+                itself is ``last_scheduler_output`` then).
 
         A fault of one request fails that request alone: raised while preparing its inputs,
         in the forward of a batch containing it, while sampling it (``ModelRunner.execute``
@@ -392,10 +394,11 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []
+        self.last_scheduler_output = sched_out
         scheduled_time = time.monotonic()
         started = []
-        for request in sched_out.scheduled_requests:
-            owner = self._sample_owner[request.request_id][0]
+        for request_id in sched_out.num_scheduled_tokens:
+            owner = self._sample_owner[request_id][0]
             if owner.first_scheduled_time is None:
                 owner.first_scheduled_time = scheduled_time
                 started.append(owner.request_id)
@@ -407,8 +410,8 @@ class LLMEngine:
         if result.failed:
             for sample_id, exc in result.failed.items():
                 failures.setdefault(self._sample_owner[sample_id][0].request_id, exc)
-            everyone = all(self._sample_owner[r.request_id][0].request_id in failures
-                           for r in sched_out.scheduled_requests)
+            everyone = all(self._sample_owner[request_id][0].request_id in failures
+                           for request_id in sched_out.num_scheduled_tokens)
             self._drop_from_batch(sched_out, {s.request_id for rid in failures for s in self._states[rid].samples})
             failed_outputs = [self._fail(request_id, exc) for request_id, exc in failures.items()]
             if everyone:
@@ -485,11 +488,10 @@ class LLMEngine:
     def _drop_from_batch(sched_out: SchedulerOutput, sample_ids: set[str]) -> None:
         """Take the samples ``sample_ids`` out of the executed batch, so that
         ``Scheduler.update`` neither advances them nor publishes their blocks."""
-        for r in [r for r in sched_out.scheduled_requests if r.request_id in sample_ids]:
-            sched_out._remove(r)
-            sched_out.scheduled_spec_tokens.pop(r.request_id, None)
-        sched_out.forked = [(c, p) for c, p in sched_out.forked
-                            if c.request_id not in sample_ids and p.request_id not in sample_ids]
+        for request_id in [r for r in sched_out.num_scheduled_tokens if r in sample_ids]:
+            sched_out._remove(request_id)
+            sched_out.scheduled_spec_tokens.pop(request_id, None)
+        sched_out.forked = [(c, p) for c, p in sched_out.forked if c not in sample_ids and p not in sample_ids]
 
     def _fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:
         """Abort a user request that failed inside the engine (freeing its blocks); its final
@@ -523,15 +525,19 @@ class LLMEngine:
         Raises:
             RuntimeError: when that fails too: the fault is the engine's, not a request's.
         """
-        probe = Request("kvflow-probe", [0], SamplingParams(temperature=0, max_tokens=1), None)
+        probe_id = "kvflow-probe"
+        while probe_id in self.scheduler.requests:  # the runner holds states by id: never a live one's
+            probe_id += "'"
+        probe = Request(probe_id, [0], SamplingParams(temperature=0, max_tokens=1), None)
         if not self.kv_cache_manager.allocate_slots(probe, 1):
             return  # not reached: the failed requests' blocks were just freed
-        batch = SchedulerOutput()
-        batch._add(probe, 1)
+        batch = SchedulerOutput(scheduled_new_reqs=[NewRequestData.from_request(probe)])
+        batch._add(probe.request_id, 1)
         try:
             result = self.model_runner.execute(batch)
         finally:
             self.kv_cache_manager.free(probe)
+            self.scheduler.release(probe.request_id)
         if result.failed:
             raise RuntimeError(
                 "the engine is unusable: every request of a step failed, and so did a one-token probe forward"
@@ -546,12 +552,12 @@ class LLMEngine:
             batched proposal raises, its requests' draft state is dropped and each is
             proposed alone).
         """
-        for request in sched_out.preempted_requests:
-            self.proposer.free(request.request_id)
+        for request_id in sched_out.preempted_req_ids:
+            self.proposer.free(request_id)
         running = {r.request_id for r in self.scheduler.running}
-        for request in sched_out.scheduled_requests:
-            if request.request_id not in running:
-                self.proposer.free(request.request_id)
+        for request_id in sched_out.num_scheduled_tokens:
+            if request_id not in running:
+                self.proposer.free(request_id)
         ready = [
             r
             for r in self.scheduler.running

@@ -155,6 +155,22 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
     return _convert_cached(_packaged_gguf(packages.lookup(model), root), root)
 
 
+def gguf_file(model: str, cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
+    """The GGUF file behind `model` (a packaged short name or a `.gguf` path), else None.
+
+    For a split packaged model the parts are concatenated into the cache first (as
+    `resolve_model` does). Used to hand the same weights to llama.cpp in benchmarks.
+
+    Raises:
+        as `resolve_model` for a short name whose package is missing or corrupt.
+    """
+    if model in packages.REGISTRY:
+        root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        return _packaged_gguf(packages.lookup(model), root)
+    path = Path(model).expanduser()
+    return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
 def load_config(model_dir: str | os.PathLike[str]) -> transformers.PretrainedConfig:
     """`config.json` of an HF model directory, via `transformers.AutoConfig.from_pretrained`.
 

@@ -7,9 +7,18 @@ position is computed with the request's own processing (penalties, temperature, 
 top-p, min-p), the same function as the target's p, and the draft token is sampled from it
 (argmax for greedy requests). After verification the draft cache keeps only the tokens the
 target accepted: its block table and computed count are rolled back to the common prefix.
+
+The proposer drives its own ``ModelRunner`` through the public data contract
+(``kvflow/core/sched_output.py``): its own block pool (``KVCacheManager``) holds a
+``_DraftSequence`` per request, a ``RunnerStateTracker`` sends the runner each request's data
+once and then per-step diffs (the last draft token, new blocks), and a request whose drafts
+were rejected is dropped from the runner and sent again with the tokens it shares with the
+target (``finished_req_ids``, then new-request data).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,14 +26,39 @@ from kvflow.attention.backend import AttentionBackend
 from kvflow.attention.torch_backend import TORCH_BACKEND
 from kvflow.config import CacheConfig, ModelConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.scheduler import SchedulerOutput
+from kvflow.core.sched_output import RunnerStateTracker, SchedulerOutput
 from kvflow.model.base import CausalLM
 from kvflow.request import Request
+from kvflow.sampling_params import SamplingParams
 from kvflow.sample.rejection_sampler import processed_probs
 from kvflow.sample.sampler import Sampler
 from kvflow.spec_decode.ngram import max_drafts
 from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
+
+
+@dataclass
+class _DraftSequence:
+    """The draft's copy of a request: its tokens (the target's, then this step's drafts), its
+    block table in the draft pool and computed count (what ``KVCacheManager`` reads of a
+    request), and what ``NewRequestData.from_request`` reads."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    bad_words_token_ids: list[list[int]]
+    generator: torch.Generator | None  # seeded with sampling_params.seed, for its draft sampling
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_published_blocks: int = 0
+    cpu_block_ids: list[int] = field(default_factory=list)
+    grammar = None  # drafting is off for structured output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
 
 
 class DraftModelProposer:
@@ -62,64 +96,83 @@ class DraftModelProposer:
         self.generator = generator
         self.runner = ModelRunner(model, CacheEngine(model.kv_cache_spec, cache_config, device), cache_config.block_size,
                                   Sampler(generator), device, attention_backend=attention_backend)
-        self._shadows: dict[str, Request] = {}
+        self._seqs: dict[str, _DraftSequence] = {}
+        self._runner_state = RunnerStateTracker()  # what self.runner holds
+        self._dropped: list[str] = []  # to drop from self.runner at its next batch
 
-    def _shadow(self, request: Request) -> Request:
+    def _sync(self, request: Request) -> _DraftSequence:
         """The draft's copy of ``request``, rolled back to the tokens it shares with it."""
-        shadow = self._shadows.get(request.request_id)
-        if shadow is None:
-            shadow = Request(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_id)
-            self._shadows[request.request_id] = shadow
+        seq = self._seqs.get(request.request_id)
+        if seq is None:
+            generator = None
+            if request.sampling_params.seed is not None:
+                generator = torch.Generator()
+                generator.manual_seed(request.sampling_params.seed)
+            seq = _DraftSequence(request.request_id, list(request.prompt_token_ids), list(request.all_token_ids),
+                                 request.sampling_params, request.eos_token_id, request.bad_words_token_ids, generator)
+            self._seqs[request.request_id] = seq
+            return seq
         common = 0
-        for a, b in zip(shadow.all_token_ids, request.all_token_ids):
+        for a, b in zip(seq.all_token_ids, request.all_token_ids):
             if a != b:
                 break
             common += 1
-        shadow.all_token_ids = list(request.all_token_ids)
-        shadow.num_computed_tokens = min(shadow.num_computed_tokens, common, request.num_tokens - 1)
-        shadow.bad_words_token_ids = request.bad_words_token_ids
-        self.kv.trim(shadow)
-        return shadow
+        if common < seq.num_tokens and self._runner_state.forget(seq.request_id):
+            self._dropped.append(seq.request_id)  # rejected drafts: send it again from the common prefix
+        seq.all_token_ids = list(request.all_token_ids)
+        seq.num_computed_tokens = min(seq.num_computed_tokens, common, request.num_tokens - 1)
+        seq.bad_words_token_ids = request.bad_words_token_ids
+        self.kv.trim(seq)
+        return seq
 
     @torch.inference_mode()
     def propose(self, requests: list[Request]) -> None:
         """Set ``spec_token_ids`` and ``spec_draft_probs`` (float32 [k, vocab]) of each request."""
-        proposing: list[tuple[Request, Request, int]] = []
+        proposing: list[tuple[Request, _DraftSequence, int]] = []
         for request in requests:
             request.spec_token_ids, request.spec_draft_probs = [], None
             k = max_drafts(request, self.k, self.max_model_len)
             if k:
-                proposing.append((request, self._shadow(request), k))
+                proposing.append((request, self._sync(request), k))
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _, _ in proposing}
         active = list(proposing)
+        runner = self.runner
         for step in range(self.k):
-            out = SchedulerOutput()
-            for _, shadow, _ in active:
-                num_new = shadow.num_tokens - shadow.num_computed_tokens
-                if self.kv.allocate_slots(shadow, num_new):
-                    out._add(shadow, num_new)
+            out = SchedulerOutput(finished_req_ids=self._dropped)
+            self._dropped = []
+            for _, seq, _ in active:
+                num_new = seq.num_tokens - seq.num_computed_tokens
+                if self.kv.allocate_slots(seq, num_new):
+                    out._add(seq.request_id, num_new)
+                    self._runner_state.record(out, seq)
             if out.is_empty:
+                self._dropped = out.finished_req_ids
                 break
-            inputs = self.runner.prepare_inputs(out)
-            hidden = self.runner.model(inputs.input_ids, inputs.positions, self.runner.cache_engine.kv_caches, inputs.metadata)
-            logits = self.runner.model.compute_logits(hidden[inputs.logits_indices])
+            runner.update_states(out)
+            inputs = runner.prepare_inputs(out)
+            hidden = runner.model(inputs.input_ids, inputs.positions, runner.cache_engine.kv_caches, inputs.metadata)
+            logits = runner.model.compute_logits(hidden[inputs.logits_indices])
             q = processed_probs(logits, inputs.sampling_requests, self.vocab_size)
-            for shadow, q_row in zip(inputs.sampling_requests, q):
-                shadow.num_computed_tokens += out.num_scheduled_tokens[shadow.request_id]
-                gen = shadow.generator or self.generator
+            for state, q_row in zip(inputs.sampling_requests, q):
+                seq = self._seqs[state.request_id]
+                seq.num_computed_tokens += out.num_scheduled_tokens[seq.request_id]
+                gen = seq.generator or self.generator
                 token = int(torch.multinomial(q_row.to(gen.device), 1, generator=gen))
-                shadow.all_token_ids.append(token)
-                probs[shadow.request_id].append(q_row)
+                seq.all_token_ids.append(token)
+                probs[seq.request_id].append(q_row)
             scheduled = set(out.num_scheduled_tokens)  # a request the draft pool could not hold stops here
             active = [(r, s, k) for r, s, k in active if r.request_id in scheduled and step + 1 < k]
-        for request, shadow, _ in proposing:
-            drafts = shadow.all_token_ids[request.num_tokens :]
+        for request, seq, _ in proposing:
+            drafts = seq.all_token_ids[request.num_tokens :]
             if drafts:
                 request.spec_token_ids = drafts
                 request.spec_draft_probs = torch.stack(probs[request.request_id][: len(drafts)])
 
     def free(self, request_id: str) -> None:
         """Drop the draft's state and blocks of a finished, aborted or preempted request."""
-        shadow = self._shadows.pop(request_id, None)
-        if shadow is not None:
-            self.kv.free(shadow)
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.kv.free(seq)
+        if self._runner_state.forget(request_id):
+            self._dropped.append(request_id)
+

@@ -1,23 +1,92 @@
-"""Turns a ``SchedulerOutput`` into model inputs, runs the model and samples."""
+"""Keeps the batch's per-request state, turns a ``SchedulerOutput`` into model inputs, runs
+the model and samples.
+
+The runner receives data, not the scheduler's requests (``kvflow/core/sched_output.py``):
+``update_states`` adds a ``CachedRequestState`` for each new request, applies each step's
+diff (appended tokens, block-table change, computed count) and drops finished and preempted
+requests; the inputs are built from that state (as vLLM v1's ``GPUModelRunner`` with its
+``CachedRequestState`` records, ``vllm/v1/worker/gpu_input_batch.py``).
+"""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvflow.core.scheduler import SchedulerOutput
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout
 from kvflow.attention.torch_backend import TORCH_BACKEND
+from kvflow.core.sched_output import NewRequestData, SchedulerOutput
 from kvflow.model.base import CausalLM
-from kvflow.request import Request
+from kvflow.sampling_params import SamplingParams
 from kvflow.sample.logits_processor import apply_logits_processors
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingTensors
 from kvflow.worker.cache_engine import CacheEngine
 
+if TYPE_CHECKING:
+    from kvflow.sample.guided import GrammarMatcher
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's persistent state of one request, built from its ``NewRequestData`` and
+    kept up to date by the step diffs. It has the attributes of a ``Request`` that the
+    logits processors, the samplers and the rejection sampler read.
+
+    Attributes:
+        request_id: the (sample) id.
+        prompt_token_ids: the prompt.
+        all_token_ids: prompt followed by the generated tokens the runner was sent.
+        sampling_params: its parameters.
+        eos_token_id: EOS id for ``min_tokens``, or None.
+        bad_words_token_ids: token sequences of the bad words.
+        block_ids: its block table.
+        num_computed_tokens: tokens whose K/V are in the cache.
+        generator: its own seeded generator, or None (the engine's).
+        grammar: its structured-output matcher, or None.
+        spec_token_ids: the draft tokens verified this step.
+        spec_draft_probs: their draft distribution (float32 [k, vocab]), or None.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    all_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    bad_words_token_ids: list[list[int]]
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+    grammar: "GrammarMatcher | None" = None
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_draft_probs: torch.Tensor | None = None
+
+    @classmethod
+    def from_new(cls, data: NewRequestData) -> "CachedRequestState":
+        return cls(data.request_id, data.prompt_token_ids, [*data.prompt_token_ids, *data.output_token_ids],
+                   data.sampling_params, data.eos_token_id, data.bad_words_token_ids, list(data.block_ids),
+                   data.num_computed_tokens, data.generator, data.grammar)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -29,10 +98,10 @@ class ModelInputs:
         positions: int64 [T].
         metadata: slot mapping and attention groups.
         logits_indices: int64 [N]; the token whose hidden state yields each sampling row.
-        sampling_requests: the N requests that sample a token this step.
-        prompt_logprob_rows: (request, flat token index, prompt position) for every prompt
+        sampling_requests: the states of the N requests that sample a token this step.
+        prompt_logprob_rows: (state, flat token index, prompt position) for every prompt
             token whose successor's log-probability a ``prompt_logprobs`` request needs.
-        spec_requests: (request, draft tokens) of the requests verifying drafts; their
+        spec_requests: (state, draft tokens) of the requests verifying drafts; their
             ``len(drafts) + 1`` logits rows follow the N sampling rows in ``logits_indices``.
     """
 
@@ -40,9 +109,9 @@ class ModelInputs:
     positions: torch.Tensor
     metadata: AttentionMetadata
     logits_indices: torch.Tensor
-    sampling_requests: list[Request]
-    prompt_logprob_rows: list[tuple[Request, int, int]]
-    spec_requests: list[tuple[Request, list[int]]]
+    sampling_requests: list[CachedRequestState]
+    prompt_logprob_rows: list[tuple[CachedRequestState, int, int]]
+    spec_requests: list[tuple[CachedRequestState, list[int]]]
 
 
 class ModelRunner:
@@ -93,18 +162,48 @@ class ModelRunner:
         self.sampler = sampler
         self.rejection_sampler = RejectionSampler(sampler.generator)
         self.device = device
+        self.requests: dict[str, CachedRequestState] = {}  # the persistent batch state
+
+    def update_states(self, out: SchedulerOutput) -> None:
+        """Apply a step's state changes: drop the finished and preempted requests, add the
+        new ones, apply the diffs of the held ones (``execute`` calls it first). A request
+        that finishes in a step is dropped at the next step (its id comes in that step's
+        ``finished_req_ids``), as in vLLM; a held request that is not scheduled in a step
+        keeps its state until it is.
+
+        Raises:
+            KeyError: a diff for a request the runner does not hold (a broken contract).
+        """
+        for request_id in (*out.finished_req_ids, *out.preempted_req_ids):
+            self.requests.pop(request_id, None)
+        for data in out.scheduled_new_reqs:
+            self.requests[data.request_id] = CachedRequestState.from_new(data)
+        cached = out.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.request_ids):
+            state = self.requests[request_id]
+            state.all_token_ids.extend(cached.new_token_ids[i])
+            if cached.replace_block_ids[i]:
+                state.block_ids = list(cached.new_block_ids[i])
+            else:
+                state.block_ids.extend(cached.new_block_ids[i])
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+        for request_id, drafts in out.scheduled_spec_tokens.items():
+            state = self.requests[request_id]
+            state.spec_token_ids = drafts
+            state.spec_draft_probs = out.spec_draft_probs.get(request_id)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
-        """Flatten the batch: decodes (one new token) first, in groups of similar context
-        length (``split_by_context``), then prefill chunks.
+        """Flatten the batch (from the runner's state, after ``update_states``): decodes
+        (one new token) first, in the backend's decode groups, then prefill chunks.
 
         Each request contributes tokens ``all_token_ids[num_computed : num_computed + n]`` at
         positions ``num_computed .. num_computed + n - 1``; a request samples only when its
         chunk reaches ``num_tokens``.
         """
         n_sched = out.num_scheduled_tokens
-        decodes = [r for r in out.scheduled_requests if n_sched[r.request_id] == 1]
-        prefills = [r for r in out.scheduled_requests if n_sched[r.request_id] > 1]
+        scheduled = [self.requests[request_id] for request_id in n_sched]
+        decodes = [r for r in scheduled if n_sched[r.request_id] == 1]
+        prefills = [r for r in scheduled if n_sched[r.request_id] > 1]
         bs = self.block_size
         backend = self.attention_backend
         # The backend orders the decodes (a padding-bound one groups them by context length).
@@ -114,9 +213,9 @@ class ModelRunner:
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         logits_indices: list[int] = []
-        sampling_requests: list[Request] = []
-        prompt_logprob_rows: list[tuple[Request, int, int]] = []
-        spec_requests: list[tuple[Request, list[int]]] = []
+        sampling_requests: list[CachedRequestState] = []
+        prompt_logprob_rows: list[tuple[CachedRequestState, int, int]] = []
+        spec_requests: list[tuple[CachedRequestState, list[int]]] = []
         spec_indices: list[int] = []
         q_lens: list[int] = []
         ctx_lens: list[int] = []
@@ -149,9 +248,10 @@ class ModelRunner:
                 q_lens.append(n)
                 ctx_lens.append(begin + n)
                 tables.append(r.block_ids)
-        for child, parent in out.forked:  # parallel samples draw from their parent's logits (no drafts yet)
-            logits_indices.append(logits_indices[sampling_requests.index(parent)])
-            sampling_requests.append(child)
+        for child_id, parent_id in out.forked:  # parallel samples draw from their parent's logits (no drafts yet)
+            parent_row = next(i for i, r in enumerate(sampling_requests) if r.request_id == parent_id)
+            logits_indices.append(logits_indices[parent_row])
+            sampling_requests.append(self.requests[child_id])
         logits_indices.extend(spec_indices)
         dev = self.device
         metadata = backend.build_metadata(
@@ -169,7 +269,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the model on the batch and sample.
+        """Apply the step's state changes (``update_states``, after broadcasting the step to
+        tensor-parallel workers), run the model on the batch and sample.
 
         Fault isolation: when preparing the inputs, the forward or the logits of the batch
         raise, the batch runs again one request at a time (each with the parallel samples
@@ -192,6 +293,7 @@ class ModelRunner:
         """
         if self.broadcast is not None:
             self.broadcast(out)
+        self.update_states(out)
         # Order matters: swapped-out blocks may be reused by swap-ins and copies this step.
         if out.blocks_to_swap_out:
             self.cache_engine.swap_out(out.blocks_to_swap_out)
@@ -200,33 +302,30 @@ class ModelRunner:
         if out.blocks_to_copy:
             self.cache_engine.copy_blocks(out.blocks_to_copy)
         # (a tensor-parallel worker samples nothing: no generator to restore)
-        rng = self._generator_states([*out.scheduled_requests, *(child for child, _ in out.forked)]) if self.is_driver else []
+        rng = self._generator_states([self.requests[request_id] for request_id in
+                                      (*out.num_scheduled_tokens, *(child for child, _ in out.forked))]) \
+            if self.is_driver else []
         try:
             return self._run(out, rng)
         except Exception as exc:  # noqa: BLE001 - isolated below, or re-raised
             if self.broadcast is not None or not self.is_driver:
                 raise
             logger.warning("a batch of %d requests failed (%s: %s); running them one at a time",
-                           len(out.scheduled_requests), type(exc).__name__, exc)
+                           len(out.num_scheduled_tokens), type(exc).__name__, exc)
             return self._run_one_by_one(out, rng)
 
     def _run_one_by_one(self, out: SchedulerOutput, rng: list[tuple[torch.Generator, torch.Tensor]]) -> ModelRunnerOutput:
         """``execute`` without block copies, for one request (and its forks) at a time."""
         _restore(rng)
         result = ModelRunnerOutput()
-        for request in out.scheduled_requests:
-            sub = SchedulerOutput()
-            sub._add(request, out.num_scheduled_tokens[request.request_id])
-            if request.request_id in out.scheduled_spec_tokens:
-                sub.scheduled_spec_tokens[request.request_id] = out.scheduled_spec_tokens[request.request_id]
-            sub.forked = [(child, parent) for child, parent in out.forked if parent is request]
+        for request_id in out.num_scheduled_tokens:
+            sub = out.subset(request_id)
             try:
                 part = self._run(sub, rng)
             except Exception as exc:  # noqa: BLE001 - this request's fault, reported
-                logger.warning("request %s failed: %s: %s", request.request_id, type(exc).__name__, exc,
-                               exc_info=exc)
-                for r in (request, *(child for child, _ in sub.forked)):
-                    result.failed[r.request_id] = exc
+                logger.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+                for r in (request_id, *(child for child, _ in sub.forked)):
+                    result.failed[r] = exc
                 continue
             result.merge(part)
         return result
@@ -249,7 +348,7 @@ class ModelRunner:
             return result
         num_plain = len(inputs.sampling_requests)
         # (request, its raw logits rows, its emitted tokens) for logprobs
-        emitted: list[tuple[Request, torch.Tensor, list[int]]] = []
+        emitted: list[tuple[CachedRequestState, torch.Tensor, list[int]]] = []
         if num_plain:
             logits = all_logits[:num_plain]
             try:
@@ -300,18 +399,18 @@ class ModelRunner:
                     result.num_accepted.pop(r.request_id, None)
         return result
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    def _sample(self, logits: torch.Tensor, requests: list[CachedRequestState]) -> list[int]:
         """One token per row of ``logits`` (float32 [N, vocab_size]) for the N ``requests``."""
         st = SamplingTensors.from_requests(requests, logits.shape[-1], self.device)
         return self.sampler(apply_logits_processors(logits, requests), st).tolist()
 
-    def _generator_states(self, requests: list[Request]) -> list[tuple[torch.Generator, torch.Tensor]]:
+    def _generator_states(self, requests: list[CachedRequestState]) -> list[tuple[torch.Generator, torch.Tensor]]:
         """The state of every generator the batch may draw from (engine and seeded requests)."""
         generators = {id(g): g for g in (self.sampler.generator, *(r.generator for r in requests)) if g is not None}
         return [(g, g.get_state()) for g in generators.values()]
 
     def _prompt_logprobs(
-        self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]
+        self, hidden: torch.Tensor, rows: list[tuple[CachedRequestState, int, int]]
     ) -> dict[str, dict[int, dict[int, float]]]:
         index = torch.tensor([i for _, i, _ in rows], device=hidden.device)
         logits = self.model.compute_logits(hidden[index])

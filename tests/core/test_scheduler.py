@@ -71,7 +71,7 @@ def step(sched: Scheduler, token: int = 1) -> tuple[SchedulerOutput, list[Reques
     out = sched.schedule()
     sampled = {
         r.request_id: [token]
-        for r in out.scheduled_requests
+        for r in map(sched.requests.get, out.scheduled_req_ids)
         if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
     }
     finished = sched.update(out, sampled)
@@ -127,11 +127,11 @@ def test_max_num_seqs_caps_running_requests():
     for r in reqs:
         sched.add_request(r)
     out, _ = step(sched)
-    assert ids(out.scheduled_requests) == ["r0", "r1"]
+    assert out.scheduled_req_ids == ["r0", "r1"]
     assert sched.num_running == 2 and sched.num_waiting == 3
     while sched.has_unfinished_requests():
         out, _ = step(sched)
-        assert len(out.scheduled_requests) <= 2
+        assert len(out.scheduled_req_ids) <= 2
         assert sched.num_running <= 2
 
 
@@ -146,7 +146,7 @@ def test_chunked_prefill_mixes_with_decodes():
     assert out.num_scheduled_tokens == {"a": 3, "b": 5}
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {"a": 1, "b": 7}  # a decode and a prefill chunk in one batch
-    assert ids(out.scheduled_requests) == ["a", "b"]
+    assert out.scheduled_req_ids == ["a", "b"]
     assert b.num_computed_tokens == 12 and b.num_output_tokens == 0
     out, _ = step(sched)
     assert out.num_scheduled_tokens == {"a": 1, "b": 7}
@@ -179,9 +179,9 @@ def test_finished_request_leaves_and_waiting_joins_next_step():
     sched.add_request(b)
 
     out, finished = step(sched, token=5)
-    assert ids(out.scheduled_requests) == ["a"] and finished == []
+    assert out.scheduled_req_ids == ["a"] and finished == []
     out, finished = step(sched, token=6)
-    assert ids(out.scheduled_requests) == ["a"]
+    assert out.scheduled_req_ids == ["a"]
     assert finished == [a]
     assert a.status == RequestStatus.FINISHED_LENGTH
     assert a.output_token_ids == [5, 6]
@@ -191,7 +191,7 @@ def test_finished_request_leaves_and_waiting_joins_next_step():
     assert sched.kv_cache_manager.num_free_blocks == 64
 
     out, finished = step(sched, token=7)
-    assert ids(out.scheduled_requests) == ["b"]
+    assert out.scheduled_req_ids == ["b"]
     assert out.num_scheduled_tokens == {"b": 4}
     assert finished == [b] and b.output_token_ids == [7]
     assert not sched.has_unfinished_requests()
@@ -281,15 +281,15 @@ def test_preemption_evicts_most_recently_admitted():
     r0, r1, r2, r3 = reqs
 
     out, _ = step(sched, token=11)
-    assert ids(out.scheduled_requests) == ["r0", "r1", "r2"]
+    assert out.scheduled_req_ids == ["r0", "r1", "r2"]
     assert sched.kv_cache_manager.num_free_blocks == 1
     assert ids(sched.waiting) == ["r3"]
     r2_blocks = list(r2.block_ids)
 
     # Each running request now holds 5 tokens and needs a second block: only one is free.
     out, _ = step(sched, token=12)
-    assert ids(out.scheduled_requests) == ["r0", "r1"]
-    assert out.preempted_requests == [r2]
+    assert out.scheduled_req_ids == ["r0", "r1"]
+    assert out.preempted_req_ids == ["r2"]
     assert r2.status == RequestStatus.PREEMPTED
     assert r2.num_computed_tokens == 0
     assert r2.block_ids == []
@@ -322,8 +322,8 @@ def test_preemption_victim_can_be_the_request_itself():
     assert sched.kv_cache_manager.num_free_blocks == 0
     out, _ = step(sched)
     # a still fits in its 2 blocks; b needs a new block and is itself the last admitted.
-    assert ids(out.scheduled_requests) == ["a"]
-    assert out.preempted_requests == [b]
+    assert out.scheduled_req_ids == ["a"]
+    assert out.preempted_req_ids == ["b"]
     assert b.status == RequestStatus.PREEMPTED and b.block_ids == [] and b.num_computed_tokens == 0
     assert ids(sched.waiting) == ["b"] and ids(sched.running) == ["a"]
     assert sched.kv_cache_manager.num_free_blocks == 1
@@ -336,12 +336,12 @@ def test_preempted_request_readmitted_recomputes_all_its_tokens():
     sched.add_request(b)
     step(sched, token=21)
     out, _ = step(sched, token=22)
-    assert out.preempted_requests == [b]
+    assert out.preempted_req_ids == ["b"]
     # a: 6 tokens in 2 blocks; its third token finishes it.
     out, finished = step(sched, token=23)
     assert finished == [a]
     out, _ = step(sched, token=24)
-    assert ids(out.scheduled_requests) == ["b"]
+    assert out.scheduled_req_ids == ["b"]
     assert out.num_scheduled_tokens == {"b": 5}  # prompt + the kept output token, recomputed
     assert b.output_token_ids == [21, 24]
     assert b.status == RequestStatus.RUNNING
@@ -475,14 +475,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         out, finished = step(self.sched, token)
         assert out.total_num_scheduled_tokens <= self.sched.config.max_num_batched_tokens
         assert all(n >= 1 for n in out.num_scheduled_tokens.values())
-        assert not set(ids(out.scheduled_requests)) & set(ids(out.preempted_requests))
-        for r in out.preempted_requests:
+        assert not set(out.scheduled_req_ids) & set(out.preempted_req_ids)
+        for r in map(self.sched.requests.get, out.preempted_req_ids):
             assert r.num_computed_tokens == 0 and r.block_ids == [] and r.request_id in before
         for r in finished:
             assert r.is_finished and r.block_ids == [] and r.request_id not in self.sched.requests
         if before:
             assert not out.is_empty, "no progress with requests pending"
-        if out.preempted_requests:
+        if out.preempted_req_ids:
             event("preemption")
         self.done += finished
 
@@ -660,12 +660,12 @@ def test_priority_policy_admits_lower_value_first_and_preempts_lowest():
         sched.add_request(r)
     assert ids(sched.waiting) == ["high", "mid", "low"]
     out, _ = step(sched)
-    assert ids(out.scheduled_requests) == ["high", "mid", "low"]  # 6 blocks: 2 each
+    assert out.scheduled_req_ids == ["high", "mid", "low"]  # 6 blocks: 2 each
     for _ in range(3):  # the 9th token of each needs a third block: someone must go
         out, _ = step(sched)
-        if out.preempted_requests:
+        if out.preempted_req_ids:
             break
-    assert ids(out.preempted_requests)[0] == "low"
+    assert out.preempted_req_ids[0] == "low"
     assert ids(sched.waiting)[0] == "low"
 
 
@@ -680,8 +680,8 @@ def test_small_request_passes_a_large_one_a_bounded_number_of_times():
         if i < 3:
             sched.add_request(make_request(f"small{i}", prompt_len=4, max_tokens=8))
         out, _ = step(sched)
-        for r in out.scheduled_requests:
-            admitted_at.setdefault(r.request_id, i)
+        for request_id in out.scheduled_req_ids:
+            admitted_at.setdefault(request_id, i)
         if not sched.has_unfinished_requests():
             break
     assert admitted_at["small0"] == 0 and admitted_at["small1"] == 1  # passed the large one

@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -76,6 +77,29 @@ def test_tp2_equals_tp1_on_a_tiny_model(tiny_dir):
     tokens2, logprobs2 = _run(str(tiny_dir), 2)
     assert tokens2 == tokens1
     _assert_logprobs_close(logprobs2, logprobs1, 1e-4)
+    assert _no_children()
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_tp2_workers_follow_the_diff_through_preemption_forks_and_chunks(tiny_dir, preemption_mode):
+    """The workers keep their per-request state from the broadcast diffs only: a KV pool
+    too small for the batch (preemptions, by recompute or swap), chunked prefill, parallel
+    samples sharing blocks (fork, copy-on-write) and a prefix-cache hit give the same tokens
+    on two ranks as on one."""
+    prompts = [*PROMPTS, PROMPTS[1][:8] + [21, 22, 23, 24, 25]]  # the last one hits the cache
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2)
+
+    def run(tp: int):
+        with LLM(model=str(tiny_dir), dtype="float32", tensor_parallel_size=tp, num_threads=1, block_size=4,
+                 num_kv_blocks=14, max_num_batched_tokens=8, preemption_mode=preemption_mode,
+                 swap_space_bytes=1 << 20) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            stats = llm.get_stats()
+        assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+        assert (stats["num_swapped_out"] > 0) == (preemption_mode == "swap")
+        return [[c.token_ids for c in o.outputs] for o in outs]
+
+    assert run(2) == run(1)
     assert _no_children()
 
 
@@ -160,12 +184,14 @@ def test_rendezvous_timeout_is_configurable_and_says_what_to_do(monkeypatch):
     """A rank that never comes (here: torchrun-style, rank 1 never started) fails the
     driver after collective_timeout_s, with what to do, instead of a bare store error after
     a fixed 120 s (which a loaded machine missed while the other ranks loaded)."""
-    from kvflow.config import EngineArgs
+    from kvflow.config import DeviceConfig, ParallelConfig
     from kvflow.distributed.worker import TPWorkers, free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="collective_timeout_s / --collective-timeout-s / KVFLOW_COLLECTIVE_TIMEOUT_S"):
-        TPWorkers(2, EngineArgs(device="cpu", collective_timeout_s=1.0), spawn=False)
+        config = SimpleNamespace(parallel=ParallelConfig(2, collective_timeout_s=1.0),
+                                 device=DeviceConfig(torch.device("cpu"), torch.float32))  # the parts TPWorkers reads
+        TPWorkers(config, spawn=False)
     assert time.monotonic() - start < 60  # the 1 s limit was used (a generous bound: a shared machine)

@@ -153,7 +153,7 @@ def test_a_failed_request_fails_alone(monkeypatch):
     original = ModelRunner.prepare_inputs
 
     def prepare(self, out):
-        if any(r.prompt_token_ids[:2] == [127, 127] for r in out.scheduled_requests):
+        if any(r.prompt_token_ids[:2] == [127, 127] for r in map(self.requests.get, out.scheduled_req_ids)):
             raise RuntimeError("injected")
         return original(self, out)
 

@@ -417,7 +417,7 @@ def test_fault_while_preparing_one_request_fails_it_alone(monkeypatch):
     original = ModelRunner.prepare_inputs
 
     def prepare(self, out):
-        if any(_is_marked(r) for r in out.scheduled_requests):
+        if any(_is_marked(r) for r in map(self.requests.get, out.scheduled_req_ids)):
             raise RuntimeError("injected prepare fault")
         return original(self, out)
 
@@ -438,8 +438,8 @@ def test_fault_in_the_forward_of_a_batch_fails_only_its_culprit(monkeypatch, chu
 
     def prepare(self, out):
         inputs = original(self, out)
-        if any(_is_marked(r) for r in out.scheduled_requests) and any(
-            r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= 5 for r in out.scheduled_requests
+        if any(_is_marked(r) for r in map(self.requests.get, out.scheduled_req_ids)) and any(
+            r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] >= 5 for r in map(self.requests.get, out.scheduled_req_ids)
             if _is_marked(r)
         ):
             inputs.input_ids = inputs.input_ids + 10_000  # injected: out of the embedding's range
@@ -525,7 +525,7 @@ def test_parallel_samples_of_a_failing_request_all_fail_and_free_their_blocks(mo
     original = ModelRunner.prepare_inputs
 
     def prepare(self, out):
-        if any(_is_marked(r) and r.num_output_tokens >= 2 for r in out.scheduled_requests):
+        if any(_is_marked(r) and r.num_output_tokens >= 2 for r in map(self.requests.get, out.scheduled_req_ids)):
             raise RuntimeError("injected prepare fault")
         return original(self, out)
 
@@ -578,7 +578,7 @@ def test_a_lone_failing_request_is_failed_and_the_engine_goes_on(monkeypatch):
     original = ModelRunner.prepare_inputs
 
     def prepare(self, out):
-        if any(_is_marked(r) for r in out.scheduled_requests):
+        if any(_is_marked(r) for r in map(self.requests.get, out.scheduled_req_ids)):
             raise RuntimeError("injected prepare fault")
         return original(self, out)
 
@@ -724,3 +724,14 @@ def test_quantized_kv_triton_backend_independent_of_chunking_and_prefix_hits():
     engine = _quantized_engine(torch.int8, 4, 3, config, backend="triton")
     assert _greedy_with_logprobs(engine, {"miss": prompt})["miss"] == ref
     assert _greedy_with_logprobs(engine, {"hit": prompt})["hit"] == ref
+
+
+def test_the_probe_never_takes_the_runner_state_of_a_live_request():
+    """The one-token probe runs through the runner's per-request state like any request; a
+    user request that happens to be called "kvflow-probe" keeps its own state (and output)."""
+    engine = tiny_engine()
+    engine.add_request("kvflow-probe", PROMPTS["p9"], GREEDY)
+    engine.step()  # prefilled: the runner holds it
+    engine._probe()
+    assert engine.model_runner.requests["kvflow-probe"].prompt_token_ids == PROMPTS["p9"]
+    assert run_to_completion(engine) == {"kvflow-probe": reference()["p9"]}

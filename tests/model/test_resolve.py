@@ -396,6 +396,17 @@ def test_split_package_is_concatenated(tiny_llama: Tiny, tmp_path: Path, monkeyp
         assert torch.equal(weights[name], torch.from_numpy(value)), name
 
 
+def test_gguf_file_of_packages_paths_and_folders(tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_llama[0]
+    data = path.read_bytes()
+    _fake_split_model(path, tmp_path / "site", monkeypatch, len(data), hashlib.sha256(data).hexdigest()[:6])
+    assembled = resolve.gguf_file("fake-split", cache_dir=tmp_path / "cache")
+    assert assembled == tmp_path / "cache" / "fake-split.gguf" and assembled.read_bytes() == data
+    assert resolve.gguf_file(str(path)) == path.resolve()
+    folder = resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert resolve.gguf_file(str(folder)) is None  # an HF folder has no GGUF behind it
+
+
 @pytest.mark.parametrize("bad", ["size", "sha256"])
 def test_split_package_checks_size_and_hash(
     bad: str, tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

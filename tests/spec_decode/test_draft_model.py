@@ -113,7 +113,7 @@ def check_invariants(engine: LLMEngine) -> None:
     assert pool.num_free_blocks == pool.num_blocks - len(refs)
     proposer = engine.proposer
     if isinstance(proposer, DraftModelProposer):
-        shadows = proposer._shadows
+        shadows = proposer._seqs
         assert set(shadows) <= {r.request_id for r in running}
         draft_refs = Counter()
         for shadow in shadows.values():
@@ -145,7 +145,7 @@ def run_schedule(engine: LLMEngine, arrivals, check: bool = True) -> dict[str, l
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     if isinstance(engine.proposer, DraftModelProposer):
         assert engine.proposer.kv.num_free_blocks == engine.proposer.kv.num_total_blocks
-        assert not engine.proposer._shadows
+        assert not engine.proposer._seqs
     return done
 
 
@@ -302,12 +302,12 @@ def test_abort_frees_draft_state():
     for _ in range(4):
         engine.step()
         check_invariants(engine)
-    assert proposer._shadows
+    assert proposer._seqs
     for i in range(len(PROMPTS)):
         engine.abort_request(str(i))
     assert not engine.has_unfinished_requests()
     assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
-    assert proposer.kv.num_free_blocks == proposer.kv.num_total_blocks and not proposer._shadows
+    assert proposer.kv.num_free_blocks == proposer.kv.num_total_blocks and not proposer._seqs
 
 
 # ------------------------------------------------------------------------- seeded sampling

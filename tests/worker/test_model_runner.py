@@ -56,7 +56,9 @@ def test_cpu_backend_puts_all_decodes_in_one_group():
     for rid, prompt in {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8], "c": list(range(24))}.items():
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=4))
     engine.step()  # the three prefills
-    inputs = engine.model_runner.prepare_inputs(engine.scheduler.schedule())
+    out = engine.scheduler.schedule()
+    engine.model_runner.update_states(out)
+    inputs = engine.model_runner.prepare_inputs(out)
     assert inputs.metadata.backend.name == "cpu"
     assert len(inputs.metadata.groups) == 1  # contexts 5 and 25: one group, no padding concern
     assert inputs.metadata.groups[0].context_lens.tolist() == [5, 5, 25]
@@ -79,7 +81,9 @@ def test_cpu_backend_over_int8_kv_is_flat_and_batch_invariant():
     engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
     engine.step()
     engine.add_request("b", list(range(9)), SamplingParams(temperature=0, max_tokens=4))
-    meta = engine.model_runner.prepare_inputs(engine.scheduler.schedule()).metadata
+    out = engine.scheduler.schedule()
+    engine.model_runner.update_states(out)
+    meta = engine.model_runner.prepare_inputs(out).metadata
     assert meta.backend.name == "cpu" and isinstance(meta, FlatMetadata)
     assert meta.query_start_loc.tolist() == [0, 1, 10]  # a's decode, then b's prefill
     assert meta.context_lens.tolist() == [6, 9] and meta.block_tables.dtype == torch.int64
@@ -97,6 +101,7 @@ def test_triton_backend_metadata_is_flat_per_request():
     engine.add_request("b", PROMPTS["p30"], SamplingParams(temperature=0, max_tokens=4))
     engine.step()  # both prefills
     out = engine.scheduler.schedule()
+    engine.model_runner.update_states(out)
     inputs = engine.model_runner.prepare_inputs(out)
     meta = inputs.metadata
     assert meta.backend.name == "triton" and isinstance(meta, FlatMetadata)
@@ -126,3 +131,79 @@ def test_kernel_backend_logits_match_torch_backend(backend):
 def test_unknown_backend_raises():
     with pytest.raises(ValueError, match="attention_backend"):
         tiny_engine(attention_backend="flash")
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_runner_state_mirrors_the_scheduler_through_every_feature(monkeypatch, preemption_mode):
+    """The runner builds its inputs from its own state, kept by the scheduler's diffs: at
+    every step it holds exactly the running requests, each with the scheduler's tokens,
+    block table and computed count when scheduled, through chunked prefill, prefix-cache hits, parallel
+    samples (fork, copy-on-write), preemption (recompute or swap), speculative roll-backs
+    (n-gram drafts) and aborts (a running request that is not scheduled gets its diff when it
+    next is); and the outputs equal those of a roomy engine."""
+    from conftest import tiny_model
+    from kvflow.config import SchedulerConfig
+    from kvflow.spec_decode.ngram import NgramProposer
+    from kvflow.worker.model_runner import ModelRunner
+
+    def engine(num_blocks: int):
+        config = tiny_model_config()
+        return make_engine(model=tiny_model(config), model_config=config,
+                           cache_config=CacheConfig(4, num_blocks, torch.float32, num_cpu_blocks=64),
+                           scheduler_config=SchedulerConfig(16, 8, 256, preemption_mode=preemption_mode),
+                           proposer=NgramProposer(3, 1, 3, 256))
+
+    requests = {
+        "loop": ([1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(temperature=0, max_tokens=24)),
+        "n3": (PROMPTS["p9"], SamplingParams(temperature=1.0, n=3, seed=5, max_tokens=12)),
+        "long": (PROMPTS["p45"], SamplingParams(temperature=0, max_tokens=10)),
+        "shared": (PROMPTS["p45_shared"], SamplingParams(temperature=0, max_tokens=10)),
+        "gone": (PROMPTS["p30"], SamplingParams(temperature=0, max_tokens=20)),
+    }
+
+    def run(engine, abort_at=None):
+        outputs, step = {}, 0
+        for rid, (prompt, params) in requests.items():
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            if step == abort_at:
+                engine.abort_request("gone")
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = [o.token_ids for o in out.outputs]
+            step += 1
+        return outputs
+
+    checked = {"steps": 0, "replaced": 0}
+    mismatches = []  # (an assert inside prepare_inputs would be isolated as a request fault)
+    original = ModelRunner.prepare_inputs
+
+    def prepare(self, out):
+        if self is tight.model_runner:
+            running = tight.scheduler.running
+            if set(self.requests) != {r.request_id for r in running}:
+                mismatches.append((checked["steps"], sorted(self.requests), [r.request_id for r in running]))
+            for r in map(tight.scheduler.requests.get, [*out.num_scheduled_tokens, *(c for c, _ in out.forked)]):
+                state = self.requests.get(r.request_id)
+                if state is None or (state.all_token_ids, state.block_ids, state.num_computed_tokens) != (
+                        r.all_token_ids, r.block_ids, r.num_computed_tokens):
+                    mismatches.append((checked["steps"], r.request_id, (r.num_tokens, r.block_ids, r.num_computed_tokens), state and (state.num_tokens, state.block_ids, state.num_computed_tokens)))
+            checked["steps"] += 1
+            checked["replaced"] += sum(out.scheduled_cached_reqs.replace_block_ids)
+        return original(self, out)
+
+    reference = run(engine(256))
+    tight = engine(22)
+    monkeypatch.setattr(ModelRunner, "prepare_inputs", prepare)
+    outputs = run(tight, abort_at=6)
+    assert not mismatches, mismatches[:3]
+    assert tight.scheduler.num_preemptions > 0 and checked["replaced"] > 0 and checked["steps"] > 20
+    assert tight.get_stats()["spec_num_draft_tokens"] > tight.get_stats()["spec_num_accepted_tokens"] > 0
+    if preemption_mode == "swap":
+        assert tight.scheduler.num_swapped_out > 0
+    del reference["gone"]
+    assert "gone" not in outputs and outputs == reference
+    # States of the requests that finished in the last step are dropped at the next step.
+    tight.add_request("after", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
+    tight.step()
+    assert set(tight.model_runner.requests) == {"after"}

@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn): ``kvflow serve``.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (SSE streaming
-with ``stream: true``), GET /health, GET /metrics (Prometheus). Every error, of every
-endpoint and middleware, is an OpenAI-shaped JSON body
+with ``stream: true``), GET /health, GET /metrics (Prometheus); the web UI (``/``,
+``/dashboard`` and their endpoints, ``kvflow/entrypoints/web/routes.py``) and the API docs
+(``/docs``, ``/redoc``) with their assets served from installed packages, not a CDN. Every
+error, of every endpoint and middleware, is an OpenAI-shaped JSON body
 ``{"error": {"message", "type", "param", "code"}}``:
 
 - 400 for invalid parameters, fields kvflow does not implement, and prompts that cannot fit
@@ -32,6 +34,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi_offline import FastAPIOffline
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -39,6 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
+from kvflow.entrypoints.openai.errors import _ERROR_TYPES, APIError, _error_body, error_response  # noqa: F401
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams
@@ -48,43 +52,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 10 * 2**20
 MAX_JSON_DEPTH = 64
 RETRY_AFTER_S = 1
-
-_ERROR_TYPES = {
-    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-    413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
-}  # fmt: skip
-
-
-class APIError(StarletteHTTPException):
-    """An error to return as an OpenAI-shaped body (an HTTPException, so that FastAPI lets
-    it through from the body parsing)."""
-
-    def __init__(self, status: int, message: str, err_type: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(status, message, headers)
-        self.status, self.message, self.param = status, message, param
-        self.err_type = err_type or _ERROR_TYPES.get(status, "BadRequestError")
-
-    def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, self.err_type, self.param, self.headers)
-
-    def body(self) -> dict[str, Any]:
-        return _error_body(self.status, self.message, self.err_type, self.param)
-
-
-def _error_body(status: int, message: str, err_type: str, param: str | None = None) -> dict[str, Any]:
-    # A message may quote the client's input: escape what UTF-8 cannot encode (lone
-    # surrogates), or the response itself would fail to encode.
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    if param is not None:
-        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-
-
-def error_response(status: int, message: str, err_type: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(_error_body(status, message, err_type, param), status_code=status, headers=headers)
-
 
 def _bad_request(exc: ValueError) -> APIError:
     message = str(exc)
@@ -702,8 +669,9 @@ def build_app(
         engine: the async engine; the app's lifespan starts and stops it.
         model_name: the served model id.
         max_model_len: context limit in tokens.
-        api_key: when set, every path but /health needs ``Authorization: Bearer <key>``
-            (/metrics too, unless ``metrics_need_key`` is False).
+        api_key: when set, every path but /health and the web pages' files needs
+            ``Authorization: Bearer <key>`` (/metrics and the dashboard's snapshot stream
+            too, unless ``metrics_need_key`` is False).
         metrics_need_key: see ``api_key``.
         max_request_bytes: larger bodies get 413, decided from Content-Length before the
             body is read (and by counting the bytes of a chunked body).
@@ -719,11 +687,18 @@ def build_app(
         yield
         engine.shutdown()
 
-    app = FastAPI(title="kvflow", version="0.1.0", lifespan=lifespan)
+    from kvflow.entrypoints import web
+
+    # FastAPIOffline: /docs and /redoc load Swagger UI's and ReDoc's files from the
+    # fastapi-offline package, not from a CDN (no online validator badge either).
+    app = FastAPIOffline(title="kvflow", version="0.1.0", lifespan=lifespan, static_url="/docs-assets",
+                         swagger_ui_parameters={"validatorUrl": None})
     app.router.route_class = _CheckedBodyRoute
     if api_key is not None:
-        open_paths = frozenset({"/health"} if metrics_need_key else {"/health", "/metrics"})
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=open_paths)
+        open_paths = {"/health", *web.PUBLIC_PATHS}
+        if not metrics_need_key:
+            open_paths |= {"/metrics", *web.METRICS_PATHS}
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
 
     @app.exception_handler(APIError)
@@ -776,4 +751,5 @@ def build_app(
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(req, raw)
 
+    web.register(app, engine)
     return app

@@ -405,7 +405,7 @@ def _inject_prepare_fault(monkeypatch, exc_type=RuntimeError):
     original = ModelRunner.prepare_inputs
 
     def prepare(self, out):
-        if any(r.prompt_token_ids[:2] == MARK for r in out.scheduled_requests):
+        if any(r.prompt_token_ids[:2] == MARK for r in map(self.requests.get, out.scheduled_req_ids)):
             raise exc_type("injected fault")
         return original(self, out)
 

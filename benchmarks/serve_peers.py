@@ -1,0 +1,323 @@
+"""kvflow's OpenAI server against vLLM's CPU build and llama.cpp's ``llama-server``, each driven
+by the same external load generator (``vllm bench serve``), one engine at a time.
+
+What it measures
+----------------
+Each engine's own server is started as a subprocess on 127.0.0.1 with ``--threads`` CPU
+threads, waited for (``GET /v1/models``), and driven by ``vllm bench serve`` (vLLM's load
+generator: none of the three engines' code) with the random dataset, a fixed seed, greedy
+sampling and ``--ignore-eos``, so every engine gets the same prompts and generates exactly
+the requested number of tokens. Scenarios (``--scenarios``):
+
+* ``concurrent16`` / ``concurrent32``: 64 prompts of 128-384 tokens, outputs of 64-192 tokens
+  (``--random-input-len 256 --random-output-len 128 --random-range-ratio 0.5``), at most 16
+  / 32 requests in flight;
+* ``single``: 4 prompts of 32 tokens, 128 output tokens each, one at a time.
+
+Per engine and scenario: completed / failed requests, output tokens/s, TTFT (mean, p99),
+TPOT (mean, p99), ITL p99, all as ``vllm bench serve`` reports them (its ``--save-result``
+JSON, kept whole in the output file), and the CPU that other processes took meanwhile
+(``other_load_cores``: all CPUs' busy time minus the server's and the load generator's process
+trees, per wall second; near 0 means the run had the machine to itself; 1 on a 2-core machine
+means another job held a core and the numbers are not data).
+
+Engines (``--engines``):
+
+* ``kvflow``: ``kvflow serve`` with ``--dtype`` (default bfloat16) and the rest at defaults;
+* ``kvflow-int4``: the same with ``--quantization int4 --quantize-lm-head int8``;
+* ``vllm``: ``vllm serve`` of the vLLM CPU build (``--vllm`` is the command, e.g. a wrapper
+  script that sets ``VLLM_CPU_OMP_THREADS_BIND`` and ``VLLM_CPU_KVCACHE_SPACE``; see
+  docs/benchmarks.md) on the model's Hugging Face folder (kvflow's GGUF conversion), same
+  ``--dtype``;
+* ``llama-server``: llama.cpp's server (``--llama-server`` is the binary) on the GGUF file as
+  stored (Q4_1 for ``smollm2-135m``), ``-np`` = the largest concurrency of the scenarios, a
+  unified KV cache (``-kvu``) of ``-c`` = that x 1024 tokens, ``-t``/``-tb`` = ``--threads``.
+
+How to run
+----------
+    python -m benchmarks.serve_peers --engines kvflow,vllm,llama-server \\
+        --vllm /path/to/vllm-wrapper.sh --llama-server /path/to/llama-server
+    python -m benchmarks.serve_peers --engines kvflow --scenarios single   # quick
+
+``vllm bench serve`` comes from ``--bench`` (default: the ``--vllm`` command). Prints one table
+per scenario (and the ratios of each engine to the first one) and writes every number to
+``--out`` (JSON, default ``benchmarks/results/serve_peers.json``) and a bar chart to
+``--plot`` (PNG, needs matplotlib). Start it on an idle machine: ``--wait-idle`` seconds (default
+60) are spent waiting for the CPUs to be < 10 % busy before each engine starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import format_table, machine_info, wait_for_idle
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "concurrent16": {"num_prompts": 64, "input_len": 256, "output_len": 128, "range_ratio": 0.5, "concurrency": 16},
+    "concurrent32": {"num_prompts": 64, "input_len": 256, "output_len": 128, "range_ratio": 0.5, "concurrency": 32},
+    "single": {"num_prompts": 4, "input_len": 32, "output_len": 128, "range_ratio": 0.0, "concurrency": 1},
+}
+ENGINES = ("kvflow", "kvflow-int4", "vllm", "llama-server")
+# Keys of vllm bench serve's result JSON shown in the table (its names).
+SHOWN = ("completed", "failed", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
+         "p99_itl_ms")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default="kvflow,vllm,llama-server", help=f"comma-separated, of {', '.join(ENGINES)}")
+    p.add_argument("--scenarios", default="concurrent16,single", help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    p.add_argument("--model", default="smollm2-135m", help="a kvflow model (packaged short name or GGUF path)")
+    p.add_argument("--dtype", default="bfloat16", help="kvflow's and vLLM's dtype")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of every engine")
+    p.add_argument("--vllm", default="vllm", help="the vllm command (a wrapper script may set its CPU env)")
+    p.add_argument("--bench", default=None, help="the command whose `bench serve` is the load generator "
+                                                 "(default: --vllm)")  # fmt: skip
+    p.add_argument("--llama-server", default="llama-server", help="llama.cpp's llama-server binary")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a server (vLLM compiles)")
+    p.add_argument("--wait-idle", type=float, default=60.0, help="max seconds to wait for an idle CPU before each engine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "serve_peers.json")
+    p.add_argument("--plot", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "serve_peers.png")
+    args = p.parse_args(argv)
+    args.engines = [e for e in args.engines.split(",") if e]
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    for e in args.engines:
+        if e not in ENGINES:
+            p.error(f"--engines: unknown engine {e!r} (known: {', '.join(ENGINES)})")
+    for s in args.scenarios:
+        if s not in SCENARIOS:
+            p.error(f"--scenarios: unknown scenario {s!r} (known: {', '.join(SCENARIOS)})")
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_files(model: str) -> tuple[Path, Path | None]:
+    """(Hugging Face folder, GGUF file or None) of a kvflow model name or path."""
+    from kvflow.model.resolve import gguf_file, resolve_model
+
+    return resolve_model(model), gguf_file(model)
+
+
+def server_command(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None, port: int,
+                   max_concurrency: int) -> list[str]:  # fmt: skip
+    """The command line that starts ``engine``'s OpenAI-compatible server on ``port``."""
+    host = ["--host", "127.0.0.1", "--port", str(port)]
+    if engine.startswith("kvflow"):
+        cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--model", args.model, "--dtype", args.dtype,
+               "--num-threads", str(args.threads), "--served-model-name", "model", "--log-level", "warning", *host]  # fmt: skip
+        if engine == "kvflow-int4":
+            cmd += ["--quantization", "int4", "--quantize-lm-head", "int8"]
+        return cmd
+    if engine == "vllm":
+        return [*shlex.split(args.vllm), "serve", str(hf_dir), "--served-model-name", "model", "--dtype", args.dtype,
+                "--max-model-len", "8192", *host]  # fmt: skip
+    if gguf is None:
+        raise ValueError(f"llama-server needs a GGUF file; {args.model!r} has none")
+    return [args.llama_server, "-m", str(gguf), "-np", str(max_concurrency), "-kvu", "-c", str(max_concurrency * 1024),
+            "-t", str(args.threads), "-tb", str(args.threads), *host]  # fmt: skip
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path) -> float:
+    """Seconds until ``GET /v1/models`` answers 200.
+
+    Raises:
+        RuntimeError: the server exited or did not answer within ``timeout_s`` seconds.
+    """
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited ({proc.returncode}); see {log_path}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {log_path}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT (all three servers shut down cleanly on it), then SIGKILL after 60 s."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def _tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its live children (psutil), 0 if gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _all_busy_seconds() -> float:
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
+
+
+def run_bench(args: argparse.Namespace, url: str, hf_dir: Path, scenario: str, server_pid: int, workdir: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; its result JSON plus ``other_load_cores`` and the command."""
+    s = SCENARIOS[scenario]
+    name = f"{scenario}.json"
+    cmd = [*shlex.split(args.bench or args.vllm), "bench", "serve", "--backend", "openai", "--base-url", url,
+           "--endpoint", "/v1/completions", "--model", "model", "--tokenizer", str(hf_dir),
+           "--dataset-name", "random", "--random-input-len", str(s["input_len"]),
+           "--random-output-len", str(s["output_len"]), "--random-range-ratio", str(s["range_ratio"]),
+           "--num-prompts", str(s["num_prompts"]), "--max-concurrency", str(s["concurrency"]),
+           "--ignore-eos", "--seed", str(args.seed), "--temperature", "0",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+           "--save-result", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
+    server_cpu0, busy0, t0 = _tree_cpu_seconds(server_pid), _all_busy_seconds(), time.monotonic()
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    bench_cpu = 0.0
+    while bench.poll() is None:  # sample the client's tree while it lives (children vanish at exit)
+        bench_cpu = max(bench_cpu, _tree_cpu_seconds(bench.pid))
+        time.sleep(0.5)
+    log = bench.stdout.read() if bench.stdout else ""
+    wall = time.monotonic() - t0
+    server_cpu = _tree_cpu_seconds(server_pid) - server_cpu0
+    other = max(0.0, (_all_busy_seconds() - busy0 - server_cpu - bench_cpu) / wall) if wall > 0 else None
+    result_path = workdir / name
+    if bench.returncode != 0 or not result_path.is_file():
+        raise RuntimeError(f"vllm bench serve failed ({bench.returncode}):\n{log[-3000:]}")
+    result = json.loads(result_path.read_text())
+    for big in ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors", "latencies", "queue_times"):
+        result.pop(big, None)
+    result.update(other_load_cores=other, server_cpu_cores=server_cpu / wall, bench_cpu_cores=bench_cpu / wall,
+                  bench_command=shlex.join(cmd))  # fmt: skip
+    return result
+
+
+def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None, workdir: Path) -> dict[str, Any]:
+    """Start ``engine``'s server, run every scenario against it, stop it."""
+    idle = wait_for_idle(args.wait_idle)
+    port = _free_port()
+    max_concurrency = max(SCENARIOS[s]["concurrency"] for s in args.scenarios)
+    cmd = server_command(engine, args, hf_dir, gguf, port, max_concurrency)
+    log_path = workdir / f"{engine}.log"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    record: dict[str, Any] = {"engine": engine, "server_command": shlex.join(cmd), "cpu_busy_before": idle}
+    try:
+        record["startup_s"] = wait_ready(proc, f"http://127.0.0.1:{port}", args.startup_timeout, log_path)
+        record["scenarios"] = {}
+        for scenario in args.scenarios:
+            print(f"[{engine}] {scenario} ...", flush=True)
+            record["scenarios"][scenario] = run_bench(args, f"http://127.0.0.1:{port}", hf_dir, scenario, proc.pid, workdir)
+    except RuntimeError as exc:
+        record["error"] = str(exc)
+        print(f"[{engine}] failed: {exc}", file=sys.stderr)
+    finally:
+        stop(proc)
+    return record
+
+
+def tables(records: list[dict[str, Any]], scenarios: list[str]) -> str:
+    """One table per scenario, with each engine's throughput and TTFT relative to the first engine."""
+    out = []
+    for scenario in scenarios:
+        rows, base = [], None
+        for rec in records:
+            r = rec.get("scenarios", {}).get(scenario)
+            if r is None:
+                rows.append([rec["engine"], *([None] * (len(SHOWN) + 3))])
+                continue
+            base = base or r
+            ratio = r["output_throughput"] / base["output_throughput"] if base["output_throughput"] else None
+            ttft_ratio = r["mean_ttft_ms"] / base["mean_ttft_ms"] if base["mean_ttft_ms"] else None
+            rows.append([rec["engine"], *(r.get(k) for k in SHOWN), ratio, ttft_ratio, r["other_load_cores"]])
+        headers = ["engine", "ok", "failed", "out tok/s", "TTFT ms", "TTFT p99", "TPOT ms", "TPOT p99", "ITL p99",
+                   "tok/s vs 1st", "TTFT vs 1st", "other load"]  # fmt: skip
+        out.append(f"{scenario} ({SCENARIOS[scenario]})\n" + format_table(headers, rows))
+    return "\n\n".join(out)
+
+
+def plot(records: list[dict[str, Any]], scenarios: list[str], path: Path) -> None:
+    """Bars of output tokens/s and mean TTFT per engine, one panel pair per scenario."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(scenarios), figsize=(4.5 * len(scenarios), 6), squeeze=False)
+    for col, scenario in enumerate(scenarios):
+        names = [r["engine"] for r in records if scenario in r.get("scenarios", {})]
+        res = [r["scenarios"][scenario] for r in records if scenario in r.get("scenarios", {})]
+        axes[0][col].bar(names, [x["output_throughput"] for x in res])
+        axes[0][col].set_title(f"{scenario}: output tok/s")
+        axes[1][col].bar(names, [x["mean_ttft_ms"] for x in res], color="tab:orange")
+        axes[1][col].set_title(f"{scenario}: mean TTFT (ms)")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    hf_dir, gguf = model_files(args.model)
+    records = []
+    with tempfile.TemporaryDirectory(prefix="serve_peers-") as tmp:
+        for engine in args.engines:
+            records.append(run_engine(engine, args, hf_dir, gguf, Path(tmp)))
+            if "error" in records[-1]:
+                log = Path(tmp) / f"{engine}.log"
+                records[-1]["server_log_tail"] = log.read_text(errors="replace")[-3000:] if log.is_file() else None
+    print(tables(records, args.scenarios))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine_info(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
+               "scenarios": {s: SCENARIOS[s] for s in args.scenarios}, "engines": records}  # fmt: skip
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    try:
+        plot(records, args.scenarios, args.plot)
+        print(f"wrote {args.plot}")
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install -e '.[bench]')")
+    return 0 if all("error" not in r for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""benchmarks/serve_peers.py: the command lines it starts and the tables it prints (the runs
+themselves need the peers installed and an idle machine; see docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import serve_peers
+
+
+def test_server_commands_use_the_same_threads_and_dtype() -> None:
+    args = serve_peers.parse_args(["--engines", "kvflow,kvflow-int4,vllm,llama-server", "--threads", "3",
+                                   "--scenarios", "single,concurrent32", "--vllm", "/opt/vllm.sh --x"])  # fmt: skip
+    hf, gguf = Path("/m/hf"), Path("/m/model.gguf")
+    kv = serve_peers.server_command("kvflow", args, hf, gguf, 9000, 32)
+    assert kv[kv.index("--dtype") + 1] == "bfloat16" and kv[kv.index("--num-threads") + 1] == "3"
+    assert "--quantization" not in kv
+    int4 = serve_peers.server_command("kvflow-int4", args, hf, gguf, 9000, 32)
+    assert int4[int4.index("--quantization") + 1] == "int4" and int4[int4.index("--quantize-lm-head") + 1] == "int8"
+    vllm = serve_peers.server_command("vllm", args, hf, gguf, 9000, 32)
+    assert vllm[:4] == ["/opt/vllm.sh", "--x", "serve", "/m/hf"] and vllm[vllm.index("--dtype") + 1] == "bfloat16"
+    llama = serve_peers.server_command("llama-server", args, hf, gguf, 9000, 32)
+    assert llama[llama.index("-m") + 1] == "/m/model.gguf" and llama[llama.index("-np") + 1] == "32"
+    assert llama[llama.index("-c") + 1] == str(32 * 1024) and llama[llama.index("-t") + 1] == "3"
+    with pytest.raises(ValueError, match="GGUF"):
+        serve_peers.server_command("llama-server", args, hf, None, 9000, 32)
+
+
+@pytest.mark.parametrize("flag, value", [("--engines", "kvflow,sglang"), ("--scenarios", "burst")])
+def test_unknown_engine_or_scenario_is_refused(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        serve_peers.parse_args([flag, value])
+    assert value.split(",")[-1] in capsys.readouterr().err
+
+
+def test_table_ratios_are_relative_to_the_first_engine() -> None:
+    result = {"completed": 4, "failed": 0, "output_throughput": 50.0, "mean_ttft_ms": 100.0, "p99_ttft_ms": 120.0,
+              "mean_tpot_ms": 20.0, "p99_tpot_ms": 25.0, "p99_itl_ms": 30.0, "other_load_cores": 0.05}  # fmt: skip
+    faster = dict(result, output_throughput=75.0, mean_ttft_ms=50.0)
+    records = [{"engine": "kvflow", "scenarios": {"single": result}}, {"engine": "vllm", "scenarios": {"single": faster}},
+               {"engine": "llama-server", "error": "did not start"}]  # fmt: skip
+    text = serve_peers.tables(records, ["single"])
+    vllm_row = next(line for line in text.splitlines() if line.startswith("vllm"))
+    assert vllm_row.split()[-3:] == ["1.5", "0.5", "0.05"]
+    assert next(line for line in text.splitlines() if line.startswith("llama-server")).split()[1:] == ["-"] * 11

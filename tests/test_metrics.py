@@ -1,0 +1,42 @@
+"""The server's Prometheus metrics (kvflow/metrics.py) fed from a real engine's stats."""
+
+from __future__ import annotations
+
+import torch
+from prometheus_client import generate_latest
+
+from conftest import make_engine, run_to_completion, tiny_model, tiny_model_config
+from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.metrics import EngineMetrics
+from kvflow.sampling_params import SamplingParams
+from kvflow.spec_decode.ngram import NgramProposer
+
+
+def _value(metrics: EngineMetrics, name: str) -> float:
+    for line in generate_latest(metrics.registry).decode().splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_speculative_counters_follow_the_engine_and_stay_zero_without_a_proposer():
+    config = tiny_model_config(vocab_size=32)
+    engine = make_engine(tiny_model(config), config, CacheConfig(4, 64, torch.float32), SchedulerConfig(64, 16, 256),
+                         proposer=NgramProposer(3, 1, 3, 256))  # fmt: skip
+    metrics = EngineMetrics("tiny")
+    engine.add_request("rep", [1, 2, 3] * 6, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        metrics.update_engine_stats(engine.get_stats())
+    stats = engine.get_stats()
+    assert stats["spec_num_draft_tokens"] > 0
+    assert _value(metrics, "kvflow:spec_decode_num_draft_tokens_total") == stats["spec_num_draft_tokens"]
+    assert _value(metrics, "kvflow:spec_decode_num_accepted_tokens_total") == stats["spec_num_accepted_tokens"]
+
+    plain = make_engine(tiny_model(config), config, CacheConfig(4, 64, torch.float32), SchedulerConfig(64, 16, 256))
+    metrics = EngineMetrics("tiny")
+    plain.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    run_to_completion(plain)
+    metrics.update_engine_stats(plain.get_stats())
+    assert _value(metrics, "kvflow:spec_decode_num_draft_tokens_total") == 0
+    assert _value(metrics, "kvflow:spec_decode_num_accepted_tokens_total") == 0
