@@ -8,12 +8,12 @@ the checkpoint), ``CacheConfig`` (paged KV cache) and ``SchedulerConfig`` (batch
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
+from kvflow import envs
 from kvflow.attention.selector import ATTENTION_BACKENDS, check_attention_backend_name
 from kvflow.quantization.registry import LM_HEAD_METHODS, QUANTIZATION_METHODS
 from kvflow.utils import parse_bytes
@@ -31,6 +31,11 @@ _DTYPES = {
 
 QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPE_NAMES = ("auto", *_KV_CACHE_DTYPES, *_DTYPES)
+"""Every name ``resolve_kv_cache_dtype`` accepts (``kv_cache_dtype`` / ``--kv-cache-dtype``)."""
+KV_SCALE_BYTES = 2
+"""Bytes of one quantization scale of an int8 / fp8 KV cache (float16, one per token, KV head
+and K/V: ``kvflow.attention.kv_cache``)."""
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -87,10 +92,27 @@ class KVCacheSpec:
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         """KV cache bytes per token, the one formula of the project: 2 (K and V) x layers x
         kv_heads x head_dim x element size; an int8 / fp8 cache adds one float16 scale per
-        token, head and K/V (DESIGN.md, "Reference facts")."""
+        token, head and K/V (``scale_bytes_per_token``; DESIGN.md, "Reference facts")."""
         elem = torch.tensor([], dtype=dtype).element_size()
-        per_head = self.head_dim * elem + (2 if dtype in QUANTIZED_KV_DTYPES else 0)
-        return 2 * self.num_layers * self.num_kv_heads * per_head
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem + self.scale_bytes_per_token(dtype)
+
+    def scale_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """The part of ``bytes_per_token`` that is quantization scales: 2 x layers x kv_heads x
+        ``KV_SCALE_BYTES`` for an int8 / fp8 cache, 0 for a float one."""
+        return 2 * self.num_layers * self.num_kv_heads * KV_SCALE_BYTES if dtype in QUANTIZED_KV_DTYPES else 0
+
+
+def kv_layer_count(num_hidden_layers: int, cla_share_factor: int = 1) -> int:
+    """Layers that hold their own K/V under cross-layer attention: one per group of
+    ``cla_share_factor`` adjacent layers, ceil(layers / factor) (a last, shorter group still
+    stores its own).
+
+    Raises:
+        ValueError: for a factor below 1.
+    """
+    if cla_share_factor < 1:
+        raise ValueError(f"cla_share_factor must be >= 1, got {cla_share_factor}")
+    return -(-num_hidden_layers // cla_share_factor)
 
 
 def _scaled_rope(scaling: dict[str, Any], max_position_embeddings: int) -> tuple[dict[str, Any], int]:
@@ -235,7 +257,7 @@ class ModelConfig:
     @property
     def num_kv_layers(self) -> int:
         """Layers that hold their own K/V: one per group of ``cla_share_factor`` layers."""
-        return -(-self.num_hidden_layers // self.cla_share_factor)
+        return kv_layer_count(self.num_hidden_layers, self.cla_share_factor)
 
     @classmethod
     def from_hf_config(cls, hf_config: Any, max_model_len: int | None = None) -> "ModelConfig":
@@ -568,7 +590,7 @@ class EngineArgs:
         choices=LM_HEAD_METHODS, method_flag="--lm-head-quantization")
     kv_cache_dtype: str = _option(
         "auto", "KV cache element type: auto (the model dtype), int8 or fp8 (per-token, per-head scales; "
-        "dequantized inside attention), or a float dtype name", choices=("auto", *_KV_CACHE_DTYPES, *_DTYPES))
+        "dequantized inside attention), or a float dtype name", choices=KV_CACHE_DTYPE_NAMES)
     speculative_config: dict[str, Any] | None = _option(
         None, 'speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4} (a JSON object on '
         "the command line; see SpeculativeConfig); default: off", metavar="JSON")
@@ -674,16 +696,8 @@ class EngineArgs:
         """
         if self.collective_timeout_s is not None:
             return float(self.collective_timeout_s)
-        text = os.environ.get("KVFLOW_COLLECTIVE_TIMEOUT_S")
-        if not text:
-            return DEFAULT_COLLECTIVE_TIMEOUT_S
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-        if not value > 0 or value == float("inf"):
-            raise ValueError(f"KVFLOW_COLLECTIVE_TIMEOUT_S must be a positive number of seconds, got {text!r}")
-        return value
+        value = envs.KVFLOW_COLLECTIVE_TIMEOUT_S
+        return DEFAULT_COLLECTIVE_TIMEOUT_S if value is None else value
 
     def create_config(self) -> EngineConfig:
         """Validate the options and make the engine's ``EngineConfig``: resolve the model (a

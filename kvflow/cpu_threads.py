@@ -30,6 +30,8 @@ import logging
 import os
 import sys
 
+from kvflow import envs
+
 logger = logging.getLogger(__name__)
 
 # The variables that decide how libgomp's threads wait (read once, when it loads).
@@ -49,7 +51,7 @@ def set_openmp_defaults(environ: dict[str, str] | None = None) -> bool:
         Whether the default was set now.
     """
     env = os.environ if environ is None else environ
-    if env.get("KVFLOW_OMP_DEFAULTS") == "0" or any(env.get(v) for v in WAIT_VARIABLES):
+    if not envs.read("KVFLOW_OMP_DEFAULTS", env) or any(envs.read(v, env) for v in WAIT_VARIABLES):
         return False
     if "torch" in sys.modules:  # libgomp already read its environment
         if environ is None:
@@ -66,7 +68,7 @@ def check_wait_policy() -> None:
     imported before kvflow, nothing set the policy) and the machine is busy (1-minute load
     average above the number of CPUs this process may use minus one): the slowdown can be
     10x. On a quiet machine, or with a policy chosen, says nothing."""
-    if not _state["too_late"] or _state["warned"] or any(os.environ.get(v) for v in WAIT_VARIABLES):
+    if not _state["too_late"] or _state["warned"] or any(envs.read(v) for v in WAIT_VARIABLES):
         return
     try:
         load = os.getloadavg()[0]

@@ -13,7 +13,6 @@ are started by the engine with ``torch.multiprocessing`` (spawn) on one machine,
 from __future__ import annotations
 
 import atexit
-import os
 import socket
 import threading
 from datetime import timedelta
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvflow import envs
 from kvflow.core.sched_output import SchedulerOutput
 
 
@@ -176,8 +176,8 @@ class TPWorkers:
 
 def torchrun_rank() -> tuple[int, int] | None:
     """(rank, world_size) when started by torchrun with more than one process, else None."""
-    if "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if envs.is_set("TORCHELASTIC_RUN_ID") or (envs.is_set("RANK") and envs.is_set("WORLD_SIZE")):
+        world_size = int(envs.read("WORLD_SIZE") or "1")
         if world_size > 1:
-            return int(os.environ["RANK"]), world_size
+            return int(envs.read("RANK")), world_size
     return None

@@ -20,14 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import threading
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
-from kvflow.config import EngineArgs
+from kvflow import envs
+from kvflow.config import KV_CACHE_DTYPE_NAMES, EngineArgs
 from kvflow.distributed.worker import torchrun_rank
 from kvflow.entrypoints.openai.reasoning import REASONING_PARSERS
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -250,13 +250,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    """KV cache sizes of a model from its config alone (see ``kvflow.core.memory``)."""
-    from kvflow.core import memory
+    """KV cache sizes of a model from its config alone (see ``kvflow.entrypoints.memory_report``)."""
+    from kvflow.entrypoints import memory_report as memory
 
     spec = memory.load_kv_spec(args.model)
     report = memory.memory_report(
         spec,
-        memory.kv_cache_dtype_for(args.kv_cache_dtype),
+        args.kv_cache_dtype,
         block_size=args.block_size,
         budget_bytes=args.budget,
         max_model_len=args.max_model_len,
@@ -350,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvflow", description="kvflow: LLM inference engine", formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"kvflow {version()}")
     common = _Parser(add_help=False)
-    common.add_argument("-q", "--quiet", action="store_true", default=os.environ.get("KVFLOW_QUIET") == "1",
+    common.add_argument("-q", "--quiet", action="store_true", default=envs.KVFLOW_QUIET,
                         help="no progress messages on stderr (GGUF conversion, kernel builds, progress bars); "
                         "also KVFLOW_QUIET=1")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--max-model-len", type=int, default=None, help="request length in tokens (default: the model's context)")
     mem.add_argument(
         "--kv-cache-dtype", default="auto",
-        choices=["auto", "float32", "bfloat16", "float16", "int8", "fp8", "fp32", "bf16", "fp16", "half"],
+        choices=KV_CACHE_DTYPE_NAMES,
         help="KV element type (auto: float32 on CPU, bfloat16 on CUDA, as the engine with its default --dtype; "
         "an engine run with --dtype bfloat16 has a bfloat16 cache: pass --kv-cache-dtype bfloat16)",
     )
@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     except USAGE_ERRORS as exc:
         _fail(2, exc)
     except Exception as exc:  # noqa: BLE001 - one line instead of a traceback
-        if os.environ.get("KVFLOW_TRACEBACK") == "1":
+        if envs.KVFLOW_TRACEBACK:
             raise
         _fail(1, exc)
     return 1  # unreachable: _fail raises

@@ -45,7 +45,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvflow.layers.cpu_build import InlineExtension, takes_kernel_input
+from kvflow import ops
+from kvflow.ops.build import takes_kernel_input
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope", "su")
 
@@ -210,60 +211,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <cmath>
-#include <type_traits>
-
-// out[t, h, d] = T(x * cos) + x[t, h, (d + D/2) % D] * signed_sin, rounded to T: the
-// arithmetic of x * cos (rounded) followed by addcmul (computed in float, rounded once).
-// No implicit contraction: the roundings of PyTorch's two ops, exactly.
-#pragma GCC optimize("fp-contract=off")
-template <typename T>
-static void rotate(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads, int64_t D,
-                   int64_t xs_t, int64_t xs_h) {
-  const int64_t half = D / 2;
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos + t * D;
-      const T* s = sin + t * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = x + t * xs_t + h * xs_h;
-        T* o = out + (t * heads + h) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const float a = static_cast<float>(static_cast<T>(static_cast<float>(xr[d]) * static_cast<float>(c[d])));
-          const float r = static_cast<float>(xr[d < half ? d + half : d - half]);
-          // float32: addcmul's vectorized fused multiply-add; bfloat16: its float opmath
-          if constexpr (std::is_same<T, float>::value) o[d] = std::fma(r, static_cast<float>(s[d]), a);
-          else o[d] = static_cast<T>(a + r * static_cast<float>(s[d]));
-        }
-      }
-    }
-  });
-}
-
-torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.device().is_cpu() && cos.device().is_cpu() && sin.device().is_cpu(), "CPU tensors");
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x: [T, heads, head_dim], head_dim even, rows contiguous");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
-              sin.numel() == cos.numel(), "cos / sin: contiguous [T, 1, head_dim]");
-  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "one dtype");
-  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
-  if (x.scalar_type() == torch::kFloat32) {
-    rotate<float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), out.data_ptr<float>(),
-                  x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1));
-  } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "float32 or bfloat16");
-    rotate<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(),
-                          out.data_ptr<c10::BFloat16>(), x.size(0), x.size(1), x.size(2), x.stride(0), x.stride(1));
-  }
-  return out;
-}
-"""
-
-_EXTENSION = InlineExtension("kvflow_cpu_rotary", _SOURCE, ["apply_rotary"], "KVFLOW_CPU_ROTARY", "CPU rotary kernel")
+_EXTENSION = ops.ROTARY
 
 
 def _kernel_applies(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
@@ -286,10 +234,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     the head (partial rotary, [T, 1, rotary_dim]) rotate its first rotary_dim dimensions
     and pass the rest through.
 
-    On the CPU (float32 / bfloat16) a small C++ kernel does it in one pass with the same
-    arithmetic (x * cos rounded to x's dtype, then the multiply-add rounded once, as
-    ``addcmul``): ~1 us per decode call against ~5.4 us for the three ops, 30 calls per
-    SmolLM2 step.
+    On the CPU (float32 / bfloat16) a small C++ kernel (``kvflow/ops/csrc/rotary.cpp``) does
+    it in one pass with the same arithmetic (x * cos rounded to x's dtype, then the
+    multiply-add rounded once, as ``addcmul``): ~1 us per decode call against ~5.4 us for the
+    three ops, 30 calls per SmolLM2 step.
     ``KVFLOW_CPU_ROTARY=0`` keeps the three PyTorch ops.
     """
     rotary_dim = cos.shape[-1]

@@ -9,7 +9,9 @@ calls:
   token batch;
 - ``compute_logits(hidden) -> float32 logits`` of the full vocabulary;
 - ``kv_cache_spec``: this rank's KV cache geometry (``kvflow.config.KVCacheSpec``);
-- ``load_weights(iterable of (Hugging Face name, tensor))``.
+- ``load_weights(iterable of (Hugging Face name, tensor))``;
+- ``forward_prompt(token_ids) -> hidden``: one standalone prefill through a throwaway cache
+  (calibration, e.g. AWQ's, which runs the float model outside any engine).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kvflow.config import KVCacheSpec, ModelConfig
+from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
+from kvflow.config import CacheConfig, KVCacheSpec, ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.worker.cache_engine import CacheEngine
 
 
 class CausalLM(nn.Module):
@@ -63,6 +67,23 @@ class CausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         """[vocab rows of this rank, hidden_size]; the embedding matrix when embeddings are tied."""
         return self.lm_head.dense
+
+    @torch.inference_mode()
+    def forward_prompt(self, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+        """Run the model over ``token_ids`` as one prompt (positions 0..T-1, one prefill, on the
+        PyTorch attention path) through a paged KV cache made for it and dropped after.
+
+        Returns:
+            hidden states [T, hidden_size] in the model's dtype.
+        """
+        param = next(self.parameters())
+        n = len(token_ids)
+        num_blocks = -(-n // block_size)
+        cache = CacheEngine(self.kv_cache_spec, CacheConfig(block_size, num_blocks, param.dtype), param.device)
+        positions = torch.arange(n, device=param.device)
+        group = AttentionGroup.build(0, [n], [n], [list(range(num_blocks))], block_size, param.device)
+        return self(torch.tensor(token_ids, device=param.device), positions, cache.kv_caches,
+                    GroupedMetadata(positions.clone(), [group]))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head: [N, hidden_size] -> float32 logits [N, vocab_size] of the full model

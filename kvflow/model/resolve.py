@@ -50,6 +50,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from kvflow import envs
 from kvflow.model import packages
 
 logger = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ _CONFIG_CLASSES: dict[str, type[transformers.PretrainedConfig]] = {
 
 def default_cache_dir() -> Path:
     """Where converted models go: `$KVFLOW_CACHE_DIR`, else `~/.cache/kvflow/models`."""
-    env = os.environ.get("KVFLOW_CACHE_DIR")
+    env = envs.KVFLOW_CACHE_DIR
     return Path(env).expanduser() if env else Path.home() / ".cache" / "kvflow" / "models"
 
 

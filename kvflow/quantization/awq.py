@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvflow.quantization.int4 import group_size_for
+from kvflow.quantization.base import FusedMoEMethodBase
+from kvflow.quantization.int4 import Int4Config, group_size_for
 from kvflow.quantization.schemes import dequantize_int4, quantize_int4
 
 ALPHA_GRID = [i / 10 for i in range(11)]
@@ -35,10 +36,6 @@ def collect_linear_inputs(model: nn.Module, token_ids: list[int], names: list[st
     Returns:
         name -> float32 [len(token_ids), in_features].
     """
-    from kvflow.config import CacheConfig
-    from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
-    from kvflow.worker.cache_engine import CacheEngine
-
     captured: dict[str, torch.Tensor] = {}
     modules = dict(model.named_modules())
     hooks = [
@@ -46,13 +43,7 @@ def collect_linear_inputs(model: nn.Module, token_ids: list[int], names: list[st
         for name in names
     ]
     try:
-        n, bs = len(token_ids), 16
-        num_blocks = -(-n // bs)
-        dtype = next(model.parameters()).dtype
-        cache = CacheEngine(model.kv_cache_spec, CacheConfig(bs, num_blocks, dtype), torch.device("cpu"))
-        pos = torch.arange(n)
-        group = AttentionGroup.build(0, [n], [n], [list(range(num_blocks))], bs, torch.device("cpu"))
-        model(torch.tensor(token_ids), pos, cache.kv_caches, GroupedMetadata(pos.clone(), [group]))
+        model.forward_prompt(token_ids)
     finally:
         for hook in hooks:
             hook.remove()
@@ -134,3 +125,34 @@ def default_calibration_ids(tokenizer, num_tokens: int = 512) -> list[int]:
     if not path.exists():
         raise ValueError("int4-awq needs calibration text: pass calibration_ids / --calibration FILE")
     return tokenizer.encode(path.read_text())[:num_tokens]
+
+
+class AWQConfig(Int4Config):
+    """INT4 after AWQ's activation-aware rescaling (Lin et al. 2024; ``apply_awq``),
+    calibrated on ``context["calibration_ids"]`` or, without them, the default text. The LM
+    head (``quantize_lm_head``) takes plain round-to-nearest INT4: AWQ's scaling is per
+    decoder linear."""
+
+    name = "int4-awq"
+
+    def prepare_model(self, model, context) -> None:
+        if self.serialized:
+            return
+        ids = context.get("calibration_ids")
+        if not ids:
+            if context.get("load_tokenizer") is None:
+                raise ValueError("int4-awq needs calibration_ids (token ids of real text)")
+            ids = default_calibration_ids(context["load_tokenizer"]())
+        apply_awq(model, ids, self.group_size)
+
+    def get_moe_method(self, layer, prefix) -> FusedMoEMethodBase:
+        """Refused: AWQ's scale folding is written for dense Llama-shaped MLPs (``apply_awq``).
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(f"quantization='int4-awq' does not support mixture-of-experts layers ({prefix}): "
+                         "its scale search is written for dense MLPs; use quantization='int4'")
+
+    def lm_head_method(self) -> str:
+        return "int4"

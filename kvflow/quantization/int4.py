@@ -1,6 +1,6 @@
 """Weight-only INT4, group-wise: W ~= (q - 8) * scale + zero per group of ``group_size``
-input channels (``schemes.quantize_int4``, round-to-nearest), and its AWQ variant (the
-same storage after ``awq.apply_awq``'s activation-aware rescaling).
+input channels (``schemes.quantize_int4``, round-to-nearest). Its AWQ variant (the same
+storage after activation-aware rescaling) is ``awq.AWQConfig``.
 
 Buffers: qweight uint8 [N, K / 2] (two 4-bit values per byte, low nibble first), scale and
 zero float32 [N, K / group_size]. On the CPU, up to ``INT4_PACKED_MAX_ROWS`` rows, a copy in
@@ -150,36 +150,3 @@ class Int4Config(QuantizationConfig):
         from kvflow.quantization.moe import ExpertLinearsMoEMethod
 
         return ExpertLinearsMoEMethod(self)
-
-
-class AWQConfig(Int4Config):
-    """INT4 after AWQ's activation-aware rescaling (Lin et al. 2024; ``kvflow.quantization.awq``),
-    calibrated on ``context["calibration_ids"]`` or, without them, the default text. The LM
-    head (``quantize_lm_head``) takes plain round-to-nearest INT4: AWQ's scaling is per
-    decoder linear."""
-
-    name = "int4-awq"
-
-    def prepare_model(self, model, context) -> None:
-        if self.serialized:
-            return
-        from kvflow.quantization.awq import apply_awq, default_calibration_ids
-
-        ids = context.get("calibration_ids")
-        if not ids:
-            if context.get("load_tokenizer") is None:
-                raise ValueError("int4-awq needs calibration_ids (token ids of real text)")
-            ids = default_calibration_ids(context["load_tokenizer"]())
-        apply_awq(model, ids, self.group_size)
-
-    def get_moe_method(self, layer, prefix) -> FusedMoEMethodBase:
-        """Refused: AWQ's scale folding is written for dense Llama-shaped MLPs (``apply_awq``).
-
-        Raises:
-            ValueError: always.
-        """
-        raise ValueError(f"quantization='int4-awq' does not support mixture-of-experts layers ({prefix}): "
-                         "its scale search is written for dense MLPs; use quantization='int4'")
-
-    def lm_head_method(self) -> str:
-        return "int4"

@@ -6,10 +6,11 @@ imports model code.
 
 from __future__ import annotations
 
+from kvflow.quantization.awq import AWQConfig
 from kvflow.quantization.base import QuantizationConfig
 from kvflow.quantization.fp8 import FP8Config
 from kvflow.quantization.gguf import GGUFConfig
-from kvflow.quantization.int4 import AWQConfig, Int4Config
+from kvflow.quantization.int4 import Int4Config
 from kvflow.quantization.int8 import Int8Config
 
 _SCHEMES: dict[str, type[QuantizationConfig]] = {

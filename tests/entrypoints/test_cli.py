@@ -176,7 +176,7 @@ def test_progress_messages_on_stderr_unless_quiet(capsys, monkeypatch, quiet):
     class Stub:
         def __init__(self, **kwargs):
             logging.getLogger("kvflow.model.loader").info("converting a.gguf to /cache/a (once, ~20 s)")
-            logging.getLogger("kvflow.layers.cpu_build").info("building the C++ CPU RMSNorm kernel (once, ~20 s)")
+            logging.getLogger("kvflow.ops.build").info("building the C++ CPU RMSNorm kernel (once, ~20 s)")
             logging.getLogger("kvflow.layers.linear").warning("float16 linears use PyTorch's generic matmul")
 
         def generate(self, prompts, params, use_tqdm=True):

@@ -25,7 +25,7 @@ from kvflow.entrypoints.anthropic.protocol import MessagesRequest, to_chat_field
 from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun, OutputSequencer
 
 if TYPE_CHECKING:
-    from kvflow.entrypoints.openai.server import OpenAIServing
+    from kvflow.entrypoints.openai.serving import OpenAIServing
 
 PATH = "/v1/messages"
 TOOL_ID_PREFIX = "toolu_"
@@ -125,7 +125,7 @@ async def create_message(serving: OpenAIServing, req: MessagesRequest, raw: Requ
         APIError: 400 naming the field (unsupported fields, blocks, tools), and the errors
             of ``OpenAIServing.start_chat`` (rendered in Anthropic's shape by the middleware).
     """
-    from kvflow.entrypoints.openai.server import APIError
+    from kvflow.entrypoints.openai.serving import APIError
 
     unsupported = req.unsupported_field()
     if unsupported is not None:
@@ -160,7 +160,7 @@ _DELTAS = {"reasoning": ("thinking_delta", "thinking"), "text": ("text_delta", "
 
 async def _stream(run: ChatRun, message: dict[str, Any], req: MessagesRequest):
     """Anthropic's SSE events of one run; a fault after the start is an ``error`` event."""
-    from kvflow.entrypoints.openai.server import _as_api_error, _merge
+    from kvflow.entrypoints.openai.serving import _as_api_error, _merge
 
     prompt_tokens = len(run.prompt_ids)
     yield _event("message_start", message={**message, "content": [], "stop_reason": None, "stop_sequence": None,

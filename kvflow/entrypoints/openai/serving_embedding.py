@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from kvflow.entrypoints.openai.protocol import INT64_MAX, INT64_MIN, _Body
-from kvflow.entrypoints.openai.server import APIError, OpenAIServing, _bad_request
+from kvflow.entrypoints.openai.serving import APIError, OpenAIServing, _bad_request
 from kvflow.pooling_params import PoolingParams
 
 

@@ -32,7 +32,7 @@ from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun, Out
 from kvflow.entrypoints.openai.protocol import _Body
 
 if TYPE_CHECKING:
-    from kvflow.entrypoints.openai.server import OpenAIServing
+    from kvflow.entrypoints.openai.serving import OpenAIServing
 
 # chat request field -> the Responses field an error about it names
 RENAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "guided_json": "text",
@@ -272,7 +272,7 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest, raw: Re
         APIError: 400 naming the field (unsupported fields, items, parts, tools), and the
             errors of ``OpenAIServing.start_chat``.
     """
-    from kvflow.entrypoints.openai.server import APIError
+    from kvflow.entrypoints.openai.serving import APIError
 
     unsupported = req.unsupported_field()
     if unsupported is not None:
@@ -302,7 +302,7 @@ def _event(kind: str, seq: list[int], **fields: Any) -> str:
 async def _stream(run: ChatRun, response: _Response):
     """The Responses streaming events of one run; a fault after the start is an ``error``
     event (OpenAI's shape: ``code``, ``message``, ``param``)."""
-    from kvflow.entrypoints.openai.server import _as_api_error, _merge
+    from kvflow.entrypoints.openai.serving import _as_api_error, _merge
 
     seq = [0]
     yield _event("response.created", seq, response=response.object("in_progress", []))

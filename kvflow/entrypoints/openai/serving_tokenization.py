@@ -23,7 +23,7 @@ from pydantic import Field, ValidationError
 
 from kvflow.entrypoints.chat_utils import render_chat
 from kvflow.entrypoints.openai.protocol import ChatMessage, _Body
-from kvflow.entrypoints.openai.server import APIError, OpenAIServing, _bad_request
+from kvflow.entrypoints.openai.serving import APIError, OpenAIServing, _bad_request
 
 
 class TokenizeCompletionRequest(_Body):

@@ -19,9 +19,10 @@ Semantics follow the OpenAI chat completions API and vLLM:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvflow.entrypoints.openai.protocol import ChatTool, NamedToolChoice, ToolChoice
+if TYPE_CHECKING:  # protocol.py calls check_tools from its validator: no import back at run time
+    from kvflow.entrypoints.openai.protocol import ChatTool, ToolChoice
 
 # llguidance's JSON options (its "x-guidance" schema key): one fixed layout, no free
 # whitespace (a model, random weights included, cannot pad forever), unknown schema
@@ -43,7 +44,7 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) ->
         return
     if not names:
         raise ValueError(f"tool_choice {_choice_text(tool_choice)} needs tools")
-    if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in seen:
+    if not isinstance(tool_choice, str) and tool_choice.function.name not in seen:  # a named function
         raise ValueError(f"tool_choice names the function {tool_choice.function.name!r}, which is not in tools")
 
 
@@ -63,7 +64,7 @@ def tool_choice_schema(tools: list[ChatTool], tool_choice: ToolChoice, parallel_
     at least one item, at most one unless ``parallel_tool_calls`` (vLLM's schema, with the
     wrapper objects closed). A named function: its parameter schema.
     """
-    if isinstance(tool_choice, NamedToolChoice):
+    if not isinstance(tool_choice, str):  # a named function (NamedToolChoice)
         (tool,) = [t for t in tools if t.function.name == tool_choice.function.name]
         return {**_parameters(tool), "x-guidance": _GUIDANCE}
     if tool_choice != "required":

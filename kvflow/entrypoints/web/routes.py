@@ -25,7 +25,7 @@ from fastapi.staticfiles import StaticFiles
 
 from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.engine.snapshot import Snapshot
-from kvflow.entrypoints.openai.server import APIError
+from kvflow.entrypoints.openai.errors import APIError
 
 STATIC_DIR = Path(__file__).parent / "static"
 STATIC_URL = "/ui"

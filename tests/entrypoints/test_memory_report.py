@@ -1,4 +1,4 @@
-"""KV cache memory accounting (kvflow.core.memory) and the ``kvflow memory`` command."""
+"""KV cache memory accounting (kvflow.entrypoints.memory_report) and the ``kvflow memory`` command."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from kvflow.config import EngineArgs, ModelConfig
-from kvflow.core import memory
+from kvflow.config import EngineArgs, KVCacheSpec, ModelConfig, kv_layer_count
+from kvflow.entrypoints import memory_report as memory
 from kvflow.entrypoints.cli import main
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -64,7 +64,7 @@ def _run_cli(capsys, *argv: str) -> str:
 def test_llama2_7b_fp16_is_512_kib_per_token():
     spec = _spec(LLAMA2_7B)
     assert (spec.num_key_value_heads, spec.head_dim) == (32, 128)  # head_dim from hidden / heads
-    assert memory.kv_bytes_per_token(32, 32, 128, memory.bytes_per_element("float16")) == 524288 == 512 * KiB
+    assert KVCacheSpec(32, 32, 128).bytes_per_token(torch.float16) == 524288 == 512 * KiB
     report = memory.memory_report(spec, "fp16")
     assert report["kv_cache_dtype"] == "float16"
     assert report["bytes_per_token"] == 512 * KiB
@@ -78,26 +78,43 @@ def test_gqa_70b_fp16_is_320_kib_per_token():
     assert report["bytes_per_token"] == 2 * 80 * 8 * 128 * 2 == 320 * KiB
 
 
-@pytest.mark.parametrize(
-    "dtype, elem", [("float32", 4), ("bfloat16", 2), ("float16", 2), ("int8", 1), ("fp8", 1), ("bf16", 2), ("fp32", 4)]
-)
-def test_bytes_per_element(dtype, elem):
-    assert memory.bytes_per_element(dtype) == elem
-    assert memory.memory_report(_spec(LLAMA2_7B), dtype)["bytes_per_token"] == 2 * 32 * 32 * 128 * elem
+@pytest.mark.parametrize("dtype, elem, name", [
+    ("float32", 4, "float32"), ("bfloat16", 2, "bfloat16"), ("float16", 2, "float16"), ("bf16", 2, "bfloat16"),
+    ("fp32", 4, "float32"), ("half", 2, "float16"), ("float", 4, "float32"),
+])
+def test_bytes_per_element(dtype, elem, name):
+    report = memory.memory_report(_spec(LLAMA2_7B), dtype)
+    assert (report["bytes_per_element"], report["kv_cache_dtype"]) == (elem, name)
+    assert report["bytes_per_token"] == 2 * 32 * 32 * 128 * elem and report["scale_bytes_per_token"] == 0
 
 
-def test_quantized_dtypes_exclude_scales():
-    report = memory.memory_report(_spec(LLAMA2_7B), "int8")
-    assert report["scales"] == "excluded"
-    assert report["bytes_per_token"] == 256 * KiB
-    assert report["scale_bytes_per_token_if_float32_per_head"] == 2 * 32 * 32 * 4
-    assert "excluding quantization scales" in memory.format_report(report)
+@pytest.mark.parametrize("dtype, name", [("int8", "int8"), ("fp8", "float8_e4m3fn"), ("fp8_e4m3", "float8_e4m3fn")])
+def test_quantized_dtypes_include_their_scales(dtype, name):
+    """int8 / fp8: 1 byte per element plus the float16 scale per token, KV head and K/V that
+    the engine allocates (one formula: KVCacheSpec.bytes_per_token)."""
+    report = memory.memory_report(_spec(LLAMA2_7B), dtype)
+    assert (report["scales"], report["kv_cache_dtype"], report["bytes_per_element"]) == ("included", name, 1)
+    assert report["scale_bytes_per_token"] == 2 * 32 * 32 * 2
+    assert report["bytes_per_token"] == 256 * KiB + 2 * 32 * 32 * 2
+    text = memory.format_report(report)
+    assert "plus one float16 scale per token per K/V head" in text and "+ 4,096 B of scales" in text
     assert memory.memory_report(_spec(LLAMA2_7B), "float16")["scales"] == "none"
+
+
+def test_quantized_cache_matches_the_engines_blocks(llama7b_dir):
+    """The report's int8 budget holds as many blocks as the engine allocates for one."""
+    import transformers
+
+    model_config = ModelConfig.from_hf_config(transformers.AutoConfig.from_pretrained(str(llama7b_dir)))
+    report = memory.memory_report(model_config, "int8", budget_bytes=3 * GiB)
+    assert report["bytes_per_token"] == model_config.kv_bytes_per_token(torch.int8)
+    args = EngineArgs(kv_cache_memory_bytes=3 * GiB, kv_cache_dtype="int8")
+    assert report["budget"]["blocks"] == args.cache_config(model_config.kv_cache_spec(), torch.float32).num_blocks
 
 
 def test_unknown_dtype_and_missing_fields_raise():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        memory.bytes_per_element("int4")
+        memory.memory_report(_spec(LLAMA2_7B), "int4")
     with pytest.raises(ValueError, match="num_hidden_layers"):
         _spec({"hidden_size": 64})
     with pytest.raises(ValueError, match="head_dim"):
@@ -163,9 +180,9 @@ def test_variants_mqa_model():
 
 
 def test_kv_layers_rounds_up():
-    assert [memory.kv_layers(30, f) for f in (1, 2, 3, 4, 7)] == [30, 15, 10, 8, 5]
+    assert [kv_layer_count(30, f) for f in (1, 2, 3, 4, 7)] == [30, 15, 10, 8, 5]
     with pytest.raises(ValueError):
-        memory.kv_layers(30, 0)
+        kv_layer_count(30, 0)
 
 
 # ------------------------------------------------------------------ budget

@@ -1,11 +1,14 @@
-"""KV cache memory accounting: bytes per token and per block, attention variants, budgets.
+"""``kvflow memory``: KV cache bytes per token and per block, attention variants, budgets,
+from a model's config alone (no weight is loaded).
 
-Every size here is in **bytes**, every length in **tokens**. The formula (DESIGN.md,
-"Reference facts"; Kwon et al. 2023, PagedAttention, section 2 for the K/V cache itself) is
+Every size here is in **bytes**, every length in **tokens**. The bytes come from the
+engine's own formula, ``kvflow.config.KVCacheSpec.bytes_per_token`` (DESIGN.md, "Reference
+facts"; Kwon et al. 2023, PagedAttention, section 2 for the K/V cache itself):
 
     KV bytes per token = 2 (K and V) x kv_layers x kv_heads x head_dim x bytes per element
+                         (+ 2 x kv_layers x kv_heads x 2 for an int8 / fp8 cache's float16 scales)
 
-where ``kv_layers = ceil(num_hidden_layers / cla_factor)``:
+where ``kv_layers = ceil(num_hidden_layers / cla_factor)`` (``kvflow.config.kv_layer_count``):
 
 - multi-head attention (MHA) keeps one K/V head per query head (``kv_heads = heads``);
 - grouped-query attention (GQA, Ainslie et al. 2023, arXiv 2305.13245) shares one K/V head
@@ -17,9 +20,11 @@ where ``kv_layers = ceil(num_hidden_layers / cla_factor)``:
   with CLA (``cla_share_factor`` in config.json / ``ModelConfig``, as kvflow's engine runs
   it) is sized with its factor.
 
-int8 and fp8 caches take 1 byte per element; the per-token, per-head quantization scales
-they also need are **excluded** from every number here (``scale_bytes_per_token`` says how
-much one float32 scale per token per K/V head would add).
+int8 and fp8 caches take 1 byte per element plus one float16 scale per token, K/V head and
+K/V, **included** in every number here, as the engine allocates them (``scale_bytes_per_token``
+says how much of a token's bytes they are). KV cache dtype names are the engine's
+(``kvflow.config.resolve_kv_cache_dtype``; ``auto`` is the engine's default model dtype:
+float32 on the CPU, bfloat16 on CUDA).
 
 The functions are pure: they take a ``KVSpec`` or anything with the same attribute names
 (``kvflow.config.ModelConfig`` works as is). ``load_kv_spec`` reads those numbers from a
@@ -30,33 +35,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvflow.utils import human_bytes, parse_bytes  # noqa: F401 - parse_bytes: re-exported for callers
+import torch
 
-# Bytes per element of each KV cache dtype (aliases as accepted by kvflow's --dtype).
-KV_DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "fp32": 4,
-    "float": 4,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float16": 2,
-    "fp16": 2,
-    "half": 2,
-    "int8": 1,
-    "fp8": 1,
-}
-_CANONICAL = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-QUANTIZED_KV_DTYPES = frozenset({"int8", "fp8"})
-# Bytes of one quantization scale, for the informational "with scales" figure.
-SCALE_BYTES = 4
+from kvflow.config import QUANTIZED_KV_DTYPES, KVCacheSpec, kv_layer_count, resolve_dtype, resolve_kv_cache_dtype
+from kvflow.utils import human_bytes
 
 DEFAULT_BUDGET_BYTES = 512 * 1024**2
 DEFAULT_BLOCK_SIZE = 16
+
 
 class KVShapeLike(Protocol):
     """What the accounting reads: a ``ModelConfig``, a ``KVSpec`` or any lookalike."""
@@ -138,39 +128,32 @@ class KVSpec:
 
 
 # ---------------------------------------------------------------------------- formulas
-def canonical_kv_dtype(name: str) -> str:
-    """"fp16" -> "float16", ... Raises ValueError for an unknown KV cache dtype."""
-    key = name.lower()
-    if key not in KV_DTYPE_BYTES:
-        raise ValueError(f"kv_cache_dtype must be one of {sorted(set(KV_DTYPE_BYTES))}, got {name!r}")
-    return _CANONICAL.get(key, key)
+def kv_cache_dtype_for(name: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """The KV cache element dtype of ``name`` as the engine resolves ``kv_cache_dtype`` with its
+    default model dtype (``auto``: float32 on the CPU, bfloat16 on CUDA; ``device`` defaults
+    to the engine's: CUDA when available).
 
-
-def bytes_per_element(kv_cache_dtype: str) -> int:
-    """Bytes per stored K/V element: 4 (float32), 2 (bfloat16/float16), 1 (int8/fp8, scales excluded)."""
-    return KV_DTYPE_BYTES[canonical_kv_dtype(kv_cache_dtype)]
-
-
-def kv_layers(num_hidden_layers: int, cla_factor: int = 1) -> int:
-    """Layers that store their own K/V under cross-layer sharing: ceil(layers / cla_factor)."""
-    if cla_factor < 1:
-        raise ValueError(f"cla_factor must be >= 1, got {cla_factor}")
-    return -(-num_hidden_layers // cla_factor)
-
-
-def kv_bytes_per_token(
-    num_hidden_layers: int, num_kv_heads: int, head_dim: int, elem_bytes: int, cla_factor: int = 1
-) -> int:
-    """KV cache bytes per token = 2 x ceil(layers / cla_factor) x kv_heads x head_dim x elem_bytes.
-
-    Llama-2-7B in float16: 2 x 32 x 32 x 128 x 2 = 524288 bytes (512 KiB).
+    Raises:
+        ValueError: for an unknown name.
     """
-    return 2 * kv_layers(num_hidden_layers, cla_factor) * num_kv_heads * head_dim * elem_bytes
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(name, torch.dtype):
+        return name
+    return resolve_kv_cache_dtype(name, resolve_dtype("auto", device), device)
 
 
-def scale_bytes_per_token(num_hidden_layers: int, num_kv_heads: int, cla_factor: int = 1) -> int:
-    """Bytes per token that one float32 scale per token per K/V head would add (int8/fp8)."""
-    return 2 * kv_layers(num_hidden_layers, cla_factor) * num_kv_heads * SCALE_BYTES
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def cache_spec(spec: KVShapeLike, kv_heads: int | None = None, cla_factor: int | None = None) -> KVCacheSpec:
+    """The whole model's (one rank's) KV cache geometry, optionally with another number of KV
+    heads or another cross-layer sharing factor (the variants' rows)."""
+    cla = _cla_of(spec) if cla_factor is None else cla_factor
+    kv = spec.num_key_value_heads if kv_heads is None else kv_heads
+    return KVCacheSpec(kv_layer_count(spec.num_hidden_layers, cla), kv, spec.head_dim)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -249,7 +232,7 @@ class Variant:
 
 
 def attention_variants(
-    spec: KVShapeLike, kv_cache_dtype: str, block_size: int, budget_bytes: int, max_model_len: int
+    spec: KVShapeLike, kv_cache_dtype: str | torch.dtype, block_size: int, budget_bytes: int, max_model_len: int
 ) -> list[Variant]:
     """The model under MHA, its configured GQA (when 1 < kv_heads < heads), MQA (all without
     cross-layer sharing), CLA2 and CLA3 (over the configured KV heads) and MQA+CLA2 (the
@@ -257,9 +240,12 @@ def attention_variants(
     of those (e.g. CLA4). Exactly one row is marked ``configured``.
 
     Same layers, heads, head_dim and dtype throughout; only the K/V sharing changes.
+
+    Raises:
+        ValueError: for an unknown KV cache dtype name.
     """
-    elem = bytes_per_element(kv_cache_dtype)
-    layers, heads, kv, hd = spec.num_hidden_layers, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+    dtype = kv_cache_dtype_for(kv_cache_dtype)
+    heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     cla_cfg = _cla_of(spec)
     rows: list[tuple[str, int, int]] = [("MHA", heads, 1)]
     if 1 < kv < heads:
@@ -268,16 +254,17 @@ def attention_variants(
     if (kv, cla_cfg) not in {(h, c) for _, h, c in rows}:
         kind = "MHA" if kv == heads else "MQA" if kv == 1 else "GQA"
         rows.append((f"{kind}+CLA{cla_cfg}", kv, cla_cfg))
-    mha = kv_bytes_per_token(layers, heads, hd, elem)
+    mha = cache_spec(spec, heads, 1).bytes_per_token(dtype)
     out = []
     for name, kv_heads, cla in rows:
         configured = (kv_heads, cla) == (kv, cla_cfg)
-        bpt = kv_bytes_per_token(layers, kv_heads, hd, elem, cla)
+        geometry = cache_spec(spec, kv_heads, cla)
+        bpt = geometry.bytes_per_token(dtype)
         out.append(
             Variant(
                 name=name,
                 kv_heads=kv_heads,
-                kv_layers=kv_layers(layers, cla),
+                kv_layers=geometry.num_layers,
                 cla_factor=cla,
                 bytes_per_token=bpt,
                 vs_mha=bpt / mha,
@@ -290,20 +277,20 @@ def attention_variants(
 
 def memory_report(
     spec: KVShapeLike,
-    kv_cache_dtype: str,
+    kv_cache_dtype: str | torch.dtype,
     block_size: int = DEFAULT_BLOCK_SIZE,
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
     max_model_len: int | None = None,
 ) -> dict[str, Any]:
     """Everything ``kvflow memory`` prints, as a JSON-ready dict (bytes and tokens).
 
-    ``max_model_len`` defaults to the model's ``max_position_embeddings``.
+    ``kv_cache_dtype``: a name as the engine's ``kv_cache_dtype`` ("auto", "fp16", "int8",
+    ...) or a torch dtype. ``max_model_len`` defaults to the model's ``max_position_embeddings``.
 
     Raises:
         ValueError: unknown dtype, or no positive max_model_len.
     """
-    dtype = canonical_kv_dtype(kv_cache_dtype)
-    elem = KV_DTYPE_BYTES[dtype]
+    dtype = kv_cache_dtype_for(kv_cache_dtype)
     if max_model_len is not None and max_model_len < 1:
         raise ValueError(f"max_model_len must be a positive number of tokens, got {max_model_len}")
     if block_size < 1:
@@ -312,7 +299,8 @@ def memory_report(
     if not max_len or max_len < 1:
         raise ValueError("max_model_len is unknown (the config has no max_position_embeddings); pass --max-model-len")
     layers, kv, hd, cla = spec.num_hidden_layers, spec.num_key_value_heads, spec.head_dim, _cla_of(spec)
-    bpt = kv_bytes_per_token(layers, kv, hd, elem, cla)
+    geometry = cache_spec(spec)
+    bpt = geometry.bytes_per_token(dtype)
     fit = budget_fit(bpt, block_size, budget_bytes, max_len)
     variants = attention_variants(spec, dtype, block_size, budget_bytes, max_len)
     blocks_per_request = blocks_for(max_len, block_size)
@@ -326,14 +314,12 @@ def memory_report(
             "head_dim": hd,
             "max_position_embeddings": spec.max_position_embeddings,
             "cla_share_factor": cla,
-            "num_kv_layers": kv_layers(layers, cla),
+            "num_kv_layers": geometry.num_layers,
         },
-        "kv_cache_dtype": dtype,
-        "bytes_per_element": elem,
-        "scales": "excluded" if dtype in QUANTIZED_KV_DTYPES else "none",
-        "scale_bytes_per_token_if_float32_per_head": scale_bytes_per_token(layers, kv, cla)
-        if dtype in QUANTIZED_KV_DTYPES
-        else 0,
+        "kv_cache_dtype": dtype_name(dtype),
+        "bytes_per_element": dtype.itemsize,
+        "scales": "included" if dtype in QUANTIZED_KV_DTYPES else "none",
+        "scale_bytes_per_token": geometry.scale_bytes_per_token(dtype),
         "block_size": block_size,
         "max_model_len": max_len,
         "bytes_per_token": bpt,
@@ -353,7 +339,7 @@ def format_report(report: dict[str, Any]) -> str:
     heads, kv = m["num_attention_heads"], m["num_key_value_heads"]
     kind = "MHA" if kv == heads else "MQA" if kv == 1 else f"GQA, {heads // kv if heads % kv == 0 else heads / kv} query heads per KV head"
     bpt, budget = report["bytes_per_token"], report["budget"]
-    scales = " (int8/fp8: excluding quantization scales)" if report["scales"] == "excluded" else ""
+    scales = " (int8/fp8: plus one float16 scale per token per K/V head)" if report["scales"] == "included" else ""
     cla = m["cla_share_factor"]
     layers_text = (
         f"{m['num_kv_layers']} KV layers ({m['num_hidden_layers']} layers / CLA{cla}, rounded up)"
@@ -368,15 +354,13 @@ def format_report(report: dict[str, Any]) -> str:
         f"KV cache dtype: {dtype} ({elem} byte{'s' if elem > 1 else ''}/element){scales}",
         "",
         f"KV bytes per token:  {bpt:,} B ({human_bytes(bpt)})"
-        f" = 2 (K,V) x {layers_text} x {kv} KV heads x {m['head_dim']} head_dim x {elem} B",
+        f" = 2 (K,V) x {layers_text} x {kv} KV heads x {m['head_dim']} head_dim x {elem} B"
+        + (f" + {report['scale_bytes_per_token']:,} B of scales" if report["scales"] == "included" else ""),
         f"KV bytes per block:  {report['bytes_per_block']:,} B ({human_bytes(report['bytes_per_block'])}), {bs} tokens per block",
         f"KV bytes per full-length request: {report['bytes_per_full_length_request']:,} B "
         f"({human_bytes(report['bytes_per_full_length_request'])}), {max_len} tokens = "
         f"{report['blocks_per_full_length_request']} blocks",
     ]
-    if report["scales"] == "excluded":
-        extra = report["scale_bytes_per_token_if_float32_per_head"]
-        lines.append(f"  (one float32 scale per token per K/V head would add {extra:,} B/token; not counted)")
     lines += [
         "",
         f"Budget {budget['budget_bytes']:,} B ({human_bytes(budget['budget_bytes'])}): "
@@ -454,11 +438,3 @@ def _gguf_config(path: Path) -> Any:
 
     return _build_config(gguf.GGUFReader(path))
 
-
-def kv_cache_dtype_for(name: str) -> str:
-    """Resolve ``"auto"`` as kvflow's engine does (float32 on the CPU, bfloat16 on CUDA)."""
-    if name != "auto":
-        return canonical_kv_dtype(name)
-    import torch
-
-    return "bfloat16" if torch.cuda.is_available() else "float32"

@@ -1,22 +1,26 @@
-"""Build-once loading of kvflow's small C++ CPU kernels (``torch.utils.cpp_extension``).
+"""Build-once loading of kvflow's C++ CPU kernels from their source files (``kvflow/ops/csrc``).
 
-Each kernel module (``cpu_attention``, ``cpu_linear``) holds its C++ source as a string and
-an :class:`InlineExtension` that compiles it on first use with ``load_inline`` (a C++
-compiler and ninja are needed; tens of seconds the first time, then cached in the torch
-extensions folder, ``TORCH_EXTENSIONS_DIR``). The build targets the host CPU
-(``-march=native``; ``KVFLOW_CPU_MARCH`` names another target, e.g. ``x86-64-v3`` for an
-AVX2 machine without AVX-512), and the extension's name hashes the source together with
-the host CPU's feature flags and the compiler flags: a cached build never runs on a CPU
-that lacks an instruction it was compiled for. Each kernel keys its vectorized passes on
-the compiler's feature macros (``__AVX512F__``, ``__AVX512BW__``, ``__AVX512BF16__``) and
-compiles a portable loop where they are absent, so a CPU without AVX-512 (or a non-x86
-one) gets a working, slower kernel, not a failed build.
+Each kernel is one ``.cpp`` file, shipped in the package, holding its functions and their
+Python bindings (``PYBIND11_MODULE``); a :class:`CppKernel` compiles it on first use with
+``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; tens of seconds
+the first time, then cached in the torch extensions folder, ``TORCH_EXTENSIONS_DIR``). The
+build targets the host CPU (``-march=native``; ``KVFLOW_CPU_MARCH`` names another target,
+e.g. ``x86-64-v3`` for an AVX2 machine without AVX-512), and the extension's name hashes
+the source together with the host CPU's feature flags and the compiler flags: a cached
+build never runs on a CPU that lacks an instruction it was compiled for, and an edited
+source builds again. Each kernel keys its vectorized passes on the compiler's feature
+macros (``__AVX512F__``, ``__AVX512BW__``, ``__AVX512BF16__``) and compiles a portable loop
+where they are absent, so a CPU without AVX-512 (or a non-x86 one) gets a working, slower
+kernel, not a failed build.
 
 A build that is needed logs ``building the C++ <kernel> (once, ~20 s)`` at INFO level on
-logger ``kvflow.layers.cpu_build`` first (the CLI prints it to stderr unless ``--quiet``).
-If the build fails (no compiler, no ninja, a compile error), or the extension's environment
-variable or ``KVFLOW_CPU_KERNELS`` (all four kernels) is ``0``, :meth:`InlineExtension.load`
-returns None once and for all and callers keep their PyTorch path.
+logger ``kvflow.ops.build`` first (the CLI prints it to stderr unless ``--quiet``). If the
+build fails (no compiler, no ninja, a compile error), or the kernel's switch or
+``KVFLOW_CPU_KERNELS`` is ``0`` (``kvflow.envs``), :meth:`CppKernel.load` returns None once
+and for all and callers keep their PyTorch path.
+
+Why at run time, not at install time or prebuilt per instruction set: see
+``kvflow/ops/__init__.py``.
 """
 
 from __future__ import annotations
@@ -25,21 +29,25 @@ import hashlib
 import logging
 import os
 import platform
+import subprocess
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from kvflow import envs
+
 logger = logging.getLogger(__name__)
 
-# Set to "0" to keep every C++ kernel unbuilt (each also has its own variable).
-ALL_KERNELS_ENV = "KVFLOW_CPU_KERNELS"
+CSRC = Path(__file__).resolve().parent / "csrc"
+"""The folder of the kernels' source files (package data)."""
 
 
 def build_cflags() -> list[str]:
     """The compiler flags of the kernels: ``-O3 -march=$KVFLOW_CPU_MARCH`` (default
     ``native``), 512-bit vectors preferred where the target has them (x86 only), OpenMP."""
-    flags = ["-O3", f"-march={os.environ.get('KVFLOW_CPU_MARCH') or 'native'}"]
+    flags = ["-O3", f"-march={envs.KVFLOW_CPU_MARCH}"]
     if platform.machine().lower() in ("x86_64", "amd64", "i686", "i386"):
         flags.append("-mprefer-vector-width=512")
     return flags + ["-fopenmp"]
@@ -83,42 +91,51 @@ def missing_cpu_features(cflags: list[str]) -> list[str]:
     build a kernel that dies on its first illegal instruction; this names what is missing
     instead.
     """
-    import subprocess
-
     host = set(host_cpu_flags().split(":", 1)[-1].split())
     if "-march=native" in cflags or not host or platform.machine().lower() not in ("x86_64", "amd64"):
         return []
-    compiler = os.environ.get("CXX", "c++")
     try:
-        done = subprocess.run([compiler, *[f for f in cflags if f.startswith("-m")], "-dM", "-E", "-x", "c++", "-"],
-                              input="", capture_output=True, text=True, timeout=60)
+        done = subprocess.run([envs.read("CXX"), *[f for f in cflags if f.startswith("-m")], "-dM", "-E", "-x", "c++",
+                               "-"], input="", capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return []
     macros = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
     return sorted(flag for macro, flag in _X86_FEATURE_MACROS.items() if macro in macros and flag not in host)
 
 
-class InlineExtension:
-    """A C++ extension compiled from ``source`` on first :meth:`load` (thread-safe).
+class CppKernel:
+    """A C++ extension compiled from one source file on first :meth:`load` (thread-safe).
 
     Args:
-        prefix: the extension name's stem (a hash of source and CPU flags is appended).
-        source: C++ source including ``<torch/extension.h>``.
-        functions: the functions to bind.
-        disable_env: an environment variable that, set to "0", keeps the extension unbuilt
-            (as ``KVFLOW_CPU_KERNELS=0`` does for all of them).
+        prefix: the extension name's stem (a hash of source, flags and CPU is appended).
+        source: the ``.cpp`` file: a name in ``kvflow/ops/csrc`` or a path. It includes
+            ``<torch/extension.h>`` and binds its functions in
+            ``PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)``.
+        switch: the ``kvflow.envs`` switch that, set to ``0``, keeps the kernel unbuilt (as
+            ``KVFLOW_CPU_KERNELS=0`` does for all of them).
         what: the kernel's name in log messages.
     """
 
-    def __init__(self, prefix: str, source: str, functions: list[str], disable_env: str, what: str) -> None:
-        self.prefix, self.source, self.functions = prefix, source, functions
-        self.disable_env, self.what = disable_env, what
+    def __init__(self, prefix: str, source: str | os.PathLike[str], switch: str, what: str) -> None:
+        if switch not in envs.SWITCHES:
+            raise ValueError(f"{switch!r} is not a switch of kvflow.envs")
+        self.prefix, self.switch, self.what = prefix, switch, what
+        self.source_path = CSRC / source if isinstance(source, str) and os.sep not in source else Path(source)
         self._lock = threading.Lock()
         self._module: Any = None
         self._failed = False
 
+    @property
+    def source(self) -> str:
+        """The C++ source text."""
+        return self.source_path.read_text()
+
     def build_name(self) -> str:
-        key = platform.machine() + host_cpu_flags() + " ".join(build_cflags()) + self.source
+        """``<prefix>_<12 hex digits>``: the digits hash the machine, this CPU's feature flags,
+        the compiler flags, the source and its path (the build's ninja file names the path:
+        two copies of kvflow sharing one extensions folder, a checkout and an installed
+        wheel say, would otherwise rebuild each other's build on every switch)."""
+        key = platform.machine() + host_cpu_flags() + " ".join(build_cflags()) + self.source + str(self.source_path)
         return f"{self.prefix}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
     def is_built(self) -> bool:
@@ -132,8 +149,8 @@ class InlineExtension:
         return any(name.endswith((".so", ".pyd", ".dylib")) for name in os.listdir(folder)) if os.path.isdir(folder) else False
 
     def disabled(self) -> bool:
-        """Whether the extension's variable or ``KVFLOW_CPU_KERNELS`` is "0"."""
-        return "0" in (os.environ.get(self.disable_env, "1"), os.environ.get(ALL_KERNELS_ENV, "1"))
+        """Whether the kernel's switch or ``KVFLOW_CPU_KERNELS`` is ``0``."""
+        return not envs.cpu_kernel_enabled(self.switch)
 
     def load(self) -> Any:
         """The compiled module, or None when it is disabled or could not be built."""
@@ -148,19 +165,17 @@ class InlineExtension:
             missing = missing_cpu_features(build_cflags())
             if missing:
                 logger.warning("kvflow's %s is not built: KVFLOW_CPU_MARCH=%s needs %s, which this CPU lacks; "
-                               "using the PyTorch path", self.what, os.environ.get("KVFLOW_CPU_MARCH"),
-                               ", ".join(missing))
+                               "using the PyTorch path", self.what, envs.KVFLOW_CPU_MARCH, ", ".join(missing))
                 self._failed = True
                 return None
             try:
-                from torch.utils.cpp_extension import load_inline
+                from torch.utils.cpp_extension import load
 
                 if not self.is_built():
                     logger.info("building the C++ %s (once, ~20 s; cached afterwards)", self.what)
-                self._module = load_inline(
+                self._module = load(
                     name=self.build_name(),
-                    cpp_sources=self.source,
-                    functions=self.functions,
+                    sources=[str(self.source_path)],
                     extra_cflags=build_cflags(),
                     extra_ldflags=["-fopenmp"],
                     verbose=False,

@@ -1,0 +1,578 @@
+"""The OpenAI endpoints' request handling (``OpenAIServing``: completions and chat
+completions, streamed or whole, with tools, reasoning and logprobs) and the helpers the other
+APIs' handlers share (``kvflow.entrypoints.openai.serving_responses``,
+``serving_embedding``, ``serving_tokenization``, ``kvflow.entrypoints.anthropic``). The app,
+its routes and middlewares are in ``server.py``; errors in ``errors.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
+from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun
+from kvflow.entrypoints.openai.errors import APIError
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from kvflow.entrypoints.openai.reasoning import get_reasoning_parser
+from kvflow.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS, JSONArrayToolParser, NamedFunctionParser, ToolParser, detect_tool_parser, get_tool_parser,
+)  # fmt: skip
+from kvflow.entrypoints.openai.tools import template_tools
+from kvflow.outputs import RequestOutput
+from kvflow.pooling_params import PoolingParams
+from kvflow.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+
+
+def _bad_request(exc: ValueError) -> APIError:
+    message = str(exc)
+    param = message.split(" ", 1)[0] if message and message.split(" ", 1)[0].isidentifier() else None
+    return APIError(400, message, "BadRequestError", param)
+
+
+def _as_api_error(exc: BaseException) -> APIError:
+    """The API error for a fault after admission (or any other)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestFailedError):
+        if exc.failure.is_invalid_request:
+            return APIError(400, f"the request failed: {exc.failure.message}", "BadRequestError")
+        return APIError(500, f"the request failed inside the engine: {exc.failure.message}", "InternalServerError")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "ServiceUnavailableError")
+    logger.error("internal error: %s: %s", type(exc).__name__, exc, exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "InternalServerError")
+
+
+# ---------------------------------------------------------------------------- request bodies
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _chat_finish_reason(finish_reason: str | None, parser: ChatOutputParser) -> str | None:
+    """A reply that ended by itself after tool calls finished with "tool_calls"."""
+    return "tool_calls" if finish_reason == "stop" and parser.tool_calls else finish_reason
+
+
+def _chat_delta(delta) -> dict[str, Any]:
+    """A ``ChatDelta`` as a chat.completion.chunk delta (OpenAI's shape: a tool call's
+    first piece has its id, type and name, the next ones argument fragments)."""
+    out: dict[str, Any] = {}
+    if delta.reasoning:
+        out["reasoning_content"] = delta.reasoning
+    if delta.content:
+        out["content"] = delta.content
+    if delta.tool_calls:
+        calls = []
+        for t in delta.tool_calls:
+            if t.id is not None:
+                calls.append({"index": t.index, "id": t.id, "type": "function",
+                              "function": {"name": t.name, "arguments": t.arguments}})
+            else:
+                calls.append({"index": t.index, "function": {"arguments": t.arguments}})
+        out["tool_calls"] = calls
+    return out
+
+
+def _sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+async def _guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Forward an SSE stream; a fault ends it with an error event and ``[DONE]``."""
+    try:
+        async for event in events:
+            yield event
+    except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
+        yield _sse(_as_api_error(exc).body())
+        yield _sse("[DONE]")
+
+
+async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several output streams, tagging each item with its stream index."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((i, exc))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for it in iterators:
+            # One that its pump is still awaiting is closed (and its request aborted) by the
+            # pump's cancellation; aclose() on it would raise "already running".
+            if not getattr(it, "ag_running", False):
+                await it.aclose()
+
+
+class OpenAIServing:
+    """Request handling shared by the endpoints.
+
+    Args:
+        engine: the started async engine.
+        model_name: the served model id (``/v1/models``, the ``model`` field).
+        max_model_len: context limit in tokens.
+        model_aliases: other ``model`` values accepted for it (e.g. the ``--model`` path).
+        chat_template: a Jinja chat template used instead of the tokenizer's.
+        tool_parser: the ``--tool-call-parser`` name (None: the family detected from the chat
+            template, if any).
+        reasoning_parser: the ``--reasoning-parser`` name (None: no reasoning split).
+
+    Raises:
+        ValueError: naming the flag, for an unknown tool or reasoning parser.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, max_model_len: int,
+                 model_aliases: tuple[str, ...] = (), chat_template: str | None = None,
+                 tool_parser: str | None = None, reasoning_parser: str | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.chat_template = chat_template
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        self.tool_parser_cls: type[ToolParser] | None = (
+            get_tool_parser(tool_parser) if tool_parser else detect_tool_parser(template if isinstance(template, str) else None)
+        )
+        self.reasoning_parser_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        self.model_name = model_name
+        self.model_names = {model_name, *model_aliases}
+        self.max_model_len = max_model_len
+        self.defaults = dict(engine.engine.generation_defaults)
+        kv = engine.engine.kv_cache_manager
+        # Tokens one sequence can ever hold: the default max_tokens must fit the KV cache too.
+        self.max_seq_tokens = min(max_model_len, kv.num_total_blocks * kv.block_size)
+
+    # ------------------------------------------------------------------ helpers
+    def check_request(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        """The model exists and every field set is one kvflow implements.
+
+        Raises:
+            APIError: 404 for an unknown model, 400 naming an unsupported field.
+        """
+        if req.model is not None and req.model not in self.model_names:
+            raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
+        unsupported = req.unsupported_field()
+        if unsupported is not None:
+            raise APIError(400, unsupported[1], "BadRequestError", unsupported[0])
+
+    def _max_tokens(self, requested: int | None, prompt_len: int, field: str) -> int:
+        """``requested``, checked against the context; for an unset one, what is left of the
+        context (capped by the model's generation-config ``max_tokens``)."""
+        if requested is None:
+            left = max(self.max_seq_tokens - prompt_len, 1)
+            return min(left, self.defaults.get("max_tokens", left))
+        if requested < 1:
+            raise APIError(400, f"{field} must be at least 1, got {requested}", "BadRequestError", field)
+        if prompt_len + requested > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the messages, {requested} in the completion).",
+                "BadRequestError",
+                field,
+            )
+        return requested
+
+    def _params(self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+        try:
+            return req.sampling_params(max_tokens, logprobs, prompt_logprobs, self.defaults)
+        except ValueError as exc:
+            raise _bad_request(exc) from None
+
+    async def _add(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams | PoolingParams,
+                   prompt_field: str, priority: int | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Prepare every prompt off the loop, then queue them all or none (with one
+        scheduling ``priority``, vLLM's extension: lower runs first).
+
+        Raises:
+            APIError: 400 for a prompt or parameters the engine refuses (a prompt's fault
+                names ``prompt_field``), or a ``priority`` other than 0 when the server runs
+                ``--scheduling-policy fcfs``; 429 when the queue cannot take them all, 503
+                once the engine has stopped.
+        """
+        engine = self.engine.engine
+        policy = engine.scheduler_config.policy
+        if priority and policy != "priority":
+            raise APIError(400, f"priority is set ({priority}) but the server schedules {policy!r}: start it with "
+                           "--scheduling-policy priority, or leave priority unset", "BadRequestError", "priority")
+        try:
+            prepared = await self.engine.run_off_loop(lambda: [engine.prepare_request(ids, params) for ids, _ in prompts])
+        except ValueError as exc:
+            error = _bad_request(exc)
+            if error.param in ("prompt", "prompt_token_ids"):
+                error.param = prompt_field
+            raise error from None
+        request_id = uuid.uuid4().hex
+        try:
+            return self.engine.add_requests(
+                [(f"{request_id}-{i}", p, text) for i, (p, (_, text)) in enumerate(zip(prepared, prompts))],
+                priority=priority or 0,
+            )
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), "RateLimitError", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "ServiceUnavailableError") from None
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # ------------------------------------------------------------------ completions
+    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [(self.tokenizer.encode(p), p)]
+        if not p:
+            raise APIError(400, "prompt must not be empty", "BadRequestError", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [(list(p), None)]
+        if all(isinstance(x, str) for x in p):
+            return [(self.tokenizer.encode(x), x) for x in p]
+        return [(list(x), None) for x in p]
+
+    def _completion_logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None], offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for tok, entry in zip(token_ids, entries):
+            text = self._token_text(tok)
+            tokens.append(text)
+            token_logprobs.append(None if entry is None else entry[tok])
+            top.append(None if entry is None else {self._token_text(t): lp for t, lp in entry.items()})
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
+        self.check_request(req)
+        prompts = await self.engine.run_off_loop(self._completion_prompts, req)
+        if "max_tokens" in req.model_fields_set:
+            requested = req.max_tokens  # null: what is left of the context
+        else:  # the model's generation-config default, else OpenAI's 16
+            requested = None if "max_tokens" in self.defaults else 16
+        max_tokens = max(self._max_tokens(requested, len(ids), "max_tokens") for ids, _ in prompts)
+        prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
+        params = self._params(req, max_tokens, req.logprobs, prompt_logprobs)
+        iterators = await self._add(prompts, params, "prompt", req.priority)
+        created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        n = params.n
+        if req.stream:
+            return StreamingResponse(
+                _guard_stream(self._stream_completion(iterators, prompts, req, cid, created, n)),
+                media_type="text/event-stream",
+            )
+        finals = await self._collect(iterators, raw)
+        choices = []
+        completion_tokens = 0
+        for p_idx, (out, (ids, text)) in enumerate(zip(finals, prompts)):
+            prompt_text = text if text is not None else self.tokenizer.decode(ids)
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                choice: dict[str, Any] = {
+                    "index": p_idx * n + c.index,
+                    "text": (prompt_text if req.echo else "") + c.text,
+                    "finish_reason": c.finish_reason,
+                }
+                if c.stop_reason is not None:
+                    choice["stop_reason"] = c.stop_reason
+                if req.logprobs is not None:
+                    tokens, entries = list(c.token_ids), list(c.logprobs or [])
+                    if req.echo:
+                        tokens, entries = ids + tokens, list(out.prompt_logprobs or [None] * len(ids)) + entries
+                    choice["logprobs"] = self._completion_logprobs(tokens, entries, 0)
+                choices.append(choice)
+        prompt_tokens = sum(len(ids) for ids, _ in prompts)
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": _usage(prompt_tokens, completion_tokens),
+            }
+        )
+
+    async def _stream_completion(self, iterators, prompts, req: CompletionRequest, cid: str, created: int, n: int):
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        base = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name}
+        async for p_idx, out in _merge(iterators):
+            for c in out.outputs:
+                index = p_idx * n + c.index
+                start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                delta = c.text[start_text:]
+                new_tokens = c.token_ids[start_tok:]
+                if not delta and not new_tokens and c.finish_reason is None:
+                    continue
+                if req.echo and index not in sent_tokens:
+                    ids, text = prompts[p_idx]
+                    delta = (text if text is not None else self.tokenizer.decode(ids)) + delta
+                choice: dict[str, Any] = {"index": index, "text": delta}
+                if req.logprobs is not None and new_tokens:
+                    entries = (c.logprobs or [])[start_tok:]
+                    choice["logprobs"] = self._completion_logprobs(new_tokens, entries, start_text)
+                if c.finish_reason is not None:
+                    choice["finish_reason"] = c.finish_reason
+                    if c.stop_reason is not None:
+                        choice["stop_reason"] = c.stop_reason
+                sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
+                if c.finish_reason is not None:
+                    completion_tokens += len(c.token_ids)
+                yield _sse({**base, "choices": [choice]})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            prompt_tokens = sum(len(ids) for ids, _ in prompts)
+            yield _sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+        yield _sse("[DONE]")
+
+    # ------------------------------------------------------------------ chat
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [m.template_dict() for m in req.messages]
+        kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
+        if req.tools:
+            kwargs["tools"] = template_tools(req.tools)
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - template errors are the client's messages
+            raise APIError(400, f"messages could not be rendered with the chat template: {exc}", "BadRequestError", "messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _output_parsers(self, req: ChatCompletionRequest) -> tuple[Callable[..., ChatOutputParser], bool]:
+        """The maker of a chat request's output parsers (one per choice; its argument is the
+        tool call id prefix), and whether the text must keep special tokens.
+
+        Raises:
+            APIError: 400 for tools under tool_choice "auto" on a server without a tool parser.
+        """
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+        forced = choice not in ("none", "auto")
+        tool_parser: Callable[[], ToolParser] | None = None
+        if req.tools and choice == "auto":
+            if self.tool_parser_cls is None:
+                raise APIError(
+                    400,
+                    "tools with tool_choice 'auto' need a tool-call parser, and this server's chat template is of no "
+                    f"family kvflow detects: start the server with --tool-call-parser (one of {', '.join(TOOL_PARSERS)}), "
+                    "or set tool_choice to 'required', a named function or 'none'",
+                    "BadRequestError",
+                    "tools",
+                )
+            tool_parser = self.tool_parser_cls
+        elif choice == "required":
+            tool_parser = JSONArrayToolParser
+        elif isinstance(choice, NamedToolChoice):
+            name = choice.function.name
+            tool_parser = lambda: NamedFunctionParser(name)  # noqa: E731
+        keep_special = tool_parser is not None and tool_parser is self.tool_parser_cls and tool_parser.needs_special_tokens
+        reasoning = None if forced else self.reasoning_parser_cls  # a forced call is JSON from its first token
+        max_calls = 1 if req.parallel_tool_calls is False else None
+        eos_text = self.tokenizer.eos_token if keep_special else None
+
+        def make(id_prefix: str = "call_") -> ChatOutputParser:
+            return ChatOutputParser(reasoning() if reasoning else None, tool_parser() if tool_parser else None,
+                                    max_calls, eos_text, id_prefix)
+
+        return make, keep_special
+
+    async def start_chat(self, req: ChatCompletionRequest) -> ChatRun:
+        """Check, render (off the loop) and queue a chat request.
+
+        Raises:
+            APIError: 400 / 404 / 429 / 503 as ``check_request``, ``_output_parsers`` and ``_add``.
+        """
+        self.check_request(req)
+        make_parser, keep_special = self._output_parsers(req)
+        if keep_special:
+            req = req.model_copy(update={"skip_special_tokens": False})
+        ids = await self.engine.run_off_loop(self._chat_prompt, req)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = self._max_tokens(requested, len(ids), field)
+        top_k = req.top_logprobs or 0
+        params = self._params(req, max_tokens, top_k if req.logprobs else None)
+        try:
+            (iterator,) = await self._add([(ids, None)], params, "messages", req.priority)
+        except APIError as exc:
+            if exc.param == "guided_json" and req.guided_json is None and req.tools:
+                raise APIError(400, f"tools: a parameter schema cannot be enforced for tool_choice ({exc.message})",
+                               "BadRequestError", "tools") from None
+            raise
+        return ChatRun(ids, iterator, make_parser)
+
+    async def start_chat_from(self, fields: dict[str, Any], renames: dict[str, str]) -> ChatRun:
+        """Queue a request of another API (responses, Anthropic messages) as the chat request
+        ``fields`` describe; an error names the other API's field (``renames``: chat field
+        -> that field).
+
+        Raises:
+            APIError: as ``start_chat``, with the field renamed.
+        """
+        try:
+            try:
+                req = ChatCompletionRequest.model_validate(fields)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                loc = ".".join(str(x) for x in first["loc"])
+                raise APIError(400, f"{loc}: {first['msg']}", "BadRequestError", str(first["loc"][0])) from None
+            return await self.start_chat(req)
+        except APIError as exc:
+            if exc.param in renames:
+                exc.message = exc.message.replace(exc.param, renames[exc.param])
+                exc.param = renames[exc.param]
+            raise
+
+    def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, float]], top_k: int) -> dict[str, Any]:
+        content = []
+        for tok, entry in zip(token_ids, entries):
+            text = self._token_text(tok)
+            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:top_k]
+            content.append(
+                {
+                    "token": text,
+                    "logprob": entry[tok],
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": self._token_text(t), "logprob": lp, "bytes": list(self._token_text(t).encode("utf-8"))}
+                        for t, lp in top
+                    ],
+                }
+            )
+        return {"content": content}
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        run = await self.start_chat(req)
+        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            return StreamingResponse(
+                _guard_stream(self._stream_chat(run, req, cid, created)), media_type="text/event-stream"
+            )
+        (out,) = await self._collect([run.iterator], raw)
+        choices = []
+        for c in out.outputs:
+            parser = run.new_parser()
+            parser.update(c.text, final=True)
+            message: dict[str, Any] = {"role": "assistant", "content": parser.content}
+            if parser.reasoning_parser is not None:
+                message["reasoning_content"] = parser.reasoning
+            if parser.tool_calls:
+                message["content"] = parser.content if parser.content.strip() else None  # null beside calls (OpenAI)
+                message["tool_calls"] = [
+                    {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+                    for t in parser.tool_calls
+                ]
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "message": message,
+                "finish_reason": _chat_finish_reason(c.finish_reason, parser),
+            }
+            if c.stop_reason is not None:
+                choice["stop_reason"] = c.stop_reason
+            if req.logprobs:
+                choice["logprobs"] = self._chat_logprobs(c.token_ids, c.logprobs or [], req.top_logprobs or 0)
+            choices.append(choice)
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+                "usage": _usage(len(run.prompt_ids), sum(len(c.token_ids) for c in out.outputs)),
+            }
+        )
+
+    async def _stream_chat(self, run: ChatRun, req: ChatCompletionRequest, cid: str, created: int):
+        base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        parsers: dict[int, ChatOutputParser] = {}
+        sent_tokens: dict[int, int] = {}
+        completion_tokens = 0
+        for i in range(req.n):
+            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]})
+        async for _, out in _merge([run.iterator]):
+            for c in out.outputs:
+                parser = parsers.setdefault(c.index, run.new_parser())
+                start_tok = sent_tokens.get(c.index, 0)
+                new_tokens = c.token_ids[start_tok:]
+                delta = parser.update(c.text, final=c.finish_reason is not None)
+                want_logprobs = req.logprobs and new_tokens
+                if not delta and not want_logprobs and c.finish_reason is None:
+                    continue
+                choice: dict[str, Any] = {"index": c.index, "delta": _chat_delta(delta)}
+                if want_logprobs:
+                    choice["logprobs"] = self._chat_logprobs(new_tokens, (c.logprobs or [])[start_tok:], req.top_logprobs or 0)
+                if c.finish_reason is not None:
+                    choice["finish_reason"] = _chat_finish_reason(c.finish_reason, parser)
+                    if c.stop_reason is not None:
+                        choice["stop_reason"] = c.stop_reason
+                    completion_tokens += len(c.token_ids)
+                sent_tokens[c.index] = len(c.token_ids)
+                yield _sse({**base, "choices": [choice]})
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield _sse({**base, "choices": [], "usage": _usage(len(run.prompt_ids), completion_tokens)})
+        yield _sse("[DONE]")
+
+    # ------------------------------------------------------------------ non-streaming
+    async def _collect(self, iterators: list[AsyncIterator[RequestOutput]], raw: Request) -> list[RequestOutput]:
+        """Final outputs of every iterator; aborts them all if the client disconnects.
+
+        Raises:
+            APIError: for a request the engine failed (400 / 500) or a stopped engine (503).
+        """
+        finals: list[RequestOutput | None] = [None] * len(iterators)
+
+        async def consume() -> None:
+            async for i, out in _merge(iterators):
+                finals[i] = out
+
+        task = asyncio.create_task(consume())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.2)
+                if not task.done() and await raw.is_disconnected():
+                    task.cancel()
+                    raise APIError(499, "client disconnected", "ClientDisconnected")
+            task.result()
+        except (RequestFailedError, EngineDeadError) as exc:
+            raise _as_api_error(exc) from None
+        finally:
+            if not task.done():
+                task.cancel()
+        return finals  # type: ignore[return-value]
+
+

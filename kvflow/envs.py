@@ -1,0 +1,180 @@
+"""kvflow's environment switches: every ``KVFLOW_*`` variable is read here, and only here.
+
+Each switch is read when it is asked for: ``kvflow.envs.KVFLOW_CPU_MARCH`` looks at
+``os.environ`` at that moment (a module ``__getattr__``, as vLLM's ``vllm/envs.py``), so a
+test can ``monkeypatch.setenv`` and a program can change a variable before the part that
+reads it runs. ``read(name, environ)`` reads one from another mapping. The table
+``SWITCHES`` holds each switch's name, type, default and effect; the README's table of
+environment variables is ``markdown_table(SWITCHES)`` (tests/test_envs.py checks the two
+agree).
+
+``EXTERNAL`` lists the variables of other programs that kvflow reads (torchrun's rank
+variables, libgomp's wait policy, the C++ compiler), read through ``read`` too.
+
+Switches and when they are read:
+
+- ``KVFLOW_CACHE_DIR`` (path; default ``~/.cache/kvflow/models``): where converted GGUF
+  models are cached (``kvflow.model.resolve.default_cache_dir``; ``EngineArgs.model_cache_dir``
+  wins over it).
+- ``KVFLOW_CPU_MARCH`` (str; default ``native``): the ``-march`` target of kvflow's C++ CPU
+  kernels (``kvflow.ops.build``), e.g. ``x86-64-v3`` for an AVX2 CPU without AVX-512; a
+  target beyond this CPU is refused with the features it lacks.
+- ``KVFLOW_CPU_KERNELS`` (bool; default on): ``0`` keeps every C++ CPU kernel unbuilt (the
+  PyTorch paths run); each kernel also has its own switch:
+  ``KVFLOW_CPU_ATTENTION`` (paged attention), ``KVFLOW_CPU_NORM`` (RMSNorm),
+  ``KVFLOW_CPU_ROTARY`` (rotary embedding), ``KVFLOW_CPU_LINEAR`` (weight-only INT8),
+  ``KVFLOW_CPU_INVARIANT_LINEAR`` (batch-invariant linears), read when the kernel is
+  first asked for (and decided once per process).
+- ``KVFLOW_COLLECTIVE_TIMEOUT_S`` (float, seconds; default unset: 600): how long a
+  tensor-parallel collective may wait (``EngineArgs.collective_timeout_s`` wins over it).
+- ``KVFLOW_QUIET`` (bool; default off): ``1`` is the CLI's ``--quiet``.
+- ``KVFLOW_TRACEBACK`` (bool; default off): ``1`` makes the CLI show the traceback of an
+  error instead of its one-line message.
+- ``KVFLOW_OMP_DEFAULTS`` (bool; default on): ``0`` keeps ``import kvflow`` from setting
+  ``OMP_WAIT_POLICY=PASSIVE`` (``kvflow.cpu_threads``).
+
+Booleans keep the meaning they have always had: a switch that is on by default is turned
+off by ``0`` only, one that is off by default is turned on by ``1`` only.
+
+This module must not import torch (``kvflow.cpu_threads`` reads it before torch loads).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One environment variable.
+
+    Attributes:
+        name: the variable.
+        type: its type, for the docs ("bool", "str", "path", "float", "int").
+        default: what an unset variable means, for the docs.
+        effect: what it changes, for the docs.
+        parse: the value's text (None when unset) -> the value kvflow uses; raises
+            ValueError, naming the variable, for a value it cannot use.
+    """
+
+    name: str
+    type: str
+    default: str
+    effect: str
+    parse: Callable[[str | None], Any]
+
+
+def _on_unless_zero(text: str | None) -> bool:
+    return text != "0"
+
+
+def _off_unless_one(text: str | None) -> bool:
+    return text == "1"
+
+
+def _text_or_none(text: str | None) -> str | None:
+    return text or None
+
+
+def _positive_seconds(name: str) -> Callable[[str | None], float | None]:
+    def parse(text: str | None) -> float | None:
+        if not text:
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not value > 0 or value == float("inf"):
+            raise ValueError(f"{name} must be a positive number of seconds, got {text!r}")
+        return value
+
+    return parse
+
+
+def _kernel_switch(name: str, kernel: str) -> Switch:
+    return Switch(name, "bool", "1 (on)",
+                  f"`0`: never build kvflow's C++ {kernel} kernel; its PyTorch path runs", _on_unless_zero)
+
+
+SWITCHES: dict[str, Switch] = {s.name: s for s in (
+    Switch("KVFLOW_CACHE_DIR", "path", "`~/.cache/kvflow/models`",
+           "where GGUF models are converted to and cached as Hugging Face folders "
+           "(`EngineArgs.model_cache_dir` / `--model-cache-dir` wins)", _text_or_none),
+    Switch("KVFLOW_CPU_MARCH", "str", "`native`",
+           "the `-march` target kvflow's C++ CPU kernels are compiled for (e.g. `x86-64-v3`: AVX2, no "
+           "AVX-512); a target beyond this CPU is refused, naming the missing features",
+           lambda text: text or "native"),
+    Switch("KVFLOW_CPU_KERNELS", "bool", "1 (on)",
+           "`0`: never build any of kvflow's C++ CPU kernels (all the PyTorch paths run)", _on_unless_zero),
+    _kernel_switch("KVFLOW_CPU_ATTENTION", "paged-attention"),
+    _kernel_switch("KVFLOW_CPU_NORM", "RMSNorm"),
+    _kernel_switch("KVFLOW_CPU_ROTARY", "rotary-embedding"),
+    _kernel_switch("KVFLOW_CPU_LINEAR", "weight-only INT8 linear"),
+    _kernel_switch("KVFLOW_CPU_INVARIANT_LINEAR", "batch-invariant linear"),
+    Switch("KVFLOW_COLLECTIVE_TIMEOUT_S", "float (seconds)", "unset (600)",
+           "how long a tensor-parallel collective waits before failing "
+           "(`EngineArgs.collective_timeout_s` / `--collective-timeout-s` wins)",
+           _positive_seconds("KVFLOW_COLLECTIVE_TIMEOUT_S")),
+    Switch("KVFLOW_QUIET", "bool", "0 (off)", "`1`: the CLI's `--quiet` (no progress messages on stderr)",
+           _off_unless_one),
+    Switch("KVFLOW_TRACEBACK", "bool", "0 (off)",
+           "`1`: the CLI prints an error's traceback instead of its one-line message", _off_unless_one),
+    Switch("KVFLOW_OMP_DEFAULTS", "bool", "1 (on)",
+           "`0`: `import kvflow` leaves OpenMP's wait policy alone (else it sets `OMP_WAIT_POLICY=PASSIVE` "
+           "when neither `OMP_WAIT_POLICY` nor `GOMP_SPINCOUNT` is set)", _on_unless_zero),
+)}
+
+EXTERNAL: dict[str, Switch] = {s.name: s for s in (
+    Switch("OMP_WAIT_POLICY", "str", "unset", "libgomp's wait policy; when set, kvflow keeps it", _text_or_none),
+    Switch("GOMP_SPINCOUNT", "int", "unset", "libgomp's spin count; when set, kvflow keeps the wait policy",
+           _text_or_none),
+    Switch("RANK", "int", "unset", "set by torchrun: this process's tensor-parallel rank", _text_or_none),
+    Switch("WORLD_SIZE", "int", "unset", "set by torchrun: the number of tensor-parallel processes",
+           _text_or_none),
+    Switch("TORCHELASTIC_RUN_ID", "str", "unset", "set by torchrun: kvflow was started by it", _text_or_none),
+    Switch("CXX", "path", "`c++`", "the C++ compiler (also PyTorch's) asked which features a "
+           "`KVFLOW_CPU_MARCH` target enables", lambda text: text or "c++"),
+)}
+
+
+def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The value of switch ``name`` in ``environ`` (default ``os.environ``), parsed.
+
+    Raises:
+        KeyError: for a name that is in neither ``SWITCHES`` nor ``EXTERNAL``.
+        ValueError: naming the variable, for a value it cannot use.
+    """
+    switch = SWITCHES.get(name) or EXTERNAL[name]
+    return switch.parse((os.environ if environ is None else environ).get(name))
+
+
+def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether variable ``name`` (a switch or an external one) is present in the environment."""
+    if name not in SWITCHES and name not in EXTERNAL:
+        raise KeyError(name)
+    return name in (os.environ if environ is None else environ)
+
+
+def cpu_kernel_enabled(switch: str) -> bool:
+    """False when the kernel's own switch or ``KVFLOW_CPU_KERNELS`` is ``0``."""
+    return read(switch) and read("KVFLOW_CPU_KERNELS")
+
+
+def __getattr__(name: str) -> Any:
+    if name in SWITCHES:
+        return read(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *SWITCHES])
+
+
+def markdown_table(switches: Mapping[str, Switch]) -> str:
+    """A Markdown table of ``switches``: name, type, default, effect."""
+    rows = ["| variable | type | default | effect |", "|---|---|---|---|"]
+    rows += [f"| `{s.name}` | {s.type} | {s.default} | {s.effect} |" for s in switches.values()]
+    return "\n".join(rows)

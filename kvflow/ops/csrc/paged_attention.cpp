@@ -1,0 +1,574 @@
+// kvflow C++ CPU kernel: Paged attention over the CPU KV cache: one-token decode for float caches, every query token for int8 / fp8 caches.
+// Python side and documentation: kvflow/layers/cpu_attention.py.
+// Built on first use by kvflow.ops.build (torch.utils.cpp_extension.load, -O3 -march=$KVFLOW_CPU_MARCH).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cmath>
+#include <algorithm>
+#include <vector>
+#include <type_traits>
+#include <utility>
+
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// exp(x) for x <= 0 in float32, vectorizable (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2,
+// degree-6 polynomial for e^r, 2^n by exponent bits); relative error ~2e-7. Below -87.3
+// (e^x < 1.2e-38) it returns 0, as softmax weights that small are 0 in float32 anyway.
+static inline float exp_neg(float x) {
+  const float clamped = x < -87.3f ? -87.3f : x;
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  float r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.3f ? 0.0f : p * scale;
+}
+
+template <typename T>
+static inline float to_f(T x) { return static_cast<float>(x); }
+
+#if defined(__AVX512F__)
+// Sixteen dot-product accumulators in, one vector out whose lane i is the sum of v[i]'s
+// lanes: a transpose-and-add tree (45 shuffles and adds for 16 sums, against about 8
+// instructions per sum with one horizontal reduction each). v is clobbered.
+static inline __m512 reduce16(__m512* v) {
+  __m512 s[8];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  __m512 u[4];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: the lane's partial sums of a, b, c, d
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+// Sixteen float32 values from 16 bfloat16 (the top halves of float32) or float32 ones.
+static inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// Scores of up to 16 consecutive tokens of one block against one query head:
+// out[t] = scale * (q . k_t) for t < n, with k_t = k + t * stride (HD values each).
+// bfloat16 with AVX512-BF16: q and k stay bfloat16 and vdpbf16ps multiplies pairs exactly
+// into float32 sums; otherwise k is widened to float32 and q is qf (float32).
+template <typename T, int HD>
+static inline void scores16(const T* q, const float* qf, const T* k, int64_t stride, int64_t n, float scale,
+                            float* out) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    __m512bh qv[HD / 32];
+    for (int j = 0; j < HD / 32; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
+    if (n == 16) {  // constant trip counts: the accumulators stay in registers
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t)
+#pragma GCC unroll 4
+        for (int j = 0; j < HD / 32; ++j)
+          acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(k + t * stride + 32 * j), qv[j]);
+    } else {
+      for (int64_t t = 0; t < n; ++t)
+        for (int j = 0; j < HD / 32; ++j)
+          acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(k + t * stride + 32 * j), qv[j]);
+    }
+    const __m512 r = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), r);
+    return;
+  }
+#endif
+  (void)q;
+  if (n == 16) {
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t)
+#pragma GCC unroll 8
+      for (int j = 0; j < HD / 16; ++j)
+        acc[t] = _mm512_fmadd_ps(load16(k + t * stride + 16 * j), _mm512_loadu_ps(qf + 16 * j), acc[t]);
+  } else {
+    for (int64_t t = 0; t < n; ++t)
+      for (int j = 0; j < HD / 16; ++j)
+        acc[t] = _mm512_fmadd_ps(load16(k + t * stride + 16 * j), _mm512_loadu_ps(qf + 16 * j), acc[t]);
+  }
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), reduce16(acc));
+}
+#define KVFLOW_HAS_SCORES16 1
+
+// exp_neg on 16 lanes (the same Cephes reduction and polynomial; 2^n by vscalefps).
+static inline __m512 exp_neg16(__m512 x) {
+  const __m512 c = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);  // x second: a NaN x stays NaN
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  // unless x < -87.3 (ordered): a NaN score stays NaN and poisons the row, as elsewhere
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ);
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
+}
+#endif
+
+// s[t] = exp(s[t] - max(s)) for t < n; returns their sum (float32).
+static inline float exp_shifted(float* s, int64_t n) {
+  float m = -INFINITY;
+#if defined(__AVX512F__)
+  int64_t t = 0;
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (; t + 16 <= n; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+  m = _mm512_reduce_max_ps(mv);
+  for (; t < n; ++t) m = s[t] > m ? s[t] : m;
+  const __m512 m16 = _mm512_set1_ps(m);
+  __m512 sv = _mm512_setzero_ps();
+  for (t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - t)) - 1u);
+    const __m512 e = exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m16));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(k, e));
+  }
+  return _mm512_reduce_add_ps(sv);
+#else
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) { s[t] = exp_neg(s[t] - m); sum += s[t]; }
+  return sum;
+#endif
+}
+
+#if defined(__AVX512F__)
+// acc[g][d] = sum_t p[g * p_stride + t] * v_t[d] for one KV head: g < G, d < HD, the values
+// v_t read through the block table (row t at (table[t / bs] * bs + t % bs) * stride + off).
+// HD is split into chunks whose G x chunk accumulators fit the 32 vector registers.
+template <typename T, int HD, int G>
+static inline void values_head(const T* v_cache, const int64_t* table, int64_t bs, int64_t ctx, int64_t stride,
+                               int64_t off, const float* p, int64_t p_stride, float* acc, int64_t prefetch_bytes) {
+  constexpr int DC = (HD % 64 == 0 && G <= 6) ? 64 : 32;  // G * DC / 16 <= 24 accumulators
+  for (int dc = 0; dc < HD; dc += DC) {
+    __m512 a[G][DC / 16];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < DC / 16; ++j) a[g][j] = _mm512_setzero_ps();
+    for (int64_t b = 0, t = 0; t < ctx; ++b) {
+      const T* base = v_cache + table[b] * bs * stride + off + dc;
+      const int64_t n = std::min(bs, ctx - t);
+      if (prefetch_bytes > 0 && t + n < ctx) {  // the next block's rows, prefetch_bytes from off
+        const char* next = reinterpret_cast<const char*>(v_cache + table[b + 1] * bs * stride + off);
+        for (int64_t o = 0; o < std::min(bs, ctx - t - n); ++o)
+          for (int64_t x = 0; x < prefetch_bytes; x += 64) __builtin_prefetch(next + o * stride * sizeof(T) + x, 0, 3);
+      }
+      for (int64_t o = 0; o < n; ++o, ++t) {
+        __m512 v[DC / 16];
+        for (int j = 0; j < DC / 16; ++j) v[j] = load16(base + o * stride + 16 * j);
+        for (int g = 0; g < G; ++g) {
+          const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
+          for (int j = 0; j < DC / 16; ++j) a[g][j] = _mm512_fmadd_ps(pg, v[j], a[g][j]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < DC / 16; ++j) _mm512_storeu_ps(acc + g * HD + dc + 16 * j, a[g][j]);
+  }
+}
+#endif
+
+// A row of head_dim values as float32 (vectorizable: bfloat16 is the top half of a float32).
+template <typename T>
+static inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = to_f(src[d]);
+}
+template <>
+inline void load_row<float>(const float* src, float* dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) {
+    const uint32_t wide = static_cast<uint32_t>(bits[d]) << 16;
+    float f;
+    std::memcpy(&f, &wide, sizeof(f));  // a bit cast (no float/uint32 aliasing)
+    dst[d] = f;
+  }
+}
+
+// One work item: request r, KV heads [h0, h0 + nh). HD / G > 0 fix the head dim / the query
+// heads per KV head at compile time (the inner loops then unroll); 0 means "read it from
+// head_dim / group". Keys and values are visited token by token, block by block: the row of
+// the item's heads is contiguous in the cache, so a block is read as one stream.
+template <typename T, int HD, int G>
+static void decode_item(const T* q, const T* k_cache, const T* v_cache, const int64_t* table, int64_t ctx,
+                        T* out, int64_t head_dim, int64_t group, int64_t block_size, int64_t slot_stride,
+                        int64_t h0, int64_t nh, float scale, int64_t q_stride_h, int64_t o_stride_h,
+                        std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& row,
+                        std::vector<float>& acc, std::vector<float>& inv_sum) {
+  const int64_t D = HD > 0 ? HD : head_dim;
+  const int64_t g_n = G > 0 ? G : group;
+  const int64_t rows = nh * g_n;
+  qf.resize(rows * D);
+  acc.assign(rows * D, 0.f);
+  row.resize(nh * D);
+  scores.resize(rows * ctx);
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* qp = q + (h0 * g_n + i) * q_stride_h;
+    for (int64_t d = 0; d < D; ++d) qf[i * D + d] = to_f(qp[d]) * scale;
+  }
+  const int64_t num_blocks = (ctx + block_size - 1) / block_size;
+  const int64_t head_off = h0 * D;
+  const int64_t row_bytes = nh * D * static_cast<int64_t>(sizeof(T));
+  // Blocks sit anywhere in the cache: while reading block b, prefetch the same row of block
+  // b + 1 so that its first lines are on their way when the stream jumps there.
+  auto prefetch_next = [&](const T* cache, int64_t b, int64_t o) {
+    if (b + 1 < num_blocks) {
+      const char* p = reinterpret_cast<const char*>(cache + (table[b + 1] * block_size + o) * slot_stride + head_off);
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    }
+  };
+  // Pass 1: scores[i, t] = q_i . k_t.
+  const int64_t width = nh * D;
+  row.resize(2 * width);
+#if defined(KVFLOW_HAS_SCORES16)
+  // Vectorized: 16 tokens of a block per call, their 16 sums reduced together.
+  constexpr bool vector_pass1 = HD > 0 && G > 0 && HD % 32 == 0 &&
+                                (std::is_same<T, c10::BFloat16>::value || std::is_same<T, float>::value);
+#else
+  constexpr bool vector_pass1 = false;
+#endif
+  if constexpr (vector_pass1) {
+#if defined(KVFLOW_HAS_SCORES16)
+    constexpr int HDc = HD > 0 ? HD : 32;
+    for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
+      const int64_t base = table[b] * block_size;
+      const int64_t n = std::min(block_size, ctx - b * block_size);
+      if (b + 1 < num_blocks) {  // the next block's rows of these heads, while this one is scored
+        for (int64_t o = 0; o < std::min(block_size, ctx - (b + 1) * block_size); ++o) {
+          const char* p = reinterpret_cast<const char*>(k_cache + (table[b + 1] * block_size + o) * slot_stride + head_off);
+          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+        }
+      }
+      for (int64_t o = 0; o < n; o += 16) {
+        const int64_t m = std::min<int64_t>(16, n - o);
+        for (int64_t h = 0; h < nh; ++h) {
+          const T* kp = k_cache + (base + o) * slot_stride + head_off + h * D;
+          for (int64_t g = 0; g < g_n; ++g) {
+            const int64_t i = h * g_n + g;
+            scores16<T, HDc>(q + (h0 * g_n + i) * q_stride_h, qf.data() + i * D, kp, slot_stride, m, scale,
+                             scores.data() + i * ctx + t + o);
+          }
+        }
+      }
+      t += n;
+    }
+#endif
+  } else
+  for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
+    const int64_t base = table[b] * block_size;
+    const int64_t n = std::min(block_size, ctx - b * block_size);
+    int64_t o = 0;
+    for (; o + 1 < n; o += 2, t += 2) {
+      prefetch_next(k_cache, b, o);
+      prefetch_next(k_cache, b, o + 1);
+      load_row(k_cache + (base + o) * slot_stride + head_off, row.data(), width);
+      load_row(k_cache + (base + o + 1) * slot_stride + head_off, row.data() + width, width);
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* ka = row.data() + h * D;
+        const float* kb = ka + width;
+        for (int64_t g = 0; g < g_n; ++g) {
+          const float* qi = qf.data() + (h * g_n + g) * D;
+          float sa = 0.f, sb = 0.f;
+#pragma omp simd reduction(+ : sa, sb)
+          for (int64_t d = 0; d < D; ++d) { sa += qi[d] * ka[d]; sb += qi[d] * kb[d]; }
+          scores[(h * g_n + g) * ctx + t] = sa;
+          scores[(h * g_n + g) * ctx + t + 1] = sb;
+        }
+      }
+    }
+    for (; o < n; ++o, ++t) {
+      prefetch_next(k_cache, b, o);
+      load_row(k_cache + (base + o) * slot_stride + head_off, row.data(), width);
+      for (int64_t h = 0; h < nh; ++h) {
+        const float* kr = row.data() + h * D;
+        for (int64_t g = 0; g < g_n; ++g) {
+          const float* qi = qf.data() + (h * g_n + g) * D;
+          float a = 0.f;
+#pragma omp simd reduction(+ : a)
+          for (int64_t d = 0; d < D; ++d) a += qi[d] * kr[d];
+          scores[(h * g_n + g) * ctx + t] = a;
+        }
+      }
+    }
+  }
+  // Softmax over the context, per query head (float32); the 1 / sum is applied to the output.
+  inv_sum.resize(rows);
+  for (int64_t i = 0; i < rows; ++i) inv_sum[i] = 1.f / exp_shifted(scores.data() + i * ctx, ctx);
+  // Pass 2: out_i = sum_t p[i, t] v_t. With the head dim and group fixed at compile time
+  // the group's accumulators live in registers (one KV head at a time; the request's values
+  // are in the L2 cache after the first head).
+  if constexpr (vector_pass1) {
+#if defined(__AVX512F__)
+    constexpr int HDc = HD > 0 ? HD : 32, Gc = G > 0 ? G : 1;
+    for (int64_t h = 0; h < nh; ++h)
+      values_head<T, HDc, Gc>(v_cache, table, block_size, ctx, slot_stride, head_off + h * D,
+                              scores.data() + h * g_n * ctx, ctx, acc.data() + h * g_n * D,
+                              h == 0 ? row_bytes : 0);  // the first head's pass brings in the item's rows
+#endif
+  } else if (HD > 0 && G > 0) {
+    for (int64_t h = 0; h < nh; ++h) {
+      float a[G > 0 ? G : 1][HD > 0 ? HD : 1] = {};
+      const float* ph = scores.data() + h * g_n * ctx;
+      for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
+        const int64_t base = table[b] * block_size;
+        const int64_t n = std::min(block_size, ctx - b * block_size);
+        for (int64_t o = 0; o < n; ++o, ++t) {
+          float vr[HD > 0 ? HD : 1];
+          load_row(v_cache + (base + o) * slot_stride + head_off + h * D, vr, HD);
+          for (int g = 0; g < G; ++g) {
+            const float p = ph[g * ctx + t];
+#pragma omp simd
+            for (int d = 0; d < HD; ++d) a[g][d] += p * vr[d];
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int d = 0; d < HD; ++d) acc[(h * G + g) * HD + d] = a[g][d];
+    }
+  } else {
+    for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
+      const int64_t base = table[b] * block_size;
+      const int64_t n = std::min(block_size, ctx - b * block_size);
+      for (int64_t o = 0; o < n; ++o, ++t) {
+        prefetch_next(v_cache, b, o);
+        load_row(v_cache + (base + o) * slot_stride + head_off, row.data(), nh * D);
+        for (int64_t h = 0; h < nh; ++h) {
+          const float* vr = row.data() + h * D;
+          for (int64_t g = 0; g < g_n; ++g) {
+            const float p = scores[(h * g_n + g) * ctx + t];
+            float* ai = acc.data() + (h * g_n + g) * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ai[d] += p * vr[d];
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    T* op = out + (h0 * g_n + i) * o_stride_h;
+    for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(acc[i * D + d] * inv_sum[i]);
+  }
+}
+
+template <typename T, int HD, int G>
+static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+                          const int32_t* ctx_lens, T* out, int64_t num_reqs, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                          int64_t max_blocks, float scale, int64_t q_stride_t, int64_t q_stride_h,
+                          int64_t o_stride_t, int64_t o_stride_h) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t slot_stride = num_kv_heads * head_dim;  // between consecutive tokens of a block
+  // Work items: whole requests, or (request, KV head) pairs when there are too few requests
+  // to keep the threads busy.
+  const int64_t heads_per_item = num_reqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_req = num_kv_heads / heads_per_item;
+  at::parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, scores, row, acc, inv_sum;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / items_per_req, h0 = (item % items_per_req) * heads_per_item;
+      decode_item<T, HD, G>(q + r * q_stride_t, k_cache, v_cache, tables + r * max_blocks, ctx_lens[r],
+                            out + r * o_stride_t, head_dim, group, block_size, slot_stride, h0, heads_per_item,
+                            scale, q_stride_h, o_stride_h, qf, scores, row, acc, inv_sum);
+    }
+  });
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "q and the cache must share a dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(2) == 1, "layout");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && context_lens.scalar_type() == torch::kInt32, "index dtypes");
+  auto tables = block_tables.contiguous();
+  auto ctx = context_lens.contiguous();
+  auto out = torch::empty_like(q);
+  const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2), num_blocks = k_cache.size(0);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "heads");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) >= num_reqs && ctx.numel() >= num_reqs,
+              "block_tables / context_lens have fewer rows than q");
+  // Every block the kernel will read must exist (an out-of-range id is a bug elsewhere: raise
+  // instead of reading outside the cache).
+  const int64_t width = tables.size(1);
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int32_t* cp = ctx.data_ptr<int32_t>();
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    TORCH_CHECK(cp[r] >= 1 && cp[r] <= width * block_size, "context_lens[", r, "] = ", cp[r],
+                " is outside 1 .. block_tables width * block_size = ", width * block_size);
+    for (int64_t b = 0; b < (cp[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tp[r * width + b] >= 0 && tp[r * width + b] < num_blocks, "block_tables[", r, ", ", b,
+                  "] = ", tp[r * width + b], " is not a block of the cache (", num_blocks, " blocks)");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+             tables.data_ptr<int64_t>(), ctx.data_ptr<int32_t>(), out.data_ptr<scalar_t>(),
+             num_reqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
+             static_cast<float>(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1));
+    };
+    const int64_t group = num_heads / num_kv_heads;
+    if (head_dim == 64 && group == 1) run(decode_kernel<scalar_t, 64, 1>);
+    else if (head_dim == 64 && group == 3) run(decode_kernel<scalar_t, 64, 3>);
+    else if (head_dim == 64 && group == 4) run(decode_kernel<scalar_t, 64, 4>);
+    else if (head_dim == 64 && group == 7) run(decode_kernel<scalar_t, 64, 7>);  // Qwen2.5-0.5B
+    else if (head_dim == 64 && group == 8) run(decode_kernel<scalar_t, 64, 8>);
+    else if (head_dim == 64) run(decode_kernel<scalar_t, 64, 0>);
+    else if (head_dim == 128 && group == 1) run(decode_kernel<scalar_t, 128, 1>);
+    else if (head_dim == 128 && group == 4) run(decode_kernel<scalar_t, 128, 4>);
+    else if (head_dim == 128 && group == 6) run(decode_kernel<scalar_t, 128, 6>);
+    else if (head_dim == 128 && group == 7) run(decode_kernel<scalar_t, 128, 7>);
+    else if (head_dim == 128) run(decode_kernel<scalar_t, 128, 0>);
+    else run(decode_kernel<scalar_t, 0, 0>);
+  });
+  return out;
+}
+
+// Dispatch on the head dim / group size instantiated above (0: read at run time).
+template <typename T, typename F>
+static void with_shape(int64_t head_dim, int64_t group, F&& f) {
+  if (head_dim == 64 && group == 1) f(std::integral_constant<int, 64>(), std::integral_constant<int, 1>());
+  else if (head_dim == 64 && group == 3) f(std::integral_constant<int, 64>(), std::integral_constant<int, 3>());
+  else if (head_dim == 64 && group == 4) f(std::integral_constant<int, 64>(), std::integral_constant<int, 4>());
+  else if (head_dim == 64 && group == 7) f(std::integral_constant<int, 64>(), std::integral_constant<int, 7>());
+  else if (head_dim == 64 && group == 8) f(std::integral_constant<int, 64>(), std::integral_constant<int, 8>());
+  else if (head_dim == 64) f(std::integral_constant<int, 64>(), std::integral_constant<int, 0>());
+  else if (head_dim == 128 && group == 1) f(std::integral_constant<int, 128>(), std::integral_constant<int, 1>());
+  else if (head_dim == 128 && group == 4) f(std::integral_constant<int, 128>(), std::integral_constant<int, 4>());
+  else if (head_dim == 128 && group == 6) f(std::integral_constant<int, 128>(), std::integral_constant<int, 6>());
+  else if (head_dim == 128 && group == 7) f(std::integral_constant<int, 128>(), std::integral_constant<int, 7>());
+  else if (head_dim == 128) f(std::integral_constant<int, 128>(), std::integral_constant<int, 0>());
+  else f(std::integral_constant<int, 0>(), std::integral_constant<int, 0>());
+}
+
+// Rows t < n of one KV head, dequantized: dst[t * D + d] = lut[code] * scale (float32), the
+// rows read through the block table (slot table[t / bs] * bs + t % bs).
+static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const float* lut, const int64_t* table,
+                         int64_t block_size, int64_t num_kv_heads, int64_t D, int64_t h, int64_t n, float* dst) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const float s = static_cast<float>(scales[slot * num_kv_heads + h]);
+    const uint8_t* c = codes + (slot * num_kv_heads + h) * D;
+    float* o = dst + t * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = lut[c[d]] * s;
+  }
+}
+
+// Every query token of a step over an int8 / fp8 paged cache. Request r's query tokens are
+// rows query_start[r] .. query_start[r + 1] - 1, at positions ctx - q_len .. ctx - 1; the
+// token at position p attends to keys 0 .. p. Each token is computed exactly as a decode of
+// one token with context p + 1 over the request's dequantized K/V of one KV head (one
+// contiguous block, decode_item), so its result does not depend on the chunk it came in,
+// on the other requests of the step or on the block size.
+torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes,
+                                        torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor lut,
+                                        torch::Tensor block_tables, torch::Tensor query_start,
+                                        torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_codes.device().is_cpu() && v_codes.device().is_cpu(), "CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: float32 [T, heads, D]");
+  TORCH_CHECK(k_codes.dim() == 4 && v_codes.sizes() == k_codes.sizes() && k_codes.scalar_type() == torch::kUInt8 &&
+              v_codes.scalar_type() == torch::kUInt8 && k_codes.is_contiguous() && v_codes.is_contiguous(),
+              "codes: uint8 [blocks, block_size, kv_heads, D]");
+  TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf &&
+              k_scale.is_contiguous() && v_scale.is_contiguous() && k_scale.numel() * k_codes.size(3) == k_codes.numel() &&
+              v_scale.numel() == k_scale.numel(), "scales: float16 [blocks, block_size, kv_heads]");
+  TORCH_CHECK(lut.scalar_type() == torch::kFloat32 && lut.numel() == 256 && lut.is_contiguous(), "lut: float32 [256]");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && query_start.scalar_type() == torch::kInt32 &&
+              context_lens.scalar_type() == torch::kInt32, "index dtypes");
+  auto tables = block_tables.contiguous();
+  auto starts = query_start.contiguous();
+  auto ctx = context_lens.contiguous();
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_codes.size(0), block_size = k_codes.size(1), num_kv_heads = k_codes.size(2);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && k_codes.size(3) == D, "heads");
+  const int64_t num_reqs = ctx.numel();
+  TORCH_CHECK(starts.numel() == num_reqs + 1 && tables.dim() == 2 && tables.size(0) >= num_reqs, "metadata rows");
+  const int64_t width = tables.size(1);
+  const int32_t* sp = starts.data_ptr<int32_t>();
+  const int32_t* cp = ctx.data_ptr<int32_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  TORCH_CHECK(sp[0] == 0 && sp[num_reqs] <= num_tokens, "query_start");
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = sp[r + 1] - sp[r];
+    TORCH_CHECK(q_len >= 0 && cp[r] >= q_len && cp[r] <= width * block_size, "context_lens[", r, "] = ", cp[r],
+                " does not fit its ", q_len, " query tokens and block table");
+    for (int64_t b = 0; b < (cp[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tp[r * width + b] >= 0 && tp[r * width + b] < num_blocks, "block_tables[", r, ", ", b,
+                  "] = ", tp[r * width + b], " is not a block of the cache (", num_blocks, " blocks)");
+  }
+  auto out = torch::empty_like(q);
+  const int64_t group = num_heads / num_kv_heads;
+  constexpr int64_t QB = 16;  // query tokens per work item (they share one dequantization)
+  // Work items: (request, KV head, block of QB query tokens).
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (request, first query token)
+  for (int64_t r = 0; r < num_reqs; ++r)
+    for (int64_t i = 0; i < sp[r + 1] - sp[r]; i += QB) blocks.emplace_back(r, i);
+  const int64_t num_items = static_cast<int64_t>(blocks.size()) * num_kv_heads;
+  const uint8_t* kc = k_codes.data_ptr<uint8_t>();
+  const uint8_t* vc = v_codes.data_ptr<uint8_t>();
+  const c10::Half* ks = reinterpret_cast<const c10::Half*>(k_scale.data_ptr<at::Half>());
+  const c10::Half* vs = reinterpret_cast<const c10::Half*>(v_scale.data_ptr<at::Half>());
+  const float* lp = lut.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  with_shape<float>(D, group, [&](auto hd, auto g) {
+    constexpr int HD = decltype(hd)::value, G = decltype(g)::value;
+    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> kbuf, vbuf, qf, scores, row, acc, inv_sum;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t h = item % num_kv_heads;
+        const auto [r, i0] = blocks[item / num_kv_heads];
+        const int64_t q_len = sp[r + 1] - sp[r], i1 = std::min(q_len, i0 + QB);
+        const int64_t first = cp[r] - q_len;  // position of query token 0
+        const int64_t n = first + i1;         // keys the item's last token sees
+        kbuf.resize(n * D);
+        vbuf.resize(n * D);
+        dequant_rows(kc, ks, lp, tp + r * width, block_size, num_kv_heads, D, h, n, kbuf.data());
+        dequant_rows(vc, vs, lp, tp + r * width, block_size, num_kv_heads, D, h, n, vbuf.data());
+        const int64_t zero = 0;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t t = sp[r] + i;
+          decode_item<float, HD, G>(qp + (t * num_heads + h * group) * D, kbuf.data(), vbuf.data(), &zero,
+                                    first + i + 1, op + (t * num_heads + h * group) * D, D, group, n, D, 0, 1,
+                                    static_cast<float>(scale), D, D, qf, scores, row, acc, inv_sum);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py).
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention), "paged_decode_attention");
+  m.def("paged_attention_quantized", torch::wrap_pybind_function(paged_attention_quantized), "paged_attention_quantized");
+}

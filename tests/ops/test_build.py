@@ -1,0 +1,195 @@
+"""CppKernel (kvflow.ops.build): build a source file once, or fall back (None) when disabled
+or when the build fails; compiler flags follow KVFLOW_CPU_MARCH and the CPU."""
+
+from __future__ import annotations
+
+import logging
+import platform
+
+import pytest
+
+import kvflow.ops.build as build
+from kvflow import ops
+from kvflow.ops.build import CppKernel
+
+_GOOD = """
+#include <torch/extension.h>
+int64_t twice(int64_t x) { return 2 * x; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
+"""
+
+# A switch of kvflow.envs that the tests may set freely (CppKernel takes only real switches).
+SWITCH = "KVFLOW_CPU_NORM"
+
+
+@pytest.fixture
+def source(tmp_path):
+    path = tmp_path / "twice.cpp"
+    path.write_text(_GOOD)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    monkeypatch.delenv("KVFLOW_CPU_KERNELS", raising=False)  # (the CI's kernels-off pass sets it)
+    monkeypatch.delenv(SWITCH, raising=False)
+
+
+def test_unknown_switch_is_refused(source):
+    with pytest.raises(ValueError, match="'KVFLOW_NO_SUCH' is not a switch of kvflow.envs"):
+        CppKernel("kvflow_x", source, "KVFLOW_NO_SUCH", "k")
+
+
+def test_disabled_by_its_switch(monkeypatch, source):
+    monkeypatch.setenv(SWITCH, "0")
+    ext = CppKernel("kvflow_test_disabled", source, SWITCH, "test kernel")
+    assert ext.load() is None
+    monkeypatch.setenv(SWITCH, "1")
+    assert ext.load() is None  # decided once
+
+
+def test_build_failure_falls_back_with_a_warning(caplog, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    broken = tmp_path / "broken.cpp"
+    broken.write_text(_GOOD + "this is not C++;")
+    ext = CppKernel("kvflow_test_broken", broken, SWITCH, "test kernel")
+    with caplog.at_level(logging.WARNING, logger="kvflow.ops.build"):
+        assert ext.load() is None
+    assert "test kernel could not be built" in caplog.text
+    assert ext.load() is None
+
+
+def test_a_source_file_builds_and_loads(tmp_path, monkeypatch, source):
+    """The real mechanism, end to end (one small build into a fresh extensions folder)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    ext = CppKernel("kvflow_test_twice", source, SWITCH, "test kernel")
+    assert not ext.is_built()
+    assert ext.require().twice(21) == 42
+    assert ext.is_built()
+
+
+def test_name_hashes_source_and_cpu(tmp_path, source):
+    a = CppKernel("kvflow_x", source, SWITCH, "k")
+    edited = tmp_path / "edited.cpp"
+    edited.write_text(_GOOD + "\n")
+    b = CppKernel("kvflow_x", edited, SWITCH, "k")
+    assert a.build_name().startswith("kvflow_x_") and a.build_name() != b.build_name()
+    assert a.build_name() == CppKernel("kvflow_x", source, SWITCH, "k").build_name()
+    copy = tmp_path / "copy" / "twice.cpp"  # the same text elsewhere (another install)
+    copy.parent.mkdir()
+    copy.write_text(_GOOD)
+    assert CppKernel("kvflow_x", copy, SWITCH, "k").build_name() != a.build_name()
+
+
+def test_name_changes_with_the_cpu(monkeypatch, source):
+    """A build for one CPU's instruction set is never loaded on another."""
+    ext = CppKernel("kvflow_x", source, SWITCH, "k")
+    monkeypatch.setattr(build, "host_cpu_flags", lambda: "flags : fpu sse2 avx2")
+    avx2 = ext.build_name()
+    monkeypatch.setattr(build, "host_cpu_flags", lambda: "flags : fpu sse2 avx2 avx512f")
+    assert ext.build_name() != avx2
+
+
+def test_require_raises_when_unavailable(monkeypatch, source):
+    monkeypatch.setenv(SWITCH, "0")
+    ext = CppKernel("kvflow_test_required", source, SWITCH, "test kernel")
+    with pytest.raises(RuntimeError, match="kvflow's test kernel is not available"):
+        ext.require()
+
+
+def test_all_kernels_switch(monkeypatch, source):
+    """KVFLOW_CPU_KERNELS=0 keeps every kernel unbuilt, whatever its own variable says."""
+    monkeypatch.setenv("KVFLOW_CPU_KERNELS", "0")
+    monkeypatch.setenv(SWITCH, "1")
+    ext = CppKernel("kvflow_test_all_off", source, SWITCH, "test kernel")
+    assert ext.disabled() and ext.load() is None
+
+
+def test_cflags_follow_the_target(monkeypatch, source):
+    """-march names the host by default or KVFLOW_CPU_MARCH's target (a build for an
+    AVX2-only x86 is x86-64-v3); the name of the build follows the flags; the x86-only
+    vector-width flag is not given to another architecture's compiler."""
+    ext = CppKernel("kvflow_x", source, SWITCH, "k")
+    monkeypatch.delenv("KVFLOW_CPU_MARCH", raising=False)
+    monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
+    assert "-march=native" in build.build_cflags() and "-mprefer-vector-width=512" in build.build_cflags()
+    native = ext.build_name()
+    monkeypatch.setenv("KVFLOW_CPU_MARCH", "x86-64-v3")
+    assert "-march=x86-64-v3" in build.build_cflags() and ext.build_name() != native
+    monkeypatch.setattr(build.platform, "machine", lambda: "aarch64")
+    monkeypatch.delenv("KVFLOW_CPU_MARCH")
+    assert "-march=native" in build.build_cflags()
+    assert not any(f.startswith("-mprefer-vector-width") for f in build.build_cflags())
+
+
+class _FakeModule:
+    def twice(self, x):
+        return 2 * x
+
+
+def test_a_build_that_is_due_is_announced(monkeypatch, caplog, source):
+    """A cold start says what it is doing (the build itself is replaced by a stub here: a
+    real one takes ~20 s); a cached build loads without the message; the source file and
+    the target's flags are what reach torch's ``load``."""
+    import torch.utils.cpp_extension as cpp
+
+    calls = []
+    monkeypatch.setattr(cpp, "load", lambda **kw: calls.append(kw) or _FakeModule())
+    for built in (False, True):
+        ext = CppKernel("kvflow_test_announce", source, SWITCH, "test kernel")
+        monkeypatch.setattr(ext, "is_built", lambda: built)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvflow.ops.build"):
+            assert ext.load().twice(3) == 6
+        announced = "building the C++ test kernel (once, ~20 s" in caplog.text
+        assert announced is not built
+    assert len(calls) == 2 and calls[0]["sources"] == [str(source)]
+    assert calls[0]["extra_cflags"] == build.build_cflags() and calls[0]["extra_cflags"][-1] == "-fopenmp"
+    assert calls[0]["name"] == ext.build_name()
+
+
+def test_is_built_sees_the_compiled_library(monkeypatch, tmp_path, source):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ext = CppKernel("kvflow_test_isbuilt", source, SWITCH, "test kernel")
+    assert not ext.is_built()
+    (tmp_path / ext.build_name()).mkdir(exist_ok=True)  # (torch's helper may have made it)
+    assert not ext.is_built()
+    (tmp_path / ext.build_name() / f"{ext.build_name()}.so").write_bytes(b"")
+    assert ext.is_built()
+
+
+def test_a_target_beyond_this_cpu_is_refused_naming_the_features(monkeypatch, caplog, source):
+    """KVFLOW_CPU_MARCH=x86-64-v4 on a CPU without AVX-512 (simulated: its flags without
+    avx512*) would build a kernel that dies on an illegal instruction: refused, named."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 only")
+    monkeypatch.setattr(build, "host_cpu_flags", lambda: "flags : fpu sse4_2 avx avx2 fma f16c")
+    assert build.missing_cpu_features(["-O3", "-march=native"]) == []
+    assert build.missing_cpu_features(["-O3", "-march=x86-64-v3"]) == []
+    assert build.missing_cpu_features(["-O3", "-march=x86-64-v4"]) == ["avx512bw", "avx512dq", "avx512f", "avx512vl"]
+    monkeypatch.setenv("KVFLOW_CPU_MARCH", "x86-64-v4")
+    ext = CppKernel("kvflow_test_beyond", source, SWITCH, "test kernel")
+    with caplog.at_level(logging.WARNING, logger="kvflow.ops.build"):
+        assert ext.load() is None
+    assert "KVFLOW_CPU_MARCH=x86-64-v4 needs avx512bw, avx512dq, avx512f, avx512vl" in caplog.text
+
+
+def test_every_kernel_source_is_in_the_package_and_bound():
+    """Each kernel's .cpp file is in kvflow/ops/csrc and binds its module (PYBIND11_MODULE),
+    and every .cpp there belongs to a kernel (none is left unbuilt)."""
+    sources = {k.source_path for k in ops.KERNELS}
+    assert sources == set(build.CSRC.glob("*.cpp"))
+    for kernel in ops.KERNELS:
+        assert "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)" in kernel.source, kernel.what
+
+
+def test_the_sources_are_package_data():
+    """pyproject ships kvflow/ops/csrc/*.cpp in the wheel (the kernels build from them)."""
+    import tomllib
+    from fnmatch import fnmatch
+
+    pyproject = tomllib.loads((build.CSRC.parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["kvflow"]
+    for path in build.CSRC.glob("*.cpp"):
+        rel = path.relative_to(build.CSRC.parents[1]).as_posix()  # ops/csrc/x.cpp
+        assert any(fnmatch(rel, p) for p in patterns), rel
