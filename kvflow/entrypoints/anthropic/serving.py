@@ -14,7 +14,6 @@ a fault inside a stream is an ``error`` event).
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -125,16 +124,7 @@ async def create_message(serving: OpenAIServing, req: MessagesRequest, raw: Requ
         APIError: 400 naming the field (unsupported fields, blocks, tools), and the errors
             of ``OpenAIServing.start_chat`` (rendered in Anthropic's shape by the middleware).
     """
-    from kvflow.entrypoints.openai.serving import APIError
-
-    unsupported = req.unsupported_field()
-    if unsupported is not None:
-        raise APIError(400, unsupported[1], "BadRequestError", unsupported[0])
-    try:
-        fields = to_chat_fields(req)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "BadRequestError", re.match(r"[a-z_]*", str(exc)).group() or None) from None
-    run = await serving.start_chat_from(fields, RENAMES)
+    run = await serving.start_translated_chat(req, to_chat_fields, RENAMES)
     message = {"id": _new_id(), "type": "message", "role": "assistant", "model": serving.model_name}
     if req.stream:
         return StreamingResponse(_stream(run, message, req), media_type="text/event-stream")

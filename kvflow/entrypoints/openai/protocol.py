@@ -66,6 +66,15 @@ class _Body(BaseModel):
         return None
 
 
+def unsupported_message_field(messages: list[Any]) -> tuple[str, str] | None:
+    """("messages", message) for the first field of a message kvflow does not implement."""
+    for i, message in enumerate(messages):
+        found = message.unsupported_field()
+        if found is not None:
+            return "messages", f"messages[{i}].{found[1]}"
+    return None
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -366,14 +375,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """See ``_Body.unsupported_field``; also looks into the messages."""
-        found = super().unsupported_field()
-        if found is not None:
-            return found
-        for i, message in enumerate(self.messages):
-            found = message.unsupported_field()
-            if found is not None:
-                return "messages", f"messages[{i}].{found[1]}"
-        return None
+        return super().unsupported_field() or unsupported_message_field(self.messages)
 
     @field_validator("chat_template_kwargs")
     @classmethod

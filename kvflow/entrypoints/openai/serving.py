@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -434,6 +435,25 @@ class OpenAIServing:
                                "BadRequestError", "tools") from None
             raise
         return ChatRun(ids, iterator, make_parser)
+
+    async def start_translated_chat(self, req: Any, to_chat_fields: Callable[[Any], dict[str, Any]],
+                                    renames: dict[str, str]) -> ChatRun:  # fmt: skip
+        """Queue a validated request of another API (``req``: a responses or Anthropic
+        messages body) as the chat request ``to_chat_fields(req)`` describes.
+
+        Raises:
+            APIError: 400 naming the field ``req`` does not implement, or the one whose
+                translation failed (a ValueError whose message starts with the field's
+                name); the errors of ``start_chat_from``.
+        """
+        unsupported = req.unsupported_field()
+        if unsupported is not None:
+            raise APIError(400, unsupported[1], "BadRequestError", unsupported[0])
+        try:
+            fields = to_chat_fields(req)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "BadRequestError", re.match(r"[a-z_]*", str(exc)).group() or None) from None
+        return await self.start_chat_from(fields, renames)
 
     async def start_chat_from(self, fields: dict[str, Any], renames: dict[str, str]) -> ChatRun:
         """Queue a request of another API (responses, Anthropic messages) as the chat request

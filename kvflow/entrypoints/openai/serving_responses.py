@@ -21,7 +21,6 @@ file / audio input parts, and the other fields listed in ``ResponsesRequest.UNSU
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -272,16 +271,7 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest, raw: Re
         APIError: 400 naming the field (unsupported fields, items, parts, tools), and the
             errors of ``OpenAIServing.start_chat``.
     """
-    from kvflow.entrypoints.openai.serving import APIError
-
-    unsupported = req.unsupported_field()
-    if unsupported is not None:
-        raise APIError(400, unsupported[1], "BadRequestError", unsupported[0])
-    try:
-        fields = to_chat_fields(req)
-    except ValueError as exc:
-        raise APIError(400, str(exc), "BadRequestError", re.match(r"[a-z_]*", str(exc)).group() or None) from None
-    run = await serving.start_chat_from(fields, RENAMES)
+    run = await serving.start_translated_chat(req, to_chat_fields, RENAMES)
     response = _Response(req, serving.model_name)
     if req.stream:
         return StreamingResponse(_stream(run, response), media_type="text/event-stream")

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
 from kvflow.entrypoints.chat_utils import render_chat
-from kvflow.entrypoints.openai.protocol import ChatMessage, _Body
+from kvflow.entrypoints.openai.protocol import ChatMessage, _Body, unsupported_message_field
 from kvflow.entrypoints.openai.serving import APIError, OpenAIServing, _bad_request
 
 
@@ -57,14 +57,7 @@ class TokenizeChatRequest(_Body):
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """See ``_Body.unsupported_field``; also looks into the messages."""
-        found = super().unsupported_field()
-        if found is not None:
-            return found
-        for i, message in enumerate(self.messages):
-            found = message.unsupported_field()
-            if found is not None:
-                return "messages", f"messages[{i}].{found[1]}"
-        return None
+        return super().unsupported_field() or unsupported_message_field(self.messages)
 
 
 class DetokenizeRequest(_Body):
