@@ -16,7 +16,6 @@ import atexit
 import socket
 import threading
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -24,7 +24,7 @@ from kvflow.engine.detokenizer import IncrementalDetokenizer
 from kvflow.logprobs import Logprob
 from kvflow.model.base import CausalLM
 from kvflow.model.loader import load_model
-from kvflow.model.resolve import load_generation_defaults, load_tokenizer, resolve_model
+from kvflow.model.resolve import load_generation_defaults, load_tokenizer
 from kvflow.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestFailure, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, RequestStatus, make_parallel_samples

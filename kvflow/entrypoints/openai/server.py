@@ -46,12 +46,10 @@ from kvflow.entrypoints.anthropic.protocol import MessagesRequest
 from kvflow.entrypoints.anthropic.serving import PATH as ANTHROPIC_PATH
 from kvflow.entrypoints.anthropic.serving import AnthropicErrorMiddleware, create_message
 from kvflow.engine.async_engine import AsyncLLMEngine
-from kvflow.entrypoints.openai.errors import _ERROR_TYPES, APIError, _error_body, error_response  # noqa: F401
+from kvflow.entrypoints.openai.errors import _ERROR_TYPES, APIError, error_response
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvflow.entrypoints.openai.serving_responses import ResponsesRequest, create_response
-from kvflow.entrypoints.openai.serving import (  # noqa: F401 - also re-exported for older imports
-    OpenAIServing, RETRY_AFTER_S, _as_api_error, _bad_request, _merge,
-)  # fmt: skip
+from kvflow.entrypoints.openai.serving import OpenAIServing, _as_api_error
 
 logger = logging.getLogger(__name__)
 

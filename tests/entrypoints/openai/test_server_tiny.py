@@ -429,7 +429,7 @@ def test_a_request_that_fails_in_the_engine_fails_alone(server, monkeypatch, exc
 
 
 def test_a_handler_fault_is_an_openai_shaped_500(server, http, monkeypatch):
-    from kvflow.entrypoints.openai.server import OpenAIServing
+    from kvflow.entrypoints.openai.serving import OpenAIServing
 
     def broken(self, req):
         raise KeyError("injected handler fault")
