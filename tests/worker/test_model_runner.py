@@ -64,6 +64,7 @@ def test_cpu_backend_puts_all_decodes_in_one_group():
     assert inputs.metadata.groups[0].context_lens.tolist() == [5, 5, 25]
 
 
+@pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel is off or could not be built")
 def test_cpu_backend_over_int8_kv_is_flat_and_batch_invariant():
     """An int8 cache keeps the "cpu" backend: flat per-request metadata for
     ``paged_attention_quantized`` (prefill and decode tokens in one call) and the model's
