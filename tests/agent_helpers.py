@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import TINY_TEXT_VOCAB, make_engine, tiny_model, tiny_model_config, tiny_tokenizer
+from conftest import TINY_TEXT_VOCAB, InProcessServer, make_engine, tiny_model, tiny_model_config, tiny_tokenizer
 from kvflow.config import CacheConfig, SchedulerConfig
 
 # A Qwen2.5-style template (tools as JSON in <tools>, calls as <tool_call> blocks, tool results
@@ -70,6 +70,9 @@ WEATHER_TOOL = {
         },
     },
 }  # fmt: skip
+# The scripted model's Hermes-format call of WEATHER_TOOL, and its arguments.
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+ARGS = {"city": "Paris", "unit": "celsius"}
 
 
 class ScriptedModel:
@@ -124,3 +127,15 @@ def scripted_engine(max_model_len: int = 2048):
         SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4, max_model_len=max_model_len), tokenizer=tokenizer,
     )  # fmt: skip
     return engine, script
+
+
+def scripted_server(**server_kwargs):
+    """Yield (InProcessServer, ScriptedModel): a server over ``scripted_engine`` with the
+    Hermes template and ``--reasoning-parser qwen3`` (``server_kwargs`` added), stopped after;
+    the body of a test module's ``served`` fixture (``yield from scripted_server()``)."""
+    engine, script = scripted_engine()
+    server = InProcessServer(engine, chat_template=HERMES_TEMPLATE, reasoning_parser="qwen3", **server_kwargs)
+    try:
+        yield server, script
+    finally:
+        server.stop()

@@ -10,14 +10,11 @@ import json
 import httpx
 import pytest
 
-from agent_helpers import HERMES_TEMPLATE, WEATHER_TOOL, scripted_engine
-from conftest import InProcessServer
+from agent_helpers import ARGS, CALL, WEATHER_TOOL, scripted_server
 
 anthropic = pytest.importorskip("anthropic")
 
 API_KEY = "sk-tiny-anthropic"
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-ARGS = {"city": "Paris", "unit": "celsius"}
 TOOL = {"name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
         "input_schema": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
 MSG = [{"role": "user", "content": "Weather in Paris?"}]
@@ -25,10 +22,7 @@ MSG = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def served():
-    engine, script = scripted_engine()
-    server = InProcessServer(engine, chat_template=HERMES_TEMPLATE, reasoning_parser="qwen3", api_key=API_KEY)
-    yield server, script
-    server.stop()
+    yield from scripted_server(api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -11,20 +11,15 @@ import httpx
 import openai
 import pytest
 
-from agent_helpers import HERMES_TEMPLATE, WEATHER_TOOL, scripted_engine
+from agent_helpers import ARGS, CALL, WEATHER_TOOL, scripted_engine, scripted_server
 from conftest import InProcessServer
 
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
 MSG = [{"role": "user", "content": "Weather in Paris?"}]
-ARGS = {"city": "Paris", "unit": "celsius"}
 
 
 @pytest.fixture(scope="module")
 def served():
-    engine, script = scripted_engine()
-    server = InProcessServer(engine, chat_template=HERMES_TEMPLATE, reasoning_parser="qwen3")
-    yield server, script
-    server.stop()
+    yield from scripted_server()
 
 
 @pytest.fixture(scope="module")

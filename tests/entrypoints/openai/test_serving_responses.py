@@ -10,21 +10,15 @@ import httpx
 import openai
 import pytest
 
-from agent_helpers import HERMES_TEMPLATE, WEATHER_TOOL, scripted_engine
-from conftest import InProcessServer
+from agent_helpers import ARGS, CALL, WEATHER_TOOL, scripted_server
 
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-ARGS = {"city": "Paris", "unit": "celsius"}
 TOOL = {"type": "function", "name": "get_weather", "description": WEATHER_TOOL["function"]["description"],
         "parameters": WEATHER_TOOL["function"]["parameters"]}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def served():
-    engine, script = scripted_engine()
-    server = InProcessServer(engine, chat_template=HERMES_TEMPLATE, reasoning_parser="qwen3")
-    yield server, script
-    server.stop()
+    yield from scripted_server()
 
 
 @pytest.fixture(scope="module")
