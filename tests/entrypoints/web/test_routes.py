@@ -7,10 +7,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import threading
 import time
 import zipfile
 from pathlib import Path
@@ -19,9 +17,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import TINY_TEXT_VOCAB, tiny_engine, tiny_model_config, tiny_tokenizer
-from kvflow.engine.async_engine import AsyncLLMEngine
-from kvflow.entrypoints.openai.server import build_app, make_server
+from conftest import TINY_TEXT_VOCAB, InProcessServer, tiny_engine, tiny_model_config, tiny_tokenizer
 from kvflow.entrypoints.web.routes import PUBLIC_PATHS, STATIC_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -37,35 +33,14 @@ def _one_thread():
     torch.set_num_threads(saved)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class TinyServer:
+class TinyServer(InProcessServer):
     """``kvflow serve``'s app over a tiny engine (byte-level tokenizer, blocks of 4), in a thread."""
 
     def __init__(self, **app_kwargs) -> None:
         engine = tiny_engine(tokenizer=tiny_tokenizer(), config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB),
                              num_blocks=128, block_size=4, max_model_len=512)
-        self.engine = AsyncLLMEngine(engine, "tiny")
         self.tokenizer = engine.tokenizer
-        app = build_app(self.engine, "tiny", engine.scheduler_config.max_model_len, **app_kwargs)
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = make_server(app, "127.0.0.1", self.port, "warning")
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
+        super().__init__(engine, **app_kwargs)
 
 
 @pytest.fixture(scope="module")
