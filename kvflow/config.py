@@ -264,11 +264,16 @@ class ModelConfig:
         """Read a transformers config of an architecture in ``kvflow.model.registry``;
         ``max_model_len``: the engine's context limit (None: the model's).
 
+        A multimodal config whose language model kvflow runs (Gemma 3's "gemma3",
+        ``kvflow.model.registry.TEXT_MODELS_OF``) is read as its ``text_config``.
+
         Raises:
             ValueError: if the architecture is not one kvflow runs (the message lists them),
                 or ``max_model_len`` exceeds the model's context.
         """
-        from kvflow.model.registry import check_supported
+        from kvflow.model.registry import check_supported, text_model_config
+
+        hf_config = text_model_config(hf_config)
 
         model_type = hf_config.model_type
         check_supported(model_type)

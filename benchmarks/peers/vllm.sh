@@ -6,6 +6,8 @@
 #   VLLM_CPU_KVCACHE_SPACE=2       KV cache size in GiB
 #   LD_PRELOAD                     tcmalloc + Intel OpenMP, as vLLM's CPU install guide asks;
 #                                  VLLM_PEER_NO_PRELOAD=1 runs without them.
+# `vllm.sh --python ARGS...` runs the venv's Python with ARGS in that same environment
+# (benchmarks/compare.py's offline vllm worker).
 : "${VLLM_VENV:=$HOME/vllm-venv}"
 : "${VLLM_CPU_OMP_THREADS_BIND:=0-1}"
 : "${VLLM_CPU_KVCACHE_SPACE:=2}"
@@ -17,5 +19,9 @@ if [ -z "$VLLM_PEER_NO_PRELOAD" ]; then
         [ -f "$lib" ] && LD_PRELOAD="${LD_PRELOAD:+$LD_PRELOAD:}$lib"
     done
     export LD_PRELOAD
+fi
+if [ "$1" = "--python" ]; then
+    shift
+    exec "$VLLM_VENV/bin/python" "$@"
 fi
 exec "$VLLM_VENV/bin/python" "$(dirname "$0")/vllm_launcher.py" "$@"

@@ -43,6 +43,9 @@ class CausalLM(nn.Module):
             tensors that load into one part of a fused parameter (``q_proj`` into
             ``qkv_proj`` as shard "q", ...).
         skip_weights: substrings of checkpoint names that hold nothing to load.
+        renamed_prefixes: (checkpoint prefix, replacement) pairs, the first that matches
+            applied before the ``model.`` prefix is stripped (a multimodal checkpoint's
+            ``language_model.model.`` -> ``model.``).
     """
 
     stacked_params_mapping: list[tuple[str, str, object]] = [
@@ -53,6 +56,7 @@ class CausalLM(nn.Module):
         ("gate_up_proj", "up_proj", 1),
     ]
     skip_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    renamed_prefixes: tuple[tuple[str, str], ...] = ()
 
     config: ModelConfig
     tp: TensorParallel | None
@@ -114,7 +118,12 @@ class CausalLM(nn.Module):
         for hf_name, tensor in weights:
             if any(skip in hf_name for skip in self.skip_weights):
                 continue
-            name = hf_name[len("model.") :] if hf_name.startswith("model.") else hf_name
+            name = hf_name
+            for theirs, ours in self.renamed_prefixes:
+                if name.startswith(theirs):
+                    name = ours + name[len(theirs) :]
+                    break
+            name = name[len("model.") :] if name.startswith("model.") else name
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             name, shard_id = self.map_weight_name(name)

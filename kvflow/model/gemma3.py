@@ -117,11 +117,22 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 text model (``model_type`` gemma3_text) with its tied LM head.
 
+    Also the language model of a multimodal Gemma 3 checkpoint (``model_type`` gemma3,
+    Gemma3ForConditionalGeneration: 4B / 12B / 27B): its ``text_config`` is read
+    (``kvflow.model.registry.TEXT_MODELS_OF``), its ``language_model.`` tensors load here
+    and the vision tower and projector are not loaded (text only).
+
     Args: as ``LlamaForCausalLM`` (config, tp, quant_config).
 
     Raises:
         ValueError: from ``check_config``, naming a config field kvflow does not implement.
     """
+
+    skip_weights = (*CausalLM.skip_weights, "vision_tower.", "multi_modal_projector.")
+    # Gemma3ForConditionalGeneration as saved (language_model.model.*, language_model.lm_head)
+    # and as transformers 5 names it in memory (model.language_model.*).
+    renamed_prefixes = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                        ("language_model.", ""))  # fmt: skip
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:

@@ -14,29 +14,29 @@ q/k norms, with Q/K/V biases (``qkv_bias``) and a shared expert: a SwiGLU MLP of
 ``shared_expert_intermediate_size`` that every token takes, scaled by
 sigmoid(``shared_expert_gate``(x)) (``SparseMoeBlock``).
 
-The attention here (``QwenMoeAttention``) is written for these two and can be unified with
-the dense Qwen3 model's q/k-norm attention (``kvflow/model/qwen3.py``) once both exist.
+The attention is the dense models': Qwen3's q/k-norm attention (``kvflow/model/qwen3.py``)
+for Qwen3-MoE, Llama's with Q/K/V biases for Qwen2-MoE. With ``use_sliding_window`` the
+window acts where transformers applies it (``ModelConfig.sliding_windows``): every layer for
+Qwen3-MoE (its config has no ``layer_types``), the "sliding_attention" layers of
+``layer_types`` for Qwen2-MoE.
 
-Not supported (refused at load by ``check_qwen_moe_config``): sliding-window attention
-(``use_sliding_window``), activations other than SiLU, cross-layer KV sharing, and a shared
-expert on qwen3_moe (transformers' Qwen3-MoE has none; such a config is another architecture).
+Not supported (refused at load by ``check_qwen_moe_config``): activations other than SiLU,
+cross-layer KV sharing, and a shared expert on qwen3_moe (transformers' Qwen3-MoE has none;
+such a config is another architecture).
 """
 
 from __future__ import annotations
 
-import torch
+import dataclasses
+
 from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.attention.backend import AttentionMetadata
-from kvflow.attention.kv_cache import KVCache
-from kvflow.layers.attention import Attention
-from kvflow.layers.linear import QKVParallelLinear, RowParallelLinear
 from kvflow.layers.moe import SparseMoeBlock, map_expert_weight
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.rotary import apply_rotary
-from kvflow.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from kvflow.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from kvflow.model.qwen3 import Qwen3Attention
 from kvflow.quantization.base import QuantizationConfig
 
 QWEN_MOE_PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -46,20 +46,15 @@ def check_qwen_moe_config(config: ModelConfig) -> None:
     """Refuse what kvflow's Qwen3-MoE / Qwen2-MoE do not implement.
 
     Raises:
-        ValueError: naming the field: no transformers config, ``use_sliding_window`` (or a
-            ``layer_types`` entry other than "full_attention"), ``hidden_act`` other than
-            "silu", ``cla_share_factor`` > 1, or ``shared_expert_intermediate_size`` > 0 on
-            qwen3_moe.
+        ValueError: naming the field: no transformers config, a ``layer_types`` entry other
+            than full / sliding attention (``ModelConfig.sliding_windows``), ``hidden_act``
+            other than "silu", ``cla_share_factor`` > 1, or
+            ``shared_expert_intermediate_size`` > 0 on qwen3_moe.
     """
     hf, kind = config.hf_config, config.model_type
     if hf is None:
         raise ValueError(f"{kind} needs the transformers config (ModelConfig.from_hf_config) for its expert fields")
-    if getattr(hf, "use_sliding_window", False):
-        raise ValueError(f"{kind}: use_sliding_window=True (sliding_window={getattr(hf, 'sliding_window', None)}) "
-                         "is not supported yet: kvflow attends to the whole context")
-    layer_types = getattr(hf, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"{kind}: layer_types {sorted(set(layer_types))} are not supported (only 'full_attention')")
+    config.sliding_windows  # noqa: B018 - raises for unknown layer_types
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ValueError(f"{kind}: hidden_act={hf.hidden_act!r} is not supported (only 'silu')")
     if config.cla_share_factor != 1:
@@ -68,50 +63,6 @@ def check_qwen_moe_config(config: ModelConfig) -> None:
     if kind == "qwen3_moe" and shared > 0:
         raise ValueError(f"qwen3_moe: shared_expert_intermediate_size={shared} is not supported: Qwen3-MoE has no "
                          "shared expert (a Qwen2-MoE-style checkpoint is model_type 'qwen2_moe')")
-
-
-class QwenMoeAttention(nn.Module):
-    """Grouped-query self-attention with optional per-head RMSNorm of queries and keys
-    before RoPE (Qwen3: ``q_norm`` / ``k_norm`` over ``head_dim``) and optional biases.
-
-    Args:
-        config: the model's ``ModelConfig``.
-        qkv_bias: biases on the Q/K/V projections; o_bias: on the output projection.
-        qk_norm: the per-head q/k RMSNorms.
-
-    Shapes: forward(x [T, hidden], cos_sin, kv_cache, metadata) -> [T, hidden].
-    """
-
-    def __init__(self, config: ModelConfig, tp: TensorParallel | None, quant_config: QuantizationConfig | None,
-                 prefix: str, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
-        super().__init__()
-        self.head_dim = config.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, config.head_dim, config.num_attention_heads, config.num_key_value_heads,
-            bias=qkv_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj", tp=tp,
-        )
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * config.head_dim, config.hidden_size, bias=o_bias, quant_config=quant_config,
-            prefix=f"{prefix}.o_proj", tp=tp, input_range=self.qkv_proj.q_range,
-        )
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
-
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # per head: rows of head_dim
-            q = self.q_norm(q.reshape(-1, d))
-            k = self.k_norm(k.reshape(-1, d))
-        # Rotate the query and key heads together: [T, heads + kv_heads, head_dim].
-        qk = apply_rotary(torch.cat([q.reshape(t, -1, d), k.reshape(t, -1, d)], dim=1), *cos_sin)
-        o = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v.reshape(t, self.num_kv_heads, d),
-                      kv_cache, metadata)
-        return self.o_proj(o.reshape(t, self.q_size))
 
 
 def is_sparse_layer(hf_config, layer_idx: int) -> bool:
@@ -129,12 +80,12 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
                  quant_config: QuantizationConfig | None = None, prefix: str = "") -> None:
         nn.Module.__init__(self)
         hf = config.hf_config
-        qwen3 = config.model_type == "qwen3_moe"
-        self.self_attn = QwenMoeAttention(
-            config, tp, quant_config, f"{prefix}.self_attn",
-            qkv_bias=config.attention_bias if qwen3 else bool(getattr(hf, "qkv_bias", True)),
-            o_bias=config.attention_bias if qwen3 else False, qk_norm=qwen3,
-        )
+        if config.model_type == "qwen3_moe":
+            self.self_attn = Qwen3Attention(config, layer_idx, tp, quant_config, f"{prefix}.self_attn")
+        else:  # Qwen2-MoE: Q/K/V biases (its config's qkv_bias), none on the output projection
+            qkv_bias = bool(getattr(hf, "qkv_bias", True))
+            self.self_attn = LlamaAttention(dataclasses.replace(config, attention_bias=qkv_bias), layer_idx, tp,
+                                            quant_config, f"{prefix}.self_attn")  # fmt: skip
         if is_sparse_layer(hf, layer_idx):
             self.mlp = SparseMoeBlock(
                 config.hidden_size, hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size,

@@ -43,5 +43,29 @@ def test_table_ratios_are_relative_to_the_first_engine() -> None:
                {"engine": "llama-server", "error": "did not start"}]  # fmt: skip
     text = serve_peers.tables(records, ["single"])
     vllm_row = next(line for line in text.splitlines() if line.startswith("vllm"))
-    assert vllm_row.split()[-3:] == ["1.5", "0.5", "0.05"]
-    assert next(line for line in text.splitlines() if line.startswith("llama-server")).split()[1:] == ["-"] * 11
+    assert vllm_row.split()[-4:] == ["1.5", "0.5", "-", "0.05"]
+    assert next(line for line in text.splitlines() if line.startswith("llama-server")).split()[1:] == ["-"] * 12
+
+
+def test_kvflow_default_passes_no_dtype_or_quantization() -> None:
+    args = serve_peers.parse_args(["--engines", "kvflow-default", "--scenarios", "concurrent4"])
+    cmd = serve_peers.server_command("kvflow-default", args, Path("/m/hf"), None, 9000, 4)
+    assert "--dtype" not in cmd and "--quantization" not in cmd and cmd[cmd.index("--model") + 1] == "smollm2-135m"
+
+
+def test_background_load_spins_until_stopped() -> None:
+    import time
+
+    import psutil
+
+    load = serve_peers.BackgroundLoad(1)
+    try:
+        (proc,) = load.procs
+        cpu0 = psutil.Process(proc.pid).cpu_times().user
+        time.sleep(0.5)
+        assert psutil.Process(proc.pid).cpu_times().user > cpu0  # it runs
+        assert serve_peers._tree_rss_mib(proc.pid) > 1.0
+    finally:
+        load.stop()
+    assert proc.poll() is not None
+    assert serve_peers._tree_rss_mib(proc.pid) == 0.0

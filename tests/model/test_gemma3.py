@@ -212,3 +212,28 @@ def test_real_gemma3_270m_matches_transformers_on_the_converted_folder():
                 done[out.request_id] = list(out.outputs[0].token_ids)
     assert done == want
     assert "Roman" in tok.decode(done["short"]) or "empire" in tok.decode(done["short"]).lower()
+
+
+def test_a_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma3ForConditionalGeneration (model_type gemma3, as Gemma 3 4B+ are released): kvflow
+    reads its text_config, loads the language_model tensors, skips the vision tower, and its
+    logits equal transformers' on a text-only prompt longer than the window. No final logit
+    soft-capping, as in the released Gemma 3 configs (transformers 5.24's
+    Gemma3ForConditionalGeneration does not apply text_config.final_logit_softcapping, its
+    Gemma3ForCausalLM does)."""
+    text = gemma3_config(final_logit_softcapping=None).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=127, boi_token_index=125, eoi_token_index=126,
+                                       eos_token_id=[1, 106])  # fmt: skip
+    hf = randomize_hf_model(transformers.Gemma3ForConditionalGeneration(config), 0)
+    hf.save_pretrained(tmp_path)
+    model, ours = load_model(tmp_path, torch.float32, CPU)
+    assert isinstance(model, Gemma3ForCausalLM) and ours.model_type == "gemma3_text"
+    assert ours.eos_token_id == 1 and ours.sliding_windows == [8, 8, None, 8]
+    ids = _ids(40, 5)
+    with torch.inference_mode():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    for chunk in (7, 64):
+        assert float((prefill_logits(model, ids, chunk) - ref).abs().max()) < 1e-4, chunk

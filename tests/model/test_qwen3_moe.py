@@ -49,6 +49,10 @@ CONFIGS = {
     "qwen3_moe-sparse-step-2-bias": lambda: qwen3_moe_config(
         decoder_sparse_step=2, mlp_only_layers=[], attention_bias=True, num_experts_per_tok=3, tie_word_embeddings=True),
     "qwen2_moe-shared-expert": lambda: qwen2_moe_config(),
+    # Sliding windows shorter than the prompts: every layer (Qwen3-MoE applies the window to
+    # all layers) and, for Qwen2-MoE, the layers its layer_types name (layer 0 here).
+    "qwen3_moe-window": lambda: qwen3_moe_config(use_sliding_window=True, sliding_window=8),
+    "qwen2_moe-window": lambda: qwen2_moe_config(use_sliding_window=True, sliding_window=8, max_window_layers=1),
 }
 
 
@@ -122,7 +126,7 @@ def test_router_picks_the_same_experts_as_transformers(qwen3_moe_dir):
         assert len(torch.unique(ref_ids)) == 8  # every expert is used somewhere
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe-shared-expert"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe-shared-expert", "qwen3_moe-window", "qwen2_moe-window"])
 def test_greedy_through_the_engine_matches_transformers(name, tmp_path):
     """Chunked prefill (16 tokens per step: the long prompt's later chunks run next to the
     short one's decodes), then a prompt sharing the long one's first 5 blocks (prefix-cache
@@ -216,8 +220,19 @@ def test_loading_checks_the_expert_tensors(qwen3_moe_dir, tmp_path):
         fresh.load_weights([("model.layers.1.mlp.experts.0.gate_proj.weight", torch.zeros(32, 64))])
 
 
+def test_window_configs_give_the_layers_transformers_windows(tmp_path):
+    """Qwen3-MoE's window acts in every layer; Qwen2-MoE's only in its sliding_attention layers."""
+    _build("qwen3_moe-window", tmp_path / "q3")
+    _, q3 = load_model(tmp_path / "q3", torch.float32, CPU)
+    assert q3.sliding_windows == [8, 8, 8] and q3.kv_free_window == 8
+    _build("qwen2_moe-window", tmp_path / "q2")
+    _, q2 = load_model(tmp_path / "q2", torch.float32, CPU)
+    assert q2.hf_config.layer_types == ["sliding_attention", "full_attention"]
+    assert q2.sliding_windows == [8, None] and q2.kv_free_window is None
+
+
 @pytest.mark.parametrize("field, value, match", [
-    ("use_sliding_window", True, "use_sliding_window"),
+    ("layer_types", ["full_attention", "chunked_attention", "full_attention"], "layer_types"),
     ("hidden_act", "gelu", "hidden_act"),
     ("shared_expert_intermediate_size", 64, "shared_expert_intermediate_size"),
     ("rope_parameters", {"rope_type": "mrope", "mrope_section": [2, 2, 4], "rope_theta": 10000.0}, "rope"),
