@@ -10,7 +10,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import engine_greedy_matches_hf, prefill_logits, randomize_hf_model
+from conftest import engine_greedy_matches_hf, prefill_logits, randomize_hf_model, run_to_completion
+from kvflow import SamplingParams
 from kvflow.model.gemma3 import Gemma3ForCausalLM
 from kvflow.model.loader import load_model
 from kvflow.layers.cpu_attention import cpu_kernel_available
@@ -92,6 +93,82 @@ def test_engine_greedy_matches_transformers(backend, tmp_path):
     stats = engine_greedy_matches_hf(tmp_path, hf, prompts, prompts[0][:12] + _ids(7, 6), attention_backend=backend,
                                      num_kv_blocks=512)
     assert stats["min_margin"] > 1e-4
+
+
+HYBRID = dict(sliding_window=16, num_hidden_layers=6, layer_types=[LOCAL] * 5 + [GLOBAL])
+
+
+def _hybrid_run(path, prompts: dict[str, list[int]], max_tokens: int, **engine_kwargs):
+    """Greedy tokens of the prompts as one mixed batch (16-token steps, blocks of 4), the
+    engine's stats after, and the most pool blocks held at once during the run."""
+    from model.hf_parity import kvflow_engine
+
+    engine = kvflow_engine(path, **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    done, most_held = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        stats = engine.get_stats()
+        most_held = max(most_held, stats["num_total_blocks"] - stats["num_free_blocks"])
+    return done, engine.get_stats(), most_held, engine
+
+
+def test_hybrid_kv_cache_matches_transformers_and_frees_local_blocks(tmp_path):
+    """6 layers (5 local with a 16-token window, 1 global), blocks of 4: three prompts of 70,
+    45 and 9 tokens and 20 greedy tokens each (several windows) in one mixed batch with
+    chunked prefill give transformers' tokens and the keep-all engine's
+    (``disable_hybrid_kv_cache_manager``); the local groups returned blocks to the pool as the
+    requests advanced, so the run held far fewer blocks, and every block is free at the end."""
+    from model.hf_parity import hf_greedy
+
+    hf = save_gemma3(tmp_path, seed=11, **HYBRID)
+    prompts = {"long": _ids(70, 12), "mid": _ids(45, 13), "short": _ids(9, 14)}
+    done, stats, most, engine = _hybrid_run(tmp_path, prompts, 20)
+    assert stats["num_kv_cache_groups"] == 6 and engine.cache_engine.groups.group_size == 1
+    for rid, prompt in prompts.items():
+        want, margins = hf_greedy(hf, prompt, 20)
+        assert done[rid] == want, rid
+        assert min(margins) > 1e-4
+    keep_all, keep_stats, keep_most, _ = _hybrid_run(tmp_path, prompts, 20, disable_hybrid_kv_cache_manager=True)
+    assert keep_all == done
+    assert keep_stats["num_kv_cache_groups"] == 1 and keep_stats["num_window_freed_blocks"] == 0
+    # Keep-all: a block holds all 6 layers; hybrid: a page holds 1 layer, so 6 pages per
+    # keep-all block. The local groups freed behind the window: less than half the bytes.
+    assert stats["num_window_freed_blocks"] > 0
+    assert most < 0.5 * 6 * keep_most
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_hybrid_kv_cache_preemption_and_prefix_cache_keep_the_outputs(mode, tmp_path):
+    """A pool of 80 pages cannot hold the three requests at once (each holds up to 23 full-group
+    + 5 x 9 local pages): requests are preempted (recompute or swap) and resumed, and then a
+    prompt sharing the long prompt's first 48 tokens hits the prefix cache (its window's
+    local blocks are still cached); every output equals the keep-all engine's."""
+    save_gemma3(tmp_path, seed=11, **HYBRID)
+    prompts = {"long": _ids(70, 12), "mid": _ids(45, 13), "short": _ids(9, 14)}
+    small = dict(num_kv_blocks=80, preemption_mode=mode)
+    done, stats, _, engine = _hybrid_run(tmp_path, prompts, 20, **small)
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["num_swapped_out"] > 0
+    keep_all, _, _, _ = _hybrid_run(tmp_path, prompts, 20, disable_hybrid_kv_cache_manager=True)
+    assert done == keep_all
+    # prefix cache: a fresh engine, the long prompt, then one sharing its first 48 tokens
+    shared = {"first": prompts["long"], "second": prompts["long"][:48] + _ids(10, 15)}
+    engine = __import__("model.hf_parity", fromlist=["kvflow_engine"]).kvflow_engine(tmp_path, num_kv_blocks=512)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = {}
+    for rid, prompt in shared.items():
+        engine.add_request(rid, prompt, params)
+        got.update(run_to_completion(engine))
+    assert engine.get_stats()["prefix_cache_hits"] == 48
+    keep_all, _, _, _ = _hybrid_run(tmp_path, shared, 8, disable_hybrid_kv_cache_manager=True)
+    assert {k: list(v) for k, v in got.items()} == keep_all
 
 
 @pytest.mark.parametrize(
