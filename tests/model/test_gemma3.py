@@ -143,13 +143,40 @@ def test_hybrid_kv_cache_matches_transformers_and_frees_local_blocks(tmp_path):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def test_hybrid_kv_cache_prompt_logprobs_match_transformers(tmp_path):
+    """Logits through the hybrid cache: the 20 top prompt log-probabilities of a 70-token
+    prompt (16-token prefill chunks, window 16, blocks of 4: the local groups free behind
+    the window between chunks) equal transformers' log-softmax to 1e-4 at every position."""
+    from model.hf_parity import kvflow_engine
+
+    hf = save_gemma3(tmp_path, seed=11, **HYBRID)
+    prompt = _ids(70, 12)
+    engine = kvflow_engine(tmp_path)
+    engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=20))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out if out.finished else final
+    assert engine.get_stats()["num_window_freed_blocks"] > 0
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for p in range(1, len(prompt)):
+        entry = final.prompt_logprobs[p]
+        assert len(entry) >= 20
+        for t, lp in entry.items():
+            assert lp.logprob == pytest.approx(ref[p - 1, t].item(), abs=1e-4), (p, t)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_hybrid_kv_cache_preemption_and_prefix_cache_keep_the_outputs(mode, tmp_path):
     """A pool of 80 pages cannot hold the three requests at once (each holds up to 23 full-group
     + 5 x 9 local pages): requests are preempted (recompute or swap) and resumed, and then a
     prompt sharing the long prompt's first 48 tokens hits the prefix cache (its window's
-    local blocks are still cached); every output equals the keep-all engine's."""
-    save_gemma3(tmp_path, seed=11, **HYBRID)
+    local blocks are still cached); every output equals the keep-all engine's (and the
+    prefix-hit one transformers')."""
+    from model.hf_parity import hf_greedy
+
+    hf = save_gemma3(tmp_path, seed=11, **HYBRID)
     prompts = {"long": _ids(70, 12), "mid": _ids(45, 13), "short": _ids(9, 14)}
     small = dict(num_kv_blocks=80, preemption_mode=mode)
     done, stats, _, engine = _hybrid_run(tmp_path, prompts, 20, **small)
@@ -169,6 +196,7 @@ def test_hybrid_kv_cache_preemption_and_prefix_cache_keep_the_outputs(mode, tmp_
     assert engine.get_stats()["prefix_cache_hits"] == 48
     keep_all, _, _, _ = _hybrid_run(tmp_path, shared, 8, disable_hybrid_kv_cache_manager=True)
     assert {k: list(v) for k, v in got.items()} == keep_all
+    assert list(got["second"]) == hf_greedy(hf, shared["second"], 8)[0]
 
 
 def test_hybrid_kv_cache_speculative_rollback_and_parallel_samples(tmp_path):
