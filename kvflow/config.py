@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from kvflow import envs
 from kvflow.attention.selector import ATTENTION_BACKENDS, check_attention_backend_name
 from kvflow.quantization.registry import LM_HEAD_METHODS, QUANTIZATION_METHODS
 from kvflow.utils import parse_bytes
+
+if TYPE_CHECKING:
+    from kvflow.core.kv_cache_groups import KVCacheGroups
 
 _DTYPES = {
     "float32": torch.float32,
@@ -108,7 +111,7 @@ HYBRID_KV_MODEL_TYPES = ("gemma3_text",)
 (``kvflow.attention.backend.layer_metadata``)."""
 
 
-def hybrid_kv_cache_groups(model_config: "ModelConfig", disable: bool = False):
+def hybrid_kv_cache_groups(model_config: ModelConfig, disable: bool = False) -> KVCacheGroups | None:
     """The model's ``KVCacheGroups`` when the hybrid KV cache manager applies (an architecture
     of ``HYBRID_KV_MODEL_TYPES`` with sliding-window and full layers, not ``disable``d), else None."""
     from kvflow.core.kv_cache_groups import build_kv_cache_groups
@@ -118,7 +121,7 @@ def hybrid_kv_cache_groups(model_config: "ModelConfig", disable: bool = False):
     return build_kv_cache_groups(model_config.sliding_windows)
 
 
-def groups_page_spec(spec: KVCacheSpec, groups) -> KVCacheSpec:
+def groups_page_spec(spec: KVCacheSpec, groups: KVCacheGroups) -> KVCacheSpec:
     """The geometry of one page of a hybrid cache: ``groups.group_size`` layer positions
     (``bytes_per_token`` x block_size is then the bytes of one pool block)."""
     return KVCacheSpec(groups.group_size, spec.num_kv_heads, spec.head_dim)
@@ -373,7 +376,7 @@ class CacheConfig:
     dtype: torch.dtype
     enable_prefix_caching: bool = True
     num_cpu_blocks: int = 0
-    kv_cache_groups: Any = None
+    kv_cache_groups: KVCacheGroups | None = None
 
 
 @dataclass(frozen=True)
