@@ -211,7 +211,9 @@ class ModelRunner:
 
         Each request contributes tokens ``all_token_ids[num_computed : num_computed + n]`` at
         positions ``num_computed .. num_computed + n - 1``; a request samples only when its
-        chunk reaches ``num_tokens``.
+        chunk reaches ``num_tokens``. With a hybrid KV cache (G > 1 groups, ``block_ids``
+        interleaved: entry ``i * G + g`` is logical block i of group g) the metadata is a
+        ``HybridMetadata``: one backend metadata per group, over ``block_ids[g::G]``.
         """
         n_sched = out.num_scheduled_tokens
         scheduled = [self.requests[request_id] for request_id in n_sched]
