@@ -8,8 +8,9 @@ the checkpoint), ``CacheConfig`` (paged KV cache) and ``SchedulerConfig`` (batch
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +18,9 @@ from kvflow import envs
 from kvflow.attention.selector import ATTENTION_BACKENDS, check_attention_backend_name
 from kvflow.quantization.registry import LM_HEAD_METHODS, QUANTIZATION_METHODS
 from kvflow.utils import parse_bytes
+
+if TYPE_CHECKING:
+    from kvflow.core.kv_cache_groups import KVCacheGroups
 
 _DTYPES = {
     "float32": torch.float32,
@@ -100,6 +104,27 @@ class KVCacheSpec:
         """The part of ``bytes_per_token`` that is quantization scales: 2 x layers x kv_heads x
         ``KV_SCALE_BYTES`` for an int8 / fp8 cache, 0 for a float one."""
         return 2 * self.num_layers * self.num_kv_heads * KV_SCALE_BYTES if dtype in QUANTIZED_KV_DTYPES else 0
+
+
+HYBRID_KV_MODEL_TYPES = ("gemma3_text",)
+"""Architectures whose forward passes each layer its KV cache group's metadata
+(``kvflow.attention.backend.layer_metadata``)."""
+
+
+def hybrid_kv_cache_groups(model_config: ModelConfig, disable: bool = False) -> KVCacheGroups | None:
+    """The model's ``KVCacheGroups`` when the hybrid KV cache manager applies (an architecture
+    of ``HYBRID_KV_MODEL_TYPES`` with sliding-window and full layers, not ``disable``d), else None."""
+    from kvflow.core.kv_cache_groups import build_kv_cache_groups
+
+    if disable or model_config.model_type not in HYBRID_KV_MODEL_TYPES or model_config.cla_share_factor > 1:
+        return None
+    return build_kv_cache_groups(model_config.sliding_windows)
+
+
+def groups_page_spec(spec: KVCacheSpec, groups: KVCacheGroups) -> KVCacheSpec:
+    """The geometry of one page of a hybrid cache: ``groups.group_size`` layer positions
+    (``bytes_per_token`` x block_size is then the bytes of one pool block)."""
+    return KVCacheSpec(groups.group_size, spec.num_kv_heads, spec.head_dim)
 
 
 def kv_layer_count(num_hidden_layers: int, cla_share_factor: int = 1) -> int:
@@ -346,6 +371,9 @@ class CacheConfig:
         enable_prefix_caching: reuse the K/V of full blocks across requests with the same
             prefix (automatic prefix caching).
         num_cpu_blocks: host-memory blocks for swap preemption (0: no swap space).
+        kv_cache_groups: the hybrid layout (``kvflow/core/kv_cache_groups.py``: one block is a
+            page of ``group_size`` layers' slices, each group its own block table, sliding
+            groups free behind their window), or None: one table, a block holds every layer.
     """
 
     block_size: int
@@ -353,6 +381,7 @@ class CacheConfig:
     dtype: torch.dtype
     enable_prefix_caching: bool = True
     num_cpu_blocks: int = 0
+    kv_cache_groups: KVCacheGroups | None = None
 
 
 @dataclass(frozen=True)
@@ -575,6 +604,9 @@ class EngineArgs:
     max_num_seqs: int = _option(64, "maximum number of concurrently running requests")
     max_model_len: int | None = _option(None, "context limit in tokens (default: the model's)")
     enable_prefix_caching: bool = _option(True, "reuse cached K/V of shared prompt prefixes")
+    disable_hybrid_kv_cache_manager: bool = _option(
+        False, "for a model with both sliding-window and full-attention layers (Gemma 3), keep every layer's "
+        "KV blocks for the whole context instead of freeing the sliding layers' blocks behind their window")
     scheduling_policy: str = _option("fcfs", "fcfs (arrival order) or priority (lower priority value first)",
                                      choices=("fcfs", "priority"))
     preemption_mode: str = _option("recompute", "recompute or swap (to host memory) when KV blocks run out",
@@ -745,9 +777,21 @@ class EngineArgs:
             kv_spec = model_config.kv_cache_spec()
             kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)
             extra = draft_model.kv_bytes_per_token(kv_dtype) if draft_model is not None else 0
+        groups = hybrid_kv_cache_groups(model_config, self.disable_hybrid_kv_cache_manager)
+        if groups is not None:
+            if world > 1:
+                raise ValueError("tensor_parallel_size > 1 is not supported with the hybrid KV cache manager "
+                                 "(a model with sliding-window and full layers); set disable_hybrid_kv_cache_manager")
+            if draft_model is not None:
+                raise ValueError("speculative_config method draft_model is not supported with the hybrid KV cache "
+                                 "manager; use ngram or set disable_hybrid_kv_cache_manager")
+            kv_spec = groups_page_spec(kv_spec, groups)  # a block is a page of group_size layers
+        cache = self.cache_config(kv_spec, dtype, extra_bytes_per_token=extra)
+        if groups is not None:
+            cache = dataclasses.replace(cache, kv_cache_groups=groups)
         return EngineConfig(
             model=model_config,
-            cache=self.cache_config(kv_spec, dtype, extra_bytes_per_token=extra),
+            cache=cache,
             scheduler=scheduler,
             device=DeviceConfig(device, dtype, self.num_threads),
             load=LoadConfig(self.model, str(model_dir), self.quantization, self.quantization_group_size,

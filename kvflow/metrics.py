@@ -37,6 +37,8 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted.")
         self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
+        self.kv_window_freed_blocks = counter(
+            "kv_window_freed_blocks", "KV blocks (pages of a hybrid cache) returned to the pool behind a sliding window.")
         self.request_success = counter("request_success", "Requests finished (any finish reason).")
         self.request_failure = counter("request_failure", "Requests the engine failed alone (an error inside the engine).")
         self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).")
@@ -57,6 +59,7 @@ class EngineMetrics:
             ("num_preemptions", self.num_preemptions),
             ("prefix_cache_queries", self.prefix_cache_queries),
             ("prefix_cache_hits", self.prefix_cache_hits),
+            ("num_window_freed_blocks", self.kv_window_freed_blocks),
             ("spec_num_draft_tokens", self.spec_decode_num_draft_tokens),
             ("spec_num_accepted_tokens", self.spec_decode_num_accepted_tokens),
         ):

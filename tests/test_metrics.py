@@ -40,3 +40,23 @@ def test_speculative_counters_follow_the_engine_and_stay_zero_without_a_proposer
     metrics.update_engine_stats(plain.get_stats())
     assert _value(metrics, "kvflow:spec_decode_num_draft_tokens_total") == 0
     assert _value(metrics, "kvflow:spec_decode_num_accepted_tokens_total") == 0
+
+
+def test_window_freed_blocks_counter_follows_the_engine():
+    """A Mistral-style tiny model (every layer windowed, 8 tokens, blocks of 4): the blocks the
+    window frees reach ``kvflow:kv_window_freed_blocks_total``."""
+    import transformers
+
+    hf = transformers.MistralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                                    max_position_embeddings=256)
+    config = tiny_model_config(vocab_size=32)
+    config = type(config)(**{**config.__dict__, "model_type": "mistral", "hf_config": hf})
+    engine = make_engine(tiny_model(config), config, CacheConfig(4, 64, torch.float32), SchedulerConfig(64, 16, 256))
+    metrics = EngineMetrics("tiny")
+    engine.add_request("a", list(range(20)), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+        metrics.update_engine_stats(engine.get_stats())
+    freed = engine.get_stats()["num_window_freed_blocks"]
+    assert freed > 0 and _value(metrics, "kvflow:kv_window_freed_blocks_total") == freed

@@ -170,3 +170,30 @@ class FlatMetadata:
             context_lens=torch.tensor(layout.context_lens, dtype=torch.int32).to(layout.device),
             max_query_len=max(layout.query_lens, default=0),
         )
+
+
+@dataclass
+class HybridMetadata:
+    """A step's metadata for a hybrid KV cache (``kvflow/core/kv_cache_groups.py``): one
+    backend metadata per KV cache group (its own slot_mapping and block tables) and the
+    group of each decoder layer. A model passes layer i ``layer_metadata(metadata, i)``.
+
+    Attributes:
+        groups: per KV cache group, the backend's metadata over that group's tables.
+        layer_group: per decoder layer, its group.
+    """
+
+    groups: list[AttentionMetadata]
+    layer_group: tuple[int, ...]
+
+    @property
+    def backend(self) -> AttentionBackend:
+        return self.groups[0].backend
+
+
+def layer_metadata(metadata: AttentionMetadata, layer_idx: int) -> AttentionMetadata:
+    """The metadata decoder layer ``layer_idx`` attends with: its group's for a
+    ``HybridMetadata``, else ``metadata`` itself (one table for every layer)."""
+    if isinstance(metadata, HybridMetadata):
+        return metadata.groups[metadata.layer_group[layer_idx]]
+    return metadata

@@ -16,7 +16,7 @@ reserved for it (never allocated; attention masks those keys out). A prefix-cach
 needs only the blocks inside the window of its first computed position: the longest prefix of
 n blocks whose blocks ``[dead(n), n)`` are all cached counts, the blocks before ``dead(n)``
 need not be (they become ``NULL_BLOCK`` entries). Hybrid models (some full-attention layers)
-keep every block (``ModelConfig.kv_free_window`` is None for them).
+use ``HybridKVCacheManager`` (kvflow/core/hybrid_kv_cache_manager.py: one table per group).
 """
 
 from __future__ import annotations
@@ -130,6 +130,15 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return cdiv(num_tokens, self.block_size)
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        """Pool blocks that ``num_tokens`` tokens take before any is freed (one table: as
+        ``num_blocks_for``; ``HybridKVCacheManager``: one per group and logical block)."""
+        return cdiv(num_tokens, self.block_size)
+
+    def num_hit_tokens(self, hits: list[int]) -> int:
+        """Tokens covered by a ``get_computed_blocks`` result."""
+        return len(hits) * self.block_size
 
     # ------------------------------------------------------------------ prefix caching
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:

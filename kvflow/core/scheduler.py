@@ -195,7 +195,7 @@ class Scheduler:
                     out.blocks_to_swap_in.extend(mapping)
             else:
                 hits = kv.get_computed_blocks(request)
-                num_cached = len(hits) * kv.block_size
+                num_cached = kv.num_hit_tokens(hits)
                 num_new = min(request.num_tokens - num_cached, budget)
                 admitted = kv.allocate_slots(request, num_new, hits)
                 if admitted:

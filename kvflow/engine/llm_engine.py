@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvflow.config import CacheConfig, EngineArgs, EngineConfig
+from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import NewRequestData, Scheduler, SchedulerOutput
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
@@ -163,14 +164,21 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats(self.proposer.k if self.proposer is not None else 0)
         self.tokenizer = tokenizer
         cache_config = config.cache
-        self.kv_cache_manager = KVCacheManager(
-            cache_config.num_blocks,
-            cache_config.block_size,
-            enable_prefix_caching=cache_config.enable_prefix_caching,
-            hash_extra=str(cache_config.dtype).encode(),
-            num_cpu_blocks=cache_config.num_cpu_blocks,
-            sliding_window=config.model.kv_free_window,  # frees blocks behind the window (all layers windowed)
-        )
+        if cache_config.kv_cache_groups is not None:  # sliding and full layers: a table per group
+            self.kv_cache_manager = HybridKVCacheManager(
+                cache_config.kv_cache_groups, cache_config.num_blocks, cache_config.block_size,
+                enable_prefix_caching=cache_config.enable_prefix_caching,
+                hash_extra=str(cache_config.dtype).encode(), num_cpu_blocks=cache_config.num_cpu_blocks,
+            )
+        else:
+            self.kv_cache_manager = KVCacheManager(
+                cache_config.num_blocks,
+                cache_config.block_size,
+                enable_prefix_caching=cache_config.enable_prefix_caching,
+                hash_extra=str(cache_config.dtype).encode(),
+                num_cpu_blocks=cache_config.num_cpu_blocks,
+                sliding_window=config.model.kv_free_window,  # frees blocks behind the window (all layers windowed)
+            )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.cache_engine = CacheEngine(model.kv_cache_spec, cache_config, device)  # this rank's shard of heads
         generator = torch.Generator(device=device)
@@ -183,7 +191,8 @@ class LLMEngine:
         # Decode CUDA graphs: on CUDA, with a backend that has graph-safe metadata, without
         # tensor parallelism (the workers run eagerly: their collectives would not match).
         if device.type == "cuda" and backend.supports_cuda_graphs and not config.kernels.enforce_eager \
-                and self.tp_workers is None and config.parallel.tensor_parallel_size == 1:
+                and self.tp_workers is None and config.parallel.tensor_parallel_size == 1 \
+                and cache_config.kv_cache_groups is None:  # (hybrid caches: eager, per-group metadata)
             from kvflow.worker.cuda_graph import DecodeGraphRunner, default_batch_sizes
 
             self.model_runner.graph_runner = DecodeGraphRunner(
@@ -287,7 +296,7 @@ class LLMEngine:
         max_len = self.scheduler_config.max_model_len
         if len(prompt_token_ids) > max_len:
             raise ValueError(f"prompt is {len(prompt_token_ids)} tokens, more than max_model_len={max_len}")
-        needed_blocks = self.kv_cache_manager.num_blocks_for(len(prompt_token_ids))
+        needed_blocks = self.kv_cache_manager.num_pages_for(len(prompt_token_ids))
         if needed_blocks > self.kv_cache_manager.num_total_blocks:
             raise ValueError(
                 f"prompt is {len(prompt_token_ids)} tokens and needs {needed_blocks} KV blocks, more than the whole "
@@ -748,7 +757,9 @@ class LLMEngine:
         (allocated slots not holding a token / allocated slots), prefix_cache_queries and
         prefix_cache_hits (tokens), num_cached_blocks, num_preemptions, num_running,
         num_waiting, num_window_freed_blocks (blocks returned to the pool behind a sliding
-        window as requests advanced, in all; 0 unless every layer is windowed); with
+        window as requests advanced, in all; 0 without a windowed layer, or with a hybrid
+        model under ``disable_hybrid_kv_cache_manager``), num_kv_cache_groups (1, or the
+        hybrid cache's groups; a block is then a page of ``group_size`` layers); with
         speculative decoding also the ``SpecDecodeStats`` counters.
         """
         kv = self.kv_cache_manager
@@ -761,6 +772,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_cached_blocks": kv.block_pool.num_cached_blocks,
             "num_window_freed_blocks": kv.num_window_freed_blocks,
+            "num_kv_cache_groups": getattr(kv, "num_groups", 1),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_swapped_out": self.scheduler.num_swapped_out,
             **self.spec_stats.as_dict(),

@@ -86,6 +86,7 @@ class KVSpec:
     cla_share_factor: int = 1
     model_type: str = "unknown"
     source: str = ""
+    sliding_windows: tuple[int | None, ...] | None = None
 
     @classmethod
     def from_config(cls, config: Any, source: str = "") -> "KVSpec":
@@ -124,7 +125,24 @@ class KVSpec:
             cla_share_factor=int(get("cla_share_factor") or 1),
             model_type=str(get("model_type") or "unknown"),
             source=source,
+            sliding_windows=_layer_windows(get, int(layers)),
         )
+
+
+def _layer_windows(get, layers: int) -> tuple[int | None, ...] | None:
+    """Per layer, its sliding window (``layer_types`` "sliding_attention" layers, or every
+    ``sliding_window_pattern``-th layer global as older Gemma 3 configs say), None: full; None
+    when the config has no window (as ``ModelConfig.sliding_windows`` reads it)."""
+    window = get("sliding_window")
+    if not window:
+        return None
+    types = get("layer_types")
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    pattern = get("sliding_window_pattern")
+    if pattern:
+        return tuple(None if (i + 1) % int(pattern) == 0 else window for i in range(layers))
+    return (window,) * layers
 
 
 # ---------------------------------------------------------------------------- formulas
@@ -275,6 +293,46 @@ def attention_variants(
     return out
 
 
+def hybrid_report(spec: KVShapeLike, dtype: torch.dtype, block_size: int, budget_bytes: int,
+                  max_model_len: int) -> dict[str, Any] | None:
+    """The window-aware (hybrid) KV cache of a model with sliding-window and full layers, as
+    the engine allocates it (``kvflow.config.hybrid_kv_cache_groups``; None for any other
+    model): its groups, the bytes of one page (a pool block: ``group_size`` layers),
+    ``pool_blocks`` (what the engine's pool holds in the budget), and per full-length request
+    the pages held while decoding at the end (steps of one token: every full group's blocks,
+    ``ceil((W + block_size - 1) / block_size)`` per sliding group), their bytes, and how many
+    such requests fit at once, next to keep-all (``disable_hybrid_kv_cache_manager``)."""
+    from kvflow.config import HYBRID_KV_MODEL_TYPES, groups_page_spec
+    from kvflow.core.kv_cache_groups import build_kv_cache_groups
+
+    windows = getattr(spec, "sliding_windows", None)
+    if getattr(spec, "model_type", None) not in HYBRID_KV_MODEL_TYPES or not windows or _cla_of(spec) > 1:
+        return None
+    groups = build_kv_cache_groups([w if w is not None and w < max_model_len else None for w in windows])
+    if groups is None:
+        return None
+    bytes_per_page = groups_page_spec(cache_spec(spec), groups).bytes_per_token(dtype) * block_size
+    blocks = blocks_for(max_model_len, block_size)
+    pages = sum(blocks if w is None else min(blocks, blocks_for(w + block_size - 1, block_size))
+                for w in groups.group_windows)
+    pool = budget_bytes // bytes_per_page
+    keep_all = blocks * cache_spec(spec).bytes_per_token(dtype) * block_size
+    return {
+        "group_size": groups.group_size,
+        "num_groups": groups.num_groups,
+        "num_sliding_groups": sum(w is not None for w in groups.group_windows),
+        "num_padding_positions": groups.num_padding_positions,
+        "windows": sorted({w for w in groups.group_windows if w is not None}),
+        "bytes_per_page": bytes_per_page,
+        "pool_blocks": pool,
+        "pages_per_full_length_request": pages,
+        "bytes_per_full_length_request": pages * bytes_per_page,
+        "bytes_per_full_length_request_keep_all": keep_all,
+        "full_length_requests": pool // pages,
+        "saving": 1 - pages * bytes_per_page / keep_all,
+    }
+
+
 def memory_report(
     spec: KVShapeLike,
     kv_cache_dtype: str | torch.dtype,
@@ -328,6 +386,7 @@ def memory_report(
         "bytes_per_full_length_request": blocks_per_request * block_size * bpt,
         "budget": asdict(fit),
         "variants": [{**asdict(v), "fit": asdict(v.fit)} for v in variants],
+        "hybrid": hybrid_report(spec, dtype, block_size, budget_bytes, max_len),
     }
 
 
@@ -387,6 +446,22 @@ def format_report(report: dict[str, Any]) -> str:
         if n == 0:
             lines.append("  " + "  ".join("-" * w for w in widths[:-1]))
     lines.append(f"  (blocks/tokens/full-len reqs: what the {human_bytes(budget['budget_bytes'])} budget holds under each variant)")
+    h = report.get("hybrid")
+    if h is not None:
+        lines += [
+            "",
+            f"Window-aware KV cache (sliding windows {h['windows']}; {h['num_groups']} groups of {h['group_size']} layers, "
+            f"{h['num_sliding_groups']} sliding"
+            + (f", {h['num_padding_positions']} padding positions" if h["num_padding_positions"] else "") + "):",
+            f"  a pool block is a page of {h['group_size']} layers: {h['bytes_per_page']:,} B; the budget holds "
+            f"{h['pool_blocks']:,} pages",
+            f"  per full-length ({max_len}-token) request while decoding: {h['pages_per_full_length_request']:,} pages = "
+            f"{h['bytes_per_full_length_request']:,} B ({human_bytes(h['bytes_per_full_length_request'])}) vs keep-all "
+            f"{h['bytes_per_full_length_request_keep_all']:,} B ({human_bytes(h['bytes_per_full_length_request_keep_all'])}),"
+            f" {h['saving']:.1%} less",
+            f"  full-length requests that fit at once: {h['full_length_requests']:,} (keep-all: "
+            f"{budget['full_length_requests']:,})",
+        ]
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.attention.backend import layer_metadata
 from kvflow.attention.kv_cache import KVCache
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
@@ -185,8 +186,8 @@ class Gemma3ForCausalLM(CausalLM):
         x = x * torch.tensor(self.config.hidden_size**0.5).to(x.dtype)  # float32, then rounded: transformers
         global_cs = self.rotary.cos_sin(positions, x.dtype)
         local_cs = self.rotary_local.cos_sin(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, local_cs if layer.is_sliding else global_cs, kv_cache, metadata)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):  # (a hybrid cache: its group's)
+            x = layer(x, local_cs if layer.is_sliding else global_cs, kv_cache, layer_metadata(metadata, i))
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

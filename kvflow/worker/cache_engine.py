@@ -16,10 +16,16 @@ class CacheEngine:
     dtype. Memory is allocated once, up front, for the whole block pool; requests take blocks
     from it on demand (``KVCacheManager``).
 
+    Hybrid cache (``cache_config.kv_cache_groups`` set, ``kvflow/core/kv_cache_groups.py``):
+    ``kv_caches`` holds one ``KVCache`` per layer *position* of a group (``group_size`` of
+    them; a block is a page of those slices) and layer l uses ``kv_caches[layer_position[l]]``
+    (``layer_kv_caches``) through its group's block table. Copies, swaps and ``num_bytes``
+    act on the pages, so they need no change.
+
     Args:
         spec: this rank's KV layer count, KV heads and head size (the model's
             ``kv_cache_spec``).
-        cache_config: block count, block size, dtype.
+        cache_config: block count, block size, dtype, groups.
         device: where the tensors live.
     """
 
@@ -34,12 +40,17 @@ class CacheEngine:
                 tensors += [torch.zeros(kv_shape[:-1], dtype=torch.float16, device=device, pin_memory=pin) for _ in range(2)]
             return tuple(tensors)
 
-        self.kv_caches: list[KVCache] = [layer(cache_config.num_blocks, device) for _ in range(spec.num_layers)]
+        self.groups = cache_config.kv_cache_groups
+        num_tensors = self.groups.group_size if self.groups is not None else spec.num_layers
+        self.kv_caches: list[KVCache] = [layer(cache_config.num_blocks, device) for _ in range(num_tensors)]
+        # what the model's forward takes: one cache per decoder (KV) layer
+        self.layer_kv_caches: list[KVCache] = self.kv_caches if self.groups is None else \
+            [self.kv_caches[p] for p in self.groups.layer_position]
         cpu = torch.device("cpu")
         pin = device.type == "cuda"
         self.cpu_kv_caches: list[KVCache] = [
             layer(cache_config.num_cpu_blocks, cpu, pin)
-            for _ in range(spec.num_layers if cache_config.num_cpu_blocks else 0)
+            for _ in range(num_tensors if cache_config.num_cpu_blocks else 0)
         ]
 
     @property

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvflow.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout
+from kvflow.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout, HybridMetadata
 from kvflow.attention.torch_backend import TORCH_BACKEND
 from kvflow.core.sched_output import NewRequestData, SchedulerOutput
 from kvflow.logprobs import Logprob
@@ -173,6 +173,9 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(sampler.generator)
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}  # the persistent batch state
+        # KV cache groups: 1, or a hybrid cache's (each request's block_ids interleave them)
+        groups = getattr(cache_engine, "groups", None)
+        self.num_kv_cache_groups = groups.num_groups if groups is not None else 1
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply a step's state changes: drop the finished and preempted requests, add the
@@ -208,7 +211,9 @@ class ModelRunner:
 
         Each request contributes tokens ``all_token_ids[num_computed : num_computed + n]`` at
         positions ``num_computed .. num_computed + n - 1``; a request samples only when its
-        chunk reaches ``num_tokens``.
+        chunk reaches ``num_tokens``. With a hybrid KV cache (G > 1 groups, ``block_ids``
+        interleaved: entry ``i * G + g`` is logical block i of group g) the metadata is a
+        ``HybridMetadata``: one backend metadata per group, over ``block_ids[g::G]``.
         """
         n_sched = out.num_scheduled_tokens
         scheduled = [self.requests[request_id] for request_id in n_sched]
@@ -227,6 +232,7 @@ class ModelRunner:
         prompt_logprob_rows: list[tuple[CachedRequestState, int, int]] = []
         spec_requests: list[tuple[CachedRequestState, list[int]]] = []
         spec_indices: list[int] = []
+        num_groups = self.num_kv_cache_groups
         pooling_rows: list[tuple[CachedRequestState, int, int]] = []
         q_lens: list[int] = []
         ctx_lens: list[int] = []
@@ -247,9 +253,13 @@ class ModelRunner:
                 input_ids.extend(r.all_token_ids[begin : begin + n - len(drafts)])
                 input_ids.extend(drafts)
                 pos = torch.arange(begin, begin + n, dtype=torch.int64)
-                table = torch.tensor(r.block_ids, dtype=torch.int64)
                 positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
+                if num_groups == 1:
+                    table = torch.tensor(r.block_ids, dtype=torch.int64)
+                    slots.append(table[pos // bs] * bs + pos % bs)
+                else:  # interleaved tables (kvflow/core/hybrid_kv_cache_manager.py)
+                    table = torch.tensor(r.block_ids, dtype=torch.int64).view(-1, num_groups)
+                    slots.append(table[pos // bs] * bs + (pos % bs).unsqueeze(1))  # [n, G]
                 if r.pooling_params is not None:  # an embedding: pooled, never sampled
                     pooling_rows.append((r, len(input_ids) - n, n))
                 elif drafts:
@@ -267,9 +277,18 @@ class ModelRunner:
             sampling_requests.append(self.requests[child_id])
         logits_indices.extend(spec_indices)
         dev = self.device
-        metadata = backend.build_metadata(
-            BatchLayout(torch.cat(slots).to(dev), q_lens, ctx_lens, tables, group_sizes, bs, dev)
-        )
+        if num_groups == 1:
+            metadata = backend.build_metadata(
+                BatchLayout(torch.cat(slots).to(dev), q_lens, ctx_lens, tables, group_sizes, bs, dev)
+            )
+        else:
+            group_slots = torch.cat(slots).to(dev)
+            metadata = HybridMetadata(
+                [backend.build_metadata(BatchLayout(group_slots[:, g].contiguous(), q_lens, ctx_lens,
+                                                    [t[g::num_groups] for t in tables], group_sizes, bs, dev))
+                 for g in range(num_groups)],
+                self.cache_engine.groups.layer_group,
+            )
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=torch.cat(positions).to(dev),
@@ -356,7 +375,7 @@ class ModelRunner:
         if self.graph_runner is not None and self.graph_runner.can_run(inputs):
             hidden = self.graph_runner.run(inputs)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.kv_caches, inputs.metadata)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.layer_kv_caches, inputs.metadata)
         result = ModelRunnerOutput()
         if inputs.pooling_rows and self.is_driver:
             self._pool(hidden, inputs.pooling_rows, result)

