@@ -26,7 +26,7 @@ means another job held a core and the numbers are not data).
 Engines (``--engines``):
 
 * ``kvflow``: ``kvflow serve`` with ``--dtype`` (default bfloat16) and the rest at defaults;
-* ``kvflow-int4``: the same with ``--quantization int4 --quantize-lm-head int8``;
+* ``kvflow-int4``: the same with ``--quantization int4 --lm-head-quantization int8``;
 * ``kvflow-default``: ``kvflow serve`` with no dtype or quantization flag (what a user gets);
 * ``vllm``: ``vllm serve`` of the vLLM CPU build (``--vllm`` is the command, e.g. a wrapper
   script that sets ``VLLM_CPU_OMP_THREADS_BIND`` and ``VLLM_CPU_KVCACHE_SPACE``; see
@@ -139,7 +139,7 @@ def server_command(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Pa
         cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--model", args.model, *dtype,
                "--num-threads", str(args.threads), "--served-model-name", "model", "--log-level", "warning", *host]  # fmt: skip
         if engine == "kvflow-int4":
-            cmd += ["--quantization", "int4", "--quantize-lm-head", "int8"]
+            cmd += ["--quantization", "int4", "--lm-head-quantization", "int8"]
         return cmd
     if engine == "vllm":
         return [*shlex.split(args.vllm), "serve", str(hf_dir), "--served-model-name", "model", "--dtype", args.dtype,

@@ -9,7 +9,8 @@ The event loop never waits on a model step, as in vLLM's engine-core client:
   and, in the server, tokenization and the chat template — runs on a worker thread
   (``run_off_loop``), so that a bad request is still refused (HTTP 400) before a byte of its
   response is sent.
-- Outputs come back to the loop with one ``loop.call_soon_threadsafe`` per step; the
+- Outputs come back to the loop with one ``loop.call_soon_threadsafe`` per step, or fewer
+  when the loop has not yet taken the previous steps' outputs (``_drain`` takes them all); the
   per-request streams, the queue count and the latency histograms are only touched on the
   loop. The thread publishes the engine's stats (the gauges) after scheduling each step and
   after it, so that they are right during a long step. It also takes the dashboard's
@@ -106,6 +107,10 @@ class AsyncLLMEngine:
         self._unstarted: set[str] = set()  # accepted, not scheduled yet: the max_queue_len count
         self._loops: set[asyncio.AbstractEventLoop] = set()
         self._num_submitted = 0  # add commands queued (written by the loop only)
+        # Step outputs on their way to each loop: the engine thread appends a batch and posts
+        # one ``_drain`` unless one is pending (``_drain_pending``), the loop drains them all.
+        self._outbox: dict[asyncio.AbstractEventLoop, deque] = {}
+        self._drain_pending: dict[asyncio.AbstractEventLoop, bool] = {}
         # Engine thread only (read elsewhere as whole values).
         self._request_loops: dict[str, asyncio.AbstractEventLoop] = {}
         self._num_applied = 0  # add commands applied
@@ -200,9 +205,26 @@ class AsyncLLMEngine:
         return iterator
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; when the consumer lags, only the newest of those queued.
+
+        Outputs are cumulative (each holds all the text and tokens so far), so a consumer
+        that fell behind the engine gets the newest one and skips those it would have
+        overwritten, as vLLM's ``RequestOutputCollector`` does: one SSE event then carries
+        several tokens instead of one event per token, and the event loop and the client do
+        the per-event work once. The final output and an error are always delivered (the
+        outputs before an error are coalesced up to it).
+        """
+        pending: RequestOutput | BaseException | None = None
         try:
             while True:
-                item = await stream.queue.get()
+                item = pending if pending is not None else await stream.queue.get()
+                pending = None
+                while not isinstance(item, BaseException) and not item.finished and not stream.queue.empty():
+                    newer = stream.queue.get_nowait()
+                    if isinstance(newer, BaseException):
+                        pending = newer
+                        break
+                    item = newer
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -367,4 +389,21 @@ class AsyncLLMEngine:
                 del self._request_loops[out.request_id]
             by_loop.setdefault(loop, []).append(out)
         for loop, outs in by_loop.items():
-            self._post(loop, self._dispatch, outs, now)
+            outbox = self._outbox.setdefault(loop, deque())
+            outbox.append((outs, now))
+            # A drain already posted and not started yet will take this batch too: no second
+            # wake-up of the loop (a self-pipe write and the GIL hand-off to the loop thread).
+            if not self._drain_pending.get(loop, False):
+                self._drain_pending[loop] = True
+                self._post(loop, self._drain, loop)
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On ``loop``: dispatch every step's outputs queued for it, oldest first (each batch
+        with its own step time, so the latency metrics are those of one call per step)."""
+        # Cleared before draining: a batch appended from here on is either seen by the loop
+        # below or posts a new drain (deque appends and pops are atomic).
+        self._drain_pending[loop] = False
+        outbox = self._outbox.get(loop)
+        while outbox:
+            outs, now = outbox.popleft()
+            self._dispatch(outs, now)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import serve_peers
+from kvflow.entrypoints.cli import build_parser
 
 
 def test_server_commands_use_the_same_threads_and_dtype() -> None:
@@ -18,7 +19,11 @@ def test_server_commands_use_the_same_threads_and_dtype() -> None:
     assert kv[kv.index("--dtype") + 1] == "bfloat16" and kv[kv.index("--num-threads") + 1] == "3"
     assert "--quantization" not in kv
     int4 = serve_peers.server_command("kvflow-int4", args, hf, gguf, 9000, 32)
-    assert int4[int4.index("--quantization") + 1] == "int4" and int4[int4.index("--quantize-lm-head") + 1] == "int8"
+    assert int4[int4.index("--quantization") + 1] == "int4" and int4[int4.index("--lm-head-quantization") + 1] == "int8"
+    for cmd in (kv, int4):  # kvflow's own CLI parser takes them (it exits 2 on an unknown flag or value)
+        parsed = build_parser().parse_args(cmd[cmd.index("serve"):])
+        assert parsed.num_threads == 3 and parsed.dtype == "bfloat16"
+    assert parsed.quantization == "int4" and parsed.quantize_lm_head == "int8"
     vllm = serve_peers.server_command("vllm", args, hf, gguf, 9000, 32)
     assert vllm[:4] == ["/opt/vllm.sh", "--x", "serve", "/m/hf"] and vllm[vllm.index("--dtype") + 1] == "bfloat16"
     llama = serve_peers.server_command("llama-server", args, hf, gguf, 9000, 32)

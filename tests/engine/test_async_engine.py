@@ -1,6 +1,7 @@
 """AsyncLLMEngine on a tiny random model: the event loop never waits on a model step, the
-queue bound is hard and all-or-nothing, one failed request fails alone, and a dead engine
-fails every open request and says so."""
+queue bound is hard and all-or-nothing, one failed request fails alone, a dead engine
+fails every open request and says so, and a consumer or loop that lags gets the outputs
+coalesced."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from conftest import tiny_engine
 from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
 from kvflow.model.llama import LlamaForCausalLM
+from kvflow.outputs import CompletionOutput, RequestFailure, RequestOutput
 from kvflow.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -205,3 +207,94 @@ def test_a_dead_engine_fails_every_open_request_and_refuses_new_ones(monkeypatch
 
     asyncio.run(main())
     assert len(deaths) == 1 and "unusable" in str(deaths[0])
+
+
+def _output(request_id: str, tokens: list[int], finished: bool = False) -> RequestOutput:
+    text = "".join(f"<{t}>" for t in tokens)
+    return RequestOutput(request_id, None, [1, 2], [CompletionOutput(0, text, list(tokens), "length" if finished else None)],
+                         finished, {"arrival_time": 0.0})  # fmt: skip
+
+
+def test_a_lagging_consumer_gets_the_newest_output_and_the_final_one():
+    """Outputs are cumulative: a consumer that fell behind skips the ones a newer output
+    overwrites (one SSE event for several tokens), and gets the same final text and tokens
+    as one that kept up."""
+
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny")
+        engine.start()
+        try:
+            prompt, params = [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            kept_up = await _drain(await engine.add_request("a", prompt, params))
+            assert kept_up[-1].finished and len(kept_up[-1].outputs[0].token_ids) == 6
+            lagging = await engine.add_request("b", prompt, params)
+            await _wait(lambda: "b" not in engine._streams)  # every output is queued, unread
+            outs = await _drain(lagging)
+            assert len(outs) == 1 and outs[0].finished
+            assert outs[0].outputs[0].token_ids == kept_up[-1].outputs[0].token_ids
+            assert outs[0].outputs[0].text == kept_up[-1].outputs[0].text
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_coalescing_stops_at_an_error_and_at_the_final_output():
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny")  # not started: the test feeds the stream
+        prepared = await engine.prepare([1, 2], GREEDY)
+        (it,) = engine.add_requests([("a", prepared, None)])
+        queue = engine._streams["a"].queue
+        failure = RequestFailedError(RequestFailure("injected", is_invalid_request=False))
+        for item in (_output("a", [5]), _output("a", [5, 6]), failure, _output("a", [5, 6, 7], finished=True)):
+            queue.put_nowait(item)
+        out = await anext(it)
+        assert out.outputs[0].token_ids == [5, 6]  # the newest before the error
+        with pytest.raises(RequestFailedError, match="injected"):
+            await anext(it)
+
+        prepared = await engine.prepare([3, 4], GREEDY)
+        (it,) = engine.add_requests([("b", prepared, None)])
+        queue = engine._streams["b"].queue
+        for item in (_output("b", [5]), _output("b", [5, 6], finished=True), _output("b", [5, 6, 7])):
+            queue.put_nowait(item)
+        assert [o.outputs[0].token_ids for o in await _drain(it)] == [[5, 6]]  # ends at the final one
+
+    asyncio.run(main())
+
+
+class _RecordingLoop:
+    """Stands for an event loop that is busy: records ``call_soon_threadsafe`` calls."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def call_soon_threadsafe(self, fn, *args):
+        self.calls.append((fn, args))
+
+    def run_pending(self) -> None:
+        calls, self.calls = self.calls, []
+        for fn, args in calls:
+            fn(*args)
+
+
+def test_steps_delivered_while_the_loop_lags_share_one_wakeup(monkeypatch):
+    """The engine thread posts one drain per loop until the loop runs it; the drain
+    dispatches every step's batch, oldest first, each with its own step time."""
+    engine = AsyncLLMEngine(tiny_engine(), "tiny")
+    loop = _RecordingLoop()
+    dispatched = []
+    monkeypatch.setattr(engine, "_dispatch", lambda outs, now: dispatched.append(([o.outputs[0].token_ids for o in outs], now)))
+    engine._request_loops = {"a": loop, "b": loop}
+    times = iter([10.0, 11.0, 12.0, 13.0])
+    monkeypatch.setattr(time, "monotonic", lambda: next(times))
+    engine._deliver([_output("a", [5]), _output("b", [7])])
+    engine._deliver([_output("a", [5, 6])])
+    engine._deliver([_output("b", [7, 8])])
+    assert len(loop.calls) == 1 and not dispatched  # one wake-up for three steps
+    loop.run_pending()
+    assert dispatched == [([[5], [7]], 10.0), ([[5, 6]], 11.0), ([[7, 8]], 12.0)]
+    engine._deliver([_output("a", [5, 6, 9], finished=True)])  # the drain ran: a new wake-up
+    assert len(loop.calls) == 1
+    loop.run_pending()
+    assert dispatched[-1] == ([[5, 6, 9]], 13.0) and "a" not in engine._request_loops
