@@ -42,9 +42,18 @@ def _load():
     return _EXTENSION.load()
 
 
-def cpu_kernel_available() -> bool:
-    """True when the kernel is built (building it now if needed) and usable."""
+def cpu_kernel_available(wait: bool = False) -> bool:
+    """True when the kernel is built (building it now if needed) and usable. While a
+    background build is under way it is False at once, or with ``wait`` after waiting for
+    the build and publishing it (call that only where no forward runs)."""
+    if wait:
+        _EXTENSION.publish(wait=True)
     return _load() is not None
+
+
+def cpu_kernel_pending() -> bool:
+    """True while the kernel is being built in the background (or built, not yet published)."""
+    return _EXTENSION.pending()
 
 
 def paged_decode_attention(

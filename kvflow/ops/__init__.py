@@ -38,7 +38,7 @@ compiler time, a cached load well under a second each: README, "How it works"):
 
 from __future__ import annotations
 
-from kvflow.ops.build import CppKernel
+from kvflow.ops.build import CppKernel, publish_background_builds, start_background_builds
 
 PAGED_ATTENTION = CppKernel("kvflow_cpu_paged_attention", "paged_attention.cpp", "KVFLOW_CPU_ATTENTION",
                             "CPU paged-attention kernel")
@@ -51,4 +51,4 @@ INVARIANT_LINEAR = CppKernel("kvflow_cpu_invariant_linear", "invariant_linear.cp
 KERNELS: tuple[CppKernel, ...] = (PAGED_ATTENTION, INT8_LINEAR, RMS_NORM, ROTARY, INVARIANT_LINEAR)
 """Every kernel of the package."""
 
-__all__ = ["CppKernel", "KERNELS", "PAGED_ATTENTION", "INT8_LINEAR", "RMS_NORM", "ROTARY", "INVARIANT_LINEAR"]
+__all__ = ["CppKernel", "KERNELS", "publish_background_builds", "start_background_builds", "PAGED_ATTENTION", "INT8_LINEAR", "RMS_NORM", "ROTARY", "INVARIANT_LINEAR"]
