@@ -19,6 +19,13 @@ build fails (no compiler, no ninja, a compile error), or the kernel's switch or
 ``KVFLOW_CPU_KERNELS`` is ``0`` (``kvflow.envs``), :meth:`CppKernel.load` returns None once
 and for all and callers keep their PyTorch path.
 
+Background builds (``start_background_builds``, what an engine on the CPU does at start
+unless ``KVFLOW_CPU_KERNEL_BUILD=wait``): the missing kernels compile one after the other in
+a child process (``python -m kvflow.ops --nice 10 <source>``) while ``load()`` returns None
+at once, so the callers' PyTorch paths serve; a finished build becomes what ``load()``
+returns only when the engine publishes it between two steps (``publish_background_builds``),
+so that a step never runs the kernel for some layers and the PyTorch path for others.
+
 Why at run time, not at install time or prebuilt per instruction set: see
 ``kvflow/ops/__init__.py``.
 """
