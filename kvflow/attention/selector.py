@@ -56,7 +56,7 @@ def select_attention_backend(
             interpreter, or over an fp8 cache below compute capability 8.9, or a requested
             backend without sliding-window attention for a model with windowed layers.
     """
-    from kvflow.layers.cpu_attention import cpu_kernel_available, cpu_kernel_pending
+    from kvflow.layers.cpu_attention import cpu_kernel_available, cpu_kernel_pending, wait_for_cpu_kernel
     from kvflow.layers.triton_attention import interpreter_enabled, triton_available
 
     check_attention_backend_name(requested)
@@ -71,11 +71,12 @@ def select_attention_backend(
             reason = "CUDA" if name == "triton" else "CUDA without a usable triton"
         elif cpu_kernel_pending() and not quantized:
             name, reason = "cpu", "CPU; its C++ kernel is building in the background, PyTorch's decode until then"
-        else:
-            name = "cpu" if cpu_kernel_available(wait=True) else "torch"
+        else:  # a quantized cache has no PyTorch path in this backend: wait for a build under way
+            wait_for_cpu_kernel()
+            name = "cpu" if cpu_kernel_available() else "torch"
             reason = "CPU" if name == "cpu" else "CPU, C++ kernels unavailable"
-    if name == "cpu" and requested == "cpu":
-        cpu_kernel_available(wait=True)  # the kernel was asked for: wait for a background build
+    if requested == "cpu" and not on_cuda:
+        wait_for_cpu_kernel()  # the kernel was asked for by name: wait for a build under way
     if name == "cpu":
         if on_cuda:
             raise ValueError("attention_backend='cpu' runs on the CPU only (device is CUDA)")

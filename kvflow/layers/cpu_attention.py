@@ -42,13 +42,16 @@ def _load():
     return _EXTENSION.load()
 
 
-def cpu_kernel_available(wait: bool = False) -> bool:
-    """True when the kernel is built (building it now if needed) and usable. While a
-    background build is under way it is False at once, or with ``wait`` after waiting for
-    the build and publishing it (call that only where no forward runs)."""
-    if wait:
-        _EXTENSION.publish(wait=True)
+def cpu_kernel_available() -> bool:
+    """True when the kernel is built (building it now if needed) and usable; False at once
+    while a background build is under way (``cpu_kernel_pending``)."""
     return _load() is not None
+
+
+def wait_for_cpu_kernel() -> None:
+    """Wait for a background build of the kernel, if one is under way, and publish it (call
+    it only where no forward runs: an engine's start)."""
+    _EXTENSION.publish(wait=True)
 
 
 def cpu_kernel_pending() -> bool:
