@@ -39,8 +39,8 @@ import platform
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -165,7 +165,7 @@ class CppKernel:
 
     def load(self) -> Any:
         """The compiled module, or None when it is disabled or could not be built, or while
-        a background build (:meth:`start_background_build`) is under way or done but not yet
+        a background build (:func:`start_background_builds`) is under way or done but not yet
         published (:func:`publish_background_builds`): None then, at once, never a wait."""
         if self._module is not None or self._failed or self._background is not None:
             return self._module
