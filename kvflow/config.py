@@ -9,6 +9,7 @@ the checkpoint), ``CacheConfig`` (paged KV cache) and ``SchedulerConfig`` (batch
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,8 @@ from kvflow.utils import parse_bytes
 
 if TYPE_CHECKING:
     from kvflow.core.kv_cache_groups import KVCacheGroups
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -64,7 +67,10 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """Map a dtype name ("auto", "float32", "bfloat16", "float16", ...) to a torch dtype.
 
-    "auto" is float32 on the CPU and bfloat16 on CUDA.
+    "auto" is bfloat16 on CUDA; on the CPU it is bfloat16 where oneDNN runs bfloat16
+    natively (AVX512-BF16 or AMX-BF16: ``kvflow.layers.linear.onednn_bf16_native``) and
+    float32 elsewhere (there bfloat16 is emulated and float32 is as fast or faster);
+    ``KVFLOW_CPU_AUTO_DTYPE`` fixes the CPU's choice. The CPU's choice is logged once.
 
     Raises:
         ValueError: for an unknown name.
@@ -72,10 +78,32 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else auto_cpu_dtype()
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+_auto_logged: set[torch.dtype] = set()
+
+
+def auto_cpu_dtype() -> torch.dtype:
+    """What ``dtype="auto"`` means on the CPU (see ``resolve_dtype``); logs the choice and
+    its reason at INFO, once per process and outcome."""
+    from kvflow.layers.linear import onednn_bf16_native
+
+    forced = envs.KVFLOW_CPU_AUTO_DTYPE
+    if forced is not None:
+        dtype, reason = _DTYPES[forced], f"KVFLOW_CPU_AUTO_DTYPE={forced}"
+    elif onednn_bf16_native():
+        dtype, reason = torch.bfloat16, "this CPU's oneDNN runs bfloat16 natively (AVX512-BF16 / AMX-BF16)"
+    else:
+        dtype, reason = torch.float32, "no native bfloat16 in this CPU's oneDNN (AVX512-BF16 / AMX-BF16)"
+    if dtype not in _auto_logged:
+        _auto_logged.add(dtype)
+        logger.info("dtype auto: %s on the CPU (%s; dtype='float32' is the exactness reference)",
+                    str(dtype).replace("torch.", ""), reason)
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -592,8 +620,9 @@ class EngineArgs:
         "a short name of a packaged model (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a .gguf file "
         "or a Hugging Face directory (see docs/models.md)")
     dtype: str = _option(
-        "auto", "weight and activation dtype: auto (float32 on the CPU, bfloat16 on CUDA), float32, bfloat16, "
-        "float16 (on the CPU bfloat16 is the fast configuration)", choices=("auto", *_DTYPES))
+        "auto", "weight and activation dtype: auto (bfloat16 on CUDA and on a CPU whose oneDNN runs bfloat16 "
+        "natively, AVX512-BF16 / AMX-BF16; float32 on other CPUs), float32 (the exactness reference), bfloat16, "
+        "float16", choices=("auto", *_DTYPES))
     device: str | None = _option(None, "cpu or cuda (default: cuda when available)")
     block_size: int = _option(16, "tokens per KV cache block")
     num_kv_blocks: int | None = _option(None, "number of KV blocks; overrides kv_cache_memory_bytes")

@@ -25,6 +25,14 @@ Switches and when they are read:
   ``KVFLOW_CPU_ROTARY`` (rotary embedding), ``KVFLOW_CPU_LINEAR`` (weight-only INT8),
   ``KVFLOW_CPU_INVARIANT_LINEAR`` (batch-invariant linears), read when the kernel is
   first asked for (and decided once per process).
+- ``KVFLOW_CPU_KERNEL_BUILD`` (str; default ``background``): how an engine on the CPU gets
+  kernels that are not built yet (``kvflow.ops.build``): ``background`` builds them in a
+  background thread while the PyTorch paths serve, and the engine switches to each kernel
+  between two steps once it is built; ``wait`` builds each one on its first use, before it
+  is needed (the first request waits for it, as before).
+- ``KVFLOW_CPU_AUTO_DTYPE`` (str; default unset: detect): what ``dtype="auto"`` means on the
+  CPU (``kvflow.config.resolve_dtype``): unset = bfloat16 where oneDNN runs bfloat16 natively
+  (AVX512-BF16 or AMX-BF16), float32 elsewhere; ``float32`` or ``bfloat16`` fixes it.
 - ``KVFLOW_COLLECTIVE_TIMEOUT_S`` (float, seconds; default unset: 600): how long a
   tensor-parallel collective may wait (``EngineArgs.collective_timeout_s`` wins over it).
 - ``KVFLOW_QUIET`` (bool; default off): ``1`` is the CLI's ``--quiet``.
@@ -94,6 +102,17 @@ def _positive_seconds(name: str) -> Callable[[str | None], float | None]:
     return parse
 
 
+def _choice(name: str, choices: tuple[str, ...], default: str | None) -> Callable[[str | None], str | None]:
+    def parse(text: str | None) -> str | None:
+        if not text:
+            return default
+        if text not in choices:
+            raise ValueError(f"{name} must be one of {list(choices)}, got {text!r}")
+        return text
+
+    return parse
+
+
 def _kernel_switch(name: str, kernel: str) -> Switch:
     return Switch(name, "bool", "1 (on)",
                   f"`0`: never build kvflow's C++ {kernel} kernel; its PyTorch path runs", _on_unless_zero)
@@ -114,6 +133,15 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     _kernel_switch("KVFLOW_CPU_ROTARY", "rotary-embedding"),
     _kernel_switch("KVFLOW_CPU_LINEAR", "weight-only INT8 linear"),
     _kernel_switch("KVFLOW_CPU_INVARIANT_LINEAR", "batch-invariant linear"),
+    Switch("KVFLOW_CPU_KERNEL_BUILD", "str", "`background`",
+           "`background`: an engine builds the C++ CPU kernels it lacks in a background thread while the "
+           "PyTorch paths serve, and switches to each between two steps once built; `wait`: each is built on "
+           "its first use (the first request waits)", _choice("KVFLOW_CPU_KERNEL_BUILD", ("background", "wait"),
+                                                             "background")),
+    Switch("KVFLOW_CPU_AUTO_DTYPE", "str", "unset (detect)",
+           "what `dtype=\"auto\"` means on the CPU: unset = bfloat16 where oneDNN runs it natively "
+           "(AVX512-BF16 or AMX-BF16), else float32; `float32` or `bfloat16` fixes it",
+           _choice("KVFLOW_CPU_AUTO_DTYPE", ("float32", "bfloat16"), None)),
     Switch("KVFLOW_COLLECTIVE_TIMEOUT_S", "float (seconds)", "unset (600)",
            "how long a tensor-parallel collective waits before failing "
            "(`EngineArgs.collective_timeout_s` / `--collective-timeout-s` wins)",
@@ -131,6 +159,8 @@ EXTERNAL: dict[str, Switch] = {s.name: s for s in (
     Switch("OMP_WAIT_POLICY", "str", "unset", "libgomp's wait policy; when set, kvflow keeps it", _text_or_none),
     Switch("GOMP_SPINCOUNT", "int", "unset", "libgomp's spin count; when set, kvflow keeps the wait policy",
            _text_or_none),
+    Switch("ONEDNN_MAX_CPU_ISA", "str", "unset (all)", "oneDNN's instruction-set cap; below AVX512_CORE_BF16 "
+           "it stops oneDNN's native bfloat16, and `dtype=\"auto\"` means float32 on the CPU", _text_or_none),
     Switch("RANK", "int", "unset", "set by torchrun: this process's tensor-parallel rank", _text_or_none),
     Switch("WORLD_SIZE", "int", "unset", "set by torchrun: the number of tensor-parallel processes",
            _text_or_none),

@@ -11,6 +11,10 @@ import torch
 # interpreter; it must be chosen before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Engines in the tests build a missing C++ kernel on its first use (before it serves), not in
+# the background: which path a step runs must not depend on how fast the compiler is (the
+# background switch has its own tests, tests/ops/test_build.py, tests/engine/test_llm_engine.py).
+os.environ.setdefault("KVFLOW_CPU_KERNEL_BUILD", "wait")
 
 import pytest
 import torch

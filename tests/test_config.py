@@ -73,3 +73,66 @@ def test_create_config_builds_the_whole_engine_config(tmp_path):
     assert config.load.model_dir == str(folder.resolve()) and config.speculative is None
     with pytest.raises(ValueError, match="max_model_len"):
         EngineArgs(model=str(folder), device="cpu", max_model_len=10**6).create_config()
+
+
+@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_on_the_cpu_follows_native_bfloat16(monkeypatch, caplog, native, expected):
+    """dtype "auto" on the CPU: bfloat16 where oneDNN runs it natively, float32 elsewhere;
+    logged once; CUDA keeps bfloat16; an explicit name is never overridden."""
+    import logging
+
+    import kvflow.config as config
+    import kvflow.layers.linear as linear
+
+    monkeypatch.delenv("KVFLOW_CPU_AUTO_DTYPE", raising=False)
+    monkeypatch.setattr(linear, "onednn_bf16_native", lambda: native)
+    monkeypatch.setattr(config, "_auto_logged", set())
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.INFO, logger="kvflow.config"):
+        assert config.resolve_dtype("auto", cpu) == expected
+        assert config.resolve_dtype("auto", cpu) == expected
+    assert caplog.text.count("dtype auto: ") == 1 and str(expected).replace("torch.", "") in caplog.text
+    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert config.resolve_dtype("float32", cpu) == torch.float32
+    assert config.resolve_dtype("bfloat16", cpu) == torch.bfloat16
+
+
+@pytest.mark.parametrize("forced, expected", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_kvflow_cpu_auto_dtype_fixes_the_choice(monkeypatch, forced, expected):
+    import kvflow.layers.linear as linear
+    from kvflow.config import resolve_dtype
+
+    monkeypatch.setenv("KVFLOW_CPU_AUTO_DTYPE", forced)
+    for native in (True, False):
+        monkeypatch.setattr(linear, "onednn_bf16_native", lambda native=native: native)
+        assert resolve_dtype("auto", torch.device("cpu")) == expected
+
+
+def test_kvflow_cpu_auto_dtype_refuses_other_values(monkeypatch):
+    from kvflow.config import resolve_dtype
+
+    monkeypatch.setenv("KVFLOW_CPU_AUTO_DTYPE", "float16")
+    with pytest.raises(ValueError, match="KVFLOW_CPU_AUTO_DTYPE must be one of"):
+        resolve_dtype("auto", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("packs, avx512_bf16, amx, cap, native", [
+    (True, True, False, None, True),                  # e.g. AMD Zen 4: AVX512-BF16
+    (True, False, True, None, True),                  # AMX tiles (Intel Sapphire Rapids)
+    (True, False, False, None, False),                # AVX-512 without BF16: emulated
+    (False, True, False, None, False),                # oneDNN does not pack bfloat16 at all
+    (True, True, False, "AVX2", False),               # the README's AVX2 pass
+    (True, True, False, "avx512_core", False),        # capped below AVX512_CORE_BF16
+    (True, True, False, "AVX512_CORE_BF16", True),
+])
+def test_onednn_bf16_native(monkeypatch, packs, avx512_bf16, amx, cap, native):
+    import kvflow.layers.linear as linear
+
+    monkeypatch.setattr(linear, "onednn_packs", lambda dtype: packs and dtype == torch.bfloat16)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    assert linear.onednn_bf16_native() is native

@@ -4,7 +4,9 @@
   from the paged cache through the block tables (no gather, no padding, so all decodes form
   one group); prefill chunks take the PyTorch path of ``torch_backend``. Sliding-window
   layers (the C++ decode kernel attends from position 0) take the PyTorch path with the
-  window's mask for their decodes too; full-attention layers keep the kernel.
+  window's mask for their decodes too; full-attention layers keep the kernel. While the
+  kernel is being built in the background (``KVFLOW_CPU_KERNEL_BUILD=background``) decodes
+  take the PyTorch path too, until the engine switches to the kernel between two steps.
 - ``CpuQuantizedAttentionBackend`` (an int8 / fp8 cache): every token, prefill ones too, is
   attended as a one-token decode over its own dequantized context
   (``paged_attention_quantized``): batch-invariant, so together with batch-invariant linears
@@ -19,7 +21,7 @@ import torch
 from kvflow.attention.backend import AttentionBackend, BatchLayout, FlatMetadata
 from kvflow.attention.kv_cache import KVCache, write_kv_cache
 from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata, grouped_attention, grouped_metadata
-from kvflow.layers.cpu_attention import paged_attention_quantized, paged_decode_attention
+from kvflow.layers.cpu_attention import cpu_kernel_available, paged_attention_quantized, paged_decode_attention
 
 
 def _decode_kernel(q: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, scale: float) -> torch.Tensor:
@@ -42,7 +44,10 @@ class CpuAttentionBackend(AttentionBackend):
     def attend(self, q, kv_cache, metadata, scale, sliding_window=None) -> torch.Tensor:
         if sliding_window is not None:  # the C++ kernel has no window: gather + SDPA with its mask
             return grouped_attention(q, kv_cache, metadata, scale, sliding_window=sliding_window)
-        return grouped_attention(q, kv_cache, metadata, scale, decode_kernel=_decode_kernel)
+        # While the kernel builds in the background (kvflow.ops.build.start_background_builds)
+        # decodes gather + SDPA; it is published between steps only, so a step never mixes.
+        kernel = _decode_kernel if cpu_kernel_available() else None
+        return grouped_attention(q, kv_cache, metadata, scale, decode_kernel=kernel)
 
 
 class CpuQuantizedAttentionBackend(AttentionBackend):

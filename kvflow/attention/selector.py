@@ -56,7 +56,7 @@ def select_attention_backend(
             interpreter, or over an fp8 cache below compute capability 8.9, or a requested
             backend without sliding-window attention for a model with windowed layers.
     """
-    from kvflow.layers.cpu_attention import cpu_kernel_available
+    from kvflow.layers.cpu_attention import cpu_kernel_available, cpu_kernel_pending, wait_for_cpu_kernel
     from kvflow.layers.triton_attention import interpreter_enabled, triton_available
 
     check_attention_backend_name(requested)
@@ -69,13 +69,18 @@ def select_attention_backend(
         if on_cuda:
             name = "triton" if triton_available() and not fp8_unsupported else "torch"
             reason = "CUDA" if name == "triton" else "CUDA without a usable triton"
-        else:
+        elif cpu_kernel_pending() and not quantized:
+            name, reason = "cpu", "CPU; its C++ kernel is building in the background, PyTorch's decode until then"
+        else:  # a quantized cache has no PyTorch path in this backend: wait for a build under way
+            wait_for_cpu_kernel()
             name = "cpu" if cpu_kernel_available() else "torch"
             reason = "CPU" if name == "cpu" else "CPU, C++ kernels unavailable"
+    if requested == "cpu" and not on_cuda:
+        wait_for_cpu_kernel()  # the kernel was asked for by name: wait for a build under way
     if name == "cpu":
         if on_cuda:
             raise ValueError("attention_backend='cpu' runs on the CPU only (device is CUDA)")
-        if not cpu_kernel_available():
+        if not cpu_kernel_available() and not cpu_kernel_pending():
             raise ValueError("attention_backend='cpu' needs kvflow's C++ kernel, which could not be built "
                              "(a C++ compiler and ninja are needed; see the log) or KVFLOW_CPU_ATTENTION=0")
     if name == "triton":

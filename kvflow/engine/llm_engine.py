@@ -26,6 +26,7 @@ from kvflow.logprobs import Logprob
 from kvflow.model.base import CausalLM
 from kvflow.model.loader import load_model
 from kvflow.model.resolve import load_generation_defaults, load_tokenizer
+from kvflow.ops import publish_background_builds
 from kvflow.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestFailure, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, RequestStatus, make_parallel_samples
@@ -36,7 +37,7 @@ from kvflow.spec_decode.metrics import SpecDecodeStats
 from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.model_runner import ModelRunner
-from kvflow.worker.worker import attention_backend_for, build_shard
+from kvflow.worker.worker import attention_backend_for, build_shard, start_cpu_kernel_builds
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,9 @@ class LLMEngine:
         self.model_config = config.model
         self.cache_config = config.cache
         self.scheduler_config = config.scheduler
+        # C++ CPU kernels not built yet build in the background while PyTorch's paths serve;
+        # step() switches to each between two steps (never inside one).
+        self.kernel_builds = start_cpu_kernel_builds(config)
         backend = attention_backend_for(config)
         self.tp_workers = None
         if model is None:
@@ -474,6 +478,9 @@ class LLMEngine:
             Exception: the engine cannot go on: a fault in the scheduler, in the KV block
                 copies, in a tensor-parallel forward, or in the probe (RuntimeError).
         """
+        if self.kernel_builds:  # between two steps: no forward of this engine is running
+            publish_background_builds(self.kernel_builds)
+            self.kernel_builds = [k for k in self.kernel_builds if k.pending()]
         sched_out = self.scheduler.schedule()
         if sched_out.is_empty:
             return []

@@ -419,8 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument(
         "--kv-cache-dtype", default="auto",
         choices=KV_CACHE_DTYPE_NAMES,
-        help="KV element type (auto: float32 on CPU, bfloat16 on CUDA, as the engine with its default --dtype; "
-        "an engine run with --dtype bfloat16 has a bfloat16 cache: pass --kv-cache-dtype bfloat16)",
+        help="KV element type (auto: the engine's default --dtype here: bfloat16 on CUDA and on a CPU with native "
+        "bfloat16, AVX512-BF16 / AMX-BF16, float32 on other CPUs; an engine run with another --dtype has a cache "
+        "of that dtype: pass it as --kv-cache-dtype)",
     )
     mem.add_argument("--budget", type=_byte_size("budget"), default="512MiB", metavar="BYTES",
                      help="KV cache budget: bytes or 512MiB, 8GiB, 2GB")

@@ -23,8 +23,9 @@ where ``kv_layers = ceil(num_hidden_layers / cla_factor)`` (``kvflow.config.kv_l
 int8 and fp8 caches take 1 byte per element plus one float16 scale per token, K/V head and
 K/V, **included** in every number here, as the engine allocates them (``scale_bytes_per_token``
 says how much of a token's bytes they are). KV cache dtype names are the engine's
-(``kvflow.config.resolve_kv_cache_dtype``; ``auto`` is the engine's default model dtype:
-float32 on the CPU, bfloat16 on CUDA).
+(``kvflow.config.resolve_kv_cache_dtype``; ``auto`` is the engine's default model dtype,
+``resolve_dtype("auto")``: bfloat16 on CUDA and on a CPU whose oneDNN runs bfloat16 natively,
+float32 on other CPUs).
 
 The functions are pure: they take a ``KVSpec`` or anything with the same attribute names
 (``kvflow.config.ModelConfig`` works as is). ``load_kv_spec`` reads those numbers from a
@@ -148,8 +149,9 @@ def _layer_windows(get, layers: int) -> tuple[int | None, ...] | None:
 # ---------------------------------------------------------------------------- formulas
 def kv_cache_dtype_for(name: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
     """The KV cache element dtype of ``name`` as the engine resolves ``kv_cache_dtype`` with its
-    default model dtype (``auto``: float32 on the CPU, bfloat16 on CUDA; ``device`` defaults
-    to the engine's: CUDA when available).
+    default model dtype (``auto``: ``resolve_dtype("auto", device)``, bfloat16 on CUDA and on a
+    CPU with native bfloat16, float32 on other CPUs; ``device`` defaults to the engine's: CUDA
+    when available).
 
     Raises:
         ValueError: for an unknown name.

@@ -43,8 +43,20 @@ def _load():
 
 
 def cpu_kernel_available() -> bool:
-    """True when the kernel is built (building it now if needed) and usable."""
+    """True when the kernel is built (building it now if needed) and usable; False at once
+    while a background build is under way (``cpu_kernel_pending``)."""
     return _load() is not None
+
+
+def wait_for_cpu_kernel() -> None:
+    """Wait for a background build of the kernel, if one is under way, and publish it (call
+    it only where no forward runs: an engine's start)."""
+    _EXTENSION.publish(wait=True)
+
+
+def cpu_kernel_pending() -> bool:
+    """True while the kernel is being built in the background (or built, not yet published)."""
+    return _EXTENSION.pending()
 
 
 def paged_decode_attention(

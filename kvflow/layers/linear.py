@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow import envs
 from kvflow.distributed.parallel_state import TensorParallel, even_partition, head_partition
 from kvflow.quantization.base import LinearMethodBase, keep_storage_dtypes
 
@@ -83,6 +84,30 @@ def onednn_packs(dtype: torch.dtype) -> bool:
         return False
     check = "_is_mkldnn_bf16_supported" if dtype == torch.bfloat16 else "_is_mkldnn_fp16_supported"
     return bool(getattr(torch.ops.mkldnn, check)())
+
+
+# oneDNN's instruction-set names (ONEDNN_MAX_CPU_ISA) below the first with native bfloat16
+# arithmetic (AVX512_CORE_BF16: vdpbf16ps; the AMX levels above it have tile bfloat16).
+_ONEDNN_ISAS_WITHOUT_NATIVE_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE",
+                                    "AVX512_CORE_VNNI")
+
+
+def onednn_bf16_native() -> bool:
+    """True when oneDNN runs bfloat16 matmuls natively on this CPU: it can pack bfloat16
+    (``onednn_packs``), the CPU has AVX512-BF16 or AMX tiles (PyTorch's cpuinfo checks,
+    ``torch.cpu._is_avx512_bf16_supported`` / ``_is_amx_tile_supported``), and
+    ``ONEDNN_MAX_CPU_ISA`` does not cap oneDNN below ``AVX512_CORE_BF16``. Elsewhere oneDNN
+    emulates bfloat16 with float32 arithmetic and conversions (AVX-512 without BF16), or
+    does not pack it at all. What ``dtype="auto"`` on the CPU keys on
+    (``kvflow.config.resolve_dtype``)."""
+    if not onednn_packs(torch.bfloat16):
+        return False
+    cap = (envs.read("ONEDNN_MAX_CPU_ISA") or "").upper()
+    if cap in _ONEDNN_ISAS_WITHOUT_NATIVE_BF16:
+        return False
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def warn_unpacked(dtype: torch.dtype) -> None:

@@ -1,4 +1,4 @@
-"""kvflow's C++ CPU kernels: one source file each in ``kvflow/ops/csrc``, built on first use.
+"""kvflow's C++ CPU kernels: one source file each in ``kvflow/ops/csrc``, built once per CPU.
 
 =====================  ==========================  ===============================  ============================
 kernel                 source                      switch (``kvflow.envs``)         Python side
@@ -22,7 +22,12 @@ compiler time, a cached load well under a second each: README, "How it works"):
 - **At run time** (this, as before): ``-march=native`` fits every CPU exactly (AVX-512 and
   AVX512-BF16 where present, AVX2 or a portable loop elsewhere, Arm too), the build matches
   the installed torch's C++ ABI whatever its version, and no compiler is needed to install
-  (without one kvflow runs PyTorch's operators). The cost is the first run's builds.
+  (without one kvflow runs PyTorch's operators). The cost is the first run's builds, which
+  nobody waits for since issue #17: an engine on the CPU starts the builds it lacks in the
+  background (``kvflow.ops.build.start_background_builds``: a niced child process, one
+  kernel at a time), serves on the PyTorch paths, and switches to each kernel between two
+  steps once it is built (``publish_background_builds``; ``KVFLOW_CPU_KERNEL_BUILD=wait``
+  restores build-on-first-use).
 - **At install time** (``setup.py`` + ``CppExtension``): the same builds, paid in ``pip
   install`` instead of the first run (no faster), but only with
   ``--no-build-isolation`` (an isolated build would compile against a freshly downloaded
@@ -38,7 +43,7 @@ compiler time, a cached load well under a second each: README, "How it works"):
 
 from __future__ import annotations
 
-from kvflow.ops.build import CppKernel
+from kvflow.ops.build import CppKernel, publish_background_builds, start_background_builds
 
 PAGED_ATTENTION = CppKernel("kvflow_cpu_paged_attention", "paged_attention.cpp", "KVFLOW_CPU_ATTENTION",
                             "CPU paged-attention kernel")
@@ -51,4 +56,4 @@ INVARIANT_LINEAR = CppKernel("kvflow_cpu_invariant_linear", "invariant_linear.cp
 KERNELS: tuple[CppKernel, ...] = (PAGED_ATTENTION, INT8_LINEAR, RMS_NORM, ROTARY, INVARIANT_LINEAR)
 """Every kernel of the package."""
 
-__all__ = ["CppKernel", "KERNELS", "PAGED_ATTENTION", "INT8_LINEAR", "RMS_NORM", "ROTARY", "INVARIANT_LINEAR"]
+__all__ = ["CppKernel", "KERNELS", "publish_background_builds", "start_background_builds", "PAGED_ATTENTION", "INT8_LINEAR", "RMS_NORM", "ROTARY", "INVARIANT_LINEAR"]

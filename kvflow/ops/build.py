@@ -19,6 +19,13 @@ build fails (no compiler, no ninja, a compile error), or the kernel's switch or
 ``KVFLOW_CPU_KERNELS`` is ``0`` (``kvflow.envs``), :meth:`CppKernel.load` returns None once
 and for all and callers keep their PyTorch path.
 
+Background builds (``start_background_builds``, what an engine on the CPU does at start
+unless ``KVFLOW_CPU_KERNEL_BUILD=wait``): the missing kernels compile one after the other in
+a child process (``python -m kvflow.ops --nice 10 <source>``) while ``load()`` returns None
+at once, so the callers' PyTorch paths serve; a finished build becomes what ``load()``
+returns only when the engine publishes it between two steps (``publish_background_builds``),
+so that a step never runs the kernel for some layers and the PyTorch path for others.
+
 Why at run time, not at install time or prebuilt per instruction set: see
 ``kvflow/ops/__init__.py``.
 """
@@ -30,7 +37,9 @@ import logging
 import os
 import platform
 import subprocess
+import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +133,8 @@ class CppKernel:
         self._lock = threading.Lock()
         self._module: Any = None
         self._failed = False
+        self._background: threading.Event | None = None
+        self._built: Any = None
 
     @property
     def source(self) -> str:
@@ -153,38 +164,113 @@ class CppKernel:
         return not envs.cpu_kernel_enabled(self.switch)
 
     def load(self) -> Any:
-        """The compiled module, or None when it is disabled or could not be built."""
-        if self._module is not None or self._failed:
+        """The compiled module, or None when it is disabled or could not be built, or while
+        a background build (:func:`start_background_builds`) is under way or done but not yet
+        published (:func:`publish_background_builds`): None then, at once, never a wait."""
+        if self._module is not None or self._failed or self._background is not None:
             return self._module
         with self._lock:
-            if self._module is not None or self._failed:
+            if self._module is not None or self._failed or self._background is not None:
                 return self._module
-            if self.disabled():
-                self._failed = True
-                return None
-            missing = missing_cpu_features(build_cflags())
-            if missing:
-                logger.warning("kvflow's %s is not built: KVFLOW_CPU_MARCH=%s needs %s, which this CPU lacks; "
-                               "using the PyTorch path", self.what, envs.KVFLOW_CPU_MARCH, ", ".join(missing))
-                self._failed = True
-                return None
-            try:
-                from torch.utils.cpp_extension import load
-
-                if not self.is_built():
-                    logger.info("building the C++ %s (once, ~20 s; cached afterwards)", self.what)
-                self._module = load(
-                    name=self.build_name(),
-                    sources=[str(self.source_path)],
-                    extra_cflags=build_cflags(),
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
-            except Exception as exc:  # no compiler, no ninja, a build error: keep the PyTorch path
-                logger.warning("kvflow's %s could not be built (%s: %.300s); using the PyTorch path",
-                               self.what, type(exc).__name__, str(exc))
-                self._failed = True
+            self._module = self._build()
+            self._failed = self._module is None
         return self._module
+
+    def _build(self) -> Any:
+        """Build (or load from the cache) the extension; None when disabled, refused for this
+        CPU or failed (logged)."""
+        if self.disabled():
+            return None
+        missing = missing_cpu_features(build_cflags())
+        if missing:
+            logger.warning("kvflow's %s is not built: KVFLOW_CPU_MARCH=%s needs %s, which this CPU lacks; "
+                           "using the PyTorch path", self.what, envs.KVFLOW_CPU_MARCH, ", ".join(missing))
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            if not self.is_built():
+                logger.info("building the C++ %s (once, ~20 s; cached afterwards)", self.what)
+            return load(
+                name=self.build_name(),
+                sources=[str(self.source_path)],
+                extra_cflags=build_cflags(),
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+        except Exception as exc:  # no compiler, no ninja, a build error: keep the PyTorch path
+            logger.warning("kvflow's %s could not be built (%s: %.300s); using the PyTorch path",
+                           self.what, type(exc).__name__, str(exc))
+            return None
+
+    def _claim_background(self) -> bool:
+        """Mark the kernel as built in the background when it is enabled, not loaded and not
+        in the extensions folder yet (a cached one is loaded now: well under a second)."""
+        with self._lock:
+            if self._background is not None:
+                return True
+            if self._module is not None or self._failed:
+                return False
+            if self.disabled() or self.is_built():
+                self._module = self._build()
+                self._failed = self._module is None
+                return False
+            self._background = threading.Event()
+        return True
+
+    def _build_in_background(self) -> None:
+        done = self._background
+        try:
+            self._compile_in_subprocess()
+            self._built = self._build()
+        finally:
+            if done is not None:
+                done.set()
+
+    def _compile_in_subprocess(self) -> None:
+        """Compile one of the package's kernels in a child process (``python -m kvflow.ops
+        --nice 10 <source>``, its own session, output discarded) and wait for it. The child
+        finishes the build even if this process exits first (a build thread killed at exit
+        would leave torch's build lock behind, and the next start would wait on it); the
+        in-process ``load`` that follows then finds the build cached (about a second)."""
+        if self.source_path.parent != CSRC:
+            return
+        try:
+            subprocess.run([sys.executable, "-m", "kvflow.ops", "--nice", "10", self.source_path.name],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           start_new_session=True, check=False)
+        except OSError:  # no child process: build in this one
+            pass
+
+    def pending(self) -> bool:
+        """Whether a background build of this kernel is under way or not yet published."""
+        return self._background is not None
+
+    def publish(self, wait: bool = False) -> bool:
+        """Make a finished background build what :meth:`load` returns (or, if it failed, make
+        ``load`` return None for good). Call it only where no forward is running (between two
+        steps), so that one step never mixes the kernel and the PyTorch path.
+
+        Args:
+            wait: wait for the build to finish first.
+
+        Returns:
+            True when this call made the kernel available.
+        """
+        done = self._background
+        if done is None:
+            return False
+        if wait:
+            done.wait()
+        elif not done.is_set():
+            return False
+        with self._lock:
+            self._module, self._built = self._built, None
+            self._failed = self._module is None
+            self._background = None
+        if self._module is not None:
+            logger.info("the C++ %s is built; switching to it from the next step", self.what)
+        return self._module is not None
 
     def require(self) -> Any:
         """The compiled module (building it if needed).
@@ -196,3 +282,40 @@ class CppKernel:
         if module is None:
             raise RuntimeError(f"kvflow's {self.what} is not available")
         return module
+
+
+def start_background_builds(kernels: Sequence[CppKernel]) -> list[CppKernel]:
+    """Build those of ``kernels`` that are enabled and not in the extensions folder one after
+    the other, from one daemon thread, in the order given (one compiler at a time, in a
+    child process at nice 10, so that serving keeps the cores); load the cached ones now. Until an engine publishes a
+    finished one between two steps (:func:`publish_background_builds`), its ``load()``
+    returns None and callers run their PyTorch paths.
+
+    Returns:
+        The kernels being built in the background (already under way ones included).
+    """
+    pending = [k for k in kernels if k._claim_background()]
+    fresh = [k for k in pending if not k._background.is_set() and k not in _QUEUED]  # type: ignore[union-attr]
+    if fresh:
+        _QUEUED.update(fresh)
+        logger.info("building kvflow's C++ %s in the background (about 20-60 s each); PyTorch's operators "
+                    "serve meanwhile", ", ".join(k.what for k in fresh))
+        threading.Thread(target=_build_all, args=(fresh,), daemon=True, name="kvflow-kernel-build").start()
+    return pending
+
+
+_QUEUED: set[CppKernel] = set()
+
+
+def _build_all(kernels: list[CppKernel]) -> None:
+    for kernel in kernels:
+        try:
+            kernel._build_in_background()
+        finally:
+            _QUEUED.discard(kernel)
+
+
+def publish_background_builds(kernels: Sequence[CppKernel]) -> list[CppKernel]:
+    """Publish the finished background builds of ``kernels`` (``CppKernel.publish``); call it
+    between two steps only. Returns the kernels that became available."""
+    return [k for k in kernels if k._background is not None and k.publish()]

@@ -94,3 +94,31 @@ def test_windowed_models_get_a_backend_with_the_window(monkeypatch, caplog):
     assert any("no sliding-window attention" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="attention_backend='cpu'.*sliding-window"):
         select_attention_backend("cpu", CPU, F32, torch.int8, sliding_window=True)
+
+
+def test_a_kernel_building_in_the_background(monkeypatch):
+    """While the C++ kernel builds in the background, "auto" over a float cache picks the cpu
+    backend at once (its decodes take the PyTorch path until the kernel is published); a
+    quantized cache, which has no PyTorch path there, or attention_backend="cpu" waits for
+    the build."""
+    import threading
+
+    import kvflow.layers.cpu_attention as ca
+    from kvflow.ops.build import CppKernel
+
+    monkeypatch.delenv("KVFLOW_CPU_KERNELS", raising=False)
+    monkeypatch.delenv("KVFLOW_CPU_ATTENTION", raising=False)
+    release = threading.Event()
+    fake = CppKernel("kvflow_test_fake_attention", ca._EXTENSION.source_path, "KVFLOW_CPU_ATTENTION", "fake")
+    monkeypatch.setattr(fake, "is_built", lambda: False)
+    monkeypatch.setattr(fake, "_compile_in_subprocess", lambda: None)
+    monkeypatch.setattr(fake, "_build", lambda: release.wait(30) and object())
+    monkeypatch.setattr(ca, "_EXTENSION", fake)
+    fake._claim_background()
+    threading.Thread(target=fake._build_in_background, daemon=True).start()
+    backend = select_attention_backend("auto", CPU, F32, F32)
+    assert type(backend).__name__ == "CpuAttentionBackend" and fake.pending() and not ca.cpu_kernel_available()
+    threading.Timer(0.2, release.set).start()
+    quantized = select_attention_backend("auto", CPU, F32, torch.int8)
+    assert type(quantized).__name__ == "CpuQuantizedAttentionBackend" and not fake.pending()
+    assert ca.cpu_kernel_available()

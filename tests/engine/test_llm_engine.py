@@ -791,3 +791,61 @@ def test_priority_policy_runs_the_lowest_priority_value_first_under_load():
 
     assert finish_order("priority", {"a": 5, "b": 0, "c": -1, "d": 0}) == ["c", "b", "d", "a"]
     assert finish_order("fcfs", {"a": 0, "b": 0, "c": 0, "d": 0}) == ["a", "b", "c", "d"]
+
+
+def test_a_kernel_built_in_the_background_is_switched_to_between_steps_only(monkeypatch):
+    """With ``KVFLOW_CPU_KERNEL_BUILD=background`` the engine starts the missing C++ kernels'
+    builds and serves on the PyTorch paths meanwhile. A build that finishes in the middle of
+    a step (here a fake RMSNorm kernel whose build is released from inside the forward) is
+    not used by the rest of that step; every RMSNorm of the next step runs it."""
+    import threading
+
+    import torch.nn.functional as F
+
+    import kvflow.layers.norm as norm
+    from kvflow import ops
+    from kvflow.ops.build import CppKernel
+
+    monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "background")
+    monkeypatch.delenv("KVFLOW_CPU_KERNELS", raising=False)
+    monkeypatch.delenv("KVFLOW_CPU_NORM", raising=False)
+    calls, release = [], threading.Event()
+
+    class FakeNormModule:
+        def rms_norm(self, x, w, eps):
+            calls.append(x.shape)
+            return F.rms_norm(x, w.shape, w, eps)
+
+    def slow_build():
+        assert release.wait(30)
+        return FakeNormModule()
+
+    fake = CppKernel("kvflow_test_fake_norm", ops.RMS_NORM.source_path, "KVFLOW_CPU_NORM", "fake RMSNorm kernel")
+    monkeypatch.setattr(fake, "is_built", lambda: False)
+    monkeypatch.setattr(fake, "_build", slow_build)
+    monkeypatch.setattr(fake, "_compile_in_subprocess", lambda: None)
+    monkeypatch.setattr(norm, "_EXTENSION", fake)
+    monkeypatch.setattr(ops, "RMS_NORM", fake)
+    for name in ("PAGED_ATTENTION", "ROTARY"):  # no real compiler runs in this test
+        off = CppKernel(f"kvflow_test_off_{name}", ops.RMS_NORM.source_path, "KVFLOW_CPU_NORM", name)
+        monkeypatch.setattr(off, "disabled", lambda: True)
+        monkeypatch.setattr(ops, name, off)
+
+    engine = tiny_engine()
+    assert engine.kernel_builds == [fake] and fake.pending()
+    model = engine.model_runner.model
+    norms = [m for m in model.modules() if isinstance(m, norm.RMSNorm)]
+
+    def finish_build_mid_step(module, args):
+        if not release.is_set():
+            release.set()
+            assert fake._background.wait(30)  # built now, in the middle of this forward
+
+    hook = norms[0].register_forward_pre_hook(finish_build_mid_step)
+    engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    engine.step()
+    assert release.is_set() and calls == []  # the whole first step ran PyTorch's RMSNorm
+    hook.remove()
+    engine.step()
+    assert len(calls) == len(norms)  # the next step ran the kernel for every norm
+    assert engine.kernel_builds == [] and not fake.pending()

@@ -249,9 +249,13 @@ def test_cli_json_budget_suffix(llama7b_dir, capsys):
     }
 
 
-def test_cli_auto_dtype_is_engine_default(llama7b_dir, capsys):
+@pytest.mark.parametrize("cpu_auto", ["float32", "bfloat16"])
+def test_cli_auto_dtype_is_engine_default(llama7b_dir, capsys, monkeypatch, cpu_auto):
+    """"auto" is the engine's default model dtype: on the CPU what ``dtype="auto"`` resolves to
+    (float32 or bfloat16 by the CPU; fixed here with KVFLOW_CPU_AUTO_DTYPE)."""
+    monkeypatch.setenv("KVFLOW_CPU_AUTO_DTYPE", cpu_auto)
     report = json.loads(_run_cli(capsys, "--model", str(llama7b_dir), "--json"))
-    expected = "bfloat16" if torch.cuda.is_available() else "float32"
+    expected = "bfloat16" if torch.cuda.is_available() else cpu_auto
     assert report["kv_cache_dtype"] == expected
 
 

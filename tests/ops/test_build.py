@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import platform
+import threading
 
 import pytest
 
@@ -193,3 +194,103 @@ def test_the_sources_are_package_data():
     for path in build.CSRC.glob("*.cpp"):
         rel = path.relative_to(build.CSRC.parents[1]).as_posix()  # ops/csrc/x.cpp
         assert any(fnmatch(rel, p) for p in patterns), rel
+
+
+class _GatedBuild:
+    """Stands in for ``CppKernel._build``: the background build blocks until ``release``."""
+
+    def __init__(self, result):
+        self.release, self.result, self.calls = threading.Event(), result, 0
+
+    def __call__(self):
+        self.calls += 1
+        assert self.release.wait(30)
+        return self.result
+
+
+def test_a_background_build_is_published_between_steps_only(monkeypatch, source):
+    """While a background build runs (a fake slow build here), ``load`` returns None at once
+    (the PyTorch paths serve); a finished build stays unseen until ``publish``."""
+    ext = CppKernel("kvflow_test_background", source, SWITCH, "test kernel")
+    monkeypatch.setattr(ext, "is_built", lambda: False)
+    fake = _GatedBuild(_FakeModule())
+    monkeypatch.setattr(ext, "_build", fake)
+    assert build.start_background_builds([ext]) == [ext]
+    assert ext.pending() and ext.load() is None and not ext.publish()
+    assert build.start_background_builds([ext]) == [ext]  # no second build
+    fake.release.set()
+    ext._background.wait(30)
+    assert ext.load() is None  # built, but not published yet
+    assert build.publish_background_builds([ext]) == [ext]
+    assert ext.load().twice(4) == 8 and not ext.pending() and fake.calls == 1
+
+
+def test_a_failed_background_build_keeps_the_pytorch_path(monkeypatch, source):
+    ext = CppKernel("kvflow_test_background_fail", source, SWITCH, "test kernel")
+    monkeypatch.setattr(ext, "is_built", lambda: False)
+    fake = _GatedBuild(None)
+    monkeypatch.setattr(ext, "_build", fake)
+    build.start_background_builds([ext])
+    fake.release.set()
+    assert not ext.publish(wait=True)
+    assert ext.load() is None and not ext.pending()
+    assert fake.calls == 1  # decided once: load() does not try again
+
+
+def test_a_cached_or_disabled_kernel_is_not_built_in_the_background(monkeypatch, source):
+    cached = CppKernel("kvflow_test_cached", source, SWITCH, "test kernel")
+    monkeypatch.setattr(cached, "is_built", lambda: True)
+    monkeypatch.setattr(cached, "_build", lambda: _FakeModule())
+    assert build.start_background_builds([cached]) == []
+    assert cached.load().twice(1) == 2  # loaded at once
+    monkeypatch.setenv(SWITCH, "0")
+    off = CppKernel("kvflow_test_off", source, SWITCH, "test kernel")
+    assert build.start_background_builds([off]) == [] and off.load() is None
+
+
+def test_background_builds_run_one_at_a_time_in_order(monkeypatch, source):
+    order, kernels = [], []
+    for name in ("first", "second"):
+        ext = CppKernel(f"kvflow_test_{name}", source, SWITCH, name)
+        monkeypatch.setattr(ext, "is_built", lambda: False)
+        fake = _GatedBuild(_FakeModule())
+        monkeypatch.setattr(ext, "_build", lambda fake=fake, name=name: order.append(name) or fake())
+        kernels.append((ext, fake))
+    build.start_background_builds([k for k, _ in kernels])
+    (first, first_fake), (second, second_fake) = kernels
+    for _ in range(100):
+        if order:
+            break
+        threading.Event().wait(0.05)
+    assert order == ["first"]  # the second waits for the first
+    first_fake.release.set()
+    second_fake.release.set()
+    assert second.publish(wait=True) and first.publish(wait=True)
+    assert order == ["first", "second"]
+
+
+def test_a_package_kernel_is_compiled_in_a_child_process(monkeypatch):
+    """A background build of one of the package's kernels compiles in ``python -m kvflow.ops
+    --nice 10 <source>`` (so that an engine exiting mid-build leaves no stale build lock),
+    then loads the cached build in this process."""
+    ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
+    monkeypatch.setattr(ext, "is_built", lambda: False)
+    runs = []
+    monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
+    monkeypatch.setattr(ext, "_build", lambda: _FakeModule())
+    build.start_background_builds([ext])
+    assert ext.publish(wait=True) and ext.load().twice(2) == 4
+    (cmd, kw), = runs
+    assert cmd[1:] == ["-m", "kvflow.ops", "--nice", "10", "rms_norm.cpp"] and kw["start_new_session"]
+
+
+def test_ops_main_builds_the_named_kernels_only(monkeypatch, capsys):
+    from kvflow.ops.__main__ import main
+
+    loaded = []
+    for kernel in ops.KERNELS:
+        monkeypatch.setattr(kernel, "load", lambda kernel=kernel: loaded.append(kernel) or _FakeModule())
+    assert main(["rotary.cpp"]) == 0
+    assert loaded == [ops.ROTARY] and "rotary.cpp" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["nope.cpp"])

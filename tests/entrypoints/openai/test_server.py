@@ -55,6 +55,9 @@ class Server:
             sys.executable, "-m", "kvflow.entrypoints.cli", "serve",
             "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(self.port),
             "--num-threads", "1", "--num-kv-blocks", "256", "--log-level", "warning",
+            # float32, whatever dtype "auto" picks on this CPU: the tests compare exact outputs
+            # (with and without speculation, streamed and not)
+            "--dtype", "float32",
             *extra_args,
         ]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
