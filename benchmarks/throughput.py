@@ -496,16 +496,29 @@ class _Timer:
         self.active = False
 
     def wrap(self, label: str, fn: Any) -> Any:
-        def timed(*a: Any, **kw: Any) -> Any:
-            if not self.active:
-                return fn(*a, **kw)
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - t
+        """``fn`` timed under ``label``; other attributes of ``fn`` (e.g. the sampler's
+        ``generator``) read through."""
+        return _Timed(self, label, fn)
 
-        return timed
+
+class _Timed:
+    """A callable that adds its wall time to a ``_Timer`` and forwards attribute reads."""
+
+    def __init__(self, timer: _Timer, label: str, fn: Any) -> None:
+        self._timer, self._label, self._fn = timer, label, fn
+
+    def __call__(self, *a: Any, **kw: Any) -> Any:
+        if not self._timer.active:
+            return self._fn(*a, **kw)
+        t = time.perf_counter()
+        try:
+            return self._fn(*a, **kw)
+        finally:
+            seconds = self._timer.seconds
+            seconds[self._label] = seconds.get(self._label, 0.0) + time.perf_counter() - t
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fn, name)
 
 
 def profile_kvflow(llm: Any, requests: list[BenchRequest], batch: int, steps: int) -> dict[str, Any]:
