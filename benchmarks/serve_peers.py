@@ -181,41 +181,43 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def _tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process and its live children (psutil), 0 if gone."""
+def _tree(pid: int) -> list:
+    """psutil processes of ``pid`` and its live children ([] if it is gone)."""
     import psutil
 
     try:
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        return [root, *root.children(recursive=True)]
     except psutil.Error:
-        return 0.0
+        return []
+
+
+def _tree_sum(pid: int, read) -> float:
+    """Sum of ``read(process)`` over ``pid``'s tree, skipping processes that vanish meanwhile."""
+    import psutil
+
     total = 0.0
-    for p in procs:
+    for p in _tree(pid):
         try:
-            t = p.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
+            total += read(p)
         except psutil.Error:
             pass
     return total
 
 
+def _tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its live children (psutil), 0 if gone."""
+
+    def cpu(p) -> float:
+        t = p.cpu_times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    return _tree_sum(pid, cpu)
+
+
 def _tree_rss_mib(pid: int) -> float:
     """Resident memory of a process and its live children, summed (MiB; psutil), 0 if gone."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total / 2**20
+    return _tree_sum(pid, lambda p: p.memory_info().rss) / 2**20
 
 
 class BackgroundLoad:
