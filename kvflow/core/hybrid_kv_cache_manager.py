@@ -121,21 +121,14 @@ class HybridKVCacheManager(KVCacheManager):
         keep = self._layout(best, best * self.block_size)
         return [found[k % G][k // G] if keep[k] else NULL_BLOCK for k in range(best * G)]
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Publish each group's blocks that are full of computed tokens (freed ones skipped)."""
-        if not self.enable_prefix_caching:
-            return
-        num_full = request.num_computed_tokens // self.block_size
-        if num_full <= request.num_published_blocks:
-            return
-        hashes = self._block_hashes(request, num_full)
+    def _publish_block(self, request: Request, i: int, block_hash: bytes) -> None:
+        """Publish logical block ``i``'s page of each group under the block's hash plus the
+        group's key (``KVCacheManager.cache_full_blocks`` calls it; freed pages skipped)."""
         G = self.num_groups
-        for i in range(request.num_published_blocks, num_full):
-            for g in range(G):
-                block_id = request.block_ids[i * G + g]
-                if block_id != NULL_BLOCK:
-                    self.block_pool.publish(block_id, hashes[i] + self._group_keys[g])
-        request.num_published_blocks = num_full
+        for g in range(G):
+            block_id = request.block_ids[i * G + g]
+            if block_id != NULL_BLOCK:
+                self.block_pool.publish(block_id, block_hash + self._group_keys[g])
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None) -> bool:

@@ -192,9 +192,14 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request, num_full)
         for i in range(request.num_published_blocks, num_full):
-            if not (self._reserved and request.block_ids[i] == NULL_BLOCK):  # (freed behind the window)
-                self.block_pool.publish(request.block_ids[i], hashes[i])
+            self._publish_block(request, i, hashes[i])
         request.num_published_blocks = num_full
+
+    def _publish_block(self, request: Request, i: int, block_hash: bytes) -> None:
+        """Publish the request's logical block ``i`` under ``block_hash`` (one held by the
+        window's freeing is skipped); the hybrid manager publishes every group's page."""
+        if not (self._reserved and request.block_ids[i] == NULL_BLOCK):  # (freed behind the window)
+            self.block_pool.publish(request.block_ids[i], block_hash)
 
     # ------------------------------------------------------------------ allocation
     def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None) -> bool:
