@@ -158,7 +158,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # GOMP_SPINCOUNT=300000 is libgomp's own default spin count (OMP_WAIT_POLICY unset), so the
 # "gomp-default" variant is what torch does when nothing sets the policy.
 CONTENTION_VARIANTS: dict[str, dict[str, Any]] = {
-    "kvflow-default": {"env": {}, "threads": None, "what": "whatever kvflow picks with nothing set"},
+    "kvflow-default": {"env": {}, "threads": None,
+                       "what": "whatever kvflow picks with nothing set (short spin + thread governor)"},
+    "governor-off": {"env": {"KVFLOW_CPU_ADAPTIVE_THREADS": "0"}, "threads": None,
+                     "what": "kvflow without its thread governor (sleeping workers, all cores)"},
     "gomp-default": {"env": {"GOMP_SPINCOUNT": "300000"}, "threads": None,
                      "what": "libgomp's default spin-then-sleep, all cores"},
     "active": {"env": {"OMP_WAIT_POLICY": "ACTIVE"}, "threads": None, "what": "OpenMP threads spin, all cores"},
@@ -170,9 +173,13 @@ CONTENTION_VARIANTS: dict[str, dict[str, Any]] = {
     "threads-1": {"env": {"GOMP_SPINCOUNT": "300000"}, "threads": 1, "what": "one thread, libgomp's default spin"},
     "passive-threads-1": {"env": {"OMP_WAIT_POLICY": "PASSIVE"}, "threads": 1, "what": "one thread, sleeping"},
 }
+# Every variant but the first two fixes its thread count (no governor).
+for _name, _spec in CONTENTION_VARIANTS.items():
+    if _name not in ("kvflow-default", "governor-off"):
+        _spec["env"] = {"KVFLOW_CPU_ADAPTIVE_THREADS": "0", **_spec["env"]}
 # Variables of the parent that would leak into a variant's child.
 _THREAD_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES",
-               "GOMP_CPU_AFFINITY")
+               "GOMP_CPU_AFFINITY", "KVFLOW_CPU_ADAPTIVE_THREADS")
 
 
 def _start_load(n: int, cpus: set[int] | None) -> list[Any]:

@@ -33,13 +33,19 @@ Switches and when they are read:
 - ``KVFLOW_CPU_AUTO_DTYPE`` (str; default unset: detect): what ``dtype="auto"`` means on the
   CPU (``kvflow.config.resolve_dtype``): unset = bfloat16 where oneDNN runs bfloat16 natively
   (AVX512-BF16 or AMX-BF16), float32 elsewhere; ``float32`` or ``bfloat16`` fixes it.
+- ``KVFLOW_CPU_ADAPTIVE_THREADS`` (bool; default on): an engine on the CPU fits its intra-op
+  thread count to the cores other processes leave free, between steps
+  (``kvflow.cpu_threads.ThreadGovernor``), and ``import kvflow`` sets a short OpenMP spin
+  (``GOMP_SPINCOUNT=10000``); ``0`` keeps the configured count and sets
+  ``OMP_WAIT_POLICY=PASSIVE`` instead. Read when kvflow is imported and when an engine is made.
 - ``KVFLOW_COLLECTIVE_TIMEOUT_S`` (float, seconds; default unset: 600): how long a
   tensor-parallel collective may wait (``EngineArgs.collective_timeout_s`` wins over it).
 - ``KVFLOW_QUIET`` (bool; default off): ``1`` is the CLI's ``--quiet``.
 - ``KVFLOW_TRACEBACK`` (bool; default off): ``1`` makes the CLI show the traceback of an
   error instead of its one-line message.
 - ``KVFLOW_OMP_DEFAULTS`` (bool; default on): ``0`` keeps ``import kvflow`` from setting
-  ``OMP_WAIT_POLICY=PASSIVE`` (``kvflow.cpu_threads``).
+  OpenMP's wait policy (``GOMP_SPINCOUNT=10000``, or ``OMP_WAIT_POLICY=PASSIVE`` with
+  ``KVFLOW_CPU_ADAPTIVE_THREADS=0``; ``kvflow.cpu_threads``).
 
 Booleans keep the meaning they have always had: a switch that is on by default is turned
 off by ``0`` only, one that is off by default is turned on by ``1`` only.
@@ -142,6 +148,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "what `dtype=\"auto\"` means on the CPU: unset = bfloat16 where oneDNN runs it natively "
            "(AVX512-BF16 or AMX-BF16), else float32; `float32` or `bfloat16` fixes it",
            _choice("KVFLOW_CPU_AUTO_DTYPE", ("float32", "bfloat16"), None)),
+    Switch("KVFLOW_CPU_ADAPTIVE_THREADS", "bool", "1 (on)",
+           "an engine on the CPU lowers its thread count while other processes take its cores (and raises it "
+           "again when they are free), and `import kvflow` sets `GOMP_SPINCOUNT=10000`; `0`: the configured "
+           "thread count always, and `OMP_WAIT_POLICY=PASSIVE`", _on_unless_zero),
     Switch("KVFLOW_COLLECTIVE_TIMEOUT_S", "float (seconds)", "unset (600)",
            "how long a tensor-parallel collective waits before failing "
            "(`EngineArgs.collective_timeout_s` / `--collective-timeout-s` wins)",
@@ -151,8 +161,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("KVFLOW_TRACEBACK", "bool", "0 (off)",
            "`1`: the CLI prints an error's traceback instead of its one-line message", _off_unless_one),
     Switch("KVFLOW_OMP_DEFAULTS", "bool", "1 (on)",
-           "`0`: `import kvflow` leaves OpenMP's wait policy alone (else it sets `OMP_WAIT_POLICY=PASSIVE` "
-           "when neither `OMP_WAIT_POLICY` nor `GOMP_SPINCOUNT` is set)", _on_unless_zero),
+           "`0`: `import kvflow` leaves OpenMP's wait policy alone (else it sets `GOMP_SPINCOUNT=10000`, or "
+           "`OMP_WAIT_POLICY=PASSIVE` with `KVFLOW_CPU_ADAPTIVE_THREADS=0`, when neither `OMP_WAIT_POLICY` "
+           "nor `GOMP_SPINCOUNT` is set)", _on_unless_zero),
 )}
 
 EXTERNAL: dict[str, Switch] = {s.name: s for s in (

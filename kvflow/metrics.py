@@ -39,6 +39,9 @@ class EngineMetrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
         self.kv_window_freed_blocks = counter(
             "kv_window_freed_blocks", "KV blocks (pages of a hybrid cache) returned to the pool behind a sliding window.")
+        self.cpu_threads = gauge("cpu_threads", "CPU intra-op threads the engine runs now (its thread governor's choice).")
+        self.cpu_other_load = gauge(
+            "cpu_other_load", "CPU cores other processes took on the engine's CPUs, last measurement (thread governor).")
         self.request_success = counter("request_success", "Requests finished (any finish reason).")
         self.request_failure = counter("request_failure", "Requests the engine failed alone (an error inside the engine).")
         self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).")
@@ -55,6 +58,9 @@ class EngineMetrics:
         self.num_requests_running.set(stats["num_running"])
         self.num_requests_waiting.set(stats["num_waiting"])
         self.kv_cache_usage_perc.set(stats["kv_cache_usage"])
+        if "num_cpu_threads" in stats:
+            self.cpu_threads.set(stats["num_cpu_threads"])
+            self.cpu_other_load.set(stats["cpu_other_load"])
         for key, counter in (
             ("num_preemptions", self.num_preemptions),
             ("prefix_cache_queries", self.prefix_cache_queries),

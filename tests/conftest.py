@@ -15,6 +15,10 @@ if not torch.cuda.is_available():
 # the background: which path a step runs must not depend on how fast the compiler is (the
 # background switch has its own tests, tests/ops/test_build.py, tests/engine/test_llm_engine.py).
 os.environ.setdefault("KVFLOW_CPU_KERNEL_BUILD", "wait")
+# Engines keep the thread count they were given: the tests compare runs token for token, and
+# the machine's other load must not change how a step runs (the thread governor has its own
+# tests, tests/test_cpu_threads.py, tests/engine/test_llm_engine.py).
+os.environ.setdefault("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
 
 import pytest
 import torch

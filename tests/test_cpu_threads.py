@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _spincount(code: str, **env: str) -> str:
     """GOMP_SPINCOUNT as libgomp itself reports it (OMP_DISPLAY_ENV=VERBOSE, printed when it
     loads) in a fresh interpreter running ``code``."""
-    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KVFLOW_OMP_DEFAULTS")}
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KVFLOW_OMP_DEFAULTS",
+                                                             "KVFLOW_CPU_ADAPTIVE_THREADS")}
     environ.update(env, OMP_DISPLAY_ENV="VERBOSE", PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", code], env=environ, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -26,18 +27,21 @@ def _spincount(code: str, **env: str) -> str:
     return lines[0]
 
 
-def test_import_kvflow_makes_libgomp_threads_sleep():
-    """`import kvflow` first: libgomp loads with OMP_WAIT_POLICY=PASSIVE (spin count 0)
-    instead of its default of spinning 300000 rounds (a policy the user set is kept: next
-    test)."""
-    assert _spincount("import kvflow") == "0"
+def test_import_kvflow_sets_a_short_spin_for_the_thread_governor():
+    """`import kvflow` first: libgomp loads spinning 10000 rounds (the governor lowers the
+    thread count when other processes need the cores); with the governor off, workers sleep
+    (spin count 0); with kvflow's defaults off, libgomp's own 300000."""
+    assert _spincount("import kvflow") == "10000"
+    assert _spincount("import kvflow", KVFLOW_CPU_ADAPTIVE_THREADS="0") == "0"
     assert _spincount("import kvflow", KVFLOW_OMP_DEFAULTS="0") == "300000"
 
 
 def test_defaults_respect_the_user_and_the_import_order(monkeypatch):
     env: dict[str, str] = {}
     monkeypatch.delitem(sys.modules, "torch")  # as before torch is imported
-    assert cpu_threads.set_openmp_defaults(env) and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert cpu_threads.set_openmp_defaults(env) and env == {"GOMP_SPINCOUNT": "10000"}
+    env = {"KVFLOW_CPU_ADAPTIVE_THREADS": "0"}
+    assert cpu_threads.set_openmp_defaults(env) and env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
     for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1"}, {"KVFLOW_OMP_DEFAULTS": "0"}):
         env = dict(chosen)
         assert not cpu_threads.set_openmp_defaults(env) and env == chosen
@@ -46,11 +50,14 @@ def test_defaults_respect_the_user_and_the_import_order(monkeypatch):
     assert "torch" in sys.modules and not cpu_threads.set_openmp_defaults(env) and env == {}  # too late
 
 
-@pytest.mark.parametrize("load, warned", [(5.0, True), (0.2, False)])
-def test_a_busy_machine_with_spinning_threads_gets_a_hint(monkeypatch, caplog, load, warned):
+@pytest.mark.parametrize("load, adaptive, warned", [(5.0, "0", True), (0.2, "0", False), (5.0, "1", False)])
+def test_a_busy_machine_with_spinning_threads_gets_a_hint(monkeypatch, caplog, load, adaptive, warned):
+    """The hint is for a busy machine with libgomp's spinning and no governor (the governor
+    lowers the thread count itself)."""
     monkeypatch.setattr(cpu_threads, "_state", {"applied": False, "too_late": True, "warned": False})
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", adaptive)
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     with caplog.at_level(logging.WARNING, logger="kvflow.cpu_threads"):
@@ -58,3 +65,164 @@ def test_a_busy_machine_with_spinning_threads_gets_a_hint(monkeypatch, caplog, l
         cpu_threads.check_wait_policy()
     hints = [r for r in caplog.records if "OMP_WAIT_POLICY=PASSIVE" in r.getMessage()]
     assert len(hints) == (1 if warned else 0)
+
+
+# ---------------------------------------------------------------------------- the governor
+def test_read_cpu_times_counts_the_chosen_cpus_busy_columns(tmp_path):
+    """user + system + irq + softirq + steal of the CPUs asked for; nice only on request;
+    the aggregate "cpu " line and idle / iowait never."""
+    hz = os.sysconf("SC_CLK_TCK")
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  9999 9999 9999 9999 9999 9999 9999 9999 0 0\n"
+        "cpu0 100 7 20 5000 50 1 2 3 0 0\n"
+        "cpu1 200 11 40 5000 50 4 5 6 0 0\n"
+        "cpu2 1000 0 0 0 0 0 0 0 0 0\n"
+        "intr 12345\n")
+    assert cpu_threads.read_cpu_times({0, 1}, path=str(stat)) == pytest.approx((126 + 255) / hz)
+    assert cpu_threads.read_cpu_times({1}, nice_is_busy=True, path=str(stat)) == pytest.approx(266 / hz)
+    assert cpu_threads.read_cpu_times(None, path=str(stat)) == pytest.approx((126 + 255 + 1000) / hz)
+    assert cpu_threads.read_cpu_times({0}, path=str(tmp_path / "missing")) is None
+
+
+class FakeMachine:
+    """A clock, the busy CPU seconds of the governor's CPUs and this process's CPU seconds:
+    ``run(seconds, others=cores, own=cores)`` advances them."""
+
+    def __init__(self):
+        self.now = self.busy = self.own = 0.0
+
+    def run(self, seconds, others=0.0, own=0.0):
+        self.now += seconds
+        self.busy += (others + own) * seconds
+        self.own += own * seconds
+
+    def governor(self, max_threads=2, cpus=(0, 1), **kw):
+        kw.setdefault("interval_s", 0.5)
+        self.calls = []
+        return cpu_threads.ThreadGovernor(max_threads, self.calls.append, cpus=set(cpus), read_busy=lambda: self.busy,
+                                          read_self=lambda: self.own, clock=lambda: self.now, **kw)
+
+
+def test_governor_drops_a_thread_when_another_process_takes_a_core_and_comes_back():
+    m = FakeMachine()
+    g = m.governor()
+    m.run(0.3, others=1.0, own=2.0)
+    assert g.update() is None and m.calls == []  # not before interval_s
+    m.run(0.3, others=1.0, own=2.0)
+    assert g.update() == 1 and m.calls == [1] and g.others == pytest.approx(1.0)  # at once
+    m.run(0.6, others=1.0, own=1.0)
+    assert g.update() is None and g.threads == 1
+    m.run(0.6, others=0.5, own=1.0)  # inside the dead band (0.35-0.65 on 2 CPUs): no change
+    assert g.update() is None and g.threads == 1
+    m.run(0.6, others=0.1, own=1.0)
+    assert g.update() is None  # one quiet interval is not enough to go up
+    m.run(0.6, others=0.5, own=1.0)
+    assert g.update() is None  # the quiet run is broken
+    m.run(0.6, others=0.1, own=1.0)
+    assert g.update() is None
+    m.run(0.6, others=0.2, own=1.0)
+    assert g.update() == 2 and m.calls == [1, 2] and g.num_changes == 2
+
+
+def test_governor_counts_only_other_processes_and_keeps_its_bounds():
+    m = FakeMachine()
+    g = m.governor()
+    for _ in range(5):  # this process keeps both cores busy: nothing to give up
+        m.run(0.6, own=2.0)
+        assert g.update() is None
+    m.run(0.6, others=0.6, own=1.4)  # 0.6 of a core: within the dead band
+    assert g.update() is None and g.threads == 2
+    m.run(0.6, others=2.0)  # every core taken: never below one thread
+    assert g.update() == 1
+    for _ in range(4):  # quiet again: up to max_threads, no further
+        m.run(0.6)
+        g.update()
+    assert g.threads == 2 and m.calls == [1, 2]
+    m = FakeMachine()
+    g = m.governor(max_threads=4, cpus=range(8))
+    m.run(0.6, others=5.2)  # 2.8 cores left: 3 threads
+    assert g.update() == 3
+    m = FakeMachine()
+    g = m.governor(max_threads=1)
+    for others in (2.0, 0.0, 0.0, 0.0):
+        m.run(0.6, others=others)
+        assert g.update() is None and g.threads == 1
+
+
+def test_governor_set_max_threads_and_bad_arguments():
+    m = FakeMachine()
+    g = m.governor()
+    m.run(0.6, others=1.0)
+    assert g.update() == 1
+    g.set_max_threads(3)
+    assert g.threads == 3 and m.calls[-1] == 3
+    for kw, match in (({"max_threads": 0}, "max_threads"), ({"interval_s": 0}, "interval_s"),
+                      ({"hysteresis": 0.5}, "hysteresis")):
+        with pytest.raises(ValueError, match=match):
+            m.governor(**kw)
+    with pytest.raises(ValueError, match="max_threads"):
+        g.set_max_threads(0)
+    unreadable = cpu_threads.ThreadGovernor(2, m.calls.append, cpus={0, 1}, read_busy=lambda: None)
+    assert not unreadable.enabled and unreadable.update() is None
+
+
+def test_governor_measures_a_real_busy_process():
+    """/proc/stat and this process's CPU time on this machine: a busy-looping child pinned to
+    one of two CPUs reads as about one core of other load and costs the governor a thread.
+    Skipped where the two CPUs are already busy (the measurement would be someone else's)."""
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    cpus = set(sorted(os.sched_getaffinity(0))[:2])
+    g = cpu_threads.ThreadGovernor(2, lambda n: None, cpus=cpus, interval_s=0.5)
+    if not g.enabled:
+        pytest.skip("no /proc/stat")
+    import time
+
+    time.sleep(0.6)
+    g.update()
+    if g.others > 0.3:
+        pytest.skip(f"the machine is busy already ({g.others:.2f} cores)")
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                           preexec_fn=lambda: os.sched_setaffinity(0, {min(cpus)}))
+    try:
+        time.sleep(0.3)  # the child is running
+        g.update()
+        time.sleep(1.0)
+        assert g.update() == 1
+        assert 0.7 < g.others < 1.4
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+def test_release_openmp_threads_ends_the_calling_threads_workers():
+    """After a parallel region on 2 threads the main thread owns one libgomp worker (an OS
+    thread of this process); ``release_openmp_threads`` ends it, and a later region makes a
+    new one. In a fresh interpreter, so that no other test's threads are counted."""
+    code = """
+import os, time
+import kvflow, torch
+from kvflow.cpu_threads import release_openmp_threads
+torch.set_num_threads(2)
+tasks = lambda: len(os.listdir("/proc/self/task"))
+before = tasks()
+x = torch.randn(512, 512)
+(x @ x).sum()
+during = tasks()
+ok = release_openmp_threads()
+for _ in range(100):
+    if tasks() < during:
+        break
+    time.sleep(0.01)
+after = tasks()
+(x @ x).sum()
+print(before, during, after, tasks(), ok)
+"""
+    environ = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    done = subprocess.run([sys.executable, "-c", code], env={**environ, "PYTHONPATH": ROOT}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    before, during, after, again, ok = done.stdout.split()
+    assert ok == "True"
+    assert int(during) == int(before) + 1 and int(after) == int(before) and int(again) == int(during)

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvflow.cpu_threads import release_openmp_threads
 from kvflow.engine.llm_engine import LLMEngine, PreparedRequest
 from kvflow.engine.snapshot import SnapshotProducer
 from kvflow.metrics import EngineMetrics
@@ -124,7 +125,13 @@ class AsyncLLMEngine:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-prepare")
 
     def start(self) -> None:
+        """Start the engine thread; on the CPU also release the calling thread's OpenMP
+        workers (``kvflow.cpu_threads.release_openmp_threads``): from now on the engine
+        thread runs the forwards, and a second team of workers would cut OpenMP's spinning
+        short for both."""
         self._thread.start()
+        if self.engine.config.device.device.type == "cpu":
+            release_openmp_threads()
 
     def shutdown(self) -> None:
         self._stopped = True

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvflow.config import CacheConfig, EngineArgs, EngineConfig
+from kvflow.cpu_threads import ThreadGovernor, check_wait_policy, thread_governor
 from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import NewRequestData, Scheduler, SchedulerOutput
@@ -152,6 +153,9 @@ class LLMEngine:
         # C++ CPU kernels not built yet build in the background while PyTorch's paths serve;
         # step() switches to each between two steps (never inside one).
         self.kernel_builds = start_cpu_kernel_builds(config)
+        # Fits the CPU thread count to the free cores between steps (kvflow.cpu_threads);
+        # from_engine_args sets it on the CPU without tensor parallelism.
+        self.thread_governor: ThreadGovernor | None = None
         backend = attention_backend_for(config)
         self.tp_workers = None
         if model is None:
@@ -224,18 +228,23 @@ class LLMEngine:
         """
         config = args.create_config()
         if config.device.device.type == "cpu":
-            from kvflow.cpu_threads import check_wait_policy
-
             check_wait_policy()  # (a hint when torch came first and the machine is busy)
             if config.device.num_threads is not None:
                 torch.set_num_threads(config.device.num_threads)
         model_dir = config.load.model_dir
-        return cls(
+        engine = cls(
             config,
             tokenizer=load_tokenizer(model_dir) if _has_tokenizer(model_dir) else None,
             generation_defaults=load_generation_defaults(model_dir),
             default_pooling=args.pooling,
         )
+        if config.device.device.type == "cpu" and config.parallel.tensor_parallel_size == 1:
+            # (Tensor-parallel ranks share the machine's cores among themselves: each would
+            # count the others as load, so their thread counts stay fixed.)
+            engine.thread_governor = thread_governor(config.device.num_threads or torch.get_num_threads(),
+                                                     torch.set_num_threads,
+                                                     explicit=config.device.num_threads is not None)
+        return engine
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """``SamplingParams`` with the model's ``generation_defaults`` (then ``overrides``)
@@ -478,6 +487,8 @@ class LLMEngine:
             Exception: the engine cannot go on: a fault in the scheduler, in the KV block
                 copies, in a tensor-parallel forward, or in the probe (RuntimeError).
         """
+        if self.thread_governor is not None:  # between two steps, on the thread that runs the forwards
+            self.thread_governor.update()
         if self.kernel_builds:  # between two steps: no forward of this engine is running
             publish_background_builds(self.kernel_builds)
             self.kernel_builds = [k for k in self.kernel_builds if k.pending()]
@@ -767,8 +778,14 @@ class LLMEngine:
         window as requests advanced, in all; 0 without a windowed layer, or with a hybrid
         model under ``disable_hybrid_kv_cache_manager``), num_kv_cache_groups (1, or the
         hybrid cache's groups; a block is then a page of ``group_size`` layers); with
-        speculative decoding also the ``SpecDecodeStats`` counters.
+        speculative decoding also the ``SpecDecodeStats`` counters; with a CPU thread
+        governor (``kvflow.cpu_threads``) also num_cpu_threads (intra-op threads now),
+        cpu_other_load (cores other processes took, last measurement) and
+        num_cpu_thread_changes.
         """
+        governor = self.thread_governor
+        threads = {} if governor is None else {"num_cpu_threads": governor.threads, "cpu_other_load": governor.others,
+                                               "num_cpu_thread_changes": governor.num_changes}
         kv = self.kv_cache_manager
         return {
             "num_total_blocks": kv.num_total_blocks,
@@ -785,4 +802,5 @@ class LLMEngine:
             **self.spec_stats.as_dict(),
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
+            **threads,
         }
