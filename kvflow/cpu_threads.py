@@ -37,12 +37,13 @@ This module must not import torch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvflow import envs
 
@@ -59,8 +60,8 @@ _state = {"applied": False, "too_late": False, "warned": False}
 def set_openmp_defaults(environ: dict[str, str] | None = None) -> bool:
     """Set kvflow's wait policy unless the user chose one, kvflow's defaults are switched off
     (``KVFLOW_OMP_DEFAULTS=0``) or torch is already imported (too late): ``GOMP_SPINCOUNT=10000``
-    with the thread governor (``KVFLOW_CPU_ADAPTIVE_THREADS``, on by default), else
-    ``OMP_WAIT_POLICY=PASSIVE``.
+    with the thread governor (``KVFLOW_CPU_ADAPTIVE_THREADS``, on by default), else (and in a
+    torchrun rank of a world larger than 1) ``OMP_WAIT_POLICY=PASSIVE``.
 
     Args:
         environ: the environment to change (default ``os.environ``).
@@ -75,11 +76,21 @@ def set_openmp_defaults(environ: dict[str, str] | None = None) -> bool:
         if environ is None:
             _state["too_late"] = True
         return False
-    name, value = ADAPTIVE_WAIT if envs.read("KVFLOW_CPU_ADAPTIVE_THREADS", env) else FIXED_WAIT
+    # (Tensor-parallel ranks run no governor: under torchrun every rank is started with
+    # WORLD_SIZE > 1 and sleeps; spawned ranks get it from sleeping_workers_for_children.)
+    governed = envs.read("KVFLOW_CPU_ADAPTIVE_THREADS", env) and _world_size(env) <= 1
+    name, value = ADAPTIVE_WAIT if governed else FIXED_WAIT
     env[name] = value
     if environ is None:
         _state["applied"] = True
     return True
+
+
+def _world_size(env) -> int:
+    try:
+        return int(envs.read("WORLD_SIZE", env) or 1)
+    except ValueError:
+        return 1
 
 
 def check_wait_policy() -> None:
@@ -119,14 +130,17 @@ def _openmp_runtime():
         lib = None
         try:
             with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-                paths = sorted({line.split()[-1] for line in f if "libgomp" in line and "/" in line})
-            for path in paths:
-                candidate = ctypes.CDLL(path)
-                if hasattr(candidate, "omp_pause_resource_all"):
-                    lib = candidate
-                    break
+                paths = sorted({line.split()[5] for line in f if len(line.split()) == 6 and "libgomp" in line})
         except OSError:
-            lib = None
+            paths = []
+        for path in paths:
+            try:
+                candidate = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # the loaded copy, never a new one
+            except OSError:
+                continue
+            if hasattr(candidate, "omp_pause_resource_all"):
+                lib = candidate
+                break
         _libgomp.append(lib)
     return _libgomp[0]
 
@@ -170,14 +184,15 @@ def read_cpu_times(cpus: set[int] | None = None, nice_is_busy: bool = False, pat
         path: the file to read (a test's fake).
 
     Returns:
-        Seconds, or None where ``/proc/stat`` cannot be read (not Linux).
+        Seconds, or None where ``/proc/stat`` cannot be read (not Linux) or lists none of
+        ``cpus`` (a container whose ``/proc/stat`` numbers its CPUs differently).
     """
     try:
         with open(path, encoding="ascii") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    ticks = 0
+    ticks, seen = 0, False
     for line in lines:
         if not line.startswith("cpu") or line.startswith("cpu "):
             continue
@@ -188,35 +203,38 @@ def read_cpu_times(cpus: set[int] | None = None, nice_is_busy: bool = False, pat
         except (ValueError, IndexError):
             continue
         if cpus is None or cpu in cpus:
+            seen = True
             ticks += user + system + irq + softirq + steal + (nice if nice_is_busy else 0)
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return ticks / os.sysconf("SC_CLK_TCK") if seen else None
 
 
 class ThreadGovernor:
     """Fits the number of intra-op threads to the CPUs that other processes leave free.
 
-    Every ``interval_s`` (0.25 s; checked by ``update``, which the engine calls between two steps,
-    never inside a forward) it measures the other processes' CPU use on this process's CPUs:
-    ``others = (busy CPU time on those CPUs - this process's CPU time) / wall time``, in
-    cores (``read_cpu_times`` and ``time.process_time``). The cores left to kvflow are
-    ``free = len(cpus) - others``; the thread count goes down to ``round(free)`` at once when
-    ``free`` falls more than ``hysteresis`` below the current count's rounding threshold, and
-    back up (never above ``max_threads``) once ``free`` has been ``hysteresis`` above the
-    next count's threshold for two intervals in a row. On 2 CPUs with 2 threads: one thread
-    while others take more than 0.65 cores, two again below 0.35. Why: a spinning OpenMP
-    worker on a core another process wants slows every parallel region (``kvflow.cpu_threads``'
-    docstring has the numbers); one thread less costs less than that.
+    Every ``interval_s`` (checked by ``update``, which the engine calls between two steps on
+    the thread that runs its forwards) it measures, over the CPUs this process may use
+    (``n`` of them): ``busy``, their busy CPU time (``read_cpu_times``), and ``got``, the part
+    other processes received (``busy`` minus this process's CPU time, ``time.process_time``),
+    both in cores. What other processes *wanted* (``others``) is ``got`` while the CPUs had
+    idle time; when they were saturated (``busy >= n - 0.1``) the fair share CFS gives
+    ``t`` runnable threads of kvflow and ``k`` of theirs (``got = n k / (t + k)``) gives
+    ``others = k = got t / (n - got)``, at most ``n``: one busy-looping process against two
+    spinning threads on 2 CPUs gets 0.67 of a core and reads as 1.0. With ``free = n - others``
+    the thread count drops at once to ``floor(free + 0.5 + hysteresis)`` when that is below
+    it, and rises to ``floor(free + 0.5 - hysteresis)`` (never above ``max_threads``) once
+    that has been above it for two intervals in a row. On 2 CPUs with 2 threads: one thread
+    while others want more than 0.65 of a core, two again below 0.35. The count is never above
+    ``n``. Why: a spinning OpenMP worker on a core another process wants slows every parallel
+    region (this module's docstring has the numbers); one thread less costs less than that.
 
     Args:
         max_threads: the most threads to run (the configured count); >= 1.
-        set_threads: called with the new count (the engine passes ``torch.set_num_threads``;
-            OpenMP keeps the count per calling thread, so call ``update`` on the thread that
-            runs the forwards).
-        cpus: the CPUs this process may run on (default: its affinity).
+        cpus: the CPUs this process may use (default: its affinity, ``sched_getaffinity``).
         interval_s: seconds between two measurements.
         hysteresis: cores, the dead band around each rounding threshold.
-        read_busy: () -> busy CPU seconds on ``cpus`` (default ``read_cpu_times``; None from
-            it disables the governor).
+        read_busy: () -> busy CPU seconds on ``cpus`` (default ``read_cpu_times``, with the
+            nice column counted when this process is niced itself, its time being there
+            then); None from it disables the governor.
         read_self: () -> this process's CPU seconds (default ``time.process_time``).
         clock: () -> wall seconds (default ``time.monotonic``).
 
@@ -225,34 +243,29 @@ class ThreadGovernor:
             [0, 0.5).
     """
 
-    def __init__(self, max_threads: int, set_threads: Callable[[int], None], *, cpus: set[int] | None = None,
-                 interval_s: float = 0.25, hysteresis: float = 0.15,
-                 read_busy: Callable[[], float | None] | None = None,
-                 read_self: Callable[[], float] | None = None,
-                 clock: Callable[[], float] | None = None) -> None:
-        if max_threads < 1:
-            raise ValueError(f"max_threads must be >= 1, got {max_threads}")
-        if not interval_s > 0:
+    SATURATED = 0.1  # cores of idle time below which the CPUs count as saturated
+
+    def __init__(self, max_threads: int, *, cpus: set[int] | None = None, interval_s: float = 0.25,
+                 hysteresis: float = 0.15, read_busy: Callable[[], float | None] | None = None,
+                 read_self: Callable[[], float] | None = None, clock: Callable[[], float] | None = None) -> None:
+        if not 0 < interval_s < float("inf"):
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         if not 0 <= hysteresis < 0.5:
             raise ValueError(f"hysteresis must be in [0, 0.5), got {hysteresis}")
         if cpus is None:
             cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-        self.cpus = cpus
-        self.max_threads = max_threads
-        self.threads = max_threads
-        self.set_threads = set_threads
+        self.cpus = set(cpus)
         self.interval_s = interval_s
         self.hysteresis = hysteresis
         if read_busy is None:
             niced = _niced()
-            read_busy = lambda: read_cpu_times(cpus, nice_is_busy=niced)  # noqa: E731
+            read_busy = lambda: read_cpu_times(self.cpus, nice_is_busy=niced)  # noqa: E731
         self.read_busy = read_busy
         self.read_self = read_self or time.process_time
         self.clock = clock or time.monotonic
-        self.others = 0.0  # cores, the last measurement
+        self.others = 0.0  # cores other processes wanted, the last measurement
         self.num_changes = 0
-        self._up_votes = 0
+        self.set_max_threads(max_threads)
         self._last: tuple[float, float, float] | None = None
         self.enabled = self._sample() is not None
 
@@ -264,51 +277,64 @@ class ThreadGovernor:
         return self._last
 
     def set_max_threads(self, max_threads: int) -> None:
-        """A new configured count (an engine with an explicit ``num_threads``): run it now."""
+        """A new configured count (an engine with an explicit ``num_threads``): run it from
+        the next ``update`` on (at most the number of CPUs).
+
+        Raises:
+            ValueError: ``max_threads`` < 1.
+        """
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
-        self.max_threads = self.threads = max_threads
+        self.max_threads = max_threads
+        self.threads = min(max_threads, len(self.cpus))
         self._up_votes = 0
-        self.set_threads(max_threads)
 
-    def update(self) -> int | None:
+    def update(self) -> int:
         """Measure if ``interval_s`` has passed and change the thread count if it should.
 
         Returns:
-            The new thread count when it changed, else None.
+            The thread count to run now (the caller applies it on its own thread:
+            ``torch.set_num_threads`` is per OS thread under OpenMP).
         """
         if not self.enabled or self._last is None:
-            return None
+            return self.threads
         now = self.clock()
         then, busy_then, self_then = self._last
         if now - then < self.interval_s:
-            return None
+            return self.threads
         sample = self._sample()
         if sample is None:
             self.enabled = False
-            return None
+            return self.threads
         _, busy, own = sample
-        self.others = max(0.0, (busy - busy_then) - (own - self_then)) / (now - then)
-        free = len(self.cpus) - self.others
+        n, seconds = len(self.cpus), now - then
+        total = max(0.0, busy - busy_then) / seconds
+        got = min(float(n), max(0.0, (busy - busy_then) - (own - self_then)) / seconds)
+        if total >= n - self.SATURATED and got > 0:
+            self.others = min(float(n), got * self.threads / max(n - got, 1e-3))
+        else:
+            self.others = got
+        free = n - self.others
         h = self.hysteresis
-        down = max(1, min(self.max_threads, math.floor(free + 0.5 + h)))
-        up = max(1, min(self.max_threads, math.floor(free + 0.5 - h)))
+        cap = min(self.max_threads, n)
+        down = max(1, min(cap, math.floor(free + 0.5 + h)))
+        up = max(1, min(cap, math.floor(free + 0.5 - h)))
         if down < self.threads:
             target = down
             self._up_votes = 0
         elif up > self.threads:
             self._up_votes += 1
             if self._up_votes < 2:
-                return None
+                return self.threads
             target = up
             self._up_votes = 0
         else:
             self._up_votes = 0
-            return None
+            return self.threads
+        logger.debug("other processes want %.2f of %d CPUs (got %.2f): %d -> %d intra-op threads",
+                     self.others, n, got, self.threads, target)
         self.threads = target
         self.num_changes += 1
-        self.set_threads(target)
-        logger.debug("other processes take %.2f of %d CPUs: %d intra-op threads", self.others, len(self.cpus), target)
         return target
 
 
@@ -320,28 +346,51 @@ def _niced() -> bool:
         return False
 
 
+# Variables with which the user places OpenMP threads on CPUs: the governor then stays off
+# (libgomp pins the loading thread, and the affinity it reads would be one CPU).
+BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
 _governor: list[ThreadGovernor] = []  # the process's one governor, once made
 
 
-def thread_governor(max_threads: int, set_threads: Callable[[int], None], explicit: bool) -> ThreadGovernor | None:
-    """The process's thread governor (one: ``torch.set_num_threads`` is process-wide state),
-    made on the first call; None when ``KVFLOW_CPU_ADAPTIVE_THREADS=0`` or the CPU times
-    cannot be read.
+def thread_governor(max_threads: int, explicit: bool) -> ThreadGovernor | None:
+    """The process's thread governor (one for all engines in the process), made on the first
+    call; None when ``KVFLOW_CPU_ADAPTIVE_THREADS=0``, when OpenMP threads are bound to CPUs
+    (``OMP_PROC_BIND`` other than ``false``, ``OMP_PLACES`` or ``GOMP_CPU_AFFINITY`` set), or
+    when the CPU times cannot be read.
 
     Args:
         max_threads: the thread count to start from (the configured count, or torch's).
-        set_threads: ``torch.set_num_threads``.
         explicit: ``max_threads`` is a configured count (an engine's ``num_threads``): an
             existing governor takes it as its new maximum; else the existing maximum stays
             (torch's count may be the governor's own lowered one).
     """
     if not envs.read("KVFLOW_CPU_ADAPTIVE_THREADS"):
         return None
+    bind = envs.read("OMP_PROC_BIND")
+    if (bind and bind.lower() != "false") or envs.read("OMP_PLACES") or envs.read("GOMP_CPU_AFFINITY"):
+        return None
     if _governor:
         governor = _governor[0]
-        if explicit and max_threads != governor.max_threads:
+        if explicit:
             governor.set_max_threads(max_threads)
         return governor if governor.enabled else None
-    governor = ThreadGovernor(max_threads, set_threads)
+    governor = ThreadGovernor(max_threads)
     _governor.append(governor)
     return governor if governor.enabled else None
+
+
+@contextlib.contextmanager
+def sleeping_workers_for_children() -> Iterator[None]:
+    """While open, processes started from here (tensor-parallel ranks, which run no governor)
+    inherit ``OMP_WAIT_POLICY=PASSIVE`` instead of the short spin ``import kvflow`` set for
+    this process; a policy the user chose is inherited unchanged."""
+    if not _state["applied"] or envs.read(ADAPTIVE_WAIT[0]) != ADAPTIVE_WAIT[1]:
+        yield
+        return
+    os.environ.pop(ADAPTIVE_WAIT[0])
+    os.environ[FIXED_WAIT[0]] = FIXED_WAIT[1]
+    try:
+        yield
+    finally:
+        os.environ.pop(FIXED_WAIT[0], None)
+        os.environ[ADAPTIVE_WAIT[0]] = ADAPTIVE_WAIT[1]

@@ -149,9 +149,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "(AVX512-BF16 or AMX-BF16), else float32; `float32` or `bfloat16` fixes it",
            _choice("KVFLOW_CPU_AUTO_DTYPE", ("float32", "bfloat16"), None)),
     Switch("KVFLOW_CPU_ADAPTIVE_THREADS", "bool", "1 (on)",
-           "an engine on the CPU lowers its thread count while other processes take its cores (and raises it "
-           "again when they are free), and `import kvflow` sets `GOMP_SPINCOUNT=10000`; `0`: the configured "
-           "thread count always, and `OMP_WAIT_POLICY=PASSIVE`", _on_unless_zero),
+           "an engine on the CPU lowers its thread count while other processes want its cores (and raises it "
+           "again when they are free; never above the configured count or the CPUs it may use), and `import "
+           "kvflow` sets `GOMP_SPINCOUNT=10000`; `0`: the configured thread count always, and "
+           "`OMP_WAIT_POLICY=PASSIVE`. Off with tensor parallelism and with OpenMP thread binding", _on_unless_zero),
     Switch("KVFLOW_COLLECTIVE_TIMEOUT_S", "float (seconds)", "unset (600)",
            "how long a tensor-parallel collective waits before failing "
            "(`EngineArgs.collective_timeout_s` / `--collective-timeout-s` wins)",
@@ -169,6 +170,11 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
 EXTERNAL: dict[str, Switch] = {s.name: s for s in (
     Switch("OMP_WAIT_POLICY", "str", "unset", "libgomp's wait policy; when set, kvflow keeps it", _text_or_none),
     Switch("GOMP_SPINCOUNT", "int", "unset", "libgomp's spin count; when set, kvflow keeps the wait policy",
+           _text_or_none),
+    Switch("OMP_PROC_BIND", "str", "unset", "OpenMP thread binding; set (other than `false`), kvflow's thread "
+           "governor stays off", _text_or_none),
+    Switch("OMP_PLACES", "str", "unset", "OpenMP places; set, kvflow's thread governor stays off", _text_or_none),
+    Switch("GOMP_CPU_AFFINITY", "str", "unset", "libgomp's CPU binding; set, kvflow's thread governor stays off",
            _text_or_none),
     Switch("ONEDNN_MAX_CPU_ISA", "str", "unset (all)", "oneDNN's instruction-set cap; below AVX512_CORE_BF16 "
            "it stops oneDNN's native bfloat16, and `dtype=\"auto\"` means float32 on the CPU", _text_or_none),

@@ -83,11 +83,12 @@ def test_read_cpu_times_counts_the_chosen_cpus_busy_columns(tmp_path):
     assert cpu_threads.read_cpu_times({1}, nice_is_busy=True, path=str(stat)) == pytest.approx(266 / hz)
     assert cpu_threads.read_cpu_times(None, path=str(stat)) == pytest.approx((126 + 255 + 1000) / hz)
     assert cpu_threads.read_cpu_times({0}, path=str(tmp_path / "missing")) is None
+    assert cpu_threads.read_cpu_times({7}, path=str(stat)) is None  # none of the CPUs listed (renumbered)
 
 
 class FakeMachine:
     """A clock, the busy CPU seconds of the governor's CPUs and this process's CPU seconds:
-    ``run(seconds, others=cores, own=cores)`` advances them."""
+    ``run(seconds, others=cores, own=cores)`` advances them (the cores each side *got*)."""
 
     def __init__(self):
         self.now = self.busy = self.own = 0.0
@@ -99,30 +100,47 @@ class FakeMachine:
 
     def governor(self, max_threads=2, cpus=(0, 1), **kw):
         kw.setdefault("interval_s", 0.5)
-        self.calls = []
-        return cpu_threads.ThreadGovernor(max_threads, self.calls.append, cpus=set(cpus), read_busy=lambda: self.busy,
+        return cpu_threads.ThreadGovernor(max_threads, cpus=set(cpus), read_busy=lambda: self.busy,
                                           read_self=lambda: self.own, clock=lambda: self.now, **kw)
 
 
 def test_governor_drops_a_thread_when_another_process_takes_a_core_and_comes_back():
     m = FakeMachine()
     g = m.governor()
-    m.run(0.3, others=1.0, own=2.0)
-    assert g.update() is None and m.calls == []  # not before interval_s
-    m.run(0.3, others=1.0, own=2.0)
-    assert g.update() == 1 and m.calls == [1] and g.others == pytest.approx(1.0)  # at once
+    m.run(0.3, others=1.0, own=0.5)
+    assert g.update() == 2 and g.num_changes == 0  # not before interval_s
+    m.run(0.3, others=1.0, own=0.5)
+    assert g.update() == 1 and g.others == pytest.approx(1.0)  # at once
     m.run(0.6, others=1.0, own=1.0)
-    assert g.update() is None and g.threads == 1
+    assert g.update() == 1
     m.run(0.6, others=0.5, own=1.0)  # inside the dead band (0.35-0.65 on 2 CPUs): no change
-    assert g.update() is None and g.threads == 1
+    assert g.update() == 1
     m.run(0.6, others=0.1, own=1.0)
-    assert g.update() is None  # one quiet interval is not enough to go up
+    assert g.update() == 1  # one quiet interval is not enough to go up
     m.run(0.6, others=0.5, own=1.0)
-    assert g.update() is None  # the quiet run is broken
+    assert g.update() == 1  # the quiet run is broken
     m.run(0.6, others=0.1, own=1.0)
-    assert g.update() is None
+    assert g.update() == 1
     m.run(0.6, others=0.2, own=1.0)
-    assert g.update() == 2 and m.calls == [1, 2] and g.num_changes == 2
+    assert g.update() == 2 and g.num_changes == 2
+
+
+def test_governor_reads_what_others_wanted_from_their_share_of_saturated_cpus():
+    """Two spinning threads against one busy-looping process on 2 CPUs: CFS gives each of the
+    three 2/3 of a core, so the other process *got* 0.67 cores; it wanted 1 (2 threads x
+    0.67 / (2 - 0.67)). With idle time left, what it got is what it wanted."""
+    m = FakeMachine()
+    g = m.governor()
+    m.run(0.6, others=2 / 3, own=4 / 3)
+    assert g.update() == 1 and g.others == pytest.approx(1.0)
+    m.run(0.6, others=1.0, own=1.0)  # one thread each now: still saturated, still 1 core wanted
+    assert g.update() == 1 and g.others == pytest.approx(1.0)
+    m = FakeMachine()
+    g = m.governor()
+    m.run(0.6, others=0.3, own=1.0)  # idle time left: 0.3 wanted, nothing to give up
+    assert g.update() == 2 and g.others == pytest.approx(0.3)
+    m.run(0.6, others=0.3, own=1.7)  # saturated: 0.3 x 2 / 1.7 = 0.35 wanted, in the dead band
+    assert g.update() == 2 and g.others == pytest.approx(0.6 / 1.7)
 
 
 def test_governor_counts_only_other_processes_and_keeps_its_bounds():
@@ -130,15 +148,15 @@ def test_governor_counts_only_other_processes_and_keeps_its_bounds():
     g = m.governor()
     for _ in range(5):  # this process keeps both cores busy: nothing to give up
         m.run(0.6, own=2.0)
-        assert g.update() is None
-    m.run(0.6, others=0.6, own=1.4)  # 0.6 of a core: within the dead band
-    assert g.update() is None and g.threads == 2
+        assert g.update() == 2
+    m.run(0.6, others=0.5, own=1.0)  # half a core with idle time left: within the dead band
+    assert g.update() == 2
     m.run(0.6, others=2.0)  # every core taken: never below one thread
     assert g.update() == 1
     for _ in range(4):  # quiet again: up to max_threads, no further
         m.run(0.6)
         g.update()
-    assert g.threads == 2 and m.calls == [1, 2]
+    assert g.threads == 2 and g.num_changes == 2
     m = FakeMachine()
     g = m.governor(max_threads=4, cpus=range(8))
     m.run(0.6, others=5.2)  # 2.8 cores left: 3 threads
@@ -147,7 +165,13 @@ def test_governor_counts_only_other_processes_and_keeps_its_bounds():
     g = m.governor(max_threads=1)
     for others in (2.0, 0.0, 0.0, 0.0):
         m.run(0.6, others=others)
-        assert g.update() is None and g.threads == 1
+        assert g.update() == 1
+    m = FakeMachine()
+    g = m.governor(max_threads=8)  # more threads than CPUs: never above the CPUs
+    assert g.update() == 2 and g.threads == 2
+    for _ in range(4):
+        m.run(0.6)
+        assert g.update() == 2
 
 
 def test_governor_set_max_threads_and_bad_arguments():
@@ -155,26 +179,66 @@ def test_governor_set_max_threads_and_bad_arguments():
     g = m.governor()
     m.run(0.6, others=1.0)
     assert g.update() == 1
-    g.set_max_threads(3)
-    assert g.threads == 3 and m.calls[-1] == 3
+    g.set_max_threads(2)  # an explicit count, even the old maximum, is run again
+    assert g.threads == 2 and g.update() == 2
     for kw, match in (({"max_threads": 0}, "max_threads"), ({"interval_s": 0}, "interval_s"),
                       ({"hysteresis": 0.5}, "hysteresis")):
         with pytest.raises(ValueError, match=match):
             m.governor(**kw)
     with pytest.raises(ValueError, match="max_threads"):
         g.set_max_threads(0)
-    unreadable = cpu_threads.ThreadGovernor(2, m.calls.append, cpus={0, 1}, read_busy=lambda: None)
-    assert not unreadable.enabled and unreadable.update() is None
+    unreadable = cpu_threads.ThreadGovernor(2, cpus={0, 1}, read_busy=lambda: None)
+    assert not unreadable.enabled and unreadable.update() == 2
+
+
+def test_thread_governor_is_one_per_process_and_off_when_asked_or_bound(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_governor", [])
+    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "1")
+    for name in cpu_threads.BINDING_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    g = cpu_threads.thread_governor(2, explicit=False)
+    assert g is not None and g.max_threads == 2
+    assert cpu_threads.thread_governor(1, explicit=False) is g and g.max_threads == 2  # torch's count: kept
+    assert cpu_threads.thread_governor(1, explicit=True) is g and g.max_threads == 1 and g.threads == 1
+    monkeypatch.setenv("OMP_PROC_BIND", "false")
+    assert cpu_threads.thread_governor(2, explicit=True) is g
+    for name, value in (("OMP_PROC_BIND", "true"), ("OMP_PLACES", "cores"), ("GOMP_CPU_AFFINITY", "0-1")):
+        monkeypatch.delenv("OMP_PROC_BIND", raising=False)
+        monkeypatch.setenv(name, value)
+        assert cpu_threads.thread_governor(2, explicit=False) is None, name
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
+    assert cpu_threads.thread_governor(2, explicit=False) is None
+
+
+def test_tensor_parallel_ranks_get_sleeping_workers(monkeypatch):
+    """Ranks run no governor: under torchrun (WORLD_SIZE > 1) ``import kvflow`` picks sleeping
+    workers; ranks spawned by the driver inherit them through sleeping_workers_for_children."""
+    monkeypatch.delitem(sys.modules, "torch")
+    env = {"WORLD_SIZE": "2"}
+    assert cpu_threads.set_openmp_defaults(env) and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    env = {"WORLD_SIZE": "1"}
+    assert cpu_threads.set_openmp_defaults(env) and env["GOMP_SPINCOUNT"] == "10000"
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_threads, "_state", {"applied": True, "too_late": False, "warned": False})
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with cpu_threads.sleeping_workers_for_children():
+        assert os.environ.get("OMP_WAIT_POLICY") == "PASSIVE" and "GOMP_SPINCOUNT" not in os.environ
+    assert os.environ.get("GOMP_SPINCOUNT") == "10000" and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")  # the user's own choice is inherited as it is
+    with cpu_threads.sleeping_workers_for_children():
+        assert os.environ.get("GOMP_SPINCOUNT") == "500" and "OMP_WAIT_POLICY" not in os.environ
 
 
 def test_governor_measures_a_real_busy_process():
     """/proc/stat and this process's CPU time on this machine: a busy-looping child pinned to
-    one of two CPUs reads as about one core of other load and costs the governor a thread.
+    one of two CPUs reads as about one core wanted by others and costs the governor a thread.
     Skipped where the two CPUs are already busy (the measurement would be someone else's)."""
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs")
     cpus = set(sorted(os.sched_getaffinity(0))[:2])
-    g = cpu_threads.ThreadGovernor(2, lambda n: None, cpus=cpus, interval_s=0.5)
+    g = cpu_threads.ThreadGovernor(2, cpus=cpus, interval_s=0.5)
     if not g.enabled:
         pytest.skip("no /proc/stat")
     import time
@@ -186,8 +250,8 @@ def test_governor_measures_a_real_busy_process():
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"],
                            preexec_fn=lambda: os.sched_setaffinity(0, {min(cpus)}))
     try:
-        time.sleep(0.3)  # the child is running
-        g.update()
+        time.sleep(0.3)  # the child is running; the next measurement covers it alone
+        g._sample()
         time.sleep(1.0)
         assert g.update() == 1
         assert 0.7 < g.others < 1.4

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvflow import envs
+from kvflow.cpu_threads import sleeping_workers_for_children
 from kvflow.core.sched_output import SchedulerOutput
 
 
@@ -97,10 +98,11 @@ class TPWorkers:
         if spawn:
             init_method = f"tcp://127.0.0.1:{free_port()}"
             ctx = mp.get_context("spawn")
-            for rank in range(1, world_size):
-                proc = ctx.Process(target=worker_main, args=(rank, world_size, init_method, config), daemon=True)
-                proc.start()
-                self.procs.append(proc)
+            with sleeping_workers_for_children():  # (the ranks run no thread governor)
+                for rank in range(1, world_size):
+                    proc = ctx.Process(target=worker_main, args=(rank, world_size, init_method, config), daemon=True)
+                    proc.start()
+                    self.procs.append(proc)
         else:
             init_method = "env://"
         atexit.register(self.shutdown)

@@ -153,9 +153,13 @@ class LLMEngine:
         # C++ CPU kernels not built yet build in the background while PyTorch's paths serve;
         # step() switches to each between two steps (never inside one).
         self.kernel_builds = start_cpu_kernel_builds(config)
-        # Fits the CPU thread count to the free cores between steps (kvflow.cpu_threads);
-        # from_engine_args sets it on the CPU without tensor parallelism.
+        # Fits the CPU thread count to the free cores between steps (kvflow.cpu_threads). Not
+        # with tensor parallelism: the ranks share the machine's cores and each would count
+        # the others as load.
         self.thread_governor: ThreadGovernor | None = None
+        if config.device.device.type == "cpu" and config.parallel.tensor_parallel_size == 1:
+            self.thread_governor = thread_governor(config.device.num_threads or torch.get_num_threads(),
+                                                   explicit=config.device.num_threads is not None)
         backend = attention_backend_for(config)
         self.tp_workers = None
         if model is None:
@@ -232,19 +236,12 @@ class LLMEngine:
             if config.device.num_threads is not None:
                 torch.set_num_threads(config.device.num_threads)
         model_dir = config.load.model_dir
-        engine = cls(
+        return cls(
             config,
             tokenizer=load_tokenizer(model_dir) if _has_tokenizer(model_dir) else None,
             generation_defaults=load_generation_defaults(model_dir),
             default_pooling=args.pooling,
         )
-        if config.device.device.type == "cpu" and config.parallel.tensor_parallel_size == 1:
-            # (Tensor-parallel ranks share the machine's cores among themselves: each would
-            # count the others as load, so their thread counts stay fixed.)
-            engine.thread_governor = thread_governor(config.device.num_threads or torch.get_num_threads(),
-                                                     torch.set_num_threads,
-                                                     explicit=config.device.num_threads is not None)
-        return engine
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """``SamplingParams`` with the model's ``generation_defaults`` (then ``overrides``)
@@ -488,7 +485,9 @@ class LLMEngine:
                 copies, in a tensor-parallel forward, or in the probe (RuntimeError).
         """
         if self.thread_governor is not None:  # between two steps, on the thread that runs the forwards
-            self.thread_governor.update()
+            threads = self.thread_governor.update()
+            if torch.get_num_threads() != threads:  # (per OS thread under OpenMP)
+                torch.set_num_threads(threads)
         if self.kernel_builds:  # between two steps: no forward of this engine is running
             publish_background_builds(self.kernel_builds)
             self.kernel_builds = [k for k in self.kernel_builds if k.pending()]

@@ -854,61 +854,51 @@ def test_a_kernel_built_in_the_background_is_switched_to_between_steps_only(monk
 # ---------------------------------------------------------------------------- CPU thread governor
 def test_the_thread_governor_runs_between_steps_and_a_change_keeps_the_output(monkeypatch):
     """The governor (kvflow.cpu_threads) is asked once per step, before the step's forward,
-    on the stepping thread; thread counts changing mid-generation (here 2 -> 1 -> 2, as a
-    fake other process takes a core and leaves) give the same greedy tokens as a fixed count."""
+    and its count is applied on the stepping thread: here another process takes a core
+    during steps 1-3 (a fake clock of one second per step), so the forwards run on 2, 2, 1,
+    1, 1, 1 (two quiet intervals to go back up), then 2 threads; the greedy tokens are those
+    of a fixed count."""
     from kvflow.cpu_threads import ThreadGovernor
 
     prompts = {k: PROMPTS[k] for k in ("p9", "p30", "p45")}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = generate(tiny_engine(), prompts, params)
     clock = {"now": 0.0, "busy": 0.0}
-    seen = []
-
-    def set_threads(n):
-        seen.append(n)
-        torch.set_num_threads(n)
-
     engine = tiny_engine()
-    governor = ThreadGovernor(2, set_threads, cpus={0, 1}, read_busy=lambda: clock["busy"], read_self=lambda: 0.0,
-                              clock=lambda: clock["now"])
-    engine.thread_governor = governor
-    real_step = engine.model_runner.execute
+    engine.thread_governor = ThreadGovernor(2, cpus={0, 1}, read_busy=lambda: clock["busy"], read_self=lambda: 0.0,
+                                            clock=lambda: clock["now"])
+    real_execute = engine.model_runner.execute
+    seen_threads: list[int] = []
 
-    def execute(sched_out):  # each step: one second passes, another process taking 1 core in steps 2-4
+    def execute(sched_out):
         step = len(seen_threads)
         seen_threads.append(torch.get_num_threads())
         clock["now"] += 1.0
         clock["busy"] += 1.0 if 1 <= step <= 3 else 0.0
-        return real_step(sched_out)
+        return real_execute(sched_out)
 
-    seen_threads: list[int] = []
     monkeypatch.setattr(engine.model_runner, "execute", execute)
     try:
         assert generate(engine, prompts, params) == expected
     finally:
         torch.set_num_threads(1)
-    assert seen == [1, 2] and 1 in seen_threads
-    assert engine.get_stats()["num_cpu_threads"] == 2 and engine.get_stats()["num_cpu_thread_changes"] == 2
+    assert seen_threads[:8] == [2, 2, 1, 1, 1, 1, 2, 2]
+    stats = engine.get_stats()
+    assert stats["num_cpu_threads"] == 2 and stats["num_cpu_thread_changes"] == 2 and stats["cpu_other_load"] == 0
 
 
-def test_from_engine_args_makes_a_governor_on_the_cpu_unless_switched_off(monkeypatch, tmp_path):
+def test_engines_on_the_cpu_share_one_governor_unless_switched_off(monkeypatch):
     import kvflow.cpu_threads as cpu_threads
-    from conftest import tiny_hf_model_dir
-    from kvflow.config import EngineArgs
 
-    folder = tiny_hf_model_dir(tmp_path / "m")
     monkeypatch.setattr(cpu_threads, "_governor", [])
     monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "1")
-    try:
-        engine = LLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype="float32", num_kv_blocks=16, num_threads=2))
-        governor = engine.thread_governor
-        assert governor is not None and governor.max_threads == 2 and governor.threads == 2
-        assert "num_cpu_threads" in engine.get_stats()
-        # one governor per process: a second engine shares it, and its explicit count is the new maximum
-        other = LLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype="float32", num_kv_blocks=16, num_threads=1))
-        assert other.thread_governor is governor and governor.max_threads == 1
-        monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
-        off = LLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype="float32", num_kv_blocks=16))
-        assert off.thread_governor is None and "num_cpu_threads" not in off.get_stats()
-    finally:
-        torch.set_num_threads(1)
+    for name in cpu_threads.BINDING_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    engine = tiny_engine()
+    governor = engine.thread_governor
+    assert governor is not None and governor.max_threads == torch.get_num_threads()
+    assert "num_cpu_threads" in engine.get_stats()
+    assert tiny_engine().thread_governor is governor
+    monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
+    off = tiny_engine()
+    assert off.thread_governor is None and "num_cpu_threads" not in off.get_stats()
