@@ -41,7 +41,7 @@ class EngineMetrics:
             "kv_window_freed_blocks", "KV blocks (pages of a hybrid cache) returned to the pool behind a sliding window.")
         self.cpu_threads = gauge("cpu_threads", "CPU intra-op threads the engine runs now (its thread governor's choice).")
         self.cpu_other_load = gauge(
-            "cpu_other_load", "CPU cores other processes took on the engine's CPUs, last measurement (thread governor).")
+            "cpu_other_load", "CPU cores other processes wanted on the engine's CPUs, last measurement (thread governor).")
         self.request_success = counter("request_success", "Requests finished (any finish reason).")
         self.request_failure = counter("request_failure", "Requests the engine failed alone (an error inside the engine).")
         self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).")

@@ -779,7 +779,7 @@ class LLMEngine:
         hybrid cache's groups; a block is then a page of ``group_size`` layers); with
         speculative decoding also the ``SpecDecodeStats`` counters; with a CPU thread
         governor (``kvflow.cpu_threads``) also num_cpu_threads (intra-op threads now),
-        cpu_other_load (cores other processes took, last measurement) and
+        cpu_other_load (cores other processes wanted, last measurement) and
         num_cpu_thread_changes.
         """
         governor = self.thread_governor
