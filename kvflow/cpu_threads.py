@@ -296,7 +296,7 @@ class ThreadGovernor:
             The thread count to run now (the caller applies it on its own thread:
             ``torch.set_num_threads`` is per OS thread under OpenMP).
         """
-        if not self.enabled or self._last is None:
+        if not self.enabled:
             return self.threads
         now = self.clock()
         then, busy_then, self_then = self._last
