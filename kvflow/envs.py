@@ -4,9 +4,9 @@ Each switch is read when it is asked for: ``kvflow.envs.KVFLOW_CPU_MARCH`` looks
 ``os.environ`` at that moment (a module ``__getattr__``, as vLLM's ``vllm/envs.py``), so a
 test can ``monkeypatch.setenv`` and a program can change a variable before the part that
 reads it runs. ``read(name, environ)`` reads one from another mapping. The table
-``SWITCHES`` holds each switch's name, type, default and effect; the README's table of
-environment variables is ``markdown_table(SWITCHES)`` (tests/test_envs.py checks the two
-agree).
+``SWITCHES`` holds each switch's name, type, default and effect; docs/envs.md is generated
+from it by ``markdown()`` (``python -c 'from kvflow.envs import markdown; print(markdown(),
+end="")' > docs/envs.md``; tests/test_envs.py checks the file equals the generated text).
 
 ``EXTERNAL`` lists the variables of other programs that kvflow reads (torchrun's rank
 variables, libgomp's wait policy, the C++ compiler), read through ``read`` too.
@@ -225,3 +225,32 @@ def markdown_table(switches: Mapping[str, Switch]) -> str:
     rows = ["| variable | type | default | effect |", "|---|---|---|---|"]
     rows += [f"| `{s.name}` | {s.type} | {s.default} | {s.effect} |" for s in switches.values()]
     return "\n".join(rows)
+
+
+def markdown() -> str:
+    """The text of docs/envs.md: every ``SWITCHES`` and ``EXTERNAL`` variable in a Markdown
+    table. Regenerate the file with
+    ``python -c 'from kvflow.envs import markdown; print(markdown(), end="")' > docs/envs.md``."""
+    return "\n".join([
+        "# Environment variables",
+        "",
+        "<!-- Generated from kvflow/envs.py by markdown(); do not edit by hand. Regenerate with:",
+        "python -c 'from kvflow.envs import markdown; print(markdown(), end=\"\")' > docs/envs.md -->",
+        "",
+        "Every `KVFLOW_*` switch is read in one module, `kvflow/envs.py`, when the part that uses it runs "
+        "(a kernel's switches are decided once per process, when the kernel is first asked for). A value "
+        "kvflow cannot use is a `ValueError` naming the variable. Booleans keep the meaning they have always "
+        "had: a switch that is on by default is turned off by `0` only, one that is off by default is turned "
+        "on by `1` only.",
+        "",
+        markdown_table(SWITCHES),
+        "",
+        "## Variables of other programs that kvflow reads",
+        "",
+        "PyTorch's `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`) is where the C++ kernels are "
+        "built and cached.",
+        "",
+        markdown_table(EXTERNAL),
+        "",
+    ])
+
