@@ -1,5 +1,5 @@
 """kvflow.envs: every KVFLOW_* switch is read there (name, type, default, effect), parsed the
-way each has always been, and the README's table is the module's."""
+way each has always been, and docs/envs.md is the page generated from the module."""
 
 from __future__ import annotations
 
@@ -62,8 +62,18 @@ def test_every_switch_named_in_the_package_is_in_the_table():
     assert set(envs.SWITCHES) - names == set()
 
 
-def test_readme_lists_the_switches():
-    assert envs.markdown_table(envs.SWITCHES) in (ROOT / "README.md").read_text()
+def test_docs_envs_md_is_generated_from_envs():
+    """docs/envs.md is ``envs.markdown()`` exactly: a switch added, changed or removed in
+    envs.py without regenerating the page fails here."""
+    regenerate = "python -c 'from kvflow.envs import markdown; print(markdown(), end=\"\")' > docs/envs.md"
+    assert (ROOT / "docs" / "envs.md").read_text() == envs.markdown(), f"docs/envs.md is stale; run: {regenerate}"
+
+
+def test_envs_markdown_lists_every_variable():
+    page = envs.markdown()
+    for name in [*envs.SWITCHES, *envs.EXTERNAL]:
+        assert f"| `{name}` |" in page, name
+    assert "from kvflow.envs import markdown; print(markdown(), end=" in page  # how to regenerate it
 
 
 def test_switches_are_read_when_asked(monkeypatch):
