@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared run for a CUDA machine (the GPU path of issue #8; README "GPU path"):
+# The prepared run for a CUDA machine (the GPU path of issue #8; docs/development.md "GPU path"):
 # the GPU-relevant tests (Triton kernels against the PyTorch path, CUDA-graph replay against
 # eager, bf16 kernels), then benchmarks/gpu_throughput.py. Logs and JSON go to $OUT
 # (default benchmarks/results/gpu). About 5 minutes on an H200.

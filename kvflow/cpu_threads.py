@@ -23,7 +23,7 @@ than it has threads (back up once they are free again): 31 tok/s quiet and 21 un
 busy core, the better of both columns above. ``KVFLOW_CPU_ADAPTIVE_THREADS=0`` turns the
 governor off; the wait policy is then ``OMP_WAIT_POLICY=PASSIVE`` (sleeping workers: never
 the slow case, never the fast one). Measured with ``python -m benchmarks.throughput
---contention`` (README, "On a shared machine").
+--contention`` (docs/benchmarks.md, "On a shared machine").
 
 libgomp reads the wait variables once, when it is loaded, i.e. when ``torch`` is first
 imported: ``import kvflow`` sets them first (the ``kvflow`` command always does). A program

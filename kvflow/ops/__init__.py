@@ -17,7 +17,7 @@ as a checkout. ``python -m kvflow.ops`` builds all five now (for an image or a m
 where the first request should not pay for them).
 
 When they are built (issue #16; a cold build of the five costs about 234 CPU-seconds of
-compiler time, a cached load well under a second each: README, "How it works"):
+compiler time, a cached load well under a second each: docs/development.md, "Kernels"):
 
 - **At run time** (this, as before): ``-march=native`` fits every CPU exactly (AVX-512 and
   AVX512-BF16 where present, AVX2 or a portable loop elsewhere, Arm too), the build matches

@@ -31,7 +31,7 @@ _MAX_WARNED_FIELDS = 100  # distinct names logged; a client inventing names cann
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # Defaults of the sampling fields a request leaves unset when the model has no
-# generation_config.json (documented in the README's Server section).
+# generation_config.json (documented in docs/serving.md, "Defaults of unset fields").
 BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
