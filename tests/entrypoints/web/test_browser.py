@@ -333,7 +333,8 @@ def test_a_reply_cannot_inject_html_or_script(server, browser, artifacts):
     body = reply.find_element("css selector", ".body")
     ActionChains(driver).move_to_element(body).click(body).perform()
     for link in body.find_elements("css selector", "a"):
-        assert not link.get_attribute("href").lower().startswith("javascript:"), link.get_attribute("href")
+        href = link.get_attribute("href") or ""
+        assert not href.lower().startswith("javascript:"), href
     danger = driver.execute_script(
         "const b = arguments[0]; return [...b.querySelectorAll('img, script, iframe, svg, object, embed, style, [onerror], [onload], [onmouseover]')]"
         ".map((e) => e.outerHTML);", body)  # fmt: skip
