@@ -8,14 +8,17 @@ function cssVar(name) {
   return getComputedStyle(document.documentElement).getPropertyValue(name).trim();
 }
 
-function axes(format) {
+const INTEGER_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000];
+
+function axes(format, integer = false) {
   const stroke = cssVar("--muted");
   const grid = { stroke: cssVar("--border"), width: 1 };
-  return [
-    { stroke, grid, ticks: { show: false }, size: 22, font: "11px system-ui, sans-serif" },
-    { stroke, grid, ticks: { show: false }, size: 52, font: "11px system-ui, sans-serif", values: (u, vals) => vals.map((v) => format(v)) },
-  ];
+  const y = { stroke, grid, ticks: { show: false }, size: 52, font: "11px system-ui, sans-serif", values: (u, vals) => vals.map((v) => format(v)) };
+  if (integer) y.incrs = INTEGER_STEPS; // counts: no 0.5 ticks
+  return [{ stroke, grid, ticks: { show: false }, size: 22, font: "11px system-ui, sans-serif" }, y];
 }
+
+const MIN_SPAN_S = 60; // a time axis spans at least this, newest right (whole-second ticks)
 
 function widthOf(el) {
   return Math.max(120, Math.floor(el.clientWidth || el.parentElement.clientWidth || 300));
@@ -24,7 +27,7 @@ function widthOf(el) {
 // Lines over the last ``windowS`` seconds. push(t, [v0, v1, ...]) with t in Unix seconds
 // and null for "no value" (a gap); ``latest()`` is the last values pushed.
 export class TimeChart {
-  constructor(el, { series, format = (v) => v.toFixed(1), max = null, windowS = 300, height = 130 }) {
+  constructor(el, { series, format = (v) => v.toFixed(1), max = null, integer = false, windowS = 300, height = 130 }) {
     this.el = el;
     this.windowS = windowS;
     this.times = [];
@@ -35,9 +38,12 @@ export class TimeChart {
         height,
         legend: { show: true, live: false },
         cursor: { show: true, drag: { x: false, y: false } },
-        scales: { x: { time: true }, y: { range: (u, lo, hi) => [0, max ?? (hi > 0 ? hi * 1.1 : 1)] } },
-        axes: axes(format),
-        series: [{}, ...series.map((s) => ({ label: s.name, stroke: s.color, width: 1.5, spanGaps: false, value: (u, v) => (v == null ? "–" : format(v)) }))],
+        scales: {
+          x: { time: true, range: (u, lo, hi) => (hi == null ? [Date.now() / 1000 - MIN_SPAN_S, Date.now() / 1000] : [Math.min(lo, hi - MIN_SPAN_S), hi]) },
+          y: { range: (u, lo, hi) => [0, max ?? (hi > 0 ? (integer ? Math.max(1, Math.ceil(hi * 1.1)) : hi * 1.1) : 1)] },
+        },
+        axes: axes(format, integer),
+        series: [{}, ...series.map((s) => ({ label: s.name, stroke: s.color, width: 1.5, spanGaps: false, points: { show: false }, value: (u, v) => (v == null ? "–" : format(v)) }))],
       },
       [[], ...series.map(() => [])],
       el,

@@ -356,7 +356,7 @@ const pct = (v) => `${v.toFixed(0)}%`;
 const three = (format) => ({ series: ["p50", "p90", "p99"].map((name, i) => ({ name, color: COLORS[i] })), format });
 const charts = {
   // from the snapshots (the same data as the status line, the grid and the tables)
-  reqs: new TimeChart($("chart-reqs"), { series: [{ name: "running", color: COLORS[0] }, { name: "waiting", color: COLORS[1] }], format: (v) => v.toFixed(0) }),
+  reqs: new TimeChart($("chart-reqs"), { series: [{ name: "running", color: COLORS[0] }, { name: "waiting", color: COLORS[1] }], integer: true, format: (v) => v.toFixed(0) }),
   kv: new TimeChart($("chart-kv"), { series: [{ name: "usage %", color: COLORS[0] }], max: 100, format: pct }),
   hit: new TimeChart($("chart-hit"), { series: [{ name: "hit %", color: COLORS[0] }], max: 100, format: pct }),
   acc: new TimeChart($("chart-acc"), { series: [{ name: "accepted %", color: COLORS[0] }], max: 100, format: pct }),
