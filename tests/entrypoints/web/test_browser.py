@@ -432,7 +432,7 @@ def test_dashboard_agrees_with_itself_under_8_concurrent_requests(server, browse
     def one(i: int) -> None:
         try:
             httpx.post(server + "/v1/completions", headers=AUTH, timeout=TIMEOUT_S * 3, json={
-                "prompt": f"Request {i}: count slowly from one to one hundred.", "max_tokens": 24,
+                "prompt": f"Request {i}: count slowly from one to one hundred.", "max_tokens": 32,
                 "ignore_eos": True, "temperature": 0}).raise_for_status()  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 (reported below)
             errors.append(exc)
