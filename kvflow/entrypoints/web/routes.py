@@ -9,6 +9,10 @@
   snapshot (``kvflow/engine/snapshot.py``; at most 10 a second while the engine steps, one
   a second while idle). Operational data, guarded like ``/metrics``: it needs the key when
   ``--api-key`` is set, unless ``--metrics-no-auth``.
+- ``GET /dashboard/api/metrics``: the server's Prometheus registry (the samples ``/metrics``
+  exposes) as JSON, ``{"time": <Unix seconds>, "metrics": {sample name: [{"labels": {...},
+  "value": <float>}]}}``, read by prometheus_client itself so that the page parses no text
+  format. Guarded like ``/metrics``.
 - ``GET /dashboard/api/blocks/{block_id}``: one KV block as of the latest snapshot: its
   state, ref count, owner requests and its tokens' text, detokenized on demand. It shows
   users' text, so it always needs the key when ``--api-key`` is set (like ``/v1/*``).
@@ -17,11 +21,15 @@
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from prometheus_client import CollectorRegistry
 
 from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.engine.snapshot import Snapshot
@@ -32,6 +40,7 @@ STATIC_URL = "/ui"
 PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
 STREAM_PATH = "/dashboard/api/stream"
 BLOCK_PATH = "/dashboard/api/blocks/{block_id}"
+METRICS_JSON_PATH = "/dashboard/api/metrics"
 KEEP_ALIVE_S = 15.0  # an SSE comment when no snapshot came for this long
 
 # Paths that hold no data (the pages and their files): open whatever the API key.
@@ -39,7 +48,7 @@ PUBLIC_PATHS = frozenset(
     {*PAGES, *(f"{STATIC_URL}/{p.relative_to(STATIC_DIR).as_posix()}" for p in STATIC_DIR.rglob("*") if p.is_file())}
 )
 # Paths guarded like /metrics (open with --metrics-no-auth).
-METRICS_PATHS = frozenset({STREAM_PATH})
+METRICS_PATHS = frozenset({STREAM_PATH, METRICS_JSON_PATH})
 
 
 def snapshot_events(engine: AsyncLLMEngine, keep_alive_s: float = KEEP_ALIVE_S):
@@ -70,6 +79,18 @@ def snapshot_events(engine: AsyncLLMEngine, keep_alive_s: float = KEEP_ALIVE_S):
     return events()
 
 
+def registry_samples(registry: CollectorRegistry) -> dict[str, list[dict[str, Any]]]:
+    """Every sample of ``registry`` by sample name (``kvflow:generation_tokens_total``,
+    ``kvflow:time_to_first_token_seconds_bucket``, ...): ``[{"labels": {...}, "value": v}]``,
+    with +-Inf and NaN values as null (JSON has no such numbers)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            value = sample.value if math.isfinite(sample.value) else None
+            out.setdefault(sample.name, []).append({"labels": dict(sample.labels), "value": value})
+    return out
+
+
 def register(app: FastAPI, engine: AsyncLLMEngine) -> None:
     """Add the pages, their static files and the dashboard endpoints to ``app``."""
     tokenizer = engine.tokenizer
@@ -89,6 +110,11 @@ def register(app: FastAPI, engine: AsyncLLMEngine) -> None:
     async def snapshot_stream() -> Response:
         return StreamingResponse(snapshot_events(engine), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get(METRICS_JSON_PATH, include_in_schema=False)
+    async def metrics_json() -> Response:
+        return JSONResponse({"time": time.time(), "metrics": registry_samples(engine.metrics.registry)},
+                            headers={"Cache-Control": "no-cache"})
 
     @app.get(BLOCK_PATH, summary="One KV block of the latest snapshot: owners and text")
     async def block(block_id: int) -> Response:

@@ -22,7 +22,7 @@ from kvflow.entrypoints.web.routes import PUBLIC_PATHS, STATIC_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 API_KEY = "sk-web"
-STREAM, BLOCKS = "/dashboard/api/stream", "/dashboard/api/blocks"
+STREAM, BLOCKS, METRICS_JSON = "/dashboard/api/stream", "/dashboard/api/blocks", "/dashboard/api/metrics"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -78,16 +78,45 @@ def test_pages_load_their_files_from_the_server(server):
     assert httpx.get(server.url + "/ui/no-such-file.js").status_code == 404
 
 
+def _static_files() -> list[Path]:
+    return sorted(p for p in STATIC_DIR.rglob("*") if p.is_file())
+
+
 def test_every_module_import_resolves_and_nothing_is_fetched_from_elsewhere():
-    files = {p.name for p in STATIC_DIR.iterdir()}
-    for path in STATIC_DIR.iterdir():
+    for path in _static_files():
+        if path.suffix not in (".js", ".html", ".css", ".svg"):
+            continue
         text = path.read_text()
-        if path.suffix == ".js":
+        if path.suffix == ".js" and VENDOR_DIR not in path.parents:
             for target in re.findall(r"""from\s+["']([^"']+)["']""", text):
-                assert target.startswith("./") and target[2:] in files, (path.name, target)
-        # The only absolute URL in the UI's files is the SVG namespace (an identifier, never fetched).
-        urls = set(re.findall(r"(?:https?:)?//[\w.-]+\.\w+[^\s\"'`)]*", text))
-        assert urls <= {"http://www.w3.org/2000/svg"}, (path.name, urls)
+                assert target.startswith("./") and (path.parent / target).resolve().is_file(), (path.name, target)
+            # The only absolute URL in our own files is the SVG namespace (an identifier, never fetched).
+        if VENDOR_DIR not in path.parents:
+            urls = set(re.findall(r"(?:https?:)?//[\w.-]+\.\w+[^\s\"'`)]*", text))
+            assert urls <= {"http://www.w3.org/2000/svg"}, (path.name, urls)
+    # (The vendored libraries name URLs in comments and as XML namespaces; the browser test
+    # checks that no page requests anything outside the server.)
+
+
+# ---------------------------------------------------------------------------- vendored libraries
+VENDOR_DIR = STATIC_DIR / "vendor"
+# directory -> (file whose header states the version, the pattern of that statement)
+VENDOR_HEADERS = {
+    "marked": ("marked.esm.js", r"marked v(\d+\.\d+\.\d+)"),
+    "dompurify": ("purify.min.js", r"DOMPurify (\d+\.\d+\.\d+)"),
+    "highlight.js": ("highlight.min.js", r"Highlight\.js v(\d+\.\d+\.\d+)"),
+    "uplot": ("uPlot.iife.min.js", r"uPlot \(v(\d+\.\d+\.\d+)\)"),
+}
+
+
+def test_vendored_libraries_carry_their_license_and_the_version_docs_state():
+    docs = (REPO_ROOT / "docs" / "web.md").read_text()
+    assert {p.name for p in VENDOR_DIR.iterdir()} == set(VENDOR_HEADERS)
+    for name, (file, pattern) in VENDOR_HEADERS.items():
+        assert (VENDOR_DIR / name / "LICENSE").stat().st_size > 500, name
+        version = re.search(pattern, (VENDOR_DIR / name / file).read_text()[:600]).group(1)
+        row = re.search(rf"^\| `{re.escape(name)}` \| ([^|]+) \|", docs, re.M)
+        assert row and row.group(1).strip() == version, (name, version, row and row.group(0))
 
 
 def test_docs_and_redoc_load_nothing_from_a_cdn(server):
@@ -124,6 +153,29 @@ def test_pages_are_open_and_data_needs_the_key(key_servers):
         with httpx.stream("GET", s.url + STREAM, headers=headers, timeout=10) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             assert _first_snapshot(r)["blocks"]["num_blocks"] == 128
+
+
+def test_metrics_json_is_the_registry_and_guarded_like_metrics(key_servers):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    closed, metrics_open = key_servers
+    assert httpx.get(closed.url + METRICS_JSON).status_code == 401
+    assert httpx.get(metrics_open.url + METRICS_JSON).status_code == 200  # --metrics-no-auth
+    r = httpx.get(closed.url + METRICS_JSON, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.headers["cache-control"] == "no-cache"
+    body = r.json()
+    assert abs(body["time"] - time.time()) < 60
+    text = httpx.get(closed.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    expected = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("kvflow:") and not sample.name.endswith("_created"):
+                expected.setdefault(sample.name, []).append({"labels": sample.labels, "value": sample.value})
+    got = {k: v for k, v in body["metrics"].items() if not k.endswith("_created")}
+    assert got == expected
+    assert got["kvflow:num_requests_running"] == [{"labels": {"model_name": "tiny"}, "value": 0.0}]
+    le = [s["labels"]["le"] for s in got["kvflow:time_to_first_token_seconds_bucket"]]
+    assert le[-1] == "+Inf" and len(le) > 5
 
 
 def _first_snapshot(response) -> dict:
@@ -212,7 +264,8 @@ def test_the_wheel_holds_the_web_files(tmp_path):
                     str(tmp_path / "dist")], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("kvflow-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"kvflow/entrypoints/web/static/{p.name}" for p in STATIC_DIR.iterdir()}
+    expected = {f"kvflow/entrypoints/web/static/{p.relative_to(STATIC_DIR).as_posix()}" for p in _static_files()}
+    assert any("/vendor/marked/LICENSE" in n for n in expected)
     assert expected <= names, expected - names
 
 

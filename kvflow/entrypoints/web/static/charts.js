@@ -1,133 +1,112 @@
-// Small canvas charts for the dashboard (no library): time-series lines and per-step bars.
+// The dashboard's charts, drawn by uPlot (vendor/uplot/, loaded as a classic script that
+// defines window.uPlot): time series over the last minutes, and the last steps' scheduled
+// tokens as bars stacked by kind.
+
+const uPlot = window.uPlot;
 
 function cssVar(name) {
   return getComputedStyle(document.documentElement).getPropertyValue(name).trim();
 }
 
-// A canvas sized to its CSS box at the device's pixel ratio; returns its 2D context and
-// its size in CSS pixels.
-export function fitCanvas(canvas, cssHeight) {
-  const ratio = window.devicePixelRatio || 1;
-  const width = canvas.clientWidth || canvas.parentElement.clientWidth;
-  if (cssHeight !== undefined) canvas.style.height = `${cssHeight}px`;
-  const height = canvas.clientHeight || cssHeight;
-  if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
-    canvas.width = Math.round(width * ratio);
-    canvas.height = Math.round(height * ratio);
-  }
-  const ctx = canvas.getContext("2d");
-  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
-  return { ctx, width, height };
+const INTEGER_STEPS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000];
+
+function axes(format, integer = false) {
+  const stroke = cssVar("--muted");
+  const grid = { stroke: cssVar("--border"), width: 1 };
+  const y = { stroke, grid, ticks: { show: false }, size: 52, font: "11px system-ui, sans-serif", values: (u, vals) => vals.map((v) => format(v)) };
+  if (integer) y.incrs = INTEGER_STEPS; // counts: no 0.5 ticks
+  return [{ stroke, grid, ticks: { show: false }, size: 22, font: "11px system-ui, sans-serif" }, y];
 }
 
-// Lines over the last ``windowS`` seconds. push(t, [v0, v1, ...]) with t in seconds and
-// null for "no value" (a gap).
-export class LineChart {
-  constructor(canvas, { series, format = (v) => v.toFixed(1), min = 0, max = null, windowS = 300, height = 130 }) {
-    this.canvas = canvas;
-    this.series = series; // [{name, color}]
-    this.format = format;
-    this.min = min;
-    this.max = max;
+const MIN_SPAN_S = 60; // a time axis spans at least this, newest right (whole-second ticks)
+
+function widthOf(el) {
+  return Math.max(120, Math.floor(el.clientWidth || el.parentElement.clientWidth || 300));
+}
+
+// Lines over the last ``windowS`` seconds. push(t, [v0, v1, ...]) with t in Unix seconds
+// and null for "no value" (a gap); ``latest()`` is the last values pushed.
+export class TimeChart {
+  constructor(el, { series, format = (v) => v.toFixed(1), max = null, integer = false, windowS = 300, height = 130 }) {
+    this.el = el;
     this.windowS = windowS;
-    this.height = height;
-    this.points = []; // [t, values]
+    this.times = [];
+    this.values = series.map(() => []);
+    this.plot = new uPlot(
+      {
+        width: widthOf(el),
+        height,
+        legend: { show: true, live: false },
+        cursor: { show: true, drag: { x: false, y: false } },
+        scales: {
+          x: { time: true, range: (u, lo, hi) => (hi == null ? [Date.now() / 1000 - MIN_SPAN_S, Date.now() / 1000] : [Math.min(lo, hi - MIN_SPAN_S), hi]) },
+          y: { range: (u, lo, hi) => [0, max ?? (hi > 0 ? (integer ? Math.max(1, Math.ceil(hi * 1.1)) : hi * 1.1) : 1)] },
+        },
+        axes: axes(format, integer),
+        series: [{}, ...series.map((s) => ({ label: s.name, stroke: s.color, width: 1.5, spanGaps: false, points: { show: false }, value: (u, v) => (v == null ? "–" : format(v)) }))],
+      },
+      [[], ...series.map(() => [])],
+      el,
+    );
   }
 
   push(t, values) {
-    this.points.push([t, values]);
-    while (this.points.length && this.points[0][0] < t - this.windowS) this.points.shift();
+    this.times.push(t);
+    values.forEach((v, i) => this.values[i].push(v === undefined || (v !== null && !Number.isFinite(v)) ? null : v));
+    while (this.times.length && this.times[0] < t - this.windowS) {
+      this.times.shift();
+      for (const vs of this.values) vs.shift();
+    }
   }
 
   latest() {
-    return this.points.length ? this.points[this.points.length - 1][1] : null;
+    return this.times.length ? this.values.map((vs) => vs[vs.length - 1]) : null;
   }
 
   draw() {
-    const { ctx, width, height } = fitCanvas(this.canvas, this.height);
-    const pad = { l: 44, r: 8, t: 16, b: 16 };
-    ctx.clearRect(0, 0, width, height);
-    const text = cssVar("--muted");
-    const grid = cssVar("--border");
-    const now = this.points.length ? this.points[this.points.length - 1][0] : 0;
-    let hi = this.max;
-    if (hi === null) {
-      hi = 0;
-      for (const [, vs] of this.points) for (const v of vs) if (v !== null && v > hi) hi = v;
-      hi = hi > 0 ? niceCeil(hi * 1.1) : 1;
-    }
-    const lo = this.min;
-    ctx.font = "10px system-ui, sans-serif";
-    // the left margin fits the widest axis label (e.g. "10000 ms")
-    const ticks = [lo, (lo + hi) / 2, hi];
-    pad.l = Math.max(pad.l, 8 + Math.max(...ticks.map((v) => ctx.measureText(this.format(v)).width)));
-    const x = (t) => pad.l + ((t - (now - this.windowS)) / this.windowS) * (width - pad.l - pad.r);
-    const y = (v) => height - pad.b - ((v - lo) / (hi - lo || 1)) * (height - pad.t - pad.b);
-    ctx.fillStyle = text;
-    ctx.strokeStyle = grid;
-    ctx.lineWidth = 1;
-    for (const v of ticks) {
-      ctx.beginPath();
-      ctx.moveTo(pad.l, Math.round(y(v)) + 0.5);
-      ctx.lineTo(width - pad.r, Math.round(y(v)) + 0.5);
-      ctx.stroke();
-      ctx.textAlign = "right";
-      ctx.textBaseline = "middle";
-      ctx.fillText(this.format(v), pad.l - 4, y(v));
-    }
-    ctx.textAlign = "left";
-    ctx.textBaseline = "alphabetic";
-    ctx.fillText(`−${Math.round(this.windowS / 60)} min`, pad.l, height - 3);
-    ctx.textAlign = "right";
-    ctx.fillText("now", width - pad.r, height - 3);
-    // legend
-    let lx = width - pad.r;
-    ctx.textBaseline = "top";
-    for (let i = this.series.length - 1; i >= 0; i--) {
-      const s = this.series[i];
-      ctx.fillStyle = s.color;
-      ctx.textAlign = "right";
-      ctx.fillText(s.name, lx, 2);
-      lx -= ctx.measureText(s.name).width + 12;
-    }
-    this.series.forEach((s, i) => {
-      ctx.strokeStyle = s.color;
-      ctx.lineWidth = 1.6;
-      ctx.beginPath();
-      let drawing = false;
-      for (const [t, vs] of this.points) {
-        const v = vs[i];
-        if (v === null || v === undefined || !Number.isFinite(v)) {
-          drawing = false;
-          continue;
-        }
-        const px = x(t);
-        const py = y(Math.min(Math.max(v, lo), hi));
-        if (!drawing) {
-          ctx.moveTo(px, py);
-          drawing = true;
-        } else ctx.lineTo(px, py);
-      }
-      ctx.stroke();
-    });
+    const width = widthOf(this.el);
+    if (width !== this.plot.width) this.plot.setSize({ width, height: this.plot.height });
+    this.plot.setData([this.times, ...this.values]);
   }
 }
 
-function niceCeil(v) {
-  const p = 10 ** Math.floor(Math.log10(v));
-  for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= v) return m * p;
-  return 10 * p;
-}
-
-// Bars of the latest steps' scheduled tokens, stacked by kind, under the token budget;
-// a red tick over a step that preempted requests.
+// Bars of the latest steps' scheduled tokens stacked by kind (prefill, decode, verify),
+// under the token budget; a red dot over a step that preempted requests.
 export class StepChart {
-  constructor(canvas, { maxSteps = 160, height = 90 } = {}) {
-    this.canvas = canvas;
+  constructor(el, { maxSteps = 160, height = 100 } = {}) {
+    this.el = el;
     this.maxSteps = maxSteps;
-    this.height = height;
     this.steps = [];
     this.budget = 1;
+    const bars = uPlot.paths.bars({ size: [0.9, 12] });
+    const bar = (label, color) => ({ label, fill: color, stroke: color, width: 0, paths: bars, points: { show: false } });
+    this.plot = new uPlot(
+      {
+        width: widthOf(el),
+        height,
+        legend: { show: false },
+        cursor: { show: false },
+        scales: { x: { time: false }, y: { range: (u, lo, hi) => [0, this.scale()] } },
+        axes: [{ show: false }, axes((v) => v.toFixed(0))[1]],
+        series: [
+          {},
+          // drawn in order, each over the previous: the total (verify on top), then prefill + decode, then prefill
+          bar("verify", cssVar("--k-verify")),
+          bar("decode", cssVar("--k-decode")),
+          bar("prefill", cssVar("--k-prefill")),
+          { label: "preempted", stroke: cssVar("--danger"), width: 0, points: { show: true, size: 6, fill: cssVar("--danger") }, paths: () => null },
+        ],
+      },
+      [[], [], [], [], []],
+      el,
+    );
+  }
+
+  // The budget is the scale unless every step uses a small part of it.
+  scale() {
+    let peak = 0;
+    for (const s of this.steps) peak = Math.max(peak, s.num_scheduled_tokens);
+    return peak > this.budget / 8 ? this.budget : Math.max(1, peak * 1.2);
   }
 
   push(steps, budget) {
@@ -137,38 +116,18 @@ export class StepChart {
   }
 
   draw() {
-    const { ctx, width, height } = fitCanvas(this.canvas, this.height);
-    ctx.clearRect(0, 0, width, height);
-    const top = 12;
-    const h = height - top - 2;
-    const w = width / this.maxSteps;
-    const kinds = [
-      ["num_prefill_tokens", cssVar("--k-prefill")],
-      ["num_decode_tokens", cssVar("--k-decode")],
-      ["num_verify_tokens", cssVar("--k-verify")],
-    ];
-    let peak = 0;
-    for (const s of this.steps) peak = Math.max(peak, s.num_scheduled_tokens);
-    // The budget is the scale unless every step uses a small part of it.
-    const scale = peak > this.budget / 8 ? this.budget : niceCeil(peak || 1);
-    const offset = this.maxSteps - this.steps.length;
-    this.steps.forEach((s, i) => {
-      let y = height - 2;
-      for (const [key, color] of kinds) {
-        const bh = (Math.min(s[key], scale) / scale) * h;
-        ctx.fillStyle = color;
-        ctx.fillRect((offset + i) * w, y - bh, Math.max(w - 1, 1), bh);
-        y -= bh;
-      }
-      if (s.num_preempted > 0) {
-        ctx.fillStyle = cssVar("--danger");
-        ctx.fillRect((offset + i) * w, 0, Math.max(w - 1, 2), 5);
-      }
-    });
-    ctx.fillStyle = cssVar("--muted");
-    ctx.font = "10px system-ui, sans-serif";
-    ctx.textBaseline = "top";
-    ctx.textAlign = "left";
-    ctx.fillText(scale === this.budget ? `budget ${this.budget} tokens` : `scale ${scale} tokens (budget ${this.budget})`, 2, 0);
+    const width = widthOf(this.el);
+    if (width !== this.plot.width) this.plot.setSize({ width, height: this.plot.height });
+    const s = this.steps;
+    const pad = this.maxSteps - s.length; // newest right: empty slots on the left
+    const xs = Array.from({ length: this.maxSteps }, (_, i) => i);
+    const col = (f) => [...Array(pad).fill(null), ...s.map(f)];
+    this.plot.setData([
+      xs,
+      col((x) => x.num_prefill_tokens + x.num_decode_tokens + x.num_verify_tokens),
+      col((x) => x.num_prefill_tokens + x.num_decode_tokens),
+      col((x) => x.num_prefill_tokens || null),
+      col((x) => (x.num_preempted ? this.scale() * 0.95 : null)),
+    ]);
   }
 }

@@ -1,6 +1,8 @@
 // The chat playground: a conversation streamed from /v1/chat/completions (SSE), with a
 // system prompt, sampling controls, a stop button (closing the stream aborts the request
-// on the server, which frees its KV blocks), TTFT and tokens/s of each reply, Markdown.
+// on the server, which frees its KV blocks), TTFT and tokens/s of each reply, Markdown
+// with highlighted code (markdown.js), conversations saved in this browser (localStorage),
+// regenerate a reply and edit a message (the conversation continues from there).
 
 import { apiFetch, modelInfo, onKeyChange, setupKeyButton, sseEvents } from "./api.js";
 import { renderMarkdown } from "./markdown.js";
@@ -9,7 +11,12 @@ const $ = (id) => document.getElementById(id);
 const SETTINGS_STORAGE = "kvflow.chatSettings";
 const DEFAULTS = { system: "", temperature: 0.7, top_p: 1, max_tokens: 512, seed: "" };
 
-const history = []; // {role, content} of finished turns
+const CONVERSATIONS_STORAGE = "kvflow.conversations";
+const CURRENT_STORAGE = "kvflow.currentConversation";
+const MAX_CONVERSATIONS = 100; // the oldest are dropped beyond this (and when storage is full)
+
+let conversations = []; // [{id, title, updated, messages: [{role, content, stats?, finish?}]}], newest first
+let current = null; // the conversation shown
 let controller = null; // AbortController of the reply in progress
 
 // ---------------------------------------------------------------- settings
@@ -66,22 +73,145 @@ function samplingFields() {
   return fields;
 }
 
+// ---------------------------------------------------------------- conversations (localStorage)
+function loadConversations() {
+  try {
+    const saved = JSON.parse(localStorage.getItem(CONVERSATIONS_STORAGE) || "[]");
+    conversations = Array.isArray(saved) ? saved.filter((c) => c && typeof c.id === "string" && Array.isArray(c.messages)) : [];
+  } catch {
+    conversations = [];
+  }
+  const id = localStorage.getItem(CURRENT_STORAGE);
+  current = conversations.find((c) => c.id === id) || null;
+}
+
+// Writes every conversation with messages (an empty one is not kept); drops the oldest
+// when the browser's storage is full.
+function saveConversations() {
+  if (current && current.messages.length && !conversations.includes(current)) conversations.unshift(current);
+  conversations.sort((a, b) => b.updated - a.updated);
+  const kept = conversations.filter((c) => c.messages.length).slice(0, MAX_CONVERSATIONS);
+  for (;;) {
+    try {
+      localStorage.setItem(CONVERSATIONS_STORAGE, JSON.stringify(kept));
+      break;
+    } catch (error) {
+      if (kept.length <= 1) {
+        console.warn("kvflow: could not save the conversation", error);
+        break;
+      }
+      kept.pop();
+    }
+  }
+  conversations = kept;
+  if (current) localStorage.setItem(CURRENT_STORAGE, current.id);
+  else localStorage.removeItem(CURRENT_STORAGE);
+  renderList();
+}
+
+function newConversation() {
+  return { id: `c${Date.now().toString(36)}${Math.random().toString(36).slice(2, 8)}`, title: "", updated: Date.now(), messages: [] };
+}
+
+function touch() {
+  current.updated = Date.now();
+  if (!current.title) {
+    const first = current.messages.find((m) => m.role === "user");
+    if (first) current.title = first.content.replace(/\s+/g, " ").trim().slice(0, 60);
+  }
+  saveConversations();
+}
+
+function renderList() {
+  const list = $("conversations");
+  list.replaceChildren();
+  for (const c of conversations) {
+    const li = document.createElement("li");
+    li.dataset.id = c.id;
+    if (current && c.id === current.id) li.className = "active";
+    const open = document.createElement("button");
+    open.type = "button";
+    open.className = "open";
+    open.textContent = c.title || "(untitled)";
+    open.title = `${c.title}\n${new Date(c.updated).toLocaleString()} · ${c.messages.length} messages`;
+    const del = document.createElement("button");
+    del.type = "button";
+    del.className = "delete";
+    del.textContent = "×";
+    del.title = "Delete this conversation";
+    del.setAttribute("aria-label", `Delete conversation ${c.title}`);
+    li.append(open, del);
+    list.append(li);
+  }
+  if (!conversations.length) {
+    const li = document.createElement("li");
+    li.className = "muted";
+    li.textContent = "(none yet)";
+    list.append(li);
+  }
+}
+
+$("conversations").addEventListener("click", (event) => {
+  const li = event.target.closest("li[data-id]");
+  if (!li || controller) return;
+  if (event.target.closest("button.delete")) {
+    conversations = conversations.filter((c) => c.id !== li.dataset.id);
+    if (current && current.id === li.dataset.id) current = newConversation();
+    saveConversations();
+    renderConversation();
+  } else if (event.target.closest("button.open")) {
+    current = conversations.find((c) => c.id === li.dataset.id) || newConversation();
+    saveConversations();
+    renderConversation();
+    setPanel(false);
+  }
+});
+
 // ---------------------------------------------------------------- messages
-function addMessage(role, text) {
+function renderConversation() {
+  const box = $("messages");
+  box.replaceChildren();
+  if (!current.messages.length) {
+    const hint = document.createElement("p");
+    hint.className = "empty-hint";
+    hint.id = "empty-hint";
+    hint.textContent = "Ask something. Replies stream token by token; Stop aborts the request and frees its KV blocks.";
+    box.append(hint);
+  }
+  current.messages.forEach((m, i) => {
+    const el = addMessage(m.role, m.content, i);
+    if (m.stats) el.querySelector(".stats").textContent = m.stats;
+    if (m.finish) el.dataset.done = m.finish;
+  });
+  renderList();
+}
+
+function button(label, title, data) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.textContent = label;
+  b.title = title;
+  b.dataset[data] = "";
+  return b;
+}
+
+function addMessage(role, text, index) {
   $("empty-hint")?.remove();
   const el = document.createElement("div");
   el.className = `msg ${role}`;
-  el.innerHTML = `<div class="role"><span>${role}</span></div><div class="body"></div><div class="stats"></div>`;
+  el.dataset.index = index;
+  el.dataset.raw = text;
+  el.innerHTML = `<div class="role"><span></span></div><div class="body"></div><div class="stats"></div>`;
+  el.querySelector(".role span").textContent = role;
   const body = el.querySelector(".body");
-  if (role === "user") body.textContent = text;
-  else body.innerHTML = renderMarkdown(text);
+  if (role === "assistant") body.innerHTML = renderMarkdown(text);
+  else body.textContent = text;
+  const bar = el.querySelector(".role");
   if (role === "assistant") {
-    const copy = document.createElement("button");
-    copy.type = "button";
-    copy.textContent = "Copy";
-    copy.title = "Copy the reply's Markdown";
-    copy.dataset.copyMessage = "";
-    el.querySelector(".role").append(copy);
+    bar.append(button("Copy", "Copy the reply's Markdown", "copyMessage"));
+    bar.append(button("Regenerate", "Ask for this reply again", "regenerate"));
+  } else if (role === "user") {
+    bar.append(button("Edit", "Edit this message and continue from it", "edit"));
   }
   $("messages").append(el);
   scrollDown();
@@ -129,6 +259,61 @@ $("messages").addEventListener("click", async (event) => {
   }
 });
 
+
+$("messages").addEventListener("click", (event) => {
+  const b = event.target.closest("button");
+  const msg = b?.closest(".msg");
+  if (!msg || controller) return;
+  const index = Number(msg.dataset.index);
+  if ("regenerate" in b.dataset) regenerate(index);
+  else if ("edit" in b.dataset) startEdit(msg, index);
+});
+
+// Regenerate the assistant message at ``index``: the conversation is cut before it and
+// the reply asked for again.
+function regenerate(index) {
+  if (current.messages[index]?.role !== "assistant") return;
+  current.messages.length = index;
+  touch();
+  renderConversation();
+  generate();
+}
+
+// Edit the user message at ``index`` in place; Save & send cuts the conversation after it
+// and asks for a new reply.
+function startEdit(msg, index) {
+  if (msg.querySelector(".edit-box")) return;
+  const body = msg.querySelector(".body");
+  const box = document.createElement("div");
+  box.className = "edit-box";
+  const area = document.createElement("textarea");
+  area.value = current.messages[index].content;
+  area.rows = Math.min(12, Math.max(2, area.value.split("\n").length));
+  const row = document.createElement("div");
+  row.className = "row";
+  const cancel = button("Cancel", "Keep the message as it was", "editCancel");
+  cancel.className = "secondary";
+  const save = button("Save & send", "Replace the message and ask for a new reply", "editSave");
+  row.append(cancel, save);
+  box.append(area, row);
+  body.hidden = true;
+  msg.insertBefore(box, body);
+  area.focus();
+  cancel.addEventListener("click", () => {
+    box.remove();
+    body.hidden = false;
+  });
+  save.addEventListener("click", () => {
+    const text = area.value.trim();
+    if (!text || controller) return;
+    current.messages.length = index;
+    current.messages.push({ role: "user", content: text });
+    touch();
+    renderConversation();
+    generate();
+  });
+}
+
 // ---------------------------------------------------------------- one reply
 function formatStats(r) {
   const parts = [];
@@ -141,7 +326,16 @@ function formatStats(r) {
   return parts.join(" · ");
 }
 
-async function send(text) {
+function send(text) {
+  if (!current) current = newConversation();
+  current.messages.push({ role: "user", content: text });
+  addMessage("user", text, current.messages.length - 1);
+  touch();
+  generate();
+}
+
+// Streams a reply to the current conversation's messages and appends it.
+async function generate() {
   let fields;
   try {
     fields = samplingFields();
@@ -149,12 +343,12 @@ async function send(text) {
     alert(error.message);
     return;
   }
+  const conversation = current;
   const messages = [];
   const system = $("system").value.trim();
   if (system) messages.push({ role: "system", content: system });
-  messages.push(...history, { role: "user", content: text });
-  addMessage("user", text);
-  const el = addMessage("assistant", "");
+  messages.push(...conversation.messages.map(({ role, content }) => ({ role, content })));
+  const el = addMessage("assistant", "", conversation.messages.length);
   el.classList.add("streaming");
   const body = el.querySelector(".body");
   const stats = el.querySelector(".stats");
@@ -178,6 +372,7 @@ async function send(text) {
   setBusy(true);
   const sentAt = performance.now();
   let stopped = false;
+  let failed = false;
   try {
     const response = await apiFetch("/v1/chat/completions", {
       method: "POST",
@@ -214,6 +409,7 @@ async function send(text) {
       stopped = true;
       reply.finish = "stopped";
     } else {
+      failed = true;
       const p = document.createElement("p");
       p.className = "error";
       p.textContent = error.message;
@@ -224,19 +420,32 @@ async function send(text) {
     controller = null;
     setBusy(false);
     el.classList.remove("streaming");
-    if (!body.querySelector(".error")) render();
-    el.dataset.finish = reply.finish || "";
-    el.dataset.done = stopped ? "stopped" : "done";
-  }
-  if (reply.text) {
-    history.push({ role: "user", content: text }, { role: "assistant", content: reply.text });
+    if (!failed) render();
+    // A reply (even a stopped one) joins the conversation; a failed request leaves it as it
+    // was, so that Regenerate or Send can try again.
+    if (!failed && (reply.text || stopped)) {
+      conversation.messages.push({ role: "assistant", content: reply.text, stats: formatStats(reply), finish: stopped ? "stopped" : "done" });
+      if (conversation === current) touch();
+      else saveConversations();
+    } else if (failed) {
+      el.querySelector("[data-regenerate]")?.remove();
+    }
+    el.dataset.done = stopped ? "stopped" : failed ? "error" : "done";
   }
 }
 
 function setBusy(busy) {
   $("send").disabled = busy;
   $("stop").hidden = !busy;
+  document.body.classList.toggle("busy", busy);
 }
+
+// ---------------------------------------------------------------- the side panel (narrow screens)
+function setPanel(open) {
+  document.body.classList.toggle("panel-open", open);
+  $("panel-toggle").setAttribute("aria-expanded", String(open));
+}
+$("panel-toggle").addEventListener("click", () => setPanel(!document.body.classList.contains("panel-open")));
 
 // ---------------------------------------------------------------- wiring
 $("composer").addEventListener("submit", (event) => {
@@ -255,8 +464,11 @@ $("prompt").addEventListener("keydown", (event) => {
 $("stop").addEventListener("click", () => controller?.abort());
 $("new-chat").addEventListener("click", () => {
   controller?.abort();
-  history.length = 0;
-  $("messages").innerHTML = "";
+  current = newConversation();
+  saveConversations();
+  renderConversation();
+  setPanel(false);
+  $("prompt").focus();
 });
 
 async function showModel() {
@@ -269,6 +481,9 @@ async function showModel() {
 }
 
 loadSettings();
+loadConversations();
+if (!current) current = newConversation();
+renderConversation();
 setupKeyButton($("key-button"));
 onKeyChange(showModel);
 showModel();

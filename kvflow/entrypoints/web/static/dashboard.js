@@ -1,9 +1,12 @@
-// The live engine view: the snapshot stream (/dashboard/api/stream) drawn as the KV block
-// pool, the last step's batch, the queues; /metrics scraped every second for the charts.
+// The live engine view. One source per fact, so that the page never contradicts itself:
+// the snapshot stream (/dashboard/api/stream) alone draws the status line, the KV block
+// pool, the last step's batch, the queues and the engine-state charts (requests, KV usage,
+// prefix-cache hit rate, speculative acceptance), all from the same snapshot in one render;
+// the latency charts (output tokens/s, TTFT, inter-token latency) come from the server's
+// Prometheus registry as JSON (/dashboard/api/metrics), polled every second.
 
 import { apiFetch, modelInfo, onKeyChange, setupKeyButton, sseEvents } from "./api.js";
-import { LineChart, StepChart, fitCanvas } from "./charts.js";
-import { buckets, parseMetrics, quantileBetween, total } from "./prometheus.js";
+import { StepChart, TimeChart } from "./charts.js";
 
 const $ = (id) => document.getElementById(id);
 const STREAM = "/dashboard/api/stream";
@@ -16,6 +19,22 @@ let grid = null; // the block grid's layout {cell, cols, n}
 let streamController = null;
 let paused = false;
 let renderPending = false;
+
+// A canvas sized to its CSS box at the device's pixel ratio; returns its 2D context and
+// its size in CSS pixels.
+function fitCanvas(canvas, cssHeight) {
+  const ratio = window.devicePixelRatio || 1;
+  const width = canvas.clientWidth || canvas.parentElement.clientWidth;
+  if (cssHeight !== undefined) canvas.style.height = `${cssHeight}px`;
+  const height = canvas.clientHeight || cssHeight;
+  if (canvas.width !== Math.round(width * ratio) || canvas.height !== Math.round(height * ratio)) {
+    canvas.width = Math.round(width * ratio);
+    canvas.height = Math.round(height * ratio);
+  }
+  const ctx = canvas.getContext("2d");
+  ctx.setTransform(ratio, 0, 0, ratio, 0, 0);
+  return { ctx, width, height };
+}
 
 const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
 const shortId = (id) => (id.length > 14 ? `${id.slice(0, 8)}…${id.slice(-3)}` : id);
@@ -33,6 +52,7 @@ async function stream() {
         if (event !== "snapshot") continue;
         snap = JSON.parse(data);
         if (snap.steps.length) steps.push(snap.steps, snap.config.max_num_batched_tokens);
+        pushEngineCharts(snap);
         scheduleRender();
       }
       setLive("stream ended", false);
@@ -82,6 +102,7 @@ function render() {
   renderPool();
   renderBatch();
   renderQueues();
+  renderEngineCharts();
 }
 
 // ---------------------------------------------------------------- status
@@ -91,6 +112,7 @@ function renderStatus() {
   $("num-running").textContent = snap.running.length;
   $("num-waiting").textContent = snap.waiting.length;
   $("kv-usage").textContent = `${(100 * snap.stats.kv_cache_usage).toFixed(1)}%`;
+  $("as-of").textContent = new Date(snap.time * 1000).toLocaleTimeString();
   $("config").textContent =
     `${c.num_blocks} blocks × ${c.block_size} tokens · budget ${c.max_num_batched_tokens} tokens/step · ` +
     `max ${c.max_num_seqs} seqs · prefix caching ${c.enable_prefix_caching ? "on" : "off"}` +
@@ -328,73 +350,121 @@ for (const id of ["running", "waiting", "batch-table"]) {
   });
 }
 
-// ---------------------------------------------------------------- metrics
+// ---------------------------------------------------------------- charts
 const COLORS = ["#2563eb", "#f59e0b", "#dc2626"];
+const pct = (v) => `${v.toFixed(0)}%`;
+const three = (format) => ({ series: ["p50", "p90", "p99"].map((name, i) => ({ name, color: COLORS[i] })), format });
 const charts = {
-  toks: new LineChart($("chart-toks"), { series: [{ name: "tok/s", color: COLORS[0] }], format: (v) => v.toFixed(0) }),
-  kv: new LineChart($("chart-kv"), { series: [{ name: "usage %", color: COLORS[0] }], max: 100, format: (v) => `${v.toFixed(0)}%` }),
-  reqs: new LineChart($("chart-reqs"), { series: [{ name: "running", color: COLORS[0] }, { name: "waiting", color: COLORS[1] }], format: (v) => v.toFixed(0) }),
-  hit: new LineChart($("chart-hit"), { series: [{ name: "hit %", color: COLORS[0] }], max: 100, format: (v) => `${v.toFixed(0)}%` }),
-  acc: new LineChart($("chart-acc"), { series: [{ name: "accepted %", color: COLORS[0] }], max: 100, format: (v) => `${v.toFixed(0)}%` }),
-  ttft: new LineChart($("chart-ttft"), { series: ["p50", "p90", "p99"].map((name, i) => ({ name, color: COLORS[i] })), format: (v) => `${v.toFixed(2)} s` }),
-  itl: new LineChart($("chart-itl"), { series: ["p50", "p90", "p99"].map((name, i) => ({ name, color: COLORS[i] })), format: (v) => `${v.toFixed(0)} ms` }),
+  // from the snapshots (the same data as the status line, the grid and the tables)
+  reqs: new TimeChart($("chart-reqs"), { series: [{ name: "running", color: COLORS[0] }, { name: "waiting", color: COLORS[1] }], integer: true, format: (v) => v.toFixed(0) }),
+  kv: new TimeChart($("chart-kv"), { series: [{ name: "usage %", color: COLORS[0] }], max: 100, format: pct }),
+  hit: new TimeChart($("chart-hit"), { series: [{ name: "hit %", color: COLORS[0] }], max: 100, format: pct }),
+  acc: new TimeChart($("chart-acc"), { series: [{ name: "accepted %", color: COLORS[0] }], max: 100, format: pct }),
+  // from the Prometheus registry (/dashboard/api/metrics)
+  toks: new TimeChart($("chart-toks"), { series: [{ name: "tok/s", color: COLORS[0] }], format: (v) => v.toFixed(0) }),
+  ttft: new TimeChart($("chart-ttft"), three((v) => `${v.toFixed(2)} s`)),
+  itl: new TimeChart($("chart-itl"), three((v) => `${v.toFixed(0)} ms`)),
 };
 const steps = new StepChart($("steps"));
-const scrapes = []; // {t, m}
-const P = "kvflow:";
-
-function scrapeAgo(t, seconds) {
-  // the oldest scrape within ``seconds`` before t (or the oldest kept)
-  for (const s of scrapes) if (s.t >= t - seconds - 0.5) return s;
-  return scrapes[0];
-}
-
 const ratio = (a, b) => (b > 0 ? (100 * a) / b : null);
 const fmt = (v, f) => (v === null || v === undefined ? "–" : f(v));
 
-async function scrape() {
-  let m;
+// The oldest of ``list`` ({t, ...}, oldest first) within ``seconds`` before t (or the oldest kept).
+function ago(list, t, seconds) {
+  for (const x of list) if (x.t >= t - seconds - 0.5) return x;
+  return list[0];
+}
+
+const snapStats = []; // {t, stats} of the last 65 s of snapshots
+function pushEngineCharts(s) {
+  const t = s.time;
+  snapStats.push({ t, stats: s.stats });
+  while (snapStats.length && snapStats[0].t < t - 65) snapStats.shift();
+  const w10 = ago(snapStats, t, 10).stats;
+  const d = (key) => (s.stats[key] || 0) - (w10[key] || 0);
+  charts.reqs.push(t, [s.running.length, s.waiting.length]);
+  charts.kv.push(t, [100 * s.stats.kv_cache_usage]);
+  charts.hit.push(t, [ratio(d("prefix_cache_hits"), d("prefix_cache_queries"))]);
+  charts.acc.push(t, [ratio(d("spec_num_accepted_tokens"), d("spec_num_draft_tokens"))]);
+}
+
+function renderEngineCharts() {
+  const [running, waiting] = charts.reqs.latest();
+  $("now-reqs").textContent = `${running} running · ${waiting} waiting`;
+  $("chart-reqs").dataset.latest = JSON.stringify([running, waiting]);
+  $("now-kv").textContent = `${charts.kv.latest()[0].toFixed(1)}%`;
+  $("now-hit").textContent = fmt(charts.hit.latest()[0], (v) => `${v.toFixed(1)}%`);
+  $("now-acc").textContent = !snap.config.num_speculative_tokens ? "no speculation" : fmt(charts.acc.latest()[0], (v) => `${v.toFixed(1)}%`);
+  for (const name of ["reqs", "kv", "hit", "acc"]) charts[name].draw();
+}
+
+// ---------------------------------------------------------------- metrics (latencies)
+// {name: [{labels, value}]} of the server's registry, as /dashboard/api/metrics sends it.
+const P = "kvflow:";
+const total = (m, name) => (m[name] || []).reduce((sum, x) => sum + x.value, 0);
+
+// [[upper bound, cumulative count]] of a histogram, by ascending bound.
+function buckets(m, name) {
+  const byLe = new Map();
+  for (const s of m[`${name}_bucket`] || []) {
+    const le = s.labels.le === "+Inf" ? Infinity : parseFloat(s.labels.le);
+    byLe.set(le, (byLe.get(le) || 0) + s.value);
+  }
+  return [...byLe.entries()].sort((a, b) => a[0] - b[0]);
+}
+
+// The q-quantile of the observations between two readings of one histogram (buckets() of
+// each), by linear interpolation inside the bucket as Prometheus' histogram_quantile();
+// null when nothing was observed in between; in the +Inf bucket, the highest finite bound.
+function quantileBetween(older, newer, q) {
+  const old = new Map(older);
+  const counts = newer.map(([le, c]) => [le, c - (old.get(le) || 0)]);
+  const n = counts.length ? counts[counts.length - 1][1] : 0;
+  if (!(n > 0)) return null;
+  const rank = q * n;
+  let prevLe = 0;
+  let prevCount = 0;
+  for (const [le, c] of counts) {
+    if (c >= rank) {
+      if (le === Infinity) return prevLe;
+      if (c === prevCount) return le;
+      return prevLe + ((le - prevLe) * (rank - prevCount)) / (c - prevCount);
+    }
+    prevLe = le;
+    prevCount = c;
+  }
+  return prevLe;
+}
+
+const readings = []; // {t, m}
+async function poll() {
+  let body;
   try {
-    m = parseMetrics(await (await apiFetch("/metrics")).text());
+    body = await (await apiFetch("/dashboard/api/metrics")).json();
   } catch {
     return;
   }
-  const t = performance.now() / 1000;
-  const prev = scrapes[scrapes.length - 1];
-  scrapes.push({ t, m });
-  while (scrapes.length && scrapes[0].t < t - 65) scrapes.shift();
-  const gen = total(m, `${P}generation_tokens_total`);
-  const toks = prev ? Math.max(0, gen - total(prev.m, `${P}generation_tokens_total`)) / (t - prev.t) : null;
-  const w10 = scrapeAgo(t, 10).m;
-  const hit = ratio(total(m, `${P}prefix_cache_hits_total`) - total(w10, `${P}prefix_cache_hits_total`),
-    total(m, `${P}prefix_cache_queries_total`) - total(w10, `${P}prefix_cache_queries_total`));
-  const acc = ratio(total(m, `${P}spec_decode_num_accepted_tokens_total`) - total(w10, `${P}spec_decode_num_accepted_tokens_total`),
-    total(m, `${P}spec_decode_num_draft_tokens_total`) - total(w10, `${P}spec_decode_num_draft_tokens_total`));
-  const w30 = scrapeAgo(t, 30).m;
+  const t = body.time;
+  const m = body.metrics;
+  const prev = readings[readings.length - 1];
+  readings.push({ t, m });
+  while (readings.length && readings[0].t < t - 65) readings.shift();
+  const gen = `${P}generation_tokens_total`;
+  const toks = prev && t > prev.t ? Math.max(0, total(m, gen) - total(prev.m, gen)) / (t - prev.t) : null;
+  const w30 = ago(readings, t, 30).m;
   const q = (name, scale) => [0.5, 0.9, 0.99].map((p) => {
     const v = quantileBetween(buckets(w30, `${P}${name}`), buckets(m, `${P}${name}`), p);
     return v === null ? null : v * scale;
   });
-  const kv = 100 * total(m, `${P}kv_cache_usage_perc`);
-  const running = total(m, `${P}num_requests_running`);
-  const waiting = total(m, `${P}num_requests_waiting`);
-  charts.toks.push(t, [toks]);
-  charts.kv.push(t, [kv]);
-  charts.reqs.push(t, [running, waiting]);
-  charts.hit.push(t, [hit]);
-  charts.acc.push(t, [acc]);
   const ttft = q("time_to_first_token_seconds", 1);
   const itl = q("inter_token_latency_seconds", 1000);
+  charts.toks.push(t, [toks]);
   charts.ttft.push(t, ttft);
   charts.itl.push(t, itl);
   $("now-toks").textContent = fmt(toks, (v) => `${v.toFixed(1)} tok/s`);
-  $("now-kv").textContent = `${kv.toFixed(1)}%`;
-  $("now-reqs").textContent = `${running} running · ${waiting} waiting`;
-  $("now-hit").textContent = fmt(hit, (v) => `${v.toFixed(1)}%`);
-  $("now-acc").textContent = snap && !snap.config.num_speculative_tokens ? "no speculation" : fmt(acc, (v) => `${v.toFixed(1)}%`);
   $("now-ttft").textContent = ttft[0] === null ? "no first token in 30 s" : ttft.map((v) => `${v.toFixed(2)} s`).join(" / ");
   $("now-itl").textContent = itl[0] === null ? "no token in 30 s" : itl.map((v) => `${v.toFixed(0)} ms`).join(" / ");
-  for (const chart of Object.values(charts)) chart.draw();
+  for (const name of ["toks", "ttft", "itl"]) charts[name].draw();
 }
 
 // ---------------------------------------------------------------- start
@@ -421,5 +491,5 @@ window.addEventListener("resize", () => {
 });
 showModel();
 stream();
-scrape();
-setInterval(scrape, 1000);
+poll();
+setInterval(poll, 1000);
