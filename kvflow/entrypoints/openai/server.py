@@ -333,7 +333,9 @@ def build_app(
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
                             for e in errors)
-        return error_response(400, message or "invalid request", "BadRequestError", loc[0] if loc else None)
+        # a JSON decode error's loc is the byte offset of the fault, not a field
+        param = loc[0] if loc and first.get("type") != "json_invalid" else None
+        return error_response(400, message or "invalid request", "BadRequestError", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):

@@ -125,6 +125,15 @@ BAD_VALUES = [
     pytest.param(C, {"prompt": [2**63]}, "prompt", id="prompt-token-2**63"),
     pytest.param(C, {"prompt": [[1, 2], []]}, "prompt", id="prompt-empty-in-list"),
     pytest.param(C, {"prompt": "x", "stream": "yes"}, "stream", id="stream-string"),
+    pytest.param(C, {"prompt": "x", "stop_token_ids": [10**30]}, "stop_token_ids", id="stop_token_ids-10**30"),
+    pytest.param(C, {"prompt": "x", "stop_token_ids": [300]}, "stop_token_ids", id="stop_token_ids-past-vocab"),
+    pytest.param(C, {"prompt": "x", "stop_token_ids": [1e30]}, "stop_token_ids", id="stop_token_ids-1e30"),
+    pytest.param(C, {"prompt": "x", "guided_grammar": "start: ("}, "guided_grammar", id="guided_grammar-broken"),
+    pytest.param(C, {"prompt": "x", "guided_choice": []}, "guided_choice", id="guided_choice-empty"),
+    pytest.param(C, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+                 id="structured_outputs-two"),
+    pytest.param(C, {"prompt": "x", "structured_outputs": {"nonsense": 1}}, "structured_outputs",
+                 id="structured_outputs-unknown-key"),
 ]
 
 
@@ -193,6 +202,35 @@ def test_bodies_that_are_not_a_request_are_400(http, body):
     _assert_error(http.post(C, content=body, headers={"content-type": "application/json"}), 400)
 
 
+def test_a_json_decode_error_names_no_param(http):
+    """pydantic's loc of a JSON decode error is the byte offset (it was sent as ``param``)."""
+    err = _assert_error(http.post(C, content=b'{"prompt": "x",, }', headers={"content-type": "application/json"}), 400)
+    assert err["param"] is None and "JSON" in err["message"], err
+
+
+GUIDED = [
+    ({"guided_choice": ["red", "green", 'say "blue"']}, r'red|green|say "blue"'),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, r"yes|no"),
+    ({"guided_grammar": 'start: "ab" | "cd" "e"*'}, r"ab|cde*"),
+    ({"guided_grammar": 'root ::= "x" [0-9]'}, r"x[0-9]"),
+    ({"structured_outputs": {"regex": "[a-c]{2}"}}, r"[a-c]{2}"),
+]
+
+
+@pytest.mark.parametrize("path", [C, CH])
+@pytest.mark.parametrize("extra,pattern", GUIDED, ids=["choice", "so-choice", "lark", "gbnf", "so-regex"])
+def test_guided_choice_and_grammar_constrain_the_output(http, path, extra, pattern):
+    import re
+
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    for seed in range(2):
+        r = http.post(path, json={**body, "max_tokens": 12, "temperature": 1.0, "seed": seed, **extra})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["text"] if path == C else choice["message"]["content"]
+        assert re.fullmatch(pattern, text), (extra, text)
+
+
 def test_huge_top_k_samples_as_top_k_off(server, http):
     """top_k = 2**63 used to crash the sampler's tensor build and stop the engine."""
     base = {"prompt": "Hello", "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True}
@@ -225,7 +263,6 @@ UNSUPPORTED = [
     (CH, {"modalities": ["text", "audio"]}, "modalities"),
     (CH, {"web_search_options": {}}, "web_search_options"),
     (CH, {"reasoning_effort": "high"}, "reasoning_effort"),
-    (CH, {"guided_choice": ["a", "b"]}, "guided_choice"),
     (C, {"use_beam_search": True}, "use_beam_search"),
     (C, {"prompt_logprobs": 1}, "prompt_logprobs"),
 ]
