@@ -42,9 +42,9 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvflow.entrypoints.anthropic.protocol import MessagesRequest
+from kvflow.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvflow.entrypoints.anthropic.serving import PATH as ANTHROPIC_PATH
-from kvflow.entrypoints.anthropic.serving import AnthropicErrorMiddleware, create_message
+from kvflow.entrypoints.anthropic.serving import AnthropicErrorMiddleware, count_tokens, create_message
 from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.entrypoints.openai.errors import _ERROR_TYPES, APIError, error_response
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -381,6 +381,10 @@ def build_app(
     @app.post(ANTHROPIC_PATH)
     async def messages(req: MessagesRequest, raw: Request) -> Response:
         return await create_message(serving, req, raw)
+
+    @app.post(ANTHROPIC_PATH + "/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest) -> Response:
+        return await count_tokens(serving, req)
 
     # vLLM's further endpoints, in their own modules (they import this one)
     from kvflow.entrypoints.openai import serving_embedding, serving_tokenization
