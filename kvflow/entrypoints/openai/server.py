@@ -162,7 +162,8 @@ class _BodyTooLarge(StarletteHTTPException):
 
 class _BodyLimitMiddleware:
     """413 for a request body over ``max_bytes``: at once from its Content-Length, before a
-    byte of it is read; for a chunked body, once its bytes pass the limit (raised from
+    byte of it is read (the body is then drained, up to ``DRAIN_BYTES``, before the
+    connection closes); for a chunked body, once its bytes pass the limit (raised from
     ``receive`` as an HTTPException, which FastAPI's body reading lets through to the
     handler). Both answers are OpenAI-shaped with ``Connection: close``.
 
@@ -180,7 +181,7 @@ class _BodyLimitMiddleware:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _too_large(self.max_bytes)(scope, receive, send)
+            await _answer_too_large(self.max_bytes, int(length), receive, send)
             return
         received = 0
 
@@ -196,9 +197,32 @@ class _BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
+# A body over the limit but at most this size is read (and dropped) after the 413 is sent, so
+# that a client that sends its whole body before reading the answer (urllib, requests) gets
+# the 413 rather than a connection reset; a larger one is cut off. Slow senders are bounded
+# by the server's read timeout.
+DRAIN_BYTES = 64 * 2**20
+
+
+async def _answer_too_large(max_bytes: int, length: int, receive, send) -> None:
+    """Send the 413 at once, then (for a body up to ``DRAIN_BYTES``) read the body before
+    ending the response, after which the connection is closed."""
+    response = _too_large(max_bytes)
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    if length > DRAIN_BYTES:
+        await send({"type": "http.response.body", "body": response.body})
+        return
+    await send({"type": "http.response.body", "body": response.body, "more_body": True})
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            break
+    await send({"type": "http.response.body", "body": b""})
+
+
 def _too_large(max_bytes: int) -> JSONResponse:
     return error_response(413, f"the request body exceeds the limit of {max_bytes} bytes", "RequestTooLargeError",
-                          headers={"Connection": "close"})  # the rest of the body is not read
+                          headers={"Connection": "close"})
 
 
 # ---------------------------------------------------------------------------- helpers

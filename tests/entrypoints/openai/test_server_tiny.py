@@ -312,12 +312,25 @@ def _raw_exchange(port: int, data: bytes, read_s: float = 10.0) -> bytes:
         return b"".join(chunks)
 
 
+def _read_response(port: int, data: bytes, read_s: float = 10.0) -> bytes:
+    """The first complete response (its headers and Content-Length bytes) to ``data``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=read_s) as s:
+        s.sendall(data)
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < int(
+                reply.lower().partition(b"content-length: ")[2].split(b"\r\n")[0] or 0):
+            chunk = s.recv(65536)
+            assert chunk, reply
+            reply += chunk
+        return reply
+
+
 def test_body_over_the_limit_is_413_from_its_content_length(server):
     """Only the headers are sent: the 413 comes without reading (or waiting for) the body."""
     head = (f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {MAX_REQUEST_BYTES + 1}\r\n\r\n").encode()  # fmt: skip
     t0 = time.monotonic()
-    reply = _raw_exchange(server.port, head)
+    reply = _read_response(server.port, head)
     assert time.monotonic() - t0 < READ_TIMEOUT_S  # answered, not timed out
     status, _, rest = reply.partition(b"\r\n")
     assert b" 413 " in status, reply
@@ -325,6 +338,25 @@ def test_body_over_the_limit_is_413_from_its_content_length(server):
     assert b"connection: close" in headers.lower() and b"application/json" in headers.lower(), headers
     err = json.loads(body)["error"]
     assert err["code"] == 413 and str(MAX_REQUEST_BYTES) in err["message"], err
+
+
+def test_a_client_that_sends_its_whole_body_first_reads_the_413():
+    """urllib sends the whole body before reading the answer: the server used to close the
+    socket after the 413 with the body unread, and urllib got a connection reset."""
+    import urllib.error
+    import urllib.request
+
+    server = TinyServer(max_request_bytes=1024)
+    try:
+        body = json.dumps({"prompt": "x" * (8 * 2**20)}).encode()  # 8 MiB: more than the socket buffers
+        request = urllib.request.Request(server.url + C, data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=30)
+        assert info.value.code == 413 and json.loads(info.value.read())["error"]["code"] == 413
+        r = httpx.post(server.url + C, json={"prompt": "Hello", "max_tokens": 2})  # and the server serves on
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
 
 
 def test_chunked_body_over_the_limit_is_413(http):
