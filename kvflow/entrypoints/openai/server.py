@@ -225,6 +225,25 @@ def _too_large(max_bytes: int) -> JSONResponse:
                           headers={"Connection": "close"})
 
 
+class _TrailingSlashMiddleware:
+    """``/v1/completions/`` is ``/v1/completions`` (and so for every API path), as in
+    OpenAI's and vLLM's servers; Starlette would answer 307 to the path without the slash,
+    which a client posting a body does not follow."""
+
+    _ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/version", "/health", "/metrics"})
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            stripped = path.rstrip("/")
+            if stripped.startswith("/v1/") or stripped in self._ROOT_PATHS:
+                scope = {**scope, "path": stripped, "raw_path": stripped.encode()}
+        await self.app(scope, receive, send)
+
+
 # ---------------------------------------------------------------------------- helpers
 class _APIKeyMiddleware:
     """401 for requests without ``Authorization: Bearer <api_key>`` (or, on /v1/messages,
@@ -344,6 +363,7 @@ def build_app(
             open_paths |= {"/metrics", *web.METRICS_PATHS}
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(_TrailingSlashMiddleware)  # before the API key check sees the path
     app.add_middleware(AnthropicErrorMiddleware)  # outermost: sees the errors of the two above
 
     @app.exception_handler(APIError)

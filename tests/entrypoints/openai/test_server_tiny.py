@@ -202,6 +202,14 @@ def test_bodies_that_are_not_a_request_are_400(http, body):
     _assert_error(http.post(C, content=body, headers={"content-type": "application/json"}), 400)
 
 
+def test_a_trailing_slash_is_the_same_path(http):
+    """``/v1/completions/`` answered 307 (a redirect a POST client does not follow)."""
+    for path, body in ((C + "/", {"prompt": "Hello"}), (CH + "/", {"messages": MSG}), ("/tokenize/", {"prompt": "a"})):
+        r = http.post(path, json={**body, "max_tokens": 2})
+        assert r.status_code == 200, (path, r.status_code, r.text)
+    assert http.get("/v1/models/").status_code == 200
+
+
 def test_a_json_decode_error_names_no_param(http):
     """pydantic's loc of a JSON decode error is the byte offset (it was sent as ``param``)."""
     err = _assert_error(http.post(C, content=b'{"prompt": "x",, }', headers={"content-type": "application/json"}), 400)
