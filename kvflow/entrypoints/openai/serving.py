@@ -363,9 +363,12 @@ class OpenAIServing:
                 start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
                 delta = c.text[start_text:]
                 new_tokens = c.token_ids[start_tok:]
-                if not delta and not new_tokens and c.finish_reason is None:
+                echo_now = req.echo and index not in sent_tokens
+                # tokens without text yet (part of a multi-byte character) wait for their
+                # text, unless their logprobs are asked for
+                if not delta and not echo_now and c.finish_reason is None and (req.logprobs is None or not new_tokens):
                     continue
-                if req.echo and index not in sent_tokens:
+                if echo_now:
                     ids, text = prompts[p_idx]
                     delta = (text if text is not None else self.tokenizer.decode(ids)) + delta
                 choice: dict[str, Any] = {"index": index, "text": delta}

@@ -210,6 +210,17 @@ def test_a_trailing_slash_is_the_same_path(http):
     assert http.get("/v1/models/").status_code == 200
 
 
+def test_streamed_completion_chunks_carry_text(http):
+    """A token that is only part of a character (the tiny tokenizer is byte-level) sent a
+    chunk with ``"text": ""``; now every chunk but the last has text."""
+    body = {"prompt": "Hi", "max_tokens": 8, "temperature": 0, "guided_regex": "\U0001F600\U0001F600", "stream": True}
+    with http.stream("POST", C, json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == "\U0001F600\U0001F600", texts
+    assert all(texts[:-1]) and len(texts) >= 2, texts
+
+
 def test_a_json_decode_error_names_no_param(http):
     """pydantic's loc of a JSON decode error is the byte offset (it was sent as ``param``)."""
     err = _assert_error(http.post(C, content=b'{"prompt": "x",, }', headers={"content-type": "application/json"}), 400)
