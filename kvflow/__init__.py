@@ -12,11 +12,12 @@ _set_openmp_defaults()
 
 from kvflow.config import EngineArgs  # noqa: E402
 from kvflow.entrypoints.llm import LLM  # noqa: E402
+from kvflow.inputs import PromptType, TextPrompt, TokensPrompt  # noqa: E402
 from kvflow.logprobs import Logprob  # noqa: E402
 from kvflow.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput  # noqa: E402
 from kvflow.pooling_params import PoolingParams  # noqa: E402
 from kvflow.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "PoolingParams", "EngineArgs", "RequestOutput", "CompletionOutput",
-           "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob"]
+           "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob", "TextPrompt", "TokensPrompt", "PromptType"]
 __version__ = "0.1.0"

@@ -426,6 +426,8 @@ class SchedulerConfig:
             when the swap space is full).
         max_head_skips: how many times later requests may be admitted past a waiting request
             that does not fit yet, before admission waits for it.
+        max_step_seconds: bound on one step's duration, in seconds: a step's token budget is
+            cut to what the measured throughput computes in this time (0: no bound).
     """
 
     max_num_batched_tokens: int
@@ -434,6 +436,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     preemption_mode: str = "recompute"
     max_head_skips: int = 16
+    max_step_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -631,6 +634,11 @@ class EngineArgs:
         byte_size=True)
     max_num_batched_tokens: int = _option(2048, "per-step token budget (prefill chunks plus decodes)")
     max_num_seqs: int = _option(64, "maximum number of concurrently running requests")
+    max_step_seconds: float = _option(
+        1.0, "bound on one engine step's duration: the step's token budget is cut to what the measured "
+        "throughput computes in this many seconds (long prompts then prefill in smaller chunks on a slow or "
+        "loaded CPU, so that an abort or a new request waits at most about this long); 0: no bound",
+        metavar="SECONDS")
     max_model_len: int | None = _option(None, "context limit in tokens (default: the model's)")
     enable_prefix_caching: bool = _option(True, "reuse cached K/V of shared prompt prefixes")
     disable_hybrid_kv_cache_manager: bool = _option(
@@ -711,6 +719,9 @@ class EngineArgs:
         _positive_int("block_size", self.block_size)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_seqs", self.max_num_seqs)
+        if isinstance(self.max_step_seconds, bool) or not isinstance(self.max_step_seconds, (int, float)) or not (
+                0 <= self.max_step_seconds < float("inf")):
+            raise ValueError(f"max_step_seconds must be a number of seconds >= 0, got {self.max_step_seconds!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
@@ -893,6 +904,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             policy=self.scheduling_policy,
             preemption_mode=self.preemption_mode,
+            max_step_seconds=float(self.max_step_seconds),
         )
 
 

@@ -54,6 +54,62 @@ class RequestFailure:
 
 
 @dataclass
+class RequestMetrics:
+    """Timings of one request in seconds on the monotonic clock (``time.monotonic``), vLLM's
+    ``RequestMetrics`` fields; None until the event happened.
+
+    Attributes:
+        arrival_time: when the engine received the request.
+        first_scheduled_time: when a step first computed any of its tokens.
+        first_token_time: when its first output token was sampled.
+        finished_time: when it finished.
+
+    Read also as a mapping, as kvflow's earlier dict (``metrics["arrival_time"]``,
+    ``metrics.get(...)``; a key is present once its time is set).
+    """
+
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from arrival to first scheduling (vLLM's field)."""
+        if self.first_scheduled_time is None or self.arrival_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def first_token_latency(self) -> float | None:
+        """Seconds from arrival to the first output token (vLLM V1's ``first_token_latency``)."""
+        if self.first_token_time is None or self.arrival_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    def keys(self) -> list[str]:
+        return [k for k in ("arrival_time", "first_scheduled_time", "first_token_time", "finished_time")
+                if getattr(self, k) is not None]
+
+    def __getitem__(self, key: str) -> float:
+        if key not in self.keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def get(self, key: str, default: float | None = None) -> float | None:
+        return self[key] if key in self else default
+
+
+def _as_metrics(metrics: "RequestMetrics | dict[str, float | None] | None") -> RequestMetrics:
+    if isinstance(metrics, RequestMetrics):
+        return metrics
+    return RequestMetrics(**(metrics or {}))
+
+
+@dataclass
 class RequestOutput:
     """Progress or result of one request.
 
@@ -63,8 +119,9 @@ class RequestOutput:
         prompt_token_ids: the prompt's token ids.
         outputs: one ``CompletionOutput`` per sample.
         finished: True once every output has a finish reason.
-        metrics: timings in seconds on the monotonic clock: arrival_time,
-            first_scheduled_time, first_token_time, and finished_time once finished.
+        metrics: a ``RequestMetrics`` (timings in seconds on the monotonic clock:
+            arrival_time, first_scheduled_time, first_token_time, finished_time); a dict of
+            those is converted.
         prompt_logprobs: when requested, one entry per prompt token, as vLLM: None for the
             first (nothing predicts it), then {token id: ``Logprob``} holding the actual
             token and the top ``prompt_logprobs`` (set on the finished output).
@@ -79,10 +136,13 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: RequestFailure | None = None
     num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.metrics = _as_metrics(self.metrics)
 
 
 @dataclass
@@ -102,6 +162,16 @@ class BeamSearchSequence:
     cumulative_logprob: float
     score: float
     finish_reason: str
+
+    @property
+    def tokens(self) -> list[int]:
+        """vLLM's name of ``token_ids`` (prompt and generated ids)."""
+        return self.token_ids
+
+    @property
+    def cum_logprob(self) -> float:
+        """vLLM's name of ``cumulative_logprob``."""
+        return self.cumulative_logprob
 
 
 @dataclass
@@ -150,5 +220,8 @@ class EmbeddingRequestOutput:
     num_cached_tokens: int
     finished: bool
     prompt: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: RequestFailure | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = _as_metrics(self.metrics)

@@ -14,6 +14,123 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+# The grammar engine's backend names a vLLM script may pass (kvflow always uses llguidance).
+_BACKENDS = (None, "auto", "guidance", "llguidance")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint, vLLM's ``StructuredOutputsParams`` (vllm/sampling_params.py),
+    taken by ``SamplingParams(structured_outputs=...)``. Exactly one of the constraint fields
+    is set; kvflow enforces it with llguidance (see ``kvflow.sample.guided``).
+
+    Attributes:
+        json: a JSON schema (dict or JSON string) the output validates against.
+        regex: a regular expression the whole output matches (Rust ``regex`` syntax).
+        choice: a list of strings; the output is exactly one of them.
+        grammar: a context-free grammar the output belongs to, in Lark syntax (llguidance's)
+            or llama.cpp's GBNF (``root ::= ...``).
+        json_object: True: any JSON object (``{"type": "object"}``).
+        disable_any_whitespace, disable_additional_properties, whitespace_pattern,
+        structural_tag: vLLM's options kvflow does not implement; refused when set.
+
+    Raises:
+        ValueError: naming the field, when no constraint or more than one is set, or for an
+            option kvflow does not implement.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name) is not None]
+        if len(set_) != 1:
+            raise ValueError(f"{type(self).__name__} takes exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {set_ or 'none'}")
+        for name, default in (("disable_any_whitespace", False), ("disable_additional_properties", False),
+                              ("whitespace_pattern", None), ("structural_tag", None)):
+            if getattr(self, name) != default:
+                raise ValueError(f"{type(self).__name__}.{name} is not supported by kvflow")
+        if self.json_object not in (None, True):
+            raise ValueError("json_object must be True when set")
+
+    def constraint(self) -> dict[str, Any]:
+        """The constraint as ``SamplingParams`` keywords (``guided_json`` etc.)."""
+        if self.json_object:
+            return {"guided_json": {"type": "object"}}
+        name = next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+        return {f"guided_{name}": getattr(self, name)}
+
+
+@dataclass
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's name for ``StructuredOutputsParams`` before v0.11 (``SamplingParams(
+    guided_decoding=...)``), with its ``backend`` field: None, "auto", "guidance" or
+    "llguidance" (kvflow's grammar engine); any other backend is refused.
+
+    Raises:
+        ValueError: as ``StructuredOutputsParams``, or naming ``backend``.
+    """
+
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not supported by kvflow (it uses llguidance); "
+                             f"use one of {[b for b in _BACKENDS if b]}")
+
+    @classmethod
+    def from_optional(cls, json: dict[str, Any] | str | None = None, regex: str | None = None,
+                      choice: list[str] | None = None, grammar: str | None = None,
+                      json_object: bool | None = None, backend: str | None = None) -> "GuidedDecodingParams | None":
+        """None when no constraint is given, else the params (vLLM's helper)."""
+        if all(v is None for v in (json, regex, choice, grammar, json_object)):
+            return None
+        return cls(json=json, regex=regex, choice=choice, grammar=grammar, json_object=json_object, backend=backend)
+
+
+@dataclass
+class BeamSearchParams:
+    """Parameters of ``LLM.beam_search`` (vLLM's ``BeamSearchParams``).
+
+    Attributes:
+        beam_width: beams kept per prompt (>= 1).
+        max_tokens: generated tokens per beam (>= 1).
+        ignore_eos: keep extending beams past the end-of-sequence token.
+        temperature: 0 (kvflow's beam search ranks the raw log-probabilities; other values
+            are refused).
+        length_penalty: final ranking is ``cumulative_logprob / num_generated **
+            length_penalty``.
+        include_stop_str_in_output: accepted for vLLM's signature; beam search has no stop
+            strings, so it changes nothing.
+
+    Raises:
+        ValueError: naming the field, for a value outside the ranges above.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.temperature != 0:
+            raise ValueError(f"temperature must be 0 for kvflow's beam search, got {self.temperature!r}")
+        _check_number("length_penalty", self.length_penalty, finite=True)
 
 
 @dataclass
@@ -65,6 +182,12 @@ class SamplingParams:
         guided_json: a JSON schema (dict or JSON string); the output is constrained to
             JSON that validates against it (llguidance grammar engine).
         guided_regex: a regular expression the whole output must match.
+        guided_choice: a non-empty list of strings; the output is exactly one of them.
+        guided_grammar: a context-free grammar (Lark syntax, or llama.cpp's GBNF) the output
+            belongs to.
+        structured_outputs: vLLM's form of the four above (``StructuredOutputsParams``); it
+            sets the matching ``guided_*`` field.
+        guided_decoding: vLLM's older name (``GuidedDecodingParams``), the same way.
 
     Raises:
         ValueError: naming the field, for any value outside the ranges above.
@@ -92,8 +215,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self._take_structured_outputs()
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -102,6 +230,32 @@ class SamplingParams:
         if self.logit_bias:
             self.logit_bias = _parse_logit_bias(self.logit_bias)
         self._verify()
+
+    def _take_structured_outputs(self) -> None:
+        """Set the ``guided_*`` field that ``structured_outputs`` / ``guided_decoding`` names."""
+        for name in ("structured_outputs", "guided_decoding"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, dict):  # as the server's JSON gives it
+                value = StructuredOutputsParams(**value)
+                setattr(self, name, value)
+            if not isinstance(value, StructuredOutputsParams):
+                raise ValueError(f"{name} must be a StructuredOutputsParams, got {type(value).__name__}")
+        if self.structured_outputs is not None and self.guided_decoding is not None:
+            raise ValueError("structured_outputs and guided_decoding are mutually exclusive")
+        given = self.structured_outputs or self.guided_decoding
+        if given is None:
+            return
+        for key, value in given.constraint().items():
+            if getattr(self, key) is not None and getattr(self, key) != value:
+                raise ValueError(f"{key} and structured_outputs / guided_decoding are mutually exclusive")
+            setattr(self, key, value)
+
+    @property
+    def guided_kind(self) -> str | None:
+        """Which output constraint is set: "json", "regex", "choice", "grammar" or None."""
+        return next((k for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None), None)
 
     def _verify(self) -> None:
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -152,8 +306,18 @@ class SamplingParams:
             raise ValueError("bad_words must be a list of non-empty strings")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
-        if self.guided_json is not None and self.guided_regex is not None:
-            raise ValueError("guided_json and guided_regex are mutually exclusive")
+        guided = [f"guided_{k}" for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None]
+        if len(guided) > 1:
+            raise ValueError(f"{' and '.join(guided)} are mutually exclusive")
+        if self.guided_choice is not None and (
+            not isinstance(self.guided_choice, (list, tuple)) or not self.guided_choice
+            or not all(isinstance(c, str) for c in self.guided_choice)
+        ):
+            raise ValueError("guided_choice must be a non-empty list of strings")
+        if self.guided_choice is not None:
+            self.guided_choice = list(self.guided_choice)
+        if self.guided_grammar is not None and (not isinstance(self.guided_grammar, str) or not self.guided_grammar.strip()):
+            raise ValueError("guided_grammar must be a non-empty string")
         if self.guided_json is not None and not isinstance(self.guided_json, (dict, str)):
             raise ValueError("guided_json must be a JSON schema (dict or JSON string)")
         if self.guided_regex is not None and not isinstance(self.guided_regex, str):

@@ -21,6 +21,12 @@ The batch goes to the model runner as data (``kvflow/core/sched_output.py``): ea
 request's static data once, then per-step diffs; ``RunnerStateTracker`` remembers what the
 runner holds.
 
+A step is bounded in time too (``max_step_seconds``): the scheduler measures each step
+(from ``schedule`` to ``update``: the model's forward and sampling) and cuts the next
+step's budget to the tokens the measured throughput computes in that time, so that on a slow
+or loaded CPU a long prompt prefills in smaller chunks and an abort or a new request waits
+for at most about one step. Chunking does not change a request's tokens.
+
 Admission does not block on the head of the queue: a request that does not fit yet may be
 passed by later ones at most ``max_head_skips`` times; after that nothing passes it, so it is
 admitted as soon as running requests release enough blocks.
@@ -29,6 +35,7 @@ admitted as soon as running requests release enough blocks.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable
 
 from kvflow.config import SchedulerConfig
@@ -37,6 +44,10 @@ from kvflow.core.sched_output import CachedRequestData, NewRequestData, RunnerSt
 from kvflow.request import Request, RequestStatus
 
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
+
+# A step's budget is never cut below this many tokens (progress on any machine), and a step
+# of fewer tokens is not measured (its time is mostly fixed per-step cost).
+MIN_STEP_TOKENS = 32
 
 
 class Scheduler:
@@ -58,6 +69,9 @@ class Scheduler:
         self._arrivals = 0
         self._runner_state = RunnerStateTracker()  # what the model runner holds
         self._finished_req_ids: list[str] = []  # for the runner, at the next step
+        self.clock: Callable[[], float] = time.monotonic
+        self.tokens_per_second: float | None = None  # measured (exponential average over steps)
+        self._step_start: tuple[float, int] | None = None  # (clock at schedule, tokens) of the last batch
 
     def release(self, request_id: str) -> None:
         """Tell the runner, at the next step, to drop ``request_id``'s state: for a request
@@ -134,7 +148,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Build the next batch: running requests first, then waiting ones."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.step_budget()
         kv = self.kv_cache_manager
 
         index = 0
@@ -177,7 +191,27 @@ class Scheduler:
         for request_id in (*out.num_scheduled_tokens, *(child for child, _ in out.forked)):
             self._runner_state.record(out, self.requests[request_id])
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
+        self._step_start = (self.clock(), out.total_num_scheduled_tokens)
         return out
+
+    def step_budget(self) -> int:
+        """This step's token budget: ``max_num_batched_tokens``, cut (to no less than
+        ``MIN_STEP_TOKENS``) to ``tokens_per_second x max_step_seconds`` once a step was
+        measured."""
+        budget = self.config.max_num_batched_tokens
+        if self.config.max_step_seconds > 0 and self.tokens_per_second is not None:
+            budget = min(budget, max(MIN_STEP_TOKENS, int(self.tokens_per_second * self.config.max_step_seconds)))
+        return budget
+
+    def _measure_step(self) -> None:
+        """Fold the step that just ran (schedule -> update) into ``tokens_per_second``."""
+        if self._step_start is None:
+            return
+        (start, tokens), self._step_start = self._step_start, None
+        elapsed = self.clock() - start
+        if tokens >= MIN_STEP_TOKENS and elapsed > 0:
+            rate = tokens / elapsed
+            self.tokens_per_second = rate if self.tokens_per_second is None else (self.tokens_per_second + rate) / 2
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_cache_manager
@@ -290,8 +324,10 @@ class Scheduler:
         step (accepted drafts past the stop) are dropped before anything is kept for them.
         The K/V of rejected draft tokens is rolled back: ``num_computed_tokens`` counts only
         accepted tokens, blocks past them are freed, and only blocks of final tokens are
-        published to the prefix cache.
+        published to the prefix cache. The step's duration is measured here
+        (``tokens_per_second``).
         """
+        self._measure_step()
         for child_id, parent_id in out.forked:
             self.requests[child_id].num_computed_tokens = (self.requests[parent_id].num_computed_tokens
                                                            + out.num_scheduled_tokens[parent_id])

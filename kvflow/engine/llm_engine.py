@@ -276,9 +276,10 @@ class LLMEngine:
             return
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
-        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
-        if outside:
-            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            outside = sorted(t for t in ids if t >= vocab)
+            if outside:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > vocab:
@@ -403,8 +404,7 @@ class LLMEngine:
         self._compile_grammar(params)
 
     def _check_tokenizer_features(self, params: SamplingParams) -> None:
-        guided = params.guided_json is not None or params.guided_regex is not None
-        if (params.stop or params.bad_words or guided) and self.tokenizer is None:
+        if (params.stop or params.bad_words or params.guided_kind) and self.tokenizer is None:
             raise ValueError("stop, bad_words and guided decoding need a tokenizer")
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
@@ -418,7 +418,7 @@ class LLMEngine:
         return sequences
 
     def _compile_grammar(self, params: SamplingParams):
-        if params.guided_json is None and params.guided_regex is None:
+        if params.guided_kind is None:
             return None
         with self._grammar_lock:  # built once, from whichever thread needs it first
             if self._grammar_compiler is None:

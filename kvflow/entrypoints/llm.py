@@ -11,9 +11,10 @@ from tqdm.auto import tqdm
 from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.entrypoints.chat_utils import normalize_conversation, render_chat
+from kvflow.inputs import EMPTY_ONLY, PROMPT_KEYS
 from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
 Conversation = list[dict[str, Any]]
@@ -49,6 +50,14 @@ class LLM:
         self.chat_template: str | None = None
         self._counter = itertools.count()
 
+    @property
+    def llm_engine(self) -> "VLLMStyleEngine":
+        """The engine as vLLM's ``LLM.llm_engine``: ``add_request(request_id, prompt, params)``
+        takes any prompt form ``generate`` takes; ``step()``, ``abort_request``,
+        ``has_unfinished_requests()``, ``get_tokenizer()`` and the rest of ``LLMEngine``
+        work as on ``LLM.engine``."""
+        return VLLMStyleEngine(self)
+
     def get_tokenizer(self) -> Any:
         """The transformers tokenizer of the model (None for a token-ids-only model), as
         vLLM's ``LLM.get_tokenizer``."""
@@ -80,8 +89,12 @@ class LLM:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
             return self.tokenizer.encode(prompt), prompt
         if isinstance(prompt, dict):
-            if prompt.get("multi_modal_data"):
-                raise ValueError("multi_modal_data is not supported by kvflow (text models only)")
+            for key, value in prompt.items():
+                if key in EMPTY_ONLY and value:
+                    raise ValueError(f"{key} is not supported by kvflow (text models only)")
+                if key not in PROMPT_KEYS | EMPTY_ONLY:
+                    raise ValueError(f"prompt key {key!r} is not supported by kvflow (a prompt dict takes "
+                                     f"{sorted(PROMPT_KEYS)})")
             if "prompt_token_ids" in prompt:
                 return list(prompt["prompt_token_ids"]), prompt.get("prompt")
             if "prompt" in prompt:
@@ -338,13 +351,19 @@ class LLM:
     def beam_search(
         self,
         prompts: PromptType | Sequence[PromptType],
-        beam_width: int = 4,
-        max_tokens: int = 16,
-        length_penalty: float = 1.0,
-        ignore_eos: bool = False,
+        params: BeamSearchParams | None = None,
+        lora_request: None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+        **options: Any,
     ) -> list[BeamSearchOutput]:
         """Beam search (the standard left-to-right algorithm; e.g. Graves 2012, "Sequence
-        Transduction with Recurrent Neural Networks", section 3.2, without the transducer).
+        Transduction with Recurrent Neural Networks", section 3.2, without the transducer),
+        vLLM's ``LLM.beam_search(prompts, BeamSearchParams(beam_width=..., max_tokens=...))``.
+        ``options``: instead of ``params``, its fields as keywords (``beam_width=4,
+        max_tokens=16``, kvflow's earlier signature). ``use_tqdm`` and ``concurrency_limit``
+        are accepted and change nothing (each step runs every beam of every prompt as one
+        batch).
 
         Each step every live beam of every prompt is one engine request for a single token
         with its top ``2 * beam_width`` log-probabilities; the beams' common prefixes share
@@ -353,13 +372,27 @@ class LLM:
         in EOS is set aside as finished. Final ranking uses
         ``cumulative_logprob / num_generated ** length_penalty``.
 
+        Returns:
+            one ``BeamSearchOutput`` per prompt; its ``sequences`` (best first) carry the
+            prompt and generated ids in ``tokens`` / ``token_ids`` and the generated text in
+            ``text``.
+
         Raises:
-            ValueError: for beam_width < 1, max_tokens < 1 or an invalid prompt.
+            ValueError: see ``BeamSearchParams``; both ``params`` and keywords; a
+                ``lora_request``; an invalid prompt.
         """
-        if not isinstance(beam_width, int) or beam_width < 1:
-            raise ValueError(f"beam_width must be a positive integer, got {beam_width!r}")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        _refuse_unset(lora_request=lora_request)
+        if params is None:
+            try:
+                params = BeamSearchParams(**{"beam_width": 4, "max_tokens": 16, **options})
+            except TypeError as exc:
+                raise ValueError(f"beam_search: {exc}") from None
+        elif options:
+            raise ValueError(f"give BeamSearchParams or keywords, not both (got {sorted(options)})")
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        beam_width, max_tokens = params.beam_width, params.max_tokens
+        length_penalty, ignore_eos = params.length_penalty, params.ignore_eos
         eos = None if ignore_eos else self.engine.eos_token_id
         params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * beam_width, ignore_eos=True)
         prompt_ids = [self._to_token_ids(p)[0] for p in self._normalize_prompts(prompts)]
@@ -417,6 +450,35 @@ class LLM:
     def get_stats(self) -> dict[str, float | int]:
         """See ``LLMEngine.get_stats``."""
         return self.engine.get_stats()
+
+
+class VLLMStyleEngine:
+    """``LLM.llm_engine``: the ``LLMEngine`` of an ``LLM`` with vLLM's ``add_request``
+    signature; every other attribute is the engine's."""
+
+    def __init__(self, llm: LLM) -> None:
+        self._llm = llm
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
+                    arrival_time: float | None = None, lora_request: None = None,
+                    tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
+                    priority: int = 0) -> None:
+        """Queue one request (vLLM's ``LLMEngine.add_request``); its outputs come from
+        ``step()``. ``arrival_time`` and ``trace_headers`` are accepted and not used.
+
+        Raises:
+            ValueError: see ``LLMEngine.add_request``; a ``lora_request`` or
+                ``tokenization_kwargs``.
+        """
+        _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
+        ids, text = self._llm._to_token_ids(prompt)
+        self._llm.engine.add_request(str(request_id), ids, params, prompt=text, priority=priority)
+
+    def get_tokenizer(self) -> Any:
+        return self._llm.tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm.engine, name)
 
 
 def _refuse_unset(**options: Any) -> None:

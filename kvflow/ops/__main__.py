@@ -3,7 +3,8 @@ kernels now, all of them or those named by source file (``rms_norm.cpp``), and p
 per kernel: its name, whether it is available, and the seconds it took. Exit status 1 when
 one is unavailable (switched off, refused for the CPU, or failed to build: the log says
 which). ``--nice N`` lowers this process's priority first (the background builds of an
-engine run it so: ``kvflow.ops.build.start_background_builds``)."""
+engine run it so: ``kvflow.ops.build.start_background_builds``). ``--parent PID`` ends this
+process, and the compilers of its process group, when process PID is gone."""
 
 from __future__ import annotations
 
@@ -21,12 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvflow.ops", description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", nargs="*", metavar="SOURCE", help=f"kernels to build (default: all): {sorted(names)}")
     parser.add_argument("--nice", type=int, default=0, help="add this to the process's niceness first")
+    parser.add_argument("--parent", type=int, default=None, metavar="PID",
+                        help="end (with the compilers of this process group) when process PID is gone")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.sources) - names)
     if unknown:
         parser.error(f"unknown kernel source(s) {unknown}; choose from {sorted(names)}")
     if args.nice:
         os.nice(args.nice)
+    if args.parent is not None:
+        from kvflow.ops.build import end_with_parent
+
+        end_with_parent(args.parent)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     failed = 0
     for kernel in KERNELS:

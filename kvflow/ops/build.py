@@ -6,15 +6,21 @@ Python bindings (``PYBIND11_MODULE``); a :class:`CppKernel` compiles it on first
 the first time, then cached in the torch extensions folder, ``TORCH_EXTENSIONS_DIR``). The
 build targets the host CPU (``-march=native``; ``KVFLOW_CPU_MARCH`` names another target,
 e.g. ``x86-64-v3`` for an AVX2 machine without AVX-512), and the extension's name hashes
-the source together with the host CPU's feature flags and the compiler flags: a cached
-build never runs on a CPU that lacks an instruction it was compiled for, and an edited
-source builds again. Each kernel keys its vectorized passes on the compiler's feature
+the source together with the host CPU's feature flags, the compiler flags and everything
+else torch's build depends on (torch, Python, include paths: ``build_inputs``): a cached
+build never runs on a CPU that lacks an instruction it was compiled for, an edited source
+builds again, and two environments sharing one extensions folder never rebuild each
+other's build. Each kernel keys its vectorized passes on the compiler's feature
 macros (``__AVX512F__``, ``__AVX512BW__``, ``__AVX512BF16__``) and compiles a portable loop
 where they are absent, so a CPU without AVX-512 (or a non-x86 one) gets a working, slower
 kernel, not a failed build.
 
 A build that is needed logs ``building the C++ <kernel> (once, ~20 s)`` at INFO level on
-logger ``kvflow.ops.build`` first (the CLI prints it to stderr unless ``--quiet``). If the
+logger ``kvflow.ops.build`` first (the CLI prints it to stderr unless ``--quiet``); a load
+of a cached build that torch turns into a rebuild is logged after ``SLOW_LOAD_S``. One
+process builds a kernel in one extensions folder at a time (an ``flock`` in its build
+folder; another waits, saying so), and a torch build lock left by a builder that died is
+removed. If the
 build fails (no compiler, no ninja, a compile error), or the kernel's switch or
 ``KVFLOW_CPU_KERNELS`` is ``0`` (``kvflow.envs``), :meth:`CppKernel.load` returns None once
 and for all and callers keep their PyTorch path.
@@ -32,13 +38,18 @@ Why at run time, not at install time or prebuilt per instruction set: see
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import signal
 import subprocess
 import sys
+import sysconfig
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +63,9 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 """The folder of the kernels' source files (package data)."""
 
+SLOW_LOAD_S = 2.0
+"""A load of a cached build that takes longer than this is a rebuild: it is logged then."""
+
 
 def build_cflags() -> list[str]:
     """The compiler flags of the kernels: ``-O3 -march=$KVFLOW_CPU_MARCH`` (default
@@ -60,6 +74,21 @@ def build_cflags() -> list[str]:
     if platform.machine().lower() in ("x86_64", "amd64", "i686", "i386"):
         flags.append("-mprefer-vector-width=512")
     return flags + ["-fopenmp"]
+
+
+def build_inputs() -> list[str]:
+    """What torch's build of an extension depends on besides the source and the compiler
+    flags (what its ninja file names): torch's version and C++ ABI, its include and library
+    folders, Python's version and include folder, the interpreter, and the C++ compiler. Two
+    environments (venvs) sharing one extensions folder differ in some of these, so their
+    builds get different names rather than rebuilding each other's."""
+    from torch.utils import cpp_extension
+
+    return [
+        torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), *cpp_extension.include_paths(),
+        *cpp_extension.library_paths(), sys.version, sysconfig.get_paths()["include"], sys.executable,
+        envs.read("CXX") or "",
+    ]
 
 
 def host_cpu_flags() -> str:
@@ -143,11 +172,42 @@ class CppKernel:
 
     def build_name(self) -> str:
         """``<prefix>_<12 hex digits>``: the digits hash the machine, this CPU's feature flags,
-        the compiler flags, the source and its path (the build's ninja file names the path:
-        two copies of kvflow sharing one extensions folder, a checkout and an installed
-        wheel say, would otherwise rebuild each other's build on every switch)."""
-        key = platform.machine() + host_cpu_flags() + " ".join(build_cflags()) + self.source + str(self.source_path)
+        the compiler flags, the source and its path, and ``build_inputs()`` (torch, Python,
+        include paths, compiler): everything the build's ninja file names, so that two
+        copies of kvflow or two environments sharing one extensions folder never find each
+        other's build and have torch rebuild it in the foreground."""
+        key = "\n".join([platform.machine(), host_cpu_flags(), " ".join(build_cflags()), self.source,
+                         str(self.source_path), *build_inputs()])
         return f"{self.prefix}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+
+    def _build_directory(self) -> Path:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(self.build_name(), verbose=False))
+
+    @contextlib.contextmanager
+    def _sole_builder(self) -> Any:
+        """Hold this kernel's builder lock in its build folder (``kvflow-builder.lock``, an
+        ``flock``: the system releases it when its process dies, whatever the way): one
+        builder per kernel per extensions folder; another waits (saying so) and then finds
+        the build cached. Holding it, a torch build lock (``lock``) left in the folder is
+        stale (its builder died mid-build: torch would wait on it forever) and is removed."""
+        folder = self._build_directory()
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "kvflow-builder.lock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.info("another process is building the C++ %s (%s); waiting for it", self.what, folder)
+                fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                stale = folder / "lock"
+                if stale.exists():
+                    logger.warning("removing a stale build lock of the C++ %s (%s): its builder died", self.what, stale)
+                    stale.unlink(missing_ok=True)
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def is_built(self) -> bool:
         """Whether a compiled copy is in the extensions folder (loading it is then quick)."""
@@ -189,15 +249,26 @@ class CppKernel:
         try:
             from torch.utils.cpp_extension import load
 
-            if not self.is_built():
-                logger.info("building the C++ %s (once, ~20 s; cached afterwards)", self.what)
-            return load(
-                name=self.build_name(),
-                sources=[str(self.source_path)],
-                extra_cflags=build_cflags(),
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            with self._sole_builder():
+                announce = None
+                if not self.is_built():
+                    logger.info("building the C++ %s (once, ~20 s; cached afterwards)", self.what)
+                else:  # torch's load may still find the cached build out of date and rebuild it
+                    announce = threading.Timer(SLOW_LOAD_S, logger.info, args=(
+                        "building the C++ %s again (torch found its cached build out of date; ~20 s)", self.what))
+                    announce.daemon = True
+                    announce.start()
+                try:
+                    return load(
+                        name=self.build_name(),
+                        sources=[str(self.source_path)],
+                        extra_cflags=build_cflags(),
+                        extra_ldflags=["-fopenmp"],
+                        verbose=False,
+                    )
+                finally:
+                    if announce is not None:
+                        announce.cancel()
         except Exception as exc:  # no compiler, no ninja, a build error: keep the PyTorch path
             logger.warning("kvflow's %s could not be built (%s: %.300s); using the PyTorch path",
                            self.what, type(exc).__name__, str(exc))
@@ -229,14 +300,16 @@ class CppKernel:
 
     def _compile_in_subprocess(self) -> None:
         """Compile one of the package's kernels in a child process (``python -m kvflow.ops
-        --nice 10 <source>``, its own session, output discarded) and wait for it. The child
-        finishes the build even if this process exits first (a build thread killed at exit
-        would leave torch's build lock behind, and the next start would wait on it); the
-        in-process ``load`` that follows then finds the build cached (about a second)."""
+        --nice 10 --parent <this pid> <source>``, its own session, output discarded) and
+        wait for it; the in-process ``load`` that follows then finds the build cached (about
+        a second). The child ends, with its compilers, when this process does (``--parent``);
+        the build lock torch leaves then is recovered by the next builder
+        (``_sole_builder``)."""
         if self.source_path.parent != CSRC:
             return
         try:
-            subprocess.run([sys.executable, "-m", "kvflow.ops", "--nice", "10", self.source_path.name],
+            subprocess.run([sys.executable, "-m", "kvflow.ops", "--nice", "10", "--parent", str(os.getpid()),
+                            self.source_path.name],
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True, check=False)
         except OSError:  # no child process: build in this one
@@ -282,6 +355,41 @@ class CppKernel:
         if module is None:
             raise RuntimeError(f"kvflow's {self.what} is not available")
         return module
+
+
+def end_with_parent(pid: int, interval_s: float = 1.0) -> threading.Thread:
+    """End this process when process ``pid`` (the one that started it) is gone: a daemon
+    thread checks every ``interval_s`` seconds, then, when this process leads its own
+    process group (a builder started with ``start_new_session``), sends SIGTERM to the group
+    (the compiler and ninja of a build under way), and exits with status 1.
+
+    Returns:
+        The watching thread (started).
+    """
+
+    is_parent = os.getppid() == pid
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:
+                pass
+            if is_parent and os.getppid() != pid:  # reparented: the parent is gone (or a zombie)
+                break
+        logger.warning("the process that started this build (pid %d) is gone; ending the build", pid)
+        try:
+            if os.getpgrp() == os.getpid():
+                os.killpg(os.getpgrp(), signal.SIGTERM)
+        finally:
+            os._exit(1)
+
+    thread = threading.Thread(target=watch, daemon=True, name="kvflow-end-with-parent")
+    thread.start()
+    return thread
 
 
 def start_background_builds(kernels: Sequence[CppKernel]) -> list[CppKernel]:

@@ -1,4 +1,5 @@
-"""Structured output: constrain sampling to a JSON schema or a regular expression.
+"""Structured output: constrain sampling to a JSON schema, a regular expression, a choice of
+strings or a context-free grammar (Lark or GBNF).
 
 The grammar engine is llguidance (Microsoft's Rust implementation of constrained decoding
 over a tokenizer's vocabulary, the one vLLM and SGLang also use): for each step it gives a
@@ -82,7 +83,8 @@ class GrammarCompiler:
         self._lltokenizer = self._llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
 
     def compile(self, params: SamplingParams) -> GrammarMatcher | None:
-        """The matcher for ``params.guided_json`` / ``params.guided_regex``, or None.
+        """The matcher for ``params.guided_json`` / ``guided_regex`` / ``guided_choice`` /
+        ``guided_grammar``, or None.
 
         Raises:
             ValueError: naming the field, for a schema or regex llguidance rejects, or a
@@ -102,6 +104,15 @@ class GrammarCompiler:
         elif params.guided_regex is not None:
             field = "guided_regex"
             grammar = matcher_cls.grammar_from_regex(params.guided_regex)
+        elif params.guided_choice is not None:
+            field = "guided_choice"
+            grammar = self._llg.grammar_from("choice", json.dumps(params.guided_choice))
+        elif params.guided_grammar is not None:
+            field = "guided_grammar"  # Lark, or llama.cpp's GBNF (llguidance converts it)
+            try:
+                grammar = self._llg.grammar_from("grammar", params.guided_grammar)
+            except ValueError as exc:
+                raise ValueError(f"guided_grammar is not a usable grammar: {exc}") from None
         else:
             return None
         matcher = matcher_cls(self._lltokenizer, grammar)

@@ -687,3 +687,45 @@ def test_small_request_passes_a_large_one_a_bounded_number_of_times():
     assert admitted_at["small0"] == 0 and admitted_at["small1"] == 1  # passed the large one
     assert sched.requests.get("large") is None  # it finished
     assert admitted_at["large"] <= admitted_at["small2"]  # after two passes the queue waited for it
+
+
+# ---------------------------------------------------------------------------- step duration
+def test_a_step_is_bounded_in_time_by_the_measured_throughput():
+    """Issue #31: a 2,209-token prefill step took 97 s on a loaded CPU and a request behind
+    it timed out. With max_step_seconds the budget follows the measured tokens per second."""
+    from kvflow.core.scheduler import MIN_STEP_TOKENS
+
+    config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=2048, max_step_seconds=1.0)
+    sched = Scheduler(config, KVCacheManager(256, 4, enable_prefix_caching=False))
+    now = [0.0]
+    sched.clock = lambda: now[0]
+    sched.add_request(make_request("long", 0, max_tokens=4, prompt=[(5 * i) % 100 for i in range(1000)]))
+
+    def timed_step(seconds_per_token: float) -> SchedulerOutput:
+        out = sched.schedule()
+        now[0] += out.total_num_scheduled_tokens * seconds_per_token
+        sampled = {r: [1] for r in out.scheduled_req_ids
+                   if sched.requests[r].num_computed_tokens + out.num_scheduled_tokens[r] == sched.requests[r].num_tokens}
+        sched.update(out, sampled)
+        return out
+
+    assert timed_step(0.01).total_num_scheduled_tokens == 512  # unmeasured: the token budget; took 5.12 s
+    assert sched.tokens_per_second == pytest.approx(100)
+    out = timed_step(0.01)
+    assert out.total_num_scheduled_tokens == 100  # 100 tokens/s x 1 s
+    # a newcomer waits for steps of about a second, not for the whole prefill
+    sched.add_request(make_request("short", 4, max_tokens=2))
+    out = timed_step(0.002)  # the machine got faster: 500 tokens/s measured, average 300
+    assert out.num_scheduled_tokens == {"long": 100}
+    out = timed_step(0.002)
+    assert out.num_scheduled_tokens == {"long": 288, "short": 4}  # the rest of the prompt fits in 300
+    # steps of fewer than MIN_STEP_TOKENS (decodes) are not measured; the budget never falls below it
+    measured = sched.tokens_per_second
+    timed_step(10.0)
+    assert sched.tokens_per_second == measured
+    sched.tokens_per_second = 5.0
+    assert sched.step_budget() == MIN_STEP_TOKENS
+    # off: the token budget alone
+    unbounded = make_scheduler(max_num_batched_tokens=512)
+    unbounded.tokens_per_second = 1.0
+    assert unbounded.step_budget() == 512

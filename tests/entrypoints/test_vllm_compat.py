@@ -4,7 +4,9 @@ accepted or refused as ``kvflow.entrypoints.vllm_compat`` says."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 
 import pytest
 import torch
@@ -162,3 +164,100 @@ def test_offline_chat_takes_vllms_arguments(llm):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}], params)
     with pytest.raises(ValueError, match="multi_modal_data"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": 1}}, params)
+
+
+# ---------------------------------------------------------------- vLLM's names (issue #31)
+def test_vllm_prompt_types_and_unknown_prompt_keys(llm):
+    from kvflow.inputs import TextPrompt, TokensPrompt
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    ids = llm.tokenizer.encode("hello world")
+    by_text, by_ids = llm.generate([TextPrompt(prompt="hello world"), TokensPrompt(prompt_token_ids=ids)], greedy,
+                                   use_tqdm=False)
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids and by_text.prompt_token_ids == ids
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate(TokensPrompt(prompt_token_ids=ids, cache_salt="x"), greedy)
+
+
+def test_guided_choice_grammar_and_vllms_structured_outputs(llm):
+    from kvflow.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+
+    choices = ["red", "green", 'say "blue"']
+    forms = [
+        dict(guided_choice=choices),
+        dict(structured_outputs=StructuredOutputsParams(choice=choices)),
+        dict(guided_decoding=GuidedDecodingParams(choice=choices, backend="auto")),
+    ]
+    for seed in range(3):
+        for form in forms:
+            (out,) = llm.generate("x", SamplingParams(temperature=1.0, seed=seed, max_tokens=16, **form), use_tqdm=False)
+            assert out.outputs[0].text in choices, form
+    lark = 'start: "ab" | "cd" "e"*'
+    gbnf = 'root ::= "ab" | "cd"'
+    for grammar, pattern in ((lark, r"ab|cde*"), (gbnf, r"ab|cd")):
+        for seed in range(3):
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=8,
+                                    structured_outputs=StructuredOutputsParams(grammar=grammar))
+            assert params.guided_grammar == grammar
+            (out,) = llm.generate("x", params, use_tqdm=False)
+            assert re.fullmatch(pattern, out.outputs[0].text), (grammar, out.outputs[0].text)
+    (out,) = llm.generate("x", SamplingParams(temperature=1.0, seed=0, max_tokens=64,
+                                              structured_outputs=StructuredOutputsParams(json_object=True)),
+                          use_tqdm=False)
+    assert out.outputs[0].finish_reason != "stop" or isinstance(json.loads(out.outputs[0].text), dict)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(guided_grammar="start: ("), "guided_grammar"),
+        (dict(guided_choice=[]), "guided_choice"),
+        (dict(guided_choice="red"), "guided_choice"),
+        (dict(guided_choice=["a"], guided_regex="a"), "mutually exclusive"),
+        (dict(structured_outputs={"regex": "a", "choice": ["a"]}), "exactly one"),
+        (dict(structured_outputs={"regex": "a", "structural_tag": "{}"}), "structural_tag"),
+    ],
+)
+def test_bad_structured_outputs_are_value_errors(llm, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate("x", SamplingParams(max_tokens=4, **kwargs), use_tqdm=False)
+
+
+def test_guided_decoding_params_backend_and_from_optional():
+    from kvflow.sampling_params import GuidedDecodingParams
+
+    assert GuidedDecodingParams.from_optional() is None
+    assert GuidedDecodingParams.from_optional(regex="a+").regex == "a+"
+    with pytest.raises(ValueError, match="backend"):
+        GuidedDecodingParams(regex="a", backend="xgrammar")
+
+
+def test_vllm_beam_search_params_and_llm_engine(llm):
+    from kvflow.sampling_params import BeamSearchParams
+
+    (by_params,) = llm.beam_search([{"prompt": "hello"}], BeamSearchParams(beam_width=2, max_tokens=3))
+    (by_keywords,) = llm.beam_search(["hello"], beam_width=2, max_tokens=3)
+    assert [s.tokens for s in by_params.sequences] == [s.token_ids for s in by_keywords.sequences]
+    assert len(by_params.sequences) == 2 and by_params.sequences[0].cum_logprob <= 0
+    with pytest.raises(ValueError, match="temperature"):
+        BeamSearchParams(beam_width=2, max_tokens=3, temperature=0.7)
+    with pytest.raises(ValueError, match="not both"):
+        llm.beam_search(["hello"], BeamSearchParams(beam_width=2, max_tokens=3), beam_width=3)
+
+    # llm.llm_engine: vLLM's add_request(request_id, prompt, params) / step() loop
+    engine = llm.llm_engine
+    engine.add_request("a", "hello world", SamplingParams(temperature=0.0, max_tokens=3))
+    engine.add_request("b", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=2))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert len(finished["a"].outputs[0].token_ids) == 3 and finished["b"].prompt_token_ids == [5, 6, 7]
+    assert engine.get_tokenizer() is llm.tokenizer
+
+    # RequestOutput.metrics: an object with vLLM's fields (and still readable as the old dict)
+    m = finished["a"].metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert m.time_in_queue >= 0 and m.first_token_latency >= m.time_in_queue
+    assert m["finished_time"] == m.finished_time and m.get("nothing") is None

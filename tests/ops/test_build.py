@@ -4,8 +4,12 @@ or when the build fails; compiler flags follow KVFLOW_CPU_MARCH and the CPU."""
 from __future__ import annotations
 
 import logging
+import os
 import platform
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -281,7 +285,8 @@ def test_a_package_kernel_is_compiled_in_a_child_process(monkeypatch):
     build.start_background_builds([ext])
     assert ext.publish(wait=True) and ext.load().twice(2) == 4
     (cmd, kw), = runs
-    assert cmd[1:] == ["-m", "kvflow.ops", "--nice", "10", "rms_norm.cpp"] and kw["start_new_session"]
+    assert cmd[1:] == ["-m", "kvflow.ops", "--nice", "10", "--parent", str(os.getpid()), "rms_norm.cpp"]
+    assert kw["start_new_session"]
 
 
 def test_ops_main_builds_the_named_kernels_only(monkeypatch, capsys):
@@ -294,3 +299,139 @@ def test_ops_main_builds_the_named_kernels_only(monkeypatch, capsys):
     assert loaded == [ops.ROTARY] and "rotary.cpp" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["nope.cpp"])
+
+
+# ---------------------------------------------------------------- issue #31: shared caches
+def test_name_covers_torch_python_and_include_paths(monkeypatch, source):
+    """Two venvs sharing ~/.cache/torch_extensions: the name covered the source path but not
+    torch / Python / include paths, so is_built() said yes and torch rebuilt in the
+    foreground. Every input of torch's ninja file is now in the name."""
+    import sysconfig
+
+    import torch
+    import torch.utils.cpp_extension as cpp
+
+    ext = CppKernel("kvflow_x", source, SWITCH, "k")
+    base = ext.build_name()
+    for target, name, value in [
+        (torch, "__version__", "9.9.9"),
+        (cpp, "include_paths", lambda *a, **k: ["/other/venv/torch/include"]),
+        (cpp, "library_paths", lambda *a, **k: ["/other/venv/torch/lib"]),
+        (sys, "version", "3.99.0"),
+        (sys, "executable", "/other/venv/bin/python"),
+        (sysconfig, "get_paths", lambda *a, **k: {"include": "/other/include/python3.99"}),
+    ]:
+        with monkeypatch.context() as m:
+            m.setattr(target, name, value)
+            assert ext.build_name() != base, name
+    monkeypatch.setenv("CXX", "clang++")
+    assert ext.build_name() != base
+    monkeypatch.delenv("CXX")
+    assert ext.build_name() == base
+
+
+def test_a_rebuild_torch_decides_is_announced(monkeypatch, caplog, tmp_path, source):
+    """is_built() true, yet torch's load takes long (it found the build out of date): said."""
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "SLOW_LOAD_S", 0.05)
+    for delay, said in ((0.5, True), (0.0, False)):
+        monkeypatch.setattr(cpp, "load", lambda delay=delay, **kw: time.sleep(delay) or _FakeModule())
+        ext = CppKernel("kvflow_test_rebuild", source, SWITCH, "test kernel")
+        monkeypatch.setattr(ext, "is_built", lambda: True)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvflow.ops.build"):
+            assert ext.load().twice(1) == 2
+            time.sleep(0.1)
+        assert ("building the C++ test kernel again" in caplog.text) is said, caplog.text
+
+
+def test_a_stale_torch_build_lock_is_removed(monkeypatch, caplog, tmp_path, source):
+    """A builder that died mid-build leaves torch's ``lock``; torch's load would wait on it
+    forever. With no live builder (the kvflow builder lock is free) it is removed."""
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ext = CppKernel("kvflow_test_stale", source, SWITCH, "test kernel")
+    folder = tmp_path / ext.build_name()
+    folder.mkdir()
+    (folder / "lock").write_text("")
+    seen = []
+    monkeypatch.setattr(cpp, "load", lambda **kw: seen.append((folder / "lock").exists()) or _FakeModule())
+    with caplog.at_level(logging.WARNING, logger="kvflow.ops.build"):
+        assert ext.load() is not None
+    assert seen == [False] and "stale build lock" in caplog.text
+
+
+def test_one_builder_per_kernel_per_cache(monkeypatch, caplog, tmp_path, source):
+    """While another process holds the kernel's builder lock, a second build waits (saying
+    so) instead of starting a second compiler, and never treats the live build's torch lock
+    as stale."""
+    import fcntl
+
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ext = CppKernel("kvflow_test_sole", source, SWITCH, "test kernel")
+    folder = tmp_path / ext.build_name()
+    folder.mkdir()
+    (folder / "lock").write_text("")  # the live builder's torch lock
+    calls = []
+    monkeypatch.setattr(cpp, "load", lambda **kw: calls.append(time.monotonic()) or _FakeModule())
+    holder = open(folder / "kvflow-builder.lock", "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    result = []
+    with caplog.at_level(logging.INFO, logger="kvflow.ops.build"):
+        thread = threading.Thread(target=lambda: result.append(ext.load()))
+        thread.start()
+        time.sleep(0.5)
+        assert not calls and (folder / "lock").exists()  # waiting, the live lock kept
+        assert "another process is building the C++ test kernel" in caplog.text
+        (folder / "lock").unlink()  # the other builder finishes
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        holder.close()
+        thread.join(10)
+    assert result and result[0] is not None and len(calls) == 1
+
+
+def test_a_builder_ends_with_the_process_that_started_it(tmp_path):
+    """``python -m kvflow.ops --parent PID`` outlived its parent (reparented to 1, still
+    compiling); now it ends with it, and so does its process group (the compilers)."""
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    marker = tmp_path / "grandchild.pid"
+    code = (
+        "import os, subprocess, sys, time\n"
+        "from kvflow.ops.build import end_with_parent\n"
+        f"end_with_parent({parent.pid}, interval_s=0.1)\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(marker)!r}, 'w').write(str(g.pid))\n"
+        "time.sleep(60)\n"
+    )
+    # (`parent` is not the builder's parent here: it is watched by pid, os.kill(pid, 0))
+    builder = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, cwd=os.getcwd())
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists() or not marker.read_text():
+            assert time.monotonic() < deadline and builder.poll() is None
+            time.sleep(0.05)
+        grandchild = int(marker.read_text())
+        parent.kill()
+        parent.wait()
+        assert builder.wait(timeout=10) != 0
+        deadline = time.monotonic() + 10
+        while _alive(grandchild):
+            assert time.monotonic() < deadline, "the builder's compiler outlived it"
+            time.sleep(0.05)
+    finally:
+        for p in (parent, builder):
+            if p.poll() is None:
+                p.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

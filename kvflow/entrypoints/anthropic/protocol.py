@@ -86,6 +86,13 @@ class MessagesRequest(_Body):
         return found
 
 
+class CountTokensRequest(MessagesRequest):
+    """POST /v1/messages/count_tokens: a Messages request's prompt part (``max_tokens`` is
+    not needed; the sampling fields, if sent, change nothing)."""
+
+    max_tokens: int | None = None
+
+
 def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (output_config or {}).get("format")
     if fmt is None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvflow.entrypoints.anthropic.protocol import MessagesRequest, to_chat_fields
+from kvflow.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, to_chat_fields
 from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun, OutputSequencer
 
 if TYPE_CHECKING:
@@ -137,6 +137,17 @@ async def create_message(serving: OpenAIServing, req: MessagesRequest, raw: Requ
         **message, "content": content_blocks(parser), "stop_reason": reason, "stop_sequence": sequence,
         "usage": _usage(len(run.prompt_ids), len(choice.token_ids)),
     })  # fmt: skip
+
+
+async def count_tokens(serving: OpenAIServing, req: CountTokensRequest) -> Response:
+    """Handle POST /v1/messages/count_tokens: ``{"input_tokens": N}``, the prompt tokens
+    (system, messages and tools rendered with the chat template) ``/v1/messages`` would
+    compute for the same body.
+
+    Raises:
+        APIError: 400 / 404 as ``create_message`` before generation.
+    """
+    return JSONResponse({"input_tokens": await serving.count_translated_chat_tokens(req, to_chat_fields, RENAMES)})
 
 
 def _event(kind: str, **fields: Any) -> str:

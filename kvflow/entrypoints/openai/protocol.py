@@ -3,7 +3,8 @@
 Field names and defaults follow the OpenAI API reference (completions and chat completions)
 plus the extra sampling fields vLLM accepts (top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, bad_words, skip_special_tokens, include_stop_str_in_output,
-guided_json, guided_regex) and vLLM's ``priority``. Responses are built as plain dicts in
+guided_json, guided_regex, guided_choice, guided_grammar, structured_outputs) and vLLM's
+``priority``. Responses are built as plain dicts in
 ``server.py`` so that no field is sent as an explicit null.
 
 Validation is strict: a number field takes a JSON number (not ``true``, not ``"0.5"``), an
@@ -21,7 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 _warned_fields: set[str] = set()
@@ -116,12 +117,13 @@ class _SamplingRequest(_Body):
     include_stop_str_in_output: bool = False
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM >= 0.11's form of the four above: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: dict[str, Any] | None = None
     # scheduling priority (lower first); other than 0 it needs --scheduling-policy priority
     priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     # vLLM extras kvflow does not implement (refused when set; see unsupported_field)
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     allowed_token_ids: Any = None
@@ -130,7 +132,7 @@ class _SamplingRequest(_Body):
     return_tokens_as_token_ids: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "use_beam_search": (False,),
+        "use_beam_search": (False,),
         "length_penalty": (1, 1.0), "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
         "return_tokens_as_token_ids": (False,),
     }  # fmt: skip
@@ -177,7 +179,24 @@ class _SamplingRequest(_Body):
             prompt_logprobs=prompt_logprobs,
             guided_json=self.guided_schema(),
             guided_regex=self.guided_regex,
+            guided_choice=self.guided_choice,
+            guided_grammar=self.guided_grammar,
+            structured_outputs=self._structured_outputs(),
         )
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """``structured_outputs`` as vLLM's ``StructuredOutputsParams``.
+
+        Raises:
+            ValueError: naming structured_outputs, for an unknown key or not exactly one
+                constraint.
+        """
+        if self.structured_outputs is None:
+            return None
+        try:
+            return StructuredOutputsParams(**self.structured_outputs)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"structured_outputs is invalid: {exc}") from None
 
     def guided_schema(self) -> dict[str, Any] | str | None:
         """The JSON schema that constrains the output, if any."""
@@ -398,12 +417,13 @@ class ChatCompletionRequest(_SamplingRequest):
 
         check_tools(self.tools, self.tool_choice)
         if self.tools and self.tool_choice not in (None, "none", "auto"):
-            constrained = self.guided_json is not None or self.guided_regex is not None or (
+            constrained = any(getattr(self, name) is not None for name in (
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")) or (
                 self.response_format is not None and self.response_format.type != "text"
             )
             if constrained:
                 raise ValueError("tool_choice (a forced tool call) cannot be combined with response_format, "
-                                 "guided_json or guided_regex")
+                                 "guided_json, guided_regex, guided_choice, guided_grammar or structured_outputs")
             return tool_choice_schema(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
         if self.guided_json is not None or self.response_format is None:
             return self.guided_json

@@ -42,9 +42,9 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvflow.entrypoints.anthropic.protocol import MessagesRequest
+from kvflow.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvflow.entrypoints.anthropic.serving import PATH as ANTHROPIC_PATH
-from kvflow.entrypoints.anthropic.serving import AnthropicErrorMiddleware, create_message
+from kvflow.entrypoints.anthropic.serving import AnthropicErrorMiddleware, count_tokens, create_message
 from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.entrypoints.openai.errors import _ERROR_TYPES, APIError, error_response
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -162,7 +162,8 @@ class _BodyTooLarge(StarletteHTTPException):
 
 class _BodyLimitMiddleware:
     """413 for a request body over ``max_bytes``: at once from its Content-Length, before a
-    byte of it is read; for a chunked body, once its bytes pass the limit (raised from
+    byte of it is read (the body is then drained, up to ``DRAIN_BYTES``, before the
+    connection closes); for a chunked body, once its bytes pass the limit (raised from
     ``receive`` as an HTTPException, which FastAPI's body reading lets through to the
     handler). Both answers are OpenAI-shaped with ``Connection: close``.
 
@@ -180,7 +181,7 @@ class _BodyLimitMiddleware:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _too_large(self.max_bytes)(scope, receive, send)
+            await _answer_too_large(self.max_bytes, int(length), receive, send)
             return
         received = 0
 
@@ -196,9 +197,51 @@ class _BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
+# A body over the limit but at most this size is read (and dropped) after the 413 is sent, so
+# that a client that sends its whole body before reading the answer (urllib, requests) gets
+# the 413 rather than a connection reset; a larger one is cut off. Slow senders are bounded
+# by the server's read timeout.
+DRAIN_BYTES = 64 * 2**20
+
+
+async def _answer_too_large(max_bytes: int, length: int, receive, send) -> None:
+    """Send the 413 at once, then (for a body up to ``DRAIN_BYTES``) read the body before
+    ending the response, after which the connection is closed."""
+    response = _too_large(max_bytes)
+    await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
+    if length > DRAIN_BYTES:
+        await send({"type": "http.response.body", "body": response.body})
+        return
+    await send({"type": "http.response.body", "body": response.body, "more_body": True})
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            break
+    await send({"type": "http.response.body", "body": b""})
+
+
 def _too_large(max_bytes: int) -> JSONResponse:
     return error_response(413, f"the request body exceeds the limit of {max_bytes} bytes", "RequestTooLargeError",
-                          headers={"Connection": "close"})  # the rest of the body is not read
+                          headers={"Connection": "close"})
+
+
+class _TrailingSlashMiddleware:
+    """``/v1/completions/`` is ``/v1/completions`` (and so for every API path), as in
+    OpenAI's and vLLM's servers; Starlette would answer 307 to the path without the slash,
+    which a client posting a body does not follow."""
+
+    _ROOT_PATHS = frozenset({"/tokenize", "/detokenize", "/version", "/health", "/metrics"})
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            stripped = path.rstrip("/")
+            if stripped.startswith("/v1/") or stripped in self._ROOT_PATHS:
+                scope = {**scope, "path": stripped, "raw_path": stripped.encode()}
+        await self.app(scope, receive, send)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -320,6 +363,7 @@ def build_app(
             open_paths |= {"/metrics", *web.METRICS_PATHS}
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(_TrailingSlashMiddleware)  # before the API key check sees the path
     app.add_middleware(AnthropicErrorMiddleware)  # outermost: sees the errors of the two above
 
     @app.exception_handler(APIError)
@@ -333,7 +377,9 @@ def build_app(
         loc = [str(x) for x in first.get("loc", []) if x != "body"]
         message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
                             for e in errors)
-        return error_response(400, message or "invalid request", "BadRequestError", loc[0] if loc else None)
+        # a JSON decode error's loc is the byte offset of the fault, not a field
+        param = loc[0] if loc and first.get("type") != "json_invalid" else None
+        return error_response(400, message or "invalid request", "BadRequestError", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
@@ -379,6 +425,10 @@ def build_app(
     @app.post(ANTHROPIC_PATH)
     async def messages(req: MessagesRequest, raw: Request) -> Response:
         return await create_message(serving, req, raw)
+
+    @app.post(ANTHROPIC_PATH + "/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest) -> Response:
+        return await count_tokens(serving, req)
 
     # vLLM's further endpoints, in their own modules (they import this one)
     from kvflow.entrypoints.openai import serving_embedding, serving_tokenization

@@ -8,12 +8,13 @@ its routes and middlewares are in ``server.py``; errors in ``errors.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from fastapi import Request
@@ -42,6 +43,19 @@ def _bad_request(exc: ValueError) -> APIError:
     message = str(exc)
     param = message.split(" ", 1)[0] if message and message.split(" ", 1)[0].isidentifier() else None
     return APIError(400, message, "BadRequestError", param)
+
+
+@contextlib.contextmanager
+def _renamed(renames: dict[str, str]) -> Iterator[None]:
+    """An ``APIError`` raised inside names the other API's field (``renames``: chat field ->
+    that field)."""
+    try:
+        yield
+    except APIError as exc:
+        if exc.param in renames:
+            exc.message = exc.message.replace(exc.param, renames[exc.param])
+            exc.param = renames[exc.param]
+        raise
 
 
 def _as_api_error(exc: BaseException) -> APIError:
@@ -349,9 +363,12 @@ class OpenAIServing:
                 start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
                 delta = c.text[start_text:]
                 new_tokens = c.token_ids[start_tok:]
-                if not delta and not new_tokens and c.finish_reason is None:
+                echo_now = req.echo and index not in sent_tokens
+                # tokens without text yet (part of a multi-byte character) wait for their
+                # text, unless their logprobs are asked for
+                if not delta and not echo_now and c.finish_reason is None and (req.logprobs is None or not new_tokens):
                     continue
-                if req.echo and index not in sent_tokens:
+                if echo_now:
                     ids, text = prompts[p_idx]
                     delta = (text if text is not None else self.tokenizer.decode(ids)) + delta
                 choice: dict[str, Any] = {"index": index, "text": delta}
@@ -447,15 +464,14 @@ class OpenAIServing:
             raise
         return ChatRun(ids, iterator, make_parser)
 
-    async def start_translated_chat(self, req: Any, to_chat_fields: Callable[[Any], dict[str, Any]],
-                                    renames: dict[str, str]) -> ChatRun:  # fmt: skip
-        """Queue a validated request of another API (``req``: a responses or Anthropic
-        messages body) as the chat request ``to_chat_fields(req)`` describes.
+    def translate_chat(self, req: Any, to_chat_fields: Callable[[Any], dict[str, Any]]) -> ChatCompletionRequest:
+        """The chat request that a validated request of another API (``req``: a responses
+        or Anthropic messages body) means.
 
         Raises:
             APIError: 400 naming the field ``req`` does not implement, or the one whose
                 translation failed (a ValueError whose message starts with the field's
-                name); the errors of ``start_chat_from``.
+                name), or the chat field the translation does not validate as.
         """
         unsupported = req.unsupported_field()
         if unsupported is not None:
@@ -464,7 +480,38 @@ class OpenAIServing:
             fields = to_chat_fields(req)
         except ValueError as exc:
             raise APIError(400, str(exc), "BadRequestError", re.match(r"[a-z_]*", str(exc)).group() or None) from None
-        return await self.start_chat_from(fields, renames)
+        try:
+            return ChatCompletionRequest.model_validate(fields)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            loc = ".".join(str(x) for x in first["loc"])
+            raise APIError(400, f"{loc}: {first['msg']}", "BadRequestError", str(first["loc"][0])) from None
+
+    async def start_translated_chat(self, req: Any, to_chat_fields: Callable[[Any], dict[str, Any]],
+                                    renames: dict[str, str]) -> ChatRun:  # fmt: skip
+        """Queue a validated request of another API as the chat request
+        ``to_chat_fields(req)`` describes (``translate_chat``); an error names the other
+        API's field (``renames``: chat field -> that field).
+
+        Raises:
+            APIError: see ``translate_chat`` and ``start_chat``, with the field renamed.
+        """
+        with _renamed(renames):
+            return await self.start_chat(self.translate_chat(req, to_chat_fields))
+
+    async def count_translated_chat_tokens(self, req: Any, to_chat_fields: Callable[[Any], dict[str, Any]],
+                                           renames: dict[str, str]) -> int:  # fmt: skip
+        """The prompt tokens ``start_translated_chat`` would queue for ``req`` (the chat
+        template's rendering, with the tools), without generating.
+
+        Raises:
+            APIError: see ``translate_chat`` and ``check_request``; 400 naming messages
+                for a template failure; with the field renamed.
+        """
+        with _renamed(renames):
+            chat = self.translate_chat(req, to_chat_fields)
+            self.check_request(chat)
+            return len(await self.engine.run_off_loop(self._chat_prompt, chat))
 
     async def start_chat_from(self, fields: dict[str, Any], renames: dict[str, str]) -> ChatRun:
         """Queue a request of another API (responses, Anthropic messages) as the chat request
@@ -474,7 +521,7 @@ class OpenAIServing:
         Raises:
             APIError: as ``start_chat``, with the field renamed.
         """
-        try:
+        with _renamed(renames):
             try:
                 req = ChatCompletionRequest.model_validate(fields)
             except ValidationError as exc:
@@ -482,11 +529,6 @@ class OpenAIServing:
                 loc = ".".join(str(x) for x in first["loc"])
                 raise APIError(400, f"{loc}: {first['msg']}", "BadRequestError", str(first["loc"][0])) from None
             return await self.start_chat(req)
-        except APIError as exc:
-            if exc.param in renames:
-                exc.message = exc.message.replace(exc.param, renames[exc.param])
-                exc.param = renames[exc.param]
-            raise
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, float]], top_k: int) -> dict[str, Any]:
         content = []

@@ -57,15 +57,24 @@ class EmbeddingRequest(_Body):
     }  # fmt: skip
 
 
+# Inputs per request: OpenAI's limit ("any array must be 2048 dimensions or less"); each input
+# is one engine request, so one body cannot hold the engine for long.
+MAX_INPUTS = 2048
+
+
 def _prompts(serving: OpenAIServing, req: EmbeddingRequest) -> list[tuple[list[int], str | None]]:
     """(token ids, text or None) per input, in order.
 
     Raises:
-        APIError: 400 naming ``input`` for an empty list, or text without a tokenizer.
+        APIError: 400 naming ``input`` for an empty list, more than ``MAX_INPUTS`` inputs, or
+            text without a tokenizer.
     """
     given = req.input
     if isinstance(given, list) and not given:
         raise APIError(400, "input must not be empty", "BadRequestError", "input")
+    if isinstance(given, list) and given and not isinstance(given[0], int) and len(given) > MAX_INPUTS:
+        raise APIError(400, f"input has {len(given)} items; at most {MAX_INPUTS} inputs per request",
+                       "BadRequestError", "input")
     texts = [given] if isinstance(given, str) else given if all(isinstance(x, str) for x in given) else None
     if texts is not None:
         if serving.tokenizer is None:

@@ -3,7 +3,8 @@ vLLM's shapes).
 
 - ``/tokenize``: ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
   "add_generation_prompt": true, "continue_final_message": false, "add_special_tokens":
-  false}`` (the messages rendered exactly as ``/v1/chat/completions`` renders them), plus
+  false, "tools": [...]}`` (the messages and tools rendered exactly as
+  ``/v1/chat/completions`` renders them), plus
   ``model`` and ``return_token_strs`` -> ``{"count", "max_model_len", "tokens"}`` and
   ``"token_strs"`` when asked for.
 - ``/detokenize``: ``{"tokens": [int, ...]}`` -> ``{"prompt": str}``; an id the tokenizer
@@ -22,8 +23,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError
 
 from kvflow.entrypoints.chat_utils import render_chat
-from kvflow.entrypoints.openai.protocol import ChatMessage, _Body, unsupported_message_field
+from kvflow.entrypoints.openai.protocol import ChatMessage, ChatTool, _Body, unsupported_message_field
 from kvflow.entrypoints.openai.serving import APIError, OpenAIServing, _bad_request
+from kvflow.entrypoints.openai.tools import template_tools
 
 
 class TokenizeCompletionRequest(_Body):
@@ -44,15 +46,16 @@ class TokenizeChatRequest(_Body):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
+    # the tools as /v1/chat/completions renders them into the prompt
+    tools: list[ChatTool] | None = None
     # vLLM extras /v1/chat/completions does not take either (so that a count here is the
     # chat endpoint's prompt size): refused when set
-    tools: Any = None
     chat_template: Any = None
     chat_template_kwargs: Any = None
     mm_processor_kwargs: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "tools": ([],), "chat_template": (), "chat_template_kwargs": ({},), "mm_processor_kwargs": ({},),
+        "chat_template": (), "chat_template_kwargs": ({},), "mm_processor_kwargs": ({},),
     }  # fmt: skip
 
     def unsupported_field(self) -> tuple[str, str] | None:
@@ -92,7 +95,8 @@ def _tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeC
         return render_chat(
             serving.tokenizer, [m.template_dict() for m in req.messages],
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            add_special_tokens=req.add_special_tokens,
+            add_special_tokens=req.add_special_tokens, chat_template=serving.chat_template,
+            tools=template_tools(req.tools) if req.tools else None,
         )  # fmt: skip
     except ValueError as exc:
         raise _bad_request(exc) from None

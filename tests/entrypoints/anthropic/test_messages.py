@@ -162,3 +162,34 @@ def test_refused_by_name(served, body, match):
                    headers={"x-api-key": API_KEY})  # fmt: skip
     assert r.status_code == 400, r.text
     assert r.json()["type"] == "error" and match in r.json()["error"]["message"], r.json()
+
+
+def test_count_tokens_is_the_prompt_messages_computes(client, script, served):
+    """POST /v1/messages/count_tokens (was 404): the input tokens /v1/messages reports for
+    the same system, messages and tools."""
+    script.set("It is sunny.")
+    counted = client.messages.count_tokens(model="tiny", messages=MSG, system="Be brief.", tools=[TOOL])
+    assert counted.input_tokens == _create(client, system="Be brief.", tools=[TOOL]).usage.input_tokens
+    without_tools = client.messages.count_tokens(model="tiny", messages=MSG, system="Be brief.")
+    assert 0 < without_tools.input_tokens < counted.input_tokens
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}]}])
+    assert info.value.body["type"] == "error" and "image" in info.value.body["error"]["message"]
+
+
+def test_tokenize_takes_tools_as_chat_completions_renders_them(served):
+    """vLLM's /tokenize accepts ``tools`` (it was refused): the count is the chat prompt's."""
+    messages = [{"role": "system", "content": "Be brief."}, *MSG]
+    with httpx.Client(base_url=served[0].url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+        r = http.post("/tokenize", json={"messages": messages, "tools": [WEATHER_TOOL]})
+        assert r.status_code == 200, r.text
+        served[1].set("ok")
+        chat = http.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER_TOOL],
+                                                       "tool_choice": "none", "max_tokens": 2})
+        assert chat.status_code == 200, chat.text
+        assert r.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+        plain = http.post("/tokenize", json={"messages": messages}).json()["count"]
+        assert plain < r.json()["count"]
+        bad = http.post("/tokenize", json={"messages": messages, "tools": [{"type": "function"}]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools", bad.text

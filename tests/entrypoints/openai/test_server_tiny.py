@@ -125,6 +125,15 @@ BAD_VALUES = [
     pytest.param(C, {"prompt": [2**63]}, "prompt", id="prompt-token-2**63"),
     pytest.param(C, {"prompt": [[1, 2], []]}, "prompt", id="prompt-empty-in-list"),
     pytest.param(C, {"prompt": "x", "stream": "yes"}, "stream", id="stream-string"),
+    pytest.param(C, {"prompt": "x", "stop_token_ids": [10**30]}, "stop_token_ids", id="stop_token_ids-10**30"),
+    pytest.param(C, {"prompt": "x", "stop_token_ids": [300]}, "stop_token_ids", id="stop_token_ids-past-vocab"),
+    pytest.param(C, {"prompt": "x", "stop_token_ids": [1e30]}, "stop_token_ids", id="stop_token_ids-1e30"),
+    pytest.param(C, {"prompt": "x", "guided_grammar": "start: ("}, "guided_grammar", id="guided_grammar-broken"),
+    pytest.param(C, {"prompt": "x", "guided_choice": []}, "guided_choice", id="guided_choice-empty"),
+    pytest.param(C, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+                 id="structured_outputs-two"),
+    pytest.param(C, {"prompt": "x", "structured_outputs": {"nonsense": 1}}, "structured_outputs",
+                 id="structured_outputs-unknown-key"),
 ]
 
 
@@ -193,6 +202,54 @@ def test_bodies_that_are_not_a_request_are_400(http, body):
     _assert_error(http.post(C, content=body, headers={"content-type": "application/json"}), 400)
 
 
+def test_a_trailing_slash_is_the_same_path(http):
+    """``/v1/completions/`` answered 307 (a redirect a POST client does not follow)."""
+    for path, body in ((C + "/", {"prompt": "Hello"}), (CH + "/", {"messages": MSG}), ("/tokenize/", {"prompt": "a"})):
+        r = http.post(path, json={**body, "max_tokens": 2})
+        assert r.status_code == 200, (path, r.status_code, r.text)
+    assert http.get("/v1/models/").status_code == 200
+
+
+def test_streamed_completion_chunks_carry_text(http):
+    """A token that is only part of a character (the tiny tokenizer is byte-level) sent a
+    chunk with ``"text": ""``; now every chunk but the last has text."""
+    body = {"prompt": "Hi", "max_tokens": 8, "temperature": 0, "guided_regex": "\U0001F600\U0001F600", "stream": True}
+    with http.stream("POST", C, json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == "\U0001F600\U0001F600", texts
+    assert all(texts[:-1]) and len(texts) >= 2, texts
+
+
+def test_a_json_decode_error_names_no_param(http):
+    """pydantic's loc of a JSON decode error is the byte offset (it was sent as ``param``)."""
+    err = _assert_error(http.post(C, content=b'{"prompt": "x",, }', headers={"content-type": "application/json"}), 400)
+    assert err["param"] is None and "JSON" in err["message"], err
+
+
+GUIDED = [
+    ({"guided_choice": ["red", "green", 'say "blue"']}, r'red|green|say "blue"'),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, r"yes|no"),
+    ({"guided_grammar": 'start: "ab" | "cd" "e"*'}, r"ab|cde*"),
+    ({"guided_grammar": 'root ::= "x" [0-9]'}, r"x[0-9]"),
+    ({"structured_outputs": {"regex": "[a-c]{2}"}}, r"[a-c]{2}"),
+]
+
+
+@pytest.mark.parametrize("path", [C, CH])
+@pytest.mark.parametrize("extra,pattern", GUIDED, ids=["choice", "so-choice", "lark", "gbnf", "so-regex"])
+def test_guided_choice_and_grammar_constrain_the_output(http, path, extra, pattern):
+    import re
+
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    for seed in range(2):
+        r = http.post(path, json={**body, "max_tokens": 12, "temperature": 1.0, "seed": seed, **extra})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["text"] if path == C else choice["message"]["content"]
+        assert re.fullmatch(pattern, text), (extra, text)
+
+
 def test_huge_top_k_samples_as_top_k_off(server, http):
     """top_k = 2**63 used to crash the sampler's tensor build and stop the engine."""
     base = {"prompt": "Hello", "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True}
@@ -225,7 +282,6 @@ UNSUPPORTED = [
     (CH, {"modalities": ["text", "audio"]}, "modalities"),
     (CH, {"web_search_options": {}}, "web_search_options"),
     (CH, {"reasoning_effort": "high"}, "reasoning_effort"),
-    (CH, {"guided_choice": ["a", "b"]}, "guided_choice"),
     (C, {"use_beam_search": True}, "use_beam_search"),
     (C, {"prompt_logprobs": 1}, "prompt_logprobs"),
 ]
@@ -275,12 +331,25 @@ def _raw_exchange(port: int, data: bytes, read_s: float = 10.0) -> bytes:
         return b"".join(chunks)
 
 
+def _read_response(port: int, data: bytes, read_s: float = 10.0) -> bytes:
+    """The first complete response (its headers and Content-Length bytes) to ``data``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=read_s) as s:
+        s.sendall(data)
+        reply = b""
+        while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < int(
+                reply.lower().partition(b"content-length: ")[2].split(b"\r\n")[0] or 0):
+            chunk = s.recv(65536)
+            assert chunk, reply
+            reply += chunk
+        return reply
+
+
 def test_body_over_the_limit_is_413_from_its_content_length(server):
     """Only the headers are sent: the 413 comes without reading (or waiting for) the body."""
     head = (f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {MAX_REQUEST_BYTES + 1}\r\n\r\n").encode()  # fmt: skip
     t0 = time.monotonic()
-    reply = _raw_exchange(server.port, head)
+    reply = _read_response(server.port, head)
     assert time.monotonic() - t0 < READ_TIMEOUT_S  # answered, not timed out
     status, _, rest = reply.partition(b"\r\n")
     assert b" 413 " in status, reply
@@ -288,6 +357,25 @@ def test_body_over_the_limit_is_413_from_its_content_length(server):
     assert b"connection: close" in headers.lower() and b"application/json" in headers.lower(), headers
     err = json.loads(body)["error"]
     assert err["code"] == 413 and str(MAX_REQUEST_BYTES) in err["message"], err
+
+
+def test_a_client_that_sends_its_whole_body_first_reads_the_413():
+    """urllib sends the whole body before reading the answer: the server used to close the
+    socket after the 413 with the body unread, and urllib got a connection reset."""
+    import urllib.error
+    import urllib.request
+
+    server = TinyServer(max_request_bytes=1024)
+    try:
+        body = json.dumps({"prompt": "x" * (8 * 2**20)}).encode()  # 8 MiB: more than the socket buffers
+        request = urllib.request.Request(server.url + C, data=body, headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=30)
+        assert info.value.code == 413 and json.loads(info.value.read())["error"]["code"] == 413
+        r = httpx.post(server.url + C, json={"prompt": "Hello", "max_tokens": 2})  # and the server serves on
+        assert r.status_code == 200, r.text
+    finally:
+        server.stop()
 
 
 def test_chunked_body_over_the_limit_is_413(http):

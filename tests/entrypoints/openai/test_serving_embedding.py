@@ -160,3 +160,15 @@ def test_bad_embedding_requests_are_400s(server, http, body, param):
 def test_unknown_model_is_404_and_dimensions_of_the_hidden_size_pass(http):
     _assert_error(http.post(E, json={"input": "x", "model": "other"}), 404, "model")
     assert len(_embed(http, input="x", dimensions=HIDDEN)["data"][0]["embedding"]) == HIDDEN
+
+
+def test_the_number_of_inputs_is_bounded(server, http):
+    """10,000 inputs were accepted (minutes of engine time from one body): OpenAI's 2,048."""
+    from kvflow.entrypoints.openai.serving_embedding import MAX_INPUTS
+
+    for inputs in (["x"] * (MAX_INPUTS + 1), [[5, 6]] * 10_000):
+        err = _assert_error(http.post("/v1/embeddings", json={"input": inputs}), 400, "input")
+        assert str(MAX_INPUTS) in err["message"], err
+    assert server.engine.get_stats()["num_waiting"] == 0
+    r = http.post("/v1/embeddings", json={"input": [[5, 6]] * 3})  # many token ids in one input are one input
+    assert r.status_code == 200 and len(r.json()["data"]) == 3, r.text
