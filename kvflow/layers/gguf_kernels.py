@@ -309,6 +309,13 @@ def kernel_available(qtype=None) -> bool:
     return _EXTENSION.load() is not None
 
 
+def kernel_isa() -> str | None:
+    """The instruction set of the built kernel's integer products (``"avx512_vnni"``,
+    ``"avx2"`` or ``"scalar"``), None when it is not available."""
+    module = _EXTENSION.load()
+    return None if module is None else module.gguf_isa()
+
+
 def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) with W the stored GGUF weight.
