@@ -114,14 +114,6 @@ void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, flo
   });
 }
 
-// ---------------------------------------------------------------------------------------
-// Per format: visit(w, K, f) calls f(b, u, s0, s1, c0, c1) for each 32-element sub-block b of
-// one stored row, u its unsigned quantized values (or, SIGNED, Q8_0's int8 values), s0 / s1
-// the weight scale of its two 16-element halves (equal unless PER16) and c0 / c1 their offset
-// coefficients: the row's dot product is sum_b [da_b * (s0 <u, a>_0..15 + s1 <u, a>_16..31)
-// + c0 s16_2b + c1 s16_2b+1] (PER16) or [... + c0 s32_b].
-// ---------------------------------------------------------------------------------------
-
 #if defined(GG_AVX2)
 using U32 = __m256i;
 inline __m256i nib_lo_hi(const uint8_t* p) {  // 16 bytes -> 16 low nibbles, then 16 high nibbles
@@ -195,112 +187,95 @@ inline U32 GG_SET1(int v) {
 #define GG_LOAD(p) GG_LOAD_(reinterpret_cast<const uint8_t*>(p))
 #endif
 
+// ---------------------------------------------------------------------------------------
+// Per format: block(w, b, u, s0, s1, c0, c1) decodes the 32-element sub-block b of one stored
+// row w: u its unsigned quantized values (or, SIGNED, Q8_0's int8 values), s0 / s1 the weight
+// scale of its two 16-element halves (equal unless PER16) and c0 / c1 their offset
+// coefficients. The row's dot product with an activation row is
+//   sum_b [ da_b (s0 <u, a>_0..15 + s1 <u, a>_16..31) + c0 s16_2b + c1 s16_2b+1 ]   (PER16)
+//   sum_b [ da_b s0 <u, a> + c0 s32_b ]                                                (else)
+// ---------------------------------------------------------------------------------------
 struct FQ4_0 {
   static constexpr bool SIGNED = false, PER16 = false;
-  template <typename F>
-  static inline void visit(const uint8_t* w, int64_t K, F&& f) {
-    for (int64_t b = 0; b < K / 32; ++b, w += 18) {
-      const float d = fp16(w);
-      f(b, nib_lo_hi(w + 2), d, d, -8.f * d, 0.f);
-    }
+  static inline void block(const uint8_t* w, int64_t b, U32& u, float& s0, float& s1, float& c0, float& c1) {
+    w += b * 18;
+    s0 = s1 = fp16(w);
+    c0 = c1 = -8.f * s0;
+    u = nib_lo_hi(w + 2);
   }
 };
 struct FQ4_1 {
   static constexpr bool SIGNED = false, PER16 = false;
-  template <typename F>
-  static inline void visit(const uint8_t* w, int64_t K, F&& f) {
-    for (int64_t b = 0; b < K / 32; ++b, w += 20) {
-      const float d = fp16(w);
-      f(b, nib_lo_hi(w + 4), d, d, fp16(w + 2), 0.f);
-    }
+  static inline void block(const uint8_t* w, int64_t b, U32& u, float& s0, float& s1, float& c0, float& c1) {
+    w += b * 20;
+    s0 = s1 = fp16(w);
+    c0 = c1 = fp16(w + 2);
+    u = nib_lo_hi(w + 4);
   }
 };
 struct FQ5_0 {
   static constexpr bool SIGNED = false, PER16 = false;
-  template <typename F>
-  static inline void visit(const uint8_t* w, int64_t K, F&& f) {
-    for (int64_t b = 0; b < K / 32; ++b, w += 22) {
-      const float d = fp16(w);
-      f(b, GG_OR(nib_lo_hi(w + 6), bits32(w + 2)), d, d, -16.f * d, 0.f);
-    }
+  static inline void block(const uint8_t* w, int64_t b, U32& u, float& s0, float& s1, float& c0, float& c1) {
+    w += b * 22;
+    s0 = s1 = fp16(w);
+    c0 = c1 = -16.f * s0;
+    u = GG_OR(nib_lo_hi(w + 6), bits32(w + 2));
   }
 };
 struct FQ5_1 {
   static constexpr bool SIGNED = false, PER16 = false;
-  template <typename F>
-  static inline void visit(const uint8_t* w, int64_t K, F&& f) {
-    for (int64_t b = 0; b < K / 32; ++b, w += 24) {
-      const float d = fp16(w);
-      f(b, GG_OR(nib_lo_hi(w + 8), bits32(w + 4)), d, d, fp16(w + 2), 0.f);
-    }
+  static inline void block(const uint8_t* w, int64_t b, U32& u, float& s0, float& s1, float& c0, float& c1) {
+    w += b * 24;
+    s0 = s1 = fp16(w);
+    c0 = c1 = fp16(w + 2);
+    u = GG_OR(nib_lo_hi(w + 8), bits32(w + 4));
   }
 };
 struct FQ8_0 {
   static constexpr bool SIGNED = true, PER16 = false;
-  template <typename F>
-  static inline void visit(const uint8_t* w, int64_t K, F&& f) {
-    for (int64_t b = 0; b < K / 32; ++b, w += 34) {
-      const float d = fp16(w);
-      f(b, GG_LOAD(w + 2), d, d, 0.f, 0.f);
-    }
+  static inline void block(const uint8_t* w, int64_t b, U32& u, float& s0, float& s1, float& c0, float& c1) {
+    w += b * 34;
+    s0 = s1 = fp16(w);
+    c0 = c1 = 0.f;
+    u = GG_LOAD(w + 2);
   }
 };
 template <bool FIVE>
 struct FQK {  // Q4_K (FIVE = false) and Q5_K
   static constexpr bool SIGNED = false, PER16 = false;
-  template <typename F>
-  static inline void visit(const uint8_t* w, int64_t K, F&& f) {
-    constexpr int bytes = FIVE ? 176 : 144;
-    const U32 lo = GG_SET1(0x0F);
-    for (int64_t sb = 0; sb < K / 256; ++sb, w += bytes) {
-      const float d = fp16(w), dmin = fp16(w + 2);
-      const uint8_t* qs = w + (FIVE ? 48 : 16);
-      U32 qh;
-      if constexpr (FIVE) qh = GG_LOAD(w + 16);
-      for (int j2 = 0; j2 < 4; ++j2) {
-        const U32 v = GG_LOAD(qs + 32 * j2);
-        U32 u0 = GG_AND(v, lo), u1 = GG_AND(GG_SRL(v, 4), lo);
-        if constexpr (FIVE) {
-          const U32 one = GG_SET1(1);
-          u0 = GG_OR(u0, GG_SLL(GG_AND(GG_SRL(qh, 2 * j2), one), 4));
-          u1 = GG_OR(u1, GG_SLL(GG_AND(GG_SRL(qh, 2 * j2 + 1), one), 4));
-        }
-        int sc, mn;
-        scale_min_k4(2 * j2, w + 4, sc, mn);
-        f(sb * 8 + 2 * j2, u0, d * sc, d * sc, -dmin * mn, 0.f);
-        scale_min_k4(2 * j2 + 1, w + 4, sc, mn);
-        f(sb * 8 + 2 * j2 + 1, u1, d * sc, d * sc, -dmin * mn, 0.f);
-      }
-    }
+  static inline void block(const uint8_t* w, int64_t b, U32& u, float& s0, float& s1, float& c0, float& c1) {
+    const int j = static_cast<int>(b & 7);
+    w += (b >> 3) * (FIVE ? 176 : 144);
+    int sc, mn;
+    scale_min_k4(j, w + 4, sc, mn);
+    s0 = s1 = fp16(w) * static_cast<float>(sc);
+    c0 = c1 = -fp16(w + 2) * static_cast<float>(mn);
+    const U32 v = GG_LOAD(w + (FIVE ? 48 : 16) + 32 * (j >> 1));
+    u = GG_AND(j & 1 ? GG_SRL(v, 4) : v, GG_SET1(0x0F));
+    if constexpr (FIVE) u = GG_OR(u, GG_SLL(GG_AND(GG_SRL(GG_LOAD(w + 16), j), GG_SET1(1)), 4));
   }
 };
 struct FQ6_K {
   static constexpr bool SIGNED = false, PER16 = true;
-  template <typename F>
-  static inline void visit(const uint8_t* w, int64_t K, F&& f) {
-    const U32 lo = GG_SET1(0x0F), three = GG_SET1(3);
-    for (int64_t sb = 0; sb < K / 256; ++sb, w += 210) {
-      const float d = fp16(w + 208);
-      const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
-      for (int h = 0; h < 2; ++h) {
-        const U32 l0 = GG_LOAD(w + 64 * h), l1 = GG_LOAD(w + 64 * h + 32), qh = GG_LOAD(w + 128 + 32 * h);
-        const U32 u[4] = {
-            GG_OR(GG_AND(l0, lo), GG_SLL(GG_AND(qh, three), 4)),
-            GG_OR(GG_AND(l1, lo), GG_SLL(GG_AND(GG_SRL(qh, 2), three), 4)),
-            GG_OR(GG_AND(GG_SRL(l0, 4), lo), GG_SLL(GG_AND(GG_SRL(qh, 4), three), 4)),
-            GG_OR(GG_AND(GG_SRL(l1, 4), lo), GG_SLL(GG_AND(GG_SRL(qh, 6), three), 4)),
-        };
-        for (int j = 0; j < 4; ++j) {
-          const float a = d * sc[h * 8 + 2 * j], b = d * sc[h * 8 + 2 * j + 1];
-          f(sb * 8 + h * 4 + j, u[j], a, b, -32.f * a, -32.f * b);
-        }
-      }
-    }
+  static inline void block(const uint8_t* w, int64_t b, U32& u, float& s0, float& s1, float& c0, float& c1) {
+    const int j = static_cast<int>(b & 7), h = j >> 2, jj = j & 3;
+    w += (b >> 3) * 210;
+    const float d = fp16(w + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192) + 2 * j;
+    s0 = d * static_cast<float>(sc[0]);
+    s1 = d * static_cast<float>(sc[1]);
+    c0 = -32.f * s0;
+    c1 = -32.f * s1;
+    const U32 l = GG_LOAD(w + 64 * h + 32 * (jj & 1));
+    const U32 lo = GG_AND(jj >= 2 ? GG_SRL(l, 4) : l, GG_SET1(0x0F));
+    u = GG_OR(lo, GG_SLL(GG_AND(GG_SRL(GG_LOAD(w + 128 + 32 * h), 2 * jj), GG_SET1(3)), 4));
   }
 };
 
 // ---------------------------------------------------------------------------------------
-// One weight row against MR activation rows: res[m] = <W row, x row m0 + m>.
+// R weight rows against MR activation rows: res[r * MR + m] = <W row r, x row m0 + m>. The R x
+// MR products are independent accumulation chains (one would wait on the latency of its
+// multiply-add every block); each activation block is loaded once for the R rows.
 // ---------------------------------------------------------------------------------------
 #if defined(GG_AVX2)
 inline __m256i dot_u8s8(__m256i u, __m256i a) {  // lane i: sum of the products of bytes 4i..4i+3
@@ -318,58 +293,89 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-template <typename Fmt, int MR>
-inline void row_dot(const uint8_t* w, const Act& a, int64_t m0, float* res) {
+template <typename Fmt, int R, int MR>
+inline void rows_dot(const uint8_t* const* w, const Act& a, int64_t m0, float* res) {
   const int64_t K = a.K, nb = K / 32;
-  float off[MR];
-  for (int m = 0; m < MR; ++m) off[m] = 0.f;
+  float off[R * MR];
+  for (int i = 0; i < R * MR; ++i) off[i] = 0.f;
 #if defined(GG_AVX2)
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  Fmt::visit(w, K, [&](int64_t b, __m256i u, float s0, float s1, float c0, float c1) {
-    __m256i uu = u;
-    if constexpr (Fmt::SIGNED) uu = _mm256_sign_epi8(u, u);
-#pragma GCC unroll 8
+  __m256 acc[R * MR];
+  for (int i = 0; i < R * MR; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i u[R];
+    float s0[R], s1[R], c0[R], c1[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) Fmt::block(w[r], b, u[r], s0[r], s1[r], c0[r], c1[r]);
+#pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
-      const int64_t r = m0 + m;
-      __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + r * K + b * 32));
-      if constexpr (Fmt::SIGNED) av = _mm256_sign_epi8(av, u);
-      const float da = a.d[r * nb + b];
-      __m256 sv;
-      if constexpr (Fmt::PER16) sv = _mm256_set_m128(_mm_set1_ps(s1 * da), _mm_set1_ps(s0 * da));
-      else sv = _mm256_set1_ps(s0 * da);
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(uu, av)), sv, acc[m]);
-      if constexpr (Fmt::PER16) off[m] += c0 * a.s16[r * 2 * nb + 2 * b] + c1 * a.s16[r * 2 * nb + 2 * b + 1];
-      else if constexpr (!Fmt::SIGNED) off[m] += c0 * a.s32[r * nb + b];
-    }
-  });
-  for (int m = 0; m < MR; ++m) res[m] = hsum(acc[m]) + off[m];
-#else
-  float acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = 0.f;
-  Fmt::visit(w, K, [&](int64_t b, const U32& u, float s0, float s1, float c0, float c1) {
-    for (int m = 0; m < MR; ++m) {
-      const int64_t r = m0 + m;
-      const int8_t* ap = a.q + r * K + b * 32;
-      int32_t p0 = 0, p1 = 0;
-      for (int i = 0; i < 16; ++i) {
-        const int wv0 = Fmt::SIGNED ? static_cast<int8_t>(u.v[i]) : u.v[i];
-        const int wv1 = Fmt::SIGNED ? static_cast<int8_t>(u.v[i + 16]) : u.v[i + 16];
-        p0 += wv0 * ap[i];
-        p1 += wv1 * ap[i + 16];
+      const int64_t row = m0 + m;
+      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + row * K + b * 32));
+      const float da = a.d[row * nb + b];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        __m256i p;
+        if constexpr (Fmt::SIGNED) p = dot_u8s8(_mm256_sign_epi8(u[r], u[r]), _mm256_sign_epi8(av, u[r]));
+        else p = dot_u8s8(u[r], av);
+        __m256 sv;
+        if constexpr (Fmt::PER16) sv = _mm256_set_m128(_mm_set1_ps(s1[r] * da), _mm_set1_ps(s0[r] * da));
+        else sv = _mm256_set1_ps(s0[r] * da);
+        acc[r * MR + m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc[r * MR + m]);
+        if constexpr (Fmt::PER16)
+          off[r * MR + m] += c0[r] * a.s16[row * 2 * nb + 2 * b] + c1[r] * a.s16[row * 2 * nb + 2 * b + 1];
+        else if constexpr (!Fmt::SIGNED)
+          off[r * MR + m] += c0[r] * a.s32[row * nb + b];
       }
-      const float da = a.d[r * nb + b];
-      acc[m] += da * (s0 * static_cast<float>(p0) + s1 * static_cast<float>(p1));
-      if constexpr (Fmt::PER16) off[m] += c0 * a.s16[r * 2 * nb + 2 * b] + c1 * a.s16[r * 2 * nb + 2 * b + 1];
-      else if constexpr (!Fmt::SIGNED) off[m] += c0 * a.s32[r * nb + b];
     }
-  });
-  for (int m = 0; m < MR; ++m) res[m] = acc[m] + off[m];
+  }
+  for (int i = 0; i < R * MR; ++i) res[i] = hsum(acc[i]) + off[i];
+#else
+  float acc[R * MR];
+  for (int i = 0; i < R * MR; ++i) acc[i] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < R; ++r) {
+      U32 u;
+      float s0, s1, c0, c1;
+      Fmt::block(w[r], b, u, s0, s1, c0, c1);
+      for (int m = 0; m < MR; ++m) {
+        const int64_t row = m0 + m;
+        const int8_t* ap = a.q + row * K + b * 32;
+        int32_t p0 = 0, p1 = 0;
+        for (int i = 0; i < 16; ++i) {
+          const int w0 = Fmt::SIGNED ? static_cast<int8_t>(u.v[i]) : u.v[i];
+          const int w1 = Fmt::SIGNED ? static_cast<int8_t>(u.v[i + 16]) : u.v[i + 16];
+          p0 += w0 * ap[i];
+          p1 += w1 * ap[i + 16];
+        }
+        const float da = a.d[row * nb + b];
+        acc[r * MR + m] += da * (s0 * static_cast<float>(p0) + s1 * static_cast<float>(p1));
+        if constexpr (Fmt::PER16)
+          off[r * MR + m] += c0 * a.s16[row * 2 * nb + 2 * b] + c1 * a.s16[row * 2 * nb + 2 * b + 1];
+        else if constexpr (!Fmt::SIGNED)
+          off[r * MR + m] += c0 * a.s32[row * nb + b];
+      }
+    }
+  }
+  for (int i = 0; i < R * MR; ++i) res[i] = acc[i] + off[i];
 #endif
 }
 
 constexpr int64_t NTILE = 16;  // weight rows per task: their blocks stay in L2 across the row groups
-constexpr int MROWS = 4;       // activation rows per pass over a weight row
+constexpr int MROWS = 4;       // activation rows per pass over a group of weight rows
+
+template <typename Fmt, int R, int MR, typename OutT>
+inline void tile_rows(const uint8_t* w, int64_t ldw, const Act& a, int64_t m0, int64_t n0, int64_t n1,
+                      const float* bias, OutT* y, int64_t ldy) {
+  float res[R * MR];
+  for (int64_t n = n0; n < n1; n += R) {
+    const uint8_t* rows[R];
+    for (int r = 0; r < R; ++r) rows[r] = w + std::min(n + r, n1 - 1) * ldw;  // spare lanes repeat a row
+    rows_dot<Fmt, R, MR>(rows, a, m0, res);
+    for (int r = 0; r < R && n + r < n1; ++r) {
+      const float bn = bias ? bias[n + r] : 0.f;
+      for (int m = 0; m < MR; ++m) y[(m0 + m) * ldy + n + r] = static_cast<OutT>(res[r * MR + m] + bn);
+    }
+  }
+}
 
 template <typename Fmt, typename OutT>
 void run(const uint8_t* w, int64_t ldw, const Act& a, int64_t M, int64_t N, const float* bias, OutT* y, int64_t ldy) {
@@ -377,21 +383,14 @@ void run(const uint8_t* w, int64_t ldw, const Act& a, int64_t M, int64_t N, cons
   const int64_t tile_bytes = std::max<int64_t>(1, NTILE * ldw);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / tile_bytes);  // >= ~32 KB of weight per task
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    float res[MROWS];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NTILE, n1 = std::min(N, n0 + NTILE);
       for (int64_t m0 = 0; m0 < M; m0 += MROWS) {
-        const int64_t mr = std::min<int64_t>(MROWS, M - m0);
-        for (int64_t n = n0; n < n1; ++n) {
-          const uint8_t* wr = w + n * ldw;
-          switch (mr) {
-            case 1: row_dot<Fmt, 1>(wr, a, m0, res); break;
-            case 2: row_dot<Fmt, 2>(wr, a, m0, res); break;
-            case 3: row_dot<Fmt, 3>(wr, a, m0, res); break;
-            default: row_dot<Fmt, 4>(wr, a, m0, res); break;
-          }
-          const float bn = bias ? bias[n] : 0.f;
-          for (int64_t m = 0; m < mr; ++m) y[(m0 + m) * ldy + n] = static_cast<OutT>(res[m] + bn);
+        switch (std::min<int64_t>(MROWS, M - m0)) {
+          case 1: tile_rows<Fmt, 4, 1>(w, ldw, a, m0, n0, n1, bias, y, ldy); break;
+          case 2: tile_rows<Fmt, 4, 2>(w, ldw, a, m0, n0, n1, bias, y, ldy); break;
+          case 3: tile_rows<Fmt, 2, 3>(w, ldw, a, m0, n0, n1, bias, y, ldy); break;
+          default: tile_rows<Fmt, 2, 4>(w, ldw, a, m0, n0, n1, bias, y, ldy); break;
         }
       }
     }
