@@ -57,7 +57,8 @@ _EXTENSION = ops.GGUF_MATMUL
 # Rows of x from which gguf_linear dequantizes the weight to float32 and runs PyTorch's GEMM
 # instead of the integer kernel (measured: see the kernel's docstring in gguf_matmul.cpp and
 # benchmarks/gguf_kernels.py).
-DEQUANT_GEMM_MIN_ROWS = 1 << 62
+DEQUANT_GEMM_MIN_ROWS = 128
+DEQUANT_TILE_ELEMENTS = 1 << 22  # weights per dequantized tile of that path (16 MB in float32)
 
 
 def _qtype(qtype) -> gguf.GGMLQuantizationType:
@@ -344,12 +345,24 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
         raise ValueError(f"out: expected {x.dtype} [{m}, {w.n}] with contiguous rows, got "
                          f"{out.dtype} {list(out.shape)} strides {out.stride()}")
     module = _EXTENSION.load()
-    if (module is not None and m > 0 and m < DEQUANT_GEMM_MIN_ROWS and x.device.type == "cpu"
+    if (module is not None and m > 0 and x.device.type == "cpu"
             and not (torch.is_grad_enabled() and x.requires_grad)):
         xc = x if x.stride(1) == 1 else x.contiguous()
-        b = None if bias is None else bias.float().contiguous()
         y = out if out is not None else torch.empty(m, w.n, dtype=x.dtype)
-        module.gguf_linear(xc, w.raw, int(w.qtype), w.n, w.k, b, y)
+        if m < DEQUANT_GEMM_MIN_ROWS:
+            module.gguf_linear(xc, w.raw, int(w.qtype), w.n, w.k, None if bias is None else bias.float().contiguous(), y)
+            return y
+        # Prefill: dequantize tiles of rows (the kernel's exact expansion, in x's dtype) and
+        # multiply them with PyTorch's GEMM (oneDNN / MKL); a tile holds at most
+        # DEQUANT_TILE_ELEMENTS weights.
+        rows = max(1, min(w.n, DEQUANT_TILE_ELEMENTS // w.k))
+        tile = torch.empty(rows, w.k, dtype=x.dtype)
+        for n0 in range(0, w.n, rows):
+            nt = min(rows, w.n - n0)
+            wt = tile[:nt]
+            module.gguf_dequantize(w.raw[n0:n0 + nt], int(w.qtype), nt, w.k, wt)
+            part = None if bias is None else bias[n0:n0 + nt].to(x.dtype)
+            y[:, n0:n0 + nt] = F.linear(xc, wt, part)
         return y
     y = F.linear(x.float(), w.dequantize(torch.float32), None if bias is None else bias.float())
     if out is not None:

@@ -88,8 +88,29 @@ def test_dequantize_matches_gguf(qt, dtype):
     assert torch.equal(w.dequantize(), want[:, 256:])
 
 
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
+def test_kernel_dequantize_is_exact(qt):
+    """The kernel's expansion (the prefill path's weight tiles) equals gguf's, also through a
+    strided column slice, in float32 and (rounded once) bfloat16."""
+    from kvflow import ops
+
+    if not gk.kernel_available():
+        pytest.skip("the GGUF kernel is not built here (KVFLOW_CPU_KERNELS=0 or no compiler)")
+    k = 768
+    raw = torch.from_numpy(_random_raw(qt, 9, k, seed=2))
+    want = torch.from_numpy(quants.dequantize(raw.numpy(), qt).astype(np.float32))
+    for dtype in (torch.float32, torch.bfloat16):
+        got = torch.empty(9, k, dtype=dtype)
+        ops.GGUF_MATMUL.load().gguf_dequantize(raw, int(qt), 9, k, got)
+        assert torch.equal(got, want.to(dtype))
+    w = GGUFWeight(raw, qt, 9, k).narrow_cols(256, 512)
+    got = torch.empty(9, 512)
+    ops.GGUF_MATMUL.load().gguf_dequantize(w.raw, int(qt), 9, 512, got)
+    assert torch.equal(got, want[:, 256:768])
+
+
 # M: decode (1), speculative verification / batched decode (2..64, groups of four rows and
-# their remainders), prefill (512). Shapes: N not a multiple of the kernel's 16-row tile; K a
+# their remainders), prefill (512: dequantized tiles + PyTorch's GEMM where the kernel is built). Shapes: N not a multiple of the kernel's 16-row tile; K a
 # multiple of 32 but not of 256 for the 32-element formats.
 CASES = [(1, 13), (2, 13), (3, 49), (4, 13), (5, 49), (17, 13), (64, 49), (512, 13)]
 

@@ -413,6 +413,50 @@ void dispatch(int qtype, const uint8_t* w, int64_t ldw, const Act& a, int64_t M,
   }
 }
 
+// out [N, K] (float32 or bfloat16, contiguous) = the stored rows raw expanded: per element
+// fma(s, u, c) with the block's scale s and offset c, the single rounding of the gguf
+// package's float32 expressions (d (q - 8), d q + m, (d sc) q - dmin m, (d sc) (q - 32)): exact.
+template <typename Fmt, typename OutT>
+void dequantize_rows(const uint8_t* w, int64_t ldw, int64_t N, int64_t K, OutT* out) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    alignas(32) uint8_t q[32];
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* wr = w + n * ldw;
+      OutT* o = out + n * K;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        U32 u;
+        float s0, s1, c0, c1;
+        Fmt::block(wr, b, u, s0, s1, c0, c1);
+#if defined(GG_AVX2)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(q), u);
+#else
+        std::memcpy(q, u.v, 32);
+#endif
+#pragma omp simd
+        for (int i = 0; i < 32; ++i) {
+          const float v = Fmt::SIGNED ? static_cast<float>(static_cast<int8_t>(q[i])) : static_cast<float>(q[i]);
+          o[b * 32 + i] = static_cast<OutT>(std::fma(i < 16 ? s0 : s1, v, i < 16 ? c0 : c1));
+        }
+      }
+    }
+  });
+}
+
+template <typename OutT>
+void dequantize_dispatch(int qtype, const uint8_t* w, int64_t ldw, int64_t N, int64_t K, OutT* out) {
+  switch (qtype) {
+    case Q4_0: return dequantize_rows<FQ4_0>(w, ldw, N, K, out);
+    case Q4_1: return dequantize_rows<FQ4_1>(w, ldw, N, K, out);
+    case Q5_0: return dequantize_rows<FQ5_0>(w, ldw, N, K, out);
+    case Q5_1: return dequantize_rows<FQ5_1>(w, ldw, N, K, out);
+    case Q8_0: return dequantize_rows<FQ8_0>(w, ldw, N, K, out);
+    case Q4_K: return dequantize_rows<FQK<false>>(w, ldw, N, K, out);
+    case Q5_K: return dequantize_rows<FQK<true>>(w, ldw, N, K, out);
+    case Q6_K: return dequantize_rows<FQ6_K>(w, ldw, N, K, out);
+    default: TORCH_CHECK(false, "qtype: GGML type ", qtype, " is not supported");
+  }
+}
+
 int64_t block_elems(int qtype) {
   return (qtype == Q4_K || qtype == Q5_K || qtype == Q6_K) ? 256 : 32;
 }
@@ -481,8 +525,28 @@ void gguf_linear(torch::Tensor x, torch::Tensor raw, int64_t qtype, int64_t N, i
     dispatch(qt, raw.data_ptr<uint8_t>(), raw.stride(0), a, M, N, bp, out.data_ptr<c10::BFloat16>(), ldy);
 }
 
+// out [N, K] (float32 or bfloat16, contiguous) = raw uint8 [N, row bytes] (contiguous rows)
+// of GGML type qtype, dequantized (bit-exact with gguf.quants.dequantize in float32).
+void gguf_dequantize(torch::Tensor raw, int64_t qtype, int64_t N, int64_t K, torch::Tensor out) {
+  const int qt = static_cast<int>(qtype);
+  TORCH_CHECK(block_bytes(qt) > 0, "qtype: GGML type ", qtype, " is not supported");
+  TORCH_CHECK(K > 0 && K % block_elems(qt) == 0, "K: a positive multiple of ", block_elems(qt));
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.size(0) == N &&
+                  raw.size(1) == K / block_elems(qt) * block_bytes(qt) && raw.stride(1) == 1,
+              "raw: uint8 [N, row bytes], contiguous rows");
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 && out.size(0) == N && out.size(1) == K &&
+                  (out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16),
+              "out: contiguous float32 or bfloat16 [N, K]");
+  if (N == 0) return;
+  if (out.scalar_type() == torch::kFloat32)
+    dequantize_dispatch(qt, raw.data_ptr<uint8_t>(), raw.stride(0), N, K, out.data_ptr<float>());
+  else
+    dequantize_dispatch(qt, raw.data_ptr<uint8_t>(), raw.stride(0), N, K, out.data_ptr<c10::BFloat16>());
+}
+
 // Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_isa", &gguf_isa, "gguf_isa");
   m.def("gguf_linear", &gguf_linear, "gguf_linear", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_dequantize", &gguf_dequantize, "gguf_dequantize", pybind11::call_guard<pybind11::gil_scoped_release>());
 }
