@@ -33,6 +33,10 @@ lets every format share one activation layout. The kernel reads the weight in it
 row-major block layout (no repacking: every method of :class:`GGUFWeight` works at any time,
 and the loader's memory-mapped file data is used in place).
 
+For many rows (prefill; from ``DEQUANT_GEMM_MIN_ROWS`` rows, 32 to 128 by format, measured)
+the kernel instead expands tiles of the weight exactly (``gguf_dequantize``, in x's dtype) and
+PyTorch's GEMM multiplies them: the expansion is paid once for all rows there.
+
 The C++ source is ``kvflow/ops/csrc/gguf_matmul.cpp`` (built by ``kvflow.ops.build``, switch
 ``KVFLOW_CPU_GGUF``); until it is built, or with it off, :func:`gguf_linear` dequantizes to
 float32 and calls ``F.linear`` (the reference path).
@@ -54,10 +58,17 @@ SUPPORTED_QTYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(
 
 _EXTENSION = ops.GGUF_MATMUL
 
-# Rows of x from which gguf_linear dequantizes the weight to float32 and runs PyTorch's GEMM
-# instead of the integer kernel (measured: see the kernel's docstring in gguf_matmul.cpp and
-# benchmarks/gguf_kernels.py).
-DEQUANT_GEMM_MIN_ROWS = 128
+# Rows of x from which gguf_linear (with the kernel built) dequantizes tiles of the weight
+# in x's dtype and runs PyTorch's GEMM instead of the integer kernel, per format. Measured on
+# the development machine (AMD EPYC Zen 4, AVX-512 VNNI + BF16, one thread, N = K = 1536,
+# ms per call, integer kernel / dequantized tiles + GEMM, float32 | bfloat16 x):
+#   Q4_0  M=32: 2.2/3.9 | 2.2/5.2   M=64: 4.0/5.1 | 4.2/6.3    M=128: 9.1/11.7 | 7.8/7.1   M=256: 15.8/15.3 | 15.7/9.8
+#   Q4_K  M=32: 3.1/3.4 | 3.1/4.9   M=64: 5.9/5.3 | 5.8/4.6    M=128: 11.7/10.0 | 11.7/6.6  M=256: 25.0/15.5 | 23.3/9.5
+#   Q6_K  M=32: 5.1/3.1 | 5.3/4.8   M=64: 9.4/5.2 | 10.2/5.7   M=128: 18.0/10.0 | 28.0/9.6  M=256: 54.6/22.4 | 43.8/10.7
+# (the integer kernel decodes each K-quant sub-block's scales per row and activation group;
+# the GEMM amortizes one expansion over all rows). Q4_1 / Q5_* / Q8_0 follow Q4_0, Q5_K Q4_K.
+DEQUANT_GEMM_MIN_ROWS: dict[gguf.GGMLQuantizationType, int] = {
+    Q.Q4_0: 128, Q.Q4_1: 128, Q.Q5_0: 128, Q.Q5_1: 128, Q.Q8_0: 128, Q.Q4_K: 64, Q.Q5_K: 64, Q.Q6_K: 32}
 DEQUANT_TILE_ELEMENTS = 1 << 22  # weights per dequantized tile of that path (16 MB in float32)
 
 
@@ -349,7 +360,7 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
             and not (torch.is_grad_enabled() and x.requires_grad)):
         xc = x if x.stride(1) == 1 else x.contiguous()
         y = out if out is not None else torch.empty(m, w.n, dtype=x.dtype)
-        if m < DEQUANT_GEMM_MIN_ROWS:
+        if m < DEQUANT_GEMM_MIN_ROWS[w.qtype]:
             module.gguf_linear(xc, w.raw, int(w.qtype), w.n, w.k, None if bias is None else bias.float().contiguous(), y)
             return y
         # Prefill: dequantize tiles of rows (the kernel's exact expansion, in x's dtype) and

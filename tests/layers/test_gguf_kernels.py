@@ -110,8 +110,9 @@ def test_kernel_dequantize_is_exact(qt):
 
 
 # M: decode (1), speculative verification / batched decode (2..64, groups of four rows and
-# their remainders), prefill (512: dequantized tiles + PyTorch's GEMM where the kernel is built). Shapes: N not a multiple of the kernel's 16-row tile; K a
-# multiple of 32 but not of 256 for the 32-element formats.
+# their remainders), prefill (512); from 32 to 128 rows by format (DEQUANT_GEMM_MIN_ROWS) the
+# kernel hands over to dequantized tiles + PyTorch's GEMM. Shapes: N not a multiple of the
+# kernel's 16-row tile; K a multiple of 32 but not of 256 for the 32-element formats.
 CASES = [(1, 13), (2, 13), (3, 49), (4, 13), (5, 49), (17, 13), (64, 49), (512, 13)]
 
 
