@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> dict:
         cases = []
         for name in args.formats:
             qt = Q[name]
+            if k % gk.block_layout(qt)[0]:
+                print(f"# {name}: K={k} is not a multiple of its block; skipped (GGUF files store such tensors "
+                      f"in another type)")
+                continue
             nbytes = gk.row_bytes(qt, k) * n
             copies = max(2, min(64, int(args.cycle_mb * 2**20 // nbytes) + 1))
             ws = [gk.GGUFWeight(_random_raw(qt, n, k, rng), qt, n, k) for _ in range(copies)]

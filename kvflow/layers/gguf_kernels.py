@@ -33,6 +33,24 @@ lets every format share one activation layout. The kernel reads the weight in it
 row-major block layout (no repacking: every method of :class:`GGUFWeight` works at any time,
 and the loader's memory-mapped file data is used in place).
 
+Not repacked (llama.cpp's ``repack.cpp`` interleaves 4-8 rows per block so that one vector
+holds several rows' scales): the kernel takes 2-4 stored rows per pass instead (independent
+accumulation chains, each activation block loaded once for them), so ``raw`` stays the
+caller's tensor and ``narrow_rows`` / ``narrow_cols`` / ``cat_rows`` / ``embedding`` /
+``dequantize`` work at any time, before and after the kernel is published.
+
+Speed (``python -m benchmarks.gguf_kernels``, AMD EPYC Zen 4 with AVX-512 VNNI, one thread of
+a shared, loaded 2-core machine, x float32; ms per call and stored-weight GB/s): at M = 1,
+8960 x 1536 Q4_0 3.5 ms (2.2 GB/s), Q4_1 2.4 (3.6), Q4_K 2.5 (3.2), Q6_K 7.2 (1.6), Q8_0 3.0
+(4.9), against dense bfloat16 5.5 ms and float32 8.5 ms (6.5 GB/s); 1536 x 8960 Q4_0 2.1 ms
+(3.8 GB/s), Q8_0 2.8 (5.2), Q6_K 4.0 (2.9), bfloat16 6.5, float32 7.7. The GEMV is bound by
+instructions, not memory: per 32-element block and row, unpacking the nibbles, converting the
+fp16 scale, broadcasting scale x activation scale, the integer product, its float conversion
+and multiply-add (about 19 instructions, ~10% of the VNNI peak); Q6_K and the K-quants also
+decode their sub-block scales per row. At M = 16..64 the integer kernel is slower than
+oneDNN's bfloat16 GEMM on the dense weight (e.g. 12.8 vs 9.5 ms at M = 16); an interleaved
+layout with vector scale handling is the next step.
+
 For many rows (prefill; from ``DEQUANT_GEMM_MIN_ROWS`` rows, 32 to 128 by format, measured)
 the kernel instead expands tiles of the weight exactly (``gguf_dequantize``, in x's dtype) and
 PyTorch's GEMM multiplies them: the expansion is paid once for all rows there.
