@@ -9,6 +9,7 @@ the checkpoint), ``CacheConfig`` (paged KV cache) and ``SchedulerConfig`` (batch
 from __future__ import annotations
 
 import dataclasses
+import os
 import logging
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -652,9 +653,10 @@ class EngineArgs:
         None, "host memory for swapped-out KV blocks: bytes, or a size such as 256MiB (default: 256MiB with "
         "preemption_mode swap, else 0)", byte_size=True)
     quantization: str | None = _option(
-        None, "weight-only quantization of the decoder linears at load: int8, int4 (round-to-nearest), int4-awq, "
-        "fp8, or gguf (keep a GGUF file's quantized tensors compact); default: float. A quantized checkpoint "
-        "folder (kvflow quantize) loads quantized whatever this says", choices=QUANTIZATION_METHODS)
+        None, "weight-only quantization at load: gguf (compute a GGUF file's quantized tensors as stored, with "
+        "native int8-dot kernels; the default for a GGUF model on the CPU unless dtype is float32), int8, int4 "
+        "(round-to-nearest), int4-awq, fp8, or none (float weights; a GGUF file is dequantized). A quantized "
+        "checkpoint folder (kvflow quantize) loads quantized whatever this says", choices=(*QUANTIZATION_METHODS, "none"))
     quantization_group_size: int = _option(
         32, "INT4 group size: 32, 64 or 128 (32 measured far better than 128 on SmolLM2)", choices=(32, 64, 128))
     quantize_lm_head: bool | str = _option(
@@ -743,7 +745,8 @@ class EngineArgs:
             SpeculativeConfig.from_dict(self.speculative_config)
         from kvflow.quantization.registry import check_method
 
-        check_method(self.quantization)
+        if self.quantization != "none":
+            check_method(self.quantization)
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32, torch.device("cpu"))
         if not isinstance(self.quantize_lm_head, bool) and self.quantize_lm_head not in LM_HEAD_METHODS:
             raise ValueError(f"quantize_lm_head must be True, False or one of {', '.join(LM_HEAD_METHODS)}, "
@@ -776,6 +779,29 @@ class EngineArgs:
         value = envs.KVFLOW_COLLECTIVE_TIMEOUT_S
         return DEFAULT_COLLECTIVE_TIMEOUT_S if value is None else value
 
+    def resolved_quantization(self, requested: str | None, model_dir: str | os.PathLike, model: ModelConfig,
+                              device: torch.device) -> str | None:
+        """The scheme a model loads with: ``requested`` ("none" -> None); when unset, "gguf" for
+        a GGUF model on the CPU (computed as stored) unless ``dtype`` is explicitly "float32"
+        (the exactness reference: the file's blocks dequantized) or the model has
+        mixture-of-experts layers (their stacked GGUF tensors are not computed as stored
+        yet); else None.
+
+        Raises:
+            FileNotFoundError: the folder's GGUF file is gone.
+        """
+        from kvflow.model.resolve import gguf_source
+
+        if requested == "none":
+            return None
+        if requested is not None:
+            return requested
+        hf = model.hf_config
+        moe = hf is not None and bool(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None))
+        if device.type == "cpu" and self.dtype != "float32" and not moe and gguf_source(model_dir) is not None:
+            return "gguf"
+        return None
+
     def create_config(self) -> EngineConfig:
         """Validate the options and make the engine's ``EngineConfig``: resolve the model (a
         packaged short name or GGUF file is converted once into a cached folder), read its
@@ -798,8 +824,10 @@ class EngineArgs:
         draft = draft_model = None
         if spec is not None and spec.method == "draft_model":
             draft_dir = resolve_model(spec.model, cache_dir=self.model_cache_dir)
-            draft = LoadConfig(spec.model, str(draft_dir), spec.quantization, self.quantization_group_size)
             draft_model = ModelConfig.from_hf_config(load_config(draft_dir))
+            draft = LoadConfig(spec.model, str(draft_dir),
+                               self.resolved_quantization(spec.quantization, draft_dir, draft_model, device),
+                               self.quantization_group_size)
             if draft_model.vocab_size != model_config.vocab_size:
                 raise ValueError(
                     f"speculative_config.model has vocab_size {draft_model.vocab_size}, the target "
@@ -834,8 +862,9 @@ class EngineArgs:
             cache=cache,
             scheduler=scheduler,
             device=DeviceConfig(device, dtype, self.num_threads),
-            load=LoadConfig(self.model, str(model_dir), self.quantization, self.quantization_group_size,
-                            self.quantize_lm_head),
+            load=LoadConfig(self.model, str(model_dir),
+                            self.resolved_quantization(self.quantization, model_dir, model_config, device),
+                            self.quantization_group_size, self.quantize_lm_head),
             parallel=ParallelConfig(world, self.resolved_collective_timeout_s()),
             speculative=spec,
             draft=draft,

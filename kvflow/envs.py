@@ -23,7 +23,8 @@ Switches and when they are read:
   PyTorch paths run); each kernel also has its own switch:
   ``KVFLOW_CPU_ATTENTION`` (paged attention), ``KVFLOW_CPU_NORM`` (RMSNorm),
   ``KVFLOW_CPU_ROTARY`` (rotary embedding), ``KVFLOW_CPU_LINEAR`` (weight-only INT8),
-  ``KVFLOW_CPU_INVARIANT_LINEAR`` (batch-invariant linears), read when the kernel is
+  ``KVFLOW_CPU_INVARIANT_LINEAR`` (batch-invariant linears), ``KVFLOW_CPU_GGUF`` (GGUF
+  quantized matmuls), read when the kernel is
   first asked for (and decided once per process).
 - ``KVFLOW_CPU_KERNEL_BUILD`` (str; default ``background``): how an engine on the CPU gets
   kernels that are not built yet (``kvflow.ops.build``): ``background`` builds them in a
@@ -139,6 +140,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     _kernel_switch("KVFLOW_CPU_ROTARY", "rotary-embedding"),
     _kernel_switch("KVFLOW_CPU_LINEAR", "weight-only INT8 linear"),
     _kernel_switch("KVFLOW_CPU_INVARIANT_LINEAR", "batch-invariant linear"),
+    _kernel_switch("KVFLOW_CPU_GGUF", "GGUF quantized matmul"),
     Switch("KVFLOW_CPU_KERNEL_BUILD", "str", "`background`",
            "`background`: an engine builds the C++ CPU kernels it lacks in a background thread while the "
            "PyTorch paths serve, and switches to each between two steps once built; `wait`: each is built on "

@@ -52,6 +52,7 @@ from torch import nn
 
 from kvflow import envs
 from kvflow.distributed.parallel_state import TensorParallel, even_partition, head_partition
+from kvflow.layers.gguf_kernels import GGUFWeight
 from kvflow.quantization.base import LinearMethodBase, keep_storage_dtypes
 
 if TYPE_CHECKING:
@@ -295,8 +296,9 @@ class LinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._parameters.get("weight")
-        if weight is not None and not isinstance(self.quant_method, UnquantizedLinearMethod):
-            # Float weights a scheme has not processed yet (AWQ's calibration forward runs here).
+        if weight is not None and weight.numel() and not isinstance(self.quant_method, UnquantizedLinearMethod):
+            # Float weights a scheme has not processed yet (AWQ's calibration forward runs here;
+            # a GGUF method's weight is an empty placeholder).
             return F.linear(x, weight, self.bias)
         return self.quant_method.apply(self, x)
 
@@ -308,10 +310,27 @@ class LinearBase(nn.Module):
         """Copy this rank's part of the full checkpoint tensor ``loaded`` into ``param``
         (a replicated layer: all of it).
 
+        A ``GGUFWeight`` (a GGUF file's stored blocks, ``kvflow.quantization.gguf``) is kept
+        as stored by a GGUF method, and dequantized for any other.
+
         Raises:
             ValueError: when the shapes do not match.
         """
-        _copy(param.data, loaded)
+        self._load_rows(param, 0, self.out_features, loaded)
+
+    def _load_rows(self, param: torch.Tensor, offset: int, size: int, src) -> None:
+        """Rows [offset, offset + size) of this rank's ``param`` (weight or bias) from ``src``
+        (a float tensor, or a ``GGUFWeight`` for the weight): copied, or for the weight of a
+        GGUF method kept as a segment of stored rows."""
+        if param is self._parameters.get("weight") and hasattr(self.quant_method, "load_segment"):
+            rows, cols = _shape(src)
+            if rows != size:
+                raise ValueError(f"shape {(rows, cols)}, expected ({size}, {self.in_features})")
+            self.quant_method.load_segment(self, offset, src)
+            return
+        if isinstance(src, GGUFWeight):
+            src = src.dequantize(torch.float32)
+        _copy(param.data.narrow(0, offset, size), src)
 
     def _apply(self, fn, recurse=True):
         if self.quant_method.quantized:
@@ -326,6 +345,29 @@ class LinearBase(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"method={type(self.quant_method).__name__}")
+
+
+def _shape(src) -> tuple[int, ...]:
+    return (src.n, src.k) if isinstance(src, GGUFWeight) else tuple(src.shape)
+
+
+def _rows(loaded, start: int, end: int):
+    """Rows [start, end) of a checkpoint tensor or ``GGUFWeight``."""
+    if isinstance(loaded, GGUFWeight):
+        if end > loaded.n:
+            raise ValueError(f"shape {_shape(loaded)}, expected at least {end} rows")
+        return loaded if (start, end) == (0, loaded.n) else loaded.narrow_rows(start, end - start)
+    return loaded[start:end]
+
+
+def _split_rows(loaded, sizes: list[int]) -> list:
+    """A fused checkpoint tensor (or ``GGUFWeight``) cut into consecutive row blocks of ``sizes``."""
+    if not isinstance(loaded, GGUFWeight):
+        return list(loaded.split(sizes))
+    if sum(sizes) != loaded.n:
+        raise ValueError(f"shape {_shape(loaded)}, expected {sum(sizes)} rows")
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [loaded.narrow_rows(o, n) for o, n in zip(offsets, sizes)]
 
 
 def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
@@ -354,7 +396,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         start, end = self.output_range
-        _copy(param.data, loaded[start:end])
+        self._load_rows(param, 0, self.out_features, _rows(loaded, start, end))
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -374,12 +416,12 @@ class MergedColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         if shard_id is None:  # a checkpoint that already stores the merged matrix (e.g. Phi-3)
-            for i, part in enumerate(loaded.split(self.output_sizes)):
+            for i, part in enumerate(_split_rows(loaded, self.output_sizes)):
                 self.weight_loader(param, part, i)
             return
         offset = sum(self.part_sizes[:shard_id])
         start, end = self.part_ranges[shard_id]
-        _copy(param.data.narrow(0, offset, self.part_sizes[shard_id]), loaded[start:end])
+        self._load_rows(param, offset, self.part_sizes[shard_id], _rows(loaded, start, end))
 
 
 class QKVParallelLinear(LinearBase):
@@ -417,7 +459,7 @@ class QKVParallelLinear(LinearBase):
         if shard_id is None:
             q = self.total_num_heads * self.head_dim
             kv = self.total_num_kv_heads * self.head_dim
-            for part, sid in zip(loaded.split([q, kv, kv] if self.with_kv else [q]), "qkv"):
+            for part, sid in zip(_split_rows(loaded, [q, kv, kv] if self.with_kv else [q]), "qkv"):
                 self.weight_loader(param, part, sid)
             return
         if shard_id != "q" and not self.with_kv:
@@ -427,7 +469,7 @@ class QKVParallelLinear(LinearBase):
             "k": (self.q_size, self.kv_size, self.kv_range),
             "v": (self.q_size + self.kv_size, self.kv_size, self.kv_range),
         }[shard_id]
-        _copy(param.data.narrow(0, offset, size), loaded[start:end])
+        self._load_rows(param, offset, size, _rows(loaded, start, end))
 
 
 class RowParallelLinear(LinearBase):
@@ -451,11 +493,15 @@ class RowParallelLinear(LinearBase):
         super().__init__(self.input_range[1] - self.input_range[0], output_size, bias, quant_config, prefix, tp)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
+        start, end = self.input_range
+        if isinstance(loaded, GGUFWeight):
+            part = loaded if (start, end) == (0, loaded.k) else loaded.narrow_cols(start, end - start)
+            self._load_rows(param, 0, self.out_features, part)
+            return
         if loaded.dim() == 1:  # the bias: whole on rank 0, zero elsewhere
             _copy(param.data, loaded if self.rank == 0 else torch.zeros_like(loaded))
             return
-        start, end = self.input_range
-        _copy(param.data, loaded[:, start:end])
+        self._load_rows(param, 0, self.out_features, loaded[:, start:end])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._matmul(x)

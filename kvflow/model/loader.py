@@ -133,9 +133,9 @@ def load_model(
     if max_model_len is not None:
         model_config = dataclasses.replace(model_config, max_model_len=max_model_len)
     saved = quantization_of(model_dir)
-    if tp is not None and (quantization == "gguf" or saved is not None):
-        raise ValueError("tensor parallelism loads float checkpoints (quantization='gguf' or a saved quantized "
-                         "checkpoint cannot be sharded yet); use quantization='int8'/'int4'/'fp8' instead")
+    if tp is not None and saved is not None:
+        raise ValueError("tensor parallelism loads float or GGUF checkpoints (a saved quantized checkpoint cannot be "
+                         "sharded yet); load the float model with quantization='int8'/'int4'/'fp8' instead")
     if saved is not None:
         quant_config = get_quantization_config(saved["method"], saved["group_size"], serialized=True)
     elif quantization is not None:
@@ -144,7 +144,7 @@ def load_model(
         quant_config = None
     # Build the parameters directly in the target dtype when nothing is quantized from them,
     # so that loading never holds a float32 copy of a bfloat16 model.
-    build_dtype = dtype if quant_config is None else quant_config.build_dtype()
+    build_dtype = (quant_config.build_dtype() if quant_config is not None else None) or dtype
     previous = torch.get_default_dtype()
     torch.set_default_dtype(build_dtype)
     try:
@@ -155,7 +155,8 @@ def load_model(
     if saved is not None:
         _load_state_dict(model, Path(model_dir) / "model.safetensors")
     else:
-        model.load_weights(iter_weights(model_dir))
+        # A GGUF scheme takes the file's quantized blocks as stored (no float copy).
+        model.load_weights(iter_weights(model_dir, native=getattr(quant_config, "native_gguf", False)))
     model.eval()
     if quant_config is not None:
         context: dict[str, Any] = {

@@ -55,8 +55,10 @@ from kvflow.model import packages
 
 logger = logging.getLogger(__name__)
 
-# Bump when the conversion output changes, so cached conversions are redone.
-CONVERTER_VERSION = 1
+# Bump when the conversion output changes, so cached conversions are redone. Version 2: a
+# GGUF file's cached folder holds its config and tokenizer only; the weights are read from the
+# file itself at load (``iter_gguf_weights``), quantized blocks as stored or dequantized.
+CONVERTER_VERSION = 2
 # Upper bound on one safetensors shard written by the converter, in bytes.
 SHARD_BYTES = 2 * 1024**3
 # Written last into a converted directory; its presence marks a complete conversion.
@@ -134,13 +136,14 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
          `qwen3`, `phi3`, `qwen3moe` or `gemma3`);
       3. an HF directory containing `config.json`, returned as is (resolved to absolute).
 
-    GGUF files are converted once into `<cache>/<gguf stem>-<key>`, where `<cache>` is
-    `cache_dir`, else `$KVFLOW_CACHE_DIR`, else `~/.cache/kvflow/models`, and `<key>` hashes
-    the file's size (bytes), mtime (ns), first MiB and `CONVERTER_VERSION`, so a changed file
-    is converted again. Later calls only stat and hash that first MiB (milliseconds).
-    Conversion writes into a temporary sibling directory and renames it into place under a
-    file lock, so a crash midway leaves no half-written model and concurrent processes
-    convert once.
+    For a GGUF file the folder `<cache>/<gguf stem>-<key>` holds its `config.json`, tokenizer
+    files and a marker naming the file (no weights: they are read from the GGUF file at load,
+    `iter_weights`), where `<cache>` is `cache_dir`, else `$KVFLOW_CACHE_DIR`, else
+    `~/.cache/kvflow/models`, and `<key>` hashes the file's size, first and last MiB and
+    `CONVERTER_VERSION` (the same file in two environments shares a folder; the marker is
+    re-pointed to the path asked for). It is written into a temporary sibling directory and
+    renamed into place under a file lock, so a crash midway leaves no half-written folder and
+    concurrent processes write it once.
 
     Raises:
         FileNotFoundError: `model` looks like a path and does not exist.
@@ -192,17 +195,27 @@ def load_config(model_dir: str | os.PathLike[str]) -> transformers.PretrainedCon
     return transformers.AutoConfig.from_pretrained(str(model_dir))
 
 
-def iter_weights(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: str | os.PathLike[str], native: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield `(HF tensor name, tensor)` for every tensor of an HF model directory.
 
     Reads the files listed by `model.safetensors.index.json` when present, else every
     `*.safetensors` file in name order; tensors keep their stored dtype (float32 for
     converted GGUFs) and are loaded one at a time.
 
+    A folder made from a GGUF file (``resolve_model``: config and tokenizer only, with
+    ``SOURCE_MARKER``) yields the file's tensors through ``iter_gguf_weights`` instead:
+    float32 dequantized, or with ``native=True`` each supported quantized matrix as stored
+    (a ``kvflow.layers.gguf_kernels.GGUFWeight``).
+
     Raises:
-        FileNotFoundError: the directory holds no safetensors file.
+        FileNotFoundError: the directory holds no safetensors file (and is not a GGUF folder),
+            or its GGUF source file is gone.
     """
     directory = Path(model_dir)
+    source = gguf_source(directory)
+    if source is not None and not any(directory.glob("*.safetensors")):
+        yield from iter_gguf_weights(source, load_config(directory), native=native)
+        return
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
@@ -215,6 +228,87 @@ def iter_weights(model_dir: str | os.PathLike[str]) -> Iterator[tuple[str, torch
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+
+
+def gguf_source(model_dir: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file a folder made by ``resolve_model`` reads its weights from, else None.
+
+    Raises:
+        FileNotFoundError: the folder's GGUF file no longer exists (the message says to pass
+            the file or short name again, which re-points the folder).
+    """
+    marker = Path(model_dir) / SOURCE_MARKER
+    if not marker.is_file():
+        return None
+    source = Path(json.loads(marker.read_text())["source"])
+    if not source.is_file():
+        raise FileNotFoundError(f"{model_dir} reads its weights from {source}, which no longer exists; pass the "
+                                ".gguf file or the packaged short name as the model again")
+    return source
+
+
+def iter_gguf_weights(source: str | os.PathLike[str], config: transformers.PretrainedConfig,
+                      native: bool = False) -> Iterator[tuple[str, Any]]:
+    """Yield ``(HF tensor name, tensor)`` for every weight of a GGUF file, one at a time.
+
+    With ``native`` every 2-D matrix in a type of ``gguf_kernels.SUPPORTED_QTYPES`` comes as
+    a ``GGUFWeight`` of its stored blocks (copied once out of the memory-mapped file; the Q/K
+    rows of arch ``llama`` un-permuted, which moves whole rows of blocks); every other tensor
+    (float types, norms, stacked experts, other quantized types) is dequantized to float32 as
+    ``convert_gguf`` writes it.
+
+    Raises:
+        ValueError: a truncated or corrupt file, an unknown quantization type, or a tensor
+            whose size disagrees with its type and shape (naming the file, tensor and type).
+        NotImplementedError: a tensor with no Hugging Face counterpart.
+    """
+    from kvflow.layers.gguf_kernels import SUPPORTED_QTYPES, GGUFWeight
+
+    reader = _open_gguf(Path(source))
+    for tensor in reader.tensors:
+        if tensor.name in _CONFIG_TENSORS:
+            continue
+        names = _hf_names(tensor.name, config)
+        try:
+            if native and tensor.tensor_type in SUPPORTED_QTYPES and len(names) == 1 and len(tensor.shape) == 2:
+                n, k = int(tensor.shape[1]), int(tensor.shape[0])
+                raw = np.asarray(tensor.data).reshape(n, -1)
+                raw = _permuted_rows(raw, tensor.name, config)
+                yield names[0], GGUFWeight(torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)),
+                                           tensor.tensor_type, n, k)
+            else:
+                yield from _hf_tensors(tensor, config).items()
+        except (ValueError, AssertionError) as exc:
+            raise ValueError(f"{source}: tensor {tensor.name!r} ({_type_name(tensor.tensor_type)}, shape "
+                             f"{[int(d) for d in tensor.shape]}): {exc}") from None
+
+
+def _type_name(qtype: Any) -> str:
+    return getattr(qtype, "name", str(qtype))
+
+
+def _open_gguf(source: Path) -> gguf.GGUFReader:
+    """``gguf.GGUFReader`` over ``source``, its failures (truncated file, unknown type) as one
+    ValueError naming the file.
+
+    Raises:
+        ValueError: the file is not a readable GGUF file.
+    """
+    try:
+        return gguf.GGUFReader(source)
+    except (ValueError, KeyError, IndexError, OSError, AssertionError) as exc:
+        raise ValueError(f"{source} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
+
+
+def _permuted_rows(rows: np.ndarray, gguf_name: str, config: transformers.PretrainedConfig) -> np.ndarray:
+    """Rows of a GGUF matrix (any element layout, one row per output feature) in HF order:
+    llama.cpp's arch ``llama`` permutes the Q and K rows (``_unpermute_rows``)."""
+    if config.model_type in ("llama", "mixtral"):
+        if ".attn_q." in gguf_name:
+            return _unpermute_rows(rows, config.num_attention_heads)
+        if ".attn_k." in gguf_name:
+            return _unpermute_rows(rows, config.num_key_value_heads)
+    return rows
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> transformers.PreTrainedTokenizerBase:
@@ -268,7 +362,8 @@ def load_generation_defaults(model_dir: str | os.PathLike[str]) -> dict[str, Any
 
 
 def convert_gguf(
-    gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], shard_bytes: int = SHARD_BYTES
+    gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], shard_bytes: int = SHARD_BYTES,
+    weights: bool = True,
 ) -> None:
     """Write the HF-format equivalent of a `llama`, `qwen2`, `qwen3`, `phi3`, `qwen3moe` or `gemma3` GGUF
     file into `out_dir`.
@@ -281,6 +376,8 @@ def convert_gguf(
     tensors) and the tokenizer files (via transformers' GGUF tokenizer support, keeping the
     chat template and EOS token of the GGUF metadata). Peak memory is about one shard.
     `out_dir` is created if needed; existing files of the same names are overwritten.
+    `weights=False` writes the config and tokenizer only (what `resolve_model` caches: the
+    engine then reads the weights from the GGUF file itself).
 
     Raises:
         NotImplementedError: unsupported architecture, tensor name, partial rotary embedding
@@ -290,10 +387,14 @@ def convert_gguf(
     source = Path(gguf_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    reader = gguf.GGUFReader(source)
+    reader = _open_gguf(source)
     config = _build_config(reader)
+    for tensor in reader.tensors:
+        if tensor.name not in _CONFIG_TENSORS:
+            _hf_names(tensor.name, config)  # reject unsupported tensors before writing anything
     config.save_pretrained(out)
-    _write_weights(reader, config, out, shard_bytes)
+    if weights:
+        _write_weights(reader, config, out, shard_bytes)
     _write_tokenizer(reader, source, out)
 
 
@@ -518,12 +619,8 @@ def _hf_tensor(tensor: gguf.ReaderTensor, config: transformers.PretrainedConfig)
     """A GGUF tensor dequantized to a float32 torch tensor in HF layout."""
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     values = values.reshape([int(dim) for dim in reversed(tensor.shape)]).astype(np.float32, copy=False)
-    if config.model_type in ("llama", "mixtral"):  # llama.cpp arch "llama" permutes Q and K
-        if ".attn_q." in tensor.name:
-            values = _unpermute_rows(values, config.num_attention_heads)
-        elif ".attn_k." in tensor.name:
-            values = _unpermute_rows(values, config.num_key_value_heads)
-    elif config.model_type == "gemma3_text" and tensor.name.endswith("norm.weight"):
+    values = _permuted_rows(values, tensor.name, config)
+    if config.model_type == "gemma3_text" and tensor.name.endswith("norm.weight"):
         values = values - 1.0  # llama.cpp stores Gemma's 1 + w
     if not values.flags.writeable:  # a view of the memory-mapped file (F32 tensors)
         values = values.copy()
@@ -568,11 +665,25 @@ def _write_tokenizer(reader: gguf.GGUFReader, source: Path, out: Path) -> None:
 
 
 def _cache_key(path: Path) -> str:
-    stat = path.stat()
-    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{stat.st_size}:{stat.st_mtime_ns}:".encode())
+    """The file's size, first and last MiB (the metadata the folder is made from lives in the
+    head) and ``CONVERTER_VERSION``: the same file installed in two places (two virtual
+    environments) shares one folder."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"v{CONVERTER_VERSION}:{size}:".encode())
     with path.open("rb") as handle:
         digest.update(handle.read(_KEY_HEAD_BYTES))
+        handle.seek(max(0, size - _KEY_HEAD_BYTES))
+        digest.update(handle.read(_KEY_HEAD_BYTES))
     return digest.hexdigest()[:16]
+
+
+def _write_marker(folder: Path, source: Path) -> None:
+    """Point ``folder``'s marker at ``source`` (written to a temporary file and renamed)."""
+    stat = source.stat()
+    marker = {"source": str(source), "size": stat.st_size, "converter_version": CONVERTER_VERSION}
+    staging = folder / f".{SOURCE_MARKER}.tmp-{os.getpid()}"
+    staging.write_text(json.dumps(marker, indent=2) + "\n")
+    os.replace(staging, folder / SOURCE_MARKER)
 
 
 @contextmanager
@@ -590,6 +701,8 @@ def _convert_cached(source: Path, root: Path) -> Path:
     """The converted directory for a GGUF file, converting it first if not cached."""
     target = root / f"{source.stem}-{_cache_key(source)}"
     if (target / SOURCE_MARKER).is_file():
+        if json.loads((target / SOURCE_MARKER).read_text()).get("source") != str(source):
+            _write_marker(target, source)  # the same file at another path (another environment)
         return target
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{target.name}.lock"):
@@ -599,20 +712,11 @@ def _convert_cached(source: Path, root: Path) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         if target.exists():  # incomplete, without marker
             shutil.rmtree(target)
-        # ~24 s for SmolLM2's 98 MB file on the 2-core development machine (loaded).
-        seconds = max(5, round(source.stat().st_size / 4e6))
-        logger.info("converting %s to %s (once, ~%d s; cached afterwards)", source, target, seconds)
+        logger.info("reading the config and tokenizer of %s into %s (once; the weights stay in the file)", source, target)
         staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}.tmp-"))
         try:
-            convert_gguf(source, staging)
-            stat = source.stat()
-            marker = {
-                "source": str(source),
-                "size": stat.st_size,
-                "mtime_ns": stat.st_mtime_ns,
-                "converter_version": CONVERTER_VERSION,
-            }
-            (staging / SOURCE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            convert_gguf(source, staging, weights=False)
+            _write_marker(staging, source)
             os.rename(staging, target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)

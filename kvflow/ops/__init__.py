@@ -8,12 +8,13 @@ kernel                 source                      switch (``kvflow.envs``)     
 ``RMS_NORM``           ``rms_norm.cpp``            ``KVFLOW_CPU_NORM``              ``layers/norm.py``
 ``ROTARY``             ``rotary.cpp``              ``KVFLOW_CPU_ROTARY``            ``layers/rotary.py``
 ``INVARIANT_LINEAR``   ``invariant_linear.cpp``    ``KVFLOW_CPU_INVARIANT_LINEAR``  ``layers/invariant_linear.py``
+``GGUF_MATMUL``        ``gguf_matmul.cpp``         ``KVFLOW_CPU_GGUF``              ``layers/gguf_kernels.py``
 =====================  ==========================  ===============================  ============================
 
 Each is a :class:`kvflow.ops.build.CppKernel`: ``load()`` builds it once (or returns None:
 no compiler, a failed build, switched off) and the Python side falls back to PyTorch. The
 sources are package data (``pyproject.toml``), so an installed kvflow builds the same way
-as a checkout. ``python -m kvflow.ops`` builds all five now (for an image or a machine
+as a checkout. ``python -m kvflow.ops`` builds all of them now (for an image or a machine
 where the first request should not pay for them).
 
 When they are built (issue #16; a cold build of the five costs about 234 CPU-seconds of
@@ -52,8 +53,9 @@ RMS_NORM = CppKernel("kvflow_cpu_rms_norm", "rms_norm.cpp", "KVFLOW_CPU_NORM", "
 ROTARY = CppKernel("kvflow_cpu_rotary", "rotary.cpp", "KVFLOW_CPU_ROTARY", "CPU rotary kernel")
 INVARIANT_LINEAR = CppKernel("kvflow_cpu_invariant_linear", "invariant_linear.cpp", "KVFLOW_CPU_INVARIANT_LINEAR",
                              "batch-invariant linear kernel")
+GGUF_MATMUL = CppKernel("kvflow_cpu_gguf_matmul", "gguf_matmul.cpp", "KVFLOW_CPU_GGUF", "CPU GGUF quantized matmul kernel")
 
-KERNELS: tuple[CppKernel, ...] = (PAGED_ATTENTION, INT8_LINEAR, RMS_NORM, ROTARY, INVARIANT_LINEAR)
+KERNELS: tuple[CppKernel, ...] = (PAGED_ATTENTION, INT8_LINEAR, RMS_NORM, ROTARY, INVARIANT_LINEAR, GGUF_MATMUL)
 """Every kernel of the package."""
 
-__all__ = ["CppKernel", "KERNELS", "publish_background_builds", "start_background_builds", "PAGED_ATTENTION", "INT8_LINEAR", "RMS_NORM", "ROTARY", "INVARIANT_LINEAR"]
+__all__ = ["CppKernel", "KERNELS", "publish_background_builds", "start_background_builds", "PAGED_ATTENTION", "INT8_LINEAR", "RMS_NORM", "ROTARY", "INVARIANT_LINEAR", "GGUF_MATMUL"]

@@ -1,0 +1,400 @@
+"""GGUF-quantized weights computed as stored: dequantization in PyTorch and a C++ kernel.
+
+A GGUF file (ggml's format) stores a quantized weight [N, K] row by row, each row a run of
+blocks; a block holds the quantized values of ``block_size`` consecutive elements and their
+scales (layouts: ggml's ``ggml-common.h`` / ``ggml-quants.c``, the ``gguf`` package's
+``gguf/quants.py``, whose ``gguf.quants.dequantize`` is the reference of the tests):
+
+======  ========  =====  =====================================================================
+type    elements  bytes  layout (fp16 = IEEE half; value of element i)
+======  ========  =====  =====================================================================
+Q4_0    32        18     fp16 d, 16 B nibbles (i < 16: low nibble of byte i, else high of i-16); d (q - 8)
+Q4_1    32        20     fp16 d, fp16 m, nibbles as Q4_0; d q + m
+Q5_0    32        22     fp16 d, u32 qh (bit i = 5th bit of element i), nibbles; d (q - 16)
+Q5_1    32        24     fp16 d, fp16 m, qh, nibbles; d q + m
+Q8_0    32        34     fp16 d, 32 int8; d q
+Q4_K    256       144    fp16 d, fp16 dmin, 12 B of 6-bit scales/mins for 8 sub-blocks of 32, 128 B
+                         nibbles (sub-block 2j: low nibbles of bytes 32j.., 2j+1: high); d sc q - dmin m
+Q5_K    256       176    as Q4_K plus 32 B qh before the nibbles (bit j of byte l: sub-block j, element l)
+Q6_K    256       210    128 B low nibbles, 64 B 2-bit highs, 16 int8 scales (sub-blocks of 16), fp16 d;
+                         d sc (q - 32)
+======  ========  =====  =====================================================================
+
+:func:`dequantize` expands such rows in PyTorch (vectorized, bit-exact against ``gguf``);
+:func:`gguf_linear` computes ``x W^T`` from the stored blocks with llama.cpp's method
+(``ggml-cpu``'s ``ggml_vec_dot_q*_q8_*``): each activation row is quantized once per call to
+int8 blocks of 32 with a float32 scale (Q8_0 style: ``d = amax / 127``, ``q = round(x / d)``;
+the block sums are kept for the formats with an offset or minimum), then each weight block's
+quantized values are multiplied with the activation block's in integers (AVX-512 VNNI
+``vpdpbusd``, AVX2 ``vpmaddubsw`` + ``vpmaddwd``, or a portable loop) and accumulated in float32
+with the product of the two scales. Unlike llama.cpp, the K-quants also use the 32-element
+activation blocks (ggml uses Q8_K: one scale per 256), which is at least as accurate and
+lets every format share one activation layout. The kernel reads the weight in its stored
+row-major block layout (no repacking: every method of :class:`GGUFWeight` works at any time,
+and the loader's memory-mapped file data is used in place).
+
+Not repacked (llama.cpp's ``repack.cpp`` interleaves 4-8 rows per block so that one vector
+holds several rows' scales): the kernel takes 2-4 stored rows per pass instead (independent
+accumulation chains, each activation block loaded once for them), so ``raw`` stays the
+caller's tensor and ``narrow_rows`` / ``narrow_cols`` / ``cat_rows`` / ``embedding`` /
+``dequantize`` work at any time, before and after the kernel is published.
+
+Speed (``python -m benchmarks.gguf_kernels``, AMD EPYC Zen 4 with AVX-512 VNNI, one thread of
+a shared, loaded 2-core machine, x float32; ms per call and stored-weight GB/s): at M = 1,
+8960 x 1536 Q4_0 3.5 ms (2.2 GB/s), Q4_1 2.4 (3.6), Q4_K 2.5 (3.2), Q6_K 7.2 (1.6), Q8_0 3.0
+(4.9), against dense bfloat16 5.5 ms and float32 8.5 ms (6.5 GB/s); 1536 x 8960 Q4_0 2.1 ms
+(3.8 GB/s), Q8_0 2.8 (5.2), Q6_K 4.0 (2.9), bfloat16 6.5, float32 7.7. The GEMV is bound by
+instructions, not memory: per 32-element block and row, unpacking the nibbles, converting the
+fp16 scale, broadcasting scale x activation scale, the integer product, its float conversion
+and multiply-add (about 19 instructions, ~10% of the VNNI peak); Q6_K and the K-quants also
+decode their sub-block scales per row. At M = 16..64 the integer kernel is slower than
+oneDNN's bfloat16 GEMM on the dense weight (e.g. 12.8 vs 9.5 ms at M = 16); an interleaved
+layout with vector scale handling is the next step.
+
+For many rows (prefill; from ``DEQUANT_GEMM_MIN_ROWS`` rows, 32 to 128 by format, measured)
+the kernel instead expands tiles of the weight exactly (``gguf_dequantize``, in x's dtype) and
+PyTorch's GEMM multiplies them: the expansion is paid once for all rows there.
+
+The C++ source is ``kvflow/ops/csrc/gguf_matmul.cpp`` (built by ``kvflow.ops.build``, switch
+``KVFLOW_CPU_GGUF``); until it is built, or with it off, :func:`gguf_linear` dequantizes to
+float32 and calls ``F.linear`` (the reference path).
+"""
+
+from __future__ import annotations
+
+import gguf
+import torch
+import torch.nn.functional as F
+
+from kvflow import ops
+
+Q = gguf.GGMLQuantizationType
+
+SUPPORTED_QTYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(
+    (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K))
+"""The GGUF block formats this module computes as stored."""
+
+_EXTENSION = ops.GGUF_MATMUL
+
+# Rows of x from which gguf_linear (with the kernel built) dequantizes tiles of the weight
+# in x's dtype and runs PyTorch's GEMM instead of the integer kernel, per format. Measured on
+# the development machine (AMD EPYC Zen 4, AVX-512 VNNI + BF16, one thread, N = K = 1536,
+# ms per call, integer kernel / dequantized tiles + GEMM, float32 | bfloat16 x):
+#   Q4_0  M=32: 2.2/3.9 | 2.2/5.2   M=64: 4.0/5.1 | 4.2/6.3    M=128: 9.1/11.7 | 7.8/7.1   M=256: 15.8/15.3 | 15.7/9.8
+#   Q4_K  M=32: 3.1/3.4 | 3.1/4.9   M=64: 5.9/5.3 | 5.8/4.6    M=128: 11.7/10.0 | 11.7/6.6  M=256: 25.0/15.5 | 23.3/9.5
+#   Q6_K  M=32: 5.1/3.1 | 5.3/4.8   M=64: 9.4/5.2 | 10.2/5.7   M=128: 18.0/10.0 | 28.0/9.6  M=256: 54.6/22.4 | 43.8/10.7
+# (the integer kernel decodes each K-quant sub-block's scales per row and activation group;
+# the GEMM amortizes one expansion over all rows). Q4_1 / Q5_* / Q8_0 follow Q4_0, Q5_K Q4_K.
+DEQUANT_GEMM_MIN_ROWS: dict[gguf.GGMLQuantizationType, int] = {
+    Q.Q4_0: 128, Q.Q4_1: 128, Q.Q5_0: 128, Q.Q5_1: 128, Q.Q8_0: 128, Q.Q4_K: 64, Q.Q5_K: 64, Q.Q6_K: 32}
+DEQUANT_TILE_ELEMENTS = 1 << 22  # weights per dequantized tile of that path (16 MB in float32)
+
+
+def _qtype(qtype) -> gguf.GGMLQuantizationType:
+    try:
+        qt = Q(qtype)
+    except ValueError:
+        raise ValueError(f"qtype: {qtype!r} is not a GGML quantization type") from None
+    if qt not in SUPPORTED_QTYPES:
+        raise ValueError(f"qtype: {qt.name} is not supported (supported: "
+                         f"{', '.join(sorted(t.name for t in SUPPORTED_QTYPES))})")
+    return qt
+
+
+def block_layout(qtype) -> tuple[int, int]:
+    """(elements per block, bytes per block) of a supported format.
+
+    Raises:
+        ValueError: naming an unsupported or unknown type.
+    """
+    return gguf.GGML_QUANT_SIZES[_qtype(qtype)]
+
+
+def row_bytes(qtype, k: int) -> int:
+    """Bytes of one stored row of ``k`` elements.
+
+    Raises:
+        ValueError: for an unsupported type, or when k is not a positive multiple of the block.
+    """
+    size, nbytes = block_layout(qtype)
+    if k <= 0 or k % size:
+        raise ValueError(f"k: {k} is not a positive multiple of {Q(qtype).name}'s block of {size} elements")
+    return k // size * nbytes
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 (little-endian IEEE half) -> [..., 1] float32."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., B] uint8 -> [..., 2B]: the B low nibbles, then the B high nibbles."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
+    """[..., B] uint8 -> [..., count, B] uint8: bit j of each byte at index j."""
+    shifts = torch.arange(count, dtype=torch.uint8).view(count, 1)
+    return (b.unsqueeze(-2) >> shifts) & 1
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 packed bytes [..., 12] -> 6-bit scales and mins [..., 8] (uint8)."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def _dequantize_blocks(b: torch.Tensor, qt: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """b: uint8 [..., bytes per block] -> float32 [..., elements per block], the operations
+    (and their float32 rounding) of ``gguf.quants``."""
+    if qt == Q.Q8_0:
+        return _f16(b[..., 0:2]) * b[..., 2:34].view(torch.int8).float()
+    if qt in (Q.Q4_0, Q.Q4_1):
+        off = 2 if qt == Q.Q4_0 else 4
+        q = _nibbles(b[..., off:off + 16])
+        if qt == Q.Q4_0:
+            return _f16(b[..., 0:2]) * (q.to(torch.int8) - 8).float()
+        return _f16(b[..., 0:2]) * q.float() + _f16(b[..., 2:4])
+    if qt in (Q.Q5_0, Q.Q5_1):
+        off = 2 if qt == Q.Q5_0 else 4
+        qh = _bits(b[..., off:off + 4], 8).transpose(-1, -2).reshape(*b.shape[:-1], 32)
+        q = _nibbles(b[..., off + 4:off + 20]) | (qh << 4)
+        if qt == Q.Q5_0:
+            return _f16(b[..., 0:2]) * (q.to(torch.int8) - 16).float()
+        return _f16(b[..., 0:2]) * q.float() + _f16(b[..., 2:4])
+    lead = b.shape[:-1]
+    if qt in (Q.Q4_K, Q.Q5_K):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _k_scale_min(b[..., 4:16])
+        ds = (d * sc.float()).unsqueeze(-1)  # [..., 8, 1]
+        dm = (dmin * mn.float()).unsqueeze(-1)
+        qs = b[..., 48:176] if qt == Q.Q5_K else b[..., 16:144]
+        ql = qs.reshape(*lead, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+        q = (ql & 0x0F).reshape(*lead, 8, 32)
+        if qt == Q.Q5_K:
+            q = q | (_bits(b[..., 16:48], 8) << 4)
+        return (ds * q.float() - dm).reshape(*lead, 256)
+    if qt == Q.Q6_K:
+        ql = b[..., 0:128].reshape(*lead, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)
+        ql = (ql & 0x0F).reshape(*lead, 8, 32)
+        qh = b[..., 128:192].reshape(*lead, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+        qh = (qh & 0x03).reshape(*lead, 8, 32)
+        q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(*lead, 16, 16).float()
+        scales = b[..., 192:208].view(torch.int8).float()
+        d = (_f16(b[..., 208:210]) * scales).unsqueeze(-1)  # [..., 16, 1]
+        return (d * q).reshape(*lead, 256)
+    raise ValueError(f"qtype: {qt.name} is not supported")  # unreachable: _qtype checked it
+
+
+def dequantize(raw: torch.Tensor, qtype, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Expand stored GGUF rows to floats (pure PyTorch, vectorized).
+
+    Args:
+        raw: uint8 [N, row_bytes(qtype, k)] on the CPU, each row contiguous (the row stride
+            may be larger: a column slice).
+        qtype: a type of ``SUPPORTED_QTYPES``.
+        k: elements per row.
+        dtype: the result's dtype (computed in float32, rounded once).
+
+    Returns:
+        [N, k] in dtype, bit-exact against ``gguf.quants.dequantize`` in float32.
+
+    Raises:
+        ValueError: naming an unsupported qtype, a k that is not a multiple of the block, or
+            a raw of another dtype or shape.
+    """
+    qt = _qtype(qtype)
+    nbytes = row_bytes(qt, k)
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != nbytes:
+        raise ValueError(f"raw: expected uint8 [N, {nbytes}] for {qt.name} rows of {k} elements, "
+                         f"got {raw.dtype} {list(raw.shape)}")
+    size, bpb = gguf.GGML_QUANT_SIZES[qt]
+    n = raw.shape[0]
+    if n == 0:
+        return torch.empty(0, k, dtype=dtype)
+    blocks = raw.reshape(n, k // size, bpb)
+    return _dequantize_blocks(blocks, qt).reshape(n, k).to(dtype)
+
+
+class GGUFWeight:
+    """A GGUF-quantized weight [n, k] as stored (rows = output features).
+
+    Holds ``raw``, uint8 [n, row_bytes(qtype, k)] with contiguous rows: the caller's tensor
+    (for instance memory-mapped file data) or a view of it, never a copy. The C++ kernel
+    reads this layout directly (it is not repacked), so every method works at any time,
+    before and after the kernel becomes available.
+
+    Args:
+        raw: uint8 [n, row_bytes(qtype, k)], rows contiguous (stride(1) == 1).
+        qtype: a type of ``SUPPORTED_QTYPES``.
+        n: output features (rows).
+        k: input features (elements per row), a multiple of the format's block.
+
+    Raises:
+        ValueError: naming the field: an unsupported qtype, a k that is not a multiple of
+            the block, n < 1, or a raw whose dtype, shape or strides disagree.
+    """
+
+    def __init__(self, raw: torch.Tensor, qtype, n: int, k: int) -> None:
+        qt = _qtype(qtype)
+        nbytes = row_bytes(qt, k)
+        if n < 1:
+            raise ValueError(f"n: {n} output rows; at least 1")
+        if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8 or raw.device.type != "cpu":
+            raise ValueError(f"raw: expected a uint8 CPU tensor, got "
+                             f"{getattr(raw, 'dtype', type(raw).__name__)} on {getattr(raw, 'device', '?')}")
+        if raw.dim() != 2 or tuple(raw.shape) != (n, nbytes):
+            raise ValueError(f"raw: expected shape [{n}, {nbytes}] ({qt.name}, n={n}, k={k}), got {list(raw.shape)}")
+        if raw.stride(1) != 1 or (n > 1 and raw.stride(0) < nbytes):
+            raise ValueError(f"raw: rows must be contiguous (strides {raw.stride()})")
+        self.raw, self.qtype, self.n, self.k = raw, qt, n, k
+
+    def __repr__(self) -> str:
+        return f"GGUFWeight({self.qtype.name}, n={self.n}, k={self.k})"
+
+    @property
+    def block_size(self) -> int:
+        """Elements per block of the format."""
+        return gguf.GGML_QUANT_SIZES[self.qtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored blocks this weight spans (n * row_bytes)."""
+        return self.raw.shape[0] * self.raw.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(n, k)."""
+        return (self.n, self.k)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight as floats, [n, k] in dtype (see :func:`dequantize`)."""
+        return dequantize(self.raw, self.qtype, self.k, dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (int64 [T], values in [0, n)) dequantized: [T, k] in dtype.
+
+        Raises:
+            ValueError: ids not a 1-D integer tensor; IndexError: an id out of range.
+        """
+        if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"ids: expected int64 [T], got {ids.dtype} {list(ids.shape)}")
+        return dequantize(self.raw[ids], self.qtype, self.k, dtype)
+
+    def narrow_rows(self, start: int, length: int) -> GGUFWeight:
+        """Rows [start, start + length) as a weight sharing this one's storage.
+
+        Raises:
+            ValueError: naming start/length when the range is empty or outside [0, n).
+        """
+        if length < 1 or start < 0 or start + length > self.n:
+            raise ValueError(f"narrow_rows: start={start}, length={length} outside the {self.n} rows")
+        return GGUFWeight(self.raw[start:start + length], self.qtype, length, self.k)
+
+    def narrow_cols(self, start: int, length: int) -> GGUFWeight:
+        """Columns [start, start + length) in whole blocks, sharing this one's storage (the
+        rows of the result are strided).
+
+        Raises:
+            ValueError: naming the sizes when start or length is not a multiple of the
+                block, or the range is empty or outside [0, k).
+        """
+        size, bpb = gguf.GGML_QUANT_SIZES[self.qtype]
+        if start % size or length % size:
+            raise ValueError(f"narrow_cols: start={start} and length={length} must be multiples of "
+                             f"{self.qtype.name}'s block of {size} elements (k={self.k})")
+        if length < 1 or start < 0 or start + length > self.k:
+            raise ValueError(f"narrow_cols: start={start}, length={length} outside the {self.k} columns")
+        raw = self.raw[:, start // size * bpb:(start + length) // size * bpb]
+        return GGUFWeight(raw, self.qtype, self.n, length)
+
+    @staticmethod
+    def cat_rows(parts: list[GGUFWeight]) -> GGUFWeight:
+        """The parts' rows one after the other (a copy), e.g. a fused QKV from Q, K and V.
+
+        Raises:
+            ValueError: for no parts, or parts that differ in qtype or k.
+        """
+        if not parts:
+            raise ValueError("parts: at least one weight")
+        qt, k = parts[0].qtype, parts[0].k
+        for p in parts:
+            if p.qtype != qt or p.k != k:
+                raise ValueError(f"parts: all must share qtype and k; got {p.qtype.name} k={p.k} "
+                                 f"after {qt.name} k={k}")
+        raw = torch.cat([p.raw for p in parts], dim=0)
+        return GGUFWeight(raw, qt, raw.shape[0], k)
+
+
+def kernel_available(qtype=None) -> bool:
+    """Whether the C++ kernel is built and published (without starting a build when a
+    background build is pending) and computes ``qtype`` (any supported type when None)."""
+    if qtype is not None:
+        try:
+            _qtype(qtype)
+        except ValueError:
+            return False
+    return _EXTENSION.load() is not None
+
+
+def kernel_isa() -> str | None:
+    """The instruction set of the built kernel's integer products (``"avx512_vnni"``,
+    ``"avx2"`` or ``"scalar"``), None when it is not available."""
+    module = _EXTENSION.load()
+    return None if module is None else module.gguf_isa()
+
+
+def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) with W the stored GGUF weight.
+
+    Args:
+        x: [M, k] float32 or bfloat16 on the CPU, rows contiguous (stride(1) == 1).
+        w: the weight [n, k].
+        bias: optional [n] (any float dtype; added in float32).
+        out: optional [M, n] of x's dtype with contiguous rows (it may be a column slice of
+            a wider buffer); the result is written into it and returned.
+
+    Returns:
+        [M, n] in x's dtype. With the kernel: int8-quantized activations (blocks of 32),
+        integer block products, float32 accumulation (see the module docstring). Without it:
+        float32 dequantized weight and ``F.linear`` in float32.
+
+    Raises:
+        ValueError: naming x, bias or out when their shape, dtype or layout disagree.
+    """
+    if x.dim() != 2 or x.shape[1] != w.k or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x: expected float32/bfloat16 [M, {w.k}], got {x.dtype} {list(x.shape)}")
+    m = x.shape[0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != w.n):
+        raise ValueError(f"bias: expected [{w.n}], got {list(bias.shape)}")
+    if out is not None and (tuple(out.shape) != (m, w.n) or out.dtype != x.dtype or (m and out.stride(1) != 1)):
+        raise ValueError(f"out: expected {x.dtype} [{m}, {w.n}] with contiguous rows, got "
+                         f"{out.dtype} {list(out.shape)} strides {out.stride()}")
+    module = _EXTENSION.load()
+    if (module is not None and m > 0 and x.device.type == "cpu"
+            and not (torch.is_grad_enabled() and x.requires_grad)):
+        xc = x if x.stride(1) == 1 else x.contiguous()
+        y = out if out is not None else torch.empty(m, w.n, dtype=x.dtype)
+        if m < DEQUANT_GEMM_MIN_ROWS[w.qtype]:
+            module.gguf_linear(xc, w.raw, int(w.qtype), w.n, w.k, None if bias is None else bias.float().contiguous(), y)
+            return y
+        # Prefill: dequantize tiles of rows (the kernel's exact expansion, in x's dtype) and
+        # multiply them with PyTorch's GEMM (oneDNN / MKL); a tile holds at most
+        # DEQUANT_TILE_ELEMENTS weights.
+        rows = max(1, min(w.n, DEQUANT_TILE_ELEMENTS // w.k))
+        tile = torch.empty(rows, w.k, dtype=x.dtype)
+        for n0 in range(0, w.n, rows):
+            nt = min(rows, w.n - n0)
+            wt = tile[:nt]
+            module.gguf_dequantize(w.raw[n0:n0 + nt], int(w.qtype), nt, w.k, wt)
+            part = None if bias is None else bias[n0:n0 + nt].to(x.dtype)
+            y[:, n0:n0 + nt] = F.linear(xc, wt, part)
+        return y
+    y = F.linear(x.float(), w.dequantize(torch.float32), None if bias is None else bias.float())
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y.to(x.dtype)

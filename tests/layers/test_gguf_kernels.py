@@ -1,0 +1,219 @@
+"""GGUF blocks computed as stored (kvflow.layers.gguf_kernels) against the gguf package.
+
+``dequantize`` must equal ``gguf.quants.dequantize`` bit for bit; ``gguf_linear`` (the C++
+integer kernel where built, else the PyTorch path) must stay within the error bound of its
+int8 activation rounding of a float64 product with the reference weight. The README's test
+command runs this file three times: with the kernel at -march=native (AVX-512 VNNI here),
+with KVFLOW_CPU_KERNELS=0 (the PyTorch path), and at x86-64-v3 (the AVX2 path).
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from kvflow.layers import gguf_kernels as gk
+from kvflow.layers.gguf_kernels import GGUFWeight, dequantize, gguf_linear
+
+Q = gguf.GGMLQuantizationType
+QTYPES = sorted(gk.SUPPORTED_QTYPES)
+# The formats gguf.quants can quantize (the others get valid random bytes).
+QUANTIZABLE = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}
+
+
+def _random_raw(qt, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """uint8 [n, row_bytes] of valid blocks: gguf.quants.quantize of Gaussian weights where the
+    package implements it, else random quant bits with fp16 scales in a sane range."""
+    rng = np.random.default_rng(seed)
+    if qt in QUANTIZABLE:
+        return quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.05, qt)
+    size, bpb = gguf.GGML_QUANT_SIZES[qt]
+    nb = n * k // size
+    b = rng.integers(0, 256, (nb, bpb), dtype=np.uint8)
+
+    def set_f16(offset: int, lo: float, hi: float) -> None:
+        b[:, offset:offset + 2] = rng.uniform(lo, hi, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+
+    if qt in (Q.Q4_K, Q.Q5_K):
+        set_f16(0, 1e-4, 2e-3)  # d (times 6-bit scales)
+        set_f16(2, 1e-4, 2e-3)  # dmin (times 6-bit mins)
+    else:  # Q6_K: d at the end, int8 scales
+        set_f16(208, 1e-5, 2e-4)
+    return b.reshape(n, -1)
+
+
+def _weight(qt, n: int, k: int, seed: int = 0) -> tuple[GGUFWeight, torch.Tensor]:
+    raw = _random_raw(qt, n, k, seed)
+    ref = torch.from_numpy(quants.dequantize(raw, qt).astype(np.float64))
+    return GGUFWeight(torch.from_numpy(raw), qt, n, k), ref
+
+
+def _bound(x: torch.Tensor, ref_w: torch.Tensor) -> torch.Tensor:
+    """|gguf_linear - x W^T| bound [M, n] for the integer kernel (the PyTorch path is far inside).
+
+    Each activation row is quantized in blocks of 32 with d = amax / 127 and q = round(x / d),
+    so per element |x - d q| <= d / 2 (+ |x| * 2^-22 for the float32 rounding of d and 1/d),
+    and the activation rounding costs at most sum_blocks (d_b / 2) * sum_{i in b} |w_i|.
+    Float32 accumulation adds at most (K / 32 + 32) * 2^-23 times the magnitude of the summed
+    terms; a block's integer product and its offset/minimum term are each at most twice its
+    largest |w| times sum |x| (w = d q + m: |d q| = |w - m| <= 2 max|w|), hence the factor 4.
+    """
+    m, k = x.shape
+    xb = x.double().view(m, k // 32, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127  # [M, nb, 1]
+    wb = ref_w.abs().view(-1, k // 32, 32)  # [n, nb, 32]
+    rounding = torch.einsum("mb,nb->mn", d[..., 0] / 2, wb.sum(-1)) + (x.double().abs() * 2**-22) @ ref_w.abs().t()
+    wmax = wb.amax(-1)  # [n, nb]
+    accumulation = (k / 32 + 32) * 2**-23 * 4 * torch.einsum("mb,nb->mn", xb.abs().sum(-1), wmax)
+    return rounding + accumulation
+
+
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_matches_gguf(qt, dtype):
+    """Bit-exact with gguf.quants.dequantize in float32 (rounded once to bfloat16), also for
+    rows read through a strided view (a column slice)."""
+    k = 512
+    raw = _random_raw(qt, 7, k)
+    want = torch.from_numpy(quants.dequantize(raw, qt).astype(np.float32))
+    got = dequantize(torch.from_numpy(raw), qt, k, dtype)
+    assert got.dtype == dtype and got.shape == (7, k)
+    assert torch.equal(got, want.to(dtype))
+    w = GGUFWeight(torch.from_numpy(raw), qt, 7, k).narrow_cols(256, 256)
+    assert torch.equal(w.dequantize(), want[:, 256:])
+
+
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
+def test_kernel_dequantize_is_exact(qt):
+    """The kernel's expansion (the prefill path's weight tiles) equals gguf's, also through a
+    strided column slice, in float32 and (rounded once) bfloat16."""
+    from kvflow import ops
+
+    if not gk.kernel_available():
+        pytest.skip("the GGUF kernel is not built here (KVFLOW_CPU_KERNELS=0 or no compiler)")
+    k = 768
+    raw = torch.from_numpy(_random_raw(qt, 9, k, seed=2))
+    want = torch.from_numpy(quants.dequantize(raw.numpy(), qt).astype(np.float32))
+    for dtype in (torch.float32, torch.bfloat16):
+        got = torch.empty(9, k, dtype=dtype)
+        ops.GGUF_MATMUL.load().gguf_dequantize(raw, int(qt), 9, k, got)
+        assert torch.equal(got, want.to(dtype))
+    w = GGUFWeight(raw, qt, 9, k).narrow_cols(256, 512)
+    got = torch.empty(9, 512)
+    ops.GGUF_MATMUL.load().gguf_dequantize(w.raw, int(qt), 9, 512, got)
+    assert torch.equal(got, want[:, 256:768])
+
+
+# M: decode (1), speculative verification / batched decode (2..64, groups of four rows and
+# their remainders), prefill (512); from 32 to 128 rows by format (DEQUANT_GEMM_MIN_ROWS) the
+# kernel hands over to dequantized tiles + PyTorch's GEMM. Shapes: N not a multiple of the
+# kernel's 16-row tile; K a multiple of 32 but not of 256 for the 32-element formats.
+CASES = [(1, 13), (2, 13), (3, 49), (4, 13), (5, 49), (17, 13), (64, 49), (512, 13)]
+
+
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m, n", CASES)
+def test_linear_within_int8_activation_bound(qt, m, n):
+    k = 256 * 3 if qt in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 96 * 3
+    w, ref_w = _weight(qt, n, k, seed=m)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k, generator=g) * 3  # uneven magnitudes per block
+    y = gguf_linear(x, w)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    ref = x.double() @ ref_w.t()
+    assert bool(((y.double() - ref).abs() <= _bound(x, ref_w)).all()), (y.double() - ref).abs().max()
+
+
+@pytest.mark.parametrize("qt", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_bias_and_out_column_slice(qt, dtype):
+    """bias is added; ``out`` may be a column slice of a wider buffer (row stride != n): the
+    result lands there, the buffer's other columns are untouched; bfloat16 in, bfloat16 out."""
+    m, n = 5, 49
+    k = 576 if qt in (Q.Q4_0, Q.Q8_0) else 512
+    w, ref_w = _weight(qt, n, k, seed=3)
+    x = torch.randn(m, k).to(dtype)
+    bias = torch.randn(n)
+    buf = torch.full((m, n + 10), 7.0, dtype=dtype)
+    out = buf[:, 4:4 + n]
+    y = gguf_linear(x, w, bias, out=out)
+    assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
+    ref = x.double() @ ref_w.t() + bias.double()
+    bound = _bound(x.float(), ref_w)
+    if dtype == torch.bfloat16:
+        bound = bound + ref.abs() * 2**-8 + 1e-30  # one rounding of the float32 result to bfloat16
+    assert bool(((y.double() - ref).abs() <= bound).all())
+    assert bool((buf[:, :4] == 7).all() and (buf[:, 4 + n:] == 7).all())
+    no_out = gguf_linear(x, w, bias)
+    assert no_out.dtype == dtype and torch.equal(no_out, y)
+
+
+def test_linear_on_slices_and_concatenation():
+    """Row and column slices share the stored bytes and compute the slice of the product;
+    cat_rows stacks parts (a fused QKV) and computes the stacked product."""
+    w, ref_w = _weight(Q.Q4_K, 40, 1024, seed=5)
+    x = torch.randn(3, 1024)
+    rows = w.narrow_rows(8, 13)
+    assert rows.raw.data_ptr() == w.raw[8].data_ptr() and rows.shape == (13, 1024)
+    torch.testing.assert_close(gguf_linear(x, rows), gguf_linear(x, w)[:, 8:21])
+    cols = w.narrow_cols(256, 512)
+    assert cols.shape == (40, 512) and cols.nbytes == 40 * 2 * 144
+    ref = x[:, 256:768].double() @ ref_w[:, 256:768].t()
+    assert bool(((gguf_linear(x[:, 256:768], cols).double() - ref).abs() <= _bound(x[:, 256:768], ref_w[:, 256:768])).all())
+    fused = GGUFWeight.cat_rows([w.narrow_rows(0, 5), w.narrow_rows(30, 10)])
+    assert fused.shape == (15, 1024) and torch.equal(fused.dequantize(), torch.cat([ref_w[:5], ref_w[30:]]).float())
+
+
+def test_embedding_rows():
+    w, ref_w = _weight(Q.Q6_K, 50, 256, seed=6)
+    ids = torch.tensor([3, 0, 49, 3])
+    got = w.embedding(ids, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, ref_w[ids].float().bfloat16())
+
+
+def test_bad_input_names_the_field():
+    raw = torch.from_numpy(_random_raw(Q.Q4_0, 4, 64))
+    with pytest.raises(ValueError, match="qtype: Q2_K is not supported"):
+        GGUFWeight(raw, Q.Q2_K, 4, 64)
+    with pytest.raises(ValueError, match="qtype"):
+        gk.block_layout(12345)
+    with pytest.raises(ValueError, match=r"raw: expected shape \[4, 36\]"):
+        GGUFWeight(raw[:, :30], Q.Q4_0, 4, 64)
+    with pytest.raises(ValueError, match="raw: expected a uint8"):
+        GGUFWeight(raw.float(), Q.Q4_0, 4, 64)
+    with pytest.raises(ValueError, match="k: 48 is not a positive multiple of Q4_0's block of 32"):
+        gk.row_bytes(Q.Q4_0, 48)
+    w = GGUFWeight(raw, Q.Q4_0, 4, 64)
+    with pytest.raises(ValueError, match="narrow_cols: start=16 and length=32 must be multiples"):
+        w.narrow_cols(16, 32)
+    with pytest.raises(ValueError, match="narrow_rows"):
+        w.narrow_rows(3, 2)
+    with pytest.raises(ValueError, match="parts"):
+        GGUFWeight.cat_rows([w, GGUFWeight(torch.from_numpy(_random_raw(Q.Q8_0, 4, 64)), Q.Q8_0, 4, 64)])
+    with pytest.raises(ValueError, match="x: expected"):
+        gguf_linear(torch.randn(2, 32), w)
+    with pytest.raises(ValueError, match="out: expected"):
+        gguf_linear(torch.randn(2, 64), w, out=torch.empty(2, 5))
+    assert gk.block_layout(Q.Q6_K) == (256, 210) and gk.row_bytes(Q.Q4_K, 512) == 288
+
+
+def test_kernel_runs_the_expected_instruction_set():
+    """Which path ran: none with KVFLOW_CPU_KERNELS=0; the AVX2 products under the test
+    command's x86-64-v3 pass; VNNI where the build targets a CPU that has it."""
+    if os.environ.get("KVFLOW_CPU_KERNELS") == "0" or os.environ.get("KVFLOW_CPU_GGUF") == "0":
+        assert not gk.kernel_available() and gk.kernel_isa() is None
+        return
+    if not gk.kernel_available():
+        pytest.skip("the GGUF kernel could not be built here")
+    march = os.environ.get("KVFLOW_CPU_MARCH", "native")
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if march == "x86-64-v3":
+        assert gk.kernel_isa() == "avx2"
+    elif march == "native" and " avx512_vnni" in flags and " avx512vl" in flags:
+        assert gk.kernel_isa() == "avx512_vnni"
+    assert gk.kernel_available(Q.Q6_K) and not gk.kernel_available(Q.Q2_K)
