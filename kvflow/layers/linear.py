@@ -55,6 +55,7 @@ from kvflow.distributed.parallel_state import TensorParallel, even_partition, he
 from kvflow.quantization.base import LinearMethodBase, keep_storage_dtypes
 
 if TYPE_CHECKING:
+    from kvflow.lora.punica import LoRAMapping
     from kvflow.quantization.base import QuantizationConfig
 
 logger = logging.getLogger(__name__)
@@ -290,8 +291,11 @@ class LinearBase(nn.Module):
         layer.quant_method.process_weights_after_loading(layer)
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x)
+    def forward(self, x: torch.Tensor, lora: "LoRAMapping | None" = None) -> torch.Tensor:
+        """x [M, input_size] -> [M, output_size]; ``lora``: the step's adapter mapping, whose
+        per-token LoRA deltas are added to the base output (``kvflow.lora``)."""
+        out = self._matmul(x)
+        return out if lora is None else lora.apply(self, x, out)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._parameters.get("weight")
@@ -457,8 +461,10 @@ class RowParallelLinear(LinearBase):
         start, end = self.input_range
         _copy(param.data, loaded[:, start:end])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: "LoRAMapping | None" = None) -> torch.Tensor:
         out = self._matmul(x)
+        if lora is not None:  # (LoRA runs at tensor-parallel size 1 only: EngineArgs.verify)
+            out = lora.apply(self, x, out)
         if self.tp is not None and self.reduce_results:
             out = self.tp.all_reduce(out)
         return out
