@@ -79,12 +79,14 @@ class PreparedRequest:
         params: its sampling parameters.
         bad_words_token_ids: token sequences of ``params.bad_words``.
         grammars: one compiled ``GrammarMatcher`` (or None) per sample.
+        lora_request: its LoRA adapter (checked), or None.
     """
 
     prompt_token_ids: list[int]
     params: SamplingParams
     bad_words_token_ids: list[list[int]]
     grammars: list[Any]
+    lora_request: Any = None
 
 
 @dataclass
@@ -340,6 +342,41 @@ class LLMEngine:
                              "serves no LoRA adapters (start it with enable_lora=True)")
         self.lora_manager.get(lora_request)
 
+    def add_lora(self, lora_request) -> bool:
+        """Read and validate an adapter ahead of its requests (vLLM's ``add_lora``); True.
+
+        Raises:
+            ValueError: see ``check_lora_request``.
+        """
+        self.check_lora_request(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget adapter ``lora_int_id`` (its slot and host copy; vLLM's ``remove_lora``).
+        Call it between steps (the server runs it on the engine thread). Its prefix-cache
+        blocks stay keyed by (id, path) and are evicted as any others.
+
+        Returns:
+            False when no such adapter is loaded.
+
+        Raises:
+            ValueError: while an unfinished request uses it (naming it and how many do): an
+                adapter in use is never pulled from under its requests.
+        """
+        if self.lora_manager is None:
+            return False
+        users = [r.request_id for r in self.scheduler.requests.values()
+                 if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id]
+        if users:
+            name = self.lora_manager.known[lora_int_id].lora_name if lora_int_id in self.lora_manager.known else lora_int_id
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s); unload it once "
+                             "they finish")
+        return self.lora_manager.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters read so far and not removed (vLLM's ``list_loras``)."""
+        return set() if self.lora_manager is None else set(self.lora_manager.known)
+
     def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                         lora_request=None) -> PreparedRequest:
         """Validate a request and do its engine-independent work: the bad words' token ids,
@@ -353,11 +390,12 @@ class LLMEngine:
         self.check_lora_request(lora_request)
         self.validate_prompt(prompt_token_ids, params)
         if isinstance(params, PoolingParams):
-            return PreparedRequest(list(prompt_token_ids), params.resolved(self.default_pooling), [], [None])
+            return PreparedRequest(list(prompt_token_ids), params.resolved(self.default_pooling), [], [None],
+                                   lora_request)
         self._check_tokenizer_features(params)
         grammars = [self._compile_grammar(params) for _ in range(params.n)]  # the first one validates
         bad_words = self._bad_words_token_ids(params.bad_words)
-        return PreparedRequest(list(prompt_token_ids), params, bad_words, grammars)
+        return PreparedRequest(list(prompt_token_ids), params, bad_words, grammars, lora_request)
 
     def add_request(
         self,
@@ -389,6 +427,7 @@ class LLMEngine:
         if prepared is None:
             prepared = self.prepare_request(prompt_token_ids, params, lora_request)
         else:
+            lora_request = lora_request if lora_request is not None else prepared.lora_request
             self.check_lora_request(lora_request)  # (cached by then: no file read)
         if isinstance(prepared.params, PoolingParams):
             self._add_pooling_request(request_id, prompt_token_ids, prepared.params, prompt, priority, lora_request)

@@ -33,7 +33,7 @@ def tiny_config(arch: str, **overrides) -> transformers.PretrainedConfig:
 def save_base(path: Path, arch: str, seed: int = 0, **overrides):
     cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM}[arch]
-    hf = randomize_hf_model(cls(tiny_config(arch, **overrides)), seed)
+    hf = randomize_hf_model(cls(tiny_config(arch, **overrides)), seed, std=0.1)
     hf.save_pretrained(path)
     return hf
 
