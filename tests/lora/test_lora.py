@@ -74,9 +74,13 @@ def test_mixed_batch_equals_each_alone(llama, max_loras, max_cpu_loras):
     llm = LLM(str(root / "base"), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
               max_num_batched_tokens=64, enable_lora=True, max_loras=max_loras, max_lora_rank=16,
               max_cpu_loras=max_cpu_loras, enable_prefix_caching=False)
+    manager = llm.engine.lora_manager
+    per_step, activate = [], manager.activate
+    manager.activate = lambda requests: (per_step.append(len({r.lora_int_id for r in requests})), activate(requests))[1]
     prompts = [_ids(5 + 3 * i, seed=10 + i) for i in range(8)]
     choice = [loras["a"], None, loras["b"], loras["c"], loras["a"], loras["c"], None, loras["b"]]
     mixed = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=choice)
+    assert max(per_step) == max_loras  # never more adapters in a step than slots
     for prompt, lora, out in zip(prompts, choice, mixed):
         (alone,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
