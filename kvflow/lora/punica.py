@@ -11,11 +11,18 @@ or, when an adapter's requests are apart, gathered rows (``index_select`` /
 ``LoRALayerWeights`` is one layer's slot table: every loaded adapter's A and B in
 ``max_loras`` slots of rank ``max_lora_rank`` (zero-padded: padded rank columns add exact
 zeros), with one shrink per output part (q / k / v of a fused QKV layer, gate / up).
+
+With one adapter in a step its rows get their shrink and expand alone. With several, Python
+and operator dispatch per group would cost more than the arithmetic on a CPU (30 layers x 7
+linears x groups small matmuls per step), so the step does two matmuls per layer over the
+whole table instead: the shrink of every token against every slot, masked to the token's own
+slot, and the expand (the wasted shrink columns are ``max_loras - 1`` times the rank, a few
+percent of the base layer's work).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,9 +31,10 @@ class LoRALayerWeights:
     """One linear's adapters in ``max_loras`` slots.
 
     Attributes:
-        a: [max_loras, S, R, in_features] (S output parts, R = max_lora_rank).
-        b: [max_loras, out_features, R], the scaling folded in.
-        slices: (first row, rows) of each of the S output parts.
+        a: [max_loras, S, R, in_features]: each of the S output parts' A (R = max_lora_rank).
+        b: [max_loras, S * R, out_features]: B transposed, part s's rows feeding only part
+            s's output columns (zeros elsewhere), the scaling folded in.
+        slices: (first output column, columns) of each of the S output parts.
     """
 
     def __init__(self, in_features: int, out_features: int, slices: list[tuple[int, int]], max_loras: int,
@@ -34,7 +42,12 @@ class LoRALayerWeights:
         self.slices = slices
         self.rank = max_rank
         self.a = torch.zeros(max_loras, len(slices), max_rank, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, len(slices) * max_rank, out_features, dtype=dtype, device=device)
+
+    @property
+    def width(self) -> int:
+        """Shrink columns per slot (S * R)."""
+        return self.b.shape[1]
 
     @property
     def nbytes_per_slot(self) -> int:
@@ -42,19 +55,18 @@ class LoRALayerWeights:
 
     def set_slot(self, slot: int, parts: list[tuple[int | None, torch.Tensor, torch.Tensor]]) -> None:
         """Write one adapter's parts of this layer into ``slot`` (zeroed first; parts it does
-        not target stay 0). A part with index None covers the whole layer: its A goes into
-        every output part's shrink."""
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        not target stay 0). A part with index None covers the whole layer: its A feeds every
+        output part."""
+        self.clear_slot(slot)
+        R = self.rank
         for index, a, b in parts:
             r = a.shape[0]
-            if index is None:
-                self.a[slot, :, :r] = a.to(self.a.device)
-                self.b[slot, :, :r] = b.to(self.b.device)
-            else:
-                first, rows = self.slices[index]
-                self.a[slot, index, :r] = a.to(self.a.device)
-                self.b[slot, first : first + rows, :r] = b.to(self.b.device)
+            for s, (first, cols) in enumerate(self.slices):
+                if index is not None and index != s:
+                    continue
+                self.a[slot, s, :r] = a.to(self.a.device)
+                rows = b if index is not None else b[first : first + cols]
+                self.b[slot, s * R : s * R + r, first : first + cols] = rows.T.to(self.b.device)
 
     def clear_slot(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -62,12 +74,15 @@ class LoRALayerWeights:
 
     def delta(self, slot: int, x: torch.Tensor) -> torch.Tensor:
         """``s (x A^T) B^T`` of the adapter in ``slot``: x [n, in_features] -> [n, out_features]."""
-        shrink = x @ self.a[slot].flatten(0, 1).T  # [n, S * R]
-        if len(self.slices) == 1:
-            return shrink @ self.b[slot].T
-        r = self.rank
-        return torch.cat([shrink[:, i * r : (i + 1) * r] @ self.b[slot, first : first + rows].T
-                          for i, (first, rows) in enumerate(self.slices)], dim=1)
+        return (x @ self.a[slot].flatten(0, 1).T) @ self.b[slot]
+
+    def delta_masked(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Every token's delta with its own slot in two matmuls over the whole table: the
+        shrink against all slots, ``mask`` [T, max_loras * S * R] (1 on the columns of the
+        token's slot, 0 elsewhere and for base tokens) keeping the token's own, and the
+        expand. x [T, in_features] -> [T, out_features]."""
+        shrink = x @ self.a.flatten(0, 2).T
+        return (shrink * mask) @ self.b.flatten(0, 1)
 
 
 @dataclass
@@ -83,6 +98,17 @@ class LoRAMapping:
 
     token_slots: torch.Tensor
     groups: list[tuple[int, slice | torch.Tensor]]
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def mask(self, max_loras: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, max_loras * width] in ``dtype``: 1 on the ``width`` columns of each token's slot."""
+        key = (max_loras, width, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            one_hot = torch.zeros(self.token_slots.shape[0], max_loras + 1, dtype=dtype, device=self.token_slots.device)
+            one_hot[torch.arange(self.token_slots.shape[0], device=one_hot.device), self.token_slots + 1] = 1
+            mask = self._masks[key] = one_hot[:, 1:].repeat_interleave(width, dim=1)
+        return mask
 
     @classmethod
     def from_runs(cls, runs: list[tuple[int, int]], device: torch.device) -> "LoRAMapping | None":
@@ -112,6 +138,8 @@ class LoRAMapping:
         weights: LoRALayerWeights | None = layer.__dict__.get("lora_weights")
         if weights is None:
             return out
+        if len(self.groups) > 1:  # several adapters: one masked pass over the slot table
+            return out.add_(weights.delta_masked(x, self.mask(weights.a.shape[0], weights.width, x.dtype)).to(out.dtype))
         for slot, rows in self.groups:
             if isinstance(rows, slice):
                 out[rows] += weights.delta(slot, x[rows]).to(out.dtype)

@@ -64,6 +64,11 @@ def test_logits_match_peft_merged(arch, rslora, tmp_path):
     torch.testing.assert_close(got[1], want["base"][:20], **tol)
     torch.testing.assert_close(got[2], want["b"], **tol)
     torch.testing.assert_close(got[3], want["a"][:5], **tol)
+    # One adapter whose requests are apart: its rows are gathered (no masked pass)
+    got = lora_logits(model, cuts[0] + cuts[1] + cuts[3], [(sa, 11), (-1, 20), (sa, 5)]).split([11, 20, 5])
+    torch.testing.assert_close(got[0], want["a"][:11], **tol)
+    torch.testing.assert_close(got[1], want["base"][:20], **tol)
+    torch.testing.assert_close(got[2], want["a"][:5], **tol)
 
 
 @pytest.mark.parametrize("max_loras,max_cpu_loras", [(3, 3), (2, 2)], ids=["all-in-slots", "evicting"])
