@@ -12,17 +12,19 @@ or, when an adapter's requests are apart, gathered rows (``index_select`` /
 ``max_loras`` slots of rank ``max_lora_rank`` (zero-padded: padded rank columns add exact
 zeros), with one shrink per output part (q / k / v of a fused QKV layer, gate / up).
 
-With one adapter in a step its rows get their shrink and expand alone. With several, Python
-and operator dispatch per group would cost more than the arithmetic on a CPU (30 layers x 7
-linears x groups small matmuls per step), so the step does two matmuls per layer over the
-whole table instead: the shrink of every token against every slot, masked to the token's own
-slot, and the expand (the wasted shrink columns are ``max_loras - 1`` times the rank, a few
-percent of the base layer's work).
+With one adapter in a step its rows get their shrink and expand alone. With several, operator
+dispatch per group would cost more than the arithmetic on a CPU (30 layers x 7 linears x
+groups x parts small matmuls per step), so the groups' rows are gathered into one padded
+[G, n, in] tensor (padding reads an appended zero row) and shrunk and expanded by two batched
+matmuls (``torch.bmm``) against their slots' A and B, then added back with ``index_add_``. B is
+stored per part as [S * R, out] with zeros outside the part's columns, so one expand serves
+the fused q / k / v (or gate / up) parts; the zeros cost S times the expand's work, a few
+percent of the base layer's at these ranks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -76,13 +78,12 @@ class LoRALayerWeights:
         """``s (x A^T) B^T`` of the adapter in ``slot``: x [n, in_features] -> [n, out_features]."""
         return (x @ self.a[slot].flatten(0, 1).T) @ self.b[slot]
 
-    def delta_masked(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Every token's delta with its own slot in two matmuls over the whole table: the
-        shrink against all slots, ``mask`` [T, max_loras * S * R] (1 on the columns of the
-        token's slot, 0 elsewhere and for base tokens) keeping the token's own, and the
-        expand. x [T, in_features] -> [T, out_features]."""
-        shrink = x @ self.a.flatten(0, 2).T
-        return (shrink * mask) @ self.b.flatten(0, 1)
+    def delta_grouped(self, x_groups: torch.Tensor, slots: slice | torch.Tensor) -> torch.Tensor:
+        """The deltas of G groups of tokens padded to one length, each with its own slot, in
+        two batched matmuls: x_groups [G, n, in_features], ``slots`` the G slots (a slice of
+        the table, or an index tensor) -> [G, n, out_features]."""
+        a = self.a[slots].flatten(1, 2)  # [G, S * R, in]
+        return torch.bmm(torch.bmm(x_groups, a.transpose(1, 2)), self.b[slots])
 
 
 @dataclass
@@ -98,17 +99,10 @@ class LoRAMapping:
 
     token_slots: torch.Tensor
     groups: list[tuple[int, slice | torch.Tensor]]
-    _masks: dict = field(default_factory=dict, repr=False)
-
-    def mask(self, max_loras: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-        """[T, max_loras * width] in ``dtype``: 1 on the ``width`` columns of each token's slot."""
-        key = (max_loras, width, dtype)
-        mask = self._masks.get(key)
-        if mask is None:
-            one_hot = torch.zeros(self.token_slots.shape[0], max_loras + 1, dtype=dtype, device=self.token_slots.device)
-            one_hot[torch.arange(self.token_slots.shape[0], device=one_hot.device), self.token_slots + 1] = 1
-            mask = self._masks[key] = one_hot[:, 1:].repeat_interleave(width, dim=1)
-        return mask
+    gather: torch.Tensor | None = None
+    scatter: torch.Tensor | None = None
+    group_slots: slice | torch.Tensor | None = None
+    group_len: int = 0
 
     @classmethod
     def from_runs(cls, runs: list[tuple[int, int]], device: torch.device) -> "LoRAMapping | None":
@@ -124,13 +118,23 @@ class LoRAMapping:
         if not spans:
             return None
         groups: list[tuple[int, slice | torch.Tensor]] = []
-        for slot, ranges in spans.items():
+        for slot, ranges in sorted(spans.items()):
             if all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1)):
                 groups.append((slot, slice(ranges[0][0], ranges[-1][1])))
             else:
                 index = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in ranges]).to(device)
                 groups.append((slot, index))
-        return cls(slots.to(device), groups)
+        mapping = cls(slots.to(device), groups)
+        if len(groups) > 1:  # the rows of each group, padded to the longest with a zero row
+            rows = [torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in spans[slot]]) for slot, _ in groups]
+            n = max(len(r) for r in rows)
+            mapping.group_len = n
+            mapping.gather = torch.cat([torch.cat([r, torch.full((n - len(r),), start)]) for r in rows]).to(device)
+            mapping.scatter = torch.cat([torch.cat([r, torch.zeros(n - len(r), dtype=torch.int64)]) for r in rows]).to(device)
+            ids = [slot for slot, _ in groups]
+            contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
+            mapping.group_slots = slice(ids[0], ids[-1] + 1) if contiguous else torch.tensor(ids, device=device)
+        return mapping
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Add each group's LoRA delta to ``out`` [T, out_features] (the base layer's output
@@ -138,8 +142,11 @@ class LoRAMapping:
         weights: LoRALayerWeights | None = layer.__dict__.get("lora_weights")
         if weights is None:
             return out
-        if len(self.groups) > 1:  # several adapters: one masked pass over the slot table
-            return out.add_(weights.delta_masked(x, self.mask(weights.a.shape[0], weights.width, x.dtype)).to(out.dtype))
+        if self.gather is not None:  # several adapters: batched over the groups
+            x_pad = torch.cat([x, x.new_zeros(1, x.shape[1])])  # (padding rows read the zero row T)
+            x_groups = x_pad.index_select(0, self.gather).view(len(self.groups), self.group_len, -1)
+            delta = weights.delta_grouped(x_groups, self.group_slots).flatten(0, 1)
+            return out.index_add_(0, self.scatter, delta.to(out.dtype))  # (padding rows add exact zeros to row 0)
         for slot, rows in self.groups:
             if isinstance(rows, slice):
                 out[rows] += weights.delta(slot, x[rows]).to(out.dtype)
