@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from kvflow import LLM, LoRARequest, SamplingParams
 from kvflow.lora.manager import LoRAManager
+from kvflow.lora.punica import LoRAMapping
 from kvflow.model.loader import load_model
 from lora_helpers import lora_logits, save_adapter, save_base
 
@@ -230,3 +231,31 @@ def test_bad_adapters_are_refused_by_name(llama, tmp_path):
         LoRARequest("x", 0, "p")
     with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size > 1"):
         LLM(str(root / "base"), device="cpu", enable_lora=True, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_adapter_over_quantized_base_linears(method, tmp_path):
+    """The delta is added to the quantized base layer's output, exactly: for each projection,
+    layer(x, lora) - layer(x) is s (x A^T) B^T of the PEFT tensors; and the int8 model's logits
+    move as the float model's do (up to the quantization's effect on the activations)."""
+    hf = save_base(tmp_path / "base", "llama")
+    merged = save_adapter(tmp_path / "base", tmp_path / "a", seed=1, r=8, alpha=16)
+    model, _ = load_model(tmp_path / "base", torch.float32, CPU, quantization=method)
+    manager = LoRAManager(model, max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    slot = manager.activate([LoRARequest("a", 1, str(tmp_path / "a"))])[1]
+    tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    mapping = LoRAMapping.from_runs([(slot, 5)], CPU)
+    layer = model.layers[1].self_attn.qkv_proj
+    assert type(layer.quant_method).__name__ != "UnquantizedLinearMethod"
+    with torch.inference_mode():
+        got = layer(x, mapping) - layer(x)
+    key = "base_model.model.model.layers.1.self_attn.{}_proj.lora_{}.weight"
+    want = torch.cat([2.0 * (x @ tensors[key.format(p, "A")].T) @ tensors[key.format(p, "B")].T for p in "qkv"], dim=1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if method == "int8":
+        ids = _ids(21, seed=4)
+        with torch.inference_mode():
+            moved = merged(torch.tensor([ids])).logits[0] - hf(torch.tensor([ids])).logits[0]
+        ours = lora_logits(model, ids, [(slot, len(ids))]) - lora_logits(model, ids, [(-1, len(ids))])
+        assert float((ours - moved).abs().max()) < 0.1 * float(moved.abs().max())
