@@ -233,6 +233,11 @@ class OpenAIServing:
         except ValueError as exc:
             raise _bad_request(exc) from None
 
+    def served_name(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter's name for an adapter, else the base
+        model's served name."""
+        return model if model in self.lora_modules else self.model_name
+
     def lora_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names, or None for the base model."""
         return self.lora_modules.get(model) if model is not None else None
@@ -393,7 +398,7 @@ class OpenAIServing:
                 "id": cid,
                 "object": "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": self.served_name(req.model),
                 "choices": choices,
                 "usage": _usage(prompt_tokens, completion_tokens),
             }
@@ -403,7 +408,7 @@ class OpenAIServing:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         completion_tokens = 0
-        base = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name}
+        base = {"id": cid, "object": "text_completion", "created": created, "model": self.served_name(req.model)}
         async for p_idx, out in _merge(iterators):
             for c in out.outputs:
                 index = p_idx * n + c.index
@@ -603,14 +608,14 @@ class OpenAIServing:
                 "id": cid,
                 "object": "chat.completion",
                 "created": created,
-                "model": self.model_name,
+                "model": self.served_name(req.model),
                 "choices": choices,
                 "usage": _usage(len(run.prompt_ids), sum(len(c.token_ids) for c in out.outputs)),
             }
         )
 
     async def _stream_chat(self, run: ChatRun, req: ChatCompletionRequest, cid: str, created: int):
-        base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served_name(req.model)}
         parsers: dict[int, ChatOutputParser] = {}
         sent_tokens: dict[int, int] = {}
         completion_tokens = 0

@@ -99,6 +99,7 @@ def test_adapter_tokens_follow_peft(client, adapters, smollm2_dir):
     out = client.completions.create(model="sql", prompt=PROMPT, max_tokens=8, temperature=0,
                                     extra_body={"ignore_eos": True})
     assert out.choices[0].text == tokenizer.decode(ref)
+    assert out.model == "sql"
     base = client.completions.create(model=_base(client), prompt=PROMPT, max_tokens=8, temperature=0,
                                      extra_body={"ignore_eos": True})
     assert base.choices[0].text != out.choices[0].text  # the adapter changes the continuation
