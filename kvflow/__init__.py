@@ -1,7 +1,7 @@
 """kvflow: an LLM inference and serving engine.
 
 Public API: ``LLM``, ``SamplingParams``, ``PoolingParams``, ``EngineArgs``, ``RequestOutput``,
-``CompletionOutput``, ``EmbeddingRequestOutput``, ``Logprob`` (the names of vLLM's, so that a
+``CompletionOutput``, ``EmbeddingRequestOutput``, ``Logprob``, ``LoRARequest`` (the names of vLLM's, so that a
 vLLM script switches by its import line).
 """
 
@@ -14,10 +14,12 @@ from kvflow.config import EngineArgs  # noqa: E402
 from kvflow.entrypoints.llm import LLM  # noqa: E402
 from kvflow.inputs import PromptType, TextPrompt, TokensPrompt  # noqa: E402
 from kvflow.logprobs import Logprob  # noqa: E402
+from kvflow.lora.request import LoRARequest  # noqa: E402
 from kvflow.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput  # noqa: E402
 from kvflow.pooling_params import PoolingParams  # noqa: E402
 from kvflow.sampling_params import SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "SamplingParams", "PoolingParams", "EngineArgs", "RequestOutput", "CompletionOutput",
-           "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob", "TextPrompt", "TokensPrompt", "PromptType"]
+           "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob", "TextPrompt", "TokensPrompt", "PromptType",
+           "LoRARequest"]
 __version__ = "0.1.0"

@@ -429,6 +429,7 @@ class SchedulerConfig:
             that does not fit yet, before admission waits for it.
         max_step_seconds: bound on one step's duration, in seconds: a step's token budget is
             cut to what the measured throughput computes in this time (0: no bound).
+        max_loras: distinct LoRA adapters one step may use (0: LoRA off).
     """
 
     max_num_batched_tokens: int
@@ -438,6 +439,22 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     max_head_skips: int = 16
     max_step_seconds: float = 0.0
+    max_loras: int = 0
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (``enable_lora``; see ``kvflow.lora``).
+
+    Attributes:
+        max_loras: adapters one step may use (the slot table's size).
+        max_lora_rank: the largest adapter rank (slots are this wide).
+        max_cpu_loras: validated adapters kept in host memory.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
 
 
 @dataclass(frozen=True)
@@ -588,6 +605,7 @@ class EngineConfig:
         draft_model: the draft model's architecture.
         kernels: kernel choices.
         seed: seed of the engine generator for requests without their own seed.
+        lora: LoRA adapters' limits, or None without ``enable_lora``.
     """
 
     model: ModelConfig
@@ -601,6 +619,7 @@ class EngineConfig:
     draft_model: ModelConfig | None = None
     kernels: KernelConfig = field(default_factory=KernelConfig)
     seed: int = 0
+    lora: LoRAConfig | None = None
 
 
 def _option(default: Any, help: str, **cli: Any) -> Any:
@@ -695,6 +714,14 @@ class EngineArgs:
     enforce_eager: bool = _option(
         False, "never use CUDA graphs (otherwise, on CUDA with the triton backend and no tensor parallelism, "
         "decode steps replay CUDA graphs captured at load)")
+    enable_lora: bool = _option(
+        False, "serve LoRA adapters (PEFT folders) on top of the base model, chosen per request (LoRARequest; on "
+        "the server a request's model names the adapter) and mixed in one batch (see docs/lora.md)")
+    max_loras: int = _option(1, "with enable_lora: distinct adapters one step may use (the slot table's size)")
+    max_lora_rank: int = _option(16, "with enable_lora: the largest adapter rank r accepted")
+    max_cpu_loras: int | None = _option(
+        None, "with enable_lora: validated adapters kept in host memory, least recently used evicted (default: "
+        "max_loras; at least max_loras)")
 
     def __post_init__(self) -> None:
         # Byte sizes may be written as users write them ("1GiB"); the engine reads ints.
@@ -767,6 +794,15 @@ class EngineArgs:
         if self.pooling not in ("last", "mean"):
             raise ValueError(f"pooling must be 'last' or 'mean', got {self.pooling!r}")
         check_attention_backend_name(self.attention_backend)
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is not None:
+            _positive_int("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 (kvflow's LoRA deltas are not "
+                             "sharded yet); serve adapters with tensor_parallel_size=1")
 
     def resolved_collective_timeout_s(self) -> float:
         """``collective_timeout_s``, else ``$KVFLOW_COLLECTIVE_TIMEOUT_S``, else the default.
@@ -871,6 +907,8 @@ class EngineArgs:
             draft_model=draft_model,
             kernels=KernelConfig(self.attention_backend, self.enforce_eager),
             seed=self.seed,
+            lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
+            if self.enable_lora else None,
         )
 
     def torch_device(self) -> torch.device:
@@ -934,6 +972,7 @@ class EngineArgs:
             policy=self.scheduling_policy,
             preemption_mode=self.preemption_mode,
             max_step_seconds=float(self.max_step_seconds),
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
 
 

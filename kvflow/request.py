@@ -17,6 +17,7 @@ import torch
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvflow.lora.request import LoRARequest
     from kvflow.pooling_params import PoolingParams
     from kvflow.sample.guided import GrammarMatcher
 
@@ -78,6 +79,8 @@ class Request:
             far (mean pooling; kept by the model runner across prefill chunks).
         num_cached_tokens: prompt tokens found in the prefix cache when it was first
             admitted (-1 before that).
+        lora_request: the LoRA adapter it runs with, or None for the base model (its blocks
+            are hashed with the adapter: ``cache_key``).
     """
 
     def __init__(
@@ -91,8 +94,10 @@ class Request:
         seed: int | None = None,
         priority: int = 0,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -195,6 +200,7 @@ def make_parallel_samples(
     eos_token_id: int | None,
     prompt: str | None = None,
     priority: int = 0,
+    lora_request: LoRARequest | None = None,
 ) -> list[Request]:
     """The ``n`` requests of one prompt: the first computes the prompt, the others wait in its
     ``pending_forks`` to share its blocks. Sample i has id ``request_id`` when n == 1, else
@@ -206,7 +212,8 @@ def make_parallel_samples(
         seed = None if sampling_params.seed is None else sampling_params.seed + i
         sample_id = request_id if n == 1 else f"{request_id}#{i}"
         samples.append(
-            Request(sample_id, prompt_token_ids, sampling_params, eos_token_id, prompt=prompt, seed=seed, priority=priority)
+            Request(sample_id, prompt_token_ids, sampling_params, eos_token_id, prompt=prompt, seed=seed, priority=priority,
+                    lora_request=lora_request)
         )
     leader = samples[0]
     leader.pending_forks = samples[1:]

@@ -145,10 +145,12 @@ class KVCacheManager:
         """Chained hashes of the request's first ``num_blocks`` full blocks (memoized)."""
         hashes = request.block_hashes
         bs = self.block_size
+        lora = getattr(request, "lora_request", None)  # an adapter's K/V is its own: never shared with others
+        extra = self.hash_extra if lora is None else self.hash_extra + lora.cache_key
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], self.hash_extra))
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], extra))
         return hashes[:num_blocks]
 
     def get_computed_blocks(self, request: Request) -> list[int]:

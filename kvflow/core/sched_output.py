@@ -53,6 +53,7 @@ class NewRequestData:
             sampled), or None; workers keep it.
         pooled_sum: driver only: mean pooling's running sum (float32 [hidden_size]) of the
             tokens computed before a preemption by swap, or None.
+        lora_request: its LoRA adapter (``kvflow.lora.request.LoRARequest``), or None.
     """
 
     request_id: str
@@ -67,6 +68,7 @@ class NewRequestData:
     grammar: "GrammarMatcher | None" = None
     pooling_params: Any = None
     pooled_sum: torch.Tensor | None = None
+    lora_request: Any = None
 
     @classmethod
     def from_request(cls, request: Any) -> "NewRequestData":
@@ -76,7 +78,7 @@ class NewRequestData:
             request.request_id, list(prompt), list(request.all_token_ids[len(prompt) :]), request.sampling_params,
             request.eos_token_id, request.bad_words_token_ids, list(request.block_ids), request.num_computed_tokens,
             request.generator, request.grammar, getattr(request, "pooling_params", None),
-            getattr(request, "pooled_sum", None),
+            getattr(request, "pooled_sum", None), getattr(request, "lora_request", None),
         )
 
     def for_workers(self) -> "NewRequestData":

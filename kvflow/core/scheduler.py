@@ -215,12 +215,18 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_cache_manager
+        # LoRA: a step uses at most max_loras distinct adapters (the slot table's size); a
+        # request of another adapter waits, without blocking those that fit.
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         for request in list(self.waiting):
             if budget <= 0:
                 break
             num_seqs = len(self.running) + sum(len(r.pending_forks) for r in self.running)
             if num_seqs + 1 + len(request.pending_forks) > self.config.max_num_seqs:
                 break
+            lora = request.lora_request
+            if lora is not None and lora.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
+                continue
             if request.status == RequestStatus.SWAPPED:
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 mapping = kv.swap_in(request, num_new)
@@ -242,6 +248,8 @@ class Scheduler:
                 request.num_skips += 1
                 continue
             self.waiting.remove(request)
+            if lora is not None:
+                adapters.add(lora.lora_int_id)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out._add(request.request_id, num_new)

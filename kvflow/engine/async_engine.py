@@ -157,13 +157,39 @@ class AsyncLLMEngine:
         """
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def prepare(self, prompt_token_ids: list[int], params: SamplingParams) -> PreparedRequest:
+    async def prepare(self, prompt_token_ids: list[int], params: SamplingParams, lora_request=None) -> PreparedRequest:
         """``LLMEngine.prepare_request`` off the loop.
 
         Raises:
-            ValueError: for a prompt or parameters the engine can never serve.
+            ValueError: for a prompt, parameters or a LoRA adapter the engine can never serve.
         """
-        return await self.run_off_loop(self.engine.prepare_request, prompt_token_ids, params)
+        return await self.run_off_loop(self.engine.prepare_request, prompt_token_ids, params, lora_request)
+
+    async def call_on_engine(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the engine thread, between two steps (e.g. ``remove_lora``: no
+        forward runs meanwhile), in order with the adds and aborts queued before it.
+
+        Raises:
+            EngineDeadError: when the engine thread has failed.
+            Exception: whatever ``fn`` raises.
+        """
+        if self._error is not None:
+            raise EngineDeadError(f"engine failed: {self._error!r}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._loops.add(loop)
+        self._commands.append(("call", fn, args, loop, future))
+        self._wakeup.set()
+        return await future
+
+    @staticmethod
+    def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+        if future.done():
+            return
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
 
     def add_requests(self, requests: list[tuple[str, PreparedRequest, str | None]],
                      priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
@@ -381,6 +407,13 @@ class AsyncLLMEngine:
                     self._post(loop, self._fail_one, request_id, exc)
                     continue
                 self._request_loops[request_id] = loop
+            elif command[0] == "call":
+                _, fn, args, loop, future = command
+                try:
+                    result, exc = fn(*args), None
+                except Exception as error:  # noqa: BLE001 - the caller's to handle
+                    result, exc = None, error
+                self._post(loop, self._settle, future, result, exc)
             else:
                 self.engine.abort_request(command[1])
                 self._request_loops.pop(command[1], None)

@@ -79,12 +79,14 @@ class PreparedRequest:
         params: its sampling parameters.
         bad_words_token_ids: token sequences of ``params.bad_words``.
         grammars: one compiled ``GrammarMatcher`` (or None) per sample.
+        lora_request: its LoRA adapter (checked), or None.
     """
 
     prompt_token_ids: list[int]
     params: SamplingParams
     bad_words_token_ids: list[list[int]]
     grammars: list[Any]
+    lora_request: Any = None
 
 
 @dataclass
@@ -195,10 +197,16 @@ class LLMEngine:
         self.cache_engine = CacheEngine(model.kv_cache_spec, cache_config, device)  # this rank's shard of heads
         generator = torch.Generator(device=device)
         generator.manual_seed(config.seed)
+        self.lora_manager = None
+        if config.lora is not None:
+            from kvflow.lora.manager import LoRAManager
+
+            lora = config.lora
+            self.lora_manager = LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
         self.model_runner = ModelRunner(
             model, self.cache_engine, cache_config.block_size, Sampler(generator), device,
             broadcast=self.tp_workers.broadcast if self.tp_workers is not None else None,
-            attention_backend=backend,
+            attention_backend=backend, lora_manager=self.lora_manager,
         )
         # Decode CUDA graphs: on CUDA, with a backend that has graph-safe metadata, without
         # tensor parallelism (the workers run eagerly: their collectives would not match).
@@ -318,21 +326,77 @@ class LLMEngine:
             raise ValueError(f"dimensions ({params.dimensions}) is not supported: this model's embeddings have "
                              f"{hidden} dimensions and kvflow does no matryoshka truncation; leave it unset")
 
-    def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> PreparedRequest:
-        """Validate a request and do its engine-independent work: the bad words' token ids
-        and one compiled grammar per sample. It touches no engine state, so the server runs
-        it on a worker thread while the engine thread steps.
+    def check_lora_request(self, lora_request) -> None:
+        """Check that this engine can run ``lora_request`` (a ``LoRARequest`` or None), reading
+        and validating its adapter into the CPU cache (thread-safe: the server calls it off the
+        engine thread).
 
         Raises:
-            ValueError: see ``validate_prompt`` and ``check_request_features``.
+            ValueError: an adapter without ``enable_lora``; see ``LoRAManager.get`` (a
+                missing folder, a rank above ``max_lora_rank``, a target module the model
+                lacks, shapes that disagree with the base, naming the adapter and module).
         """
+        if lora_request is None:
+            return
+        if self.lora_manager is None:
+            raise ValueError(f"lora_request {getattr(lora_request, 'lora_name', lora_request)!r}: this engine "
+                             "serves no LoRA adapters (start it with enable_lora=True)")
+        self.lora_manager.get(lora_request)
+
+    def add_lora(self, lora_request) -> bool:
+        """Read and validate an adapter ahead of its requests (vLLM's ``add_lora``); True.
+
+        Raises:
+            ValueError: see ``check_lora_request``.
+        """
+        self.check_lora_request(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget adapter ``lora_int_id`` (its slot and host copy; vLLM's ``remove_lora``).
+        Call it between steps (the server runs it on the engine thread). Its prefix-cache
+        blocks stay keyed by (id, path) and are evicted as any others.
+
+        Returns:
+            False when no such adapter is loaded.
+
+        Raises:
+            ValueError: while an unfinished request uses it (naming it and how many do): an
+                adapter in use is never pulled from under its requests.
+        """
+        if self.lora_manager is None:
+            return False
+        users = [r.request_id for r in self.scheduler.requests.values()
+                 if r.lora_request is not None and r.lora_request.lora_int_id == lora_int_id]
+        if users:
+            name = self.lora_manager.known[lora_int_id].lora_name if lora_int_id in self.lora_manager.known else lora_int_id
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s); unload it once "
+                             "they finish")
+        return self.lora_manager.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters read so far and not removed (vLLM's ``list_loras``)."""
+        return set() if self.lora_manager is None else set(self.lora_manager.known)
+
+    def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
+                        lora_request=None) -> PreparedRequest:
+        """Validate a request and do its engine-independent work: the bad words' token ids,
+        one compiled grammar per sample, its LoRA adapter read and checked. It touches no
+        engine state, so the server runs it on a worker thread while the engine thread steps.
+
+        Raises:
+            ValueError: see ``validate_prompt``, ``check_request_features`` and
+                ``check_lora_request``.
+        """
+        self.check_lora_request(lora_request)
         self.validate_prompt(prompt_token_ids, params)
         if isinstance(params, PoolingParams):
-            return PreparedRequest(list(prompt_token_ids), params.resolved(self.default_pooling), [], [None])
+            return PreparedRequest(list(prompt_token_ids), params.resolved(self.default_pooling), [], [None],
+                                   lora_request)
         self._check_tokenizer_features(params)
         grammars = [self._compile_grammar(params) for _ in range(params.n)]  # the first one validates
         bad_words = self._bad_words_token_ids(params.bad_words)
-        return PreparedRequest(list(prompt_token_ids), params, bad_words, grammars)
+        return PreparedRequest(list(prompt_token_ids), params, bad_words, grammars, lora_request)
 
     def add_request(
         self,
@@ -342,13 +406,15 @@ class LLMEngine:
         prompt: str | None = None,
         priority: int = 0,
         prepared: PreparedRequest | None = None,
+        lora_request=None,
     ) -> None:
         """Validate and queue a request (``params.n`` samples sharing the prompt's blocks),
         or, with ``PoolingParams``, an embedding request (see ``kvflow.pooling_params``).
 
         ``priority`` matters under the "priority" scheduling policy (lower runs first).
         ``prepared``: the result of ``prepare_request`` for these ids and params, when the
-        caller did that work already.
+        caller did that work already. ``lora_request``: the ``kvflow.lora.request.LoRARequest``
+        the request runs with (None: the base model).
 
         Raises:
             ValueError: see ``validate_prompt``; a request_id already in use; a priority
@@ -360,11 +426,15 @@ class LLMEngine:
             raise ValueError(f"priority={priority} needs the priority scheduling policy (scheduling_policy="
                              f"'priority'); this engine schedules {self.scheduler_config.policy!r}")
         if prepared is None:
-            prepared = self.prepare_request(prompt_token_ids, params)
+            prepared = self.prepare_request(prompt_token_ids, params, lora_request)
+        else:
+            lora_request = lora_request if lora_request is not None else prepared.lora_request
+            self.check_lora_request(lora_request)  # (cached by then: no file read)
         if isinstance(prepared.params, PoolingParams):
-            self._add_pooling_request(request_id, prompt_token_ids, prepared.params, prompt, priority)
+            self._add_pooling_request(request_id, prompt_token_ids, prepared.params, prompt, priority, lora_request)
             return
-        samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority)
+        samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority,
+                                        lora_request)
         for sample, grammar in zip(samples, prepared.grammars):
             sample.bad_words_token_ids = prepared.bad_words_token_ids
             sample.grammar = grammar
@@ -385,9 +455,9 @@ class LLMEngine:
             self._sample_owner[sample.request_id] = (state, sample)
 
     def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
-                             prompt: str | None, priority: int) -> None:
+                             prompt: str | None, priority: int, lora_request=None) -> None:
         request = Request(request_id, prompt_token_ids, _POOLING_PLACEHOLDER, self.eos_token_id, prompt,
-                          priority=priority, pooling_params=params)
+                          priority=priority, pooling_params=params, lora_request=lora_request)
         self.scheduler.add_request(request)
         state = _RequestState(request_id, prompt, list(prompt_token_ids), [request], [None], [[]], request.arrival_time)
         self._states[request_id] = state

@@ -98,6 +98,14 @@ def _byte_size(name: str):
     return parse
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """``--lora-modules`` entry NAME=PATH."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH entries, got {text!r}")
+    return name, path
+
+
 def _field_flag(group: argparse._ArgumentGroup, f: Field) -> None:
     """One flag for one ``EngineArgs`` field (``--block-size`` for ``block_size``)."""
     meta = f.metadata
@@ -296,6 +304,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if not args.quiet:
         logging.getLogger("kvflow").setLevel(args.log_level.upper())
+    lora_modules = dict(args.lora_modules or [])
+    if lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if len(lora_modules) != len(args.lora_modules or []):
+        raise ValueError("--lora-modules names an adapter twice")
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(args)))
     name = args.served_model_name or default_served_name(args.model)
     server = None
@@ -309,7 +322,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key,
         metrics_need_key=not args.metrics_no_auth, max_request_bytes=args.max_request_bytes, model_aliases=(args.model,),
         chat_template=load_chat_template(args.chat_template), tool_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, lora_modules=lora_modules,
     )  # fmt: skip
     server = make_server(app, args.host, args.port, args.log_level, args.timeout_keep_alive, args.request_read_timeout)
     server.run()
@@ -408,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="how tool calls are read from the model's text under tool_choice 'auto' (default: the "
                        "family the chat template shows, e.g. hermes for a template with <tool_call>; none otherwise)")
+    serve.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT folders) served as models of their own: a request whose model is "
+                       "NAME runs with the adapter at PATH (needs --enable-lora; see docs/lora.md)")
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split <think>...</think> into reasoning_content (default: no split)")
     _add_engine_args(serve)

@@ -12,6 +12,7 @@ from kvflow.config import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.entrypoints.chat_utils import normalize_conversation, render_chat
 from kvflow.inputs import EMPTY_ONLY, PROMPT_KEYS
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import BeamSearchParams, SamplingParams
@@ -118,6 +119,7 @@ class LLM:
         params: SamplingParams | PoolingParams | Sequence[SamplingParams | PoolingParams],
         priority: int | Sequence[int] | None = None,
         params_name: str = "sampling_params",
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[str]:
         if isinstance(params, (SamplingParams, PoolingParams)):
             params_list = [params] * len(prompts)
@@ -136,15 +138,28 @@ class LLM:
         for prio in priorities:
             if isinstance(prio, bool) or not isinstance(prio, int):
                 raise ValueError(f"priority must hold integers, got {prio!r}")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        elif isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request has {len(loras)} entries for {len(prompts)} prompts")
+        else:
+            raise ValueError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
+        for lora in loras:
+            if lora is not None and not isinstance(lora, LoRARequest):
+                raise ValueError(f"lora_request entries must be LoRARequest or None, got {type(lora).__name__}")
         encoded = [self._to_token_ids(p) for p in prompts]
         # Validate everything first so that one bad prompt adds nothing.
+        for lora in {id(x): x for x in loras}.values():
+            self.engine.check_lora_request(lora)
         for (ids, _), p in zip(encoded, params_list):
             self.engine.validate_prompt(ids, p)
         request_ids = []
         try:
-            for (ids, text), p, prio in zip(encoded, params_list, priorities):
+            for (ids, text), p, prio, lora in zip(encoded, params_list, priorities, loras):
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, ids, p, prompt=text, priority=prio)
+                self.engine.add_request(request_id, ids, p, prompt=text, priority=prio, lora_request=lora)
                 request_ids.append(request_id)
         except BaseException:
             # add_request can still refuse one (e.g. a guided_json / guided_regex that does
@@ -185,13 +200,13 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
         priority: int | Sequence[int] | None = None,
         *,
-        lora_request: None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order (vLLM's
-        ``LLM.generate``; ``lora_request``, ``tokenization_kwargs`` and
-        ``mm_processor_kwargs`` are accepted unset).
+        ``LLM.generate``; ``tokenization_kwargs`` and ``mm_processor_kwargs`` are accepted
+        unset).
 
         Args:
             prompts: a string, a list of token ids, a dict with ``prompt`` or
@@ -202,18 +217,21 @@ class LLM:
                 factory to make it, as vLLM).
             priority: one priority for all prompts or one per prompt, for the "priority"
                 scheduling policy (lower first); other than 0 it needs that policy.
+            lora_request: one ``LoRARequest`` for all prompts or one (or None) per prompt
+                (needs ``enable_lora``; see docs/lora.md).
 
         A request that fails inside the engine (see ``LLMEngine.step``) comes back finished
         with ``error`` set and finish_reason "error"; the others are not affected.
 
         Raises:
-            ValueError: for an invalid prompt or parameters, a ``lora_request`` or non-empty
+            ValueError: for an invalid prompt or parameters, an adapter that does not load
+                (naming it; ``LLMEngine.check_lora_request``), or non-empty
                 ``tokenization_kwargs`` / ``mm_processor_kwargs``; nothing is queued then.
         """
-        _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
-                      mm_processor_kwargs=mm_processor_kwargs)
+        _refuse_unset(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         prompt_list = self._normalize_prompts(prompts)
-        request_ids = self._add_all(prompt_list, sampling_params or self.get_default_sampling_params(), priority)
+        request_ids = self._add_all(prompt_list, sampling_params or self.get_default_sampling_params(), priority,
+                                    lora_request=lora_request)
         return self._run_to_completion(request_ids, use_tqdm)
 
     def embed(
@@ -225,7 +243,7 @@ class LLM:
         normalize: bool | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
         priority: int | Sequence[int] | None = None,
-        lora_request: None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding vector per prompt (vLLM's ``LLM.embed``), in input order.
@@ -243,6 +261,7 @@ class LLM:
                 ``pooling_params``.
             use_tqdm: as for ``generate``.
             priority: as for ``generate``.
+            lora_request: as for ``generate``.
 
         Returns:
             ``EmbeddingRequestOutput`` per prompt: ``.outputs.embedding`` is a list of
@@ -253,23 +272,26 @@ class LLM:
             ValueError: for an invalid prompt or parameters (e.g. ``dimensions`` other than
                 the hidden size); nothing is queued then.
         """
-        _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
+        _refuse_unset(tokenization_kwargs=tokenization_kwargs)
         if pooling_params is None:
             pooling_params = PoolingParams(pooling_type=pooling, normalize=normalize)
         elif pooling is not None or normalize is not None:
             raise ValueError("give pooling / normalize or pooling_params, not both")
         prompt_list = self._normalize_prompts(prompts)
-        request_ids = self._add_all(prompt_list, pooling_params, priority, "pooling_params")
+        request_ids = self._add_all(prompt_list, pooling_params, priority, "pooling_params", lora_request)
         return self._run_to_completion(request_ids, use_tqdm)
 
     def generate_stream(
-        self, prompt: PromptType, sampling_params: SamplingParams | None = None
+        self, prompt: PromptType, sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
-        """Yield the request's cumulative output after every new token.
+        """Yield the request's cumulative output after every new token (``lora_request``: as
+        for ``generate``).
 
         Closing the iterator early aborts the request and frees its blocks.
         """
-        (request_id,) = self._add_all([prompt], sampling_params or self.get_default_sampling_params())
+        (request_id,) = self._add_all([prompt], sampling_params or self.get_default_sampling_params(),
+                                      lora_request=lora_request)
         finished = False
         try:
             while not finished:
@@ -313,7 +335,7 @@ class LLM:
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., Any] = True,
-        lora_request: None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
@@ -336,8 +358,7 @@ class LLM:
             ValueError: see ``apply_chat_template`` and ``generate`` (``lora_request``,
                 ``tokenization_kwargs``, ``mm_processor_kwargs`` set).
         """
-        _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
-                      mm_processor_kwargs=mm_processor_kwargs)
+        _refuse_unset(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
             {"prompt_token_ids": self.apply_chat_template(
@@ -346,7 +367,7 @@ class LLM:
                 chat_template_content_format=chat_template_content_format)}
             for c in conversations
         ]  # fmt: skip
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
 
     def beam_search(
         self,
@@ -487,7 +508,7 @@ def _refuse_unset(**options: Any) -> None:
     Raises:
         ValueError: naming the first one set.
     """
-    why = {"lora_request": "no LoRA adapters", "tokenization_kwargs": "the tokenizer's defaults are used",
+    why = {"tokenization_kwargs": "the tokenizer's defaults are used",
            "mm_processor_kwargs": "text models only"}
     for name, value in options.items():
         if value is not None and value != {}:

@@ -77,7 +77,6 @@ REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
     "mm_processor_kwargs": ((None, {}), "kvflow serves text models only"),
     "kv_transfer_config": ((None,), "kvflow has no KV transfer"),
     "logprobs_mode": ((None, "raw_logprobs"), "kvflow's logprobs are the raw model distribution's"),
-    "enable_lora": ((False, None), "kvflow serves no LoRA adapters"),
 }
 
 MAPPED = ("gpu_memory_utilization", "swap_space", "pooler_config", "override_pooler_config", "tokenizer")

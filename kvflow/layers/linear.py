@@ -56,6 +56,7 @@ from kvflow.layers.gguf_kernels import GGUFWeight
 from kvflow.quantization.base import LinearMethodBase, keep_storage_dtypes
 
 if TYPE_CHECKING:
+    from kvflow.lora.punica import LoRAMapping
     from kvflow.quantization.base import QuantizationConfig
 
 logger = logging.getLogger(__name__)
@@ -291,8 +292,11 @@ class LinearBase(nn.Module):
         layer.quant_method.process_weights_after_loading(layer)
         return layer
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x)
+    def forward(self, x: torch.Tensor, lora: "LoRAMapping | None" = None) -> torch.Tensor:
+        """x [M, input_size] -> [M, output_size]; ``lora``: the step's adapter mapping, whose
+        per-token LoRA deltas are added to the base output (``kvflow.lora``)."""
+        out = self._matmul(x)
+        return out if lora is None else lora.apply(self, x, out)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         weight = self._parameters.get("weight")
@@ -503,8 +507,10 @@ class RowParallelLinear(LinearBase):
             return
         self._load_rows(param, 0, self.out_features, loaded[:, start:end])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: "LoRAMapping | None" = None) -> torch.Tensor:
         out = self._matmul(x)
+        if lora is not None:  # (LoRA runs at tensor-parallel size 1 only: EngineArgs.verify)
+            out = lora.apply(self, x, out)
         if self.tp is not None and self.reduce_results:
             out = self.tp.all_reduce(out)
         return out

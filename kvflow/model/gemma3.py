@@ -129,6 +129,8 @@ class Gemma3ForCausalLM(CausalLM):
         ValueError: from ``check_config``, naming a config field kvflow does not implement.
     """
 
+    supports_lora = False  # its decoder layers do not pass a LoRA mapping on
+
     skip_weights = (*CausalLM.skip_weights, "vision_tower.", "multi_modal_projector.")
     # Gemma3ForConditionalGeneration as saved (language_model.model.*, language_model.lm_head)
     # and as transformers 5 names it in memory (model.language_model.*).

@@ -28,6 +28,7 @@ from kvflow.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
+from kvflow.lora.punica import LoRAMapping
 from kvflow.model.base import CausalLM
 from kvflow.quantization.base import QuantizationConfig
 
@@ -87,9 +88,10 @@ class LlamaAttention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: KVCache,
         metadata: AttentionMetadata,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, lora)
         if self.owns_kv:
             # Rotate the query and key heads together: [T, heads + kv_heads, head_dim].
             qk = self.rotate_heads(qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim), cos_sin)
@@ -99,7 +101,7 @@ class LlamaAttention(nn.Module):
         else:
             q = self.rotate_heads(qkv.view(num_tokens, self.num_heads, self.head_dim), cos_sin)
             o = self.attn(q, None, None, kv_cache, metadata)
-        return self.o_proj(o.reshape(num_tokens, self.q_size))
+        return self.o_proj(o.reshape(num_tokens, self.q_size), lora)
 
 
 class LlamaMLP(nn.Module):
@@ -118,9 +120,9 @@ class LlamaMLP(nn.Module):
             prefix=f"{prefix}.down_proj", tp=tp,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -137,9 +139,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos_sin, kv_cache, metadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos_sin, kv_cache, metadata, lora: LoRAMapping | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -165,6 +167,9 @@ class LlamaForCausalLM(CausalLM):
     """
 
     decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    #: The forward takes ``lora`` (a ``kvflow.lora.punica.LoRAMapping``) down to the linears;
+    #: a subclass whose layers do not pass it on sets False (``kvflow.lora.manager``).
+    supports_lora: bool = True
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:
@@ -205,6 +210,7 @@ class LlamaForCausalLM(CausalLM):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         metadata: AttentionMetadata,
+        lora: LoRAMapping | None = None,
     ) -> torch.Tensor:
         """Run the decoder over one step's flat token batch.
 
@@ -216,6 +222,8 @@ class LlamaForCausalLM(CausalLM):
                 [num_blocks, block_size, num_kv_heads, head_dim] (plus scales for a
                 quantized cache, see ``kvflow.attention.kv_cache.KVCache``).
             metadata: slot mapping and attention groups of the step.
+            lora: the step's LoRA adapter of each token (``kvflow.lora.punica.LoRAMapping``),
+                or None for the base model only.
 
         Returns:
             Final hidden states [T, hidden_size] (after the last RMSNorm), model dtype.
@@ -224,5 +232,6 @@ class LlamaForCausalLM(CausalLM):
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         share = self.config.cla_share_factor
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, kv_caches[i // share], metadata)
+            x = layer(x, cos_sin, kv_caches[i // share], metadata, lora) if lora is not None \
+                else layer(x, cos_sin, kv_caches[i // share], metadata)
         return self.norm(x)

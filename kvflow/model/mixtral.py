@@ -70,6 +70,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
         ValueError: for an unsupported config field (``check_mixtral_config``).
     """
 
+    supports_lora = False  # its decoder layers do not pass a LoRA mapping on
+
     decoder_layer_cls = MixtralDecoderLayer
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,

@@ -107,6 +107,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         ValueError: for an unsupported config field (``check_qwen_moe_config``).
     """
 
+    supports_lora = False  # its decoder layers do not pass a LoRA mapping on
+
     decoder_layer_cls = Qwen3MoeDecoderLayer
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,

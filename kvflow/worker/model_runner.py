@@ -55,6 +55,7 @@ class CachedRequestState:
         pooling_params: an embedding request's ``PoolingParams`` (it never samples), or None.
         pooled_sum: mean pooling's running sum of its final hidden states (float32
             [hidden_size]) over the tokens computed so far, or None.
+        lora_request: its LoRA adapter, or None.
     """
 
     request_id: str
@@ -71,13 +72,14 @@ class CachedRequestState:
     spec_draft_probs: torch.Tensor | None = None
     pooling_params: Any = None
     pooled_sum: torch.Tensor | None = None
+    lora_request: Any = None
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
         return cls(data.request_id, data.prompt_token_ids, [*data.prompt_token_ids, *data.output_token_ids],
                    data.sampling_params, data.eos_token_id, data.bad_words_token_ids, list(data.block_ids),
                    data.num_computed_tokens, data.generator, data.grammar, pooling_params=data.pooling_params,
-                   pooled_sum=data.pooled_sum)
+                   pooled_sum=data.pooled_sum, lora_request=data.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -112,6 +114,8 @@ class ModelInputs:
             ``len(drafts) + 1`` logits rows follow the N sampling rows in ``logits_indices``.
         pooling_rows: (state, flat index of its first token this step, tokens this step)
             of the embedding requests (they never sample).
+        lora: the LoRA adapter slot of each token (``kvflow.lora.punica.LoRAMapping``), or
+            None when no request of the step has an adapter.
     """
 
     input_ids: torch.Tensor
@@ -122,6 +126,7 @@ class ModelInputs:
     prompt_logprob_rows: list[tuple[CachedRequestState, int, int]]
     spec_requests: list[tuple[CachedRequestState, list[int]]]
     pooling_rows: list[tuple[CachedRequestState, int, int]] = field(default_factory=list)
+    lora: Any = None
 
 
 class ModelRunner:
@@ -139,6 +144,8 @@ class ModelRunner:
         attention_backend: the paged-attention backend (``kvflow.attention.selector``); one
             that asks for batch-invariant linears (over a quantized cache) has the model's
             dense CPU linears switched, in place.
+        lora_manager: the model's LoRA adapters (``kvflow.lora.manager.LoRAManager``), or
+            None without ``enable_lora``.
     """
 
     def __init__(
@@ -151,6 +158,7 @@ class ModelRunner:
         is_driver: bool = True,
         broadcast=None,
         attention_backend: AttentionBackend = TORCH_BACKEND,
+        lora_manager=None,
     ) -> None:
         if not isinstance(attention_backend, AttentionBackend):
             raise ValueError(f"attention_backend must be an AttentionBackend (kvflow.attention.selector), "
@@ -163,6 +171,7 @@ class ModelRunner:
 
             make_batch_invariant(model)
         self.attention_backend = attention_backend
+        self.lora_manager = lora_manager
         self.graph_runner = None  # a DecodeGraphRunner (kvflow.worker.cuda_graph) when set
         self.is_driver = is_driver
         self.broadcast = broadcast
@@ -234,6 +243,7 @@ class ModelRunner:
         spec_indices: list[int] = []
         num_groups = self.num_kv_cache_groups
         pooling_rows: list[tuple[CachedRequestState, int, int]] = []
+        lora_runs: list[tuple[Any, int]] = []  # (adapter or None, tokens) per request, in batch order
         q_lens: list[int] = []
         ctx_lens: list[int] = []
         tables: list[list[int]] = []
@@ -269,6 +279,7 @@ class ModelRunner:
                     logits_indices.append(len(input_ids) - 1)
                     sampling_requests.append(r)
                 q_lens.append(n)
+                lora_runs.append((r.lora_request, n))
                 ctx_lens.append(begin + n)
                 tables.append(r.block_ids)
         for child_id, parent_id in out.forked:  # parallel samples draw from their parent's logits (no drafts yet)
@@ -298,6 +309,7 @@ class ModelRunner:
             prompt_logprob_rows=prompt_logprob_rows,
             spec_requests=spec_requests,
             pooling_rows=pooling_rows,
+            lora=self.lora_manager.mapping(lora_runs) if self.lora_manager is not None else None,
         )
 
     @torch.inference_mode()
@@ -372,7 +384,10 @@ class ModelRunner:
 
     def _run(self, out: SchedulerOutput, rng: list[tuple[torch.Generator, torch.Tensor]]) -> ModelRunnerOutput:
         inputs = self.prepare_inputs(out)
-        if self.graph_runner is not None and self.graph_runner.can_run(inputs):
+        if inputs.lora is not None:  # (eager: the captured graphs have no LoRA deltas)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.layer_kv_caches, inputs.metadata,
+                                lora=inputs.lora)
+        elif self.graph_runner is not None and self.graph_runner.can_run(inputs):
             hidden = self.graph_runner.run(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.cache_engine.layer_kv_caches, inputs.metadata)

@@ -435,3 +435,21 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise ValueError("response_format.json_schema.schema is required for type json_schema")
             return spec.schema_
         return None
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body): serve the PEFT adapter folder ``lora_path``
+    as model ``lora_name``. Unknown fields (vLLM's ``load_inplace``) are refused by name."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's body): stop serving adapter ``lora_name``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)

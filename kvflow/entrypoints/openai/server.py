@@ -47,7 +47,8 @@ from kvflow.entrypoints.anthropic.serving import PATH as ANTHROPIC_PATH
 from kvflow.entrypoints.anthropic.serving import AnthropicErrorMiddleware, count_tokens, create_message
 from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.entrypoints.openai.errors import _ERROR_TYPES, APIError, error_response
-from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
+                                                UnloadLoRAAdapterRequest)
 from kvflow.entrypoints.openai.serving_responses import ResponsesRequest, create_response
 from kvflow.entrypoints.openai.serving import OpenAIServing, _as_api_error
 
@@ -321,6 +322,7 @@ def build_app(
     chat_template: str | None = None,
     tool_parser: str | None = None,
     reasoning_parser: str | None = None,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
     """The FastAPI application over a (not yet started) async engine.
 
@@ -336,13 +338,18 @@ def build_app(
             body is read (and by counting the bytes of a chunked body).
         model_aliases: other ``model`` values accepted for the served model.
         chat_template, tool_parser, reasoning_parser: see ``OpenAIServing``.
+        lora_modules: adapter name -> PEFT folder, served as models of their own
+            (``--lora-modules``; the engine needs ``enable_lora``).
 
     Raises:
-        ValueError: for a bad ``max_request_bytes``, tool parser or reasoning parser.
+        ValueError: for a bad ``max_request_bytes``, tool parser or reasoning parser, or a
+            LoRA adapter the engine refuses (naming it).
     """
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
     serving = OpenAIServing(engine, model_name, max_model_len, model_aliases, chat_template, tool_parser, reasoning_parser)
+    for name, path in (lora_modules or {}).items():
+        serving.register_lora(name, path)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -405,10 +412,23 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        created = int(time.time())
+        entry = {"object": "model", "created": created, "owned_by": "kvflow", "max_model_len": max_model_len}
         return {
             "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "kvflow", "max_model_len": max_model_len}],
+            "data": [{"id": model_name, **entry, "parent": None},
+                     *({"id": name, **entry, "parent": model_name} for name in serving.lora_modules)],
         }
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        await serving.load_lora_adapter(req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        await serving.unload_lora_adapter(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import re
@@ -30,6 +31,7 @@ from kvflow.entrypoints.openai.tool_parsers import (
     TOOL_PARSERS, JSONArrayToolParser, NamedFunctionParser, ToolParser, detect_tool_parser, get_tool_parser,
 )  # fmt: skip
 from kvflow.entrypoints.openai.tools import template_tools
+from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import SamplingParams
@@ -198,6 +200,10 @@ class OpenAIServing:
         self.reasoning_parser_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.model_name = model_name
         self.model_names = {model_name, *model_aliases}
+        # LoRA adapters served under their own model names (``--lora-modules``, and
+        # /v1/load_lora_adapter at run time), each a ``LoRARequest`` with a fresh id.
+        self.lora_modules: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
         self.max_model_len = max_model_len
         self.defaults = dict(engine.engine.generation_defaults)
         kv = engine.engine.kv_cache_manager
@@ -211,7 +217,7 @@ class OpenAIServing:
         Raises:
             APIError: 404 for an unknown model, 400 naming an unsupported field.
         """
-        if req.model is not None and req.model not in self.model_names:
+        if req.model is not None and req.model not in self.model_names and req.model not in self.lora_modules:
             raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
         unsupported = req.unsupported_field()
         if unsupported is not None:
@@ -241,10 +247,69 @@ class OpenAIServing:
         except ValueError as exc:
             raise _bad_request(exc) from None
 
+    def served_name(self, model: str | None) -> str:
+        """The ``model`` a response names: the adapter's name for an adapter, else the base
+        model's served name."""
+        return model if model in self.lora_modules else self.model_name
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names, or None for the base model."""
+        return self.lora_modules.get(model) if model is not None else None
+
+    def register_lora(self, name: str, path: str) -> LoRARequest:
+        """Read, check and serve the PEFT adapter at ``path`` as model ``name`` (blocking:
+        at start-up, or off the loop).
+
+        Raises:
+            ValueError: a name already served, LoRA not enabled, or an adapter the engine
+                refuses (``LLMEngine.check_lora_request``, naming it and the module).
+        """
+        if name in self.model_names or name in self.lora_modules:
+            raise ValueError(f"lora_name: the model name {name!r} is already served")
+        lora = LoRARequest(name, next(self._lora_ids), path)
+        self.engine.engine.add_lora(lora)
+        if name in self.lora_modules:  # (loaded twice at once: the first one wins)
+            raise ValueError(f"lora_name: the model name {name!r} is already served")
+        self.lora_modules[name] = lora
+        return lora
+
+    async def load_lora_adapter(self, name: str, path: str) -> LoRARequest:
+        """/v1/load_lora_adapter: ``register_lora`` off the loop.
+
+        Raises:
+            APIError: 400 naming the field (``lora_name``, ``lora_path``).
+        """
+        try:
+            return await self.engine.run_off_loop(self.register_lora, name, path)
+        except ValueError as exc:
+            field = "lora_name" if str(exc).startswith("lora_name") else "lora_path"
+            raise APIError(400, str(exc), "BadRequestError", field) from None
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """/v1/unload_lora_adapter: stop serving ``name`` and drop the adapter (on the engine
+        thread, between steps).
+
+        Raises:
+            APIError: 404 for a name not loaded; 400 while unfinished requests use it (it is
+                never pulled from under them); 503 once the engine has stopped.
+        """
+        lora = self.lora_modules.get(name)
+        if lora is None:
+            raise APIError(404, f"The LoRA adapter `{name}` is not loaded.", "NotFoundError", "lora_name")
+        try:
+            await self.engine.call_on_engine(self.engine.engine.remove_lora, lora.lora_int_id)
+        except ValueError as exc:
+            raise APIError(400, str(exc), "BadRequestError", "lora_name") from None
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), "ServiceUnavailableError") from None
+        self.lora_modules.pop(name, None)
+
     async def _add(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams | PoolingParams,
-                   prompt_field: str, priority: int | None = None) -> list[AsyncIterator[RequestOutput]]:
+                   prompt_field: str, priority: int | None = None,
+                   lora_request: LoRARequest | None = None) -> list[AsyncIterator[RequestOutput]]:
         """Prepare every prompt off the loop, then queue them all or none (with one
-        scheduling ``priority``, vLLM's extension: lower runs first).
+        scheduling ``priority``, vLLM's extension: lower runs first; ``lora_request``: the
+        adapter the request's ``model`` names).
 
         Raises:
             APIError: 400 for a prompt or parameters the engine refuses (a prompt's fault
@@ -258,7 +323,8 @@ class OpenAIServing:
             raise APIError(400, f"priority is set ({priority}) but the server schedules {policy!r}: start it with "
                            "--scheduling-policy priority, or leave priority unset", "BadRequestError", "priority")
         try:
-            prepared = await self.engine.run_off_loop(lambda: [engine.prepare_request(ids, params) for ids, _ in prompts])
+            prepared = await self.engine.run_off_loop(
+                lambda: [engine.prepare_request(ids, params, lora_request) for ids, _ in prompts])
         except ValueError as exc:
             error = _bad_request(exc)
             if error.param in ("prompt", "prompt_token_ids"):
@@ -312,7 +378,7 @@ class OpenAIServing:
         max_tokens = max(self._max_tokens(requested, len(ids), "max_tokens") for ids, _ in prompts)
         prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = self._params(req, max_tokens, req.logprobs, prompt_logprobs)
-        iterators = await self._add(prompts, params, "prompt", req.priority)
+        iterators = await self._add(prompts, params, "prompt", req.priority, self.lora_for(req.model))
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         n = params.n
         if req.stream:
@@ -346,7 +412,7 @@ class OpenAIServing:
                 "id": cid,
                 "object": "text_completion",
                 "created": created,
-                "model": self.model_name,
+                "model": self.served_name(req.model),
                 "choices": choices,
                 "usage": _usage(prompt_tokens, completion_tokens),
             }
@@ -356,7 +422,7 @@ class OpenAIServing:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         completion_tokens = 0
-        base = {"id": cid, "object": "text_completion", "created": created, "model": self.model_name}
+        base = {"id": cid, "object": "text_completion", "created": created, "model": self.served_name(req.model)}
         async for p_idx, out in _merge(iterators):
             for c in out.outputs:
                 index = p_idx * n + c.index
@@ -456,7 +522,7 @@ class OpenAIServing:
         top_k = req.top_logprobs or 0
         params = self._params(req, max_tokens, top_k if req.logprobs else None)
         try:
-            (iterator,) = await self._add([(ids, None)], params, "messages", req.priority)
+            (iterator,) = await self._add([(ids, None)], params, "messages", req.priority, self.lora_for(req.model))
         except APIError as exc:
             if exc.param == "guided_json" and req.guided_json is None and req.tools:
                 raise APIError(400, f"tools: a parameter schema cannot be enforced for tool_choice ({exc.message})",
@@ -584,14 +650,14 @@ class OpenAIServing:
                 "id": cid,
                 "object": "chat.completion",
                 "created": created,
-                "model": self.model_name,
+                "model": self.served_name(req.model),
                 "choices": choices,
                 "usage": _usage(len(run.prompt_ids), sum(len(c.token_ids) for c in out.outputs)),
             }
         )
 
     async def _stream_chat(self, run: ChatRun, req: ChatCompletionRequest, cid: str, created: int):
-        base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served_name(req.model)}
         parsers: dict[int, ChatOutputParser] = {}
         sent_tokens: dict[int, int] = {}
         completion_tokens = 0

@@ -105,7 +105,7 @@ async def create_embedding(serving: OpenAIServing, req: EmbeddingRequest, raw: R
     except ValueError as exc:
         raise _bad_request(exc) from None
     prompts = await serving.engine.run_off_loop(_prompts, serving, req)
-    iterators = await serving._add(prompts, params, "input", req.priority)
+    iterators = await serving._add(prompts, params, "input", req.priority, serving.lora_for(req.model))
     finals = await serving._collect(iterators, raw)
     num_tokens = sum(len(ids) for ids, _ in prompts)
     return JSONResponse({

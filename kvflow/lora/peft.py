@@ -1,0 +1,200 @@
+"""Reading a PEFT LoRA adapter (``adapter_config.json`` + ``adapter_model.safetensors``) and
+checking it against the base model.
+
+LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", arXiv
+2106.09685, section 4.1): a target linear ``y = x W^T`` becomes ``y = x W^T + s (x A^T) B^T``
+with A [r, in_features], B [out_features, r] and the scaling ``s = lora_alpha / r``; rsLoRA
+(Kalajdzievski 2023, arXiv 2312.03732) uses ``s = lora_alpha / sqrt(r)`` (PEFT's
+``use_rslora``). PEFT names the tensors ``base_model.model.<module>.lora_A.weight`` /
+``lora_B.weight`` after the transformers module path; q/k/v and gate/up map onto the slices
+of kvflow's fused ``qkv_proj`` / ``gate_up_proj`` (``CausalLM.map_weight_name``), and an
+adapter of an already fused checkpoint module (Phi-3's ``qkv_proj``) onto the whole layer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvflow.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# PEFT LoraConfig fields whose non-default values change the arithmetic kvflow implements.
+_REFUSED = {
+    "use_dora": (False, None),
+    "fan_in_fan_out": (False, None),
+    "modules_to_save": (None, []),
+    "rank_pattern": (None, {}),
+    "alpha_pattern": (None, {}),
+    "layers_to_transform": (None, []),
+    "layer_replication": (None, []),
+    "bias": ("none", None),
+    "use_qalora": (False, None),
+    "lora_bias": (False, None),
+}
+
+
+def output_slices(layer: LinearBase) -> list[tuple[object, int, int]]:
+    """(shard id, first output row, rows) of each part of ``layer``'s output a PEFT module
+    maps to: q / k / v of a ``QKVParallelLinear``, the parts of a
+    ``MergedColumnParallelLinear``, else one part (shard id None) covering every row."""
+    if isinstance(layer, QKVParallelLinear):
+        parts = [("q", 0, layer.q_size)]
+        if layer.with_kv:
+            parts += [("k", layer.q_size, layer.kv_size), ("v", layer.q_size + layer.kv_size, layer.kv_size)]
+        return parts
+    if isinstance(layer, MergedColumnParallelLinear):
+        offsets = [sum(layer.part_sizes[:i]) for i in range(len(layer.part_sizes))]
+        return [(i, off, size) for i, (off, size) in enumerate(zip(offsets, layer.part_sizes))]
+    return [(None, 0, layer.out_features)]
+
+
+def lora_targets(model: torch.nn.Module) -> dict[str, LinearBase]:
+    """The decoder linears an adapter may target, by kvflow module name
+    (``layers.0.self_attn.qkv_proj``): every ``LinearBase`` under ``layers``."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LinearBase) and name.startswith("layers.")}
+
+
+@dataclass
+class LoRAModel:
+    """A validated adapter, on the CPU in the model's dtype.
+
+    Attributes:
+        name, lora_int_id, path: from its ``LoRARequest``.
+        rank: the largest rank of its modules.
+        modules: kvflow layer name -> [(slice index in ``output_slices`` or None for the
+            whole layer, A [r, in_features], B [rows, r] with the scaling folded in)].
+    """
+
+    name: str
+    lora_int_id: int
+    path: str
+    rank: int
+    modules: dict[str, list[tuple[int | None, torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its A and B tensors."""
+        return sum(a.nbytes + b.nbytes for parts in self.modules.values() for _, a, b in parts)
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    for fname in WEIGHT_FILES:
+        f = folder / fname
+        if f.is_file():
+            if fname.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(str(f))
+            return torch.load(str(f), map_location="cpu", weights_only=True)
+    raise ValueError(f"LoRA adapter folder {str(folder)!r} has none of {', '.join(WEIGHT_FILES)}")
+
+
+def load_peft_adapter(lora_request, model, max_lora_rank: int, dtype: torch.dtype) -> LoRAModel:
+    """Read and check the PEFT adapter of ``lora_request`` against ``model``.
+
+    Args:
+        lora_request: a ``kvflow.lora.request.LoRARequest``.
+        model: the base ``CausalLM`` (its ``map_weight_name`` and linears).
+        max_lora_rank: the engine's largest rank.
+        dtype: the model dtype the tensors are cast to.
+
+    Raises:
+        ValueError: naming the adapter, for a missing folder or file, a PEFT type other than
+            LORA, a config field kvflow does not implement (``use_dora``, ``modules_to_save``,
+            a ``bias``, ``rank_pattern`` ...), a rank above ``max_lora_rank``, a target module
+            the model lacks (or not a decoder linear: ``lm_head``, ``embed_tokens``), or A / B
+            shapes that disagree with the base layer (naming the module and the sizes).
+    """
+    name = lora_request.lora_name
+    folder = Path(lora_request.lora_path)
+    what = f"LoRA adapter {name!r}"
+    if not (folder / CONFIG_FILE).is_file():
+        raise ValueError(f"{what}: no {CONFIG_FILE} in {str(folder)!r} (lora_path must be a PEFT adapter folder)")
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{what}: cannot read {CONFIG_FILE}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{what}: {CONFIG_FILE} must hold a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{what}: peft_type {config.get('peft_type')!r} is not supported (LORA only)")
+    for key, allowed in _REFUSED.items():
+        if key in config and config[key] not in allowed:
+            raise ValueError(f"{what}: {key}={config[key]!r} is not supported by kvflow's LoRA (allowed: "
+                             f"{', '.join(repr(a) for a in allowed if a is not None) or 'unset'})")
+    r_cfg, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if isinstance(r_cfg, bool) or not isinstance(r_cfg, int) or r_cfg < 1:
+        raise ValueError(f"{what}: r must be a positive integer, got {r_cfg!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ValueError(f"{what}: lora_alpha must be a number, got {alpha!r}")
+    if r_cfg > max_lora_rank:
+        raise ValueError(f"{what}: rank r={r_cfg} is more than max_lora_rank={max_lora_rank}")
+    scaling = alpha / math.sqrt(r_cfg) if config.get("use_rslora") else alpha / r_cfg
+
+    targets = lora_targets(model)
+    known_leaves = {n.rsplit(".", 1)[-1] for n in targets} | {theirs for _, theirs, _ in model.stacked_params_mapping}
+    wanted = config.get("target_modules")
+    if isinstance(wanted, list):
+        missing = sorted(set(wanted) - known_leaves)
+        if missing:
+            raise ValueError(f"{what}: target module(s) {missing} do not exist in this model's decoder linears "
+                             f"(it has {sorted(known_leaves)})")
+
+    tensors = _read_tensors(folder)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}."
+            if marker in key:
+                pairs.setdefault(key.split(marker)[0], {})[part] = tensor
+                break
+        else:
+            raise ValueError(f"{what}: unexpected tensor {key!r} (only lora_A / lora_B weights are supported)")
+    lora = LoRAModel(name, lora_request.lora_int_id, str(folder), 0)
+    for peft_module, ab in sorted(pairs.items()):
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise ValueError(f"{what}: module {peft_module!r} lacks its {({'lora_A', 'lora_B'} - set(ab)).pop()} tensor")
+        module = peft_module
+        for prefix in ("base_model.model.", "model."):
+            if module.startswith(prefix):
+                module = module[len(prefix):]
+        for theirs, ours in getattr(model, "renamed_prefixes", ()):
+            if module.startswith(theirs):
+                module = ours + module[len(theirs):]
+        module = module[len("model."):] if module.startswith("model.") else module
+        ours, shard_id = model.map_weight_name(module + ".weight")
+        layer_name = ours[: -len(".weight")]
+        layer = targets.get(layer_name)
+        if layer is None:
+            raise ValueError(f"{what}: target module {peft_module!r} does not exist in this model's decoder linears "
+                             "(kvflow adapts q/k/v/o and gate/up/down projections, not lm_head or embed_tokens)")
+        a, b = ab["lora_A"], ab["lora_B"]
+        if a.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"{what}: module {peft_module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
+                             "both must be matrices")
+        r = a.shape[0]
+        if r > max_lora_rank:
+            raise ValueError(f"{what}: module {peft_module!r} has rank {r}, more than max_lora_rank={max_lora_rank}")
+        slices = output_slices(layer)
+        if shard_id is None:
+            index, rows = None, layer.out_features
+        else:
+            index = next(i for i, (sid, _, _) in enumerate(slices) if sid == shard_id)
+            rows = slices[index][2]
+        if a.shape[1] != layer.in_features or b.shape != (rows, r):
+            raise ValueError(
+                f"{what}: module {peft_module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; the base "
+                f"layer needs lora_A [r, {layer.in_features}] and lora_B [{rows}, r] (in_features={layer.in_features}, "
+                f"out_features={rows})")
+        lora.rank = max(lora.rank, r)
+        lora.modules.setdefault(layer_name, []).append(
+            (index, a.to(dtype).contiguous(), (b.double() * scaling).to(dtype).contiguous()))
+    if not lora.modules:
+        raise ValueError(f"{what}: the adapter holds no lora_A / lora_B tensors")
+    return lora

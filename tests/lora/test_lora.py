@@ -1,0 +1,261 @@
+"""Multi-LoRA serving against transformers + PEFT on tiny random models (Llama, Qwen2 with
+rsLoRA, Qwen3): float32 logits of one adapter and of a mixed forward vs PEFT's merged
+models, a mixed batch through the engine vs each request alone, prefix-cache isolation,
+loading and unloading while requests run, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvflow import LLM, LoRARequest, SamplingParams
+from kvflow.lora.manager import LoRAManager
+from kvflow.lora.punica import LoRAMapping
+from kvflow.model.loader import load_model
+from lora_helpers import lora_logits, save_adapter, save_base
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CPU = torch.device("cpu")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny Llama folder with three adapters (a: every projection, r 8; b: q/v only, r 4;
+    c: MLP only, r 16 with rsLoRA)."""
+    root = tmp_path_factory.mktemp("lora")
+    hf = save_base(root / "base", "llama")
+    merged = {
+        "a": save_adapter(root / "base", root / "a", seed=1),
+        "b": save_adapter(root / "base", root / "b", seed=2, r=4, alpha=8, targets=["q_proj", "v_proj"]),
+        "c": save_adapter(root / "base", root / "c", seed=3, r=16, alpha=4, targets=["gate_proj", "up_proj", "down_proj"],
+                          use_rslora=True),
+    }
+    loras = {name: LoRARequest(name, i + 1, str(root / name)) for i, name in enumerate("abc")}
+    return root, hf, merged, loras
+
+
+@pytest.mark.parametrize("arch,rslora", [("llama", False), ("qwen2", True), ("qwen3", False)])
+def test_logits_match_peft_merged(arch, rslora, tmp_path):
+    hf = save_base(tmp_path / "base", arch, attention_bias=True) if arch == "qwen2" else save_base(tmp_path / "base", arch)
+    merged_a = save_adapter(tmp_path / "base", tmp_path / "a", seed=1, use_rslora=rslora)
+    merged_b = save_adapter(tmp_path / "base", tmp_path / "b", seed=2, r=4, targets=["q_proj", "v_proj", "down_proj"])
+    model, _ = load_model(tmp_path / "base", torch.float32, CPU)
+    manager = LoRAManager(model, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    slots = manager.activate([LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("b", 2, str(tmp_path / "b"))])
+    sa, sb = slots[1], slots[2]
+    ids = _ids(37, seed=4)
+    with torch.inference_mode():
+        want = {name: m(torch.tensor([ids])).logits[0] for name, m in (("a", merged_a), ("b", merged_b), ("base", hf))}
+    assert (want["a"] - want["base"]).abs().max() > 0.5  # the adapters change the logits
+    assert (want["b"] - want["base"]).abs().max() > 0.5
+    tol = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lora_logits(model, ids, [(sa, len(ids))]), want["a"], **tol)
+    # One forward of four requests: a, the base model, b, a again (a's rows are gathered)
+    cuts = [ids[:11], ids[:20], ids[:37], ids[:5]]
+    got = lora_logits(model, sum(cuts, []), [(sa, 11), (-1, 20), (sb, 37), (sa, 5)]).split([11, 20, 37, 5])
+    torch.testing.assert_close(got[0], want["a"][:11], **tol)
+    torch.testing.assert_close(got[1], want["base"][:20], **tol)
+    torch.testing.assert_close(got[2], want["b"], **tol)
+    torch.testing.assert_close(got[3], want["a"][:5], **tol)
+    # One adapter whose requests are apart: its rows are gathered (no masked pass)
+    got = lora_logits(model, cuts[0] + cuts[1] + cuts[3], [(sa, 11), (-1, 20), (sa, 5)]).split([11, 20, 5])
+    torch.testing.assert_close(got[0], want["a"][:11], **tol)
+    torch.testing.assert_close(got[1], want["base"][:20], **tol)
+    torch.testing.assert_close(got[2], want["a"][:5], **tol)
+
+
+@pytest.mark.parametrize("max_loras,max_cpu_loras", [(3, 3), (2, 2)], ids=["all-in-slots", "evicting"])
+def test_mixed_batch_equals_each_alone(llama, max_loras, max_cpu_loras):
+    """3 adapters and the base model in one batch; with 2 slots the scheduler holds back the
+    third adapter's requests and slots / host copies are evicted and re-read."""
+    root, _, _, loras = llama
+    llm = LLM(str(root / "base"), device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
+              max_num_batched_tokens=64, enable_lora=True, max_loras=max_loras, max_lora_rank=16,
+              max_cpu_loras=max_cpu_loras, enable_prefix_caching=False)
+    manager = llm.engine.lora_manager
+    per_step, activate = [], manager.activate
+    manager.activate = lambda requests: (per_step.append(len({r.lora_int_id for r in requests})), activate(requests))[1]
+    prompts = [_ids(5 + 3 * i, seed=10 + i) for i in range(8)]
+    choice = [loras["a"], None, loras["b"], loras["c"], loras["a"], loras["c"], None, loras["b"]]
+    mixed = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=choice)
+    assert max(per_step) == max_loras  # never more adapters in a step than slots
+    for prompt, lora, out in zip(prompts, choice, mixed):
+        (alone,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+    base = llm.generate(prompts, GREEDY, use_tqdm=False)
+    changed = [m.outputs[0].token_ids != b.outputs[0].token_ids for m, b, lora in zip(mixed, base, choice) if lora]
+    assert sum(changed) >= 4  # the adapters do change the continuations
+    if max_loras == 2:
+        assert len(llm.engine.lora_manager.cpu_cache) == 2
+
+
+def test_greedy_tokens_follow_peft(llama):
+    """The engine's greedy tokens under adapter a are transformers + PEFT's (merged)."""
+    from conftest import hf_greedy
+    from model.hf_parity import assert_greedy_matches
+
+    root, _, merged, loras = llama
+    llm = LLM(str(root / "base"), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+              max_num_batched_tokens=8, enable_lora=True, max_lora_rank=16)
+    prompt = _ids(13, seed=5)
+    (out,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=loras["a"])
+    ref, margins = hf_greedy(merged["a"], prompt, 8)
+    assert_greedy_matches(list(out.outputs[0].token_ids), ref, margins)
+
+
+def test_prefix_cache_keys_blocks_by_adapter(llama):
+    root, _, _, loras = llama
+    llm = LLM(str(root / "base"), device="cpu", dtype="float32", block_size=4, num_kv_blocks=128,
+              enable_lora=True, max_loras=2, max_lora_rank=16)
+    prompt = _ids(17, seed=6)
+
+    def run(lora):
+        (out,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
+        return out.num_cached_tokens, out.outputs[0].token_ids
+
+    cached_a, tokens_a = run(loras["a"])
+    assert cached_a == 0
+    cached_b, tokens_b = run(loras["b"])
+    assert cached_b == 0  # the same prompt under another adapter shares nothing
+    assert run(None)[0] == 0  # nor with the base model
+    again_cached, again_tokens = run(loras["a"])
+    assert again_cached == 16 and again_tokens == tokens_a  # the same adapter does hit
+    fresh = LLM(str(root / "base"), device="cpu", dtype="float32", block_size=4, num_kv_blocks=128,
+                enable_lora=True, max_lora_rank=16, enable_prefix_caching=False)
+    (ref_b,) = fresh.generate([prompt], GREEDY, use_tqdm=False, lora_request=loras["b"])
+    assert ref_b.outputs[0].token_ids == tokens_b
+
+
+def test_load_and_unload_while_requests_run(llama):
+    root, _, _, loras = llama
+    llm = LLM(str(root / "base"), device="cpu", dtype="float32", block_size=4, num_kv_blocks=128,
+              max_num_batched_tokens=16, enable_lora=True, max_loras=2, max_lora_rank=16)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompt = _ids(9, seed=7)
+    (alone_a,) = llm.generate([prompt], params, use_tqdm=False, lora_request=loras["a"])
+    assert engine.remove_lora(1) and 1 not in engine.list_loras()
+    engine.add_request("x", prompt, params, lora_request=loras["a"])
+    for _ in range(3):
+        engine.step()
+    assert engine.add_lora(loras["b"])  # loading while "x" runs
+    engine.add_request("y", prompt, params, lora_request=loras["b"])
+    with pytest.raises(ValueError, match="adapter 'a' is in use by 1 unfinished request"):
+        engine.remove_lora(1)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done["x"] == alone_a.outputs[0].token_ids
+    (alone_b,) = llm.generate([prompt], params, use_tqdm=False, lora_request=loras["b"])
+    assert done["y"] == alone_b.outputs[0].token_ids
+    assert engine.remove_lora(1) and engine.remove_lora(2) and engine.list_loras() == set()
+    assert not engine.remove_lora(1)
+
+
+def test_speculative_decoding_with_an_adapter_is_exact(llama):
+    """Drafts are verified by the adapted model, so n-gram speculation keeps its tokens."""
+    root, _, _, loras = llama
+    common = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=128, enable_lora=True,
+                  max_lora_rank=16)
+    prompt = _ids(6, seed=8) * 3  # repeats: the n-gram proposer finds drafts
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = LLM(str(root / "base"), **common).generate([prompt], params, use_tqdm=False, lora_request=loras["c"])
+    spec_llm = LLM(str(root / "base"), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, **common)
+    spec = spec_llm.generate([prompt], params, use_tqdm=False, lora_request=loras["c"])
+    assert spec[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert spec_llm.get_stats()["spec_num_draft_tokens"] > 0
+
+
+def _copy_adapter(src, dst, config_update=None, tensors_update=None):
+    dst.mkdir()
+    config = json.loads((src / "adapter_config.json").read_text())
+    config.update(config_update or {})
+    (dst / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    if tensors_update is not None:
+        tensors = tensors_update(tensors)
+    save_file(tensors, str(dst / "adapter_model.safetensors"))
+    return str(dst)
+
+
+def test_bad_adapters_are_refused_by_name(llama, tmp_path):
+    root, _, _, loras = llama
+    llm = LLM(str(root / "base"), device="cpu", dtype="float32", num_kv_blocks=64, enable_lora=True,
+              max_lora_rank=8)
+    prompt = _ids(5, seed=9)
+
+    def refused(lora, match):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
+
+    refused(loras["c"], r"LoRA adapter 'c': rank r=16 is more than max_lora_rank=8")
+    refused(LoRARequest("nowhere", 7, str(tmp_path / "missing")), r"LoRA adapter 'nowhere': no adapter_config.json")
+    lacks = _copy_adapter(root / "a", tmp_path / "lacks", {"target_modules": ["q_proj", "c_attn"]})
+    refused(LoRARequest("lacks", 8, lacks), r"target module\(s\) \['c_attn'\] do not exist")
+
+    def rename(t):
+        return {k.replace("layers.1.", "layers.9."): v for k, v in t.items()}
+
+    layer9 = _copy_adapter(root / "a", tmp_path / "layer9", tensors_update=rename)
+    refused(LoRARequest("layer9", 9, layer9), r"target module 'base_model.model.model.layers.9.mlp.down_proj' does not exist")
+
+    def shrink(t):
+        key = "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"
+        return {**t, key: t[key][:50]}
+
+    shapes = _copy_adapter(root / "a", tmp_path / "shapes", tensors_update=shrink)
+    refused(LoRARequest("shapes", 10, shapes),
+            r"module 'base_model.model.model.layers.0.mlp.up_proj' has lora_A \(8, 64\) and lora_B \(50, 8\); "
+            r"the base layer needs lora_A \[r, 64\] and lora_B \[96, r\]")
+    dora = _copy_adapter(root / "a", tmp_path / "dora", {"use_dora": True})
+    refused(LoRARequest("dora", 11, dora), "use_dora=True is not supported")
+    assert llm.engine.add_lora(LoRARequest("a2", 1, str(root / "b")))
+    refused(LoRARequest("a", 1, str(root / "a")), r"lora_int_id 1 is adapter 'a2'")
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
+    with pytest.raises(ValueError, match="lora_request has 2 entries for 1 prompts"):
+        llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=[None, None])
+    plain = LLM(str(root / "base"), device="cpu", dtype="float32", num_kv_blocks=64)
+    with pytest.raises(ValueError, match=r"lora_request 'a': this engine serves no LoRA adapters"):
+        plain.generate([prompt], GREEDY, use_tqdm=False, lora_request=loras["a"])
+    with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
+        LoRARequest("x", 0, "p")
+    with pytest.raises(ValueError, match="enable_lora is not supported with tensor_parallel_size > 1"):
+        LLM(str(root / "base"), device="cpu", enable_lora=True, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_adapter_over_quantized_base_linears(method, tmp_path):
+    """The delta is added to the quantized base layer's output, exactly: for each projection,
+    layer(x, lora) - layer(x) is s (x A^T) B^T of the PEFT tensors; and the int8 model's logits
+    move as the float model's do (up to the quantization's effect on the activations)."""
+    hf = save_base(tmp_path / "base", "llama")
+    merged = save_adapter(tmp_path / "base", tmp_path / "a", seed=1, r=8, alpha=16)
+    model, _ = load_model(tmp_path / "base", torch.float32, CPU, quantization=method)
+    manager = LoRAManager(model, max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    slot = manager.activate([LoRARequest("a", 1, str(tmp_path / "a"))])[1]
+    tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    mapping = LoRAMapping.from_runs([(slot, 5)], CPU)
+    layer = model.layers[1].self_attn.qkv_proj
+    assert type(layer.quant_method).__name__ != "UnquantizedLinearMethod"
+    with torch.inference_mode():
+        got = layer(x, mapping) - layer(x)
+    key = "base_model.model.model.layers.1.self_attn.{}_proj.lora_{}.weight"
+    want = torch.cat([2.0 * (x @ tensors[key.format(p, "A")].T) @ tensors[key.format(p, "B")].T for p in "qkv"], dim=1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if method == "int8":
+        ids = _ids(21, seed=4)
+        with torch.inference_mode():
+            moved = merged(torch.tensor([ids])).logits[0] - hf(torch.tensor([ids])).logits[0]
+        ours = lora_logits(model, ids, [(slot, len(ids))]) - lora_logits(model, ids, [(-1, len(ids))])
+        assert float((ours - moved).abs().max()) < 0.1 * float(moved.abs().max())
