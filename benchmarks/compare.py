@@ -58,8 +58,10 @@ extra weight buffer types (``--llamacpp-extra-bufts``): llama-cpp-python 0.3.36 
 in ``ggml_backend_amx_mul_mat`` on the first decode there (llama.cpp issue 20824); Q4_1 has
 no other repacked layout, so only the AMX path is lost.
 
-llama.cpp runs the GGUF file's quantized weights as stored (Q4_1 for ``smollm2-135m``);
-kvflow and transformers run the float32 weights dequantized from that same file
+llama.cpp runs the GGUF file's quantized weights as stored (Q4_1 for ``smollm2-135m``), and
+so do ``kvflow-gguf`` / ``kvflow-gguf-fp32`` (kvflow's native GGUF kernels, bfloat16 / float32
+activations); the other kvflow configurations and transformers run the weights dequantized
+from that same file
 (``kvflow.model.resolve.resolve_model``). ``kvflow-bf16-int4`` is the closest kvflow
 counterpart in bytes per weight. All engines use ``--threads`` CPU threads (torch
 intra-op threads; llama.cpp ``n_threads`` and ``n_threads_batch``).
@@ -133,7 +135,11 @@ from typing import Any
 # single-stream runs repeat one prompt (a cache hit would make kvflow's TTFT a decode step).
 DEFAULT_KVFLOW_CONFIGS: dict[str, dict[str, Any]] = {
     "kvflow": {"dtype": "float32", "enable_prefix_caching": False},
-    "kvflow-bf16": {"dtype": "bfloat16", "enable_prefix_caching": False},
+    # The GGUF file computed as stored (what a GGUF model gets by default on the CPU).
+    "kvflow-gguf": {"dtype": "bfloat16", "quantization": "gguf", "enable_prefix_caching": False},
+    "kvflow-gguf-fp32": {"dtype": "float32", "quantization": "gguf", "enable_prefix_caching": False},
+    # The file dequantized to bfloat16 weights.
+    "kvflow-bf16": {"dtype": "bfloat16", "quantization": "none", "enable_prefix_caching": False},
     "kvflow-bf16-int4": {"dtype": "bfloat16", "quantization": "int4", "enable_prefix_caching": False},
     # INT4 decoder linears, INT8 LM head (the head is a quarter of SmolLM2's weight bytes).
     "kvflow-bf16-int4-head8": {"dtype": "bfloat16", "quantization": "int4", "quantize_lm_head": "int8",
@@ -865,7 +871,7 @@ def worker_vllm(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = spec["config"]
     requests = spec["requests"]
     max_model_len = _round_up(_longest_sequence(spec), 256)
-    kwargs = {"model": cfg["model_dir"], "dtype": cfg["vllm_dtype"], "max_num_seqs": cfg["max_num_seqs"],
+    kwargs = {"model": cfg["hf_model_dir"], "dtype": cfg["vllm_dtype"], "max_num_seqs": cfg["max_num_seqs"],
               "max_num_batched_tokens": max(cfg["max_num_batched_tokens"], 256), "max_model_len": max_model_len,
               "enable_prefix_caching": False, "seed": 0}  # fmt: skip
     _log("vllm", f"loading vLLM with {kwargs}")
@@ -1099,7 +1105,7 @@ def main(argv: list[str] | None = None) -> int:
         workload_summary,
     )
     from benchmarks.throughput import STREAM_PROMPT_LEN
-    from kvflow.model.resolve import load_tokenizer, resolve_model
+    from kvflow.model.resolve import hf_checkpoint_dir, load_tokenizer, resolve_model
 
     loadavg_start = os.getloadavg()
     model_dir = resolve_model(args.model)
@@ -1137,6 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
     config = {
         "model": args.model,
         "model_dir": str(model_dir),
+        # vLLM reads a folder with weights (a GGUF model's kvflow folder has none).
+        "hf_model_dir": str(hf_checkpoint_dir(args.model)) if "vllm" in engines else str(model_dir),
         "gguf": str(gguf) if gguf is not None else None,
         "engines": engines,
         "kvflow_configs": {n: args.kvflow_configs[n] for n in kvflow_names},

@@ -25,9 +25,11 @@ means another job held a core and the numbers are not data).
 
 Engines (``--engines``):
 
-* ``kvflow``: ``kvflow serve`` with ``--dtype`` (default bfloat16) and the rest at defaults;
+* ``kvflow``: ``kvflow serve`` with ``--dtype`` (default bfloat16) and ``--quantization none`` (the
+  GGUF file dequantized to float weights);
 * ``kvflow-int4``: the same with ``--quantization int4 --lm-head-quantization int8``;
-* ``kvflow-default``: ``kvflow serve`` with no dtype or quantization flag (what a user gets);
+* ``kvflow-default``: ``kvflow serve`` with no dtype or quantization flag (what a user gets: a
+  GGUF model computed as stored, ``quantization="gguf"``);
 * ``vllm``: ``vllm serve`` of the vLLM CPU build (``--vllm`` is the command, e.g. a wrapper
   script that sets ``VLLM_CPU_OMP_THREADS_BIND`` and ``VLLM_CPU_KVCACHE_SPACE``; see
   docs/benchmarks.md) on the model's Hugging Face folder (kvflow's GGUF conversion), same
@@ -124,10 +126,10 @@ def _free_port() -> int:
 
 
 def model_files(model: str) -> tuple[Path, Path | None]:
-    """(Hugging Face folder, GGUF file or None) of a kvflow model name or path."""
-    from kvflow.model.resolve import gguf_file, resolve_model
+    """(Hugging Face folder with weights, for vLLM; GGUF file or None) of a kvflow model name or path."""
+    from kvflow.model.resolve import gguf_file, hf_checkpoint_dir
 
-    return resolve_model(model), gguf_file(model)
+    return hf_checkpoint_dir(model), gguf_file(model)
 
 
 def server_command(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None, port: int,
@@ -140,6 +142,8 @@ def server_command(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Pa
                "--num-threads", str(args.threads), "--served-model-name", "model", "--log-level", "warning", *host]  # fmt: skip
         if engine == "kvflow-int4":
             cmd += ["--quantization", "int4", "--lm-head-quantization", "int8"]
+        elif engine == "kvflow":  # the file dequantized to --dtype weights (kvflow-default computes it as stored)
+            cmd += ["--quantization", "none"]
         return cmd
     if engine == "vllm":
         return [*shlex.split(args.vllm), "serve", str(hf_dir), "--served-model-name", "model", "--dtype", args.dtype,

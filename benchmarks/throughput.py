@@ -380,8 +380,14 @@ def _stream_result(t0: float, t_first: float, t_last: float, n: int) -> dict[str
 
 # ---------------------------------------------------------------------------------- transformers
 def load_hf(model_dir: Path) -> tuple[Any, Any]:
+    """transformers' float32 model and tokenizer of a kvflow model folder (a GGUF model's
+    folder holds no weights: its float32 conversion, ``hf_checkpoint_dir``, is loaded)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from kvflow.model.resolve import hf_checkpoint_dir
+
+    model_dir = hf_checkpoint_dir(str(model_dir))
 
     hf_logging.disable_progress_bar()
 

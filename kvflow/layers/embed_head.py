@@ -197,5 +197,5 @@ class ParallelLMHead(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.tied is None and (self.packed is not None or self.gguf is not None):
+        if self.tied is None and self.packed is not None:
             destination[prefix + "weight"] = self.dense

@@ -141,7 +141,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, metadata, lora: LoRAMapping | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+        h = self.post_attention_layernorm(x)
+        # A mixture-of-experts block (Qwen3-MoE's SparseMoeBlock) takes no adapters.
+        return x + (self.mlp(h, lora) if lora is not None else self.mlp(h))
 
 
 class LlamaForCausalLM(CausalLM):

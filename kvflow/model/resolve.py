@@ -697,9 +697,27 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _convert_cached(source: Path, root: Path) -> Path:
-    """The converted directory for a GGUF file, converting it first if not cached."""
-    target = root / f"{source.stem}-{_cache_key(source)}"
+def hf_checkpoint_dir(model: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A Hugging Face folder *with weights* for ``model``, for tools that need one
+    (transformers, vLLM as a benchmark peer): an HF folder as it is; for a GGUF file or
+    packaged short name, its full float32 conversion (``convert_gguf``), cached as
+    ``<cache>/<gguf stem>-<key>-hf``. kvflow itself never needs it (``resolve_model``).
+
+    Raises:
+        as ``resolve_model``.
+    """
+    folder = resolve_model(model, cache_dir)
+    source = gguf_source(folder)
+    if source is None:
+        return folder
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return _convert_cached(source, root, weights=True)
+
+
+def _convert_cached(source: Path, root: Path, weights: bool = False) -> Path:
+    """The cached folder for a GGUF file (config + tokenizer; with ``weights`` the full float32
+    conversion), writing it first if not cached."""
+    target = root / f"{source.stem}-{_cache_key(source)}{'-hf' if weights else ''}"
     if (target / SOURCE_MARKER).is_file():
         if json.loads((target / SOURCE_MARKER).read_text()).get("source") != str(source):
             _write_marker(target, source)  # the same file at another path (another environment)
@@ -712,10 +730,13 @@ def _convert_cached(source: Path, root: Path) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         if target.exists():  # incomplete, without marker
             shutil.rmtree(target)
-        logger.info("reading the config and tokenizer of %s into %s (once; the weights stay in the file)", source, target)
+        if weights:
+            logger.info("converting %s to float32 safetensors in %s (once; cached afterwards)", source, target)
+        else:
+            logger.info("reading the config and tokenizer of %s into %s (once; the weights stay in the file)", source, target)
         staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}.tmp-"))
         try:
-            convert_gguf(source, staging, weights=False)
+            convert_gguf(source, staging, weights=weights)
             _write_marker(staging, source)
             os.rename(staging, target)
         except BaseException:

@@ -54,5 +54,7 @@ def quantization_of(model_dir: str | os.PathLike) -> dict | None:
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's saved tensors (parameters and persistent buffers; a tied LM head
-    is the embedding, counted once)."""
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    is the embedding, counted once), plus the GGUF blocks a model computes as stored."""
+    from kvflow.quantization.gguf import gguf_stored_bytes
+
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values()) + gguf_stored_bytes(model)

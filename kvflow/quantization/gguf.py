@@ -122,7 +122,9 @@ class GGUFLinearMethod(LinearMethodBase):
                           for s in layer.gguf_segments])
 
     def saves_dense_weight(self, layer) -> bool:
-        return True
+        """False: ``state_dict`` never dequantizes the stored rows (``weight`` is the empty
+        placeholder; ``kvflow.quantization.checkpoint.weight_bytes`` counts the stored bytes)."""
+        return False
 
     @staticmethod
     def nbytes(layer) -> int:
@@ -177,3 +179,15 @@ def gguf_report(model) -> dict[str, str]:
             report[name] = "+".join(s.weight.qtype.name if isinstance(s.weight, GGUFWeight)
                                     else str(s.weight.dtype).replace("torch.", "") for s in module.gguf_segments)
     return report
+
+
+def gguf_stored_bytes(model: nn.Module) -> int:
+    """Bytes of GGUF blocks (and float segments) held outside ``state_dict``: the linears'
+    segments, the embedding's and an untied LM head's stored rows."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module.__dict__.get("quant_method"), GGUFLinearMethod):
+            total += GGUFLinearMethod.nbytes(module)
+        elif module.__dict__.get("gguf") is not None:
+            total += module.__dict__["gguf"].nbytes
+    return total

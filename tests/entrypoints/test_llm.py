@@ -25,7 +25,9 @@ def hf_reference(smollm2_dir):
     """transformers' LlamaForCausalLM on the same dequantized float32 weights."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    from kvflow.model.resolve import hf_checkpoint_dir
+
+    return AutoModelForCausalLM.from_pretrained(hf_checkpoint_dir(str(smollm2_dir)), dtype=torch.float32).eval()
 
 
 def _greedy_tokens(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:

@@ -25,7 +25,9 @@ def hf_embeddings(model_dir, token_ids: list[list[int]], pooling: str, normalize
     """[len(token_ids), hidden_size] from transformers' final hidden states (float32)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from kvflow.model.resolve import hf_checkpoint_dir
+
+    model = AutoModelForCausalLM.from_pretrained(hf_checkpoint_dir(str(model_dir)), dtype=torch.float32).eval()
     rows = []
     with torch.inference_mode():
         for ids in token_ids:

@@ -343,7 +343,7 @@ def test_real_gemma3_270m_matches_transformers_on_the_converted_folder():
 
     folder = resolve.resolve_model(assemble())
     tok = transformers.AutoTokenizer.from_pretrained(folder)
-    hf = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    hf = transformers.Gemma3ForCausalLM.from_pretrained(resolve.hf_checkpoint_dir(str(folder)), dtype=torch.float32, attn_implementation="eager").eval()
     assert hf.config.sliding_window == 512
     short = tok("The history of the Roman Empire").input_ids
     long = tok(" ".join(["Alice went to the market and bought apples, pears and bread."] * 60)).input_ids[:700]
@@ -439,7 +439,7 @@ def test_real_gemma3_270m_window_aware_cache_past_the_window():
     assert keep_stats["num_kv_cache_groups"] == 1 and keep_stats["num_window_freed_blocks"] == 0
     assert got == want_engine
     with torch.inference_mode():
-        hf = transformers.Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32,
+        hf = transformers.Gemma3ForCausalLM.from_pretrained(resolve.hf_checkpoint_dir(str(folder)), dtype=torch.float32,
                                                             attn_implementation="eager").eval()
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
     assert got == want

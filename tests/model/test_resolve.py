@@ -241,9 +241,11 @@ def test_cached_conversion_is_reused_and_invalidated(
         patch.setattr(resolve, "convert_gguf", fail)
         assert resolve.resolve_model(str(source), cache_dir=tmp_path / "cache") == first
 
-    # A changed file (new mtime) gets a new key and is converted again.
+    # A touched file (same content) keeps its folder; a changed file gets a new key.
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    assert resolve.resolve_model(str(source), cache_dir=tmp_path / "cache") == first
+    source.write_bytes(source.read_bytes() + bytes(32))
     second = resolve.resolve_model(str(source), cache_dir=tmp_path / "cache")
     assert second != first and (second / resolve.SOURCE_MARKER).is_file()
     assert not list((tmp_path / "cache").glob(".*.tmp-*"))
@@ -260,7 +262,7 @@ def test_conversion_is_announced_once(tiny_llama: Tiny, tmp_path: Path, caplog: 
         caplog.clear()
         resolve.resolve_model(str(source), cache_dir=tmp_path / "cache")
         second = [r.getMessage() for r in caplog.records if r.name == "kvflow.model.resolve"]
-    assert first == [f"converting {source} to {target} (once, ~5 s; cached afterwards)"]
+    assert first == [f"reading the config and tokenizer of {source} into {target} (once; the weights stay in the file)"]
     assert second == []
 
 
@@ -268,9 +270,9 @@ def test_concurrent_resolves_convert_once(tiny_llama: Tiny, tmp_path: Path, monk
     calls: list[Path] = []
     convert = resolve.convert_gguf
 
-    def counting_convert(gguf_path: Path, out_dir: Path) -> None:
+    def counting_convert(gguf_path: Path, out_dir: Path, **kwargs) -> None:
         calls.append(out_dir)
-        convert(gguf_path, out_dir)
+        convert(gguf_path, out_dir, **kwargs)
 
     monkeypatch.setattr(resolve, "convert_gguf", counting_convert)
     with ThreadPoolExecutor(max_workers=3) as pool:

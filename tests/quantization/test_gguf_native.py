@@ -1,0 +1,202 @@
+"""GGUF models computed as stored (``quantization="gguf"``, kvflow.quantization.gguf).
+
+Unit tests build GGUF blocks with the ``gguf`` package; integration tests load the real
+SmolLM2-135M Q4_1 file and compare with the same file dequantized (the float32 reference).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.config import EngineArgs
+from kvflow.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from kvflow.layers.gguf_kernels import GGUFWeight
+from kvflow.layers.linear import QKVParallelLinear, RowParallelLinear
+from kvflow.model import resolve
+from kvflow.quantization.gguf import GGUFConfig, GGUFLinearMethod, gguf_report
+from tests.conftest import requires_smollm2
+
+QT = gguf.GGMLQuantizationType
+
+
+def _gguf(values: torch.Tensor, qtype) -> GGUFWeight:
+    """``values`` [n, k] float32 quantized to ``qtype`` by the gguf package, as a GGUFWeight."""
+    raw = gguf.quants.quantize(values.numpy(), qtype)
+    return GGUFWeight(torch.from_numpy(np.ascontiguousarray(raw)), qtype, values.shape[0], values.shape[1])
+
+
+def _int8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """|x W^T - exact| bound from quantizing x to int8 per 32-element block (half a step of
+    amax/127 per element), plus float slack."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    step = blocks.abs().amax(-1) / 127 / 2  # [M, K/32]
+    wabs = w.abs().reshape(w.shape[0], -1, 32).sum(-1)  # [N, K/32]
+    return step @ wabs.T + 1e-4 * (x.abs() @ w.abs().T) + 1e-5
+
+
+def test_a_fused_linear_keeps_parts_of_different_types_as_stored_segments() -> None:
+    # A Q4_K_M-style QKV: Q and K in one type, V in another, and a bias (Qwen2).
+    torch.manual_seed(0)
+    hidden, head_dim, heads, kv_heads = 64, 16, 4, 2
+    layer = QKVParallelLinear(hidden, head_dim, heads, kv_heads, True, GGUFConfig(), "layers.0.self_attn.qkv_proj")
+    assert isinstance(layer.quant_method, GGUFLinearMethod) and layer.weight.numel() == 0
+    q, k, v = (torch.randn(n, hidden) for n in (64, 32, 32))
+    bias = torch.randn(128)
+    parts = {"q": _gguf(q, QT.Q8_0), "k": _gguf(k, QT.Q8_0), "v": _gguf(v, QT.Q4_0)}
+    for sid, weight in parts.items():
+        layer.weight_loader(layer.weight, weight, sid)
+        layer.weight_loader(layer.bias, bias[{"q": slice(0, 64), "k": slice(64, 96), "v": slice(96, 128)}[sid]], sid)
+    layer.quant_method.process_weights_after_loading(layer)
+    # Q and K (same type, adjacent) joined into one segment; V its own.
+    assert [(s.offset, s.weight.qtype) for s in layer.gguf_segments] == [(0, QT.Q8_0), (96, QT.Q4_0)]
+    dense = torch.cat([parts[s].dequantize() for s in "qkv"])
+    assert torch.equal(layer.dense_weight(), dense)
+    x = torch.randn(5, hidden)
+    exact = (x.double() @ dense.double().T + bias.double()).float()
+    out = layer(x)
+    assert out.shape == (5, 128)
+    assert ((out - exact).abs() <= _int8_bound(x, dense)).all()
+
+
+def test_gguf_linear_shape_errors_name_the_sizes() -> None:
+    layer = QKVParallelLinear(64, 16, 4, 2, False, GGUFConfig(), "qkv")
+    with pytest.raises(ValueError, match=r"shape \(32, 64\), expected at least 64 rows"):
+        layer.weight_loader(layer.weight, _gguf(torch.randn(32, 64), QT.Q8_0), "q")
+    layer.weight_loader(layer.weight, _gguf(torch.randn(64, 64), QT.Q8_0), "q")
+    with pytest.raises(ValueError, match="GGUF rows cover 64 of 128"):  # K and V missing
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+def test_row_parallel_split_along_k_in_whole_blocks_or_a_clear_error() -> None:
+    class TP:  # rank 1 of 2
+        world_size, rank = 2, 1
+
+    torch.manual_seed(1)
+    w = torch.randn(8, 128)
+    layer = RowParallelLinear(128, 8, False, GGUFConfig(), "o_proj", tp=TP())
+    layer.weight_loader(layer.weight, _gguf(w, QT.Q8_0))
+    layer.quant_method.process_weights_after_loading(layer)
+    assert torch.equal(layer.dense_weight(), _gguf(w, QT.Q8_0).dequantize()[:, 64:])
+    odd = RowParallelLinear(96, 8, False, GGUFConfig(), "o_proj", tp=TP())  # 48 columns: cuts a block of 32
+    with pytest.raises(ValueError, match="48"):
+        odd.weight_loader(odd.weight, _gguf(torch.randn(8, 96), QT.Q8_0))
+
+
+def test_embedding_and_tied_head_read_the_stored_blocks() -> None:
+    torch.manual_seed(2)
+    table = torch.randn(40, 64)
+    stored = _gguf(table, QT.Q8_0)
+    embed = VocabParallelEmbedding(40, 64)
+    embed.weight_loader(embed.weight, stored)
+    head = ParallelLMHead(40, 64, tied=embed)
+    assert embed.weight.numel() == 0 and head.stored_gguf is stored
+    ids = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(embed(ids), stored.dequantize()[ids])
+    hidden = torch.randn(2, 64)
+    exact = hidden.double() @ stored.dequantize().double().T
+    assert ((head(hidden) - exact).abs() <= _int8_bound(hidden, stored.dequantize())).all()
+    head.quantize("int8")  # already computed in its stored type: a no-op
+    assert head.packed is None
+    with pytest.raises(ValueError, match=r"expected \(40, 64\)"):
+        VocabParallelEmbedding(40, 64).weight_loader(None, _gguf(torch.randn(40, 32), QT.Q8_0))
+
+
+@requires_smollm2
+def test_the_gguf_folder_holds_no_weights_and_the_default_is_native(smollm2_dir: Path) -> None:
+    assert (smollm2_dir / resolve.SOURCE_MARKER).is_file()
+    assert not list(smollm2_dir.glob("*.safetensors"))
+    assert sum(f.stat().st_size for f in smollm2_dir.iterdir()) < 8 << 20  # config + tokenizer only
+
+    def scheme(**kwargs):
+        return EngineArgs(model=str(smollm2_dir), device="cpu", num_kv_blocks=16, **kwargs).create_config().load.quantization
+
+    assert scheme(dtype="bfloat16") == "gguf"
+    assert scheme() == "gguf"
+    assert scheme(dtype="float32") is None  # the exactness reference: dequantized
+    assert scheme(dtype="bfloat16", quantization="none") is None
+    assert scheme(dtype="float32", quantization="gguf") == "gguf"
+
+
+def test_a_truncated_or_corrupt_gguf_is_one_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(100))
+    with pytest.raises(ValueError, match="bad.gguf is not a readable GGUF file"):
+        resolve.resolve_model(str(bad), cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("*/config.json"))
+
+
+@requires_smollm2
+def test_a_truncated_gguf_names_the_file(tmp_path: Path) -> None:
+    source = resolve.gguf_file("smollm2-135m")
+    data = source.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cut.gguf is not a readable GGUF file"):
+        resolve.resolve_model(str(cut), cache_dir=tmp_path / "cache")
+
+
+@requires_smollm2
+def test_the_same_file_in_two_places_shares_one_folder(tmp_path: Path) -> None:
+    source = resolve.gguf_file("smollm2-135m")
+    a, b = tmp_path / "a" / source.name, tmp_path / "b" / source.name
+    for p in (a, b):
+        p.parent.mkdir()
+        shutil.copyfile(source, p)
+    first = resolve.resolve_model(str(a), cache_dir=tmp_path / "cache")
+    second = resolve.resolve_model(str(b), cache_dir=tmp_path / "cache")
+    assert first == second and resolve.gguf_source(second) == b
+    b.unlink()
+    with pytest.raises(FileNotFoundError, match="no longer exists"):
+        resolve.gguf_source(second)
+    assert resolve.resolve_model(str(a), cache_dir=tmp_path / "cache") == first  # re-pointed
+    assert resolve.gguf_source(first) == a
+
+
+GPL = ("The GNU General Public License is a free, copyleft license for software and other kinds of works. The "
+       "licenses for most software and other practical works are designed to take away your freedom to share and "
+       "change the works. By contrast, the GNU General Public License is intended to guarantee your freedom to "
+       "share and change all versions of a program--to make sure it remains free software for all its users.")
+PROMPTS = ["Once upon a time", "def fibonacci(n):", "The capital of France is", "List three colors:"]
+
+
+def _run(llm: LLM):
+    out = llm.generate([GPL], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))[0]
+    logprobs = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=2))
+    return math.exp(-sum(logprobs) / len(logprobs)), greedy
+
+
+@pytest.mark.integration
+@requires_smollm2
+def test_native_smollm2_matches_the_dequantized_model(smollm2_dir: Path) -> None:
+    """Perplexity within 1 % of the float32 dequantized model's, greedy tokens equal until a
+    near tie (the reference's top two within 0.25 nat: the int8 activations move logprobs by about that much, as llama.cpp's do), and no float copy of a quantized matrix:
+    the model holds exactly the file's quantized bytes."""
+    ref_ppl, ref = _run(LLM(model=str(smollm2_dir), dtype="float32", quantization="none", num_kv_blocks=128))
+    native = LLM(model=str(smollm2_dir), dtype="float32", quantization="gguf", num_kv_blocks=128)
+    ppl, got = _run(native)
+    assert abs(ppl - ref_ppl) / ref_ppl < 0.01, (ppl, ref_ppl)
+    for r, g in zip(ref, got):
+        r_ids, g_ids = r.outputs[0].token_ids, g.outputs[0].token_ids
+        d = next((i for i, (a, b) in enumerate(zip(r_ids, g_ids)) if a != b), len(r_ids))
+        if d < 30:  # the two runs parted: the reference must have been at a near tie there
+            top = r.outputs[0].logprobs[d]
+            chosen = top[r_ids[d]].logprob
+            runner_up = max((lp.logprob for t, lp in top.items() if t != r_ids[d]), default=-math.inf)
+            assert chosen - runner_up < 0.25, (r.prompt, d, chosen, runner_up)
+    model = native.engine.model_runner.model
+    report = gguf_report(model)
+    assert len(report) == 30 * 4 and set(report.values()) == {"Q4_1"}
+    reader = gguf.GGUFReader(str(resolve.gguf_source(smollm2_dir)))
+    quantized_bytes = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type != QT.F32)
+    held = sum(GGUFLinearMethod.nbytes(m) for m in model.modules() if isinstance(m.__dict__.get("quant_method"), GGUFLinearMethod))
+    held += model.embed_tokens.gguf.nbytes
+    assert held == quantized_bytes
