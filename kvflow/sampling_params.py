@@ -65,6 +65,12 @@ class SamplingParams:
         guided_json: a JSON schema (dict or JSON string); the output is constrained to
             JSON that validates against it (llguidance grammar engine).
         guided_regex: a regular expression the whole output must match.
+        structural_tag: vLLM's structural tag (dict or JSON string): ``{"structures":
+            [{"begin": str, "schema": dict, "end": str}, ...], "triggers": [str, ...]}``.
+            The text is free until it writes a trigger; from there it must be one of the
+            structures that begin with that trigger (``begin``, JSON valid for ``schema``,
+            ``end``), then it is free again. Tool calling under ``tool_choice: "auto"``
+            uses it (``kvflow.entrypoints.openai.tools.tool_call_structural_tag``).
 
     Raises:
         ValueError: naming the field, for any value outside the ranges above.
@@ -92,6 +98,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -154,6 +161,10 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         if self.guided_json is not None and self.guided_regex is not None:
             raise ValueError("guided_json and guided_regex are mutually exclusive")
+        if self.structural_tag is not None and (self.guided_json is not None or self.guided_regex is not None):
+            raise ValueError("structural_tag cannot be combined with guided_json or guided_regex")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
+            raise ValueError("structural_tag must be a dict or a JSON string")
         if self.guided_json is not None and not isinstance(self.guided_json, (dict, str)):
             raise ValueError("guided_json must be a JSON schema (dict or JSON string)")
         if self.guided_regex is not None and not isinstance(self.guided_regex, str):

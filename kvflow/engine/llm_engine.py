@@ -403,7 +403,7 @@ class LLMEngine:
         self._compile_grammar(params)
 
     def _check_tokenizer_features(self, params: SamplingParams) -> None:
-        guided = params.guided_json is not None or params.guided_regex is not None
+        guided = params.guided_json is not None or params.guided_regex is not None or params.structural_tag is not None
         if (params.stop or params.bad_words or guided) and self.tokenizer is None:
             raise ValueError("stop, bad_words and guided decoding need a tokenizer")
 
@@ -418,7 +418,7 @@ class LLMEngine:
         return sequences
 
     def _compile_grammar(self, params: SamplingParams):
-        if params.guided_json is None and params.guided_regex is None:
+        if params.guided_json is None and params.guided_regex is None and params.structural_tag is None:
             return None
         with self._grammar_lock:  # built once, from whichever thread needs it first
             if self._grammar_compiler is None:
