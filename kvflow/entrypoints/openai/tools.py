@@ -92,19 +92,20 @@ def tool_choice_schema(tools: list[ChatTool], tool_choice: ToolChoice, parallel_
 def tool_call_structural_tag(tools: list[ChatTool], forms: tuple[tuple[str, str, str, str], ...]) -> dict[str, Any] | None:
     """The structural tag (``SamplingParams.structural_tag``, vLLM's shape) that constrains
     each call the model starts under ``tool_choice: "auto"``: per form of the parser
-    (``ToolParser.call_forms``: trigger, text before the name, arguments key, text after)
-    and per tool, a structure ``begin`` = that text, the name, the key; ``schema`` = the
-    tool's parameters; ``end``. None for a parser without forms.
+    (``ToolParser.call_forms``: trigger, text before the name, text between the name and
+    the arguments, text after them) and per tool, a structure ``begin`` = the text before,
+    the name (a JSON string), the text between; ``schema`` = the tool's parameters; ``end``.
+    None for a parser without forms.
     """
     if not forms or not tools:
         return None
     structures = [
         {
-            "begin": f"{head}{json.dumps(t.function.name)}, {json.dumps(key)}: ",
+            "begin": f"{head}{json.dumps(t.function.name)}{between}",
             "schema": {**_parameters(t), "x-guidance": _GUIDANCE},
             "end": end,
         }
-        for _, head, key, end in forms
+        for _, head, between, end in forms
         for t in tools
     ]  # fmt: skip
     return {"type": "structural_tag", "structures": structures, "triggers": [trigger for trigger, *_ in forms]}

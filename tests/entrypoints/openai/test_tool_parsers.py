@@ -31,6 +31,7 @@ HERMES_CASES = [
      [("get_weather", json.loads(WEATHER_ARGS)), ("get_time", {})]),
     (f"<tool_call>{TIME}</tool_call> done", "done", [("get_time", {})]),  # text after the calls stays
     (f"<tool_call>\n{TIME}", "", [("get_time", {})]),  # no closing tag at the very end
+    (f"<tool_call>\n{TIME}\n</tool", "", [("get_time", {})]),  # closing tag cut short (max_tokens)
     (f"{WEATHER}\n{TIME}", "", [("get_weather", json.loads(WEATHER_ARGS)), ("get_time", {})]),  # bare (Qwen2.5-Coder)
     ('{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"temperature_c": 18}', '{"temperature_c": 18}',
      [("get_weather", {"city": "Paris"})]),

@@ -52,7 +52,13 @@ class GenericToolParser(ToolParser):
 
     name = "generic"
     template_markers: ClassVar[tuple[str, ...]] = ()
-    call_forms = ((START, START + '\n{"name": ', "arguments", "}\n" + END), ('{"name"', '{"name": ', "arguments", "}"))
+    # tagged; a bare object, compact or pretty-printed (as in a ```json fence) by 2 or 4 spaces
+    call_forms = (
+        (START, START + '\n{"name": ', ', "arguments": ', "}\n" + END),
+        ('{"name"', '{"name": ', ', "arguments": ', "}"),
+        ('{\n  "name"', '{\n  "name": ', ',\n  "arguments": ', "\n}"),
+        ('{\n    "name"', '{\n    "name": ', ',\n    "arguments": ', "\n}"),
+    )
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         out = ParsedToolOutput()
@@ -125,9 +131,9 @@ class GenericToolParser(ToolParser):
         after = skip_ws(text, end)
         if text.startswith(END, after):
             return _DONE, [call], after + len(END)
-        if not final and END.startswith(text[after:]):
-            return _PENDING, [call], len(text)  # the closing tag is on its way
-        return _DONE, [call], end  # no closing tag (at the end, or text follows)
+        if END.startswith(text[after:]):  # the closing tag is on its way (or was cut short)
+            return (_DONE, [call], len(text)) if final else (_PENDING, [call], len(text))
+        return _DONE, [call], end  # no closing tag, text follows
 
     def _read_fence(self, text: str, start: int, final: bool) -> tuple[str, list[ToolCallPart], int] | None:
         i = _LANG.match(text, start + len(FENCE)).end()
