@@ -18,7 +18,8 @@ import os
 import openai
 import pytest
 
-from test_server import REQUEST_TIMEOUT_S, _serve
+import test_server
+from test_server import _serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.packaged_model]  # opt-in (tests/conftest.py)
 
@@ -27,6 +28,8 @@ QUESTION = "What does a laptop cost in euros? Look up its price in US dollars, t
 PRICES_USD = {"laptop": 1200.0}
 EUR_PER_USD = 0.9
 ANSWER = "1080"  # 1200 USD * 0.9
+STARTUP_TIMEOUT_S = 900
+REQUEST_TIMEOUT_S = 600  # one agent turn: a prompt of ~1k tokens on a busy CPU
 
 
 def get_price(product: str) -> str:
@@ -63,9 +66,16 @@ def model_dir():
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    yield from _serve(model_dir, tmp_path_factory, "agent_server",
-                      ["--max-num-seqs", "2", "--num-threads", "2"])  # fmt: skip
+def server(model_dir, tmp_path_factory, monkeypatch_module):
+    # a 1.5B model loads in minutes on a busy 2-core machine: more than the SmolLM2 tests allow
+    monkeypatch_module.setattr(test_server.Server.wait_healthy, "__defaults__", (STARTUP_TIMEOUT_S,))
+    yield from _serve(model_dir, tmp_path_factory, "agent_server", ["--max-num-seqs", "2", "--num-threads", "2"])
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
 
 
 @pytest.fixture(scope="module")
