@@ -109,13 +109,13 @@ def test_openai_agents_two_step_task(server, model_id, api):
 
     agent = agents.Agent(
         name="shopper",
-        instructions="You answer with the tools: look the price up, convert it, then answer in one sentence.",
+        instructions="Use the tools: first get_price, then convert_currency with its result, then answer.",
         tools=[agents.function_tool(traced(get_price)), agents.function_tool(traced(convert_currency))],
         model=model_cls(model=model_id, openai_client=client),
         model_settings=agents.ModelSettings(temperature=0, max_tokens=200),
     )
     result = agents.Runner.run_sync(agent, QUESTION, max_turns=6)
-    assert calls[:2] == ["get_price", "convert_currency"], calls
+    assert calls[:2] == ["get_price", "convert_currency"], (calls, result.final_output, [i.type for i in result.new_items])
     assert ANSWER in result.final_output.replace(",", ""), result.final_output
 
 
