@@ -116,7 +116,8 @@ def test_openai_agents_two_step_task(server, model_id, api):
     )
     result = agents.Runner.run_sync(agent, QUESTION, max_turns=6)
     assert calls[:2] == ["get_price", "convert_currency"], (calls, result.final_output, [i.type for i in result.new_items])
-    assert ANSWER in result.final_output.replace(",", ""), result.final_output
+    last = result.raw_responses[-1]
+    assert ANSWER in result.final_output.replace(",", ""), (result.final_output, last.output, last.usage)
 
 
 def test_langchain_bind_tools_two_step_task(server, model_id):
