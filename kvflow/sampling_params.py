@@ -188,6 +188,12 @@ class SamplingParams:
         structured_outputs: vLLM's form of the four above (``StructuredOutputsParams``); it
             sets the matching ``guided_*`` field.
         guided_decoding: vLLM's older name (``GuidedDecodingParams``), the same way.
+        structural_tag: vLLM's structural tag (dict or JSON string): ``{"structures":
+            [{"begin": str, "schema": dict, "end": str}, ...], "triggers": [str, ...]}``.
+            The text is free until it writes a trigger; from there it must be one of the
+            structures that begin with that trigger (``begin``, JSON valid for ``schema``,
+            ``end``), then it is free again. Tool calling under ``tool_choice: "auto"``
+            uses it (``kvflow.entrypoints.openai.tools.tool_call_structural_tag``).
 
     Raises:
         ValueError: naming the field, for any value outside the ranges above.
@@ -219,6 +225,7 @@ class SamplingParams:
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
@@ -254,7 +261,9 @@ class SamplingParams:
 
     @property
     def guided_kind(self) -> str | None:
-        """Which output constraint is set: "json", "regex", "choice", "grammar" or None."""
+        """Which output constraint is set: "json", "regex", "choice", "grammar", "structural_tag" or None."""
+        if self.structural_tag is not None:
+            return "structural_tag"
         return next((k for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None), None)
 
     def _verify(self) -> None:
@@ -318,6 +327,10 @@ class SamplingParams:
             self.guided_choice = list(self.guided_choice)
         if self.guided_grammar is not None and (not isinstance(self.guided_grammar, str) or not self.guided_grammar.strip()):
             raise ValueError("guided_grammar must be a non-empty string")
+        if self.structural_tag is not None and guided:
+            raise ValueError(f"structural_tag cannot be combined with {guided[0]}")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
+            raise ValueError("structural_tag must be a dict or a JSON string")
         if self.guided_json is not None and not isinstance(self.guided_json, (dict, str)):
             raise ValueError("guided_json must be a JSON schema (dict or JSON string)")
         if self.guided_regex is not None and not isinstance(self.guided_regex, str):

@@ -420,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="how tool calls are read from the model's text under tool_choice 'auto' (default: the "
-                       "family the chat template shows, e.g. hermes for a template with <tool_call>; none otherwise)")
+                       "family the chat template shows, e.g. hermes for a template with <tool_call>; generic otherwise, which "
+                       "reads <tool_call> blocks, bare JSON calls and ```json fences)")
     serve.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
                        help="LoRA adapters (PEFT folders) served as models of their own: a request whose model is "
                        "NAME runs with the adapter at PATH (needs --enable-lora; see docs/lora.md)")

@@ -1,5 +1,6 @@
 """Structured output: constrain sampling to a JSON schema, a regular expression, a choice of
-strings or a context-free grammar (Lark or GBNF).
+strings, a context-free grammar (Lark or GBNF), or vLLM's structural tag (free text with
+constrained segments, e.g. tool calls).
 
 The grammar engine is llguidance (Microsoft's Rust implementation of constrained decoding
 over a tokenizer's vocabulary, the one vLLM and SGLang also use): for each step it gives a
@@ -81,10 +82,14 @@ class GrammarCompiler:
         self._llg = _llguidance()
         self.vocab_size = vocab_size
         self._lltokenizer = self._llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
+        # llguidance reads added tokens (Qwen's <tool_call>, ...) as special: a grammar must
+        # name them as tokens, not spell their text
+        added = getattr(tokenizer, "added_tokens_encoder", None) or {}
+        self._added_tokens = {text: i for text, i in added.items() if len(text) > 1 and i < vocab_size}
 
     def compile(self, params: SamplingParams) -> GrammarMatcher | None:
         """The matcher for ``params.guided_json`` / ``guided_regex`` / ``guided_choice`` /
-        ``guided_grammar``, or None.
+        ``guided_grammar`` / ``structural_tag``, or None.
 
         Raises:
             ValueError: naming the field, for a schema or regex llguidance rejects, or a
@@ -113,9 +118,86 @@ class GrammarCompiler:
                 grammar = self._llg.grammar_from("grammar", params.guided_grammar)
             except ValueError as exc:
                 raise ValueError(f"guided_grammar is not a usable grammar: {exc}") from None
+        elif params.structural_tag is not None:
+            field = "structural_tag"
+            grammar = matcher_cls.grammar_from_lark(structural_tag_lark(params.structural_tag, self._added_tokens))
         else:
             return None
         matcher = matcher_cls(self._lltokenizer, grammar)
         if matcher.is_error():
             raise ValueError(f"{field} is not a usable grammar: {matcher.get_error()}")
         return GrammarMatcher(matcher, self.vocab_size)
+
+
+def _tag_structures(spec: dict[str, Any] | str) -> tuple[list[dict[str, Any]], list[str]]:
+    """The checked structures and triggers of a structural tag.
+
+    Raises:
+        ValueError: naming ``structural_tag``, for anything but vLLM's shape.
+    """
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"structural_tag is not valid JSON: {exc}") from None
+    if not isinstance(spec, dict):
+        raise ValueError("structural_tag must be an object with structures and triggers")
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError("structural_tag.triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError("structural_tag.structures must be a non-empty list")
+    for s in structures:
+        if not (isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+                and isinstance(s.get("schema"), dict)):  # fmt: skip
+            raise ValueError("structural_tag.structures items must have begin (string), schema (object), end (string)")
+        if not any(s["begin"].startswith(t) for t in triggers):
+            raise ValueError(f"structural_tag: the begin {s['begin']!r} starts with none of the triggers")
+    return structures, triggers
+
+
+def structural_tag_lark(spec: dict[str, Any] | str, special_tokens: dict[str, int]) -> str:
+    """The llguidance Lark grammar of a structural tag (vLLM's ``structural_tag``:
+    ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``).
+
+    The output is text, then any number of (structure, text). The text before a structure
+    ends at its trigger (a lazy lexeme, llguidance's tool-calling construct, as in
+    ``llguidance.StructTag``); a trigger that is an added token of the tokenizer
+    (``special_tokens``: text -> id, e.g. Qwen's ``<tool_call>``) is matched as that token,
+    as is any such token's text inside ``begin`` / ``end``. The structure's JSON is
+    ``%json`` of its schema.
+
+    Raises:
+        ValueError: naming ``structural_tag``, for a malformed tag.
+    """
+    structures, triggers = _tag_structures(spec)
+    names = sorted(special_tokens, key=len, reverse=True)
+
+    def pieces(text: str) -> str:
+        """``text`` as Lark items: quoted strings and ``<[id]>`` tokens."""
+        out, i, j = [], 0, 0
+        while j < len(text):
+            hit = next((n for n in names if text.startswith(n, j)), None)
+            if hit is None:
+                j += 1
+                continue
+            if j > i:
+                out.append(json.dumps(text[i:j]))
+            out.append(f"<[{special_tokens[hit]}]>")
+            i = j = j + len(hit)
+        if i < len(text):
+            out.append(json.dumps(text[i:]))
+        return " ".join(out)
+
+    rules = []
+    for k, s in enumerate(structures):
+        trigger = max((t for t in triggers if s["begin"].startswith(t)), key=len)
+        schema = json.dumps(s["schema"])
+        body = f"{pieces(s['begin'][len(trigger):])} %json {schema} {pieces(s['end'])}"
+        if trigger in special_tokens:
+            rules.append(f"tag_{k}: TAG_TEXT <[{special_tokens[trigger]}]> {body}")
+        else:
+            rules.append(f"tag_{k}_trig[lazy]: TAG_TEXT {json.dumps(trigger)}\ntag_{k}: tag_{k}_trig {body}")
+    options = " | ".join(f"tag_{k}" for k in range(len(structures)))
+    header = f"%llguidance {{}}\nstart: ({options})* tag_end\ntag_end: TAG_TEXT\nTAG_TEXT: /(.|\\n)*/\n"
+    return header + "\n".join(rules) + "\n"

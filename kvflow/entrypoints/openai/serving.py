@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -28,9 +29,9 @@ from kvflow.entrypoints.openai.errors import APIError
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from kvflow.entrypoints.openai.reasoning import get_reasoning_parser
 from kvflow.entrypoints.openai.tool_parsers import (
-    TOOL_PARSERS, JSONArrayToolParser, NamedFunctionParser, ToolParser, detect_tool_parser, get_tool_parser,
+    JSONArrayToolParser, NamedFunctionParser, ToolParser, detect_tool_parser, get_tool_parser,
 )  # fmt: skip
-from kvflow.entrypoints.openai.tools import template_tools
+from kvflow.entrypoints.openai.tools import template_tools, tool_call_structural_tag
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
 from kvflow.pooling_params import PoolingParams
@@ -180,7 +181,7 @@ class OpenAIServing:
         model_aliases: other ``model`` values accepted for it (e.g. the ``--model`` path).
         chat_template: a Jinja chat template used instead of the tokenizer's.
         tool_parser: the ``--tool-call-parser`` name (None: the family detected from the chat
-            template, if any).
+            template, else ``generic``, which reads the forms most models write calls in).
         reasoning_parser: the ``--reasoning-parser`` name (None: no reasoning split).
 
     Raises:
@@ -194,7 +195,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.chat_template = chat_template
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
-        self.tool_parser_cls: type[ToolParser] | None = (
+        self.tool_parser_cls: type[ToolParser] = (
             get_tool_parser(tool_parser) if tool_parser else detect_tool_parser(template if isinstance(template, str) else None)
         )
         self.reasoning_parser_cls = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
@@ -470,24 +471,11 @@ class OpenAIServing:
 
     def _output_parsers(self, req: ChatCompletionRequest) -> tuple[Callable[..., ChatOutputParser], bool]:
         """The maker of a chat request's output parsers (one per choice; its argument is the
-        tool call id prefix), and whether the text must keep special tokens.
-
-        Raises:
-            APIError: 400 for tools under tool_choice "auto" on a server without a tool parser.
-        """
+        tool call id prefix), and whether the text must keep special tokens."""
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
         forced = choice not in ("none", "auto")
         tool_parser: Callable[[], ToolParser] | None = None
         if req.tools and choice == "auto":
-            if self.tool_parser_cls is None:
-                raise APIError(
-                    400,
-                    "tools with tool_choice 'auto' need a tool-call parser, and this server's chat template is of no "
-                    f"family kvflow detects: start the server with --tool-call-parser (one of {', '.join(TOOL_PARSERS)}), "
-                    "or set tool_choice to 'required', a named function or 'none'",
-                    "BadRequestError",
-                    "tools",
-                )
             tool_parser = self.tool_parser_cls
         elif choice == "required":
             tool_parser = JSONArrayToolParser
@@ -505,6 +493,15 @@ class OpenAIServing:
 
         return make, keep_special
 
+    def _tool_call_constraint(self, req: ChatCompletionRequest, params: SamplingParams) -> dict[str, Any] | None:
+        """The structural tag that constrains the calls of a ``tool_choice: "auto"`` request
+        (``tools.tool_call_structural_tag``), or None: no tools, another tool_choice, a
+        request with its own output constraint, or a parser without call forms."""
+        choice = req.tool_choice if req.tool_choice is not None else "auto"
+        if not req.tools or choice != "auto" or params.guided_kind is not None:
+            return None
+        return tool_call_structural_tag(req.tools, self.tool_parser_cls.call_forms)
+
     async def start_chat(self, req: ChatCompletionRequest) -> ChatRun:
         """Check, render (off the loop) and queue a chat request.
 
@@ -521,10 +518,13 @@ class OpenAIServing:
         max_tokens = self._max_tokens(requested, len(ids), field)
         top_k = req.top_logprobs or 0
         params = self._params(req, max_tokens, top_k if req.logprobs else None)
+        tag = self._tool_call_constraint(req, params)
+        if tag is not None:
+            params = dataclasses.replace(params, structural_tag=tag)
         try:
             (iterator,) = await self._add([(ids, None)], params, "messages", req.priority, self.lora_for(req.model))
         except APIError as exc:
-            if exc.param == "guided_json" and req.guided_json is None and req.tools:
+            if exc.param in ("guided_json", "structural_tag") and req.guided_json is None and req.tools:
                 raise APIError(400, f"tools: a parameter schema cannot be enforced for tool_choice ({exc.message})",
                                "BadRequestError", "tools") from None
             raise

@@ -4,8 +4,11 @@ messages) and the JSON schema that enforces ``tool_choice: "required"`` or a nam
 Semantics follow the OpenAI chat completions API and vLLM:
 
 - ``tool_choice`` ``"auto"`` (the default with tools): the model decides; the server's tool
-  parser (``--tool-call-parser``, or the family detected from the chat template) reads its
-  calls out of the text.
+  parser (``--tool-call-parser``, else the family detected from the chat template, else
+  ``generic``) reads its calls out of the text. Once the model starts a call (the parser's
+  trigger: ``<tool_call>``, ``{"name"``), the rest of the call is constrained to one of the
+  tools with arguments valid for its schema (``tool_call_structural_tag``, vLLM's / SGLang's
+  structural tags, enforced by llguidance), so a call that starts always parses.
 - ``"none"``: the tools are still rendered in the prompt (as vLLM does by default), the
   output is never read as calls.
 - ``"required"`` / ``{"type": "function", "function": {"name": ...}}``: the output is
@@ -19,6 +22,7 @@ Semantics follow the OpenAI chat completions API and vLLM:
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # protocol.py calls check_tools from its validator: no import back at run time
@@ -83,6 +87,28 @@ def tool_choice_schema(tools: list[ChatTool], tool_choice: ToolChoice, parallel_
         schema["maxItems"] = 1
     schema["x-guidance"] = _GUIDANCE
     return schema
+
+
+def tool_call_structural_tag(tools: list[ChatTool], forms: tuple[tuple[str, str, str, str], ...]) -> dict[str, Any] | None:
+    """The structural tag (``SamplingParams.structural_tag``, vLLM's shape) that constrains
+    each call the model starts under ``tool_choice: "auto"``: per form of the parser
+    (``ToolParser.call_forms``: trigger, text before the name, text between the name and
+    the arguments, text after them) and per tool, a structure ``begin`` = the text before,
+    the name (a JSON string), the text between; ``schema`` = the tool's parameters; ``end``.
+    None for a parser without forms.
+    """
+    if not forms or not tools:
+        return None
+    structures = [
+        {
+            "begin": f"{head}{json.dumps(t.function.name)}{between}",
+            "schema": {**_parameters(t), "x-guidance": _GUIDANCE},
+            "end": end,
+        }
+        for _, head, between, end in forms
+        for t in tools
+    ]  # fmt: skip
+    return {"type": "structural_tag", "structures": structures, "triggers": [trigger for trigger, *_ in forms]}
 
 
 def template_tools(tools: list[ChatTool]) -> list[dict[str, Any]]:

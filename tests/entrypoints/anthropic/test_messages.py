@@ -100,7 +100,7 @@ def test_tool_use_streamed(client, script):
                    and e.delta.type == "input_json_delta"]  # fmt: skip
     assert len(json_deltas) > 1 and json.loads("".join(json_deltas)) == ARGS
     assert [b.type for b in final.content] == ["text", "tool_use"]
-    assert final.content[0].text == "Let me check. " and final.content[1].input == ARGS
+    assert final.content[0].text == "Let me check." and final.content[1].input == ARGS
     assert final.stop_reason == "tool_use"
 
 
@@ -193,3 +193,21 @@ def test_tokenize_takes_tools_as_chat_completions_renders_them(served):
         assert plain < r.json()["count"]
         bad = http.post("/tokenize", json={"messages": messages, "tools": [{"type": "function"}]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools", bad.text
+
+
+@pytest.mark.parametrize("written", [
+    'Sure.\n```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "unit": "celsius"}\n}\n```',
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+])  # fmt: skip
+def test_untagged_call_is_a_tool_use_block_and_never_text(client, script, written):
+    """A call written as a ```json fence or a bare JSON line is a tool_use block; no piece of
+    it reaches a text block (streamed: no text delta holds it)."""
+    script.set(written)
+    with client.messages.stream(model="tiny", max_tokens=200, messages=MSG, tools=[TOOL]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    texts = "".join(e.delta.text for e in events if e.type == "content_block_delta" and e.delta.type == "text_delta")
+    assert "{" not in texts and "`" not in texts and "name" not in texts, texts
+    assert [b.type for b in final.content] == (["text", "tool_use"] if written.startswith("Sure") else ["tool_use"])
+    assert final.content[-1].name == "get_weather" and final.content[-1].input == ARGS
+    assert final.stop_reason == "tool_use"

@@ -27,10 +27,11 @@ def _calls(parsed):
 # ---------------------------------------------------------------------------- whole texts
 HERMES_CASES = [
     (f"<tool_call>\n{WEATHER}\n</tool_call>", "", [("get_weather", json.loads(WEATHER_ARGS))]),
-    (f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>", "Let me look.\n",
+    (f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n{TIME}\n</tool_call>", "Let me look.",
      [("get_weather", json.loads(WEATHER_ARGS)), ("get_time", {})]),
-    (f"<tool_call>{TIME}</tool_call> done", " done", [("get_time", {})]),  # text after the calls stays
+    (f"<tool_call>{TIME}</tool_call> done", "done", [("get_time", {})]),  # text after the calls stays
     (f"<tool_call>\n{TIME}", "", [("get_time", {})]),  # no closing tag at the very end
+    (f"<tool_call>\n{TIME}\n</tool", "", [("get_time", {})]),  # closing tag cut short (max_tokens)
     (f"{WEATHER}\n{TIME}", "", [("get_weather", json.loads(WEATHER_ARGS)), ("get_time", {})]),  # bare (Qwen2.5-Coder)
     ('{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"temperature_c": 18}', '{"temperature_c": 18}',
      [("get_weather", {"city": "Paris"})]),
@@ -39,10 +40,31 @@ HERMES_CASES = [
     ("Just text, no calls.", "Just text, no calls.", []),
     ('{"name": "Ann", "age": 3}', '{"name": "Ann", "age": 3}', []),  # JSON, but no arguments: not a call
     ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
-    ('<tool_call>\n{"name": "f", "arguments": {"x": 1', '<tool_call>\n{"name": "f", "arguments": {"x": 1', []),  # cut
+    ('Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1', "Sure.", []),  # cut short: dropped, never content
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
     ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
     (f"<tool_call>{TIME}</tool_call><tool_call>oops", "<tool_call>oops", [("get_time", {})]),  # the good call stays
+]  # fmt: skip
+
+# The forms small models write (Qwen2.5-Coder-0.5B-Instruct): the generic parser, and hermes
+# (Qwen's detected family), read them all.
+CONVERT = '{"name": "convert", "arguments": {"value": 18, "to": "F"}}'
+GENERIC_CASES = [
+    (f"```json\n{WEATHER}\n```", "", [("get_weather", json.loads(WEATHER_ARGS))]),
+    (f"I will call it.\n```json\n[{TIME}, {CONVERT}]\n```\nDone.", "I will call it.\nDone.",
+     [("get_time", {}), ("convert", {"value": 18, "to": "F"})]),
+    (f"```\n{TIME}\n{CONVERT}\n```", "", [("get_time", {}), ("convert", {"value": 18, "to": "F"})]),
+    (f"[{TIME}, {CONVERT}]", "", [("get_time", {}), ("convert", {"value": 18, "to": "F"})]),  # a list of calls
+    (f"Checking: {CONVERT}", "Checking:", [("convert", {"value": 18, "to": "F"})]),  # {"name" mid-line
+    (f"{TIME}\n\n{CONVERT}\n", "", [("get_time", {}), ("convert", {"value": 18, "to": "F"})]),  # JSON lines
+    (f"<tool_call>\n{TIME}\n</tool_call>\n```json\n{CONVERT}\n```", "",
+     [("get_time", {}), ("convert", {"value": 18, "to": "F"})]),  # forms mixed
+    ("```json\n{\"a\": 1}\n```", "```json\n{\"a\": 1}\n```", []),  # a JSON answer, not a call
+    ("```python\nx = {1: 2}\n```", "```python\nx = {1: 2}\n```", []),
+    ("int f() {\n  return [x];\n}", "int f() {\n  return [x];\n}", []),
+    ("See [the docs](http://x).", "See [the docs](http://x).", []),
+    ('Sure.\n```json\n{"name": "convert", "arguments": {"value": 1', "Sure.", []),  # cut short: dropped
+    ('{"name": "convert", "argu', "", []),
 ]  # fmt: skip
 
 LLAMA_CASES = [
@@ -65,7 +87,8 @@ MISTRAL_CASES = [
 @pytest.mark.parametrize(
     "family,text,content,calls",
     [("hermes", *c) for c in HERMES_CASES] + [("llama3_json", *c) for c in LLAMA_CASES]
-    + [("mistral", *c) for c in MISTRAL_CASES],
+    + [("mistral", *c) for c in MISTRAL_CASES] + [(f, *c) for f in ("generic", "hermes") for c in GENERIC_CASES]
+    + [("generic", *c) for c in HERMES_CASES],
 )  # fmt: skip
 def test_whole_text(family, text, content, calls):
     parsed = TOOL_PARSERS[family]().parse(text, final=True)
@@ -128,6 +151,7 @@ STREAM_CASES = (
     + [("llama3_json", t) for t, _, calls in LLAMA_CASES]
     + [("mistral", t) for t, _, calls in MISTRAL_CASES if calls]
     + [("hermes", "Plain text with a < and a <tool but no call.")]
+    + [("generic", t) for t, _, _ in GENERIC_CASES]
 )
 
 
@@ -142,6 +166,20 @@ def test_stream_deltas_add_up_to_the_whole_parse(family, text, data):
     assert got["content"] == whole.content
     assert [(n, a) for _, n, a in got["calls"].values()] == [(t.name, t.arguments) for t in whole.tool_calls]
     assert [i for i, _, _ in got["calls"].values()] == [t.id for t in parser.tool_calls]
+
+
+@pytest.mark.parametrize("text", [t for t, c, _ in GENERIC_CASES + HERMES_CASES if "name" not in c and "<tool_call" not in c])
+def test_stream_never_leaks_a_call_into_the_content(text):
+    """At every prefix (character by character), the content sent so far holds no piece of a
+    call: no tag, no call JSON, and it is a prefix of the whole parse's content."""
+    parser = ChatOutputParser(tool_parser=TOOL_PARSERS["generic"]())
+    whole = _whole(lambda: ChatOutputParser(tool_parser=TOOL_PARSERS["generic"]()), text)
+    sent = ""
+    for i in range(1, len(text) + 1):
+        sent += parser.update(text[:i], final=i == len(text)).content
+        assert whole.content.startswith(sent), (text[:i], sent)
+        assert "<tool_call" not in sent
+        assert '{"name"' not in sent and '"arguments"' not in sent, (text[:i], sent)
 
 
 def test_stream_token_by_token_sends_arguments_in_fragments():
@@ -173,9 +211,10 @@ def test_detection_from_the_chat_template():
     assert detect_tool_parser("... <tool_call>\n{{ tool_call.name }} ...").name == "hermes"
     assert detect_tool_parser("{{ '[TOOL_CALLS]' }}").name == "mistral"
     assert detect_tool_parser("<|python_tag|>").name == "llama3_json"
-    assert detect_tool_parser("{% for m in messages %}{{ m.content }}{% endfor %}") is None
-    assert detect_tool_parser("<tool_call> and [TOOL_CALLS]") is None  # ambiguous
-    assert detect_tool_parser(None) is None
+    # no family, or two: the generic parser (not a 400 under tool_choice "auto")
+    assert detect_tool_parser("{% for m in messages %}{{ m.content }}{% endfor %}").name == "generic"
+    assert detect_tool_parser("<tool_call> and [TOOL_CALLS]").name == "generic"  # ambiguous
+    assert detect_tool_parser(None).name == "generic"
 
 
 def test_unknown_parser_names_the_flag():

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import TINY_TEXT_VOCAB, tiny_tokenizer
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest
-from kvflow.entrypoints.openai.tools import check_tools, tool_choice_schema
+from kvflow.entrypoints.openai.tools import check_tools, tool_call_structural_tag, tool_choice_schema
 from kvflow.sample.guided import GrammarCompiler
 from kvflow.sampling_params import SamplingParams
 
@@ -126,3 +126,65 @@ def test_check_tools_accepts_no_tools():
     check_tools(None, None)
     check_tools([], "none")
     assert json.loads(json.dumps(tool_choice_schema([], "auto", True))) is None
+
+
+# ---------------------------------------------------------------------------- tool_choice "auto"
+def _tag_accepts(compiler, tag, text: str, special: dict[str, int] | None = None) -> bool:
+    """Whether the structural tag's grammar takes ``text`` and may then end."""
+    tok, comp = compiler
+    matcher = comp.compile(SamplingParams(structural_tag=tag))
+    for token in tok.encode(text, add_special_tokens=False):
+        if not matcher.matcher.consume_token(token):
+            return False
+    return matcher.matcher.is_accepting()
+
+
+def test_auto_structural_tag_constrains_each_started_call(compiler):
+    from kvflow.entrypoints.openai.tool_parsers import GenericToolParser
+
+    request = _request(tool_choice="auto")
+    tag = tool_call_structural_tag(request.tools, GenericToolParser.call_forms)
+    ok = [
+        "It is sunny, no tool needed.",  # free text
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        '{"name": "get_time", "arguments": {}}\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}} done',
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```',
+        "x = {1: 2}  # a brace that starts no call",
+    ]
+    bad = [
+        '<tool_call>\n{"name": "get_news", "arguments": {}}\n</tool_call>',  # not a tool
+        '{"name": "get_weather", "arguments": {"days": 3}}',  # city is required
+        '{"name": "get_weather", "arguments": {"city": Paris}}',  # not JSON
+        '{"name": "get_time", "arguments": {"x": 1}}',  # no parameters declared
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}',  # a started call must finish
+    ]
+    assert all(_tag_accepts(compiler, tag, t) for t in ok)
+    assert not any(_tag_accepts(compiler, tag, t) for t in bad)
+    # the parser reads every call the constraint lets through
+    parsed = GenericToolParser().parse(ok[2], final=True)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("get_time", {}), ("get_weather", {"city": "Rome", "days": 2})]
+
+
+def test_structural_tag_matches_an_added_token_as_that_token():
+    """A trigger that is an added token (Qwen's <tool_call>) is the token, not its spelling:
+    llguidance reads added tokens as special."""
+    from kvflow.sample.guided import structural_tag_lark
+
+    tag = {"structures": [{"begin": "<tool_call>\n{", "schema": {"type": "object"}, "end": "}</tool_call>"}],
+           "triggers": ["<tool_call>"]}  # fmt: skip
+    lark = structural_tag_lark(tag, {"<tool_call>": 300, "</tool_call>": 301})
+    assert "TAG_TEXT <[300]>" in lark and "<[301]>" in lark and '"<tool_call>"' not in lark
+    assert '[lazy]: TAG_TEXT "<tool_call>"' in structural_tag_lark(tag, {})  # spelled: a lazy trigger
+
+
+@pytest.mark.parametrize("tag,match", [
+    ({"structures": [], "triggers": ["<a>"]}, "structures"),
+    ({"structures": [{"begin": "<a>", "schema": {}, "end": ""}], "triggers": []}, "triggers"),
+    ({"structures": [{"begin": "<b>", "schema": {}, "end": ""}], "triggers": ["<a>"]}, "none of the triggers"),
+    ({"structures": [{"begin": "<a>", "end": ""}], "triggers": ["<a>"]}, "schema"),
+    ("{not json", "not valid JSON"),
+])  # fmt: skip
+def test_bad_structural_tags_are_named(compiler, tag, match):
+    with pytest.raises(ValueError, match="structural_tag") as exc:
+        compiler[1].compile(SamplingParams(structural_tag=tag))
+    assert match in str(exc.value)

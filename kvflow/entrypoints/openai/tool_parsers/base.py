@@ -272,14 +272,20 @@ class ToolParser:
     """Turns a model family's tool-call text into ``ParsedToolOutput``.
 
     Subclasses set ``name`` (the ``--tool-call-parser`` value), ``template_markers`` (text
-    that, found in a chat template, says the template is of this family) and implement
-    ``parse``. ``needs_special_tokens``: the markers are special tokens, so the request's
-    text must keep special tokens (``skip_special_tokens=False``).
+    that, found in a chat template, says the template is of this family), ``call_forms``
+    (what the structural constraint of ``tool_choice: "auto"`` enforces once a call
+    starts) and implement ``parse``. ``needs_special_tokens``: the markers are special
+    tokens, so the request's text must keep special tokens (``skip_special_tokens=False``).
     """
 
     name: ClassVar[str] = ""
     template_markers: ClassVar[tuple[str, ...]] = ()
     needs_special_tokens: ClassVar[bool] = False
+    # The forms of a call this parser reads, for the structural constraint of tool_choice
+    # "auto" (tools.tool_call_structural_tag): (trigger, the text before the name (a JSON
+    # string), the text between the name and the arguments object, the text after it);
+    # empty: no constraint.
+    call_forms: ClassVar[tuple[tuple[str, str, str, str], ...]] = ()
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         """The content and calls of ``text`` (everything generated so far).

@@ -15,6 +15,7 @@ class Llama3JSONToolParser(ToolParser):
 
     name = "llama3_json"
     template_markers = (PYTHON_TAG,)
+    call_forms = (('{"name"', '{"name": ', ', "parameters": ', "}"),)
 
     def parse(self, text: str, final: bool) -> ParsedToolOutput:
         start = skip_ws(text, 0)
