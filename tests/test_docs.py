@@ -58,6 +58,8 @@ def _kvflow_commands(text: str) -> list[list[str]]:
     commands = []
     for block in _bash_blocks(text):
         for line in block.replace("\\\n", " ").splitlines():
+            if "kvflow" not in line.split("#", 1)[0]:
+                continue  # other commands (a curl with a multi-line JSON body) are not split
             command: list[str] = []
             for token in [*shlex.split(line, comments=True), "&&"]:
                 if token != "&&":

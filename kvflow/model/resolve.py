@@ -265,22 +265,27 @@ def iter_gguf_weights(source: str | os.PathLike[str], config: transformers.Pretr
     from kvflow.layers.gguf_kernels import SUPPORTED_QTYPES, GGUFWeight
 
     reader = _open_gguf(Path(source))
-    for tensor in reader.tensors:
-        if tensor.name in _CONFIG_TENSORS:
-            continue
-        names = _hf_names(tensor.name, config)
-        try:
-            if native and tensor.tensor_type in SUPPORTED_QTYPES and len(names) == 1 and len(tensor.shape) == 2:
-                n, k = int(tensor.shape[1]), int(tensor.shape[0])
-                raw = np.asarray(tensor.data).reshape(n, -1)
-                raw = _permuted_rows(raw, tensor.name, config)
-                yield names[0], GGUFWeight(torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)),
-                                           tensor.tensor_type, n, k)
-            else:
-                yield from _hf_tensors(tensor, config).items()
-        except (ValueError, AssertionError) as exc:
-            raise ValueError(f"{source}: tensor {tensor.name!r} ({_type_name(tensor.tensor_type)}, shape "
-                             f"{[int(d) for d in tensor.shape]}): {exc}") from None
+    with open(source, "rb", buffering=0) as file:
+        for tensor in reader.tensors:
+            if tensor.name in _CONFIG_TENSORS:
+                continue
+            names = _hf_names(tensor.name, config)
+            try:
+                if native and tensor.tensor_type in SUPPORTED_QTYPES and len(names) == 1 and len(tensor.shape) == 2:
+                    n, k = int(tensor.shape[1]), int(tensor.shape[0])
+                    # Read with pread, not through the reader's memory map: the map's touched
+                    # pages would count in this process's RSS next to the copy.
+                    raw = np.empty(int(tensor.n_bytes), dtype=np.uint8)
+                    file.seek(int(tensor.data_offset))
+                    if file.readinto(memoryview(raw)) != raw.size:
+                        raise ValueError("the file ends inside the tensor's data (truncated)")
+                    raw = _permuted_rows(raw.reshape(n, -1), tensor.name, config)
+                    yield names[0], GGUFWeight(torch.from_numpy(np.ascontiguousarray(raw)), tensor.tensor_type, n, k)
+                else:
+                    yield from _hf_tensors(tensor, config).items()
+            except (ValueError, AssertionError) as exc:
+                raise ValueError(f"{source}: tensor {tensor.name!r} ({_type_name(tensor.tensor_type)}, shape "
+                                 f"{[int(d) for d in tensor.shape]}): {exc}") from None
 
 
 def _type_name(qtype: Any) -> str:
