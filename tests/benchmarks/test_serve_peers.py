@@ -17,7 +17,7 @@ def test_server_commands_use_the_same_threads_and_dtype() -> None:
     hf, gguf = Path("/m/hf"), Path("/m/model.gguf")
     kv = serve_peers.server_command("kvflow", args, hf, gguf, 9000, 32)
     assert kv[kv.index("--dtype") + 1] == "bfloat16" and kv[kv.index("--num-threads") + 1] == "3"
-    assert "--quantization" not in kv
+    assert kv[kv.index("--quantization") + 1] == "none"  # the file dequantized (kvflow-default: as stored)
     int4 = serve_peers.server_command("kvflow-int4", args, hf, gguf, 9000, 32)
     assert int4[int4.index("--quantization") + 1] == "int4" and int4[int4.index("--lm-head-quantization") + 1] == "int8"
     for cmd in (kv, int4):  # kvflow's own CLI parser takes them (it exits 2 on an unknown flag or value)
