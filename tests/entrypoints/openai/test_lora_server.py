@@ -22,7 +22,9 @@ def _make_adapter(model_dir, path, seed: int, r: int, targets: list[str]):
     import peft
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    from kvflow.model.resolve import hf_checkpoint_dir
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoint_dir(str(model_dir)), dtype=torch.float32)
     model = peft.get_peft_model(hf, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, task_type="CAUSAL_LM"))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
