@@ -270,7 +270,11 @@ def _cmd_memory(args: argparse.Namespace) -> int:
         budget_bytes=args.budget,
         max_model_len=args.max_model_len,
     )
-    print(json.dumps(report, indent=2) if args.json else memory.format_report(report))
+    weights = memory.weight_report(args.model)
+    if weights is not None:
+        report["weights"] = weights
+    text = memory.format_report(report) + ("" if weights is None else "\n\n" + memory.format_weights(weights))
+    print(json.dumps(report, indent=2) if args.json else text)
     return 0
 
 
@@ -430,7 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    mem = command("memory", "KV cache bytes per token/block, attention variants, what a budget holds")
+    mem = command("memory", "KV cache bytes per token/block, attention variants, what a budget holds; weight bytes as stored")
     mem.add_argument("--model", default=defaults.model, help="short name, .gguf file or HF directory (only its config is read)")
     mem.add_argument("--max-model-len", type=int, default=None, help="request length in tokens (default: the model's context)")
     mem.add_argument(

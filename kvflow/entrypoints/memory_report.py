@@ -1,5 +1,5 @@
 """``kvflow memory``: KV cache bytes per token and per block, attention variants, budgets,
-from a model's config alone (no weight is loaded).
+from a model's config alone (no weight is loaded), and the bytes its weights take as stored.
 
 Every size here is in **bytes**, every length in **tokens**. The bytes come from the
 engine's own formula, ``kvflow.config.KVCacheSpec.bytes_per_token`` (DESIGN.md, "Reference
@@ -515,3 +515,122 @@ def _gguf_config(path: Path) -> Any:
 
     return _build_config(gguf.GGUFReader(path))
 
+
+# ---------------------------------------------------------------------------- weights
+def weight_report(model: str, cache_dir: str | os.PathLike[str] | None = None) -> dict[str, Any] | None:
+    """The bytes ``model``'s weights take as stored, by storage type, from the file's tensor
+    table alone (no tensor is read).
+
+    - a ``.gguf`` file or a packaged short name: the GGUF tensor table (``gguf.GGUFReader``,
+      memory-mapped; GGUF spec, "Tensor info"): per ``GGMLQuantizationType`` the tensor count,
+      elements and bytes. kvflow computes these blocks as stored on the CPU by default
+      (``quantization="gguf"``), so ``stored_bytes`` is what the weights occupy in memory;
+      ``float32_bytes`` / ``bfloat16_bytes`` are what a dequantized model
+      (``quantization="none"``) would hold;
+    - an HF folder: the ``*.safetensors`` headers (dtype, shape, byte offsets), per dtype.
+
+    Returns:
+        ``{"format": "gguf" | "safetensors", "files": [...], "stored_bytes": int,
+        "elements": int, "float32_bytes": int, "bfloat16_bytes": int,
+        "by_type": {type name: {"tensors", "elements", "bytes"}}}``, or None where no weight
+        file is found (a ``config.json`` alone).
+
+    Raises:
+        ValueError: a GGUF or safetensors file that cannot be read (truncated or corrupt).
+    """
+    files = _weight_files(model, cache_dir)
+    if not files:
+        return None
+    by_type: dict[str, dict[str, int]] = {}
+
+    def add(name: str, elements: int, nbytes: int) -> None:
+        entry = by_type.setdefault(name, {"tensors": 0, "elements": 0, "bytes": 0})
+        entry["tensors"] += 1
+        entry["elements"] += elements
+        entry["bytes"] += nbytes
+
+    fmt = "gguf" if files[0].suffix.lower() == ".gguf" else "safetensors"
+    for file in files:
+        try:
+            if fmt == "gguf":
+                import gguf
+
+                for t in gguf.GGUFReader(file).tensors:
+                    add(t.tensor_type.name, int(t.n_elements), int(t.n_bytes))
+            else:
+                for name, dtype, elements, nbytes in _safetensors_table(file):
+                    add(dtype, elements, nbytes)
+        except (ValueError, OSError, KeyError, IndexError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{file} is not a readable {fmt} file (truncated or corrupt?): {exc}") from exc
+    elements = sum(e["elements"] for e in by_type.values())
+    return {
+        "format": fmt,
+        "files": [str(f) for f in files],
+        "stored_bytes": sum(e["bytes"] for e in by_type.values()),
+        "elements": elements,
+        "float32_bytes": 4 * elements,
+        "bfloat16_bytes": 2 * elements,
+        "by_type": dict(sorted(by_type.items(), key=lambda kv: -kv[1]["bytes"])),
+    }
+
+
+def _weight_files(model: str, cache_dir: str | os.PathLike[str] | None) -> list[Path]:
+    path = Path(model).expanduser()
+    if path.name == "config.json":
+        path = path.parent
+    if path.is_dir():
+        from kvflow.model.resolve import gguf_source
+
+        source = gguf_source(path)  # a GGUF model's cached folder points at its file
+        return [source] if source is not None else sorted(path.glob("*.safetensors"))
+    if path.is_file():
+        return [path]
+    if os.sep in model or model.startswith(("~", ".")):
+        raise FileNotFoundError(f"Model path {model!r} does not exist")
+    from kvflow.model import packages
+
+    parts = packages.locate_parts(packages.lookup(model))
+    if len(parts) == 1:
+        return [parts[0]]
+    from kvflow.model.resolve import resolve_model
+
+    return _weight_files(str(resolve_model(model, cache_dir=cache_dir)), cache_dir)
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                      "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+
+
+def _safetensors_table(file: Path) -> list[tuple[str, str, int, int]]:
+    """(name, dtype, elements, bytes) of each tensor in a safetensors header (8-byte
+    little-endian header length, then a JSON table; the safetensors format spec)."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size <= 0 or size > 100 * 1024**2:
+            raise ValueError(f"header length {size}")
+        header = json.loads(f.read(size))
+    rows = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        elements = 1
+        for d in info["shape"]:
+            elements *= int(d)
+        begin, end = info["data_offsets"]
+        rows.append((name, info["dtype"], elements, int(end) - int(begin)))
+    return rows
+
+
+def format_weights(weights: dict[str, Any]) -> str:
+    """The text block of ``weight_report`` for ``kvflow memory``."""
+    stored = weights["stored_bytes"]
+    lines = [f"Weights as stored ({weights['format']}): {stored:,} B ({human_bytes(stored)}), "
+             f"{weights['elements']:,} parameters"]
+    for name, e in weights["by_type"].items():
+        lines.append(f"  {name:<6} {e['tensors']:>4} tensors  {e['bytes']:>14,} B ({human_bytes(e['bytes'])}), "
+                     f"{8 * e['bytes'] / max(e['elements'], 1):.2f} bits/weight")
+    if weights["format"] == "gguf":
+        lines.append(f"  computed as stored on the CPU by default (--quantization gguf); dequantized "
+                     f"(--quantization none) they would take {human_bytes(weights['bfloat16_bytes'])} in bfloat16, "
+                     f"{human_bytes(weights['float32_bytes'])} in float32")
+    return "\n".join(lines)

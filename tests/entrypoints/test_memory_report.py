@@ -342,3 +342,39 @@ def test_hybrid_gemma3_report_matches_the_engines_pool_and_allocator(tmp_path):
     assert off.cache.kv_cache_groups is None and off.cache.num_blocks == report["budget"]["blocks"]
     assert "Window-aware KV cache" in memory.format_report(report)
     assert memory.memory_report(_spec(LLAMA2_7B), "float16")["hybrid"] is None
+
+
+# ------------------------------------------------------------------ weights as stored
+def test_weight_report_of_a_gguf_file_counts_its_blocks(tmp_path, capsys):
+    """The tensor table's bytes by type: Q8_0 is 34 bytes per 32 weights, F32 4 bytes each."""
+    from model.test_resolve import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(path, "llama")
+    weights = memory.weight_report(str(path))
+    q8 = [n for n in expected if n.endswith(("embed_tokens.weight", "down_proj.weight"))]
+    q8_elements = sum(expected[n].size for n in q8)
+    f32_elements = sum(a.size for n, a in expected.items() if n not in q8)
+    assert weights["format"] == "gguf"
+    assert weights["by_type"]["Q8_0"] == {"tensors": len(q8), "elements": q8_elements, "bytes": q8_elements // 32 * 34}
+    assert weights["by_type"]["F32"] == {"tensors": len(expected) - len(q8), "elements": f32_elements,
+                                         "bytes": 4 * f32_elements}
+    assert weights["stored_bytes"] == q8_elements // 32 * 34 + 4 * f32_elements
+    assert weights["float32_bytes"] == 4 * (q8_elements + f32_elements)
+    out = _run_cli(capsys, "--model", str(path), "--kv-cache-dtype", "float32")
+    assert f"Weights as stored (gguf): {weights['stored_bytes']:,} B" in out and "8.50 bits/weight" in out
+
+
+def test_weight_report_of_a_safetensors_folder_and_a_corrupt_file(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(4, 8, dtype=torch.bfloat16), "b": torch.zeros(3)}, str(tmp_path / "model.safetensors"))
+    weights = memory.weight_report(str(tmp_path))
+    assert weights["format"] == "safetensors"
+    assert weights["by_type"] == {"BF16": {"tensors": 1, "elements": 32, "bytes": 64},
+                                  "F32": {"tensors": 1, "elements": 3, "bytes": 12}}
+    assert memory.weight_report(str(tmp_path / "model.safetensors"))["stored_bytes"] == 76
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 13)
+    with pytest.raises(ValueError, match="bad.gguf is not a readable gguf file"):
+        memory.weight_report(str(bad))
