@@ -521,8 +521,8 @@ def weight_report(model: str, cache_dir: str | os.PathLike[str] | None = None) -
     """The bytes ``model``'s weights take as stored, by storage type, from the file's tensor
     table alone (no tensor is read).
 
-    - a ``.gguf`` file or a packaged short name: the GGUF tensor table (``gguf.GGUFReader``,
-      memory-mapped; GGUF spec, "Tensor info"): per ``GGMLQuantizationType`` the tensor count,
+    - a ``.gguf`` file or a packaged short name: the GGUF tensor table
+      (``kvflow.model.gguf_file.read_tensor_infos``; GGUF spec, "tensor info"): per ``GGMLQuantizationType`` the tensor count,
       elements and bytes. kvflow computes these blocks as stored on the CPU by default
       (``quantization="gguf"``), so ``stored_bytes`` is what the weights occupy in memory;
       ``float32_bytes`` / ``bfloat16_bytes`` are what a dequantized model
@@ -551,17 +551,17 @@ def weight_report(model: str, cache_dir: str | os.PathLike[str] | None = None) -
 
     fmt = "gguf" if files[0].suffix.lower() == ".gguf" else "safetensors"
     for file in files:
-        try:
-            if fmt == "gguf":
-                import gguf
+        if fmt == "gguf":  # raises its own ValueError naming the file
+            from kvflow.model.gguf_file import read_tensor_infos
 
-                for t in gguf.GGUFReader(file).tensors:
-                    add(t.tensor_type.name, int(t.n_elements), int(t.n_bytes))
-            else:
-                for name, dtype, elements, nbytes in _safetensors_table(file):
-                    add(dtype, elements, nbytes)
-        except (ValueError, OSError, KeyError, IndexError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{file} is not a readable {fmt} file (truncated or corrupt?): {exc}") from exc
+            for t in read_tensor_infos(file):
+                add(t.tensor_type.name, t.n_elements, t.n_bytes)
+            continue
+        try:
+            for name, dtype, elements, nbytes in _safetensors_table(file):
+                add(dtype, elements, nbytes)
+        except (ValueError, OSError, KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {exc}") from exc
     elements = sum(e["elements"] for e in by_type.values())
     return {
         "format": fmt,

@@ -376,5 +376,10 @@ def test_weight_report_of_a_safetensors_folder_and_a_corrupt_file(tmp_path):
     assert memory.weight_report(str(tmp_path / "model.safetensors"))["stored_bytes"] == 76
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 13)
-    with pytest.raises(ValueError, match="bad.gguf is not a readable gguf file"):
+    with pytest.raises(ValueError, match="bad.gguf is not a readable GGUF file"):
         memory.weight_report(str(bad))
+    bad = tmp_path / "bad" / "model.safetensors"
+    bad.parent.mkdir()
+    bad.write_bytes((10).to_bytes(8, "little") + b"{not json")
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        memory.weight_report(str(bad.parent))
