@@ -115,8 +115,8 @@ class CachedRequestData:
     replace_block_ids: list[bool] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
-    def append(self, request_id: str, new_token_ids: list[int], new_block_ids: tuple[list[int], ...], replace_blocks: bool,
-               num_computed_tokens: int) -> None:
+    def append(self, request_id: str, new_token_ids: list[int], new_block_ids: tuple[list[int], ...],
+               replace_blocks: bool, num_computed_tokens: int) -> None:
         self.request_ids.append(request_id)
         self.new_token_ids.append(new_token_ids)
         self.new_block_ids.append(new_block_ids)

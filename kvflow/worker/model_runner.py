@@ -77,7 +77,8 @@ class CachedRequestState:
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
         return cls(data.request_id, data.prompt_token_ids, [*data.prompt_token_ids, *data.output_token_ids],
-                   data.sampling_params, data.eos_token_id, data.bad_words_token_ids, tuple(list(t) for t in data.block_ids),
+                   data.sampling_params, data.eos_token_id, data.bad_words_token_ids,
+                   tuple(list(t) for t in data.block_ids),
                    data.num_computed_tokens, data.generator, data.grammar, pooling_params=data.pooling_params,
                    pooled_sum=data.pooled_sum, lora_request=data.lora_request)
 
