@@ -41,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import format_table, machine_info  # noqa: E402
 from kvflow.config import EngineArgs, groups_page_spec  # noqa: E402
-from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager  # noqa: E402
 from kvflow.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvflow.entrypoints import memory_report as memory  # noqa: E402
 from kvflow.request import Request  # noqa: E402
@@ -121,7 +120,8 @@ def measure(name: str, folder: Path, budget: int, tokens: int, chunk: int, dtype
             manager = KVCacheManager(cache.num_blocks, cache.block_size, enable_prefix_caching=False)
             spec = config.model.kv_cache_spec()
         else:
-            manager = HybridKVCacheManager(groups, cache.num_blocks, cache.block_size, enable_prefix_caching=False)
+            manager = KVCacheManager(cache.num_blocks, cache.block_size, enable_prefix_caching=False,
+                                     group_windows=groups.group_windows)
             spec = groups_page_spec(config.model.kv_cache_spec(), groups)
         small = CacheEngine(spec, dataclasses.replace(cache, num_blocks=64, num_cpu_blocks=0), torch.device("cpu"))
         bytes_per_block = small.num_bytes // 64

@@ -67,7 +67,7 @@ def former_snapshot(out: SchedulerOutput, requests: dict[str, Request]) -> _Form
         r = requests[request_id]
         params = SamplingParams(prompt_logprobs=r.sampling_params.prompt_logprobs, max_tokens=1)
         snaps.append(_FormerRequestSnapshot(r.request_id, list(r.all_token_ids), r.num_computed_tokens, r.num_tokens,
-                                            r.num_prompt_tokens, list(r.block_ids), params))
+                                            r.num_prompt_tokens, [b for t in r.block_ids for b in t], params))
     return _FormerStep(snaps, dict(out.num_scheduled_tokens), out.total_num_scheduled_tokens, [],
                        list(out.blocks_to_copy), list(out.blocks_to_swap_out), list(out.blocks_to_swap_in), [],
                        {k: list(v) for k, v in out.scheduled_spec_tokens.items()})

@@ -135,17 +135,13 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.num_kv_heads * KV_SCALE_BYTES if dtype in QUANTIZED_KV_DTYPES else 0
 
 
-HYBRID_KV_MODEL_TYPES = ("gemma3_text",)
-"""Architectures whose forward passes each layer its KV cache group's metadata
-(``kvflow.attention.backend.layer_metadata``)."""
-
-
 def hybrid_kv_cache_groups(model_config: ModelConfig, disable: bool = False) -> KVCacheGroups | None:
-    """The model's ``KVCacheGroups`` when the hybrid KV cache manager applies (an architecture
-    of ``HYBRID_KV_MODEL_TYPES`` with sliding-window and full layers, not ``disable``d), else None."""
+    """The model's ``KVCacheGroups`` when its layers declare more than one attention kind
+    (``ModelConfig.sliding_windows``: sliding-window and full layers), else None (one group:
+    every layer in one block table), or None when ``disable``d (keep-all)."""
     from kvflow.core.kv_cache_groups import build_kv_cache_groups
 
-    if disable or model_config.model_type not in HYBRID_KV_MODEL_TYPES or model_config.cla_share_factor > 1:
+    if disable or model_config.cla_share_factor > 1:
         return None
     return build_kv_cache_groups(model_config.sliding_windows)
 
@@ -883,12 +879,6 @@ class EngineArgs:
             extra = draft_model.kv_bytes_per_token(kv_dtype) if draft_model is not None else 0
         groups = hybrid_kv_cache_groups(model_config, self.disable_hybrid_kv_cache_manager)
         if groups is not None:
-            if world > 1:
-                raise ValueError("tensor_parallel_size > 1 is not supported with the hybrid KV cache manager "
-                                 "(a model with sliding-window and full layers); set disable_hybrid_kv_cache_manager")
-            if draft_model is not None:
-                raise ValueError("speculative_config method draft_model is not supported with the hybrid KV cache "
-                                 "manager; use ngram or set disable_hybrid_kv_cache_manager")
             kv_spec = groups_page_spec(kv_spec, groups)  # a block is a page of group_size layers
         cache = self.cache_config(kv_spec, dtype, extra_bytes_per_token=extra)
         if groups is not None:

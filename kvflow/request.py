@@ -67,7 +67,8 @@ class Request:
         sampling_params: the validated ``SamplingParams``.
         all_token_ids: prompt followed by generated tokens.
         num_computed_tokens: tokens of ``all_token_ids`` whose K/V are in the cache.
-        block_ids: the request's block table (physical block ids, in logical order).
+        block_ids: the request's block tables, one per KV cache group (physical block ids,
+            in logical order; empty while it holds no block).
         block_hashes: memoized prefix-cache hashes of the request's full blocks.
         generator: the request's own ``torch.Generator`` when it has a seed (``seed``
             overrides ``sampling_params.seed``, for parallel samples), else None.
@@ -106,7 +107,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
+        self.block_ids: tuple[list[int], ...] = ()  # one block table per KV cache group (set by KVCacheManager)
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks, by content
         self.num_published_blocks = 0  # leading blocks already in the prefix index
         self.num_preemptions = 0

@@ -23,6 +23,20 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """One KV cache group: the layers that share its block table, and their attention kind.
+
+    Attributes:
+        layer_ids: the decoder layers of the group, ascending.
+        sliding_window: the group's window in tokens (vLLM's ``SlidingWindowSpec``), or None
+            for full attention (``FullAttentionSpec``).
+    """
+
+    layer_ids: tuple[int, ...]
+    sliding_window: int | None
+
+
+@dataclass(frozen=True)
 class KVCacheGroups:
     """The group layout of a hybrid model's KV cache.
 
@@ -43,6 +57,14 @@ class KVCacheGroups:
         return len(self.group_windows)
 
     @property
+    def groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        """Per group, its layers and sliding window (what a model runner reads)."""
+        return tuple(
+            KVCacheGroupSpec(tuple(l for l, g in enumerate(self.layer_group) if g == group), window)
+            for group, window in enumerate(self.group_windows)
+        )
+
+    @property
     def num_padding_positions(self) -> int:
         """Positions of the groups that no layer uses (allocated, never read)."""
         return self.num_groups * self.group_size - len(self.layer_group)
@@ -55,8 +77,9 @@ def build_kv_cache_groups(sliding_windows: list[int | None]) -> KVCacheGroups | 
         sliding_windows: per layer, its window in tokens or None (``ModelConfig.sliding_windows``).
 
     Returns:
-        The layout, or None when every layer has the same kind (one group: today's single
-        block table, with ``KVCacheManager``'s own sliding window when all are windowed).
+        The layout, or None when every layer has the same kind (one group: a block holds every
+        layer, the plain layout; ``KVCacheManager`` then has one group, windowed when every
+        layer is).
     """
     kinds: dict[int | None, list[int]] = {}
     for layer, window in enumerate(sliding_windows):

@@ -1,5 +1,6 @@
 """Per-request block tables on top of the block pool: on-demand allocation, prefix-cache
-hits, publishing of full blocks and copy-on-write of shared partial blocks.
+hits, publishing of full blocks, copy-on-write of shared partial blocks, speculative roll-back
+and swapping, for every KV cache group of the model at once.
 
 Blocks are allocated on demand: before each step the scheduler asks for room for the tokens
 it is about to compute, and only the blocks those tokens spill into are taken
@@ -7,47 +8,44 @@ it is about to compute, and only the blocks those tokens spill into are taken
 samples, beam search) share blocks by reference count; the first write into a shared,
 partially filled block copies it first (copy-on-write, PagedAttention section 4.4).
 
-Sliding window (a model whose every layer attends within ``sliding_window`` W tokens,
-Mistral; vLLM's ``SlidingWindowManager``): once a request's next token to compute is at
-position p, no query of it will read a key at a position ``j <= p - W`` again, so the leading
-``max(0, (p - W + 1) // block_size)`` blocks are returned to the pool as the request advances
-(``allocate_slots``) and their table entries point at ``NULL_BLOCK``, physical block 0,
-reserved for it (never allocated; attention masks those keys out). A prefix-cache hit then
-needs only the blocks inside the window of its first computed position: the longest prefix of
-n blocks whose blocks ``[dead(n), n)`` are all cached counts, the blocks before ``dead(n)``
-need not be (they become ``NULL_BLOCK`` entries). Hybrid models (some full-attention layers)
-use ``HybridKVCacheManager`` (kvflow/core/hybrid_kv_cache_manager.py: one table per group).
+One manager for every model (vLLM v1's ``KVCacheManager`` over a ``KVCacheCoordinator``):
+the attention kind of each KV cache group (full, or a sliding window that frees the blocks
+behind it) is the coordinator's business (``kvflow/core/kv_cache_coordinator.py``); a
+request's tables are ``request.block_ids``, one list per group (a 1-tuple for a model with
+one group: every layer full, or every layer windowed as Mistral).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvflow.core.block_pool import BlockPool, hash_block_tokens
+from kvflow.core.kv_cache_coordinator import NULL_BLOCK, KVCacheCoordinator, cdiv
 from kvflow.request import Request
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-NULL_BLOCK = 0
-"""Table entry of a block freed behind the sliding window (physical block 0, reserved)."""
+__all__ = ["KVCacheManager", "NULL_BLOCK", "cdiv"]
 
 
 class KVCacheManager:
-    """Maps requests to physical KV blocks.
+    """Maps requests to physical KV blocks, one block table per KV cache group.
 
     Args:
-        num_blocks: physical blocks in the pool.
+        num_blocks: physical blocks in the pool (with several groups a block is a page of
+            ``group_size`` layers' slices, ``kvflow/core/kv_cache_groups.py``).
         block_size: tokens per block.
         enable_prefix_caching: reuse published full blocks across requests.
         hash_extra: bytes mixed into every block hash (whatever else changes K/V, such as the
             KV cache dtype), so blocks of different caches never match.
         num_cpu_blocks: host blocks for swap preemption (0: none).
-        sliding_window: free the blocks behind this window (tokens) as requests advance, or
-            None to keep every block. Reserves physical block 0 as ``NULL_BLOCK``.
+        sliding_window: shorthand for one group windowed with this many tokens (a model whose
+            every layer has the window); None: see ``group_windows``.
+        group_windows: per KV cache group, its sliding window in tokens or None (full
+            attention), in group order (``KVCacheGroups.group_windows``); default one full
+            group. A windowed group reserves physical block 0 as ``NULL_BLOCK``.
 
     Raises:
-        ValueError: a ``sliding_window`` below 1, or with a single block.
+        ValueError: both ``sliding_window`` and ``group_windows``, a window below 1, or a
+            windowed group with fewer than 2 blocks.
     """
 
     def __init__(
@@ -58,87 +56,90 @@ class KVCacheManager:
         hash_extra: bytes = b"",
         num_cpu_blocks: int = 0,
         sliding_window: int | None = None,
+        group_windows: Sequence[int | None] | None = None,
     ) -> None:
-        if sliding_window is not None and (sliding_window < 1 or num_blocks < 2):
-            raise ValueError(f"sliding_window must be >= 1 with at least 2 blocks, got {sliding_window} "
+        if sliding_window is not None and group_windows is not None:
+            raise ValueError("give sliding_window (one group) or group_windows, not both")
+        windows = tuple(group_windows) if group_windows is not None else (sliding_window,)
+        if any(w is not None for w in windows) and (any(w is not None and w < 1 for w in windows) or num_blocks < 2):
+            raise ValueError(f"a sliding window must be >= 1 with at least 2 blocks, got windows {windows} "
                              f"with num_blocks={num_blocks}")
         self.block_size = block_size
-        self.sliding_window = sliding_window
         self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_extra = hash_extra
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.coordinator = KVCacheCoordinator(self.block_pool, block_size, windows)
+        self.num_groups = self.coordinator.num_groups
+        self.group_windows = windows
+        # the one group's window (None with several groups: see group_windows)
+        self.sliding_window = windows[0] if len(windows) == 1 else None
         self.pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self.num_window_freed_blocks = 0  # blocks returned behind the sliding window, in all
+        self.num_window_freed_blocks = 0  # blocks returned behind a sliding window, in all
+        self._null = self.coordinator.null_block
         self._reserved = 0
-        if sliding_window is not None:
+        if self._null is not None:
             self.block_pool.touch([NULL_BLOCK])  # held forever: never allocated
             self._reserved = 1
 
+    @classmethod
+    def from_cache_config(cls, cache_config, sliding_window: int | None = None) -> "KVCacheManager":
+        """The manager of an engine's ``CacheConfig``: its groups' windows when it has
+        ``kv_cache_groups``, else one group with ``sliding_window`` (the model's
+        ``kv_free_window``). Block hashes include the cache dtype."""
+        groups = cache_config.kv_cache_groups
+        return cls(
+            cache_config.num_blocks, cache_config.block_size,
+            enable_prefix_caching=cache_config.enable_prefix_caching,
+            hash_extra=str(cache_config.dtype).encode(), num_cpu_blocks=cache_config.num_cpu_blocks,
+            sliding_window=sliding_window if groups is None else None,
+            group_windows=groups.group_windows if groups is not None else None,
+        )
+
+    # ------------------------------------------------------------------ geometry
     @property
     def num_total_blocks(self) -> int:
         """Blocks requests can hold (the pool less the reserved ``NULL_BLOCK``)."""
         return self.block_pool.num_blocks - self._reserved
 
-    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
-        """The most blocks one request of ``num_tokens`` tokens ever holds when each step
-        computes at most ``max_chunk`` of its tokens: all its blocks, or with a sliding window
-        W at most ``cdiv(W + max_chunk + block_size - 2, block_size)`` (a step at position p
-        holds the blocks of positions ``p - W + 1 .. p + max_chunk - 1``, the first one
-        partly behind the window)."""
-        blocks = self.num_blocks_for(num_tokens)
-        if self.sliding_window is None:
-            return blocks
-        chunk = max(1, min(max_chunk, num_tokens))
-        return min(blocks, cdiv(self.sliding_window + chunk + self.block_size - 2, self.block_size))
-
-    def num_dead_blocks(self, position: int) -> int:
-        """Leading blocks that no query at ``position`` or later reads under the sliding
-        window (0 without one): ``max(0, (position - W + 1) // block_size)``."""
-        if self.sliding_window is None:
-            return 0
-        return max(0, (position - self.sliding_window + 1) // self.block_size)
-
-    def _free_dead_blocks(self, request: Request, position: int) -> None:
-        """Return the request's blocks behind the window of ``position`` to the pool (their
-        entries become ``NULL_BLOCK``; the entries before the first null were freed before)."""
-        ids = request.block_ids
-        i = min(self.num_dead_blocks(position), len(ids)) - 1
-        freed = []
-        while i >= 0 and ids[i] != NULL_BLOCK:
-            freed.append(ids[i])
-            ids[i] = NULL_BLOCK
-            i -= 1
-        if freed:
-            self.block_pool.free(freed)  # the newest first: the oldest ends last in the LRU list
-            self.num_window_freed_blocks += len(freed)
-
-    def _held(self, block_ids: list[int]) -> list[int]:
-        """The physical blocks of a table (``NULL_BLOCK`` entries dropped)."""
-        return [b for b in block_ids if b != NULL_BLOCK] if self._reserved else list(block_ids)
-
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most pool blocks one request of ``num_tokens`` tokens ever holds when each step
+        computes at most ``max_chunk`` of its tokens: per full group all its blocks, per
+        windowed group at most ``cdiv(W + max_chunk + block_size - 2, block_size)``."""
+        return self.coordinator.max_blocks_held(num_tokens, max_chunk)
+
+    def num_dead_blocks(self, position: int) -> int:
+        """Leading blocks that every group has freed at ``position`` (0 with a full group;
+        ``max(0, (position - W + 1) // block_size)`` for one group of window W)."""
+        return min(m.num_skipped_blocks(position) for m in self.coordinator.managers)
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks of one group's table holding ``num_tokens`` tokens."""
+        return cdiv(num_tokens, self.block_size)
+
+    def num_pages_for(self, num_tokens: int) -> int:
+        """Pool blocks that ``num_tokens`` tokens take in every group before any is freed."""
+        return cdiv(num_tokens, self.block_size) * self.num_groups
+
+    def num_hit_tokens(self, hits: Sequence[list[int]]) -> int:
+        """Tokens covered by a ``get_computed_blocks`` result."""
+        return len(hits[0]) * self.block_size if hits else 0
 
     def reset_prefix_cache(self) -> bool:
         """See ``BlockPool.reset_prefix_cache``."""
         return self.block_pool.reset_prefix_cache()
 
-    def num_blocks_for(self, num_tokens: int) -> int:
-        """Blocks needed to hold ``num_tokens`` tokens."""
-        return cdiv(num_tokens, self.block_size)
-
-    def num_pages_for(self, num_tokens: int) -> int:
-        """Pool blocks that ``num_tokens`` tokens take before any is freed (one table: as
-        ``num_blocks_for``; ``HybridKVCacheManager``: one per group and logical block)."""
-        return cdiv(num_tokens, self.block_size)
-
-    def num_hit_tokens(self, hits: list[int]) -> int:
-        """Tokens covered by a ``get_computed_blocks`` result."""
-        return len(hits) * self.block_size
+    def _tables(self, request: Request) -> tuple[list[int], ...]:
+        """The request's per-group tables, created empty for a request holding none."""
+        if len(request.block_ids) != self.num_groups:
+            request.block_ids = self.coordinator.empty_tables()
+        return request.block_ids
 
     # ------------------------------------------------------------------ prefix caching
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
@@ -153,123 +154,116 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, request.all_token_ids[i * bs : (i + 1) * bs], extra))
         return hashes[:num_blocks]
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
-        """Longest chain of cached full blocks that prefixes the request's tokens.
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], ...]:
+        """Longest cached prefix of the request's tokens, as per-group tables of one length.
 
         The last token is always left to compute (its logits are needed), so at most
         ``(num_tokens - 1) // block_size`` blocks are returned. Call it when the request is
-        about to be admitted: the cache may have changed while it waited.
-
-        With a sliding window the prefix of n blocks is a hit when its blocks inside the
-        window of position ``n * block_size`` are cached (the blocks before are not read
-        again): the longest such n, its first ``num_dead_blocks(n * block_size)`` entries
-        ``NULL_BLOCK``.
+        about to be admitted: the cache may have changed while it waited. A windowed group
+        needs only the blocks inside the window of the prefix's end (the rule is
+        ``KVCacheCoordinator.find_longest_cache_hit``'s); its entries before are
+        ``NULL_BLOCK``. Empty (``()``) without prefix caching or for a request that reads
+        every prompt position (prompt_logprobs, mean pooling).
         """
         if not self.enable_prefix_caching or request.needs_every_position:
-            return []  # prompt_logprobs and mean pooling read every prompt position
+            return ()
         hashes = self._block_hashes(request, (request.num_tokens - 1) // self.block_size)
-        if self.sliding_window is None:
-            hits: list[int] = []
-            for block_hash in hashes:
-                block_id = self.block_pool.lookup(block_hash)
-                if block_id is None:
-                    break
-                hits.append(block_id)
-            return hits
-        ids = [self.block_pool.lookup(h) for h in hashes]
-        best, run = 0, 0  # run: cached blocks ending at block n - 1
-        for n in range(1, len(ids) + 1):
-            run = run + 1 if ids[n - 1] is not None else 0
-            if run >= n - self.num_dead_blocks(n * self.block_size):
-                best = n
-        dead = self.num_dead_blocks(best * self.block_size)
-        return [NULL_BLOCK] * dead + ids[dead:best]
+        return self.coordinator.find_longest_cache_hit(hashes)
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Publish the request's blocks that are full of computed (final) tokens."""
+        """Publish the request's blocks that are full of computed (final) tokens (with
+        several groups each group's block under the hash plus its group key)."""
         if not self.enable_prefix_caching:
             return
         num_full = request.num_computed_tokens // self.block_size
         if num_full <= request.num_published_blocks:
             return
         hashes = self._block_hashes(request, num_full)
+        tables = request.block_ids
         for i in range(request.num_published_blocks, num_full):
-            self._publish_block(request, i, hashes[i])
+            self.coordinator.cache_block(tables, i, hashes[i])
         request.num_published_blocks = num_full
 
-    def _publish_block(self, request: Request, i: int, block_hash: bytes) -> None:
-        """Publish the request's logical block ``i`` under ``block_hash`` (one held by the
-        window's freeing is skipped); the hybrid manager publishes every group's page."""
-        if not (self._reserved and request.block_ids[i] == NULL_BLOCK):  # (freed behind the window)
-            self.block_pool.publish(request.block_ids[i], block_hash)
-
     # ------------------------------------------------------------------ allocation
-    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None) -> bool:
-        """Make room for the next ``num_new_tokens`` tokens of ``request``.
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[list[int]] | None = None) -> bool:
+        """Make room for the next ``num_new_tokens`` tokens of ``request`` in every group.
 
         Args:
-            request: the request; its block table grows in place.
+            request: the request; its block tables grow in place.
             num_new_tokens: tokens to compute after ``num_computed_tokens`` and after the
                 cache hits.
             new_computed_blocks: for a request being admitted (holding no block yet), its
                 prefix-cache hits from ``get_computed_blocks``, possibly empty; they are put
-                at the start of its block table and counted in ``prefix_cache_queries`` /
+                at the start of its tables and counted in ``prefix_cache_queries`` /
                 ``prefix_cache_hits`` (tokens). None for a running request.
 
-        With a sliding window, a running request's blocks behind the window of its next
-        position are freed first (whatever the outcome: no query reads them again).
+        The blocks behind each windowed group's window of the next position are freed first
+        (whatever the outcome: no query reads them again).
 
         Returns:
             False, changing nothing else, when the pool has too few free blocks. On success the
-            block table covers the computed, hit and new tokens; a shared partial block that
-            the new tokens would write into has been replaced by a private copy (the copy is
-            queued in ``pending_copies`` as (src, dst) for the model runner).
+            tables cover the computed, hit and new tokens (a new block is one block per
+            group); a shared partial block that the new tokens would write into has been
+            replaced by a private copy per group (queued in ``pending_copies`` as (src, dst)
+            for the model runner).
         """
-        hits = new_computed_blocks or []
-        bs = self.block_size
-        start = request.num_computed_tokens + len(hits) * bs
-        if self.sliding_window is not None:
-            self._free_dead_blocks(request, start)
-            held_hits = self._held(hits)
+        tables = self._tables(request)
+        hits = new_computed_blocks or ()
+        bs, G, null = self.block_size, self.num_groups, self._null
+        num_hit = len(hits[0]) if hits else 0
+        start = request.num_computed_tokens + num_hit * bs
+        if null is not None:
+            self.num_window_freed_blocks += self.coordinator.remove_skipped_blocks(tables, start)
+            held_hits = [b for table in hits for b in table if b != null]
         else:
-            held_hits = hits
-        needed = self.num_blocks_for(start + num_new_tokens) - len(request.block_ids) - len(hits)
+            held_hits = [b for table in hits for b in table]
+        new_blocks = max(0, self.num_blocks_for(start + num_new_tokens) - len(tables[0]) - num_hit)
+        cow: list[int] = []  # groups whose partial block at start is shared
         cow_index = start // bs
-        needs_cow = (
-            start % bs != 0
-            and cow_index < len(request.block_ids)
-            and self.block_pool.blocks[request.block_ids[cow_index]].ref_cnt > 1
-        )
-        if max(needed, 0) + int(needs_cow) > self.block_pool.num_free_after_touch(held_hits):
+        if start % bs != 0 and cow_index < len(tables[0]):
+            blocks = self.block_pool.blocks
+            cow = [g for g, table in enumerate(tables)
+                   if table[cow_index] != null and blocks[table[cow_index]].ref_cnt > 1]
+        if new_blocks * G + len(cow) > self.block_pool.num_free_after_touch(held_hits):
             return False
         if new_computed_blocks is not None:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(hits) * bs
+            self.prefix_cache_hits += num_hit * bs
             self.block_pool.touch(held_hits)
-            request.block_ids.extend(hits)
-            request.num_published_blocks = len(hits)
-        if needs_cow:
-            src = request.block_ids[cow_index]
+            for table, group_hits in zip(tables, hits):
+                table.extend(group_hits)
+            request.num_published_blocks = num_hit
+        for g in cow:
+            src = tables[g][cow_index]
             (dst,) = self.block_pool.allocate(1)
-            self.pending_copies.append((src, dst))
-            request.block_ids[cow_index] = dst
+            self.pending_copies.append((src, dst))  # a page: every layer position of the group
+            tables[g][cow_index] = dst
             self.block_pool.free([src])
-        if needed > 0:
-            request.block_ids.extend(self.block_pool.allocate(needed))
+        if new_blocks:
+            if G == 1:
+                tables[0].extend(self.block_pool.allocate(new_blocks))
+            else:
+                taken = self.block_pool.allocate(new_blocks * G)
+                for g, table in enumerate(tables):
+                    table.extend(taken[g::G])
         return True
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Give ``child`` the parent's block table, sharing every block by reference."""
-        self.block_pool.touch(self._held(parent.block_ids))
-        child.block_ids = list(parent.block_ids)
+        """Give ``child`` the parent's tables, sharing every block by reference."""
+        self.block_pool.touch(self.coordinator.held(parent.block_ids))
+        child.block_ids = tuple(list(table) for table in parent.block_ids)
         child.num_published_blocks = parent.num_published_blocks
 
     def trim(self, request: Request) -> None:
-        """Free the blocks past the request's computed tokens (rejected draft tokens)."""
+        """Free every group's blocks past the request's computed tokens (rejected draft
+        tokens: speculative roll-back)."""
         keep = self.num_blocks_for(request.num_computed_tokens)
-        if len(request.block_ids) > keep:
-            self.block_pool.free(list(reversed(self._held(request.block_ids[keep:]))))
-            del request.block_ids[keep:]
+        tables = request.block_ids
+        if tables and len(tables[0]) > keep:
+            self.block_pool.free(self.coordinator.held(tables, keep))
+            for table in tables:
+                del table[keep:]
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) block copies queued since the last call."""
@@ -277,10 +271,11 @@ class KVCacheManager:
         return copies
 
     def free(self, request: Request) -> None:
-        """Release every block of ``request``, device and host (device blocks in reverse, so
-        its tail blocks are evicted from the prefix cache before its head blocks)."""
-        self.block_pool.free(list(reversed(self._held(request.block_ids))))
-        request.block_ids = []
+        """Release every block of ``request``, device and host (device blocks from the tail,
+        so its tail blocks are evicted from the prefix cache before its head blocks)."""
+        if request.block_ids:
+            self.block_pool.free(self.coordinator.held(request.block_ids))
+        request.block_ids = ()
         request.num_published_blocks = 0
         if request.cpu_block_ids:
             self.cpu_pool.free(request.cpu_block_ids)
@@ -291,45 +286,56 @@ class KVCacheManager:
         """Move the request's blocks to host memory (PagedAttention section 4.5).
 
         Each device block gets a private host copy (a shared device block just loses one
-        reference). Returns the (device block, host block) copies to make before the device
-        blocks are reused, or None, changing nothing, when the host pool is too small. With a
-        sliding window only the blocks inside the window of ``num_computed_tokens`` move
-        (those behind it are freed first; ``swap_in`` puts ``NULL_BLOCK`` entries back).
+        reference); ``cpu_block_ids`` lists them group after group. Only the blocks each
+        group still reads at ``num_computed_tokens`` move (those behind a window are freed
+        first; ``swap_in`` puts their ``NULL_BLOCK`` entries back). Returns the (device block,
+        host block) copies to make before the device blocks are reused, or None, changing
+        nothing, when the host pool is too small.
         """
         if self.cpu_pool is None:
             return None
-        dead = self.num_dead_blocks(request.num_computed_tokens)
-        if self.cpu_pool.num_free_blocks < len(request.block_ids) - min(dead, len(request.block_ids)):
+        tables, position = self._tables(request), request.num_computed_tokens
+        n = len(tables[0])
+        keep = sum(n - min(m.num_skipped_blocks(position), n) for m in self.coordinator.managers)
+        if self.cpu_pool.num_free_blocks < keep:
             return None
-        if self.sliding_window is not None:
-            self._free_dead_blocks(request, request.num_computed_tokens)
-        held = request.block_ids[dead:]
+        self.num_window_freed_blocks += self.coordinator.remove_skipped_blocks(tables, position)
+        null = self._null
+        held = [b for table in tables for b in table if b != null]
         request.cpu_block_ids = self.cpu_pool.allocate(len(held))
         mapping = list(zip(held, request.cpu_block_ids))
-        self.block_pool.free(list(reversed(held)))
-        request.block_ids = []
+        self.block_pool.free(self.coordinator.held(tables))
+        request.block_ids = ()
         request.num_published_blocks = 0
         return mapping
 
     def swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
-        """Bring a swapped-out request back with room for ``num_new_tokens`` more tokens.
+        """Bring a swapped-out request back with room for ``num_new_tokens`` more tokens; the
+        entries ``swap_out`` freed behind a window (same position) are ``NULL_BLOCK`` again.
 
         Returns:
             The (host block, device block) copies to make, or None, changing nothing, when
             the device pool is too small.
         """
-        num_swapped = len(request.cpu_block_ids)
-        dead = self.num_dead_blocks(request.num_computed_tokens)  # as at swap_out (same position)
-        needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - dead
-        if max(needed, num_swapped) > self.block_pool.num_free_blocks:
+        num_swapped, position, G = len(request.cpu_block_ids), request.num_computed_tokens, self.num_groups
+        skipped = [m.num_skipped_blocks(position) for m in self.coordinator.managers]
+        n = (num_swapped + sum(skipped)) // G  # entries per table at swap_out (skipped[g] <= n)
+        new_blocks = max(0, self.num_blocks_for(position + num_new_tokens) - n)
+        if num_swapped + new_blocks * G > self.block_pool.num_free_blocks:
             return None
         device_blocks = self.block_pool.allocate(num_swapped)
-        request.block_ids = [NULL_BLOCK] * dead + device_blocks
+        tables, k = [], 0
+        for dead in skipped:
+            tables.append([NULL_BLOCK] * dead + device_blocks[k : k + n - dead])
+            k += n - dead
+        request.block_ids = tuple(tables)
         mapping = list(zip(request.cpu_block_ids, device_blocks))
         self.cpu_pool.free(request.cpu_block_ids)
         request.cpu_block_ids = []
-        if needed > num_swapped:
-            request.block_ids.extend(self.block_pool.allocate(needed - num_swapped))
+        if new_blocks:
+            taken = self.block_pool.allocate(new_blocks * G)
+            for g, table in enumerate(request.block_ids):
+                table.extend(taken[g::G])
         return mapping
 
     # ------------------------------------------------------------------ accounting
@@ -338,22 +344,23 @@ class KVCacheManager:
         return 1.0 - self.num_free_blocks / self.num_total_blocks
 
     def num_held_blocks(self, request: Request) -> int:
-        """Physical blocks in the request's table (``NULL_BLOCK`` entries not counted)."""
-        return len(self._held(request.block_ids))
+        """Physical blocks in the request's tables (``NULL_BLOCK`` entries not counted)."""
+        null = self._null
+        return sum(1 for table in request.block_ids for b in table if b != null)
 
     def fragmentation(self, requests: list[Request]) -> float:
-        """Allocated slots not holding a token / allocated slots, over referenced blocks.
-
-        A block shared by several requests is counted once, with its fullest use.
+        """Allocated slots not holding a token / allocated slots, over referenced blocks of
+        every group. A block shared by several requests is counted once, with its fullest use.
         """
         filled: dict[int, int] = {}
-        bs = self.block_size
+        bs, null = self.block_size, self._null
         for r in requests:
-            for i, block_id in enumerate(r.block_ids):
-                if self._reserved and block_id == NULL_BLOCK:
-                    continue
-                n = min(bs, max(0, r.num_computed_tokens - i * bs))
-                filled[block_id] = max(filled.get(block_id, 0), n)
+            for table in r.block_ids:
+                for i, block_id in enumerate(table):
+                    if block_id == null:
+                        continue
+                    n = min(bs, max(0, r.num_computed_tokens - i * bs))
+                    filled[block_id] = max(filled.get(block_id, 0), n)
         if not filled:
             return 0.0
         slots = len(filled) * bs

@@ -9,9 +9,11 @@ count). The runner keeps the rest in its persistent per-request state
 ``finished_req_ids`` and ``preempted_req_ids``. Under tensor parallelism the driver
 broadcasts this diff (``SchedulerOutput.for_workers``), not the requests' token lists.
 
-Adapted to kvflow: there is one KV cache group (``block_ids`` is the request's one block
-table); copy-on-write, a speculative roll-back and a swap-in change blocks already held, so a
-cached entry either appends block ids or replaces the table (``replace_block_ids``);
+Adapted to kvflow: block ids come per KV cache group (``tuple[list[int], ...]``, one list per
+group in group order, a 1-tuple for a model with one group; ``kvflow/core/kv_cache_groups.py``);
+copy-on-write, a speculative roll-back, a swap-in and a sliding window's freeing change blocks
+already held, so a cached entry either appends block ids to every group's table or replaces
+all of them (``replace_block_ids``);
 parallel samples forked this step arrive as new requests holding their parent's table
 (``forked``); a request's sampling handles (its seeded ``torch.Generator``, whose stream
 must go on across preemptions, and its grammar matcher, which the scheduler's ``update``
@@ -45,7 +47,8 @@ class NewRequestData:
         sampling_params: its parameters (on workers only ``prompt_logprobs`` is kept).
         eos_token_id: the EOS id ``min_tokens`` bans, or None.
         bad_words_token_ids: token sequences of ``sampling_params.bad_words``.
-        block_ids: its block table (physical block ids, in logical order).
+        block_ids: its block tables, one per KV cache group in group order (physical block
+            ids, in logical order).
         num_computed_tokens: tokens whose K/V are in the cache.
         generator: driver only: the request's own seeded generator (None: the engine's).
         grammar: driver only: its structured-output matcher, or None.
@@ -62,7 +65,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_id: int | None
     bad_words_token_ids: list[list[int]]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     generator: torch.Generator | None = None
     grammar: "GrammarMatcher | None" = None
@@ -76,7 +79,8 @@ class NewRequestData:
         prompt = request.prompt_token_ids
         return cls(
             request.request_id, list(prompt), list(request.all_token_ids[len(prompt) :]), request.sampling_params,
-            request.eos_token_id, request.bad_words_token_ids, list(request.block_ids), request.num_computed_tokens,
+            request.eos_token_id, request.bad_words_token_ids, tuple(list(t) for t in request.block_ids),
+            request.num_computed_tokens,
             request.generator, request.grammar, getattr(request, "pooling_params", None),
             getattr(request, "pooled_sum", None), getattr(request, "lora_request", None),
         )
@@ -97,21 +101,22 @@ class CachedRequestData:
         request_ids: the requests.
         new_token_ids: tokens appended since the runner last saw each request (its sampled
             or accepted tokens).
-        new_block_ids: block ids appended to its table, or its whole table when
-            ``replace_block_ids``.
+        new_block_ids: per KV cache group, the block ids appended to that group's table, or
+            the group's whole table when ``replace_block_ids``.
         replace_block_ids: True where held blocks changed (copy-on-write of a shared block,
-            blocks freed by a speculative roll-back).
+            blocks freed by a speculative roll-back or behind a sliding window): every
+            group's table is then replaced.
         num_computed_tokens: its computed count now.
     """
 
     request_ids: list[str] = field(default_factory=list)
     new_token_ids: list[list[int]] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     replace_block_ids: list[bool] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
-    def append(self, request_id: str, new_token_ids: list[int], new_block_ids: list[int], replace_blocks: bool,
-               num_computed_tokens: int) -> None:
+    def append(self, request_id: str, new_token_ids: list[int], new_block_ids: tuple[list[int], ...],
+               replace_blocks: bool, num_computed_tokens: int) -> None:
         self.request_ids.append(request_id)
         self.new_token_ids.append(new_token_ids)
         self.new_block_ids.append(new_block_ids)
@@ -198,7 +203,7 @@ class SchedulerOutput:
 @dataclass
 class _Held:
     num_tokens: int
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
 
 
 class RunnerStateTracker:
@@ -224,18 +229,21 @@ class RunnerStateTracker:
         """Add ``request``'s new-request data or diff to ``out`` (a ``Request`` or an object
         with its attributes: request_id, all_token_ids, block_ids, num_computed_tokens...)."""
         held = self._held.get(request.request_id)
-        tokens, blocks = request.all_token_ids, request.block_ids
+        tokens, tables = request.all_token_ids, request.block_ids
         if held is None:
-            out.scheduled_new_reqs.append(NewRequestData.from_request(request))
-            self._held[request.request_id] = _Held(len(tokens), list(blocks))
+            data = NewRequestData.from_request(request)
+            out.scheduled_new_reqs.append(data)
+            self._held[request.request_id] = _Held(len(tokens), tuple(list(t) for t in data.block_ids))
             return
-        n_held = len(held.block_ids)
-        append_only = len(blocks) >= n_held and blocks[:n_held] == held.block_ids
-        new_blocks = list(blocks[n_held:]) if append_only else list(blocks)
+        append_only = len(tables) == len(held.block_ids) and all(
+            len(table) >= len(was) and table[: len(was)] == was for table, was in zip(tables, held.block_ids))
+        if append_only:
+            new_blocks = tuple(table[len(was) :] for table, was in zip(tables, held.block_ids))
+            for was, new in zip(held.block_ids, new_blocks):
+                was.extend(new)
+        else:
+            new_blocks = tuple(list(t) for t in tables)
+            held.block_ids = tuple(list(t) for t in tables)
         out.scheduled_cached_reqs.append(request.request_id, list(tokens[held.num_tokens :]), new_blocks,
                                          not append_only, request.num_computed_tokens)
         held.num_tokens = len(tokens)
-        if append_only:
-            held.block_ids.extend(new_blocks)
-        else:
-            held.block_ids = list(blocks)

@@ -18,7 +18,6 @@ import torch
 
 from kvflow.config import CacheConfig, EngineArgs, EngineConfig
 from kvflow.cpu_threads import ThreadGovernor, check_wait_policy, thread_governor
-from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import NewRequestData, Scheduler, SchedulerOutput
 from kvflow.distributed.worker import TPWorkers, torchrun_rank
@@ -178,21 +177,8 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats(self.proposer.k if self.proposer is not None else 0)
         self.tokenizer = tokenizer
         cache_config = config.cache
-        if cache_config.kv_cache_groups is not None:  # sliding and full layers: a table per group
-            self.kv_cache_manager = HybridKVCacheManager(
-                cache_config.kv_cache_groups, cache_config.num_blocks, cache_config.block_size,
-                enable_prefix_caching=cache_config.enable_prefix_caching,
-                hash_extra=str(cache_config.dtype).encode(), num_cpu_blocks=cache_config.num_cpu_blocks,
-            )
-        else:
-            self.kv_cache_manager = KVCacheManager(
-                cache_config.num_blocks,
-                cache_config.block_size,
-                enable_prefix_caching=cache_config.enable_prefix_caching,
-                hash_extra=str(cache_config.dtype).encode(),
-                num_cpu_blocks=cache_config.num_cpu_blocks,
-                sliding_window=config.model.kv_free_window,  # frees blocks behind the window (all layers windowed)
-            )
+        # one table per KV cache group (one group: windowed when every layer is)
+        self.kv_cache_manager = KVCacheManager.from_cache_config(cache_config, config.model.kv_free_window)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.cache_engine = CacheEngine(model.kv_cache_spec, cache_config, device)  # this rank's shard of heads
         generator = torch.Generator(device=device)
@@ -865,7 +851,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_cached_blocks": kv.block_pool.num_cached_blocks,
             "num_window_freed_blocks": kv.num_window_freed_blocks,
-            "num_kv_cache_groups": getattr(kv, "num_groups", 1),
+            "num_kv_cache_groups": kv.num_groups,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_swapped_out": self.scheduler.num_swapped_out,
             **self.spec_stats.as_dict(),

@@ -101,7 +101,7 @@ def request_info(request: Request) -> dict[str, Any]:
         "max_tokens": request.sampling_params.max_tokens,
         "num_preemptions": request.num_preemptions,
         "priority": request.priority,
-        "block_ids": list(request.block_ids),
+        "block_ids": [b for table in request.block_ids for b in table],  # the KV cache groups' tables, in turn
         "cpu_block_ids": list(request.cpu_block_ids),
     }
 

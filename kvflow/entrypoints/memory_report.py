@@ -304,11 +304,11 @@ def hybrid_report(spec: KVShapeLike, dtype: torch.dtype, block_size: int, budget
     the pages held while decoding at the end (steps of one token: every full group's blocks,
     ``ceil((W + block_size - 1) / block_size)`` per sliding group), their bytes, and how many
     such requests fit at once, next to keep-all (``disable_hybrid_kv_cache_manager``)."""
-    from kvflow.config import HYBRID_KV_MODEL_TYPES, groups_page_spec
+    from kvflow.config import groups_page_spec
     from kvflow.core.kv_cache_groups import build_kv_cache_groups
 
     windows = getattr(spec, "sliding_windows", None)
-    if getattr(spec, "model_type", None) not in HYBRID_KV_MODEL_TYPES or not windows or _cla_of(spec) > 1:
+    if not windows or _cla_of(spec) > 1:
         return None
     groups = build_kv_cache_groups([w if w is not None and w < max_model_len else None for w in windows])
     if groups is None:

@@ -21,7 +21,7 @@ from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.attention.backend import AttentionMetadata
+from kvflow.attention.backend import AttentionMetadata, layer_metadata
 from kvflow.attention.kv_cache import KVCache
 from kvflow.layers.attention import Attention
 from kvflow.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -234,6 +234,7 @@ class LlamaForCausalLM(CausalLM):
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         share = self.config.cla_share_factor
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos_sin, kv_caches[i // share], metadata, lora) if lora is not None \
-                else layer(x, cos_sin, kv_caches[i // share], metadata)
+            meta = layer_metadata(metadata, i)  # a hybrid KV cache: its group's (kvflow/core/kv_cache_groups.py)
+            x = layer(x, cos_sin, kv_caches[i // share], meta, lora) if lora is not None \
+                else layer(x, cos_sin, kv_caches[i // share], meta)
         return self.norm(x)

@@ -51,7 +51,7 @@ class _DraftSequence:
     bad_words_token_ids: list[list[int]]
     generator: torch.Generator | None  # seeded with sampling_params.seed, for its draft sampling
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: tuple[list[int], ...] = ()
     num_published_blocks: int = 0
     cpu_block_ids: list[int] = field(default_factory=list)
     grammar = None  # drafting is off for structured output

@@ -46,7 +46,7 @@ class CachedRequestState:
         sampling_params: its parameters.
         eos_token_id: EOS id for ``min_tokens``, or None.
         bad_words_token_ids: token sequences of the bad words.
-        block_ids: its block table.
+        block_ids: its block tables, one per KV cache group.
         num_computed_tokens: tokens whose K/V are in the cache.
         generator: its own seeded generator, or None (the engine's).
         grammar: its structured-output matcher, or None.
@@ -64,7 +64,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     eos_token_id: int | None
     bad_words_token_ids: list[list[int]]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     generator: torch.Generator | None = None
     grammar: "GrammarMatcher | None" = None
@@ -77,7 +77,8 @@ class CachedRequestState:
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
         return cls(data.request_id, data.prompt_token_ids, [*data.prompt_token_ids, *data.output_token_ids],
-                   data.sampling_params, data.eos_token_id, data.bad_words_token_ids, list(data.block_ids),
+                   data.sampling_params, data.eos_token_id, data.bad_words_token_ids,
+                   tuple(list(t) for t in data.block_ids),
                    data.num_computed_tokens, data.generator, data.grammar, pooling_params=data.pooling_params,
                    pooled_sum=data.pooled_sum, lora_request=data.lora_request)
 
@@ -182,7 +183,7 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(sampler.generator)
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}  # the persistent batch state
-        # KV cache groups: 1, or a hybrid cache's (each request's block_ids interleave them)
+        # KV cache groups: 1, or a hybrid cache's (each request's block_ids: one table per group)
         groups = getattr(cache_engine, "groups", None)
         self.num_kv_cache_groups = groups.num_groups if groups is not None else 1
 
@@ -205,9 +206,10 @@ class ModelRunner:
             state = self.requests[request_id]
             state.all_token_ids.extend(cached.new_token_ids[i])
             if cached.replace_block_ids[i]:
-                state.block_ids = list(cached.new_block_ids[i])
+                state.block_ids = tuple(list(t) for t in cached.new_block_ids[i])
             else:
-                state.block_ids.extend(cached.new_block_ids[i])
+                for table, new in zip(state.block_ids, cached.new_block_ids[i]):
+                    table.extend(new)
             state.num_computed_tokens = cached.num_computed_tokens[i]
         for request_id, drafts in out.scheduled_spec_tokens.items():
             state = self.requests[request_id]
@@ -220,9 +222,8 @@ class ModelRunner:
 
         Each request contributes tokens ``all_token_ids[num_computed : num_computed + n]`` at
         positions ``num_computed .. num_computed + n - 1``; a request samples only when its
-        chunk reaches ``num_tokens``. With a hybrid KV cache (G > 1 groups, ``block_ids``
-        interleaved: entry ``i * G + g`` is logical block i of group g) the metadata is a
-        ``HybridMetadata``: one backend metadata per group, over ``block_ids[g::G]``.
+        chunk reaches ``num_tokens``. With a hybrid KV cache (G > 1 groups, ``block_ids[g]``
+        group g's table) the metadata is a ``HybridMetadata``: one backend metadata per group.
         """
         n_sched = out.num_scheduled_tokens
         scheduled = [self.requests[request_id] for request_id in n_sched]
@@ -246,7 +247,7 @@ class ModelRunner:
         lora_runs: list[tuple[Any, int]] = []  # (adapter or None, tokens) per request, in batch order
         q_lens: list[int] = []
         ctx_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[tuple[list[int], ...]] = []
         group_sizes: list[int] = []
         for reqs in (*decode_groups, prefills):
             if not reqs:
@@ -265,10 +266,10 @@ class ModelRunner:
                 pos = torch.arange(begin, begin + n, dtype=torch.int64)
                 positions.append(pos)
                 if num_groups == 1:
-                    table = torch.tensor(r.block_ids, dtype=torch.int64)
+                    table = torch.tensor(r.block_ids[0], dtype=torch.int64)
                     slots.append(table[pos // bs] * bs + pos % bs)
-                else:  # interleaved tables (kvflow/core/hybrid_kv_cache_manager.py)
-                    table = torch.tensor(r.block_ids, dtype=torch.int64).view(-1, num_groups)
+                else:  # one table per group: [num_blocks, G]
+                    table = torch.tensor(r.block_ids, dtype=torch.int64).T
                     slots.append(table[pos // bs] * bs + (pos % bs).unsqueeze(1))  # [n, G]
                 if r.pooling_params is not None:  # an embedding: pooled, never sampled
                     pooling_rows.append((r, len(input_ids) - n, n))
@@ -290,13 +291,13 @@ class ModelRunner:
         dev = self.device
         if num_groups == 1:
             metadata = backend.build_metadata(
-                BatchLayout(torch.cat(slots).to(dev), q_lens, ctx_lens, tables, group_sizes, bs, dev)
+                BatchLayout(torch.cat(slots).to(dev), q_lens, ctx_lens, [t[0] for t in tables], group_sizes, bs, dev)
             )
         else:
             group_slots = torch.cat(slots).to(dev)
             metadata = HybridMetadata(
                 [backend.build_metadata(BatchLayout(group_slots[:, g].contiguous(), q_lens, ctx_lens,
-                                                    [t[g::num_groups] for t in tables], group_sizes, bs, dev))
+                                                    [t[g] for t in tables], group_sizes, bs, dev))
                  for g in range(num_groups)],
                 self.cache_engine.groups.layer_group,
             )

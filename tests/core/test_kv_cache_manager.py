@@ -9,6 +9,11 @@ from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
 
+def table(request) -> list[int]:
+    """The request's block table (one KV cache group: ``block_ids[0]``; empty when it holds none)."""
+    return request.block_ids[0] if request.block_ids else []
+
+
 def make_request(request_id: str, prompt_len: int, max_tokens: int = 100) -> Request:
     return Request(request_id, list(range(prompt_len)), SamplingParams(temperature=0, max_tokens=max_tokens), None)
 
@@ -33,9 +38,9 @@ def test_allocation_covers_only_the_tokens_asked_for():
     kv = KVCacheManager(num_blocks=64, block_size=4)
     req = make_request("a", prompt_len=5, max_tokens=100)  # could grow to 105 tokens = 27 blocks
     assert kv.allocate_slots(req, 5)
-    assert len(req.block_ids) == 2
+    assert len(table(req)) == 2
     assert kv.num_free_blocks == 62
-    assert req.block_ids == [0, 1]
+    assert table(req) == [0, 1]
 
 
 def test_blocks_grow_one_at_a_time_as_tokens_arrive():
@@ -47,24 +52,24 @@ def test_blocks_grow_one_at_a_time_as_tokens_arrive():
     for _ in range(8):  # decode tokens 6..13
         assert kv.allocate_slots(req, 1)
         req.num_computed_tokens += 1
-        held.append(len(req.block_ids))
+        held.append(len(table(req)))
     # tokens: 6 7 8 -> 2 blocks; 9..12 -> 3 blocks; 13 -> 4 blocks
     assert held == [2, 2, 2, 3, 3, 3, 3, 4]
     assert kv.num_free_blocks == 60
-    assert len(set(req.block_ids)) == 4
+    assert len(set(table(req))) == 4
 
 
 def test_chunked_prefill_allocates_per_chunk():
     kv = KVCacheManager(num_blocks=64, block_size=4)
     req = make_request("a", prompt_len=20)
     assert kv.allocate_slots(req, 3)
-    assert len(req.block_ids) == 1
+    assert len(table(req)) == 1
     req.num_computed_tokens = 3
     assert kv.allocate_slots(req, 3)
-    assert len(req.block_ids) == 2
+    assert len(table(req)) == 2
     req.num_computed_tokens = 6
     assert kv.allocate_slots(req, 10)
-    assert len(req.block_ids) == 4
+    assert len(table(req)) == 4
     assert kv.num_free_blocks == 60
 
 
@@ -72,10 +77,10 @@ def test_zero_new_tokens_or_already_covered_is_a_no_op():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     req = make_request("a", prompt_len=3)
     assert kv.allocate_slots(req, 0)
-    assert req.block_ids == []
+    assert table(req) == []
     assert kv.allocate_slots(req, 3)
     assert kv.allocate_slots(req, 4)  # still within the first block
-    assert req.block_ids == [0]
+    assert table(req) == [0]
     assert kv.num_free_blocks == 3
 
 
@@ -83,19 +88,19 @@ def test_allocate_slots_returns_false_and_changes_nothing_when_short():
     kv = KVCacheManager(num_blocks=3, block_size=4)
     a, b = make_request("a", 8), make_request("b", 9)
     assert kv.allocate_slots(a, 8)
-    assert a.block_ids == [0, 1]
+    assert table(a) == [0, 1]
     refs = ref_counts(kv)
     assert not kv.allocate_slots(b, 9)  # needs 3, 1 free
-    assert b.block_ids == []
-    assert a.block_ids == [0, 1]
+    assert table(b) == []
+    assert table(a) == [0, 1]
     assert kv.num_free_blocks == 1
     assert ref_counts(kv) == refs
     # A request already holding blocks that needs more than are free: also all-or-nothing.
     assert kv.allocate_slots(b, 4)
-    assert b.block_ids == [2]
+    assert table(b) == [2]
     b.num_computed_tokens = 4
     assert not kv.allocate_slots(b, 5)
-    assert b.block_ids == [2]
+    assert table(b) == [2]
     assert kv.num_free_blocks == 0
     assert ref_counts(kv) == [1, 1, 1]
 
@@ -108,7 +113,7 @@ def test_free_returns_every_block():
     assert kv.num_free_blocks == 3
     assert kv.usage() == pytest.approx(5 / 8)
     kv.free(a)
-    assert a.block_ids == []
+    assert table(a) == []
     assert kv.num_free_blocks == 6
     assert [c for c in ref_counts(kv) if c] == [1, 1]
     kv.free(b)
@@ -123,7 +128,7 @@ def test_free_releases_tail_blocks_first():
     kv = KVCacheManager(num_blocks=3, block_size=4)
     req = make_request("a", 12)
     assert kv.allocate_slots(req, 12)
-    assert req.block_ids == [0, 1, 2]
+    assert table(req) == [0, 1, 2]
     kv.free(req)
     assert list(kv.block_pool._free) == [2, 1, 0]
 
@@ -135,7 +140,7 @@ def test_freed_blocks_are_reused():
     assert not kv.allocate_slots(b, 8)
     kv.free(a)
     assert kv.allocate_slots(b, 8)
-    assert sorted(b.block_ids) == [0, 1]
+    assert sorted(table(b)) == [0, 1]
     assert kv.num_free_blocks == 0
 
 
@@ -148,26 +153,26 @@ def test_short_admission_with_cache_hits_changes_nothing():
     kv.free(a)  # both full blocks stay cached on the free list
     b = make_request("b", 20)  # same first 8 tokens
     hits = kv.get_computed_blocks(b)
-    assert hits == [0, 1]
+    assert hits[0] == [0, 1]
     filler = make_request("c", 8)
     assert kv.allocate_slots(filler, 4)  # takes a never-used block first
-    assert filler.block_ids == [2]
+    assert table(filler) == [2]
     refs, free, queries = ref_counts(kv), list(kv.block_pool._free), kv.prefix_cache_queries
     # b needs its 2 hit blocks (both on the free list) + 3 new blocks = 5 > 4 free.
     assert not kv.allocate_slots(b, 12, hits)
-    assert b.block_ids == []
+    assert table(b) == []
     assert ref_counts(kv) == refs and list(kv.block_pool._free) == free
     assert kv.prefix_cache_queries == queries
     kv.free(filler)
     assert kv.allocate_slots(b, 12, hits)
-    assert b.block_ids[:2] == hits and len(b.block_ids) == 5
+    assert table(b)[:2] == hits[0] and len(table(b)) == 5
     assert kv.num_free_blocks == 0
 
 
 # ---------------------------------------------------------------------------- prefix caching
 def computed(kv: KVCacheManager, req: Request, n: int) -> None:
     """Pretend the model computed the next n tokens of req and publish its full blocks."""
-    assert kv.allocate_slots(req, n, [] if not req.block_ids else None)
+    assert kv.allocate_slots(req, n, [] if not table(req) else None)
     req.num_computed_tokens += n
     kv.cache_full_blocks(req)
 
@@ -181,10 +186,10 @@ def test_only_full_computed_blocks_are_published_and_hit():
     assert kv.block_pool.num_cached_blocks == 2
     b = make_request("b", prompt_len=10)  # same tokens
     hits = kv.get_computed_blocks(b)
-    assert hits == a.block_ids[:2]
+    assert hits[0] == table(a)[:2]
     assert kv.allocate_slots(b, 10 - 8, hits)
-    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
-    assert [kv.block_pool.blocks[i].ref_cnt for i in a.block_ids[:2]] == [2, 2]
+    assert table(b)[:2] == table(a)[:2] and table(b)[2] != table(a)[2]
+    assert [kv.block_pool.blocks[i].ref_cnt for i in table(a)[:2]] == [2, 2]
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (20, 8)  # two admissions of 10 tokens
 
 
@@ -193,7 +198,7 @@ def test_last_token_is_always_computed_on_a_full_hit():
     a = make_request("a", prompt_len=8)
     computed(kv, a, 8)
     b = make_request("b", prompt_len=8)
-    assert kv.get_computed_blocks(b) == a.block_ids[:1]  # (8 - 1) // 4 = 1 block, not 2
+    assert kv.get_computed_blocks(b)[0] == table(a)[:1]  # (8 - 1) // 4 = 1 block, not 2
 
 
 def test_hash_chain_depends_on_parent_and_extra():
@@ -201,7 +206,7 @@ def test_hash_chain_depends_on_parent_and_extra():
     a = Request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(), None)
     computed(kv, a, 9)
     other_parent = Request("b", [9, 9, 9, 9, 5, 6, 7, 8, 9], SamplingParams(), None)
-    assert kv.get_computed_blocks(other_parent) == []  # block 1 has equal tokens but a different parent
+    assert kv.get_computed_blocks(other_parent)[0] == []  # block 1 has equal tokens but a different parent
     other_cache = KVCacheManager(num_blocks=16, block_size=4, hash_extra=b"int8")
     assert other_cache._block_hashes(Request("c", a.all_token_ids, SamplingParams(), None), 2) != a.block_hashes[:2]
 
@@ -210,15 +215,15 @@ def test_freed_blocks_stay_cached_until_evicted_lru():
     kv = KVCacheManager(num_blocks=4, block_size=4)
     a = make_request("a", prompt_len=9)
     computed(kv, a, 9)
-    a_blocks = list(a.block_ids)
+    a_blocks = list(table(a))
     kv.free(a)
     assert kv.num_free_blocks == 4 and kv.block_pool.num_cached_blocks == 2
     b = make_request("b", prompt_len=9)
-    assert len(kv.get_computed_blocks(b)) == 2  # still there after the free
+    assert len(kv.get_computed_blocks(b)[0]) == 2  # still there after the free
     c = Request("c", [50 + i for i in range(9)], SamplingParams(), None)
     computed(kv, c, 9)  # free list (LRU first): never-used 3, then a's blocks tail first: 2, 1, 0
     assert kv.block_pool.num_evictions == 1  # block 1 (block 2 held a partial, unpublished block)
-    assert kv.get_computed_blocks(b) == a_blocks[:1]  # the chain breaks at the evicted block
+    assert kv.get_computed_blocks(b)[0] == a_blocks[:1]  # the chain breaks at the evicted block
 
 
 def test_allocation_counts_cached_free_blocks_touched_by_hits():
@@ -228,9 +233,9 @@ def test_allocation_counts_cached_free_blocks_touched_by_hits():
     kv.free(a)  # 4 free blocks, 2 of them cached
     b = make_request("b", prompt_len=13)
     hits = kv.get_computed_blocks(b)
-    assert len(hits) == 2
+    assert len(hits[0]) == 2
     assert not kv.allocate_slots(b, 13 - 8 + 4, hits)  # 2 hits + 3 new > 4 blocks: nothing changes
-    assert kv.num_free_blocks == 4 and b.block_ids == []
+    assert kv.num_free_blocks == 4 and table(b) == []
     assert kv.allocate_slots(b, 13 - 8, hits)
     assert kv.num_free_blocks == 0
 
@@ -245,8 +250,8 @@ def test_copy_on_write_of_a_shared_partial_block():
     assert kv.num_free_blocks == 6
     parent.append_output_token(1)
     assert kv.allocate_slots(parent, 1)  # writes slot 6 of the shared block 1: copy first
-    assert kv.take_pending_copies() == [(child.block_ids[1], parent.block_ids[1])]
-    assert parent.block_ids[0] == child.block_ids[0] and parent.block_ids[1] != child.block_ids[1]
+    assert kv.take_pending_copies() == [(table(child)[1], table(parent)[1])]
+    assert table(parent)[0] == table(child)[0] and table(parent)[1] != table(child)[1]
     child.append_output_token(2)
     assert kv.allocate_slots(child, 1)  # now the only owner: no copy
     assert kv.take_pending_copies() == []
@@ -259,13 +264,13 @@ def test_swap_out_and_in_round_trip():
     kv = KVCacheManager(num_blocks=6, block_size=4, enable_prefix_caching=False, num_cpu_blocks=4)
     a = make_request("a", prompt_len=10)
     computed(kv, a, 10)
-    device_blocks = list(a.block_ids)
+    device_blocks = list(table(a))
     out_map = kv.swap_out(a)
     assert out_map == list(zip(device_blocks, a.cpu_block_ids))
-    assert kv.num_free_blocks == 6 and kv.cpu_pool.num_free_blocks == 1 and a.block_ids == []
+    assert kv.num_free_blocks == 6 and kv.cpu_pool.num_free_blocks == 1 and table(a) == []
     in_map = kv.swap_in(a, 1)
     assert [c for c, _ in in_map] == [c for _, c in out_map]
-    assert len(a.block_ids) == 3 and a.cpu_block_ids == []
+    assert len(table(a)) == 3 and a.cpu_block_ids == []
     assert kv.num_free_blocks == 3
 
 
@@ -273,7 +278,7 @@ def test_swap_out_refuses_when_host_pool_is_full():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False, num_cpu_blocks=2)
     a = make_request("a", prompt_len=10)
     computed(kv, a, 10)
-    assert kv.swap_out(a) is None and len(a.block_ids) == 3 and kv.cpu_pool.num_free_blocks == 2
+    assert kv.swap_out(a) is None and len(table(a)) == 3 and kv.cpu_pool.num_free_blocks == 2
     assert KVCacheManager(num_blocks=8, block_size=4).swap_out(a) is None  # no swap space at all
 
 
@@ -297,8 +302,8 @@ def test_window_frees_the_blocks_behind_it_as_the_request_advances():
             p = req.num_computed_tokens
             assert kv.allocate_slots(req, 1)
             dead = max(0, (p - 7) // 4) if window else 0
-            assert req.block_ids[:dead] == [NULL_BLOCK] * dead
-            assert window is None or NULL_BLOCK not in req.block_ids[dead:]
+            assert table(req)[:dead] == [NULL_BLOCK] * dead
+            assert window is None or NULL_BLOCK not in table(req)[dead:]
             assert kv.num_held_blocks(req) == cdiv(p + 1, 4) - dead
             assert kv.num_free_blocks == kv.num_total_blocks - kv.num_held_blocks(req)
             peak = max(peak, kv.num_held_blocks(req))
@@ -330,9 +335,9 @@ def test_window_prefix_hit_needs_only_the_blocks_inside_the_window():
             b = make_request("b", prompt_len=prompt)
             hits = kv.get_computed_blocks(b)
             dead = max(0, (4 * want - 7) // 4) if window else 0
-            assert hits == [NULL_BLOCK] * dead + ids[dead:want], (cached, window)
+            assert hits[0] == [NULL_BLOCK] * dead + ids[dead:want], (cached, window)
             assert kv.allocate_slots(b, prompt - 4 * want, hits)
-            assert b.block_ids[:want] == hits and kv.prefix_cache_hits == 4 * want
+            assert table(b)[:want] == hits[0] and kv.prefix_cache_hits == 4 * want
             assert all(kv.block_pool.blocks[i].ref_cnt == 1 for i in ids[dead:want])
             kv.free(b)
             assert kv.num_free_blocks == kv.num_total_blocks
@@ -347,18 +352,18 @@ def test_window_fork_and_swap_keep_the_null_entries():
     for _ in range(14):
         computed(kv, a, 1)  # up to 24 tokens
     assert kv.allocate_slots(a, 1)  # position 24: (24 - 7) // 4 = 4 dead blocks
-    assert a.block_ids[:4] == [NULL_BLOCK] * 4 and len(a.block_ids) == 7
+    assert table(a)[:4] == [NULL_BLOCK] * 4 and len(table(a)) == 7
     child = make_request("c", prompt_len=10)
     kv.fork(a, child)
-    assert child.block_ids == a.block_ids and [kv.block_pool.blocks[b].ref_cnt for b in a.block_ids[4:]] == [2, 2, 2]
+    assert table(child) == table(a) and [kv.block_pool.blocks[b].ref_cnt for b in table(a)[4:]] == [2, 2, 2]
     kv.free(child)
-    held = a.block_ids[4:]
+    held = table(a)[4:]
     mapping = kv.swap_out(a)
     assert [d for d, _ in mapping] == held and len(a.cpu_block_ids) == 3
     assert kv.num_free_blocks == kv.num_total_blocks
     host = list(a.cpu_block_ids)
     back = kv.swap_in(a, 1)
-    assert back == list(zip(host, a.block_ids[4:])) and a.block_ids[:4] == [NULL_BLOCK] * 4 and len(a.block_ids) == 7
+    assert back == list(zip(host, table(a)[4:])) and table(a)[:4] == [NULL_BLOCK] * 4 and len(table(a)) == 7
     assert kv.num_held_blocks(a) == 3 and kv.cpu_pool.num_free_blocks == 8
 
 

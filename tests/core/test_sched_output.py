@@ -45,20 +45,20 @@ def test_decode_step_sends_one_token_per_request_whatever_the_context():
 def test_for_workers_drops_the_driver_only_handles():
     generator = torch.Generator()
     params = SamplingParams(temperature=0.7, logit_bias={3: 1.0}, prompt_logprobs=2, seed=1)
-    data = NewRequestData("a", [1, 2], [3], params, 0, [[4, 5]], [9], 2, generator, grammar=object())
+    data = NewRequestData("a", [1, 2], [3], params, 0, [[4, 5]], ([9],), 2, generator, grammar=object())
     out = SchedulerOutput(scheduled_new_reqs=[data], spec_draft_probs={"a": torch.ones(2, 8)})
     out._add("a", 1)
     sent = pickle.loads(pickle.dumps(out.for_workers()))
     (worker_data,) = sent.scheduled_new_reqs
     assert worker_data.generator is None and worker_data.grammar is None and sent.spec_draft_probs == {}
     assert worker_data.sampling_params.prompt_logprobs == 2 and worker_data.sampling_params.logit_bias is None
-    assert (worker_data.prompt_token_ids, worker_data.output_token_ids, worker_data.block_ids) == ([1, 2], [3], [9])
+    assert (worker_data.prompt_token_ids, worker_data.output_token_ids, worker_data.block_ids) == ([1, 2], [3], ([9],))
     assert sent.num_scheduled_tokens == {"a": 1}
     assert out.scheduled_new_reqs[0].generator is generator  # the driver's copy keeps them
 
 
 def test_tracker_appends_blocks_or_replaces_a_changed_table():
-    request = SimpleNamespace(request_id="a", prompt_token_ids=[1, 2], all_token_ids=[1, 2], block_ids=[4],
+    request = SimpleNamespace(request_id="a", prompt_token_ids=[1, 2], all_token_ids=[1, 2], block_ids=([4],),
                               num_computed_tokens=0, sampling_params=SamplingParams(), eos_token_id=None,
                               bad_words_token_ids=[], generator=None, grammar=None)
     tracker = RunnerStateTracker()
@@ -66,28 +66,28 @@ def test_tracker_appends_blocks_or_replaces_a_changed_table():
     tracker.record(first, request)
     assert [d.request_id for d in first.scheduled_new_reqs] == ["a"] and "a" in tracker
 
-    request.all_token_ids, request.block_ids, request.num_computed_tokens = [1, 2, 3], [4, 6], 2
+    request.all_token_ids, request.block_ids, request.num_computed_tokens = [1, 2, 3], ([4, 6],), 2
     grown = SchedulerOutput()
     tracker.record(grown, request)
     cached = grown.scheduled_cached_reqs
     assert (cached.new_token_ids, cached.new_block_ids, cached.replace_block_ids, cached.num_computed_tokens) == (
-        [[3]], [[6]], [False], [2])
+        [[3]], [([6],)], [False], [2])
 
-    request.block_ids = [4, 8]  # copy-on-write replaced a held block
+    request.block_ids = ([4, 8],)  # copy-on-write replaced a held block
     changed = SchedulerOutput()
     tracker.record(changed, request)
     cached = changed.scheduled_cached_reqs
-    assert (cached.new_token_ids, cached.new_block_ids, cached.replace_block_ids) == ([[]], [[4, 8]], [True])
+    assert (cached.new_token_ids, cached.new_block_ids, cached.replace_block_ids) == ([[]], [([4, 8],)], [True])
 
-    request.block_ids = [4]  # a speculative roll-back freed the tail
+    request.block_ids = ([4],)  # a speculative roll-back freed the tail
     trimmed = SchedulerOutput()
     tracker.record(trimmed, request)
-    assert trimmed.scheduled_cached_reqs.new_block_ids == [[4]] and trimmed.scheduled_cached_reqs.replace_block_ids == [True]
+    assert trimmed.scheduled_cached_reqs.new_block_ids == [([4],)] and trimmed.scheduled_cached_reqs.replace_block_ids == [True]
 
     assert tracker.forget("a") and not tracker.forget("a")
     again = SchedulerOutput()
     tracker.record(again, request)  # forgotten (preempted, finished): sent whole again
-    assert again.scheduled_new_reqs[0].block_ids == [4] and len(again.scheduled_cached_reqs) == 0
+    assert again.scheduled_new_reqs[0].block_ids == ([4],) and len(again.scheduled_cached_reqs) == 0
 
 
 def test_scheduler_reports_finished_and_aborted_ids_once():
@@ -121,3 +121,25 @@ def test_a_preempted_request_is_dropped_then_sent_whole_with_its_outputs():
     assert preempted == ["b"] and not sched.has_unfinished_requests()
     (data,) = resumed
     assert data.num_computed_tokens == 0 and data.prompt_token_ids == [1, 2] and len(data.output_token_ids) >= 1
+
+
+def test_tracker_sends_one_block_id_list_per_kv_cache_group():
+    """Two groups (full, sliding): the runner gets each group's appended ids, in group order;
+    a block freed behind the window (a NULL_BLOCK entry) replaces every group's table."""
+    request = SimpleNamespace(request_id="a", prompt_token_ids=[1, 2], all_token_ids=[1, 2], block_ids=([4], [5]),
+                              num_computed_tokens=0, sampling_params=SamplingParams(), eos_token_id=None,
+                              bad_words_token_ids=[], generator=None, grammar=None)
+    tracker = RunnerStateTracker()
+    first = SchedulerOutput()
+    tracker.record(first, request)
+    assert first.scheduled_new_reqs[0].block_ids == ([4], [5])
+    request.block_ids = ([4, 6], [5, 7])
+    grown = SchedulerOutput()
+    tracker.record(grown, request)
+    assert grown.scheduled_cached_reqs.new_block_ids == [([6], [7])]
+    assert grown.scheduled_cached_reqs.replace_block_ids == [False]
+    request.block_ids = ([4, 6, 8], [0, 7, 9])  # the sliding group freed block 5
+    freed = SchedulerOutput()
+    tracker.record(freed, request)
+    assert freed.scheduled_cached_reqs.new_block_ids == [([4, 6, 8], [0, 7, 9])]
+    assert freed.scheduled_cached_reqs.replace_block_ids == [True]

@@ -37,6 +37,11 @@ def _one_thread():
     torch.set_num_threads(saved)
 
 
+def table(request) -> list[int]:
+    """The request's block table (one KV cache group: ``block_ids[0]``; empty when it holds none)."""
+    return request.block_ids[0] if request.block_ids else []
+
+
 def make_scheduler(
     num_blocks: int = 64,
     block_size: int = 4,
@@ -156,7 +161,7 @@ def test_chunked_prefill_mixes_with_decodes():
     assert b.num_computed_tokens == 20 and b.num_output_tokens == 1
     assert a.num_output_tokens == 4
     # Each chunk got exactly the blocks it needed.
-    assert len(b.block_ids) == 5 and len(a.block_ids) == 2
+    assert len(table(b)) == 5 and len(table(a)) == 2
 
 
 def test_chunk_size_one():
@@ -185,7 +190,7 @@ def test_finished_request_leaves_and_waiting_joins_next_step():
     assert finished == [a]
     assert a.status == RequestStatus.FINISHED_LENGTH
     assert a.output_token_ids == [5, 6]
-    assert a.block_ids == []
+    assert table(a) == []
     assert sched.num_running == 0 and ids(sched.waiting) == ["b"]
     assert "a" not in sched.requests
     assert sched.kv_cache_manager.num_free_blocks == 64
@@ -284,7 +289,7 @@ def test_preemption_evicts_most_recently_admitted():
     assert out.scheduled_req_ids == ["r0", "r1", "r2"]
     assert sched.kv_cache_manager.num_free_blocks == 1
     assert ids(sched.waiting) == ["r3"]
-    r2_blocks = list(r2.block_ids)
+    r2_blocks = list(table(r2))
 
     # Each running request now holds 5 tokens and needs a second block: only one is free.
     out, _ = step(sched, token=12)
@@ -292,13 +297,13 @@ def test_preemption_evicts_most_recently_admitted():
     assert out.preempted_req_ids == ["r2"]
     assert r2.status == RequestStatus.PREEMPTED
     assert r2.num_computed_tokens == 0
-    assert r2.block_ids == []
+    assert table(r2) == []
     assert r2.num_preemptions == 1 and r0.num_preemptions == 0 and r1.num_preemptions == 0
     assert sched.num_preemptions == 1
     assert r2.all_token_ids[4:] == [11]  # tokens so far are kept for recompute
     assert ids(sched.waiting) == ["r2", "r3"]  # head of the queue, ahead of r3
     assert ids(sched.running) == ["r0", "r1"]
-    assert set(r2_blocks) <= set(r0.block_ids) | set(r1.block_ids)  # its blocks were reused
+    assert set(r2_blocks) <= set(table(r0)) | set(table(r1))  # its blocks were reused
     assert sched.kv_cache_manager.num_free_blocks == 0
 
     # Nothing is admitted in a step that preempted; r2 comes back first later on.
@@ -324,7 +329,7 @@ def test_preemption_victim_can_be_the_request_itself():
     # a still fits in its 2 blocks; b needs a new block and is itself the last admitted.
     assert out.scheduled_req_ids == ["a"]
     assert out.preempted_req_ids == ["b"]
-    assert b.status == RequestStatus.PREEMPTED and b.block_ids == [] and b.num_computed_tokens == 0
+    assert b.status == RequestStatus.PREEMPTED and table(b) == [] and b.num_computed_tokens == 0
     assert ids(sched.waiting) == ["b"] and ids(sched.running) == ["a"]
     assert sched.kv_cache_manager.num_free_blocks == 1
 
@@ -357,7 +362,7 @@ def test_abort_running_and_waiting_frees_blocks_at_once():
     assert sched.kv_cache_manager.num_free_blocks == 5
     assert sched.abort_request("a") is a
     assert a.status == RequestStatus.FINISHED_ABORTED and a.status.finish_reason == "abort"
-    assert a.block_ids == [] and sched.kv_cache_manager.num_free_blocks == 8
+    assert table(a) == [] and sched.kv_cache_manager.num_free_blocks == 8
     assert sched.abort_request("a") is None
     assert sched.abort_request("nope") is None
     assert sched.abort_request("b") is b
@@ -391,9 +396,9 @@ def check_block_invariants(kv: KVCacheManager, live: list[Request], forks: bool 
     several requests must be a published full block whose tokens are each holder's tokens.
     """
     pool = kv.block_pool
-    counts = Counter(b for r in live for b in r.block_ids)
+    counts = Counter(b for r in live for b in table(r))
     for r in live:
-        assert len(set(r.block_ids)) == len(r.block_ids), f"{r} holds a block twice"
+        assert len(set(table(r))) == len(table(r)), f"{r} holds a block twice"
     assert all(b.ref_cnt >= 0 for b in pool.blocks)
     for b in pool.blocks:
         assert b.ref_cnt == counts.get(b.block_id, 0), (b, counts.get(b.block_id, 0))
@@ -401,18 +406,18 @@ def check_block_invariants(kv: KVCacheManager, live: list[Request], forks: bool 
     assert len(counts) + kv.num_free_blocks == kv.num_total_blocks
     if not kv.enable_prefix_caching and not forks:
         assert max(counts.values(), default=0) <= 1, "a block appears in two requests"
-        assert sum(len(r.block_ids) for r in live) + kv.num_free_blocks == kv.num_total_blocks
+        assert sum(len(table(r)) for r in live) + kv.num_free_blocks == kv.num_total_blocks
     # Published blocks hold full, computed blocks of exactly their holder's tokens.
     for r in live:
-        published = [i for i, b in enumerate(r.block_ids) if pool.blocks[b].block_hash is not None]
+        published = [i for i, b in enumerate(table(r)) if pool.blocks[b].block_hash is not None]
         if not published:
             continue
         assert kv.enable_prefix_caching
         hashes = chain_hashes(kv, r.all_token_ids, max(published) + 1)
         for i in published:
             assert (i + 1) * kv.block_size <= r.num_computed_tokens
-            assert pool.blocks[r.block_ids[i]].block_hash == hashes[i]
-            assert pool.lookup(hashes[i]) == r.block_ids[i]
+            assert pool.blocks[table(r)[i]].block_hash == hashes[i]
+            assert pool.lookup(hashes[i]) == table(r)[i]
     if not forks:
         for block_id, n in counts.items():
             if n > 1:
@@ -429,11 +434,11 @@ def check_scheduler_invariants(sched: Scheduler, forks: bool = False) -> None:
     for r in sched.running:
         assert r.status == RequestStatus.RUNNING
         # On-demand allocation: exactly the blocks the computed tokens need.
-        assert len(r.block_ids) == kv.num_blocks_for(r.num_computed_tokens)
+        assert len(table(r)) == kv.num_blocks_for(r.num_computed_tokens)
         assert r.num_computed_tokens < r.num_tokens
     for r in [*sched.waiting, *pending]:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert r.block_ids == [] and r.num_computed_tokens == 0
+        assert table(r) == [] and r.num_computed_tokens == 0
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -477,9 +482,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert all(n >= 1 for n in out.num_scheduled_tokens.values())
         assert not set(out.scheduled_req_ids) & set(out.preempted_req_ids)
         for r in map(self.sched.requests.get, out.preempted_req_ids):
-            assert r.num_computed_tokens == 0 and r.block_ids == [] and r.request_id in before
+            assert r.num_computed_tokens == 0 and table(r) == [] and r.request_id in before
         for r in finished:
-            assert r.is_finished and r.block_ids == [] and r.request_id not in self.sched.requests
+            assert r.is_finished and table(r) == [] and r.request_id not in self.sched.requests
         if before:
             assert not out.is_empty, "no progress with requests pending"
         if out.preempted_req_ids:
@@ -493,7 +498,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         request_id = sorted(self.sched.requests)[index % len(self.sched.requests)]
         request = self.sched.abort_request(request_id)
-        assert request is not None and request.block_ids == []
+        assert request is not None and table(request) == []
         assert request.status == RequestStatus.FINISHED_ABORTED
 
     @invariant()

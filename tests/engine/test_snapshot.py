@@ -21,6 +21,11 @@ from kvflow.spec_decode.ngram import NgramProposer
 PREFIX = list(range(10, 26))  # 16 tokens: 4 full blocks of 4
 
 
+def table(request) -> list[int]:
+    """The request's block table (one KV cache group: ``block_ids[0]``; empty when it holds none)."""
+    return request.block_ids[0] if request.block_ids else []
+
+
 def params(max_tokens=8, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
@@ -60,7 +65,7 @@ def assert_matches_engine(data: dict, engine: LLMEngine) -> None:
     live = list(scheduler.requests.values())
     holders = {b: 0 for b in range(pool.num_blocks)}
     for r in live:
-        for b in r.block_ids:
+        for b in table(r):
             holders[b] += 1
     states = data["blocks"]["states"]
     assert len(states) == pool.num_blocks == data["blocks"]["num_blocks"]
@@ -80,7 +85,7 @@ def assert_matches_engine(data: dict, engine: LLMEngine) -> None:
             assert info["num_computed_tokens"] == r.num_computed_tokens
             assert info["num_tokens"] == r.num_tokens
             assert info["num_prompt_tokens"] == r.num_prompt_tokens
-            assert info["block_ids"] == r.block_ids
+            assert info["block_ids"] == table(r)
             assert info["cpu_block_ids"] == r.cpu_block_ids
             assert info["num_preemptions"] == r.num_preemptions
     if kv.cpu_pool is not None:
@@ -108,8 +113,8 @@ def test_shared_prefix_blocks_are_shared_then_cached():
     data = producer.capture().data
     assert_matches_engine(data, engine)
     a = engine.scheduler.requests["a"]
-    assert [data["blocks"]["states"][b] for b in a.block_ids[:4]] == ["s"] * 4
-    assert all(data["blocks"]["shared"][b] == 3 for b in a.block_ids[:4])
+    assert [data["blocks"]["states"][b] for b in table(a)[:4]] == ["s"] * 4
+    assert all(data["blocks"]["shared"][b] == 3 for b in table(a)[:4])
     while engine.has_unfinished_requests():
         step(engine, producer)
         assert_matches_engine(producer.capture().data, engine)
@@ -332,16 +337,16 @@ def test_describe_block_gives_owners_and_tokens():
     step(engine, producer)
     producer.latest = producer.capture()
     a, b = engine.scheduler.requests["a"], engine.scheduler.requests["b"]
-    shared = a.block_ids[1]
+    shared = table(a)[1]
     info = producer.describe_block(shared)
     assert info["state"] == "s" and info["ref_cnt"] == 2
     assert sorted(o["id"] for o in info["owners"]) == ["a", "b"] and {o["index"] for o in info["owners"]} == {1}
     assert info["token_ids"] == PREFIX[4:8]
-    last = a.block_ids[-1]  # a's last block, partly filled
+    last = table(a)[-1]  # a's last block, partly filled
     info = producer.describe_block(last)
-    assert info["owners"] == [{"id": "a", "index": len(a.block_ids) - 1}]
-    computed_in_last = a.num_computed_tokens - (len(a.block_ids) - 1) * 4
-    assert info["token_ids"] == a.all_token_ids[(len(a.block_ids) - 1) * 4 : a.num_computed_tokens]
+    assert info["owners"] == [{"id": "a", "index": len(table(a)) - 1}]
+    computed_in_last = a.num_computed_tokens - (len(table(a)) - 1) * 4
+    assert info["token_ids"] == a.all_token_ids[(len(table(a)) - 1) * 4 : a.num_computed_tokens]
     assert len(info["token_ids"]) == computed_in_last
     free = next(i for i, ch in enumerate(producer.latest.data["blocks"]["states"]) if ch == "f")
     assert producer.describe_block(free)["token_ids"] == [] and producer.describe_block(free)["owners"] == []

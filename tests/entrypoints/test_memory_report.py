@@ -319,7 +319,7 @@ def test_hybrid_gemma3_report_matches_the_engines_pool_and_allocator(tmp_path):
     the plain formula; a Llama config has no such section."""
     import transformers
 
-    from kvflow.core.hybrid_kv_cache_manager import HybridKVCacheManager
+    from kvflow.core.kv_cache_manager import KVCacheManager
 
     cfg = transformers.Gemma3TextConfig(vocab_size=256, hidden_size=640, intermediate_size=64, num_hidden_layers=18,
                                         num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
@@ -333,7 +333,7 @@ def test_hybrid_gemma3_report_matches_the_engines_pool_and_allocator(tmp_path):
                                max_model_len=8192).create_config()
     groups = engine_config.cache.kv_cache_groups
     assert groups is not None and h["pool_blocks"] == engine_config.cache.num_blocks
-    kv = HybridKVCacheManager(groups, 64, 16)
+    kv = KVCacheManager(64, 16, group_windows=groups.group_windows)
     assert h["pages_per_full_length_request"] == kv.max_blocks_held(8192, 1) == 512 + 5 * 33
     assert h["bytes_per_full_length_request_keep_all"] == report["bytes_per_full_length_request"] == 8192 * 18 * 2 * 256 * 2
     assert h["full_length_requests"] == h["pool_blocks"] // h["pages_per_full_length_request"] > 4 * report["budget"]["full_length_requests"]

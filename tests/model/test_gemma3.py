@@ -227,22 +227,59 @@ def test_hybrid_kv_cache_speculative_rollback_and_parallel_samples(tmp_path):
     assert outs[False] == outs[True] and len({tuple(t) for t in outs[False]}) == 3
 
 
-def test_hybrid_kv_cache_refuses_what_it_does_not_support(tmp_path):
-    """Tensor parallelism and a draft model are refused by name with the hybrid manager (the
-    flag turns it off); models without both layer kinds never get it."""
+def test_hybrid_kv_cache_with_tensor_parallelism_and_a_draft_model(tmp_path):
+    """The window-aware cache under tensor parallelism (two gloo ranks, each holding its KV
+    head of every page and freeing by the same tables) and under draft-model speculation (a
+    tiny Gemma 3 of other weights drafts 3 tokens, in its own cache; rejected drafts roll
+    back every group's table): the keep-all engine's greedy tokens, with the local groups'
+    blocks freed on the way."""
+    save_gemma3(tmp_path / "target", seed=11, **HYBRID)
+    save_gemma3(tmp_path / "draft", seed=12, **HYBRID)
+    prompts = {"rep": (_ids(7, 21) * 8)[:50], "other": _ids(30, 22), "short": _ids(9, 23)}
+    keep_all, _, _, _ = _hybrid_run(tmp_path / "target", prompts, 24, disable_hybrid_kv_cache_manager=True)
+    draft = {"speculative_config": {"method": "draft_model", "model": str(tmp_path / "draft"),
+                                    "num_speculative_tokens": 3}}
+    done, stats, _, _ = _hybrid_run(tmp_path / "target", prompts, 24, **draft)
+    assert stats["num_kv_cache_groups"] == 6 and stats["num_window_freed_blocks"] > 0
+    assert stats["spec_num_draft_tokens"] > stats["spec_num_accepted_tokens"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert done == keep_all
+    done, stats, _, engine = _hybrid_run(tmp_path / "target", prompts, 24, tensor_parallel_size=2, num_threads=1)
+    try:
+        assert stats["num_kv_cache_groups"] == 6 and stats["num_window_freed_blocks"] > 0
+        assert engine.cache_engine.groups.group_size == 1 and engine.cache_engine.kv_caches[0][0].shape[2] == 1
+    finally:
+        engine.shutdown()
+    assert done == keep_all
+
+
+def test_hybrid_kv_cache_applies_to_models_with_two_attention_kinds(tmp_path):
+    """Groups come from the layers' declared windows, whatever the architecture: Gemma 3 and
+    a Qwen3 with a windowed layer get them, the flag turns them off, a model whose layers all
+    have one kind never gets them."""
     from kvflow.config import EngineArgs
 
     save_gemma3(tmp_path, seed=11, **HYBRID)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported with the hybrid KV cache"):
-        EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=2).create_config()
-    with pytest.raises(ValueError, match="draft_model is not supported with the hybrid KV cache"):
-        EngineArgs(model=str(tmp_path), device="cpu",
-                   speculative_config={"method": "draft_model", "model": str(tmp_path),
-                                       "num_speculative_tokens": 2}).create_config()
+    groups = EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=2).create_config().cache.kv_cache_groups
+    assert groups.group_windows == (None, 16, 16, 16, 16, 16)
+    assert [(g.layer_ids, g.sliding_window) for g in groups.groups][:2] == [((5,), None), ((0,), 16)]
     assert EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=2,
                       disable_hybrid_kv_cache_manager=True).create_config().cache.kv_cache_groups is None
     save_gemma3(tmp_path / "all-local", layer_types=[LOCAL] * 4)
     assert EngineArgs(model=str(tmp_path / "all-local"), device="cpu").create_config().cache.kv_cache_groups is None
+    from model.hf_parity import save_random_hf
+
+    qwen3 = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     max_position_embeddings=256, use_sliding_window=True, sliding_window=8,
+                                     max_window_layers=1)
+    save_random_hf(transformers.Qwen3ForCausalLM, qwen3, tmp_path / "qwen3")
+    config = EngineArgs(model=str(tmp_path / "qwen3"), device="cpu").create_config()
+    assert config.cache.kv_cache_groups.group_windows == (None, 8)
+    prompts = {"a": _ids(30, 31), "b": _ids(13, 32)}  # (Llama's forward passes each layer its group's metadata)
+    done, stats, _, _ = _hybrid_run(tmp_path / "qwen3", prompts, 12)
+    assert stats["num_kv_cache_groups"] == 2 and stats["num_window_freed_blocks"] > 0
+    assert done == _hybrid_run(tmp_path / "qwen3", prompts, 12, disable_hybrid_kv_cache_manager=True)[0]
 
 
 @pytest.mark.parametrize(

@@ -98,15 +98,16 @@ def check_invariants(engine: LLMEngine) -> None:
     running = engine.scheduler.running
     refs = Counter()
     for r in running:
-        assert len(r.block_ids) == cdiv(r.num_computed_tokens, bs), r
+        (table,) = r.block_ids  # one KV cache group
+        assert len(table) == cdiv(r.num_computed_tokens, bs), r
         assert r.num_computed_tokens < r.num_tokens, r
-        refs.update(r.block_ids)
+        refs.update(table)
         assert r.num_published_blocks * bs <= r.num_computed_tokens
         parent = None
         for i in range(r.num_published_blocks):
             parent = hash_block_tokens(parent, r.all_token_ids[i * bs : (i + 1) * bs], kv.hash_extra)
             assert r.block_hashes[i] == parent, (r, i)
-            published = kv.block_pool.blocks[r.block_ids[i]].block_hash
+            published = kv.block_pool.blocks[table[i]].block_hash
             assert published is None or published == parent, (r, i)
     pool = kv.block_pool
     assert {b.block_id: b.ref_cnt for b in pool.blocks if b.ref_cnt} == dict(refs)
@@ -117,9 +118,10 @@ def check_invariants(engine: LLMEngine) -> None:
         assert set(shadows) <= {r.request_id for r in running}
         draft_refs = Counter()
         for shadow in shadows.values():
-            assert len(shadow.block_ids) == cdiv(shadow.num_computed_tokens, bs)
+            draft_table = shadow.block_ids[0] if shadow.block_ids else []
+            assert len(draft_table) == cdiv(shadow.num_computed_tokens, bs)
             assert shadow.num_computed_tokens <= shadow.num_tokens
-            draft_refs.update(shadow.block_ids)
+            draft_refs.update(draft_table)
         assert {b.block_id: b.ref_cnt for b in proposer.kv.block_pool.blocks if b.ref_cnt} == dict(draft_refs)
 
 
