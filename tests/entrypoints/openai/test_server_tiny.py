@@ -621,6 +621,70 @@ def test_a_dead_engine_fails_requests_with_503_and_health_says_so(monkeypatch):
         s.stop()
 
 
+STEP_S = 0.25  # each injected forward's duration
+
+
+def test_a_stop_during_a_long_prefill_fails_the_open_requests_and_waits_for_one_step(monkeypatch):
+    """Told to stop (SIGTERM sets ``should_exit``) while a long prompt prefills in chunks:
+    the server fails the open requests at once (an error event in the stream, 503 for the
+    other one) and stops within about one step; its engine and preparation threads are
+    gone. It used to wait for every open request to finish (the prefill, then all tokens)."""
+    from kvflow.model.llama import LlamaForCausalLM
+
+    original = LlamaForCausalLM.forward
+    prefilling = threading.Event()
+
+    def slow_forward(model, input_ids, *args, **kwargs):
+        if input_ids.numel() > 1:
+            prefilling.set()
+        time.sleep(STEP_S)
+        return original(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", slow_forward)
+    # 16 tokens a step: the 200-token prompt prefills in 13 steps (> 3 s), then 40 tokens
+    s = TinyServer(engine_kwargs={"max_num_batched_tokens": 16})
+    long_prompt = "x" * 200
+    results: dict[str, object] = {}
+
+    def stream():
+        body = {"prompt": long_prompt, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + C, json=body, timeout=60) as r:
+            results["stream"] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    def whole():
+        body = {"messages": MSG, "max_tokens": 40, "ignore_eos": True}
+        results["whole"] = httpx.post(s.url + CH, json=body, timeout=60)
+
+    clients = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    try:
+        clients[0].start()
+        assert prefilling.wait(30)
+        clients[1].start()
+        time.sleep(2 * STEP_S)  # the second request is queued behind the prefill
+        assert s.engine.get_stats()["num_running"] + s.engine.get_stats()["num_waiting"] == 2
+        t0 = time.monotonic()
+        s.server.should_exit = True
+        s.thread.join(30)
+        stop_s = time.monotonic() - t0
+    finally:
+        s.server.should_exit = True
+        for c in clients:
+            c.join(30)
+    assert not s.thread.is_alive()
+    assert stop_s < 8 * STEP_S, f"the stop took {stop_s:.1f} s"
+    status, lines = results["stream"]
+    assert status == 200 and lines[-1] == "data: [DONE]", lines
+    error = json.loads(lines[-2][len("data: "):])["error"]
+    assert error["code"] == 503 and "shutting down" in error["message"], error
+    err = _assert_error(results["whole"], 503)
+    assert "shutting down" in err["message"], err
+    assert not s.engine._thread.is_alive()
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in s.engine._executor._threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in s.engine._executor._threads)
+
+
 # ---------------------------------------------------------------------------- the event loop
 def _health_latencies(url: str, stop: threading.Event) -> list[float]:
     latencies = []
