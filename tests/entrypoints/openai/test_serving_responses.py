@@ -166,3 +166,56 @@ def test_refused_by_name(served, body, param, match):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and match in error["message"], error
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_openai_agents_responses_model_finishes_a_turn_of_parallel_calls(served, script, streamed):
+    """openai-agents' ``OpenAIResponsesModel`` (whole and streamed) over a turn that writes
+    text and two calls, then the answer: the agent runs both tools and ends with the answer,
+    and the last prompt holds the calls' turn as one assistant turn (the second call opened
+    a second one, and Qwen2.5-Coder-1.5B then answered the final turn with nothing)."""
+    try:
+        import agents
+    except ImportError:
+        pytest.skip("openai-agents is not installed: pip install openai-agents (or kvflow[agents])")
+    import asyncio
+
+    agents.set_tracing_disabled(True)
+    answer = "Paris 18 C, Tokyo 21 C."
+    turn = "Let me look." + CALL + CALL.replace("Paris", "Tokyo")
+
+    async def pick_script(request: httpx.Request) -> None:  # the scripted model's reply to this request
+        body = json.loads(request.content or b"{}")
+        items = body.get("input") if isinstance(body.get("input"), list) else []
+        if not any(i.get("type") == "function_call_output" for i in items):
+            script.set(turn)
+        else:
+            script.set(answer)
+
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str, unit: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return {"Paris": "18 C", "Tokyo": "21 C"}[city]
+
+    async def main():
+        http = httpx.AsyncClient(event_hooks={"request": [pick_script]}, timeout=60)
+        client = openai.AsyncOpenAI(base_url=served[0].url + "/v1", api_key="x", max_retries=0, http_client=http)
+        agent = agents.Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
+                             model=agents.OpenAIResponsesModel(model="tiny", openai_client=client),
+                             model_settings=agents.ModelSettings(temperature=0, max_tokens=400))  # fmt: skip
+        question = "Weather in Paris and Tokyo?"
+        if not streamed:
+            return await agents.Runner.run(agent, question, max_turns=4)
+        result = agents.Runner.run_streamed(agent, question, max_turns=4)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    result = asyncio.run(main())
+    assert calls == ["Paris", "Tokyo"]
+    assert result.final_output == answer, [i.type for i in result.new_items]
+    prompt = script.tokenizer.decode(script.seq)
+    assert prompt.count("<|im_start|>assistant") == 2 and prompt.count("<tool_response>") == 2, prompt
