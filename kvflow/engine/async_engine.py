@@ -193,7 +193,8 @@ class AsyncLLMEngine:
         forward runs meanwhile), in order with the adds and aborts queued before it.
 
         Raises:
-            EngineDeadError: when the engine thread has failed.
+            EngineDeadError: when the engine thread has failed (``EngineShutdownError``
+                once it was shut down).
             Exception: whatever ``fn`` raises.
         """
         self._check_running()
@@ -228,7 +229,8 @@ class AsyncLLMEngine:
         Raises:
             QueueFullError: when they would take the accepted-but-not-started requests past
                 ``max_queue_len``; none of them is queued then.
-            EngineDeadError: when the engine thread has failed.
+            EngineDeadError: when the engine thread has failed (``EngineShutdownError``
+                once it was shut down).
         """
         self._check_running()
         if self.max_queue_len is not None and len(self._unstarted) + len(requests) > self.max_queue_len:
