@@ -18,7 +18,10 @@ The event loop never waits on a model step, as in vLLM's engine-core client:
 
 A request that fails inside the engine (``LLMEngine.step``) raises ``RequestFailedError`` in
 its own iterator. A fault that stops the engine fails every open request with
-``EngineDeadError`` and calls ``on_dead`` (the server then exits non-zero).
+``EngineDeadError`` and calls ``on_dead`` (the server then exits non-zero). Shutting down
+(``begin_shutdown`` / ``shutdown``) fails every open request with ``EngineShutdownError`` at
+once, and the thread exits after the step in progress: a stop waits for one step, not for
+the requests to finish.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """Raised for requests once the engine thread has failed."""
+
+
+class EngineShutdownError(EngineDeadError):
+    """Raised for the requests still open when the engine is shut down (the server stops),
+    and for requests that arrive after that."""
 
 
 class RequestFailedError(RuntimeError):
@@ -133,11 +141,26 @@ class AsyncLLMEngine:
         if self.engine.config.device.device.type == "cpu":
             release_openmp_threads()
 
-    def shutdown(self) -> None:
+    def begin_shutdown(self) -> None:
+        """Stop: refuse new requests and fail the open ones with ``EngineShutdownError``
+        (on their event loops); the engine thread exits after the step in progress (a step
+        lasts about ``max_step_seconds``). Never waits; a second call does nothing."""
+        if self._stopped:
+            return
         self._stopped = True
         self._wakeup.set()
+        exc = EngineShutdownError("the server is shutting down: the request was stopped before it finished")
+        for loop in list(self._loops):
+            self._post(loop, self._fail_all, exc)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """``begin_shutdown``, then wait up to ``timeout_s`` seconds for the engine thread
+        to finish its step and exit."""
+        self.begin_shutdown()
         if self._thread.is_alive():
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive():
+                logger.warning("the engine thread is still in its step after %.0f s of shutdown", timeout_s)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -170,17 +193,23 @@ class AsyncLLMEngine:
         forward runs meanwhile), in order with the adds and aborts queued before it.
 
         Raises:
-            EngineDeadError: when the engine thread has failed.
+            EngineDeadError: when the engine thread has failed (``EngineShutdownError``
+                once it was shut down).
             Exception: whatever ``fn`` raises.
         """
-        if self._error is not None:
-            raise EngineDeadError(f"engine failed: {self._error!r}")
+        self._check_running()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._loops.add(loop)
         self._commands.append(("call", fn, args, loop, future))
         self._wakeup.set()
         return await future
+
+    def _check_running(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine failed: {self._error!r}")
+        if self._stopped:
+            raise EngineShutdownError("the server is shutting down: no new requests")
 
     @staticmethod
     def _settle(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
@@ -200,10 +229,10 @@ class AsyncLLMEngine:
         Raises:
             QueueFullError: when they would take the accepted-but-not-started requests past
                 ``max_queue_len``; none of them is queued then.
-            EngineDeadError: when the engine thread has failed.
+            EngineDeadError: when the engine thread has failed (``EngineShutdownError``
+                once it was shut down).
         """
-        if self._error is not None:
-            raise EngineDeadError(f"engine failed: {self._error!r}")
+        self._check_running()
         if self.max_queue_len is not None and len(self._unstarted) + len(requests) > self.max_queue_len:
             raise QueueFullError(
                 f"{len(self._unstarted)} requests are waiting and the queue holds {self.max_queue_len}"

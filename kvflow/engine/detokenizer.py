@@ -5,7 +5,8 @@ span tokens) and for SentencePiece (leading spaces depend on the previous token)
 vLLM's ``detokenize_incrementally``, each step decodes a short window that starts a few
 tokens back (``prefix_offset``) twice, with and without the new tokens, and emits the
 difference; text ending in U+FFFD (an incomplete character) is held back until the next
-token completes it.
+token completes it, and an incomplete character left at the end of the output (cut by
+``max_tokens``) is dropped, not released as U+FFFD: the text is what decodes cleanly.
 
 Stop strings are matched on the text, so they are found also when they span tokens. While a
 request runs, the visible text holds back its longest suffix that could still grow into a
@@ -67,6 +68,8 @@ class IncrementalDetokenizer:
         self.token_ids.extend(new_token_ids)
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
         full_text = self._decode(self.token_ids[self.prefix_offset :])
+        if finished and full_text.endswith(_REPLACEMENT):
+            full_text = full_text[:-1]  # a character cut by the end: not text (vLLM's rule)
         if len(full_text) > len(prefix_text) and (finished or not full_text.endswith(_REPLACEMENT)):
             old_len = len(self._text)
             self._text += full_text[len(prefix_text) :]

@@ -177,7 +177,8 @@ def test_random_tokens_deltas_concatenate_to_one_shot_decode(tok, data, skip):
     prompt = tok.encode(prompt_text)[-8:] or [tok.encode("a")[0]]
     output = data.draw(random_token_ids(tok, 1, 24), label="output")
     visible, fired, _ = run_detokenizer(tok, prompt, output, skip_special_tokens=skip)
-    final = tok.decode(output, skip_special_tokens=skip)
+    # a character cut by the end of the output is not text (no U+FFFD released at the finish)
+    final = tok.decode(output, skip_special_tokens=skip).removesuffix(REPLACEMENT)
     assert fired is None
     assert visible[-1] == final
     assert_monotonic(visible, final)
@@ -191,7 +192,7 @@ def test_random_prompt_and_output_tokens(tok, data):
     prompt = data.draw(random_token_ids(tok, 1, 8), label="prompt")
     output = data.draw(random_token_ids(tok, 1, 16), label="output")
     visible, _, _ = run_detokenizer(tok, prompt, output)
-    final = tok.decode(output)
+    final = tok.decode(output).removesuffix(REPLACEMENT)
     assert visible[-1] == final
     assert_monotonic(visible, final)
 

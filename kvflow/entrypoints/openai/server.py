@@ -307,7 +307,18 @@ def make_server(
         app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
         http=TimedH11Protocol.with_timeout(request_read_timeout),
     )  # fmt: skip
-    return uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            # uvicorn waits for the open requests before the lifespan's shutdown: fail them
+            # first (EngineShutdownError: a 503, or an error event in a stream), so that a
+            # stop waits for the engine's step in progress, not for a long prompt to finish
+            begin_shutdown = getattr(app.state, "begin_shutdown", None)
+            if begin_shutdown is not None:
+                begin_shutdown()
+            await super().shutdown(sockets)
+
+    return Server(config)
 
 
 def build_app(
@@ -355,7 +366,7 @@ def build_app(
     async def lifespan(app: FastAPI):
         engine.start()
         yield
-        engine.shutdown()
+        await asyncio.to_thread(engine.shutdown)  # waits for the step in progress
 
     from kvflow.entrypoints import web
 
@@ -364,6 +375,7 @@ def build_app(
     app = FastAPIOffline(title="kvflow", version="0.1.0", lifespan=lifespan, static_url="/docs-assets",
                          swagger_ui_parameters={"validatorUrl": None})
     app.router.route_class = _CheckedBodyRoute
+    app.state.begin_shutdown = engine.begin_shutdown  # make_server's Server calls it first
     if api_key is not None:
         open_paths = {"/health", *web.PUBLIC_PATHS}
         if not metrics_need_key:

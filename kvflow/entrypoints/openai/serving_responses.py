@@ -131,10 +131,12 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
-                last["tool_calls"].append(call)  # parallel calls of one turn: one assistant message
-            elif last is not None and last["role"] == "assistant" and not last.get("tool_calls"):
-                last["tool_calls"] = [call]  # the turn's text, then its calls
+            if last is not None and last["role"] == "assistant":
+                # the turn's text and all its (parallel) calls are one assistant message, as
+                # the Chat Completions API has them: a call after a message item with text
+                # started a second assistant turn, and the model, seeing two turns with one
+                # call each before the results, answered the next turn with nothing
+                last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":

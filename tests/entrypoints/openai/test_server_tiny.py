@@ -221,6 +221,79 @@ def test_streamed_completion_chunks_carry_text(http):
     assert all(texts[:-1]) and len(texts) >= 2, texts
 
 
+# the tiny tokenizer is byte-level: "a", then the 4 bytes of U+1F600, then "b"
+SCRIPT_TEXT = "a\U0001F600b"
+CUT = {2: "a", 3: "a", 4: "a", 5: "a\U0001F600"}  # max tokens -> the text that decodes cleanly
+
+
+def _script_output(monkeypatch, server) -> None:
+    """Every request's i-th output token is ``SCRIPT_TEXT``'s i-th byte token (crafted ids)."""
+    import kvflow.worker.model_runner as model_runner
+
+    script = server.engine.engine.tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
+    assert len(script) == 6, script
+
+    def scripted(logits, requests):
+        forced = torch.full_like(logits, float("-inf"))
+        for row, r in enumerate(requests):
+            forced[row, script[(len(r.all_token_ids) - len(r.prompt_token_ids)) % len(script)]] = 0.0
+        return forced
+
+    monkeypatch.setattr(model_runner, "apply_logits_processors", scripted)
+
+
+def _streamed_and_final(http, path: str, max_tokens: int, stream: bool) -> tuple[list[str], str]:
+    """(text deltas, final text) of one request; for a non-streamed one, deltas are []."""
+    if path == C:
+        body = {"prompt": "x", "max_tokens": max_tokens}
+    elif path == "/v1/responses":
+        body = {"input": "x", "max_output_tokens": max_tokens}
+    else:
+        body = {"messages": MSG, "max_tokens": max_tokens, "model": "tiny"}
+    body = {**body, "temperature": 0, "stream": stream}
+    if not stream:
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        if path == C:
+            return [], out["choices"][0]["text"]
+        if path == CH:
+            return [], out["choices"][0]["message"]["content"]
+        if path == "/v1/responses":
+            return [], "".join(p["text"] for item in out["output"] for p in item["content"])
+        return [], "".join(block["text"] for block in out["content"])
+    with http.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    if path == C:
+        deltas = [e["choices"][0]["text"] for e in events]
+        return deltas, "".join(deltas)
+    if path == CH:
+        deltas = [e["choices"][0]["delta"].get("content") or "" for e in events]
+        return deltas, "".join(deltas)
+    if path == "/v1/responses":
+        deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+        (last,) = [e for e in events if e["type"] in ("response.completed", "response.incomplete")]
+        done = [e["text"] for e in events if e["type"] == "response.output_text.done"]
+        final = "".join(p["text"] for item in last["response"]["output"] for p in item["content"])
+        assert done in ([], [final]), (done, final)
+        return deltas, final
+    deltas = [e["delta"]["text"] for e in events if e["type"] == "content_block_delta"]
+    return deltas, "".join(deltas)
+
+
+@pytest.mark.parametrize("path", [C, CH, "/v1/responses", "/v1/messages"])
+def test_a_cut_mid_character_streams_no_replacement_character(server, http, monkeypatch, path):
+    """max tokens that end inside a multi-byte character: the text is what decodes cleanly
+    (as vLLM's), streamed or not; the dangling bytes were released at the finish as U+FFFD,
+    a character the model never wrote."""
+    _script_output(monkeypatch, server)
+    for max_tokens, expected in CUT.items():
+        deltas, final = _streamed_and_final(http, path, max_tokens, stream=True)
+        assert "".join(deltas) == final == expected, (max_tokens, deltas, final)
+        assert _streamed_and_final(http, path, max_tokens, stream=False)[1] == expected, max_tokens
+
+
 def test_a_json_decode_error_names_no_param(http):
     """pydantic's loc of a JSON decode error is the byte offset (it was sent as ``param``)."""
     err = _assert_error(http.post(C, content=b'{"prompt": "x",, }', headers={"content-type": "application/json"}), 400)
@@ -546,6 +619,70 @@ def test_a_dead_engine_fails_requests_with_503_and_health_says_so(monkeypatch):
             _assert_error(c.post(CH, json={"messages": MSG, "max_tokens": 2}), 503)
     finally:
         s.stop()
+
+
+STEP_S = 0.25  # each injected forward's duration
+
+
+def test_a_stop_during_a_long_prefill_fails_the_open_requests_and_waits_for_one_step(monkeypatch):
+    """Told to stop (SIGTERM sets ``should_exit``) while a long prompt prefills in chunks:
+    the server fails the open requests at once (an error event in the stream, 503 for the
+    other one) and stops within about one step; its engine and preparation threads are
+    gone. It used to wait for every open request to finish (the prefill, then all tokens)."""
+    from kvflow.model.llama import LlamaForCausalLM
+
+    original = LlamaForCausalLM.forward
+    prefilling = threading.Event()
+
+    def slow_forward(model, input_ids, *args, **kwargs):
+        if input_ids.numel() > 1:
+            prefilling.set()
+        time.sleep(STEP_S)
+        return original(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "forward", slow_forward)
+    # 16 tokens a step: the 200-token prompt prefills in 13 steps (> 3 s), then 40 tokens
+    s = TinyServer(engine_kwargs={"max_num_batched_tokens": 16})
+    long_prompt = "x" * 200
+    results: dict[str, object] = {}
+
+    def stream():
+        body = {"prompt": long_prompt, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + C, json=body, timeout=60) as r:
+            results["stream"] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    def whole():
+        body = {"messages": MSG, "max_tokens": 40, "ignore_eos": True}
+        results["whole"] = httpx.post(s.url + CH, json=body, timeout=60)
+
+    clients = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    try:
+        clients[0].start()
+        assert prefilling.wait(30)
+        clients[1].start()
+        time.sleep(2 * STEP_S)  # the second request is queued behind the prefill
+        assert s.engine.get_stats()["num_running"] + s.engine.get_stats()["num_waiting"] == 2
+        t0 = time.monotonic()
+        s.server.should_exit = True
+        s.thread.join(30)
+        stop_s = time.monotonic() - t0
+    finally:
+        s.server.should_exit = True
+        for c in clients:
+            c.join(30)
+    assert not s.thread.is_alive()
+    assert stop_s < 8 * STEP_S, f"the stop took {stop_s:.1f} s"
+    status, lines = results["stream"]
+    assert status == 200 and lines[-1] == "data: [DONE]", lines
+    error = json.loads(lines[-2][len("data: "):])["error"]
+    assert error["code"] == 503 and "shutting down" in error["message"], error
+    err = _assert_error(results["whole"], 503)
+    assert "shutting down" in err["message"], err
+    assert not s.engine._thread.is_alive()
+    deadline = time.monotonic() + 5
+    while any(t.is_alive() for t in s.engine._executor._threads) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.is_alive() for t in s.engine._executor._threads)
 
 
 # ---------------------------------------------------------------------------- the event loop

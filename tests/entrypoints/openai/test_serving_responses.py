@@ -85,6 +85,37 @@ def test_function_call_loop(client, script):
     assert "<tool_response>\n18 C\n</tool_response>" in prompt
 
 
+def test_a_turn_with_text_and_parallel_calls_is_one_assistant_message(served, client, script):
+    """What openai-agents sends back after a turn that wrote text and two calls (a message
+    item, two function_call items, two function_call_output items) is the prompt of the same
+    conversation in Chat Completions: one assistant turn holding the text and both calls.
+    The second call used to open a second assistant turn, and Qwen2.5-Coder-1.5B then
+    answered the final turn with nothing."""
+    tokyo = {"city": "Tokyo", "unit": "celsius"}
+    calls = [("call_1", ARGS), ("call_2", tokyo)]
+    items = [{"role": "user", "content": "Weather in Paris and Tokyo?"},
+             {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+              "content": [{"type": "output_text", "text": "Looking.", "annotations": []}]}]  # fmt: skip
+    items += [{"type": "function_call", "id": f"fc_{i}", "call_id": cid, "name": "get_weather",
+               "arguments": json.dumps(args), "status": "completed"} for i, (cid, args) in enumerate(calls)]  # fmt: skip
+    items += [{"type": "function_call_output", "call_id": cid, "output": out} for (cid, _), out in zip(calls, ("18 C", "21 C"))]
+    messages = [{"role": "user", "content": "Weather in Paris and Tokyo?"},
+                {"role": "assistant", "content": "Looking.", "tool_calls": [
+                    {"id": cid, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(args)}}
+                    for cid, args in calls]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "21 C"}]  # fmt: skip
+    script.set("Paris 18 C, Tokyo 21 C.")
+    assert _create(client, input=items, tools=[TOOL]).output_text == "Paris 18 C, Tokyo 21 C."
+    responses_prompt = script.tokenizer.decode(script.seq)
+    r = httpx.post(served[0].url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": messages, "tools": [WEATHER_TOOL], "temperature": 0, "max_tokens": 120})  # fmt: skip
+    assert r.status_code == 200, r.text
+    chat_prompt = script.tokenizer.decode(script.seq)
+    assert responses_prompt == chat_prompt
+    assert responses_prompt.count("<|im_start|>assistant") == 2, responses_prompt  # the turn, then the answer's
+
+
 def test_function_call_streamed(client, script):
     script.set("<think>Use the tool.</think>" + CALL)
     events = list(_create(client, tools=[TOOL], stream=True))
@@ -135,3 +166,56 @@ def test_refused_by_name(served, body, param, match):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and match in error["message"], error
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_openai_agents_responses_model_finishes_a_turn_of_parallel_calls(served, script, streamed):
+    """openai-agents' ``OpenAIResponsesModel`` (whole and streamed) over a turn that writes
+    text and two calls, then the answer: the agent runs both tools and ends with the answer,
+    and the last prompt holds the calls' turn as one assistant turn (the second call opened
+    a second one, and Qwen2.5-Coder-1.5B then answered the final turn with nothing)."""
+    try:
+        import agents
+    except ImportError:
+        pytest.skip("openai-agents is not installed: pip install openai-agents (or kvflow[agents])")
+    import asyncio
+
+    agents.set_tracing_disabled(True)
+    answer = "Paris 18 C, Tokyo 21 C."
+    turn = "Let me look." + CALL + CALL.replace("Paris", "Tokyo")
+
+    async def pick_script(request: httpx.Request) -> None:  # the scripted model's reply to this request
+        body = json.loads(request.content or b"{}")
+        items = body.get("input") if isinstance(body.get("input"), list) else []
+        if not any(i.get("type") == "function_call_output" for i in items):
+            script.set(turn)
+        else:
+            script.set(answer)
+
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str, unit: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return {"Paris": "18 C", "Tokyo": "21 C"}[city]
+
+    async def main():
+        http = httpx.AsyncClient(event_hooks={"request": [pick_script]}, timeout=60)
+        client = openai.AsyncOpenAI(base_url=served[0].url + "/v1", api_key="x", max_retries=0, http_client=http)
+        agent = agents.Agent(name="weather", instructions="Use the tool.", tools=[get_weather],
+                             model=agents.OpenAIResponsesModel(model="tiny", openai_client=client),
+                             model_settings=agents.ModelSettings(temperature=0, max_tokens=400))  # fmt: skip
+        question = "Weather in Paris and Tokyo?"
+        if not streamed:
+            return await agents.Runner.run(agent, question, max_turns=4)
+        result = agents.Runner.run_streamed(agent, question, max_turns=4)
+        async for _ in result.stream_events():
+            pass
+        return result
+
+    result = asyncio.run(main())
+    assert calls == ["Paris", "Tokyo"]
+    assert result.final_output == answer, [i.type for i in result.new_items]
+    prompt = script.tokenizer.decode(script.seq)
+    assert prompt.count("<|im_start|>assistant") == 2 and prompt.count("<tool_response>") == 2, prompt
