@@ -8,6 +8,7 @@ Ray is installed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -62,8 +63,7 @@ def test_two_replicas_on_a_local_ray_cluster(tmp_path):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=120, max_retries=0)
         name = client.models.list().data[0].id
         # the multi-tenant workload, small: 4 tenants' system prompts, 3 rounds, interleaved
-        tenants = [f"tenant {t}: you are assistant {t}; " + "a shared system prompt of some length. " * 4
-                   for t in range(4)]
+        tenants = ["".join(hashlib.sha256(f"{t}-{i}".encode()).hexdigest() for i in range(3)) for t in range(4)]
         cached = []
         for rnd in range(3):
             for system in tenants:
