@@ -34,14 +34,16 @@ import asyncio
 import json
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-# Ray Serve's public prefix-aware router (it lives in the ray.llm namespace, but needs only
-# ray[serve]: no vLLM)
-PREFIX_ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
+# Ray Serve's prefix-aware router. Its public name, ray.serve.llm.request_router.
+# PrefixCacheAffinityRouter (a documented subclass of this class, nothing added), is imported
+# through ray.serve.llm, whose __init__ needs vLLM or SGLang; the class itself needs only
+# ray[serve], so it is named by its defining module.
+PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
 # what the ingress forwards to the model deployment (POST bodies; GETs answered by path)
 POST_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
               "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize")
@@ -52,7 +54,7 @@ MAX_BODY_BYTES = 10 * 1024 * 1024
 class OpenAIRequest:
     """One HTTP request for the model deployment: method, path and JSON body. ``prompt`` /
     ``messages`` are what ``PrefixCacheAffinityRouter`` reads to route on (the prompt text,
-    or the chat messages; empty for other requests)."""
+    or the chat messages; the path for requests without either)."""
 
     def __init__(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> None:
         self.method, self.path, self.body, self.headers = method, path, body, headers
@@ -68,7 +70,8 @@ class OpenAIRequest:
             self.messages = ([{"content": system}] if isinstance(system, str) else []) + list(parsed["messages"] or [])
         else:
             prompt = parsed.get("prompt", parsed.get("input", ""))
-            self.prompt = prompt if isinstance(prompt, (str, list)) else ""
+            # never empty: the router divides by the text's length (a GET routes on its path)
+            self.prompt = prompt if isinstance(prompt, (str, list)) and prompt else path
 
 
 async def _asgi_call(app, req: OpenAIRequest) -> AsyncIterator[dict[str, Any] | bytes]:
@@ -161,26 +164,27 @@ class KVFlowServer:
             engine.shutdown()
 
 
-ingress_app = FastAPI(title="kvflow on Ray Serve")
-
-
-@serve.ingress(ingress_app)
 class OpenAIIngress:
-    """The HTTP ingress: forwards the OpenAI / Anthropic paths to the model deployment
-    through its (prefix-affinity-routed) handle and relays status, headers and the body as
-    it streams."""
+    """The HTTP ingress (Ray Serve hands it each HTTP request as a Starlette ``Request``):
+    forwards the OpenAI / Anthropic paths to the model deployment through its
+    (prefix-affinity-routed) handle and relays status, headers and the body as it streams;
+    404 for other paths."""
 
     def __init__(self, server) -> None:
         self.server = server.options(stream=True)
 
-    async def _forward(self, request: Request) -> Response:
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path.rstrip("/") or "/"
+        allowed = POST_PATHS if request.method == "POST" else GET_PATHS if request.method == "GET" else ()
+        if path not in allowed:
+            return _not_found(path.lstrip("/"))
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             return JSONResponse({"error": {"message": f"request body over {MAX_BODY_BYTES} bytes", "type":
                                            "BadRequestError", "param": None, "code": 413}}, status_code=413)
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-api-key",
                                                                           "content-type", "anthropic-version")}
-        req = OpenAIRequest(request.method, request.url.path, body, headers)
+        req = OpenAIRequest(request.method, path, body, headers)
         stream = self.server.handle.remote(req)
         start = await stream.__anext__()
         media_type = start["headers"].get("content-type")
@@ -191,18 +195,6 @@ class OpenAIIngress:
                 yield chunk
 
         return StreamingResponse(rest(), status_code=start["status"], headers=passed, media_type=media_type)
-
-    @ingress_app.post("/{path:path}")
-    async def post(self, path: str, request: Request) -> Response:
-        if "/" + path not in POST_PATHS:
-            return _not_found(path)
-        return await self._forward(request)
-
-    @ingress_app.get("/{path:path}")
-    async def get(self, path: str, request: Request) -> Response:
-        if "/" + path not in GET_PATHS:
-            return _not_found(path)
-        return await self._forward(request)
 
 
 def _not_found(path: str) -> Response:

@@ -29,8 +29,8 @@ def test_request_exposes_what_the_prefix_router_reads():
     assert anthropic.messages == [{"content": "be brief"}]
     assert OpenAIRequest("POST", "/v1/completions", b'{"prompt": "abc"}', {}).prompt == "abc"
     assert OpenAIRequest("POST", "/v1/responses", b'{"input": "xyz"}', {}).prompt == "xyz"
-    assert OpenAIRequest("POST", "/v1/completions", b"not json", {}).prompt == ""
-    assert OpenAIRequest("GET", "/v1/models", b"", {}).prompt == ""
+    assert OpenAIRequest("POST", "/v1/completions", b"not json", {}).prompt == "/v1/completions"
+    assert OpenAIRequest("GET", "/v1/models", b"", {}).prompt == "/v1/models"  # never empty
 
 
 def test_replica_bounds_are_checked():
@@ -73,8 +73,10 @@ def test_two_replicas_on_a_local_ray_cluster(tmp_path):
                 cached.append(r.usage.prompt_tokens_details.cached_tokens)
         # the prefix router sent each tenant back to the replica holding its system prompt
         assert all(c >= len(tenants[0]) - 16 for c in cached[4:]), cached
-        chunks = list(client.completions.create(model=name, prompt=tenants[0] + "stream", max_tokens=4, stream=True,
-                                                stream_options={"include_usage": True}))
+        for _ in range(2):  # a raw prompt (no chat template): cached the second time, streamed
+            chunks = list(client.completions.create(model=name, prompt=tenants[1] + "stream", max_tokens=4,
+                                                    stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices)
         assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
         bad = client.with_options(max_retries=0).completions
         with pytest.raises(openai.BadRequestError):  # kvflow's own 400, relayed
