@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
