@@ -313,6 +313,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--lora-modules needs --enable-lora")
     if len(lora_modules) != len(args.lora_modules or []):
         raise ValueError("--lora-modules names an adapter twice")
+    if args.data_parallel_size != 1:  # N replicas behind a router (kvflow/entrypoints/data_parallel.py)
+        from kvflow.entrypoints.data_parallel import DataParallelArgs, serve_data_parallel
+
+        DataParallelArgs(args.data_parallel_size, args.router, args.router_policy).validate()
+        return serve_data_parallel(args, args.argv[args.argv.index("serve"):])
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(args)))
     name = args.served_model_name or default_served_name(args.model)
     server = None
@@ -432,6 +437,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split <think>...</think> into reasoning_content (default: no split)")
     _add_engine_args(serve)
+    from kvflow.entrypoints.data_parallel import DataParallelArgs
+
+    group = serve.add_argument_group("replicas (data parallelism behind a router, docs/scale-out.md)")
+    for f in fields(DataParallelArgs):
+        _field_flag(group, f)
     serve.set_defaults(func=_cmd_serve)
 
     mem = command("memory", "KV cache bytes per token/block, attention variants, what a budget holds; weight bytes as stored")
@@ -501,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging(args.quiet)
     try:
         rank = torchrun_rank()

@@ -88,9 +88,13 @@ def _new_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
-def _usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": 0}  # fmt: skip
+def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict[str, int]:
+    """Anthropic's ``usage``: ``cache_read_input_tokens`` are the prompt tokens that were
+    prefix-cache hits (``RequestOutput.num_cached_tokens``) and, as Anthropic counts them,
+    ``input_tokens`` the rest (their sum is the prompt, what ``count_tokens`` answers).
+    ``cache_creation_input_tokens`` is 0: kvflow caches every prefix, no write is billed."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached_tokens}  # fmt: skip
 
 
 def stop_reason(finish_reason: str | None, engine_stop: int | str | None, stop_sequences: list[str] | None,
@@ -135,7 +139,7 @@ async def create_message(serving: OpenAIServing, req: MessagesRequest, raw: Requ
     reason, sequence = stop_reason(choice.finish_reason, choice.stop_reason, req.stop_sequences, bool(parser.tool_calls))
     return JSONResponse({
         **message, "content": content_blocks(parser), "stop_reason": reason, "stop_sequence": sequence,
-        "usage": _usage(len(run.prompt_ids), len(choice.token_ids)),
+        "usage": _usage(len(run.prompt_ids), len(choice.token_ids), out.num_cached_tokens),
     })  # fmt: skip
 
 
@@ -187,7 +191,7 @@ async def _stream(run: ChatRun, message: dict[str, Any], req: MessagesRequest):
             if c.finish_reason is not None:
                 reason, sequence = stop_reason(c.finish_reason, c.stop_reason, req.stop_sequences, bool(parser.tool_calls))
                 yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                             usage={"output_tokens": len(c.token_ids)})  # fmt: skip
+                             usage=_usage(prompt_tokens, len(c.token_ids), out.num_cached_tokens))  # fmt: skip
                 yield _event("message_stop")
     except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
         error = _as_api_error(exc)

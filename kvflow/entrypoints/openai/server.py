@@ -467,6 +467,58 @@ def build_app(
 
     serving_embedding.attach_routes(app, serving)
     serving_tokenization.attach_routes(app, serving)
+    _attach_router_routes(app, engine, model_name, max_model_len)
     web.register(app, engine)
     return app
+
+
+def _attach_router_routes(app: FastAPI, engine: AsyncLLMEngine, model_name: str, max_model_len: int) -> None:
+    """What cache-aware routers (``vllm-router``, ``sglang-router``) call on a worker beside
+    /health, /v1/models and /metrics, answered from the engine's state (see
+    docs/scale-out.md):
+
+    - ``GET /get_load``: ``{"load": running + waiting requests, "num_reqs": running,
+      "num_waiting_reqs": waiting, "num_tokens": KV slots in use (allocated blocks x
+      block_size)}`` (the routers' power-of-two policy reads ``load``);
+    - ``GET /get_server_info``: the engine's configuration and live counters;
+    - ``GET /get_model_info``: ``{"model_path", "tokenizer_path", "is_generation"}``;
+    - ``POST /flush_cache``: drop every cached prefix no request holds (vLLM's
+      ``reset_prefix_cache``); 400 while running requests hold blocks (sglang's answer).
+    """
+    config = engine.engine.config
+
+    def load() -> dict[str, int]:
+        stats = engine.get_stats()
+        used_blocks = stats["num_total_blocks"] - stats["num_free_blocks"]
+        return {"load": stats["num_running"] + stats["num_waiting"], "num_reqs": stats["num_running"],
+                "num_waiting_reqs": stats["num_waiting"], "num_tokens": used_blocks * config.cache.block_size}
+
+    @app.get("/get_load")
+    async def get_load() -> dict[str, int]:
+        return load()
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict[str, Any]:
+        return {
+            "model_path": model_name, "served_model_name": model_name, "max_model_len": max_model_len,
+            "block_size": config.cache.block_size, "num_gpu_blocks": config.cache.num_blocks,
+            "enable_prefix_caching": config.cache.enable_prefix_caching,
+            "max_num_seqs": config.scheduler.max_num_seqs,
+            "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "tensor_parallel_size": config.parallel.tensor_parallel_size,
+            "device": config.device.device.type, "dtype": str(config.device.dtype).removeprefix("torch."),
+            **load(), "stats": engine.get_stats(),
+        }  # fmt: skip
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return {"model_path": model_name, "tokenizer_path": model_name, "is_generation": True,
+                "max_model_len": max_model_len}  # fmt: skip
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        if not await engine.call_on_engine(engine.engine.reset_prefix_cache):
+            return error_response(400, "the prefix cache was not flushed: running requests hold cached blocks",
+                                  "BadRequestError")
+        return PlainTextResponse("Cache flushed.")
 

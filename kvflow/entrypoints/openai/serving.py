@@ -77,11 +77,14 @@ def _as_api_error(exc: BaseException) -> APIError:
 
 # ---------------------------------------------------------------------------- request bodies
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens`` counts the prompt tokens
+    that were prefix-cache hits (``RequestOutput.num_cached_tokens``, summed over prompts)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -415,7 +418,7 @@ class OpenAIServing:
                 "created": created,
                 "model": self.served_name(req.model),
                 "choices": choices,
-                "usage": _usage(prompt_tokens, completion_tokens),
+                "usage": _usage(prompt_tokens, completion_tokens, sum(out.num_cached_tokens for out in finals)),
             }
         )
 
@@ -423,8 +426,10 @@ class OpenAIServing:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         completion_tokens = 0
+        cached: dict[int, int] = {}  # prompt index -> its prefix-cache hits
         base = {"id": cid, "object": "text_completion", "created": created, "model": self.served_name(req.model)}
         async for p_idx, out in _merge(iterators):
+            cached[p_idx] = out.num_cached_tokens
             for c in out.outputs:
                 index = p_idx * n + c.index
                 start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
@@ -452,7 +457,7 @@ class OpenAIServing:
                 yield _sse({**base, "choices": [choice]})
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt_tokens = sum(len(ids) for ids, _ in prompts)
-            yield _sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+            yield _sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, sum(cached.values()))})
         yield _sse("[DONE]")
 
     # ------------------------------------------------------------------ chat
@@ -652,7 +657,7 @@ class OpenAIServing:
                 "created": created,
                 "model": self.served_name(req.model),
                 "choices": choices,
-                "usage": _usage(len(run.prompt_ids), sum(len(c.token_ids) for c in out.outputs)),
+                "usage": _usage(len(run.prompt_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens),
             }
         )
 
@@ -660,10 +665,11 @@ class OpenAIServing:
         base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served_name(req.model)}
         parsers: dict[int, ChatOutputParser] = {}
         sent_tokens: dict[int, int] = {}
-        completion_tokens = 0
+        completion_tokens = cached_tokens = 0
         for i in range(req.n):
             yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]})
         async for _, out in _merge([run.iterator]):
+            cached_tokens = out.num_cached_tokens
             for c in out.outputs:
                 parser = parsers.setdefault(c.index, run.new_parser())
                 start_tok = sent_tokens.get(c.index, 0)
@@ -683,7 +689,7 @@ class OpenAIServing:
                 sent_tokens[c.index] = len(c.token_ids)
                 yield _sse({**base, "choices": [choice]})
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield _sse({**base, "choices": [], "usage": _usage(len(run.prompt_ids), completion_tokens)})
+            yield _sse({**base, "choices": [], "usage": _usage(len(run.prompt_ids), completion_tokens, cached_tokens)})
         yield _sse("[DONE]")
 
     # ------------------------------------------------------------------ non-streaming

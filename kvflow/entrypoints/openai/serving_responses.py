@@ -203,9 +203,10 @@ def to_chat_fields(req: ResponsesRequest) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _usage(prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
+def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """``cached_tokens``: prompt tokens that were prefix-cache hits (``RequestOutput.num_cached_tokens``)."""
     return {
-        "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt_tokens + output_tokens,
     }  # fmt: skip
@@ -281,7 +282,7 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest, raw: Re
     (choice,) = out.outputs
     parser = run.new_parser()
     parser.update(choice.text, final=True)
-    usage = _usage(len(run.prompt_ids), len(choice.token_ids))
+    usage = _usage(len(run.prompt_ids), len(choice.token_ids), out.num_cached_tokens)
     return JSONResponse(response.object("completed", output_items(parser), usage, choice.finish_reason))
 
 
@@ -358,7 +359,7 @@ async def _stream(run: ChatRun, response: _Response):
                 for line in handlers[ev.kind](ev):
                     yield line
             if c.finish_reason is not None:
-                final = response.object("completed", items, _usage(len(run.prompt_ids), len(c.token_ids)),
+                final = response.object("completed", items, _usage(len(run.prompt_ids), len(c.token_ids), out.num_cached_tokens),
                                         c.finish_reason)
                 yield _event(f"response.{final['status']}", seq, response=final)
     except Exception as exc:  # noqa: BLE001 - reported to the client in the stream

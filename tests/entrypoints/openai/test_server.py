@@ -298,6 +298,7 @@ def test_include_usage(http, model, tokenizer, endpoint):
         "prompt_tokens": prompt_tokens,
         "completion_tokens": max_tokens,
         "total_tokens": prompt_tokens + max_tokens,
+        "prompt_tokens_details": {"cached_tokens": final["usage"]["prompt_tokens_details"]["cached_tokens"]},
     }
     finish = [c["finish_reason"] for e in events[:-2] for c in e["choices"] if "finish_reason" in c]
     assert finish == ["length"]
