@@ -629,7 +629,8 @@ struct VecF {  // 8 float32 lanes
   static inline VecF sub(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
   static inline VecF max(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
   // e^x for x <= 0 (Cephes expf, as exp_neg above; 2^n through the exponent bits); 0 below -87.3.
-  static inline VecF exp_neg(VecF x) {
+  static inline VecF exp_neg(VecF xv) {
+    const __m256 x = xv.v;
     const __m256 lo = _mm256_set1_ps(-87.3f);
     const __m256 c = _mm256_max_ps(lo, x);
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
@@ -648,7 +649,7 @@ struct VecF {  // 8 float32 lanes
     return {_mm256_and_ps(y, _mm256_cmp_ps(x, lo, _CMP_NLT_UQ))};  // a NaN stays NaN
   }
   static inline VecF finite_or_zero(VecF x) {
-    return {_mm256_and_ps(x, _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ))};
+    return {_mm256_and_ps(x.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ))};
   }
 };
 #else
