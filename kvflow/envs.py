@@ -26,6 +26,10 @@ Switches and when they are read:
   ``KVFLOW_CPU_INVARIANT_LINEAR`` (batch-invariant linears), ``KVFLOW_CPU_GGUF`` (GGUF
   quantized matmuls), read when the kernel is
   first asked for (and decided once per process).
+- ``KVFLOW_CPU_PREFILL_ATTENTION`` (bool; default on): ``0`` sends prefill chunks on the CPU
+  to gather + ``scaled_dot_product_attention`` instead of the paged-attention kernel's
+  flash-attention pass (``kvflow.layers.cpu_attention.paged_prefill_attention``); read at
+  each call, so a test or benchmark can compare the two in one process.
 - ``KVFLOW_CPU_KERNEL_BUILD`` (str; default ``background``): how an engine on the CPU gets
   kernels that are not built yet (``kvflow.ops.build``): ``background`` builds them in a
   background thread while the PyTorch paths serve, and the engine switches to each kernel
@@ -141,6 +145,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     _kernel_switch("KVFLOW_CPU_LINEAR", "weight-only INT8 linear"),
     _kernel_switch("KVFLOW_CPU_INVARIANT_LINEAR", "batch-invariant linear"),
     _kernel_switch("KVFLOW_CPU_GGUF", "GGUF quantized matmul"),
+    Switch("KVFLOW_CPU_PREFILL_ATTENTION", "bool", "1 (on)",
+           "`0`: prefill chunks on the CPU gather K/V and run PyTorch's `scaled_dot_product_attention` instead "
+           "of the paged-attention kernel's flash-attention pass (that kernel's switches still apply)",
+           _on_unless_zero),
     Switch("KVFLOW_CPU_KERNEL_BUILD", "str", "`background`",
            "`background`: an engine builds the C++ CPU kernels it lacks in a background thread while the "
            "PyTorch paths serve, and switches to each between two steps once built; `wait`: each is built on "

@@ -19,8 +19,12 @@ portable loops used elsewhere compute (q * scale) . k in float32). On the develo
 machine (2 cores) this took a batch-32, 400-token, 30-layer bfloat16 decode step's
 attention from 39 ms to 20 ms.
 
-Decode only (one query token per request); prefill chunks keep the PyTorch path. Float32,
-bfloat16 and float16 caches; quantized (int8 / fp8) caches keep the PyTorch path.
+Decode (one query token per request): float32, bfloat16 and float16 caches. Prefill chunks
+(``paged_prefill_attention``, float32 and bfloat16 caches) run a tiled flash-attention pass
+of the same extension over the paged cache: causal with the chunk's offset, GQA / MQA,
+sliding windows (FlashAttention-2, Dao 2023, arXiv 2307.08691, section 3.1; the tiling is
+described in the C++ source); ``KVFLOW_CPU_PREFILL_ATTENTION=0`` keeps gather + SDPA for them.
+Quantized (int8 / fp8) caches have their own pass (``paged_attention_quantized``).
 
 The C++ source is ``kvflow/ops/csrc/paged_attention.cpp``, compiled on first use by
 ``kvflow.ops.build`` (a C++ compiler and ninja are needed; about half a minute the first
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow import ops
+from kvflow import envs, ops
 
 _EXTENSION = ops.PAGED_ATTENTION
 
@@ -85,6 +89,81 @@ def paged_decode_attention(
             (including a context longer than its block table or a block id outside the cache).
     """
     return _EXTENSION.require().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+PREFILL_HEAD_DIM_MULTIPLE = 16
+"""head_dim must be a multiple of this for ``paged_prefill_attention`` (every vector width
+it is built for divides it)."""
+
+
+def prefill_kernel_enabled() -> bool:
+    """Whether prefill chunks may take ``paged_prefill_attention``: ``KVFLOW_CPU_PREFILL_ATTENTION``
+    and ``KVFLOW_CPU_KERNELS`` are not ``0`` (read at each call) and the extension is built
+    and published (``cpu_kernel_available``)."""
+    return envs.cpu_kernel_enabled("KVFLOW_CPU_PREFILL_ATTENTION") and cpu_kernel_available()
+
+
+def takes_prefill_input(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether ``paged_prefill_attention`` takes these: q float32 / bfloat16 on the CPU with
+    contiguous rows, a cache of q's dtype, head_dim a multiple of ``PREFILL_HEAD_DIM_MULTIPLE``."""
+    return (
+        q.device.type == "cpu" and q.dim() == 3 and q.stride(-1) == 1 and q.dtype in (torch.float32, torch.bfloat16)
+        and k_cache.dtype == q.dtype and k_cache.dim() == 4 and k_cache.is_contiguous()
+        and q.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE == 0 and not (torch.is_grad_enabled() and q.requires_grad)
+    )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of every query token of one or more requests (prefill chunks, and any
+    number of query tokens per request) straight over the paged K/V cache, in tiles with an
+    online softmax (FlashAttention-2, Dao 2023, arXiv 2307.08691, section 3.1): no gathered
+    copy of K/V and no [queries, keys] score matrix is ever materialized.
+
+    Request r's query tokens are rows ``query_start_loc[r] : query_start_loc[r + 1]`` of q,
+    the last ``q_len`` of its ``context_lens[r]`` cached tokens: query i sits at position
+    ``context_lens[r] - q_len + i`` and attends to keys ``j <= position`` (and, with
+    ``sliding_window`` W, ``j > position - W``, transformers' sliding-window rule). Query head
+    h reads KV head ``h // (num_heads // num_kv_heads)`` (GQA / MQA).
+
+    Args:
+        q: [T, num_heads, head_dim] float32 or bfloat16 (RoPE applied; rows contiguous);
+            head_dim a multiple of ``PREFILL_HEAD_DIM_MULTIPLE``.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype,
+            contiguous, already holding this step's K/V.
+        block_tables: int64 [R, max_blocks], physical blocks per request in logical order.
+        query_start_loc: int32 [R + 1], starting at 0, ending at most at T.
+        context_lens: int32 [R], tokens in each request's cache after this step's writes
+            (>= its query tokens).
+        scale: softmax scale (usually head_dim ** -0.5).
+        sliding_window: W in tokens, or None (0 too) for full causal attention.
+        out: [T, num_heads, head_dim] of q's dtype with contiguous rows to write into (e.g. a
+            slice of a step's output), or None for a new tensor.
+
+    Returns:
+        ``out`` (rows not covered by ``query_start_loc`` are left as they were), float32
+        accumulation, rounded to q's dtype once.
+
+    Raises:
+        RuntimeError: if the kernel is not available, or the inputs break the layout above
+            (including a context longer than its block table or a block id outside the cache).
+    """
+    if out is None:
+        out = torch.empty_like(q)
+    window = int(sliding_window) if sliding_window else 0
+    if window < 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    return _EXTENSION.require().paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, float(scale), window, out)
 
 
 def _code_table(dtype: torch.dtype) -> torch.Tensor:

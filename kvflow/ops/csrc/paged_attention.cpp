@@ -1,4 +1,4 @@
-// kvflow C++ CPU kernel: Paged attention over the CPU KV cache: one-token decode for float caches, every query token for int8 / fp8 caches.
+// kvflow C++ CPU kernel: Paged attention over the CPU KV cache: one-token decode and tiled prefill (flash attention) for float caches, every query token for int8 / fp8 caches.
 // Python side and documentation: kvflow/layers/cpu_attention.py.
 // Built on first use by kvflow.ops.build (torch.utils.cpp_extension.load, -O3 -march=$KVFLOW_CPU_MARCH).
 
@@ -567,8 +567,382 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Prefill / chunked-prefill attention over a float paged cache (FlashAttention-2 tiling, Dao 2023,
+// arXiv 2307.08691, section 3.1: a tile of queries stays resident while the keys stream past in
+// tiles, with an online softmax: a running row maximum m, row sum l and unnormalized output O,
+// O rescaled by exp(m_old - m_new) whenever m grows, divided by l once at the end).
+//
+// Work item: (request, KV head, tile of query tokens). The tile's rows are the (token, query head)
+// pairs of the `group` query heads sharing the KV head (GQA / MQA), token-major; their queries are
+// held transposed, Qt [D, R] (R = rows rounded up to the vector width), so that both products
+// vectorize across rows without transposing any key:
+//   scores   St[j, r] = sum_d k_j[d] * Qt[d, r]          (a key element broadcast, a Qt row loaded)
+//   softmax  per row r, across j: vertical max / exp / sum over St's rows (no horizontal reductions)
+//   values   O[r, :] += sum_j St[j, r] * v_j[:]          (a weight broadcast, a value row loaded)
+// Keys and values are read straight from the paged cache through the block table (float32: in
+// place; bfloat16: one key tile and one value tile widened to float32 per step). Per item the
+// working set is Qt, O (R x D each), St (KT x R) and the two tiles: ~80 KB for R = 128, D = 64,
+// inside L2. All arithmetic is float32; the output is rounded to q's dtype once.
+// Causal with the chunk's offset: query token i of a request with q_len new tokens and ctx cached
+// tokens (this step's included) sits at position ctx - q_len + i and sees keys j <= that position,
+// and, with a sliding window W, only keys j > position - W. Only the tiles that straddle one of
+// those edges are masked element by element; a key tile is never loaded beyond the tile's last
+// query position or before its first one's window.
+// ---------------------------------------------------------------------------------------------
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+#include <atomic>
+
+namespace prefill {
+
+#if defined(__AVX512F__)
+struct VecF {  // 16 float32 lanes
+  static constexpr int L = 16;
+  __m512 v;
+  static inline VecF load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  inline void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static inline VecF set1(float x) { return {_mm512_set1_ps(x)}; }
+  static inline VecF fma(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static inline VecF mul(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static inline VecF add(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static inline VecF sub(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  static inline VecF max(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+  // e^x for x <= 0, 0 below -87.3 (and for -inf): the decode kernel's exp_neg16.
+  static inline VecF exp_neg(VecF x) { return {exp_neg16(x.v)}; }
+  // x where x is finite (> -inf), else 0 (a row with no visible key so far).
+  static inline VecF finite_or_zero(VecF x) {
+    return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ), x.v)};
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct VecF {  // 8 float32 lanes
+  static constexpr int L = 8;
+  __m256 v;
+  static inline VecF load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  inline void store(float* p) const { _mm256_storeu_ps(p, v); }
+  static inline VecF set1(float x) { return {_mm256_set1_ps(x)}; }
+  static inline VecF fma(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static inline VecF mul(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  static inline VecF add(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
+  static inline VecF sub(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  static inline VecF max(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
+  // e^x for x <= 0 (Cephes expf, as exp_neg above; 2^n through the exponent bits); 0 below -87.3.
+  static inline VecF exp_neg(VecF xv) {
+    const __m256 x = xv.v;
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 c = _mm256_max_ps(lo, x);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return {_mm256_and_ps(y, _mm256_cmp_ps(x, lo, _CMP_NLT_UQ))};  // a NaN stays NaN
+  }
+  static inline VecF finite_or_zero(VecF x) {
+    return {_mm256_and_ps(x.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ))};
+  }
+};
+#else
+struct VecF {  // portable: 8 lanes as plain loops (the compiler vectorizes what it can)
+  static constexpr int L = 8;
+  float v[8];
+  static inline VecF load(const float* p) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = p[i]; return r; }
+  inline void store(float* p) const { for (int i = 0; i < L; ++i) p[i] = v[i]; }
+  static inline VecF set1(float x) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = x; return r; }
+  static inline VecF fma(VecF a, VecF b, VecF c) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
+  static inline VecF mul(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] * b.v[i]; return r; }
+  static inline VecF add(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] + b.v[i]; return r; }
+  static inline VecF sub(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] - b.v[i]; return r; }
+  static inline VecF max(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
+  static inline VecF exp_neg(VecF x) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = ::exp_neg(x.v[i]); return r; }
+  static inline VecF finite_or_zero(VecF x) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = x.v[i] > -INFINITY ? x.v[i] : 0.f; return r; }
+};
+#endif
+
+constexpr int L = VecF::L;
+constexpr int KT = 32;  // keys per tile
+constexpr int JB = 4;   // keys per register block of the score product
+// Register blocks: the score product holds JB x NV accumulators, the value product RB x DV.
+#if defined(__AVX512F__)
+constexpr int NV = 2, RB = 4, DV = 4;
+#else
+constexpr int NV = 2, RB = 2, DV = 4;
+#endif
+
+// St[j, r0 + ...] (NVc vectors of rows) for keys j0 .. j0 + JB - 1.
+template <int NVc>
+static inline void score_block(const float* Qt, int64_t R, int64_t r0, const float* const* kp, int64_t j0,
+                               int64_t D, float* St) {
+  VecF acc[JB][NVc];
+  for (int j = 0; j < JB; ++j)
+    for (int v = 0; v < NVc; ++v) acc[j][v] = VecF::set1(0.f);
+  const float* k0 = kp[j0];
+  const float* k1 = kp[j0 + 1];
+  const float* k2 = kp[j0 + 2];
+  const float* k3 = kp[j0 + 3];
+  for (int64_t d = 0; d < D; ++d) {
+    VecF qv[NVc];
+    for (int v = 0; v < NVc; ++v) qv[v] = VecF::load(Qt + d * R + r0 + v * L);
+    const VecF b0 = VecF::set1(k0[d]), b1 = VecF::set1(k1[d]), b2 = VecF::set1(k2[d]), b3 = VecF::set1(k3[d]);
+    for (int v = 0; v < NVc; ++v) {
+      acc[0][v] = VecF::fma(b0, qv[v], acc[0][v]);
+      acc[1][v] = VecF::fma(b1, qv[v], acc[1][v]);
+      acc[2][v] = VecF::fma(b2, qv[v], acc[2][v]);
+      acc[3][v] = VecF::fma(b3, qv[v], acc[3][v]);
+    }
+  }
+  for (int j = 0; j < JB; ++j)
+    for (int v = 0; v < NVc; ++v) acc[j][v].store(St + (j0 + j) * R + r0 + v * L);
+}
+
+// O[r0 .. r0 + RB - 1, d0 .. d0 + DVc * L - 1] += sum_j St[j, r] * v_j[d].
+template <int DVc>
+static inline void value_block(const float* St, int64_t R, int64_t r0, const float* const* vp, int64_t n,
+                               float* O, int64_t D, int64_t d0) {
+  VecF acc[RB][DVc];
+  for (int i = 0; i < RB; ++i)
+    for (int v = 0; v < DVc; ++v) acc[i][v] = VecF::load(O + (r0 + i) * D + d0 + v * L);
+  for (int64_t j = 0; j < n; ++j) {
+    VecF vv[DVc];
+    for (int v = 0; v < DVc; ++v) vv[v] = VecF::load(vp[j] + d0 + v * L);
+    const float* p = St + j * R + r0;
+    for (int i = 0; i < RB; ++i) {
+      const VecF pi = VecF::set1(p[i]);
+      for (int v = 0; v < DVc; ++v) acc[i][v] = VecF::fma(pi, vv[v], acc[i][v]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int v = 0; v < DVc; ++v) acc[i][v].store(O + (r0 + i) * D + d0 + v * L);
+}
+
+static inline void widen_row(const float* src, float* dst, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
+static inline void widen_row(const c10::BFloat16* src, float* dst, int64_t D) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+struct Scratch {
+  std::vector<float> qt, o, st, m, l, alpha, kbuf, vbuf;
+  std::vector<const float*> kp, vp;
+};
+
+struct Item {
+  int64_t req, head, t0, t1, cost;
+};
+
+// One work item: query tokens t0 .. t1 - 1 of request `req` (rows of q from `q_first`), KV head h.
+template <typename T>
+static void prefill_item(const T* q, int64_t q_stride_t, int64_t q_stride_h, const T* k_cache, const T* v_cache,
+                         const int64_t* table, int64_t ctx, int64_t q_len, int64_t t0, int64_t t1, int64_t h,
+                         int64_t group, int64_t D, int64_t block_size, int64_t num_kv_heads, int64_t window,
+                         float scale, T* out, int64_t o_stride_t, int64_t o_stride_h, Scratch& s) {
+  const int64_t rows = (t1 - t0) * group;
+  const int64_t R = (rows + L - 1) / L * L;
+  s.qt.assign(D * R, 0.f);
+  s.o.assign(R * D, 0.f);
+  s.st.resize(KT * R);
+  s.m.assign(R, -INFINITY);
+  s.l.assign(R, 0.f);
+  s.alpha.resize(R);
+  s.kp.resize(KT);
+  s.vp.resize(KT);
+  constexpr bool widen = !std::is_same<T, float>::value;
+  if (widen) {
+    s.kbuf.resize(KT * D);
+    s.vbuf.resize(KT * D);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* qr = q + (t0 + r / group) * q_stride_t + (h * group + r % group) * q_stride_h;
+    for (int64_t d = 0; d < D; ++d) s.qt[d * R + r] = static_cast<float>(qr[d]) * scale;
+  }
+  const int64_t first_pos = ctx - q_len + t0;  // position of the tile's first query token
+  const int64_t last_pos = ctx - q_len + t1 - 1;
+  const int64_t key_begin = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  const int64_t key_end = last_pos + 1;
+  const int64_t slot_stride = num_kv_heads * D;
+  float* St = s.st.data();
+  for (int64_t kt = key_begin; kt < key_end; kt += KT) {
+    const int64_t n = std::min<int64_t>(KT, key_end - kt);
+    const int64_t npad = (n + JB - 1) / JB * JB;
+    for (int64_t j = 0; j < npad; ++j) {
+      const int64_t key = kt + std::min(j, n - 1);  // padding keys repeat the last one (masked)
+      const int64_t offset = (table[key / block_size] * block_size + key % block_size) * slot_stride + h * D;
+      if constexpr (widen) {
+        if (j < n) {
+          widen_row(k_cache + offset, s.kbuf.data() + j * D, D);
+          widen_row(v_cache + offset, s.vbuf.data() + j * D, D);
+        }
+        s.kp[j] = s.kbuf.data() + std::min(j, n - 1) * D;
+        s.vp[j] = s.vbuf.data() + std::min(j, n - 1) * D;
+      } else {
+        s.kp[j] = reinterpret_cast<const float*>(k_cache + offset);
+        s.vp[j] = reinterpret_cast<const float*>(v_cache + offset);
+      }
+    }
+    // Scores of the tile.
+    for (int64_t j0 = 0; j0 < npad; j0 += JB) {
+      int64_t r0 = 0;
+      for (; r0 + NV * L <= R; r0 += NV * L) score_block<NV>(s.qt.data(), R, r0, s.kp.data(), j0, D, St);
+      for (; r0 < R; r0 += L) score_block<1>(s.qt.data(), R, r0, s.kp.data(), j0, D, St);
+    }
+    // Masks: causal (key > query position), window (key <= position - W), padding keys.
+    const bool causal_edge = kt + n - 1 > first_pos;
+    const bool window_edge = window > 0 && kt <= last_pos - window;
+    if (causal_edge || window_edge || npad > n) {
+      for (int64_t j = 0; j < npad; ++j) {
+        const int64_t key = kt + j;
+        float* sj = St + j * R;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = first_pos + r / group;
+          if (j >= n || key > pos || (window > 0 && key <= pos - window)) sj[r] = -INFINITY;
+        }
+      }
+    }
+    // Online softmax, vertically across the tile's keys for each vector of rows.
+    for (int64_t r0 = 0; r0 < R; r0 += L) {
+      VecF mx = VecF::load(St + r0);
+      for (int64_t j = 1; j < npad; ++j) mx = VecF::max(mx, VecF::load(St + j * R + r0));
+      const VecF m_old = VecF::load(s.m.data() + r0);
+      const VecF m_new = VecF::max(m_old, mx);
+      const VecF m_use = VecF::finite_or_zero(m_new);
+      const VecF alpha = VecF::exp_neg(VecF::sub(m_old, m_use));
+      VecF sum = VecF::set1(0.f);
+      for (int64_t j = 0; j < npad; ++j) {
+        const VecF p = VecF::exp_neg(VecF::sub(VecF::load(St + j * R + r0), m_use));
+        p.store(St + j * R + r0);
+        sum = VecF::add(sum, p);
+      }
+      VecF::fma(VecF::load(s.l.data() + r0), alpha, sum).store(s.l.data() + r0);
+      m_new.store(s.m.data() + r0);
+      alpha.store(s.alpha.data() + r0);
+    }
+    // O *= alpha (per row), then O += P V.
+    for (int64_t r = 0; r < rows; ++r) {
+      const VecF a = VecF::set1(s.alpha[r]);
+      float* orow = s.o.data() + r * D;
+      for (int64_t d = 0; d < D; d += L) VecF::mul(VecF::load(orow + d), a).store(orow + d);
+    }
+    const int64_t rows_rb = (rows + RB - 1) / RB * RB;  // <= R: R is a multiple of L, L of RB
+    for (int64_t r0 = 0; r0 < rows_rb; r0 += RB) {
+      int64_t d0 = 0;
+      for (; d0 + DV * L <= D; d0 += DV * L) value_block<DV>(St, R, r0, s.vp.data(), npad, s.o.data(), D, d0);
+      for (; d0 < D; d0 += L) value_block<1>(St, R, r0, s.vp.data(), npad, s.o.data(), D, d0);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    T* orow = out + (t0 + r / group) * o_stride_t + (h * group + r % group) * o_stride_h;
+    const float inv = 1.f / s.l[r];
+    const float* src = s.o.data() + r * D;
+    for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<T>(src[d] * inv);
+  }
+}
+
+}  // namespace prefill
+
+// Causal attention of every query token of one or more requests (prefill chunks) over the float
+// paged cache; writes `out` and returns it. See kvflow/layers/cpu_attention.py,
+// paged_prefill_attention, for the contract.
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                      torch::Tensor block_tables, torch::Tensor query_start_loc,
+                                      torch::Tensor context_lens, double scale, int64_t sliding_window,
+                                      torch::Tensor out) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q: [T, heads, D], caches: [blocks, block_size, kv_heads, D]");
+  TORCH_CHECK((q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16) &&
+              k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+              out.scalar_type() == q.scalar_type(), "q, the caches and out must share a dtype, float32 or bfloat16");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q.stride(2) == 1 && out.stride(2) == 1 &&
+              out.sizes() == q.sizes(), "layout: contiguous caches, q and out [T, heads, D] with contiguous rows");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && query_start_loc.scalar_type() == torch::kInt32 &&
+              context_lens.scalar_type() == torch::kInt32, "index dtypes: int64 block_tables, int32 query_start_loc "
+              "and context_lens");
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && k_cache.size(3) == D, "heads");
+  TORCH_CHECK(D % prefill::L == 0, "head_dim must be a multiple of ", prefill::L);
+  auto tables = block_tables.contiguous();
+  auto starts = query_start_loc.contiguous();
+  auto ctx = context_lens.contiguous();
+  const int64_t num_reqs = ctx.numel();
+  TORCH_CHECK(starts.numel() == num_reqs + 1 && tables.dim() == 2 && tables.size(0) >= num_reqs, "metadata rows");
+  const int64_t width = tables.size(1);
+  const int32_t* sp = starts.data_ptr<int32_t>();
+  const int32_t* cp = ctx.data_ptr<int32_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  TORCH_CHECK(sp[0] == 0 && sp[num_reqs] <= num_tokens, "query_start_loc must start at 0 and end within q");
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = sp[r + 1] - sp[r];
+    TORCH_CHECK(q_len >= 0 && cp[r] >= q_len && cp[r] <= width * block_size, "context_lens[", r, "] = ", cp[r],
+                " does not fit its ", q_len, " query tokens and block table");
+    for (int64_t b = 0; b < (cp[r] + block_size - 1) / block_size; ++b)
+      TORCH_CHECK(tp[r * width + b] >= 0 && tp[r * width + b] < num_blocks, "block_tables[", r, ", ", b,
+                  "] = ", tp[r * width + b], " is not a block of the cache (", num_blocks, " blocks)");
+  }
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t threads = at::get_num_threads();
+  // Query tokens per tile: about 128 rows (token x group head), fewer when the items would not
+  // keep the threads busy (at least 4 items per thread), never under 8 tokens.
+  int64_t tile = std::max<int64_t>(8, std::min<int64_t>(64, 128 / group));
+  auto count_items = [&](int64_t t) {
+    int64_t n = 0;
+    for (int64_t r = 0; r < num_reqs; ++r) n += (sp[r + 1] - sp[r] + t - 1) / t;
+    return n * num_kv_heads;
+  };
+  while (tile > 8 && count_items(tile) < 4 * threads) tile /= 2;
+  std::vector<prefill::Item> items;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = sp[r + 1] - sp[r];
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile) {
+      const int64_t t1 = std::min(q_len, t0 + tile);
+      const int64_t last = cp[r] - q_len + t1;  // keys the tile's last token sees
+      const int64_t keys = sliding_window > 0 ? std::min(last, sliding_window + t1 - t0) : last;
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({r, h, t0, t1, keys * (t1 - t0)});
+    }
+  }
+  // Longest first, handed out one at a time (causal tiles differ in cost by up to the context length).
+  std::stable_sort(items.begin(), items.end(), [](const prefill::Item& a, const prefill::Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const float fscale = static_cast<float>(scale);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+    const T* kc = reinterpret_cast<const T*>(k_cache.data_ptr());
+    const T* vc = reinterpret_cast<const T*>(v_cache.data_ptr());
+    T* op = reinterpret_cast<T*>(out.data_ptr());
+    at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
+      prefill::Scratch scratch;
+      for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+        const prefill::Item& it = items[i];
+        const int64_t q_len = sp[it.req + 1] - sp[it.req];
+        prefill::prefill_item<T>(qp + sp[it.req] * q.stride(0), q.stride(0), q.stride(1), kc, vc, tp + it.req * width,
+                        cp[it.req], q_len, it.t0, it.t1, it.head, group, D, block_size, num_kv_heads,
+                        sliding_window, fscale, op + sp[it.req] * out.stride(0), out.stride(0), out.stride(1),
+                        scratch);
+      }
+    });
+  };
+  if (q.scalar_type() == torch::kFloat32) run(float{});
+  else run(c10::BFloat16{});
+  return out;
+}
+
 // Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention), "paged_decode_attention");
   m.def("paged_attention_quantized", torch::wrap_pybind_function(paged_attention_quantized), "paged_attention_quantized");
+  m.def("paged_prefill_attention", torch::wrap_pybind_function(paged_prefill_attention), "paged_prefill_attention");
 }
