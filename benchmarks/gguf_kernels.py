@@ -35,8 +35,9 @@ Prints a table and writes ``--out`` (default ``benchmarks/results/gguf_kernels.j
 as stored (``LLM(model=MODEL)``, the default ``quantization="gguf"``) with ``torch.profiler``:
 two greedy generations of one prompt, 2 and 2 + ``--profile-steps`` new tokens, whose
 difference is that many decode steps; per step, the wall time split into the GGUF kernel's C++
-calls, the other operators (self CPU time of every profiled op) and the rest (Python), and the
-operator dispatches per step and per decoder layer.
+calls, the other operators (self CPU time of every profiled op) and the rest (Python and the
+other C++ kernels, which the profiler does not see), and the top-level calls per step and
+per decoder layer.
 """
 
 from __future__ import annotations
@@ -138,8 +139,8 @@ def profile_decode(model: str, steps: int, out: Path) -> dict:
            "dispatches_per_step": dispatches, "layers": layers,
            "dispatches_per_layer": dispatches / layers if layers else None, "calls_per_step": per_op}
     print(f"# {model}: one decode step {rec['step_ms']:.2f} ms = GGUF kernel {rec['gguf_kernel_ms']:.2f} ms + other "
-          f"operators {rec['other_ops_ms']:.2f} ms + Python/rest {rec['python_and_rest_ms']:.2f} ms (under the "
-          f"profiler); {dispatches:.0f} top-level calls per step"
+          f"operators {rec['other_ops_ms']:.2f} ms + the rest {rec['python_and_rest_ms']:.2f} ms (Python, and the "
+          f"other C++ kernels: attention, RMSNorm, rotary; under the profiler); {dispatches:.0f} top-level calls per step"
           + (f", {rec['dispatches_per_layer']:.1f} per layer" if layers else ""))
     print(format_table(["top-level call", "per step"], [[k, v] for k, v in list(per_op.items())[:25]]))
     record = {"machine": {**machine_info(), "isa": gk.kernel_isa()}, "profile": rec}
