@@ -316,7 +316,8 @@ class GGUFWeight:
             raise IndexError(f"ids: values must lie in [0, {self.n})")
         # Packed only: unpack just the 8-row groups the ids fall in.
         groups, where = torch.unique(ids.long() // 8, return_inverse=True)
-        rows = _EXTENSION.require().gguf_unpack(self.packed[groups].contiguous(), int(self.qtype), 8 * len(groups), self.k)
+        module = _EXTENSION.require()
+        rows = module.gguf_unpack(self.packed[groups].contiguous(), int(self.qtype), 8 * len(groups), self.k)
         return dequantize(rows[where * 8 + ids.long() % 8], self.qtype, self.k, dtype)
 
     def narrow_rows(self, start: int, length: int) -> GGUFWeight:
