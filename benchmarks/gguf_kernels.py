@@ -2,34 +2,48 @@
 
 What it measures
 ----------------
-y = x W^T for W [N, K] stored as GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
-and x float32 with M rows (1: decode; 4, 16, 64: speculative verification and batches; 512:
-prefill), per call in milliseconds, and the effective bandwidth of the weight read (stored
-weight bytes / time, GB/s), against ``F.linear`` with the same weight dense in bfloat16 and
-in float32 **in the same run**. Shapes: SmolLM2-135M (K=576: N=576, 192, 1536; K=1536:
-N=576) and Qwen2.5-1.5B (K=1536: N=8960; K=8960: N=1536).
+y = x W^T for W [N, K] stored as GGUF blocks (default Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K; also
+Q5_1, Q5_K) and x float32 with M rows (1: decode; 4, 16, 64: speculative verification and
+batches; 512: prefill), per call in microseconds, and the effective bandwidth of the weight read
+(stored weight bytes / time, GB/s), for each path **in the same run**:
+
+* ``packed``: ``gguf_linear`` as a model runs it (rows interleaved 8 at a time at load,
+  ``GGUFWeight.pack``; from ``DEQUANT_GEMM_MIN_ROWS`` rows, dequantized tiles + GEMM);
+* ``stored``: the kernel on the stored row-major blocks (``gguf_linear`` before the packed
+  layout: the baseline);
+* ``dense-bf16`` / ``dense-f32``: ``F.linear`` on a dense bfloat16 / float32 weight of the shape.
+
+Shapes: SmolLM2-135M (K=576: N=576, 192, 1536; K=1536: N=576), Qwen2.5-0.5B (K=896: N=896,
+128, 4864; K=4864: N=896) and Qwen2.5-1.5B (K=1536: N=8960; K=8960: N=1536); a format whose
+block does not divide K is skipped (GGUF files store such tensors in another type).
 
 Enough distinct copies of each weight (at least ``--cycle-mb`` MB together) are cycled that
 a call does not find its weight in the caches, as in a model where each layer's weight is
-read once per step. A cell is the median over ``--repeats`` sweeps of the copies.
+read once per step. A cell is the fastest of ``--repeats`` sweeps of the copies.
 
-``gguf`` is the integer kernel where it is built (the ISA is printed), else the PyTorch
-fallback; ``--path dequant`` measures dequantize-to-float32 + ``F.linear`` instead (the
-large-M alternative).
+The ISA of the kernel's integer products is printed (``kernel_isa()``); without the kernel
+the GGUF paths are PyTorch's dequantize + ``F.linear``.
 
 How to run
 ----------
     python -m benchmarks.gguf_kernels                          # everything (a few minutes)
-    python -m benchmarks.gguf_kernels --formats Q4_0 Q6_K --m 1 --shapes qwen
+    python -m benchmarks.gguf_kernels --formats Q4_0 Q6_K --m 1 --shapes qwen1.5b
 
 Prints a table and writes ``--out`` (default ``benchmarks/results/gguf_kernels.json``).
+
+``--profile-decode MODEL`` instead profiles single-stream decode steps of a GGUF model served
+as stored (``LLM(model=MODEL)``, the default ``quantization="gguf"``) with ``torch.profiler``:
+two greedy generations of one prompt, 2 and 2 + ``--profile-steps`` new tokens, whose
+difference is that many decode steps; per step, the wall time split into the GGUF kernel's C++
+calls, the other operators (self CPU time of every profiled op) and the rest (Python and the
+other C++ kernels, which the profiler does not see), and the top-level calls per step and
+per decoder layer.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -44,8 +58,10 @@ from kvflow.layers import gguf_kernels as gk
 Q = gguf.GGMLQuantizationType
 SHAPES = {
     "smollm2": [(576, 576), (192, 576), (1536, 576), (576, 1536)],
-    "qwen": [(8960, 1536), (1536, 8960)],
+    "qwen0.5b": [(896, 896), (128, 896), (4864, 896), (896, 4864)],
+    "qwen1.5b": [(8960, 1536), (1536, 8960)],
 }
+DEFAULT_FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 
 
 def _random_raw(qt, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
@@ -61,7 +77,8 @@ def _random_raw(qt, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
 
 
 def _time(fns: list, x: torch.Tensor, repeats: int) -> float:
-    """Median seconds per call over ``repeats`` sweeps of the callables (one warm-up sweep)."""
+    """Seconds per call: the fastest of ``repeats`` sweeps of the callables (one warm-up sweep;
+    the fastest, since on a shared machine the slower sweeps measure the other load)."""
     for f in fns:
         f(x)
     sweeps = []
@@ -70,24 +87,90 @@ def _time(fns: list, x: torch.Tensor, repeats: int) -> float:
         for f in fns:
             f(x)
         sweeps.append((time.perf_counter() - t) / len(fns))
-    return statistics.median(sweeps)
+    return min(sweeps)
+
+
+def profile_decode(model: str, steps: int, out: Path) -> dict:
+    """Profile ``steps`` single-stream decode steps of ``model`` (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from kvflow import LLM, SamplingParams
+
+    llm = LLM(model=model)
+    module = gk._EXTENSION.load()
+    if module is not None:  # time the kernel's C++ calls as profiler ranges
+        for name in ("gguf_linear_packed", "gguf_linear", "gguf_dequantize"):
+            fn = getattr(module, name)
+
+            def timed(*args, fn=fn, name=name):
+                with record_function(f"gguf::{name}"):
+                    return fn(*args)
+
+            setattr(module, name, timed)
+    prompt = "The history of the printing press begins"
+    llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+
+    def run(new_tokens: int) -> tuple[float, dict]:
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t = time.perf_counter()
+            llm.generate([prompt], params)
+            wall = time.perf_counter() - t
+        events = prof.events()
+        kernel = sum(e.cpu_time_total for e in events if e.name.startswith("gguf::")) / 1e6
+        ops_self = sum(e.self_cpu_time_total for e in events) / 1e6
+        top = [e for e in events if e.cpu_parent is None]
+        calls: dict[str, int] = {}
+        for e in top:
+            calls[e.name] = calls.get(e.name, 0) + 1
+        return wall, {"kernel": kernel, "ops": ops_self - kernel, "top_calls": len(top), "calls": calls}
+
+    short_wall, short = run(2)
+    long_wall, long = run(2 + steps)
+    layers = getattr(llm.engine.model_config, "num_hidden_layers", None)
+    step = (long_wall - short_wall) / steps
+    kernel = (long["kernel"] - short["kernel"]) / steps
+    ops = (long["ops"] - short["ops"]) / steps
+    dispatches = (long["top_calls"] - short["top_calls"]) / steps
+    per_op = {k: (long["calls"].get(k, 0) - short["calls"].get(k, 0)) / steps for k in long["calls"]}
+    per_op = dict(sorted(((k, v) for k, v in per_op.items() if v >= 1), key=lambda kv: -kv[1]))
+    rec = {"model": model, "isa": gk.kernel_isa(), "steps": steps, "step_ms": step * 1e3,
+           "gguf_kernel_ms": kernel * 1e3, "other_ops_ms": ops * 1e3, "python_and_rest_ms": (step - kernel - ops) * 1e3,
+           "dispatches_per_step": dispatches, "layers": layers,
+           "dispatches_per_layer": dispatches / layers if layers else None, "calls_per_step": per_op}
+    print(f"# {model}: one decode step {rec['step_ms']:.2f} ms = GGUF kernel {rec['gguf_kernel_ms']:.2f} ms + other "
+          f"operators {rec['other_ops_ms']:.2f} ms + the rest {rec['python_and_rest_ms']:.2f} ms (Python, and the "
+          f"other C++ kernels: attention, RMSNorm, rotary; under the profiler); {dispatches:.0f} top-level calls per step"
+          + (f", {rec['dispatches_per_layer']:.1f} per layer" if layers else ""))
+    print(format_table(["top-level call", "per step"], [[k, v] for k, v in list(per_op.items())[:25]]))
+    record = {"machine": {**machine_info(), "isa": gk.kernel_isa()}, "profile": rec}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(f"\nwrote {out}")
+    return record
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--formats", nargs="+", default=[t.name for t in sorted(gk.SUPPORTED_QTYPES)])
-    ap.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64, 512])
-    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
-    ap.add_argument("--dense", nargs="*", default=["bf16", "f32"], choices=["bf16", "f32"])
-    ap.add_argument("--path", choices=["kernel", "dequant"], default="kernel")
+    ap.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS,
+                    choices=[t.name for t in sorted(gk.SUPPORTED_QTYPES)])
+    ap.add_argument("--m", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["smollm2", "qwen0.5b"])
+    ap.add_argument("--paths", nargs="+", default=["packed", "stored"], choices=["packed", "stored"])
+    ap.add_argument("--dense", nargs="*", default=["bf16"], choices=["bf16", "f32"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cycle-mb", type=float, default=48.0, help="MB of distinct weight copies cycled")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gguf_kernels.json"))
+    ap.add_argument("--profile-decode", metavar="MODEL", default=None,
+                    help="profile single-stream decode steps of this GGUF model instead (see above)")
+    ap.add_argument("--profile-steps", type=int, default=32)
     args = ap.parse_args(argv)
+    if args.profile_decode:
+        return profile_decode(args.profile_decode, args.profile_steps, args.out)
 
     info = machine_info()
     info["isa"] = gk.kernel_isa()
-    info["path"] = args.path
+    module = gk._EXTENSION.load()
     print(f"# CPU: {info['cpu_model']}, {info['torch_num_threads']} threads; GGUF kernel ISA: "
           f"{info['isa'] or 'none (PyTorch fallback)'}; torch {info['torch']}")
     rng = np.random.default_rng(0)
@@ -103,12 +186,25 @@ def main(argv: list[str] | None = None) -> dict:
             nbytes = gk.row_bytes(qt, k) * n
             copies = max(2, min(64, int(args.cycle_mb * 2**20 // nbytes) + 1))
             ws = [gk.GGUFWeight(_random_raw(qt, n, k, rng), qt, n, k) for _ in range(copies)]
-            if args.path == "kernel":
-                fns = [lambda x, w=w: gk.gguf_linear(x, w) for w in ws]
-            else:
-                fns = [lambda x, w=w: F.linear(x, w.dequantize(torch.float32)) for w in ws]
-            cases.append((name, nbytes, fns))
-        for dense in args.dense:
+            for path in args.paths:
+                if path == "packed":
+                    if module is not None:
+                        for w in ws:
+                            w.pack(release_raw=True)  # as a model's linears hold it
+                    fns = [lambda x, w=w: gk.gguf_linear(x, w) for w in ws]
+                elif module is None:
+                    continue
+                else:  # the kernel on the stored row-major blocks (the baseline)
+                    raws = [w.raw for w in ws]
+
+                    def stored(x, raw, qt=qt, n=n, k=k):
+                        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+                        module.gguf_linear(x, raw, int(qt), n, k, None, y)
+                        return y
+
+                    fns = [lambda x, raw=raw, f=stored: f(x, raw) for raw in raws]
+                cases.append((f"{name} {path}", nbytes, fns))
+        for dense in args.dense:  # the dense weight of the same shape, in F.linear
             dtype = torch.bfloat16 if dense == "bf16" else torch.float32
             nbytes = n * k * dtype.itemsize
             copies = max(2, min(64, int(args.cycle_mb * 2**20 // nbytes) + 1))
@@ -121,14 +217,14 @@ def main(argv: list[str] | None = None) -> dict:
             for name, nbytes, fns in cases:
                 fns_m = fns[:2] if big else fns
                 s = _time(fns_m, x, reps)
-                rec = {"n": n, "k": k, "m": m, "format": name, "ms": s * 1e3, "weight_bytes": nbytes,
+                rec = {"n": n, "k": k, "m": m, "case": name, "us": s * 1e6, "weight_bytes": nbytes,
                        "gb_per_s": nbytes / s / 1e9, "gflop_per_s": 2 * m * n * k / s / 1e9}
                 results.append(rec)
-                rows.append([f"{n}x{k}", m, name, rec["ms"], rec["gb_per_s"], rec["gflop_per_s"]])
-                print(f"{n}x{k} M={m:<4d} {name:<10s} {rec['ms']:9.3f} ms  {rec['gb_per_s']:7.1f} GB/s  "
+                rows.append([f"{n}x{k}", m, name, rec["us"], rec["gb_per_s"], rec["gflop_per_s"]])
+                print(f"{n}x{k} M={m:<4d} {name:<12s} {rec['us']:10.1f} us  {rec['gb_per_s']:7.1f} GB/s  "
                       f"{rec['gflop_per_s']:7.1f} GFLOP/s", flush=True)
     print()
-    print(format_table(["N x K", "M", "format", "ms/call", "weight GB/s", "GFLOP/s"], rows))
+    print(format_table(["N x K", "M", "case", "us/call", "weight GB/s", "GFLOP/s"], rows))
     record = {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)

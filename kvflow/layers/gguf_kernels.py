@@ -29,31 +29,30 @@ quantized values are multiplied with the activation block's in integers (AVX-512
 ``vpdpbusd``, AVX2 ``vpmaddubsw`` + ``vpmaddwd``, or a portable loop) and accumulated in float32
 with the product of the two scales. Unlike llama.cpp, the K-quants also use the 32-element
 activation blocks (ggml uses Q8_K: one scale per 256), which is at least as accurate and
-lets every format share one activation layout. The kernel reads the weight in its stored
-row-major block layout (no repacking: every method of :class:`GGUFWeight` works at any time,
-and the loader's memory-mapped file data is used in place).
+lets every format share one activation layout. (``gguf_linear`` in C++ also reads the
+stored row-major blocks directly: the benchmark's baseline.)
 
-Not repacked (llama.cpp's ``repack.cpp`` interleaves 4-8 rows per block so that one vector
-holds several rows' scales): the kernel takes 2-4 stored rows per pass instead (independent
-accumulation chains, each activation block loaded once for them), so ``raw`` stays the
-caller's tensor and ``narrow_rows`` / ``narrow_cols`` / ``cat_rows`` / ``embedding`` /
-``dequantize`` work at any time, before and after the kernel is published.
+Repacked at load (llama.cpp's ``ggml-cpu`` ``repack.cpp`` interleaves rows the same way for
+``block_q4_0x8`` / ``block_q4_Kx8``; the layout here is kvflow's own, one for all formats):
+:meth:`GGUFWeight.pack` (C++ ``gguf_pack``) regroups the rows 8 at a time so that, per
+32-element block, one 64-byte vector holds 4 consecutive quantized values of each of the 8
+rows for both 16-element halves, and the rows' fp16 scales (and 6-bit sub-block scales) sit
+side by side. Against an activation block whose 4-byte groups are broadcast to the lanes, one
+``vpdpbusd`` (AVX2: ``vpmaddubsw`` + ``vpmaddwd``) per vector does 4 products of 16
+row-halves, and the scales of 8 rows convert in one instruction: about 3 instructions per
+32-element block and row instead of ~19 on the stored rows. The packed weight has the stored
+size (Q4_K / Q5_K: + 4 bytes per 256 elements) and computes exactly the stored blocks' fields; the decoder linears
+drop their stored rows once packed (``pack(release_raw=True)``: ``raw`` then rebuilds them,
+byte-exact, from the packed layout where asked for: ``dequantize``, ``narrow_*``, prefill
+tiles). A weight is packed where it is first computed with the kernel, or at load when the
+kernel is built already, so tensor-parallel narrowing (at load) happens before packing.
 
-Speed (``python -m benchmarks.gguf_kernels``, AMD EPYC Zen 4 with AVX-512 VNNI, one thread of
-a shared, loaded 2-core machine, x float32; ms per call and stored-weight GB/s): at M = 1,
-8960 x 1536 Q4_0 3.5 ms (2.2 GB/s), Q4_1 2.4 (3.6), Q4_K 2.5 (3.2), Q6_K 7.2 (1.6), Q8_0 3.0
-(4.9), against dense bfloat16 5.5 ms and float32 8.5 ms (6.5 GB/s); 1536 x 8960 Q4_0 2.1 ms
-(3.8 GB/s), Q8_0 2.8 (5.2), Q6_K 4.0 (2.9), bfloat16 6.5, float32 7.7. The GEMV is bound by
-instructions, not memory: per 32-element block and row, unpacking the nibbles, converting the
-fp16 scale, broadcasting scale x activation scale, the integer product, its float conversion
-and multiply-add (about 19 instructions, ~10% of the VNNI peak); Q6_K and the K-quants also
-decode their sub-block scales per row. At M = 16..64 the integer kernel is slower than
-oneDNN's bfloat16 GEMM on the dense weight (e.g. 12.8 vs 9.5 ms at M = 16); an interleaved
-layout with vector scale handling is the next step.
+Speed: ``python -m benchmarks.gguf_kernels`` (packed against stored rows and dense bfloat16 in
+one run; docs/benchmarks.md).
 
-For many rows (prefill; from ``DEQUANT_GEMM_MIN_ROWS`` rows, 32 to 128 by format, measured)
-the kernel instead expands tiles of the weight exactly (``gguf_dequantize``, in x's dtype) and
-PyTorch's GEMM multiplies them: the expansion is paid once for all rows there.
+For many rows (prefill; from ``DEQUANT_GEMM_MIN_ROWS`` rows, measured) the kernel instead
+expands tiles of the weight exactly (``gguf_dequantize``, in x's dtype) and PyTorch's GEMM
+multiplies them: the expansion is paid once for all rows there.
 
 The C++ source is ``kvflow/ops/csrc/gguf_matmul.cpp`` (built by ``kvflow.ops.build``, switch
 ``KVFLOW_CPU_GGUF``); until it is built, or with it off, :func:`gguf_linear` dequantizes to
@@ -77,16 +76,12 @@ SUPPORTED_QTYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(
 _EXTENSION = ops.GGUF_MATMUL
 
 # Rows of x from which gguf_linear (with the kernel built) dequantizes tiles of the weight
-# in x's dtype and runs PyTorch's GEMM instead of the integer kernel, per format. Measured on
-# the development machine (AMD EPYC Zen 4, AVX-512 VNNI + BF16, one thread, N = K = 1536,
-# ms per call, integer kernel / dequantized tiles + GEMM, float32 | bfloat16 x):
-#   Q4_0  M=32: 2.2/3.9 | 2.2/5.2   M=64: 4.0/5.1 | 4.2/6.3    M=128: 9.1/11.7 | 7.8/7.1   M=256: 15.8/15.3 | 15.7/9.8
-#   Q4_K  M=32: 3.1/3.4 | 3.1/4.9   M=64: 5.9/5.3 | 5.8/4.6    M=128: 11.7/10.0 | 11.7/6.6  M=256: 25.0/15.5 | 23.3/9.5
-#   Q6_K  M=32: 5.1/3.1 | 5.3/4.8   M=64: 9.4/5.2 | 10.2/5.7   M=128: 18.0/10.0 | 28.0/9.6  M=256: 54.6/22.4 | 43.8/10.7
-# (the integer kernel decodes each K-quant sub-block's scales per row and activation group;
-# the GEMM amortizes one expansion over all rows). Q4_1 / Q5_* / Q8_0 follow Q4_0, Q5_K Q4_K.
-DEQUANT_GEMM_MIN_ROWS: dict[gguf.GGMLQuantizationType, int] = {
-    Q.Q4_0: 128, Q.Q4_1: 128, Q.Q5_0: 128, Q.Q5_1: 128, Q.Q8_0: 128, Q.Q4_K: 64, Q.Q5_K: 64, Q.Q6_K: 32}
+# in x's dtype and runs PyTorch's GEMM instead of the packed integer kernel, per format.
+# Measured on the development machine (AMD EPYC Zen 4, AVX-512 VNNI, 2 threads, loaded;
+# bfloat16 x, ms per call, packed kernel / dequantized tiles + GEMM): Q4_1 1536 x 576 M=32
+# 0.23/0.98, M=64 0.40/1.07, M=128 1.20/-; Q6_K 576 x 1536 M=128 0.83/1.24 (the stored-row
+# kernel it replaces lost to the GEMM from 32-128 rows).
+DEQUANT_GEMM_MIN_ROWS: dict[gguf.GGMLQuantizationType, int] = {qt: 256 for qt in SUPPORTED_QTYPES}
 DEQUANT_TILE_ELEMENTS = 1 << 22  # weights per dequantized tile of that path (16 MB in float32)
 
 
@@ -249,7 +244,39 @@ class GGUFWeight:
             raise ValueError(f"raw: expected shape [{n}, {nbytes}] ({qt.name}, n={n}, k={k}), got {list(raw.shape)}")
         if raw.stride(1) != 1 or (n > 1 and raw.stride(0) < nbytes):
             raise ValueError(f"raw: rows must be contiguous (strides {raw.stride()})")
-        self.raw, self.qtype, self.n, self.k = raw, qt, n, k
+        self._raw: torch.Tensor | None = raw
+        self.qtype, self.n, self.k = qt, n, k
+        #: The rows in the kernel's interleaved layout (``pack``), or None.
+        self.packed: torch.Tensor | None = None
+        #: Whether the kernel's lazy ``pack`` drops ``raw`` (the weight is then held once; a
+        #: caller that needs the stored rows often, not just their product, clears it).
+        self.release_raw_on_pack = True
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """uint8 [n, row_bytes]: the stored rows (after ``pack(release_raw=True)``, a fresh
+        byte-exact copy rebuilt from the packed layout at each access)."""
+        if self._raw is not None:
+            return self._raw
+        return _EXTENSION.require().gguf_unpack(self.packed, int(self.qtype), self.n, self.k)
+
+    def pack(self, release_raw: bool = False) -> torch.Tensor:
+        """Build ``packed`` once: the rows interleaved 8 at a time for the C++ kernel's GEMV and
+        small-M GEMM (layout: ``kvflow/ops/csrc/gguf_matmul.cpp``; same bytes as stored, K-quants
+        + 4 bytes per 256 elements). ``release_raw`` drops the stored rows afterwards (``raw`` then unpacks on
+        access), so the weight is held once.
+
+        Returns:
+            The packed uint8 tensor [ceil(n / 8), group bytes].
+
+        Raises:
+            RuntimeError: when the C++ kernel is not available.
+        """
+        if self.packed is None:
+            self.packed = _EXTENSION.require().gguf_pack(self._raw, int(self.qtype), self.n, self.k)
+        if release_raw:
+            self._raw = None
+        return self.packed
 
     def __repr__(self) -> str:
         return f"GGUFWeight({self.qtype.name}, n={self.n}, k={self.k})"
@@ -261,8 +288,10 @@ class GGUFWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the stored blocks this weight spans (n * row_bytes)."""
-        return self.raw.shape[0] * self.raw.shape[1]
+        """Bytes this weight holds: the stored blocks it spans (n * row_bytes) unless
+        released, plus the packed layout where built."""
+        held = 0 if self._raw is None else self._raw.shape[0] * self._raw.shape[1]
+        return held + (0 if self.packed is None else self.packed.numel())
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -281,7 +310,15 @@ class GGUFWeight:
         """
         if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"ids: expected int64 [T], got {ids.dtype} {list(ids.shape)}")
-        return dequantize(self.raw[ids], self.qtype, self.k, dtype)
+        if self._raw is not None:
+            return dequantize(self._raw[ids], self.qtype, self.k, dtype)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
+            raise IndexError(f"ids: values must lie in [0, {self.n})")
+        # Packed only: unpack just the 8-row groups the ids fall in.
+        groups, where = torch.unique(ids.long() // 8, return_inverse=True)
+        module = _EXTENSION.require()
+        rows = module.gguf_unpack(self.packed[groups].contiguous(), int(self.qtype), 8 * len(groups), self.k)
+        return dequantize(rows[where * 8 + ids.long() % 8], self.qtype, self.k, dtype)
 
     def narrow_rows(self, start: int, length: int) -> GGUFWeight:
         """Rows [start, start + length) as a weight sharing this one's storage.
@@ -379,17 +416,20 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
         xc = x if x.stride(1) == 1 else x.contiguous()
         y = out if out is not None else torch.empty(m, w.n, dtype=x.dtype)
         if m < DEQUANT_GEMM_MIN_ROWS[w.qtype]:
-            module.gguf_linear(xc, w.raw, int(w.qtype), w.n, w.k, None if bias is None else bias.float().contiguous(), y)
+            packed = w.packed if w.packed is not None else w.pack(release_raw=w.release_raw_on_pack)
+            module.gguf_linear_packed(xc, packed, int(w.qtype), w.n, w.k,
+                                      None if bias is None else bias.float().contiguous(), y)
             return y
         # Prefill: dequantize tiles of rows (the kernel's exact expansion, in x's dtype) and
         # multiply them with PyTorch's GEMM (oneDNN / MKL); a tile holds at most
         # DEQUANT_TILE_ELEMENTS weights.
         rows = max(1, min(w.n, DEQUANT_TILE_ELEMENTS // w.k))
         tile = torch.empty(rows, w.k, dtype=x.dtype)
+        raw = w.raw  # (rebuilt once per call from the packed layout where released)
         for n0 in range(0, w.n, rows):
             nt = min(rows, w.n - n0)
             wt = tile[:nt]
-            module.gguf_dequantize(w.raw[n0:n0 + nt], int(w.qtype), nt, w.k, wt)
+            module.gguf_dequantize(raw[n0:n0 + nt], int(w.qtype), nt, w.k, wt)
             part = None if bias is None else bias[n0:n0 + nt].to(x.dtype)
             y[:, n0:n0 + nt] = F.linear(xc, wt, part)
         return y

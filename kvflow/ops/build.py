@@ -30,7 +30,9 @@ unless ``KVFLOW_CPU_KERNEL_BUILD=wait``): the missing kernels compile one after 
 a child process (``python -m kvflow.ops --nice 10 <source>``) while ``load()`` returns None
 at once, so the callers' PyTorch paths serve; a finished build becomes what ``load()``
 returns only when the engine publishes it between two steps (``publish_background_builds``),
-so that a step never runs the kernel for some layers and the PyTorch path for others.
+so that a step never runs the kernel for some layers and the PyTorch path for others. A
+kernel that only the loaded model shows to be needed (the GGUF kernel) joins them later
+(``join_background_builds``: appended to the list the engine publishes from).
 
 Why at run time, not at install time or prebuilt per instruction set: see
 ``kvflow/ops/__init__.py``.
@@ -402,6 +404,38 @@ def start_background_builds(kernels: Sequence[CppKernel]) -> list[CppKernel]:
     Returns:
         The kernels being built in the background (already under way ones included).
     """
+    global _SESSION
+    _SESSION = _start(kernels)
+    return _SESSION
+
+
+def join_background_builds(kernel: CppKernel) -> bool:
+    """Add ``kernel`` to the background builds this process started last
+    (:func:`start_background_builds`): for a kernel that only the loaded model shows to be
+    needed (the GGUF kernel of a GGUF model, whose weights load after the engine started its
+    builds). It builds the same way (child process, after the kernels queued before it) and
+    is appended to the list that call returned, which the engine publishes between steps.
+
+    Returns:
+        True when the kernel builds in the background (``load()`` returns None until it is
+        published); False when no background builds were started in this process
+        (``KVFLOW_CPU_KERNEL_BUILD=wait``, tensor parallelism, not on the CPU: the kernel then
+        builds on its first use), or when it is cached (loaded now) or disabled.
+    """
+    session = _SESSION
+    if session is None or envs.KVFLOW_CPU_KERNEL_BUILD != "background":
+        return False
+    if kernel not in session:
+        session.extend(_start([kernel]))
+    return kernel in session
+
+
+_QUEUED: set[CppKernel] = set()
+_SESSION: list[CppKernel] | None = None  # what the last start_background_builds returned
+_ONE_AT_A_TIME = threading.Lock()  # one compiler at a time across the builder threads
+
+
+def _start(kernels: Sequence[CppKernel]) -> list[CppKernel]:
     pending = [k for k in kernels if k._claim_background()]
     fresh = [k for k in pending if not k._background.is_set() and k not in _QUEUED]  # type: ignore[union-attr]
     if fresh:
@@ -412,13 +446,11 @@ def start_background_builds(kernels: Sequence[CppKernel]) -> list[CppKernel]:
     return pending
 
 
-_QUEUED: set[CppKernel] = set()
-
-
 def _build_all(kernels: list[CppKernel]) -> None:
     for kernel in kernels:
         try:
-            kernel._build_in_background()
+            with _ONE_AT_A_TIME:
+                kernel._build_in_background()
         finally:
             _QUEUED.discard(kernel)
 

@@ -10,7 +10,8 @@ the layers keep it:
   arrive as row *segments*, possibly of different types (a Q4_K_M file stores ``attn_v`` and
   ``ffn_down`` in Q6_K and the rest in Q4_K); after loading, adjacent segments of one type
   are joined, and ``apply`` runs one ``gguf_linear`` per segment into its columns of the
-  output (the C++ kernel: activations quantized per block to int8, integer dot products;
+  output (the C++ kernel: activations quantized per block to int8, integer dot products on
+  the rows repacked 8 at a time, ``GGUFWeight.pack``, which then replace the stored rows;
   PyTorch's dequantize + matmul where the kernel is not built);
 - the token embedding (rows dequantized at lookup) and the LM head (tied: the embedding's
   blocks; else ``output.weight``) in ``kvflow.layers.embed_head``.
@@ -32,7 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.layers.gguf_kernels import GGUFWeight, gguf_linear
+from kvflow import ops
+from kvflow.layers.gguf_kernels import GGUFWeight, gguf_linear, kernel_available
+from kvflow.ops.build import join_background_builds
 from kvflow.quantization.base import LinearMethodBase, QuantizationConfig
 
 
@@ -101,6 +104,14 @@ class GGUFLinearMethod(LinearMethodBase):
             else:
                 joined.append(s)
         layer.gguf_segments = joined
+        # The kernel joins the engine's background builds where it has them (the PyTorch
+        # path serves until the engine publishes it between two steps), else it builds here.
+        join_background_builds(ops.GGUF_MATMUL)
+        for s in joined:  # held once: packed for the kernel (now if it is built, else at its first use)
+            if isinstance(s.weight, GGUFWeight):
+                s.weight.release_raw_on_pack = True
+                if kernel_available(s.weight.qtype):
+                    s.weight.pack(release_raw=True)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         segments = layer.gguf_segments

@@ -217,3 +217,56 @@ def test_kernel_runs_the_expected_instruction_set():
     elif march == "native" and " avx512_vnni" in flags and " avx512vl" in flags:
         assert gk.kernel_isa() == "avx512_vnni"
     assert gk.kernel_available(Q.Q6_K) and not gk.kernel_available(Q.Q2_K)
+
+
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
+def test_packed_layout_round_trips_and_computes_as_stored(qt):
+    """pack (rows interleaved 8 at a time) and unpack are exact inverses, also for N not a
+    multiple of 8; the packed size is the stored one (Q4_K / Q5_K: + 4 bytes per 256 elements
+    for the unpacked 6-bit scales); a weight whose stored rows were released rebuilds them byte-exact
+    (dequantize, narrow_rows, embedding work), and the packed kernel computes what the
+    stored-row kernel computes (same quantized products; float32 summation order only)."""
+    if not gk.kernel_available():
+        pytest.skip("the GGUF kernel is not built here (KVFLOW_CPU_KERNELS=0 or no compiler)")
+    from kvflow import ops
+
+    module = ops.GGUF_MATMUL.load()
+    k = 512 if qt in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 96
+    n = 21
+    raw = torch.from_numpy(_random_raw(qt, n, k, seed=7))
+    w = GGUFWeight(raw.clone(), qt, n, k)
+    packed = w.pack(release_raw=True)
+    extra = 4 * k // 256 if qt in (Q.Q4_K, Q.Q5_K) else 0  # 4 bytes per super-block and row
+    assert packed.shape[0] == 3 and packed.numel() == 24 * (gk.row_bytes(qt, k) + extra)
+    assert w.nbytes == packed.numel()  # held once
+    assert torch.equal(w.raw, raw)
+    assert torch.equal(w.dequantize(), dequantize(raw, qt, k))
+    assert torch.equal(w.narrow_rows(5, 9).raw, raw[5:14])
+    assert torch.equal(w.embedding(torch.tensor([20, 0]), torch.float32), dequantize(raw[[20, 0]], qt, k))
+    for m in (1, 4, 7):
+        x = torch.randn(m, k)
+        stored = torch.empty(m, n)
+        module.gguf_linear(x, raw, int(qt), n, k, None, stored)
+        torch.testing.assert_close(gguf_linear(x, w), stored, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_packs_once_at_first_use():
+    """gguf_linear packs a weight at its first kernel call and reuses the packed layout; the
+    stored rows are dropped (held once) unless the owner keeps them (release_raw_on_pack)."""
+    if not gk.kernel_available():
+        pytest.skip("the GGUF kernel is not built here (KVFLOW_CPU_KERNELS=0 or no compiler)")
+    w, ref_w = _weight(Q.Q4_1, 19, 64)
+    x = torch.randn(2, 64)
+    y = gguf_linear(x, w)
+    packed = w.packed
+    assert packed is not None and w._raw is None and w.nbytes == packed.numel()
+    assert torch.equal(gguf_linear(x, w), y) and w.packed is packed
+    assert bool(((y.double() - x.double() @ ref_w.t()).abs() <= _bound(x, ref_w)).all())
+    ids = torch.tensor([18, 3, 18, 9])  # rows of the last (partial) group, and repeats
+    assert torch.equal(w.embedding(ids, torch.float32), ref_w[ids].float())
+    with pytest.raises(IndexError):
+        w.embedding(torch.tensor([19]), torch.float32)
+    kept, _ = _weight(Q.Q4_1, 19, 64)
+    kept.release_raw_on_pack = False
+    gguf_linear(x, kept)
+    assert kept._raw is not None and kept.packed is not None

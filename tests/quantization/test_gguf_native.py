@@ -18,9 +18,10 @@ import torch
 from kvflow import LLM, SamplingParams
 from kvflow.config import EngineArgs
 from kvflow.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from kvflow.layers.gguf_kernels import GGUFWeight
+from kvflow.layers.gguf_kernels import GGUFWeight, kernel_available
 from kvflow.layers.linear import QKVParallelLinear, RowParallelLinear
 from kvflow.model import resolve
+from kvflow.quantization import gguf as gguf_quant
 from kvflow.quantization.gguf import GGUFConfig, GGUFLinearMethod, gguf_report
 from tests.conftest import requires_smollm2
 
@@ -64,6 +65,9 @@ def test_a_fused_linear_keeps_parts_of_different_types_as_stored_segments() -> N
     out = layer(x)
     assert out.shape == (5, 128)
     assert ((out - exact).abs() <= _int8_bound(x, dense)).all()
+    if kernel_available():  # packed for the kernel; the stored rows released: each weight held once
+        assert all(s.weight.packed is not None and s.weight._raw is None for s in layer.gguf_segments)
+        assert GGUFLinearMethod.nbytes(layer) == sum(s.weight.packed.numel() for s in layer.gguf_segments)
 
 
 def test_gguf_linear_shape_errors_name_the_sizes() -> None:
@@ -200,3 +204,39 @@ def test_native_smollm2_matches_the_dequantized_model(smollm2_dir: Path) -> None
     held = sum(GGUFLinearMethod.nbytes(m) for m in model.modules() if isinstance(m.__dict__.get("quant_method"), GGUFLinearMethod))
     held += model.embed_tokens.gguf.nbytes
     assert held == quantized_bytes
+
+
+def test_the_kernel_joins_the_engines_background_builds(monkeypatch) -> None:
+    """A GGUF model's linears, loading after the engine started its background builds, add
+    the GGUF kernel to them (``join_background_builds``): ``load()`` is None meanwhile (the
+    PyTorch path serves, nothing builds in the foreground) and the list the engine publishes
+    from holds it. Without an engine's background builds (or with ``wait``) it does not join."""
+    import threading
+
+    from kvflow import ops
+    from kvflow.ops import build
+
+    ext = build.CppKernel("kvflow_test_gguf_join", "gguf_matmul.cpp", "KVFLOW_CPU_GGUF", "test GGUF kernel")
+    gate, module = threading.Event(), object()
+    monkeypatch.setattr(ext, "is_built", lambda: False)
+    monkeypatch.setattr(ext, "_compile_in_subprocess", lambda: None)
+    monkeypatch.setattr(ext, "_build", lambda: gate.wait(30) and module)
+    monkeypatch.setattr(build, "_SESSION", None)
+    monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "background")
+    assert not build.join_background_builds(ext)  # no engine started background builds here
+    engine_builds = build.start_background_builds([])
+    monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "wait")
+    assert not build.join_background_builds(ext) and engine_builds == []
+    monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "background")
+    assert build.join_background_builds(ext) and engine_builds == [ext]
+    assert ext.load() is None and ext.pending()
+    gate.set()
+    ext._background.wait(30)
+    assert build.publish_background_builds(engine_builds) == [ext] and ext.load() is module
+    # The GGUF linears ask for the package's GGUF kernel when they load.
+    asked = []
+    monkeypatch.setattr(gguf_quant, "join_background_builds", asked.append)
+    layer = RowParallelLinear(64, 8, False, GGUFConfig(), "o_proj")
+    layer.weight_loader(layer.weight, _gguf(torch.randn(8, 64), QT.Q8_0))
+    layer.quant_method.process_weights_after_loading(layer)
+    assert asked == [ops.GGUF_MATMUL]

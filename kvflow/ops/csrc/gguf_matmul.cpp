@@ -474,6 +474,523 @@ int64_t block_bytes(int qtype) {
   }
 }
 
+
+// =======================================================================================
+// The interleaved ("packed") layout, made once at load (gguf_pack) for GEMV and small-M GEMM.
+// Rows in groups of G = 8 (the last group padded with zero rows); per group, per super-block
+// of SB elements (32; 256 for the K-quants):
+//   D[8] fp16 (d of each row), then M[8] fp16 when the format has a minimum (Q4_1, Q5_1:
+//   m; Q4_K, Q5_K: dmin), then per 32-element sub-block j:
+//     scales: Q4_K / Q5_K SC[8] u8, MN[8] u8 (6-bit); Q6_K SC[16] int8 (half h, row r at 8h + r)
+//     quants: the 8 rows x 32 unsigned values u as four 64-byte vectors U_t (t = 0..3), byte
+//       p = 4 L + e of U_t (lane L = 8 h + r: row r, half h) = element 16 h + 4 t + e of row r,
+//       stored as 2 x 64 B of nibbles (U_0 | U_1 << 4, U_2 | U_3 << 4) plus, for Q5_*, 4 x 64
+//       bits (bit p of word t: the 5th bit), for Q6_K 64 B (bits 2t, 2t+1: the two high
+//       bits of U_t), and for Q8_0 the four U_t as bytes (w + 128).
+// With an activation block's dword e' broadcast to the lanes of its half, one u8 x s8
+// dot-product instruction per U_t adds 4 products of each of the 8 rows and both halves:
+// four instructions do a 32-block of 8 rows (llama.cpp's ggml-cpu repack.cpp block_q4_0x8 /
+// block_q4_Kx8 interleave rows the same way; this layout is kvflow's own). The value of
+// element i is s u_i + c with s = D (legacy), D SC (K-quants, Q6_K per half) and c = -K0 s
+// (Q4_0: 8, Q5_0: 16, Q8_0: 128, Q6_K: 32), M (Q4_1, Q5_1) or -M MN (Q4_K, Q5_K): the same
+// fields and float32 products as the stored blocks, so the packed weight computes exactly
+// what the stored one does. The packed size equals the stored one (Q4_K / Q5_K: + 4 bytes per 256 elements).
+// =======================================================================================
+constexpr int G = 8;
+
+struct PFmt {
+  int sb;       // elements per super-block
+  int bits;     // 4, 5, 6 or 8
+  bool has_m;   // M[8] follows D[8]
+  int scales;   // 0: none; 1: SC[8] + MN[8] u8; 2: SC[16] int8 per half
+  int k0;       // the derived offset c = -k0 s (0: c from M)
+  int sub_bytes() const { return (scales ? 16 : 0) + (bits == 8 ? 256 : 128 + (bits == 5 ? 32 : bits == 6 ? 64 : 0)); }
+  int head_bytes() const { return has_m ? 32 : 16; }
+  int64_t sb_bytes() const { return head_bytes() + (sb / 32) * sub_bytes(); }
+};
+
+inline PFmt pfmt(int qt) {
+  switch (qt) {
+    case Q4_0: return {32, 4, false, 0, 8};
+    case Q4_1: return {32, 4, true, 0, 0};
+    case Q5_0: return {32, 5, false, 0, 16};
+    case Q5_1: return {32, 5, true, 0, 0};
+    case Q8_0: return {32, 8, false, 0, 128};
+    case Q4_K: return {256, 4, true, 1, 0};
+    case Q5_K: return {256, 5, true, 1, 0};
+    case Q6_K: return {256, 6, false, 2, 32};
+    default: TORCH_CHECK(false, "qtype: GGML type ", qt, " is not supported");
+  }
+}
+
+// One stored super-block's fields: D, M (fp16 bits), sc (K4/K5: [8] 6-bit; Q6_K: [16] int8
+// bits), mn [8], u [sb] unsigned values.
+struct Fields {
+  uint16_t D = 0, M = 0;
+  uint8_t sc[16] = {0}, mn[8] = {0};
+  uint8_t u[256] = {0};
+};
+
+inline uint16_t rd16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+inline void wr16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+
+void decode_fields(int qt, const uint8_t* b, Fields& f) {
+  switch (qt) {
+    case Q4_0: case Q4_1: {
+      const int off = qt == Q4_0 ? 2 : 4;
+      f.D = rd16(b);
+      if (qt == Q4_1) f.M = rd16(b + 2);
+      for (int i = 0; i < 16; ++i) {
+        f.u[i] = b[off + i] & 15;
+        f.u[i + 16] = b[off + i] >> 4;
+      }
+      return;
+    }
+    case Q5_0: case Q5_1: {
+      const int off = qt == Q5_0 ? 2 : 4;
+      f.D = rd16(b);
+      if (qt == Q5_1) f.M = rd16(b + 2);
+      uint32_t qh;
+      std::memcpy(&qh, b + off, 4);
+      for (int i = 0; i < 16; ++i) {
+        f.u[i] = (b[off + 4 + i] & 15) | (((qh >> i) & 1) << 4);
+        f.u[i + 16] = (b[off + 4 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+      }
+      return;
+    }
+    case Q8_0:
+      f.D = rd16(b);
+      for (int i = 0; i < 32; ++i) f.u[i] = b[2 + i] ^ 0x80;
+      return;
+    case Q4_K: case Q5_K: {
+      const bool five = qt == Q5_K;
+      f.D = rd16(b);
+      f.M = rd16(b + 2);
+      for (int j = 0; j < 8; ++j) {
+        int sc, mn;
+        scale_min_k4(j, b + 4, sc, mn);
+        f.sc[j] = static_cast<uint8_t>(sc);
+        f.mn[j] = static_cast<uint8_t>(mn);
+        const uint8_t* q = b + (five ? 48 : 16) + 32 * (j >> 1);
+        for (int l = 0; l < 32; ++l) {
+          uint8_t v = (j & 1) ? q[l] >> 4 : q[l] & 15;
+          if (five) v |= ((b[16 + l] >> j) & 1) << 4;
+          f.u[32 * j + l] = v;
+        }
+      }
+      return;
+    }
+    case Q6_K: {
+      f.D = rd16(b + 208);
+      std::memcpy(f.sc, b + 192, 16);
+      for (int j = 0; j < 8; ++j) {
+        const int h = j >> 2, jj = j & 3;
+        const uint8_t* ql = b + 64 * h + 32 * (jj & 1);
+        const uint8_t* qh = b + 128 + 32 * h;
+        for (int l = 0; l < 32; ++l)
+          f.u[32 * j + l] = ((jj >= 2 ? ql[l] >> 4 : ql[l] & 15)) | (((qh[l] >> (2 * jj)) & 3) << 4);
+      }
+      return;
+    }
+  }
+}
+
+void encode_fields(int qt, const Fields& f, uint8_t* b) {
+  switch (qt) {
+    case Q4_0: case Q4_1: {
+      const int off = qt == Q4_0 ? 2 : 4;
+      wr16(b, f.D);
+      if (qt == Q4_1) wr16(b + 2, f.M);
+      for (int i = 0; i < 16; ++i) b[off + i] = (f.u[i] & 15) | ((f.u[i + 16] & 15) << 4);
+      return;
+    }
+    case Q5_0: case Q5_1: {
+      const int off = qt == Q5_0 ? 2 : 4;
+      wr16(b, f.D);
+      if (qt == Q5_1) wr16(b + 2, f.M);
+      uint32_t qh = 0;
+      for (int i = 0; i < 32; ++i) qh |= static_cast<uint32_t>((f.u[i] >> 4) & 1) << i;
+      std::memcpy(b + off, &qh, 4);
+      for (int i = 0; i < 16; ++i) b[off + 4 + i] = (f.u[i] & 15) | ((f.u[i + 16] & 15) << 4);
+      return;
+    }
+    case Q8_0:
+      wr16(b, f.D);
+      for (int i = 0; i < 32; ++i) b[2 + i] = f.u[i] ^ 0x80;
+      return;
+    case Q4_K: case Q5_K: {
+      const bool five = qt == Q5_K;
+      wr16(b, f.D);
+      wr16(b + 2, f.M);
+      uint8_t* q = b + 4;  // inverse of scale_min_k4
+      for (int j = 0; j < 4; ++j) {
+        q[j] = (f.sc[j] & 63) | ((f.sc[j + 4] >> 4) << 6);
+        q[j + 4] = (f.mn[j] & 63) | ((f.mn[j + 4] >> 4) << 6);
+        q[j + 8] = (f.sc[j + 4] & 15) | ((f.mn[j + 4] & 15) << 4);
+      }
+      if (five) std::memset(b + 16, 0, 32);
+      uint8_t* qs = b + (five ? 48 : 16);
+      std::memset(qs, 0, 128);
+      for (int j = 0; j < 8; ++j)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t v = f.u[32 * j + l];
+          qs[32 * (j >> 1) + l] |= (v & 15) << ((j & 1) * 4);
+          if (five) b[16 + l] |= ((v >> 4) & 1) << j;
+        }
+      return;
+    }
+    case Q6_K: {
+      wr16(b + 208, f.D);
+      std::memcpy(b + 192, f.sc, 16);
+      std::memset(b, 0, 192);
+      for (int j = 0; j < 8; ++j) {
+        const int h = j >> 2, jj = j & 3;
+        uint8_t* ql = b + 64 * h + 32 * (jj & 1);
+        uint8_t* qh = b + 128 + 32 * h;
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t v = f.u[32 * j + l];
+          ql[l] |= (v & 15) << (jj >= 2 ? 4 : 0);
+          qh[l] |= ((v >> 4) & 3) << (2 * jj);
+        }
+      }
+      return;
+    }
+  }
+}
+
+// Byte p (0..63) of U_t for element e (0..31) of a row r: lane 8 h + r, byte e % 4.
+inline int lane_byte(int r, int e) { return 4 * (8 * (e >> 4) + r) + (e & 3); }
+
+// Write / read one row's super-block fields at its place in the group's packed super-block.
+void place_fields(const PFmt& pf, const Fields& f, int r, uint8_t* g) {
+  wr16(g + 2 * r, f.D);
+  if (pf.has_m) wr16(g + 16 + 2 * r, f.M);
+  uint8_t* sub = g + pf.head_bytes();
+  for (int j = 0; j < pf.sb / 32; ++j, sub += pf.sub_bytes()) {
+    uint8_t* q = sub;
+    if (pf.scales == 1) {
+      q[r] = f.sc[j];
+      q[8 + r] = f.mn[j];
+      q += 16;
+    } else if (pf.scales == 2) {
+      q[r] = f.sc[2 * j];
+      q[8 + r] = f.sc[2 * j + 1];
+      q += 16;
+    }
+    for (int e = 0; e < 32; ++e) {
+      const uint8_t v = f.u[32 * j + e];
+      const int t = (e & 15) >> 2, p = lane_byte(r, e);
+      if (pf.bits == 8) {
+        q[64 * t + p] = v;
+        continue;
+      }
+      uint8_t& lo = q[64 * (t >> 1) + p];
+      lo = (lo & ~(15 << 4 * (t & 1))) | ((v & 15) << 4 * (t & 1));
+      if (pf.bits == 5) {
+        uint8_t* word = q + 128 + 8 * t;  // bit p of the little-endian u64 word t
+        word[p >> 3] = (word[p >> 3] & ~(1 << (p & 7))) | (((v >> 4) & 1) << (p & 7));
+      } else if (pf.bits == 6) {
+        uint8_t& hi = q[128 + p];
+        hi = (hi & ~(3 << 2 * t)) | (((v >> 4) & 3) << 2 * t);
+      }
+    }
+  }
+}
+
+void gather_fields(const PFmt& pf, const uint8_t* g, int r, Fields& f) {
+  f.D = rd16(g + 2 * r);
+  f.M = pf.has_m ? rd16(g + 16 + 2 * r) : 0;
+  const uint8_t* sub = g + pf.head_bytes();
+  for (int j = 0; j < pf.sb / 32; ++j, sub += pf.sub_bytes()) {
+    const uint8_t* q = sub;
+    if (pf.scales == 1) {
+      f.sc[j] = q[r];
+      f.mn[j] = q[8 + r];
+      q += 16;
+    } else if (pf.scales == 2) {
+      f.sc[2 * j] = q[r];
+      f.sc[2 * j + 1] = q[8 + r];
+      q += 16;
+    }
+    for (int e = 0; e < 32; ++e) {
+      const int t = (e & 15) >> 2, p = lane_byte(r, e);
+      uint8_t v;
+      if (pf.bits == 8) {
+        v = q[64 * t + p];
+      } else {
+        v = (q[64 * (t >> 1) + p] >> 4 * (t & 1)) & 15;
+        if (pf.bits == 5) v |= ((q[128 + 8 * t + (p >> 3)] >> (p & 7)) & 1) << 4;
+        else if (pf.bits == 6) v |= ((q[128 + p] >> 2 * t) & 3) << 4;
+      }
+      f.u[32 * j + e] = v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// The packed kernel. Per activation row and 32-block the caller's vector av16 holds
+// [a_0 x 8, a_1 x 8] with a_h = -K0 da sum(q_h) (derived offsets) or da sum(q_h) (c from M).
+// ---------------------------------------------------------------------------------------
+struct PAct {
+  const int8_t* q;   // [M, K]
+  const float* d;    // [M, K/32]
+  const float* v16;  // [M, K/32, 16]
+  int64_t K;
+};
+
+#if defined(GG_VNNI)
+// 16 floats [x[0..7], x[0..7]] from 8 fp16.
+inline __m512 ph8x2(const uint8_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtph_ps(_mm256_broadcastsi128_si256(h));
+}
+inline __m512 u8x8x2(const uint8_t* p) {  // 8 bytes (u8) twice -> 16 floats
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<long long>(v))));
+}
+
+template <int QT, int MR>
+inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, __m512* acc) {
+  const int64_t nsb = a.K / pf.sb, nb = a.K / 32;
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  __m512i idx[4];
+  for (int t = 0; t < 4; ++t) idx[t] = _mm512_setr_epi32(t, t, t, t, t, t, t, t, 4 + t, 4 + t, 4 + t, 4 + t, 4 + t, 4 + t, 4 + t, 4 + t);
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const __m512 Dv = ph8x2(g);
+    __m512 Mv = _mm512_setzero_ps();
+    if constexpr (QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K) Mv = ph8x2(g + 16);
+    const uint8_t* sub = g + pf.head_bytes();
+    for (int j = 0; j < pf.sb / 32; ++j, sub += pf.sub_bytes()) {
+      const int64_t b = s * (pf.sb / 32) + j;
+      const uint8_t* q = sub;
+      __m512 sv = Dv, cv = Mv;
+      if constexpr (QT == Q4_K || QT == Q5_K) {
+        sv = _mm512_mul_ps(Dv, u8x8x2(q));
+        cv = _mm512_mul_ps(Mv, u8x8x2(q + 8));  // the minimum's product; subtracted below
+        q += 16;
+      } else if constexpr (QT == Q6_K) {
+        sv = _mm512_mul_ps(Dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
+        q += 16;
+      }
+      __m512i u[4];
+      if constexpr (QT == Q8_0) {
+        for (int t = 0; t < 4; ++t) u[t] = _mm512_loadu_si512(q + 64 * t);
+      } else {
+        const __m512i p0 = _mm512_loadu_si512(q), p1 = _mm512_loadu_si512(q + 64);
+        u[0] = _mm512_and_si512(p0, lo4);
+        u[1] = _mm512_and_si512(_mm512_srli_epi16(p0, 4), lo4);
+        u[2] = _mm512_and_si512(p1, lo4);
+        u[3] = _mm512_and_si512(_mm512_srli_epi16(p1, 4), lo4);
+        if constexpr (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) {
+          const __m512i sixteen = _mm512_set1_epi8(16);
+          for (int t = 0; t < 4; ++t) {
+            uint64_t w;
+            std::memcpy(&w, q + 128 + 8 * t, 8);
+            u[t] = _mm512_mask_add_epi8(u[t], static_cast<__mmask64>(w), u[t], sixteen);
+          }
+        } else if constexpr (QT == Q6_K) {
+          const __m512i h = _mm512_loadu_si512(q + 128), m30 = _mm512_set1_epi8(0x30);
+          u[0] = _mm512_or_si512(u[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
+          u[1] = _mm512_or_si512(u[1], _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
+          u[2] = _mm512_or_si512(u[2], _mm512_and_si512(h, m30));
+          u[3] = _mm512_or_si512(u[3], _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+        }
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MR; ++m) {
+        const int64_t row = m0 + m;
+        const __m512i av = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + row * a.K + b * 32)));
+        __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_permutexvar_epi32(idx[0], av));
+        i = _mm512_dpbusd_epi32(i, u[1], _mm512_permutexvar_epi32(idx[1], av));
+        i = _mm512_dpbusd_epi32(i, u[2], _mm512_permutexvar_epi32(idx[2], av));
+        i = _mm512_dpbusd_epi32(i, u[3], _mm512_permutexvar_epi32(idx[3], av));
+        const __m512 f = _mm512_cvtepi32_ps(i);
+        const __m512 v16 = _mm512_loadu_ps(a.v16 + (row * nb + b) * 16);
+        const __m512 da = _mm512_set1_ps(a.d[row * nb + b]);
+        if constexpr (QT == Q4_1 || QT == Q5_1) {
+          acc[m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(f, da), acc[m]);
+          acc[m] = _mm512_fmadd_ps(cv, v16, acc[m]);
+        } else if constexpr (QT == Q4_K || QT == Q5_K) {
+          acc[m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(f, da), acc[m]);
+          acc[m] = _mm512_fnmadd_ps(cv, v16, acc[m]);
+        } else {
+          acc[m] = _mm512_fmadd_ps(sv, _mm512_fmadd_ps(f, da, v16), acc[m]);
+        }
+      }
+    }
+    g += pf.sb_bytes();
+  }
+}
+#endif
+
+// The same sums without AVX-512 (AVX2 or portable): acc[m][16] floats.
+template <int QT, int MR>
+inline void group_dot_generic(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, float (*acc)[16]) {
+  const int64_t nsb = a.K / pf.sb, nb = a.K / 32;
+  for (int m = 0; m < MR; ++m)
+    for (int l = 0; l < 16; ++l) acc[m][l] = 0.f;
+#if defined(GG_AVX2)
+  __m256 accv[MR][2];
+  for (int m = 0; m < MR; ++m) accv[m][0] = accv[m][1] = _mm256_setzero_ps();
+#endif
+  for (int64_t s = 0; s < nsb; ++s) {
+    float D[8], Mm[8] = {0};
+    for (int r = 0; r < 8; ++r) {
+      D[r] = fp16(g + 2 * r);
+      if (pf.has_m) Mm[r] = fp16(g + 16 + 2 * r);
+    }
+    const uint8_t* sub = g + pf.head_bytes();
+    for (int j = 0; j < pf.sb / 32; ++j, sub += pf.sub_bytes()) {
+      const int64_t b = s * (pf.sb / 32) + j;
+      const uint8_t* q = sub;
+      alignas(32) float sv[16], cv[16];
+      for (int l = 0; l < 16; ++l) {
+        const int r = l & 7;
+        float sc = 1.f;
+        if (QT == Q4_K || QT == Q5_K) sc = static_cast<float>(q[r]);
+        else if (QT == Q6_K) sc = static_cast<float>(static_cast<int8_t>(q[l]));
+        sv[l] = D[r] * sc;
+        cv[l] = (QT == Q4_K || QT == Q5_K) ? -(Mm[r] * static_cast<float>(q[8 + r])) : Mm[r];
+      }
+      if (pf.scales) q += 16;
+#if defined(GG_AVX2)
+      __m256i u[4][2];
+      for (int t = 0; t < 4; ++t)
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (QT == Q8_0) {
+            u[t][h] = _mm256_xor_si256(GG_LOAD(q + 64 * t + 32 * h), _mm256_set1_epi8(static_cast<char>(0x80)));  // w = u - 128
+          } else {
+            const __m256i p = GG_LOAD(q + 64 * (t >> 1) + 32 * h);
+            u[t][h] = _mm256_and_si256(t & 1 ? _mm256_srli_epi16(p, 4) : p, _mm256_set1_epi8(0x0F));
+            if constexpr (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) u[t][h] = _mm256_or_si256(u[t][h], bits32(q + 128 + 8 * t + 4 * h));
+            if constexpr (QT == Q6_K) {
+              const __m256i hb = GG_LOAD(q + 128 + 32 * h);
+              const __m256i sh = t == 3 ? _mm256_srli_epi16(hb, 2) : t == 2 ? hb : _mm256_slli_epi16(hb, 4 - 2 * t);
+              u[t][h] = _mm256_or_si256(u[t][h], _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
+            }
+          }
+        }
+      for (int m = 0; m < MR; ++m) {
+        const int64_t row = m0 + m;
+        const int32_t* adw = reinterpret_cast<const int32_t*>(a.q + row * a.K + b * 32);
+        const float da = a.d[row * nb + b];
+        const float* v16 = a.v16 + (row * nb + b) * 16;
+        for (int h = 0; h < 2; ++h) {
+          __m256i i = _mm256_setzero_si256();
+          for (int t = 0; t < 4; ++t) {
+            int32_t dw;
+            std::memcpy(&dw, adw + 4 * h + t, 4);
+            const __m256i av = _mm256_set1_epi32(dw);
+            if constexpr (QT == Q8_0) i = _mm256_add_epi32(i, dot_u8s8(_mm256_sign_epi8(u[t][h], u[t][h]), _mm256_sign_epi8(av, u[t][h])));
+            else i = _mm256_add_epi32(i, dot_u8s8(u[t][h], av));
+          }
+          const __m256 f = _mm256_cvtepi32_ps(i), s8 = _mm256_load_ps(sv + 8 * h), vv = _mm256_loadu_ps(v16 + 8 * h);
+          if constexpr (QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K) {
+            accv[m][h] = _mm256_fmadd_ps(s8, _mm256_mul_ps(f, _mm256_set1_ps(da)), accv[m][h]);
+            accv[m][h] = _mm256_fmadd_ps(_mm256_load_ps(cv + 8 * h), vv, accv[m][h]);
+          } else {
+            accv[m][h] = _mm256_fmadd_ps(s8, _mm256_fmadd_ps(f, _mm256_set1_ps(da), vv), accv[m][h]);
+          }
+        }
+      }
+#else
+      for (int m = 0; m < MR; ++m) {
+        const int64_t row = m0 + m;
+        const int8_t* ap = a.q + row * a.K + b * 32;
+        const float da = a.d[row * nb + b];
+        const float* v16 = a.v16 + (row * nb + b) * 16;
+        for (int l = 0; l < 16; ++l) {
+          const int r = l & 7, h = l >> 3;
+          int32_t i = 0;
+          for (int e = 0; e < 16; ++e) {
+            const int t = e >> 2, p = 4 * l + (e & 3);
+            int v;
+            if (QT == Q8_0) v = static_cast<int>(q[64 * t + p]) - 128;
+            else {
+              v = (q[64 * (t >> 1) + p] >> 4 * (t & 1)) & 15;
+              if (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) v |= ((q[128 + 8 * t + (p >> 3)] >> (p & 7)) & 1) << 4;
+              if (QT == Q6_K) v |= ((q[128 + p] >> 2 * t) & 3) << 4;
+            }
+            i += v * ap[16 * h + e];
+          }
+          (void)r;
+          const float f = static_cast<float>(i);
+          if (QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K) acc[m][l] += sv[l] * (f * da) + cv[l] * v16[l];
+          else acc[m][l] += sv[l] * (f * da + v16[l]);
+        }
+      }
+#endif
+    }
+    g += pf.sb_bytes();
+  }
+#if defined(GG_AVX2)
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(acc[m], accv[m][0]);
+    _mm256_storeu_ps(acc[m] + 8, accv[m][1]);
+  }
+#endif
+}
+
+template <int QT, typename OutT>
+void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, int64_t M, int64_t N, const float* bias,
+                OutT* y, int64_t ldy) {
+  const int64_t groups = (N + G - 1) / G;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, ldg));
+  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t gi = begin; gi < end; ++gi) {
+      const uint8_t* g = w + gi * ldg;
+      const int64_t n0 = gi * G, rows = std::min<int64_t>(G, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));
+        float res[4][16];
+#if defined(GG_VNNI)
+        __m512 acc[4];
+        switch (mr) {
+          case 1: group_dot<QT, 1>(pf, g, a, m0, acc); break;
+          case 2: group_dot<QT, 2>(pf, g, a, m0, acc); break;
+          case 3: group_dot<QT, 3>(pf, g, a, m0, acc); break;
+          default: group_dot<QT, 4>(pf, g, a, m0, acc); break;
+        }
+        for (int m = 0; m < mr; ++m) _mm512_storeu_ps(res[m], acc[m]);
+#else
+        switch (mr) {
+          case 1: group_dot_generic<QT, 1>(pf, g, a, m0, res); break;
+          case 2: group_dot_generic<QT, 2>(pf, g, a, m0, res); break;
+          case 3: group_dot_generic<QT, 3>(pf, g, a, m0, res); break;
+          default: group_dot_generic<QT, 4>(pf, g, a, m0, res); break;
+        }
+#endif
+        for (int m = 0; m < mr; ++m)
+          for (int r = 0; r < rows; ++r)
+            y[(m0 + m) * ldy + n0 + r] = static_cast<OutT>(res[m][r] + res[m][8 + r] + (bias ? bias[n0 + r] : 0.f));
+      }
+    }
+  });
+}
+
+template <typename OutT>
+void dispatch_packed(int qt, const uint8_t* w, int64_t ldg, const PAct& a, int64_t M, int64_t N, const float* bias,
+                     OutT* y, int64_t ldy) {
+  const PFmt pf = pfmt(qt);
+  switch (qt) {
+    case Q4_0: return run_packed<Q4_0>(pf, w, ldg, a, M, N, bias, y, ldy);
+    case Q4_1: return run_packed<Q4_1>(pf, w, ldg, a, M, N, bias, y, ldy);
+    case Q5_0: return run_packed<Q5_0>(pf, w, ldg, a, M, N, bias, y, ldy);
+    case Q5_1: return run_packed<Q5_1>(pf, w, ldg, a, M, N, bias, y, ldy);
+    case Q8_0: return run_packed<Q8_0>(pf, w, ldg, a, M, N, bias, y, ldy);
+    case Q4_K: return run_packed<Q4_K>(pf, w, ldg, a, M, N, bias, y, ldy);
+    case Q5_K: return run_packed<Q5_K>(pf, w, ldg, a, M, N, bias, y, ldy);
+    case Q6_K: return run_packed<Q6_K>(pf, w, ldg, a, M, N, bias, y, ldy);
+    default: TORCH_CHECK(false, "qtype: GGML type ", qt, " is not supported");
+  }
+}
+
 }  // namespace
 
 // The instruction set the integer products use: "avx512_vnni", "avx2" or "scalar".
@@ -544,9 +1061,113 @@ void gguf_dequantize(torch::Tensor raw, int64_t qtype, int64_t N, int64_t K, tor
     dequantize_dispatch(qt, raw.data_ptr<uint8_t>(), raw.stride(0), N, K, out.data_ptr<c10::BFloat16>());
 }
 
+// packed uint8 [ceil(N / 8), K / SB * group super-block bytes]: raw uint8 [N, row bytes] of
+// GGML type qtype (rows contiguous, row stride raw.stride(0)) in the interleaved layout above.
+torch::Tensor gguf_pack(torch::Tensor raw, int64_t qtype, int64_t N, int64_t K) {
+  const int qt = static_cast<int>(qtype);
+  TORCH_CHECK(block_bytes(qt) > 0, "qtype: GGML type ", qtype, " is not supported");
+  TORCH_CHECK(N > 0 && K > 0 && K % block_elems(qt) == 0, "K: a positive multiple of ", block_elems(qt));
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.size(0) == N &&
+                  raw.size(1) == K / block_elems(qt) * block_bytes(qt) && raw.stride(1) == 1,
+              "raw: uint8 [N, row bytes], contiguous rows");
+  const PFmt pf = pfmt(qt);
+  const int64_t groups = (N + G - 1) / G, nsb = K / pf.sb, ldg = nsb * pf.sb_bytes();
+  torch::Tensor packed = torch::zeros({groups, ldg}, torch::kUInt8);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const int64_t ldr = raw.stride(0), bb = block_bytes(qt);
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    Fields f;
+    for (int64_t gi = begin; gi < end; ++gi)
+      for (int r = 0; r < G && gi * G + r < N; ++r)
+        for (int64_t s = 0; s < nsb; ++s) {
+          decode_fields(qt, src + (gi * G + r) * ldr + s * bb, f);
+          place_fields(pf, f, r, dst + gi * ldg + s * pf.sb_bytes());
+        }
+  });
+  return packed;
+}
+
+// The stored rows back: raw uint8 [N, row bytes] from gguf_pack's result (byte-exact).
+torch::Tensor gguf_unpack(torch::Tensor packed, int64_t qtype, int64_t N, int64_t K) {
+  const int qt = static_cast<int>(qtype);
+  TORCH_CHECK(block_bytes(qt) > 0, "qtype: GGML type ", qtype, " is not supported");
+  TORCH_CHECK(N > 0 && K > 0 && K % block_elems(qt) == 0, "K: a positive multiple of ", block_elems(qt));
+  const PFmt pf = pfmt(qt);
+  const int64_t groups = (N + G - 1) / G, nsb = K / pf.sb, ldg = nsb * pf.sb_bytes(), bb = block_bytes(qt);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.dim() == 2 && packed.size(0) == groups && packed.size(1) == ldg,
+              "packed: uint8 [", groups, ", ", ldg, "] (gguf_pack's result)");
+  torch::Tensor raw = torch::empty({N, nsb * bb}, torch::kUInt8);
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = raw.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    Fields f;
+    for (int64_t gi = begin; gi < end; ++gi)
+      for (int r = 0; r < G && gi * G + r < N; ++r)
+        for (int64_t s = 0; s < nsb; ++s) {
+          gather_fields(pf, src + gi * ldg + s * pf.sb_bytes(), r, f);
+          encode_fields(qt, f, dst + (gi * G + r) * nsb * bb + s * bb);
+        }
+  });
+  return raw;
+}
+
+// out[M, N] (row stride out.stride(0), x's dtype) = x[M, K] W^T + bias with W packed by gguf_pack.
+void gguf_linear_packed(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N, int64_t K,
+                        c10::optional<torch::Tensor> bias, torch::Tensor out) {
+  const int qt = static_cast<int>(qtype);
+  TORCH_CHECK(block_bytes(qt) > 0, "qtype: GGML type ", qtype, " is not supported");
+  TORCH_CHECK(K > 0 && K % block_elems(qt) == 0, "K: a positive multiple of ", block_elems(qt));
+  const PFmt pf = pfmt(qt);
+  const int64_t groups = (N + G - 1) / G, ldg = K / pf.sb * pf.sb_bytes();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == K && x.stride(1) == 1, "x: CPU [M, K], contiguous rows");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.dim() == 2 && packed.size(0) == groups && packed.size(1) == ldg,
+              "packed: uint8 [", groups, ", ", ldg, "] (gguf_pack's result)");
+  const int64_t M = x.size(0);
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+                  (M == 0 || out.stride(1) == 1),
+              "out: [M, N] of x's dtype, contiguous rows");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+                "bias: contiguous float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  if (M == 0) return;
+  const int64_t nb = K / 32;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * nb), s16(M * 2 * nb), s32(M * nb), v16(M * nb * 16);
+  if (x.scalar_type() == torch::kFloat32)
+    quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, q.data(), d.data(), s16.data(), s32.data());
+  else
+    quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, q.data(), d.data(), s16.data(), s32.data());
+  // Per activation block: [a_0 x 8, a_1 x 8], a_h = -K0 da sum(q_h) (derived offsets; Q8_0's
+  // +128 bias only where the product reads u = w + 128, the VNNI path) or da sum(q_h).
+#if defined(GG_VNNI)
+  const float k0 = static_cast<float>(pf.k0);
+#else
+  const float k0 = qt == Q8_0 ? 0.f : static_cast<float>(pf.k0);
+#endif
+  const float mul = pf.has_m ? 1.f : -k0;
+  for (int64_t i = 0; i < M * nb; ++i)
+    for (int l = 0; l < 16; ++l) v16[i * 16 + l] = mul * s16[2 * i + (l >> 3)];
+  const PAct a{q.data(), d.data(), v16.data(), K};
+  const int64_t ldy = M > 1 ? out.stride(0) : N;
+  if (x.scalar_type() == torch::kFloat32)
+    dispatch_packed(qt, packed.data_ptr<uint8_t>(), ldg, a, M, N, bp, out.data_ptr<float>(), ldy);
+  else
+    dispatch_packed(qt, packed.data_ptr<uint8_t>(), ldg, a, M, N, bp, out.data_ptr<c10::BFloat16>(), ldy);
+}
+
 // Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_isa", &gguf_isa, "gguf_isa");
   m.def("gguf_linear", &gguf_linear, "gguf_linear", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_pack", &gguf_pack, "gguf_pack", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_unpack", &gguf_unpack, "gguf_unpack", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_linear_packed", &gguf_linear_packed, "gguf_linear_packed", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_dequantize", &gguf_dequantize, "gguf_dequantize", pybind11::call_guard<pybind11::gil_scoped_release>());
 }
