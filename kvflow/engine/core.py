@@ -152,6 +152,7 @@ class EngineCore:
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
         self.spec_stats = SpecDecodeStats(self.proposer.k if self.proposer is not None else 0)
         self.last_scheduler_output: SchedulerOutput | None = None
+        self._to_propose: SchedulerOutput | None = None  # the batch run since the last propose()
         self._samples: dict[str, list[Request]] = {}  # user request id -> its samples
         self._owner: dict[str, str] = {}  # sample id -> user request id
         self._started: set[str] = set()  # user request ids scheduled at least once
@@ -213,7 +214,7 @@ class EngineCore:
         result = EngineCoreOutputs()
         if sched_out.is_empty:
             return result
-        self.last_scheduler_output = sched_out
+        self.last_scheduler_output = self._to_propose = sched_out
         result.scheduled_time = time.monotonic()
         for sample_id in sched_out.num_scheduled_tokens:
             owner = self._owner[sample_id]
@@ -282,9 +283,10 @@ class EngineCore:
     def propose(self) -> dict[str, BaseException]:
         """Draft the next tokens of every decoding request (no-op without a proposer); the
         user requests whose drafting failed are aborted and returned (id -> exception)."""
-        if self.proposer is None or self.last_scheduler_output is None:
+        sched_out, self._to_propose = self._to_propose, None
+        if self.proposer is None or sched_out is None:  # (no batch ran since the last call)
             return {}
-        failures = self._propose(self.last_scheduler_output)
+        failures = self._propose(sched_out)
         for request_id in failures:
             self.abort_request(request_id)
         return failures
@@ -294,6 +296,7 @@ class EngineCore:
         samples = self._samples.get(request_id)
         if samples is None or request_id in result.failed:
             return
+        logger.error("request %s failed and was aborted: %s: %s", request_id, type(exc).__name__, exc)
         result.failed[request_id] = (exc, [s.output_token_ids for s in samples])
         result.outputs = [o for o in result.outputs if self._owner.get(o.request_id) != request_id]
         self.abort_request(request_id)
