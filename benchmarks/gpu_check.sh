@@ -19,7 +19,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())" \
   2>&1 | tee -a "$OUT/gpu.txt"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/layers/test_triton_attention.py tests/worker \
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_attention.py tests/worker \
   tests/test_config.py tests/layers/test_attention.py 2>&1 | tee "$OUT/tests.log"
 tests=$?
 timeout 300 python3 -m benchmarks.gpu_throughput --out "$OUT/gpu_throughput.json" 2>&1 | tee "$OUT/bench.log"

@@ -5,7 +5,7 @@ What it measures
 The SmolLM2-135M architecture (30 layers, GQA 9:3, vocabulary 49152; ``SMOLLM2_135M``) with
 random bfloat16 weights: speed does not depend on the weight values, and the real weights
 (a 97 MB GGUF file) do not fit what travels to a device machine (64 MiB). Correctness is
-the tests' job (``tests/layers/test_triton_attention.py``, ``tests/worker/``), which compare
+the tests' job (``tests/attention/test_triton_attention.py``, ``tests/worker/``), which compare
 the kernels and the graphs with the PyTorch path.
 
 N requests (default 256) with random prompt token ids (lengths uniform in 64-512) and

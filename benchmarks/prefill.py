@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefill.json"))
     args = parser.parse_args(argv)
 
-    from kvflow.layers.cpu_attention import cpu_kernel_available
+    from kvflow.attention.cpu_attention import cpu_kernel_available
 
     if not cpu_kernel_available():
         parser.error("the C++ paged-attention kernel is not available here (KVFLOW_CPU_KERNELS / KVFLOW_CPU_ATTENTION "

@@ -28,7 +28,7 @@ Switches and when they are read:
   first asked for (and decided once per process).
 - ``KVFLOW_CPU_PREFILL_ATTENTION`` (bool; default on): ``0`` sends prefill chunks on the CPU
   to gather + ``scaled_dot_product_attention`` instead of the paged-attention kernel's
-  flash-attention pass (``kvflow.layers.cpu_attention.paged_prefill_attention``); read at
+  flash-attention pass (``kvflow.attention.cpu_attention.paged_prefill_attention``); read at
   each call, so a test or benchmark can compare the two in one process.
 - ``KVFLOW_CPU_KERNEL_BUILD`` (str; default ``background``): how an engine on the CPU gets
   kernels that are not built yet (``kvflow.ops.build``): ``background`` builds them in a

@@ -2,9 +2,25 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from kvflow.logprobs import Logprob
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request holds (vLLM's ``RequestOutputKind``).
+
+    CUMULATIVE: all the text, token ids and logprobs so far, every step (the default of
+    ``LLMEngine.add_request``). DELTA: only what is new since the request's previous output
+    (``cumulative_logprob`` stays the running total; ``prompt_logprobs`` come with the final
+    output); the server's streams. FINAL_ONLY: one output, when the request finishes
+    (``LLM.generate``).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -13,13 +29,14 @@ class CompletionOutput:
 
     Attributes:
         index: position among the request's outputs (0 when n == 1).
-        text: detokenized output text (cumulative).
-        token_ids: generated token ids (cumulative).
+        text: detokenized output text (cumulative, or the new text for a DELTA request).
+        token_ids: generated token ids (cumulative, or the new ones for a DELTA request).
         finish_reason: "stop", "length", "abort", "error" (see ``RequestOutput.error``), or
             None while still generating.
         stop_reason: the stop string or stop token id that ended the output (None for EOS,
             length or abort).
-        logprobs: when requested, one {token id: ``Logprob``} per generated token (the
+        logprobs: when requested, one {token id: ``Logprob``} per generated token (new tokens
+            only for a DELTA request; the
             sampled token and the top ``logprobs``; a ``Logprob`` is a float with ``.logprob``,
             ``.rank`` and ``.decoded_token``, as vLLM's).
         cumulative_logprob: sum of the sampled tokens' log-probabilities, when requested.

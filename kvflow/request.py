@@ -10,16 +10,18 @@ from __future__ import annotations
 import enum
 import time
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvflow.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvflow.lora.request import LoRARequest
     from kvflow.pooling_params import PoolingParams
-    from kvflow.sample.guided import GrammarMatcher
+
+# A request's adapter is a ``kvflow.lora.request.LoRARequest`` (duck-typed here: ``lora_int_id``,
+# ``cache_key``): ``lora/`` stands above this module (its PEFT loader builds layers).
+LoRARequest = Any
 
 
 class RequestStatus(enum.Enum):
@@ -116,7 +118,8 @@ class Request:
         self.num_skips = 0  # times a later request was admitted past this one
         self.cpu_block_ids: list[int] = []  # host copies of the blocks while swapped out
         self.bad_words_token_ids: list[list[int]] = []  # set by the engine from params.bad_words
-        self.grammar: GrammarMatcher | None = None  # structured output state, set by the engine
+        # structured output state (a kvflow.sample.guided.GrammarMatcher), set by the engine
+        self.grammar: Any = None
         self.stop_reason: int | str | None = None  # the stop token or stop string that ended it
         # Speculative decoding: draft tokens to verify next step, and the draft distribution
         # they were sampled from (float32 [k, vocab]; None for a deterministic proposer).

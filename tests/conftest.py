@@ -7,7 +7,7 @@ import os
 
 import torch
 
-# Without CUDA the Triton kernels (kvflow/layers/triton_attention.py) run in Triton's CPU
+# Without CUDA the Triton kernels (kvflow/attention/triton_attention.py) run in Triton's CPU
 # interpreter; it must be chosen before triton is first imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Imported only behind a check that it is installed, with a fallback when it is not.
 OPTIONAL = {
-    "triton": "the CUDA attention kernels; kvflow.layers.triton_attention checks find_spec('triton') first",
+    "triton": "the CUDA attention kernels; kvflow.attention.triton_attention checks find_spec('triton') first",
     "ray": "kvflow.entrypoints.ray_serve only (the Ray Serve deployment, the `ray` extra); nothing imports it",
 }
 

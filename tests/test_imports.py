@@ -48,36 +48,39 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(body: list[ast.stmt], lazy: bool):
+def _imports(body: list[ast.stmt], lazy: bool, type_only: bool = False):
     """The Import / ImportFrom statements run when the module is imported, and with ``lazy``
-    also those in function bodies (at any depth); never those under ``if TYPE_CHECKING:``."""
+    also those in function bodies (at any depth); those under ``if TYPE_CHECKING:`` only
+    with ``type_only``."""
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
         elif isinstance(node, ast.If):
-            if not _is_type_checking(node.test):
-                yield from _imports(node.body, lazy)
-            yield from _imports(node.orelse, lazy)
+            if type_only or not _is_type_checking(node.test):
+                yield from _imports(node.body, lazy, type_only)
+            yield from _imports(node.orelse, lazy, type_only)
         elif isinstance(node, ast.Try):
             for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
-                yield from _imports(block, lazy)
+                yield from _imports(block, lazy, type_only)
         elif isinstance(node, (ast.With, ast.For, ast.While)):
-            yield from _imports(node.body, lazy)
-            yield from _imports(getattr(node, "orelse", []), lazy)
+            yield from _imports(node.body, lazy, type_only)
+            yield from _imports(getattr(node, "orelse", []), lazy, type_only)
         elif isinstance(node, ast.ClassDef):
-            yield from _imports(node.body, lazy)
+            yield from _imports(node.body, lazy, type_only)
         elif lazy and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield from _imports(node.body, lazy)
+            yield from _imports(node.body, lazy, type_only)
 
 
-def import_graph(files: dict[str, Path] | None = None, lazy: bool = False) -> dict[str, set[str]]:
+def import_graph(files: dict[str, Path] | None = None, lazy: bool = False,
+                 type_only: bool = False) -> dict[str, set[str]]:
     """Module -> the package modules it imports at module level, and with ``lazy`` also in
-    function bodies (see the module docstring)."""
+    function bodies, with ``type_only`` also under ``if TYPE_CHECKING:`` (see the module
+    docstring)."""
     files = module_files() if files is None else files
     graph: dict[str, set[str]] = {name: set() for name in files}
     for name, path in files.items():
         is_package = path.name == "__init__.py"
-        for node in _imports(ast.parse(path.read_text(), str(path)).body, lazy):
+        for node in _imports(ast.parse(path.read_text(), str(path)).body, lazy, type_only):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -209,10 +212,140 @@ def test_no_import_cycles():
     assert not cycles, "import cycles in kvflow (lazy imports counted):\n" + format_cycles(cycles)
 
 
+# --- layers: which part of kvflow stands above which (issue #27) ----------------------------
+
+MAX_CLIMBS = 4
+
+
+def part_graph(graph: dict[str, set[str]], package: str = PACKAGE) -> dict[str, set[str]]:
+    """The graph between kvflow's parts: each direct child of the package (a module such as
+    ``config``, or a subpackage such as ``core``) is one node; ``a -> b`` when a module of
+    ``a`` imports one of ``b``. Imports of the package's own ``__init__`` are left out."""
+    def part(module: str) -> str | None:
+        pieces = module.split(".")
+        return pieces[1] if len(pieces) > 1 else None
+
+    parts: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        a = part(module)
+        if a is None:
+            continue
+        parts.setdefault(a, set())
+        for target in targets:
+            b = part(target)
+            if b is not None and b != a:
+                parts[a].add(b)
+    return parts
+
+
+def layering(parts: dict[str, set[str]]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Stand every part above what it imports, with as few edges as possible running back
+    up ("climbs"), and number the layers.
+
+    Within each strongly connected component (parts that import each other, directly or
+    through others), the parts are ordered bottom to top so that the fewest imports point
+    from a lower part to a higher one (an exact minimum feedback arc set, by dynamic
+    programming over the subsets of the component; they are small); those imports are the
+    climbs. Without them the graph is acyclic, and a part's layer is the longest chain of
+    imports below it (0: imports nothing of kvflow).
+
+    Returns:
+        (part -> layer, the climbs as (importing part, imported part), sorted).
+    """
+    cycles = find_cycles(parts)
+    climbs: list[tuple[str, str]] = []
+    for cycle in cycles:
+        members = sorted({p for c in [cycle] for p in c} | _component_of(parts, cycle[0]))
+        n = len(members)
+        if n > 16:
+            raise AssertionError(f"a cycle of {n} parts is too large to order exactly: {members}")
+        at = {p: i for i, p in enumerate(members)}
+        imports = [[w in parts[v] for w in members] for v in members]
+        best, choice = {0: 0}, {}
+        for subset in sorted(range(1 << n), key=lambda m: bin(m).count("1")):
+            if subset not in best:
+                continue
+            for j in range(n):
+                if subset >> j & 1:
+                    continue
+                # j goes right above the parts of ``subset``: their imports of j climb
+                cost = best[subset] + sum(imports[i][j] for i in range(n) if subset >> i & 1)
+                nxt = subset | 1 << j
+                if cost < best.get(nxt, 1 << 30):
+                    best[nxt], choice[nxt] = cost, (subset, j)
+        order, subset = [], (1 << n) - 1
+        while subset:
+            subset, j = choice[subset]
+            order.append(members[j])
+        rank = {p: i for i, p in enumerate(reversed(order))}  # bottom first
+        climbs += [(v, w) for v in members for w in parts[v] if w in at and rank[w] > rank[v]]
+    climbs = sorted(set(climbs))
+    down = {v: parts[v] - {w for u, w in climbs if u == v} for v in parts}
+    layer: dict[str, int] = {}
+
+    def height(v: str) -> int:
+        if v not in layer:
+            layer[v] = 1 + max((height(w) for w in down[v]), default=-1)
+        return layer[v]
+
+    for v in sorted(parts):
+        height(v)
+    return layer, climbs
+
+
+def _component_of(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The strongly connected component of ``start``."""
+    def reach(g: dict[str, set[str]]) -> set[str]:
+        seen, todo = {start}, [start]
+        while todo:
+            for w in g[todo.pop()]:
+                if w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+        return seen
+
+    reverse: dict[str, set[str]] = {v: set() for v in graph}
+    for v, ws in graph.items():
+        for w in ws:
+            reverse[w].add(v)
+    return reach(graph) & reach(reverse)
+
+
+def test_layering_counts_the_fewest_climbs():
+    parts = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "b"}, "e": set()}
+    layer, climbs = layering(parts)
+    assert len(climbs) == 1 and climbs[0] in {("a", "b"), ("b", "c"), ("c", "a")}
+    assert layer["e"] == 0 and layer["d"] == max(layer["a"], layer["b"]) + 1
+    two = {"x": {"y"}, "y": {"x"}, "z": {"x", "y"}}
+    assert len(layering({**two, "w": {"z"}, "z": {"x", "y", "w"}})[1]) == 2
+
+
+def test_no_circles_counting_type_only_imports_and_at_most_four_climbs():
+    """Type-only and lazy imports count: no module circle, and at most ``MAX_CLIMBS``
+    imports between parts run back up from a lower part to a higher one."""
+    graph = import_graph(lazy=True, type_only=True)
+    cycles = find_cycles(graph)
+    assert not cycles, "import cycles (type-only and lazy imports counted):\n" + format_cycles(cycles)
+    layer, climbs = layering(part_graph(graph))
+    assert len(climbs) <= MAX_CLIMBS, "imports running back up:\n" + "\n".join(
+        f"{a} (layer {layer[a]}) -> {b} (layer {layer[b]})" for a, b in climbs)
+
+
 if __name__ == "__main__":
     status = 0
     for lazy in (False, True):
         found = find_cycles(import_graph(lazy=lazy))
         status |= bool(found)
         print(f"{'with lazy imports' if lazy else 'module level'}: {format_cycles(found) if found else 'no cycles'}")
-    sys.exit(status)
+    full = import_graph(lazy=True, type_only=True)
+    found = find_cycles(full)
+    print(f"with lazy and type-only imports: {format_cycles(found) if found else 'no cycles'}")
+    parts = part_graph(full)
+    layer, climbs = layering(parts)
+    print(f"{len(parts)} parts on {max(layer.values()) + 1} layers, {sum(map(len, parts.values()))} imports "
+          f"between parts, {len(climbs)} running back up:")
+    for a, b in climbs:
+        print(f"  {a} (layer {layer[a]}) -> {b} (layer {layer[b]})")
+    for level in sorted(set(layer.values())):
+        print(f"  layer {level}: {' '.join(sorted(p for p in parts if layer[p] == level))}")
+    sys.exit(status or len(climbs) > MAX_CLIMBS)

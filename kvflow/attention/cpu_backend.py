@@ -1,4 +1,4 @@
-"""The CPU attention backends: kvflow's C++ kernels (``kvflow.layers.cpu_attention``).
+"""The CPU attention backends: kvflow's C++ kernels (``kvflow.attention.cpu_attention``).
 
 - ``CpuAttentionBackend`` (a float cache of the model's dtype): decodes read K/V straight
   from the paged cache through the block tables (no gather, no padding, so all decodes form
@@ -26,8 +26,8 @@ import torch
 from kvflow.attention.backend import AttentionBackend, BatchLayout, FlatMetadata
 from kvflow.attention.kv_cache import KVCache, write_kv_cache
 from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata, grouped_attention, grouped_metadata
-from kvflow.layers.cpu_attention import (cpu_kernel_available, paged_attention_quantized, paged_decode_attention,
-                                         paged_prefill_attention, prefill_kernel_enabled, takes_prefill_input)
+from kvflow.attention.cpu_attention import (cpu_kernel_available, paged_attention_quantized, paged_decode_attention,
+                                               paged_prefill_attention, prefill_kernel_enabled, takes_prefill_input)
 
 
 @dataclass

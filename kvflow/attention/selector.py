@@ -56,8 +56,8 @@ def select_attention_backend(
             interpreter, or over an fp8 cache below compute capability 8.9, or a requested
             backend without sliding-window attention for a model with windowed layers.
     """
-    from kvflow.layers.cpu_attention import cpu_kernel_available, cpu_kernel_pending, wait_for_cpu_kernel
-    from kvflow.layers.triton_attention import interpreter_enabled, triton_available
+    from kvflow.attention.cpu_attention import cpu_kernel_available, cpu_kernel_pending, wait_for_cpu_kernel
+    from kvflow.attention.triton_attention import interpreter_enabled, triton_available
 
     check_attention_backend_name(requested)
     on_cuda = device.type == "cuda"

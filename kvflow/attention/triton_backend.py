@@ -1,4 +1,4 @@
-"""The Triton attention backend (``kvflow.layers.triton_attention``): one kernel serves decode,
+"""The Triton attention backend (``kvflow.attention.triton_attention``): one kernel serves decode,
 prefill and chunked prefill over the block tables (flat per-request metadata, int32), a
 second writes the cache and skips negative slots (the padding rows of a CUDA graph). Runs on
 CUDA, or in Triton's CPU interpreter with ``TRITON_INTERPRET=1`` (tests only)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.attention.backend import AttentionBackend, BatchLayout, FlatMetadata
-from kvflow.layers.triton_attention import triton_paged_attention, triton_write_kv_cache
+from kvflow.attention.triton_attention import triton_paged_attention, triton_write_kv_cache
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -37,17 +37,32 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvflow.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.sched_output import CachedRequestData, NewRequestData, RunnerStateTracker, SchedulerOutput
 from kvflow.request import Request, RequestStatus
 
-__all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"]
+__all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput", "StopHit"]
 
 # A step's budget is never cut below this many tokens (progress on any machine), and a step
 # of fewer tokens is not measured (its time is mostly fixed per-step cost).
 MIN_STEP_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class StopHit:
+    """A stop string the output processor matched: end the request after its
+    ``num_output_tokens``-th output token, with finish reason "stop" and ``stop_reason``.
+
+    Attributes:
+        num_output_tokens: output tokens the request keeps (>= 1).
+        stop_reason: the stop string.
+    """
+
+    num_output_tokens: int
+    stop_reason: str
 
 
 class Scheduler:
@@ -72,6 +87,9 @@ class Scheduler:
         self.clock: Callable[[], float] = time.monotonic
         self.tokens_per_second: float | None = None  # measured (exponential average over steps)
         self._step_start: tuple[float, int] | None = None  # (clock at schedule, tokens) of the last batch
+        # Running requests whose new full blocks are published once this step's stop strings
+        # are known (``finish_requests``): a block never holds a token past a stop.
+        self._to_publish: list[Request] = []
 
     def release(self, request_id: str) -> None:
         """Tell the runner, at the next step, to drop ``request_id``'s state: for a request
@@ -119,6 +137,9 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if request in self._to_publish:  # its last step's blocks wait for no stop string now
+            self._to_publish.remove(request)
+            self.kv_cache_manager.cache_full_blocks(request)
         # By membership, not status: a request that failed half-way through ``update`` may
         # carry a finished status while still in the running list.
         if request in self.running:
@@ -147,6 +168,7 @@ class Scheduler:
     # ---------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
         """Build the next batch: running requests first, then waiting ones."""
+        self._publish_pending()
         out = SchedulerOutput()
         budget = self.step_budget()
         kv = self.kv_cache_manager
@@ -301,7 +323,6 @@ class Scheduler:
         out: SchedulerOutput,
         sampled_token_ids: dict[str, list[int]],
         errors: dict[str, BaseException] | None = None,
-        text_stop: Callable[[Request], str | None] | None = None,
     ) -> list[Request]:
         """Advance the scheduled requests after the model ran.
 
@@ -317,23 +338,20 @@ class Scheduler:
                 its grammar on a token) is recorded here under its id and the others are
                 still advanced; the caller must then abort that request. When None, the
                 exception propagates.
-            text_stop: called with the request after each of its new tokens is appended
-                (and its token-level stop checks ran, so ``request.is_finished`` tells
-                whether the text is final); returns the stop string that the request's text
-                completed with that token, or None. The engine's detokenizer answers it.
-                A match ends the request there with "stop" and ``stop_reason`` set to it.
 
         Returns:
             The requests that finished this step (their blocks are already freed).
 
         Tokens are taken one at a time, as if each had come from its own step (as vLLM's
         multi-step output processor does): a stop token, EOS, ``max_tokens``, the context
-        limit or a stop string ends the request at that token, and later tokens of the
+        limit or a finished grammar ends the request at that token, and later tokens of the
         step (accepted drafts past the stop) are dropped before anything is kept for them.
-        The K/V of rejected draft tokens is rolled back: ``num_computed_tokens`` counts only
-        accepted tokens, blocks past them are freed, and only blocks of final tokens are
-        published to the prefix cache. The step's duration is measured here
-        (``tokens_per_second``).
+        Stop strings are matched on the text by the output processor after this call; it
+        ends a request through ``finish_requests`` before the next ``schedule``, and the
+        full blocks of the requests still running are published only then, so that no
+        block holding a token past a stop string is published. The K/V of rejected draft
+        tokens is rolled back: ``num_computed_tokens`` counts only accepted tokens, blocks
+        past them are freed. The step's duration is measured here (``tokens_per_second``).
         """
         self._measure_step()
         for child_id, parent_id in out.forked:
@@ -343,7 +361,7 @@ class Scheduler:
         for request_id in [*out.num_scheduled_tokens, *(child for child, _ in out.forked)]:
             request = self.requests[request_id]
             try:
-                if self._advance(request, out, sampled_token_ids.get(request.request_id), text_stop):
+                if self._advance(request, out, sampled_token_ids.get(request.request_id)):
                     finished.append(request)
             except Exception as exc:  # noqa: BLE001 - recorded for the caller, or re-raised
                 if errors is None:
@@ -353,14 +371,60 @@ class Scheduler:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
             for request in finished:
-                self.kv_cache_manager.free(request)
-                del self.requests[request.request_id]
-                if self._runner_state.forget(request.request_id):
-                    self._finished_req_ids.append(request.request_id)
+                self._free_finished(request)
         return finished
 
-    def _advance(self, request: Request, out: SchedulerOutput, tokens: list[int] | None,
-                 text_stop: Callable[[Request], str | None] | None) -> bool:
+    def _free_finished(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        if self._runner_state.forget(request.request_id):
+            self._finished_req_ids.append(request.request_id)
+
+    def finish_requests(self, stops: dict[str, StopHit]) -> list[str]:
+        """End requests at the stop strings the output processor matched in the tokens of
+        the last ``update``, then publish the full blocks of the requests still running.
+
+        Args:
+            stops: request id -> ``StopHit``: keep the first ``num_output_tokens`` output
+                tokens, drop the later ones of the step (accepted drafts past the stop),
+                finish with "stop" and ``stop_reason``, free the blocks. A request already
+                finished (a stop token on the same token, or aborted) is left as it is.
+
+        Returns:
+            The ids of the requests this call finished.
+
+        Raises:
+            ValueError: a ``num_output_tokens`` outside [1, the request's output tokens].
+        """
+        ended = []
+        for request_id, hit in stops.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            if not 1 <= hit.num_output_tokens <= request.num_output_tokens:
+                raise ValueError(f"num_output_tokens={hit.num_output_tokens} is outside [1, "
+                                 f"{request.num_output_tokens}] for request {request_id!r}")
+            del request.all_token_ids[request.num_prompt_tokens + hit.num_output_tokens:]
+            # accepted drafts past the stop were computed but are not the request's
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = hit.stop_reason
+            self.running.remove(request)
+            ended.append(request_id)
+        self._publish_pending()
+        for request_id in ended:
+            self._free_finished(self.requests[request_id])
+        return ended
+
+    def _publish_pending(self) -> None:
+        """Publish the full blocks of the requests ``update`` advanced (only final tokens:
+        the hashes are taken from ``all_token_ids``, cut at any stop by then)."""
+        pending, self._to_publish = self._to_publish, []
+        for request in pending:
+            if request.request_id in self.requests:
+                self.kv_cache_manager.cache_full_blocks(request)
+
+    def _advance(self, request: Request, out: SchedulerOutput, tokens: list[int] | None) -> bool:
         """``update`` for one request; True when it finished."""
         request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
         if request.pooling_params is not None:  # an embedding: done once its prompt is computed
@@ -377,10 +441,6 @@ class Scheduler:
         for i, token in enumerate(tokens or ()):
             request.append_output_token(token)
             request.check_stop(self.config.max_model_len)
-            stop = text_stop(request) if text_stop is not None else None
-            if stop is not None:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = stop
             if request.is_finished:
                 del tokens[i + 1 :]  # tokens past a stop are dropped (callers see the cut list)
                 # accepted drafts past the stop were computed but are not the request's
@@ -388,5 +448,9 @@ class Scheduler:
                 break
         # Publish after appending (and cutting): the computed tokens include accepted drafts,
         # which are only in all_token_ids now (the block hashes are taken from all_token_ids).
-        self.kv_cache_manager.cache_full_blocks(request)
+        # A running request waits for this step's stop strings (``finish_requests``).
+        if request.is_finished:
+            self.kv_cache_manager.cache_full_blocks(request)
+        else:
+            self._to_publish.append(request)
         return request.is_finished

@@ -61,11 +61,11 @@ def init_process_group(rank: int, world_size: int, init_method: str, device: tor
         raise RuntimeError(f"tensor-parallel start-up (rank {rank} of {world_size}): {timeout_advice(timeout_s)}") from exc
 
 
-def worker_main(rank: int, world_size: int, init_method: str, config) -> None:
+def worker_main(rank: int, world_size: int, init_method: str, config, build_rank) -> None:
     """Entry point of a worker process (spawned, or a non-zero torchrun rank): join the group,
-    build this rank's shard from the engine's ``EngineConfig`` and mirror the driver's steps."""
-    from kvflow.worker.worker import build_rank
-
+    build this rank's shard from the engine's ``EngineConfig`` with ``build_rank(config,
+    rank)`` (``kvflow.worker.worker.build_rank``: passed in, as this layer sits below the
+    worker's) and mirror the driver's steps."""
     if config.device.num_threads is not None:
         torch.set_num_threads(config.device.num_threads)
     init_process_group(rank, world_size, init_method, config.device.device, config.parallel.collective_timeout_s)
@@ -87,9 +87,11 @@ class TPWorkers:
     Args:
         config: the ``EngineConfig`` every rank builds its shard from (sent whole).
         spawn: start local worker processes (False under torchrun, where they exist).
+        build_rank: a module-level function ``(config, rank) -> ModelRunner`` each spawned
+            rank builds its runner with (``kvflow.worker.worker.build_rank``).
     """
 
-    def __init__(self, config, spawn: bool = True) -> None:
+    def __init__(self, config, spawn: bool = True, build_rank=None) -> None:
         world_size = config.parallel.tensor_parallel_size
         self.world_size = world_size
         self.timeout_s = config.parallel.collective_timeout_s
@@ -100,7 +102,8 @@ class TPWorkers:
             ctx = mp.get_context("spawn")
             with sleeping_workers_for_children():  # (the ranks run no thread governor)
                 for rank in range(1, world_size):
-                    proc = ctx.Process(target=worker_main, args=(rank, world_size, init_method, config), daemon=True)
+                    proc = ctx.Process(target=worker_main, args=(rank, world_size, init_method, config, build_rank),
+                                       daemon=True)
                     proc.start()
                     self.procs.append(proc)
         else:

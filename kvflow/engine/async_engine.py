@@ -40,7 +40,7 @@ from kvflow.cpu_threads import release_openmp_threads
 from kvflow.engine.llm_engine import LLMEngine, PreparedRequest
 from kvflow.engine.snapshot import SnapshotProducer
 from kvflow.metrics import EngineMetrics
-from kvflow.outputs import EmbeddingRequestOutput, RequestFailure, RequestOutput
+from kvflow.outputs import CompletionOutput, EmbeddingRequestOutput, RequestFailure, RequestOutput, RequestOutputKind
 from kvflow.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -77,8 +77,34 @@ class _Stream:
     queue: asyncio.Queue
     num_prompt_tokens: int
     last_token_time: float | None = None
-    num_generated: dict[int, int] = field(default_factory=dict)
     finished: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # CUMULATIVE streams: the outputs so far, grown from the engine's deltas on the loop
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list] = field(default_factory=dict)
+
+
+def merge_delta(into: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """``newer`` (a DELTA output) appended to ``into`` (an earlier DELTA output of the same
+    request), as vLLM's ``RequestOutput.add``: one DELTA output covering both steps."""
+    by_index = {c.index: c for c in into.outputs}
+    for c in newer.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            continue
+        old.text += c.text
+        old.token_ids = old.token_ids + c.token_ids
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    into.finished = newer.finished
+    into.metrics = newer.metrics
+    into.prompt_logprobs = newer.prompt_logprobs
+    into.num_cached_tokens = newer.num_cached_tokens
+    return into
 
 
 class AsyncLLMEngine:
@@ -221,10 +247,16 @@ class AsyncLLMEngine:
             future.set_result(result)
 
     def add_requests(self, requests: list[tuple[str, PreparedRequest, str | None]],
-                     priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
+                     priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                     ) -> list[AsyncIterator[RequestOutput]]:
         """Queue (request_id, prepared request, prompt text) triples, all or none, with one
         scheduling ``priority`` (see ``LLMEngine.add_request``); return their output
         iterators (``EmbeddingRequestOutput`` ones for ``PoolingParams``). Never waits.
+
+        The engine thread makes DELTA outputs (only the new tokens and text of a step); an
+        iterator yields them as such with ``output_kind=RequestOutputKind.DELTA`` (several
+        steps merged into one when its consumer lags), or, by default (CUMULATIVE), the
+        request's whole output so far, grown from the deltas on the event loop.
 
         Raises:
             QueueFullError: when they would take the accepted-but-not-started requests past
@@ -245,7 +277,9 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
         for request_id, prepared, prompt in requests:
-            stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids))
+            if output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+                raise ValueError(f"output_kind must be CUMULATIVE or DELTA, got {output_kind!r}")
+            stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids), output_kind=output_kind)
             self._streams[request_id] = stream
             self._unstarted.add(request_id)
             self._commands.append(("add", request_id, prepared, prompt, loop, priority))
@@ -267,14 +301,14 @@ class AsyncLLMEngine:
         return iterator
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; when the consumer lags, only the newest of those queued.
+        """The request's outputs; when the consumer lags, those queued merged into one.
 
-        Outputs are cumulative (each holds all the text and tokens so far), so a consumer
-        that fell behind the engine gets the newest one and skips those it would have
-        overwritten, as vLLM's ``RequestOutputCollector`` does: one SSE event then carries
-        several tokens instead of one event per token, and the event loop and the client do
-        the per-event work once. The final output and an error are always delivered (the
-        outputs before an error are coalesced up to it).
+        The engine sends DELTA outputs; a consumer that fell behind gets the queued ones as
+        one (merged deltas, or the newest cumulative view), as vLLM's
+        ``RequestOutputCollector`` does: one SSE event then carries several tokens instead of
+        one event per token, and the event loop and the client do the per-event work once.
+        The final output and an error are always delivered (the outputs before an error
+        are coalesced up to it).
         """
         pending: RequestOutput | BaseException | None = None
         try:
@@ -286,15 +320,38 @@ class AsyncLLMEngine:
                     if isinstance(newer, BaseException):
                         pending = newer
                         break
-                    item = newer
+                    item = merge_delta(item, newer) if isinstance(item, RequestOutput) else newer
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, RequestOutput) and stream.output_kind is RequestOutputKind.CUMULATIVE:
+                    item = self._cumulative(stream, item)
                 yield item
                 if item.finished:
                     return
         finally:
             if not stream.finished:
                 self.abort(request_id)
+
+    @staticmethod
+    def _cumulative(stream: _Stream, delta: RequestOutput) -> RequestOutput:
+        """The request's whole output so far: ``delta`` appended to the stream's own lists
+        (on the loop, never on the engine thread); the lists handed out are copies."""
+        outputs = []
+        for c in delta.outputs:
+            texts = stream.texts.setdefault(c.index, [])
+            token_ids = stream.token_ids.setdefault(c.index, [])
+            texts.append(c.text)
+            token_ids.extend(c.token_ids)
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = stream.logprobs.setdefault(c.index, [])
+                logprobs.extend(c.logprobs)
+            if len(texts) > 1:
+                texts[:] = ["".join(texts)]
+            outputs.append(CompletionOutput(c.index, texts[0], list(token_ids), c.finish_reason, c.stop_reason,
+                                            list(logprobs) if logprobs is not None else None, c.cumulative_logprob))
+        return RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, outputs, delta.finished,
+                             delta.metrics, delta.prompt_logprobs, delta.error, delta.num_cached_tokens)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed before the next step). Never waits."""
@@ -342,10 +399,7 @@ class AsyncLLMEngine:
                 m.request_success.inc()
                 stream.queue.put_nowait(out)
                 continue
-            new_tokens = 0
-            for c in out.outputs:
-                new_tokens += len(c.token_ids) - stream.num_generated.get(c.index, 0)
-                stream.num_generated[c.index] = len(c.token_ids)
+            new_tokens = sum(len(c.token_ids) for c in out.outputs)  # (DELTA outputs)
             if stream.last_token_time is None:
                 m.prompt_tokens.inc(stream.num_prompt_tokens)
                 m.time_to_first_token.observe(now - out.metrics["arrival_time"])
@@ -431,7 +485,7 @@ class AsyncLLMEngine:
                 self._num_applied += 1
                 try:
                     self.engine.add_request(request_id, prepared.prompt_token_ids, prepared.params, prompt=prompt,
-                                            priority=priority, prepared=prepared)
+                                            priority=priority, prepared=prepared, output_kind=RequestOutputKind.DELTA)
                 except ValueError as exc:
                     self._post(loop, self._fail_one, request_id, exc)
                     continue

@@ -99,15 +99,25 @@ class IncrementalDetokenizer:
         self._text = self._text[: index + (len(stop) if self.include_stop_str_in_output else 0)]
         return stop
 
-    @property
-    def text(self) -> str:
-        """The text so far; while unfinished, without a suffix that may become a stop string."""
+    def _visible_len(self) -> int:
+        """Characters of the text that may be shown: while unfinished, all but the longest
+        suffix that may become a stop string (it never shrinks as tokens arrive)."""
         if self.finished or not self.stop:
-            return self._text
+            return len(self._text)
         hold = 0
         for stop in self.stop:
             for k in range(min(len(stop) - 1, len(self._text)), hold, -1):
                 if self._text.endswith(stop[:k]):
                     hold = k
                     break
-        return self._text[: len(self._text) - hold]
+        return len(self._text) - hold
+
+    @property
+    def text(self) -> str:
+        """The text so far; while unfinished, without a suffix that may become a stop string."""
+        return self._text[: self._visible_len()]
+
+    def text_since(self, offset: int) -> str:
+        """The visible text from character ``offset`` on (a streamed delta: ``offset`` is the
+        length of the text already sent)."""
+        return self._text[offset : self._visible_len()]

@@ -1,8 +1,20 @@
-"""The engine loop: add requests, step, read outputs.
+"""The engine's public facade: add requests, step, read outputs (vLLM's ``LLMEngine``).
 
-``LLMEngine.step()`` runs the data flow of DESIGN.md once: schedule a batch, run the model on
-it, append the sampled tokens, check stop conditions, free finished requests' blocks and
-detokenize. ``LLM`` (offline) and the server drive this loop.
+``LLMEngine`` joins three parts (see docs/architecture.md, "Engine joints"):
+
+- the ``Worker`` (``kvflow/worker/worker.py``): model, KV cache, runner, CUDA graphs,
+  proposer, tensor-parallel workers and the platform's chores between steps, built from the
+  ``EngineConfig`` in one place;
+- the ``EngineCore`` (``kvflow/engine/core.py``): scheduler + KV cache manager + worker, at
+  the token level (no tokenizer);
+- the ``OutputProcessor`` (``kvflow/engine/output_processor.py``): text, stop strings,
+  logprob decoding and ``RequestOutput``s.
+
+``step()`` = ``EngineCore.step`` (schedule, run, append tokens) -> ``OutputProcessor.
+process_outputs`` (text, stop strings) -> ``EngineCore.finish_requests`` (the stop-string
+hits end their requests in the core before anything is scheduled again) ->
+``EngineCore.propose`` (speculative drafts). The input side (validation, grammars, bad
+words, LoRA checks) stays here. ``LLM`` (offline) and the server drive this loop.
 """
 
 from __future__ import annotations
@@ -11,55 +23,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvflow.config import CacheConfig, EngineArgs, EngineConfig
-from kvflow.cpu_threads import ThreadGovernor, check_wait_policy, thread_governor
-from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.scheduler import NewRequestData, Scheduler, SchedulerOutput
-from kvflow.distributed.worker import TPWorkers, torchrun_rank
-from kvflow.engine.detokenizer import IncrementalDetokenizer
-from kvflow.logprobs import Logprob
-from kvflow.model.base import CausalLM
-from kvflow.model.loader import load_model
+from kvflow.config import EngineArgs, EngineConfig
+from kvflow.cpu_threads import check_wait_policy
+from kvflow.engine.core import EngineCore
+from kvflow.engine.output_processor import OutputProcessor
 from kvflow.model.resolve import load_generation_defaults, load_tokenizer
-from kvflow.ops import publish_background_builds
-from kvflow.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestFailure, RequestOutput
+from kvflow.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from kvflow.pooling_params import PoolingParams
-from kvflow.request import Request, RequestStatus, make_parallel_samples
-from kvflow.sample.sampler import Sampler
+from kvflow.request import Request, make_parallel_samples
 from kvflow.sampling_params import SamplingParams
-from kvflow.spec_decode.draft_model import DraftModelProposer
-from kvflow.spec_decode.metrics import SpecDecodeStats
-from kvflow.spec_decode.ngram import NgramProposer
-from kvflow.worker.cache_engine import CacheEngine
-from kvflow.worker.model_runner import ModelRunner
-from kvflow.worker.worker import attention_backend_for, build_shard, start_cpu_kernel_builds
+from kvflow.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 # The ``sampling_params`` of an embedding request: it never samples (``Request.pooling_params``).
 _POOLING_PLACEHOLDER = SamplingParams(max_tokens=1)
-
-
-def _make_proposer(config: EngineConfig, backend) -> NgramProposer | DraftModelProposer:
-    """The speculative proposer of ``config.speculative``: n-gram prompt lookup, or a draft
-    model (loaded from ``config.draft``) with its own KV cache of as many blocks as the
-    target's (prefix caching off)."""
-    spec, max_len = config.speculative, config.scheduler.max_model_len
-    k = spec.num_speculative_tokens
-    if spec.method == "ngram":
-        return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
-    device = config.device
-    draft, draft_config = load_model(config.draft.model_dir, device.dtype, device.device, config.draft.quantization,
-                                     config.draft.group_size, model_config=config.draft_model)
-    cache = config.cache
-    draft_cache = CacheConfig(cache.block_size, cache.num_blocks, cache.dtype, enable_prefix_caching=False)
-    return DraftModelProposer(draft, draft_config, draft_cache, k, max_len, device.device, config.seed,
-                              attention_backend=backend)
 
 
 def _has_tokenizer(model_dir) -> bool:
@@ -88,33 +71,14 @@ class PreparedRequest:
     lora_request: Any = None
 
 
-@dataclass
-class _RequestState:
-    """Output state of one user request: its n samples and their detokenizers."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    samples: list[Request]
-    detokenizers: list[IncrementalDetokenizer | None]
-    logprobs: list[list[dict[int, Logprob]]]
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
-    first_token_time: float | None = None
-    embedding: list[float] | None = None  # an embedding request's vector, once computed
-
-    @property
-    def is_pooling(self) -> bool:
-        return self.samples[0].pooling_params is not None
-
-    @property
-    def finished(self) -> bool:
-        return all(r.is_finished for r in self.samples)
+def _delegate(part: str, name: str, doc: str) -> property:
+    """A read-write attribute of the facade that lives on ``self.<part>``."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
 
 
 class LLMEngine:
-    """Owns the model, the KV cache, the scheduler and the per-request output state.
+    """The public engine: a ``Worker``, an ``EngineCore`` over it and an ``OutputProcessor``.
 
     Args:
         config: everything the engine is built from (``EngineArgs.create_config()``).
@@ -135,86 +99,61 @@ class LLMEngine:
             backend has no graph-safe metadata.
     """
 
+    # The parts' state, read (and in tests replaced) through the facade as before the split.
+    model_runner = _delegate("worker", "model_runner", "the ``ModelRunner`` (rank 0)")
+    cache_engine = _delegate("worker", "cache_engine", "the per-layer K/V tensors (rank 0's shard)")
+    lora_manager = _delegate("worker", "lora_manager", "LoRA slots and host cache, or None")
+    tp_workers = _delegate("worker", "tp_workers", "the tensor-parallel worker processes, or None")
+    kernel_builds = _delegate("worker", "kernel_builds", "C++ kernels building in the background")
+    thread_governor = _delegate("worker", "thread_governor", "the CPU thread governor, or None")
+    scheduler = _delegate("engine_core", "scheduler", "the ``Scheduler``")
+    kv_cache_manager = _delegate("engine_core", "kv_cache_manager", "the block tables' owner")
+    proposer = _delegate("engine_core", "proposer", "the speculative proposer, or None")
+    spec_stats = _delegate("engine_core", "spec_stats", "speculative decoding counters")
+    last_scheduler_output = _delegate("engine_core", "last_scheduler_output",
+                                      "the batch of the step in progress / last run")
+
     def __init__(
         self,
         config: EngineConfig,
-        model: CausalLM | None = None,
+        model=None,
         tokenizer: Any | None = None,
         generation_defaults: dict[str, Any] | None = None,
-        proposer: NgramProposer | DraftModelProposer | None = None,
+        proposer=None,
         default_pooling: str = "last",
     ) -> None:
         self.config = config
         self.default_pooling = PoolingParams(pooling_type=default_pooling).pooling_type
-        device = config.device.device
-        self.device = device
+        self.device = config.device.device
         self.model_config = config.model
         self.cache_config = config.cache
         self.scheduler_config = config.scheduler
-        # C++ CPU kernels not built yet build in the background while PyTorch's paths serve;
-        # step() switches to each between two steps (never inside one).
-        self.kernel_builds = start_cpu_kernel_builds(config)
-        # Fits the CPU thread count to the free cores between steps (kvflow.cpu_threads). Not
-        # with tensor parallelism: the ranks share the machine's cores and each would count
-        # the others as load.
-        self.thread_governor: ThreadGovernor | None = None
-        if config.device.device.type == "cpu" and config.parallel.tensor_parallel_size == 1:
-            self.thread_governor = thread_governor(config.device.num_threads or torch.get_num_threads(),
-                                                   explicit=config.device.num_threads is not None)
-        backend = attention_backend_for(config)
-        self.tp_workers = None
-        if model is None:
-            if config.parallel.tensor_parallel_size > 1:
-                self.tp_workers = TPWorkers(config, spawn=torchrun_rank() is None)
-            try:
-                model = build_shard(config, 0)
-            except BaseException:
-                self.shutdown()
-                raise
-        spec = config.speculative
-        self.proposer = proposer if proposer is not None or spec is None else _make_proposer(config, backend)
-        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
-        self.spec_stats = SpecDecodeStats(self.proposer.k if self.proposer is not None else 0)
+        self.worker = Worker(config, model=model)
+        try:
+            self.engine_core = EngineCore(config, self.worker, proposer)
+        except BaseException:
+            self.worker.shutdown()
+            raise
         self.tokenizer = tokenizer
-        cache_config = config.cache
-        # one table per KV cache group (one group: windowed when every layer is)
-        self.kv_cache_manager = KVCacheManager.from_cache_config(cache_config, config.model.kv_free_window)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
-        self.cache_engine = CacheEngine(model.kv_cache_spec, cache_config, device)  # this rank's shard of heads
-        generator = torch.Generator(device=device)
-        generator.manual_seed(config.seed)
-        self.lora_manager = None
-        if config.lora is not None:
-            from kvflow.lora.manager import LoRAManager
-
-            lora = config.lora
-            self.lora_manager = LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
-        self.model_runner = ModelRunner(
-            model, self.cache_engine, cache_config.block_size, Sampler(generator), device,
-            broadcast=self.tp_workers.broadcast if self.tp_workers is not None else None,
-            attention_backend=backend, lora_manager=self.lora_manager,
-        )
-        # Decode CUDA graphs: on CUDA, with a backend that has graph-safe metadata, without
-        # tensor parallelism (the workers run eagerly: their collectives would not match).
-        if device.type == "cuda" and backend.supports_cuda_graphs and not config.kernels.enforce_eager \
-                and self.tp_workers is None and config.parallel.tensor_parallel_size == 1 \
-                and cache_config.kv_cache_groups is None:  # (hybrid caches: eager, per-group metadata)
-            from kvflow.worker.cuda_graph import DecodeGraphRunner, default_batch_sizes
-
-            self.model_runner.graph_runner = DecodeGraphRunner(
-                model, self.cache_engine.kv_caches, -(-config.scheduler.max_model_len // cache_config.block_size),
-                default_batch_sizes(config.scheduler.max_num_seqs), device, backend,
-            )
-        self.last_scheduler_output: SchedulerOutput | None = None  # the batch of the step in progress / last run
-        self._states: dict[str, _RequestState] = {}  # by user request id
-        self._sample_owner: dict[str, tuple[_RequestState, Request]] = {}  # by sample id
+        self.output_processor = OutputProcessor(tokenizer)
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
         self.generation_defaults = dict(generation_defaults or {})
-        self._token_texts: dict[int, str] = {}  # token id -> decode([id]), for Logprob.decoded_token
         self.eos_token_id = config.model.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
+
+    @property
+    def _states(self):
+        """The output state of the unfinished user requests, by id."""
+        return self.output_processor.request_states
+
+    @property
+    def _sample_owner(self):
+        return self.output_processor._sample_owner
+
+    def _probe(self) -> None:
+        self.engine_core._probe()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -244,8 +183,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (a no-op without them)."""
-        if self.tp_workers is not None:
-            self.tp_workers.shutdown()
+        self.worker.shutdown()
 
     # ------------------------------------------------------------------ requests
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
@@ -393,6 +331,7 @@ class LLMEngine:
         priority: int = 0,
         prepared: PreparedRequest | None = None,
         lora_request=None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         """Validate and queue a request (``params.n`` samples sharing the prompt's blocks),
         or, with ``PoolingParams``, an embedding request (see ``kvflow.pooling_params``).
@@ -400,12 +339,16 @@ class LLMEngine:
         ``priority`` matters under the "priority" scheduling policy (lower runs first).
         ``prepared``: the result of ``prepare_request`` for these ids and params, when the
         caller did that work already. ``lora_request``: the ``kvflow.lora.request.LoRARequest``
-        the request runs with (None: the base model).
+        the request runs with (None: the base model). ``output_kind``: what each of its
+        ``RequestOutput``s holds (``RequestOutputKind``: CUMULATIVE, DELTA or FINAL_ONLY).
 
         Raises:
             ValueError: see ``validate_prompt``; a request_id already in use; a priority
-                other than 0 without the "priority" scheduling policy.
+                other than 0 without the "priority" scheduling policy; an ``output_kind``
+                that is not a ``RequestOutputKind``.
         """
+        if not isinstance(output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
         if request_id in self._states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if priority != 0 and self.scheduler_config.policy != "priority":
@@ -424,30 +367,17 @@ class LLMEngine:
         for sample, grammar in zip(samples, prepared.grammars):
             sample.bad_words_token_ids = prepared.bad_words_token_ids
             sample.grammar = grammar
-        self.scheduler.add_request(samples[0])
-        detoks = [
-            IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
-            )
-            if self.tokenizer is not None
-            else None
-            for _ in samples
-        ]
-        state = _RequestState(
-            request_id, prompt, list(prompt_token_ids), samples, detoks, [[] for _ in samples], samples[0].arrival_time
-        )
-        self._states[request_id] = state
-        for sample in samples:
-            self._sample_owner[sample.request_id] = (state, sample)
+        self.engine_core.add_request(request_id, samples)
+        self.output_processor.add_request(request_id, [s.request_id for s in samples], prompt, prompt_token_ids,
+                                          params, samples[0].arrival_time, output_kind)
 
     def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
                              prompt: str | None, priority: int, lora_request=None) -> None:
         request = Request(request_id, prompt_token_ids, _POOLING_PLACEHOLDER, self.eos_token_id, prompt,
                           priority=priority, pooling_params=params, lora_request=lora_request)
-        self.scheduler.add_request(request)
-        state = _RequestState(request_id, prompt, list(prompt_token_ids), [request], [None], [[]], request.arrival_time)
-        self._states[request_id] = state
-        self._sample_owner[request_id] = (state, request)
+        self.engine_core.add_request(request_id, [request])
+        self.output_processor.add_request(request_id, [request_id], prompt, prompt_token_ids, params,
+                                          request.arrival_time)
 
     def check_request_features(self, params: SamplingParams) -> None:
         """Check the text-level features of ``params`` against this engine.
@@ -494,24 +424,20 @@ class LLMEngine:
         """
         return self.kv_cache_manager.reset_prefix_cache()
 
+
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its samples) and free its KV blocks at once.
 
         Returns:
             False for an unknown or already finished id.
         """
-        state = self._states.pop(request_id, None)
-        if state is None:
+        if self.output_processor.abort_request(request_id) is None:
             return False
-        for sample in state.samples:
-            self._sample_owner.pop(sample.request_id, None)
-            self.scheduler.abort_request(sample.request_id)
-            if self.proposer is not None:
-                self.proposer.free(sample.request_id)
+        self.engine_core.abort_request(request_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.engine_core.has_unfinished_requests()
 
     # ------------------------------------------------------------------ the loop
     def step(self, on_scheduled: Callable[[list[str]], None] | None = None) -> list[RequestOutput | EmbeddingRequestOutput]:
@@ -532,296 +458,39 @@ class LLMEngine:
 
         Returns:
             A ``RequestOutput`` for every request that produced a token this step or failed
-            (cumulative text and token ids; ``finished`` set on the last one), and an
-            ``EmbeddingRequestOutput`` for every embedding request whose prompt was
-            completed this step (or that failed).
+            (in its ``RequestOutputKind``: cumulative text and token ids by default, only
+            the new ones for DELTA, nothing until the last for FINAL_ONLY; ``finished`` set
+            on the last one), and an ``EmbeddingRequestOutput`` for every embedding request
+            whose prompt was completed this step (or that failed).
 
         Raises:
             Exception: the engine cannot go on: a fault in the scheduler, in the KV block
                 copies, in a tensor-parallel forward, or in the probe (RuntimeError).
         """
-        if self.thread_governor is not None:  # between two steps, on the thread that runs the forwards
-            threads = self.thread_governor.update()
-            if torch.get_num_threads() != threads:  # (per OS thread under OpenMP)
-                torch.set_num_threads(threads)
-        if self.kernel_builds:  # between two steps: no forward of this engine is running
-            publish_background_builds(self.kernel_builds)
-            self.kernel_builds = [k for k in self.kernel_builds if k.pending()]
-        sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            return []
-        self.last_scheduler_output = sched_out
-        scheduled_time = time.monotonic()
-        started = []
-        for request_id in sched_out.num_scheduled_tokens:
-            owner = self._sample_owner[request_id][0]
-            if owner.first_scheduled_time is None:
-                owner.first_scheduled_time = scheduled_time
-                started.append(owner.request_id)
-        if on_scheduled is not None:
-            on_scheduled(started)
-        result = self.model_runner.execute(sched_out)
-        failures: dict[str, BaseException] = {}  # by user request id
-        failed_outputs: list[RequestOutput] = []
-        if result.failed:
-            for sample_id, exc in result.failed.items():
-                failures.setdefault(self._sample_owner[sample_id][0].request_id, exc)
-            everyone = all(self._sample_owner[request_id][0].request_id in failures
-                           for request_id in sched_out.num_scheduled_tokens)
-            self._drop_from_batch(sched_out, {s.request_id for rid in failures for s in self._states[rid].samples})
-            failed_outputs = [self._fail(request_id, exc) for request_id, exc in failures.items()]
-            if everyone:
-                self._probe()
-        errors: dict[str, BaseException] = {}
-        # The scheduler appends the tokens one at a time and asks the detokenizer after each
-        # (``_text_stop``), so a stop string ends a request at the token that completed it.
-        self.scheduler.update(sched_out, result.sampled_token_ids, errors=errors, text_stop=self._text_stop)
+        core = self.engine_core
+        core_outputs = core.step(on_scheduled)
         now = time.monotonic()
-        touched: dict[str, _RequestState] = {}
-        for sample_id, positions in result.prompt_logprobs.items():
-            if sample_id in self._sample_owner:
-                self._sample_owner[sample_id][0].prompt_logprobs.update(positions)
-        for sample_id, pooled_sum in result.pooled_sums.items():  # mean pooling's sum so far, kept on
-            if sample_id in self._sample_owner:                    # the request (a swap resumes from it)
-                self._sample_owner[sample_id][1].pooled_sum = pooled_sum
-        for sample_id, vector in result.pooled.items():  # embeddings whose prompt is done
-            owner = self._sample_owner.pop(sample_id, None)
-            if owner is None:  # its request failed above
-                continue
-            state, request = owner
-            vector = torch.nn.functional.normalize(vector, dim=0) if request.pooling_params.l2_normalize else vector
-            state.embedding = vector.tolist()
-            touched[state.request_id] = state
-        for sample_id, tokens in result.sampled_token_ids.items():
-            owner = self._sample_owner.get(sample_id)
-            if owner is None:  # its request failed above
-                continue
-            state, sample = owner
-            if sample_id in errors:
-                touched.pop(state.request_id, None)
-                failed_outputs.append(self._fail(state.request_id, errors[sample_id]))
-                continue
-            try:
-                self._append_output(state, sample, tokens, result.logprobs.get(sample_id))
-            except Exception as exc:  # noqa: BLE001 - this request's fault
-                touched.pop(state.request_id, None)
-                failed_outputs.append(self._fail(state.request_id, exc))
-                continue
-            touched[state.request_id] = state
-        for sample_id, exc in errors.items():  # failed without sampling a token
-            if sample_id in self._sample_owner:
-                state = self._sample_owner[sample_id][0]
-                touched.pop(state.request_id, None)
-                failed_outputs.append(self._fail(state.request_id, exc))
-        outputs = []
-        for state in touched.values():
-            if state.request_id not in self._states:  # failed after it was touched
-                continue
-            if state.first_token_time is None and not state.is_pooling:
-                state.first_token_time = now
-            try:
-                outputs.append(self._make_output(state, now))
-            except Exception as exc:  # noqa: BLE001 - this request's fault
-                failed_outputs.append(self._fail(state.request_id, exc))
-                continue
-            if state.finished:
-                del self._states[state.request_id]
-        if self.proposer is not None:
-            self.spec_stats.record(result.num_accepted.values())
-            failed_outputs.extend(self._fail(request_id, exc) for request_id, exc in self._propose(sched_out).items())
-        return outputs + [out for out in failed_outputs if out is not None]
+        processor = self.output_processor
+        failed = [processor.make_failure_output(request_id, exc, now, token_ids)
+                  for request_id, (exc, token_ids) in core_outputs.failed.items()]
+        outputs, stops, failures = processor.process_outputs(core_outputs, now)
+        core.finish_requests(stops)
+        for request_id, exc in failures.items():
+            failed.append(self._fail(request_id, exc, now))
+        for request_id, exc in core.propose().items():
+            failed.append(self._fail(request_id, exc, now))
+        return outputs + [out for out in failed if out is not None]
 
-    def _text_stop(self, sample: Request) -> str | None:
-        """Feed the sample's newest token to its detokenizer; the stop string the text
-        completed with it, or None (also without a tokenizer). ``Scheduler.update``'s
-        ``text_stop``."""
-        state, _ = self._sample_owner[sample.request_id]
-        detok = state.detokenizers[state.samples.index(sample)]
-        if detok is None:
-            return None
-        return detok.update(sample.all_token_ids[-1:], finished=sample.is_finished)
-
-    def _append_output(self, state: _RequestState, sample: Request, tokens: list[int],
-                       logprobs: list[dict[int, Logprob]] | None) -> None:
-        """Record a sample's new tokens' logprobs, with their decoded tokens (its text was
-        detokenized, and stop strings matched, by ``_text_stop`` during ``Scheduler.update``)."""
-        index = state.samples.index(sample)
-        if logprobs is not None:  # tokens may have been cut by a stop (speculation)
-            state.logprobs[index].extend(self._decoded(entry) for entry in logprobs[: len(tokens)])
-        if sample.is_finished:
-            del self._sample_owner[sample.request_id]
-
-    def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
-        """``entry`` with every ``Logprob.decoded_token`` set (``tokenizer.decode([id])``,
-        as vLLM; None without a tokenizer)."""
-        if self.tokenizer is None:
-            return entry
-        texts = self._token_texts
-        out = {}
-        for token, logprob in entry.items():
-            text = texts.get(token)
-            if text is None:
-                text = texts[token] = self.tokenizer.decode([token])
-            out[token] = logprob.with_decoded_token(text)
-        return out
-
-    @staticmethod
-    def _drop_from_batch(sched_out: SchedulerOutput, sample_ids: set[str]) -> None:
-        """Take the samples ``sample_ids`` out of the executed batch, so that
-        ``Scheduler.update`` neither advances them nor publishes their blocks."""
-        for request_id in [r for r in sched_out.num_scheduled_tokens if r in sample_ids]:
-            sched_out._remove(request_id)
-            sched_out.scheduled_spec_tokens.pop(request_id, None)
-        sched_out.forked = [(c, p) for c, p in sched_out.forked if c not in sample_ids and p not in sample_ids]
-
-    def _fail(self, request_id: str, exc: BaseException) -> RequestOutput | None:
+    def _fail(self, request_id: str, exc: BaseException, now: float) -> RequestOutput | EmbeddingRequestOutput | None:
         """Abort a user request that failed inside the engine (freeing its blocks); its final
         output, with ``error`` set. None when it is already gone."""
-        state = self._states.get(request_id)
-        if state is None:
-            return None
-        failure = RequestFailure.from_exception(exc)
-        logger.error("request %s failed and was aborted: %s", request_id, failure.message)
-        self.abort_request(request_id)
-        for sample in state.samples:
-            sample.status = RequestStatus.FINISHED_ERROR
-        now = time.monotonic()
-        if state.is_pooling:
-            return EmbeddingRequestOutput(
-                request_id, EmbeddingOutput([]), state.prompt_token_ids, max(state.samples[0].num_cached_tokens, 0),
-                True, state.prompt, {"arrival_time": state.arrival_time,
-                                     "first_scheduled_time": state.first_scheduled_time, "finished_time": now},
-                error=failure,
-            )
-        return RequestOutput(
-            request_id=request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=[
-                CompletionOutput(index=i, text="", token_ids=sample.output_token_ids, finish_reason="error")
-                for i, sample in enumerate(state.samples)
-            ],
-            finished=True,
-            metrics={"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
-                     "first_token_time": state.first_token_time, "finished_time": now},
-            error=failure,
-        )
-
-    def _probe(self) -> None:
-        """One greedy token of a throwaway one-token request, in a fresh block.
-
-        Raises:
-            RuntimeError: when that fails too: the fault is the engine's, not a request's.
-        """
-        probe_id = "kvflow-probe"
-        while probe_id in self.scheduler.requests:  # the runner holds states by id: never a live one's
-            probe_id += "'"
-        probe = Request(probe_id, [0], SamplingParams(temperature=0, max_tokens=1), None)
-        if not self.kv_cache_manager.allocate_slots(probe, 1):
-            return  # not reached: the failed requests' blocks were just freed
-        batch = SchedulerOutput(scheduled_new_reqs=[NewRequestData.from_request(probe)])
-        batch._add(probe.request_id, 1)
         try:
-            result = self.model_runner.execute(batch)
-        finally:
-            self.kv_cache_manager.free(probe)
-            self.scheduler.release(probe.request_id)
-        if result.failed:
-            raise RuntimeError(
-                "the engine is unusable: every request of a step failed, and so did a one-token probe forward"
-            ) from result.failed[probe.request_id]
-
-    def _propose(self, sched_out) -> dict[str, BaseException]:
-        """Draft the next tokens of every decoding request; drop the proposer's state of
-        requests that left the running set.
-
-        Returns:
-            user request id -> exception, for the requests whose drafting failed (when a
-            batched proposal raises, its requests' draft state is dropped and each is
-            proposed alone).
-        """
-        for request_id in sched_out.preempted_req_ids:
-            self.proposer.free(request_id)
-        running = {r.request_id for r in self.scheduler.running}
-        for request_id in sched_out.num_scheduled_tokens:
-            if request_id not in running:
-                self.proposer.free(request_id)
-        ready = [
-            r
-            for r in self.scheduler.running
-            if r.num_computed_tokens == r.num_tokens - 1 and r.grammar is None and not r.pending_forks
-        ]
-        limit = self.spec_disable_by_batch_size
-        if limit is not None and len(self.scheduler.running) >= limit:
-            # A large batch is no longer memory-bound per sequence: plain decoding is cheaper.
-            # The draft model catches up on the skipped tokens the next time it proposes.
-            for r in ready:
-                r.spec_token_ids, r.spec_draft_probs = [], None
-            return {}
-        try:
-            self.proposer.propose(ready)
-            return {}
-        except Exception as exc:  # noqa: BLE001 - isolated below
-            logger.warning("drafting for %d requests failed (%s: %s); drafting for each alone",
-                           len(ready), type(exc).__name__, exc)
-        failures: dict[str, BaseException] = {}
-        for r in ready:  # the batched call may have left any of them half-way: start afresh
-            self.proposer.free(r.request_id)
-            r.spec_token_ids, r.spec_draft_probs = [], None
-        for r in ready:
-            try:
-                self.proposer.propose([r])
-            except Exception as exc:  # noqa: BLE001 - this request's fault
-                logger.warning("drafting for request %s failed", r.request_id, exc_info=exc)
-                r.spec_token_ids, r.spec_draft_probs = [], None
-                failures.setdefault(self._sample_owner[r.request_id][0].request_id, exc)
-        return failures
-
-    def _make_output(self, state: _RequestState, now: float) -> RequestOutput | EmbeddingRequestOutput:
-        if state.is_pooling:
-            request = state.samples[0]
-            return EmbeddingRequestOutput(
-                state.request_id, EmbeddingOutput(state.embedding), state.prompt_token_ids,
-                max(request.num_cached_tokens, 0), True, state.prompt,
-                {"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
-                 "finished_time": now},
-            )
-        params = state.samples[0].sampling_params
-        wants_logprobs = params.logprobs is not None
-        metrics = {
-            "arrival_time": state.arrival_time,
-            "first_scheduled_time": state.first_scheduled_time,
-            "first_token_time": state.first_token_time,
-        }
-        if state.finished:
-            metrics["finished_time"] = now
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    index=i,
-                    text=detok.text if detok is not None else "",
-                    token_ids=sample.output_token_ids,
-                    finish_reason=sample.status.finish_reason,
-                    stop_reason=sample.stop_reason,
-                    logprobs=logprobs if wants_logprobs else None,
-                    cumulative_logprob=(
-                        sum(lp[t] for lp, t in zip(logprobs, sample.output_token_ids)) if wants_logprobs else None
-                    ),
-                )
-                for i, (sample, detok, logprobs) in enumerate(zip(state.samples, state.detokenizers, state.logprobs))
-            ],
-            finished=state.finished,
-            metrics=metrics,
-            prompt_logprobs=(  # as vLLM: None for the first prompt token, which has no predecessor
-                [None, *(self._decoded(state.prompt_logprobs[i]) for i in range(1, len(state.prompt_token_ids)))]
-                if state.finished and params.prompt_logprobs is not None
-                else None
-            ),
-            num_cached_tokens=max(state.samples[0].num_cached_tokens, 0),
-        )
+            token_ids = [s.output_token_ids for s in self.engine_core.samples(request_id)]
+        except KeyError:
+            token_ids = None
+        logger.error("request %s failed and was aborted: %s: %s", request_id, type(exc).__name__, exc)
+        self.engine_core.abort_request(request_id)
+        return self.output_processor.make_failure_output(request_id, exc, now, token_ids)
 
     def get_stats(self) -> dict[str, float | int]:
         """Engine counters.
@@ -838,24 +507,4 @@ class LLMEngine:
         cpu_other_load (cores other processes wanted, last measurement) and
         num_cpu_thread_changes.
         """
-        governor = self.thread_governor
-        threads = {} if governor is None else {"num_cpu_threads": governor.threads, "cpu_other_load": governor.others,
-                                               "num_cpu_thread_changes": governor.num_changes}
-        kv = self.kv_cache_manager
-        return {
-            "num_total_blocks": kv.num_total_blocks,
-            "num_free_blocks": kv.num_free_blocks,
-            "kv_cache_usage": kv.usage(),
-            "fragmentation": kv.fragmentation(self.scheduler.running),
-            "prefix_cache_queries": kv.prefix_cache_queries,
-            "prefix_cache_hits": kv.prefix_cache_hits,
-            "num_cached_blocks": kv.block_pool.num_cached_blocks,
-            "num_window_freed_blocks": kv.num_window_freed_blocks,
-            "num_kv_cache_groups": kv.num_groups,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_swapped_out": self.scheduler.num_swapped_out,
-            **self.spec_stats.as_dict(),
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            **threads,
-        }
+        return {**self.engine_core.get_stats(), **self.worker.get_stats()}

@@ -519,8 +519,9 @@ def main(argv: list[str] | None = None) -> int:
             # A non-zero torchrun rank serves the driver's steps on its shard; only rank 0
             # runs the command itself (the engine, the server, the CLI output).
             from kvflow.distributed.worker import worker_main
+            from kvflow.worker.worker import build_rank
 
-            worker_main(rank[0], rank[1], "env://", EngineArgs(**_engine_kwargs(args)))
+            worker_main(rank[0], rank[1], "env://", EngineArgs(**_engine_kwargs(args)), build_rank)
             return 0
         return args.func(args)
     except KeyboardInterrupt:

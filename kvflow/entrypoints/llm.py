@@ -13,7 +13,7 @@ from kvflow.engine.llm_engine import LLMEngine
 from kvflow.entrypoints.chat_utils import normalize_conversation, render_chat
 from kvflow.inputs import EMPTY_ONLY, PROMPT_KEYS
 from kvflow.lora.request import LoRARequest
-from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput
+from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from kvflow.pooling_params import PoolingParams
 from kvflow.sampling_params import BeamSearchParams, SamplingParams
 
@@ -120,6 +120,7 @@ class LLM:
         priority: int | Sequence[int] | None = None,
         params_name: str = "sampling_params",
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> list[str]:
         if isinstance(params, (SamplingParams, PoolingParams)):
             params_list = [params] * len(prompts)
@@ -159,7 +160,9 @@ class LLM:
         try:
             for (ids, text), p, prio, lora in zip(encoded, params_list, priorities, loras):
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, ids, p, prompt=text, priority=prio, lora_request=lora)
+                kind = output_kind if isinstance(p, SamplingParams) else RequestOutputKind.CUMULATIVE
+                self.engine.add_request(request_id, ids, p, prompt=text, priority=prio, lora_request=lora,
+                                        output_kind=kind)
                 request_ids.append(request_id)
         except BaseException:
             # add_request can still refuse one (e.g. a guided_json / guided_regex that does
@@ -230,8 +233,9 @@ class LLM:
         """
         _refuse_unset(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         prompt_list = self._normalize_prompts(prompts)
+        # One output per request, when it finishes (vLLM's FINAL_ONLY): no per-step copies.
         request_ids = self._add_all(prompt_list, sampling_params or self.get_default_sampling_params(), priority,
-                                    lora_request=lora_request)
+                                    lora_request=lora_request, output_kind=RequestOutputKind.FINAL_ONLY)
         return self._run_to_completion(request_ids, use_tqdm)
 
     def embed(

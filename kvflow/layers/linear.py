@@ -44,7 +44,7 @@ naming the missing feature.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,6 @@ from kvflow.layers.gguf_kernels import GGUFWeight
 from kvflow.quantization.base import LinearMethodBase, keep_storage_dtypes
 
 if TYPE_CHECKING:
-    from kvflow.lora.punica import LoRAMapping
     from kvflow.quantization.base import QuantizationConfig
 
 logger = logging.getLogger(__name__)
@@ -292,9 +291,9 @@ class LinearBase(nn.Module):
         layer.quant_method.process_weights_after_loading(layer)
         return layer
 
-    def forward(self, x: torch.Tensor, lora: "LoRAMapping | None" = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
         """x [M, input_size] -> [M, output_size]; ``lora``: the step's adapter mapping, whose
-        per-token LoRA deltas are added to the base output (``kvflow.lora``)."""
+        per-token LoRA deltas are added to the base output (a ``kvflow.lora.punica.LoRAMapping``)."""
         out = self._matmul(x)
         return out if lora is None else lora.apply(self, x, out)
 
@@ -507,7 +506,7 @@ class RowParallelLinear(LinearBase):
             return
         self._load_rows(param, 0, self.out_features, loaded[:, start:end])
 
-    def forward(self, x: torch.Tensor, lora: "LoRAMapping | None" = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
         out = self._matmul(x)
         if lora is not None:  # (LoRA runs at tensor-parallel size 1 only: EngineArgs.verify)
             out = lora.apply(self, x, out)

@@ -3,7 +3,7 @@
 =====================  ==========================  ===============================  ============================
 kernel                 source                      switch (``kvflow.envs``)         Python side
 =====================  ==========================  ===============================  ============================
-``PAGED_ATTENTION``    ``paged_attention.cpp``     ``KVFLOW_CPU_ATTENTION``         ``layers/cpu_attention.py``
+``PAGED_ATTENTION``    ``paged_attention.cpp``     ``KVFLOW_CPU_ATTENTION``         ``attention/cpu_attention.py``
 ``INT8_LINEAR``        ``int8_linear.cpp``         ``KVFLOW_CPU_LINEAR``            ``layers/cpu_linear.py``
 ``RMS_NORM``           ``rms_norm.cpp``            ``KVFLOW_CPU_NORM``              ``layers/norm.py``
 ``ROTARY``             ``rotary.cpp``              ``KVFLOW_CPU_ROTARY``            ``layers/rotary.py``

@@ -19,13 +19,14 @@ registered by name in ``kvflow.quantization.registry``; no model code changes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from kvflow.layers.linear import LinearBase
+# A method's ``layer`` is a ``kvflow.layers.linear.LinearBase``; it is annotated as the
+# ``nn.Module`` it is, so that this layer below ``layers/`` never imports it (not even for types).
+LinearBase = nn.Module
 
 
 class LinearMethodBase:

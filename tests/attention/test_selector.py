@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvflow.attention.selector import select_attention_backend
-from kvflow.layers.triton_attention import triton_available
+from kvflow.attention.triton_attention import triton_available
 
 CPU = torch.device("cpu")
 F32 = torch.float32
@@ -22,7 +22,7 @@ def test_unknown_name_names_the_field():
 
 @pytest.mark.skipif(not triton_available(), reason="triton not installed")
 def test_triton_on_the_cpu_needs_the_interpreter(monkeypatch):
-    import kvflow.layers.triton_attention as ta
+    import kvflow.attention.triton_attention as ta
 
     # tests/conftest.py set TRITON_INTERPRET=1 before the kernels were first imported
     assert ta.interpreter_enabled() == (not torch.cuda.is_available())
@@ -43,7 +43,7 @@ def test_auto_backend_is_triton_on_cuda():
 
 
 def test_auto_backend_on_the_cpu_follows_the_kernel(monkeypatch):
-    import kvflow.layers.cpu_attention as ca
+    import kvflow.attention.cpu_attention as ca
 
     monkeypatch.setattr(ca, "cpu_kernel_available", lambda: True)
     assert select_attention_backend("auto", CPU, F32, F32).name == "cpu"
@@ -58,7 +58,7 @@ def test_cpu_backend_variants_by_cache_dtype(monkeypatch, caplog):
     for batch-invariant linears; a float cache of another dtype than the model's (which the
     decode kernel cannot read) takes the PyTorch path, and says so (it used to be a silent
     downgrade inside the model runner)."""
-    import kvflow.layers.cpu_attention as ca
+    import kvflow.attention.cpu_attention as ca
 
     monkeypatch.setattr(ca, "cpu_kernel_available", lambda: True)
     plain = select_attention_backend("cpu", CPU, F32, F32)
@@ -83,7 +83,7 @@ def test_windowed_models_get_a_backend_with_the_window(monkeypatch, caplog):
     """A model with sliding-window layers never runs a backend that would attend to the whole
     context: "auto" moves from the C++ quantized-cache path (no window) to PyTorch's, logged;
     asking for it by name is refused. The float C++ backend handles windows itself."""
-    import kvflow.layers.cpu_attention as ca
+    import kvflow.attention.cpu_attention as ca
 
     monkeypatch.setattr(ca, "cpu_kernel_available", lambda: True)
     assert select_attention_backend("auto", CPU, F32, F32, sliding_window=True).name == "cpu"
@@ -103,7 +103,7 @@ def test_a_kernel_building_in_the_background(monkeypatch):
     the build."""
     import threading
 
-    import kvflow.layers.cpu_attention as ca
+    import kvflow.attention.cpu_attention as ca
     from kvflow.ops.build import CppKernel
 
     monkeypatch.delenv("KVFLOW_CPU_KERNELS", raising=False)

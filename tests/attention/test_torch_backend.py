@@ -11,7 +11,7 @@ import torch
 
 from conftest import attend, store_kv
 from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata, split_by_context
-from kvflow.layers.cpu_attention import cpu_kernel_available
+from kvflow.attention.cpu_attention import cpu_kernel_available
 
 CPU_BACKEND = pytest.param(  # the kernels may be off (KVFLOW_CPU_KERNELS=0) or unbuildable here
     "cpu", marks=pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel is off or could not be built"))

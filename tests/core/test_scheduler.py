@@ -22,7 +22,7 @@ from conftest import run_to_completion, tiny_engine
 from kvflow.config import SchedulerConfig
 from kvflow.core.block_pool import hash_block_tokens
 from kvflow.core.kv_cache_manager import KVCacheManager
-from kvflow.core.scheduler import Scheduler, SchedulerOutput
+from kvflow.core.scheduler import Scheduler, SchedulerOutput, StopHit
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
 
@@ -218,10 +218,10 @@ def test_stop_token_and_eos_finish_with_stop():
     assert sched.kv_cache_manager.num_free_blocks == 64
 
 
-def test_text_stop_cuts_accepted_drafts_and_keeps_nothing_past_it():
-    """A stop string completed by an accepted draft (``text_stop``) ends the request at that
-    token: later tokens are dropped from the sampled list, the request's tokens and computed
-    count, and no block holding them is published."""
+def test_a_stop_hit_cuts_accepted_drafts_and_keeps_nothing_past_it():
+    """A stop string completed by an accepted draft (the output processor's ``StopHit``)
+    ends the request after that token: later tokens are dropped from the request's tokens
+    and computed count, its blocks are freed, and no block holding them is published."""
     sched = make_scheduler(block_size=2, enable_prefix_caching=True)
     a = make_request("a", 4, max_tokens=10)
     sched.add_request(a)
@@ -229,41 +229,37 @@ def test_text_stop_cuts_accepted_drafts_and_keeps_nothing_past_it():
     a.spec_token_ids = [51, 52, 53]
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"a": 4} and out.scheduled_spec_tokens == {"a": [51, 52, 53]}
-    seen = []
-
-    def text_stop(request):
-        seen.append(request.all_token_ids[-1])
-        return "STOP" if request.all_token_ids[-1] == 52 else None
-
     sampled = {"a": [51, 52, 53, 60]}  # all drafts accepted, plus a bonus token
-    finished = sched.update(out, sampled, text_stop=text_stop)
-    assert seen == [51, 52]  # asked once per token, up to the stop
-    assert finished == [a] and sampled["a"] == [51, 52]
+    assert sched.update(out, sampled) == []
+    assert a.output_token_ids == [50, 51, 52, 53, 60]
+    # the stop string ends with 52: the request keeps 3 output tokens
+    assert sched.finish_requests({"a": StopHit(3, "STOP")}) == ["a"]
     assert a.output_token_ids == [50, 51, 52] and a.status == RequestStatus.FINISHED_STOPPED
     assert a.stop_reason == "STOP"
     assert a.num_computed_tokens == a.num_tokens == 7
     # published: [p0 p1] [p2 p3] [50 51]; the block [52 53] held a token past the stop
     assert sched.kv_cache_manager.block_pool.num_cached_blocks == 3
     assert sched.kv_cache_manager.num_free_blocks == 64 and not sched.has_unfinished_requests()
+    out = sched.schedule()
+    assert out.finished_req_ids == ["a"]  # the runner drops its state
 
 
-def test_text_stop_on_the_max_tokens_token_finishes_with_stop():
-    """A stop string on the token that also reaches max_tokens ends with "stop" and the stop
-    string (as without the length limit); text_stop sees the request already finished."""
+def test_a_stop_hit_leaves_a_finished_request_alone_and_refuses_a_bad_count():
+    """A stop hit on a request that finished by a token-level stop in the same step (the
+    output processor reports the stop string with the final token) changes nothing in the
+    core; a count outside the output is a ValueError naming the request."""
     sched = make_scheduler()
     a = make_request("a", 3, max_tokens=2)
+    b = make_request("b", 3, max_tokens=5)
     sched.add_request(a)
+    sched.add_request(b)
     step(sched, token=5)
-    out = sched.schedule()
-    finished_seen = []
-
-    def text_stop(request):
-        finished_seen.append(request.is_finished)
-        return "x"
-
-    sched.update(out, {"a": [6]}, text_stop=text_stop)
-    assert finished_seen == [True]
-    assert a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == "x"
+    _, finished = step(sched, token=6)
+    assert finished == [a] and a.status == RequestStatus.FINISHED_LENGTH
+    assert sched.finish_requests({"a": StopHit(2, "x")}) == []
+    with pytest.raises(ValueError, match="'b'"):
+        sched.finish_requests({"b": StopHit(3, "x")})
+    assert b.status == RequestStatus.RUNNING
 
 
 def test_max_model_len_finishes_with_length():

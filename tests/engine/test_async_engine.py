@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_engine
 from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
 from kvflow.model.llama import LlamaForCausalLM
-from kvflow.outputs import CompletionOutput, RequestFailure, RequestOutput
+from kvflow.outputs import CompletionOutput, RequestFailure, RequestOutput, RequestOutputKind
 from kvflow.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -216,9 +216,9 @@ def _output(request_id: str, tokens: list[int], finished: bool = False) -> Reque
 
 
 def test_a_lagging_consumer_gets_the_newest_output_and_the_final_one():
-    """Outputs are cumulative: a consumer that fell behind skips the ones a newer output
-    overwrites (one SSE event for several tokens), and gets the same final text and tokens
-    as one that kept up."""
+    """The engine thread sends deltas; a consumer that fell behind gets the queued ones as
+    one cumulative output (one SSE event for several tokens), and the same final text and
+    tokens as one that kept up."""
 
     async def main():
         engine = AsyncLLMEngine(tiny_engine(), "tiny")
@@ -239,6 +239,25 @@ def test_a_lagging_consumer_gets_the_newest_output_and_the_final_one():
     asyncio.run(main())
 
 
+def test_a_delta_stream_yields_only_the_new_tokens_and_adds_up_to_the_cumulative_one():
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny")
+        engine.start()
+        try:
+            prompt, params = [1, 2, 3, 4, 5], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            full = (await _drain(await engine.add_request("a", prompt, params)))[-1].outputs[0]
+            prepared = await engine.prepare(prompt, params)
+            (it,) = engine.add_requests([("b", prepared, None)], output_kind=RequestOutputKind.DELTA)
+            deltas = [o.outputs[0] for o in await _drain(it)]
+            assert sum(len(d.token_ids) for d in deltas) == 6 and len(full.token_ids) == 6
+            assert [t for d in deltas for t in d.token_ids] == full.token_ids
+            assert deltas[-1].finish_reason == "length"
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_coalescing_stops_at_an_error_and_at_the_final_output():
     async def main():
         engine = AsyncLLMEngine(tiny_engine(), "tiny")  # not started: the test feeds the stream
@@ -246,17 +265,18 @@ def test_coalescing_stops_at_an_error_and_at_the_final_output():
         (it,) = engine.add_requests([("a", prepared, None)])
         queue = engine._streams["a"].queue
         failure = RequestFailedError(RequestFailure("injected", is_invalid_request=False))
-        for item in (_output("a", [5]), _output("a", [5, 6]), failure, _output("a", [5, 6, 7], finished=True)):
+        # the engine thread sends DELTA outputs: the queued ones are merged up to the error
+        for item in (_output("a", [5]), _output("a", [6]), failure, _output("a", [7], finished=True)):
             queue.put_nowait(item)
         out = await anext(it)
-        assert out.outputs[0].token_ids == [5, 6]  # the newest before the error
+        assert out.outputs[0].token_ids == [5, 6]  # everything before the error
         with pytest.raises(RequestFailedError, match="injected"):
             await anext(it)
 
         prepared = await engine.prepare([3, 4], GREEDY)
         (it,) = engine.add_requests([("b", prepared, None)])
         queue = engine._streams["b"].queue
-        for item in (_output("b", [5]), _output("b", [5, 6], finished=True), _output("b", [5, 6, 7])):
+        for item in (_output("b", [5]), _output("b", [6], finished=True), _output("b", [7])):
             queue.put_nowait(item)
         assert [o.outputs[0].token_ids for o in await _drain(it)] == [[5, 6]]  # ends at the final one
 

@@ -480,7 +480,7 @@ def test_fault_while_sampling_one_row_fails_it_alone_and_keeps_seeded_rows_exact
     engine = tiny_engine()
     engine.add_request("s", PROMPTS["p17"], params)
     engine.add_request("marked", MARKED, params)
-    marked.append(engine._states["marked"].samples[0].generator)
+    marked.append(engine.engine_core.samples("marked")[0].generator)
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -507,14 +507,16 @@ def test_fault_while_advancing_one_request_fails_it_alone(monkeypatch):
 
 
 def test_fault_while_detokenizing_one_request_fails_it_alone(monkeypatch):
-    original = LLMEngine._append_output
+    from kvflow.engine.output_processor import OutputProcessor
 
-    def append_output(self, state, sample, tokens, logprobs):
-        if _is_marked(sample) and sample.num_output_tokens >= 2:
+    original = OutputProcessor._append
+
+    def append_output(self, state, sample, out):
+        if _is_marked(state) and len(sample.token_ids) >= 1:  # at its second token
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return original(self, state, sample, tokens, logprobs)
+        return original(self, state, sample, out)
 
-    monkeypatch.setattr(LLMEngine, "_append_output", append_output)
+    monkeypatch.setattr(OutputProcessor, "_append", append_output)
     engine = tiny_engine()
     _assert_only_marked_failed(engine, _run_with_fault(engine), invalid_request=True)  # UnicodeDecodeError is a ValueError
 
@@ -625,7 +627,7 @@ def test_offline_defaults_come_from_the_model_folders_generation_config(tmp_path
 
 # ------------------------------------------------------------- quantized KV cache exactness
 def _kernels_or_skip():
-    from kvflow.layers.cpu_attention import cpu_kernel_available
+    from kvflow.attention.cpu_attention import cpu_kernel_available
     from kvflow.layers.invariant_linear import invariant_linear_available
 
     if not (cpu_kernel_available() and invariant_linear_available()):
@@ -714,7 +716,7 @@ def test_quantized_kv_triton_backend_independent_of_chunking_and_prefix_hits():
     """The Triton backend (in Triton's CPU interpreter here) over an int8 cache, with the
     CPU linears made batch-invariant: chunk sizes and a prefix hit give the same output."""
     from kvflow.layers.invariant_linear import invariant_linear_available
-    from kvflow.layers.triton_attention import interpreter_enabled
+    from kvflow.attention.triton_attention import interpreter_enabled
 
     if not (interpreter_enabled() and invariant_linear_available()):
         pytest.skip("needs Triton's CPU interpreter and the batch-invariant linear kernel")

@@ -14,7 +14,7 @@ from conftest import engine_greedy_matches_hf, prefill_logits, randomize_hf_mode
 from kvflow import SamplingParams
 from kvflow.model.gemma3 import Gemma3ForCausalLM
 from kvflow.model.loader import load_model
-from kvflow.layers.cpu_attention import cpu_kernel_available
+from kvflow.attention.cpu_attention import cpu_kernel_available
 
 CPU_BACKEND = pytest.param(  # the kernels may be off (KVFLOW_CPU_KERNELS=0) or unbuildable here
     "cpu", marks=pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel is off or could not be built"))

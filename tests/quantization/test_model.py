@@ -273,7 +273,7 @@ def test_int8_kv_cache_output_independent_of_prefix_hits_and_chunking(kv_int8_ll
     and a miss give the same greedy text over 48 tokens, and prefill chunk sizes 2048, 7 and
     3 the same tokens with logprobs equal at float rounding (they are bit-identical)."""
     from conftest import engine_like
-    from kvflow.layers.cpu_attention import cpu_kernel_available
+    from kvflow.attention.cpu_attention import cpu_kernel_available
     from kvflow.layers.invariant_linear import invariant_linear_available
 
     if not (cpu_kernel_available() and invariant_linear_available()):

@@ -12,7 +12,7 @@ import torch
 from kvflow.attention.backend import FlatMetadata
 from conftest import make_engine, run_to_completion, tiny_engine, tiny_model_config
 from kvflow.config import CacheConfig
-from kvflow.layers.cpu_attention import cpu_kernel_available
+from kvflow.attention.cpu_attention import cpu_kernel_available
 from kvflow.sampling_params import SamplingParams
 
 BACKENDS = [

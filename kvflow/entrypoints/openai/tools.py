@@ -23,10 +23,11 @@ Semantics follow the OpenAI chat completions API and vLLM:
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # protocol.py calls check_tools from its validator: no import back at run time
-    from kvflow.entrypoints.openai.protocol import ChatTool, ToolChoice
+# protocol.py calls check_tools from its validator: this module never imports it back (not
+# even for types); its ChatTool / ToolChoice models are duck-typed here.
+ChatTool = ToolChoice = Any
 
 # llguidance's JSON options (its "x-guidance" schema key): one fixed layout, no free
 # whitespace (a model, random weights included, cannot pad forever), unknown schema

@@ -1,5 +1,5 @@
 // kvflow C++ CPU kernel: Paged attention over the CPU KV cache: one-token decode and tiled prefill (flash attention) for float caches, every query token for int8 / fp8 caches.
-// Python side and documentation: kvflow/layers/cpu_attention.py.
+// Python side and documentation: kvflow/attention/cpu_attention.py.
 // Built on first use by kvflow.ops.build (torch.utils.cpp_extension.load, -O3 -march=$KVFLOW_CPU_MARCH).
 
 #include <torch/extension.h>

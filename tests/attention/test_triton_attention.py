@@ -18,7 +18,7 @@ from conftest import attend, flat_metadata, store_kv  # noqa: E402
 from kvflow.attention.kv_cache import quantize_kv, write_kv_cache  # noqa: E402
 from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata  # noqa: E402
 from kvflow.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from kvflow.layers.triton_attention import triton_paged_attention  # noqa: E402
+from kvflow.attention.triton_attention import triton_paged_attention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -9,7 +9,7 @@ from conftest import random_paged_step
 from conftest import attend, flat_metadata
 from kvflow.attention.cpu_backend import CpuAttentionBackend, CpuQuantizedAttentionBackend
 from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
-from kvflow.layers.cpu_attention import cpu_kernel_available, paged_decode_attention
+from kvflow.attention.cpu_attention import cpu_kernel_available, paged_decode_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel could not be built here")
 
@@ -142,7 +142,7 @@ def test_quantized_every_token_matches_torch_path_and_is_batch_invariant(kv_dtyp
     """paged_attention_quantized over decodes and prefill chunks (with a cached prefix) agrees
     with the PyTorch path to float32 rounding, and each token's result equals, bit for bit,
     that token computed alone as a decode over its own context."""
-    from kvflow.layers.cpu_attention import paged_attention_quantized
+    from kvflow.attention.cpu_attention import paged_attention_quantized
 
     q_lens, ctx_lens = [1, 5, 20, 1, 40], [9, 5, 30, 1, 70]
     q, cache, tables = _quantized_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx_lens, kv_dtype)
@@ -162,7 +162,7 @@ def test_quantized_every_token_matches_torch_path_and_is_batch_invariant(kv_dtyp
 
 
 def test_quantized_kernel_keeps_the_query_dtype_and_checks_metadata():
-    from kvflow.layers.cpu_attention import paged_attention_quantized
+    from kvflow.attention.cpu_attention import paged_attention_quantized
 
     q, cache, tables = _quantized_step(9, 3, 64, 16, [3], [20], torch.int8)
     tables_t, starts, ctx = _flat([3], [20], tables)

@@ -1,0 +1,336 @@
+"""From the engine core's token ids to ``RequestOutput``s (vLLM v1's ``OutputProcessor``).
+
+The core (``kvflow/engine/core.py``) answers each step with, per sample, the new token ids,
+their logprobs and a token-level finish reason. This module owns everything textual:
+
+- incremental detokenization (``IncrementalDetokenizer``) and stop strings: each new token
+  is fed on its own, so a stop string ends the sample at the token that completed it; the
+  hit goes back to the core as a ``StopHit`` ("keep k output tokens") and the core ends the
+  request before it schedules again (vLLM's output processor reports its stop-string hits
+  the same way, as requests to abort);
+- logprob decoding (``Logprob.decoded_token``, ``tokenizer.decode([id])`` cached by id) and
+  ``cumulative_logprob``, summed as tokens arrive;
+- ``RequestOutput`` making, in one of vLLM's ``RequestOutputKind``s per request: CUMULATIVE
+  (everything so far, each step), DELTA (only what is new since the previous output: the
+  server's streams) or FINAL_ONLY (one output when the request finishes: ``LLM.generate``).
+
+Per step, the work for a sample is proportional to its new tokens; only a CUMULATIVE output
+copies the sample's token ids and logprobs so far (once per output, as vLLM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvflow.core.scheduler import StopHit
+from kvflow.engine.detokenizer import IncrementalDetokenizer
+from kvflow.logprobs import Logprob
+from kvflow.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestFailure,
+    RequestOutput,
+    RequestOutputKind,
+)
+from kvflow.pooling_params import PoolingParams
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass
+class _SampleState:
+    """Output state of one sample: its tokens, text, logprobs, and what was sent."""
+
+    request_id: str  # the sample's id in the core
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0  # DELTA: tokens already sent
+    num_sent_chars: int = 0   # DELTA: characters of the text already sent
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    """Output state of one user request (its ``n`` samples).
+
+    Attributes:
+        request_id: the user's id.
+        prompt, prompt_token_ids: as given.
+        params: its ``SamplingParams`` (or ``PoolingParams`` for an embedding request).
+        output_kind: which ``RequestOutputKind`` its outputs take.
+        samples: one ``_SampleState`` per sample, by index.
+        arrival_time, first_scheduled_time, first_token_time: timings (``time.monotonic``).
+        num_cached_tokens: prompt tokens that were prefix-cache hits at its first schedule.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | PoolingParams
+    output_kind: RequestOutputKind
+    samples: list[_SampleState]
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
+    embedding: list[float] | None = None
+
+    @property
+    def is_pooling(self) -> bool:
+        return isinstance(self.params, PoolingParams)
+
+    @property
+    def finished(self) -> bool:
+        return self.embedding is not None if self.is_pooling else all(s.finished for s in self.samples)
+
+
+class OutputProcessor:
+    """Turns ``EngineCoreOutputs`` into ``RequestOutput`` / ``EmbeddingRequestOutput``.
+
+    Args:
+        tokenizer: a transformers tokenizer, or None (token ids only: empty text, no
+            ``decoded_token``; stop strings are refused earlier, at ``add_request``).
+    """
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}  # by user request id
+        self._sample_owner: dict[str, tuple[RequestState, _SampleState]] = {}  # by sample id
+        self._token_texts: dict[int, str] = {}  # token id -> decode([id]), for Logprob.decoded_token
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, sample_ids: list[str], prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams | PoolingParams, arrival_time: float,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        """Track user request ``request_id`` whose samples run in the core as ``sample_ids``.
+
+        Raises:
+            ValueError: ``request_id`` already tracked; ``output_kind`` not a
+                ``RequestOutputKind``.
+        """
+        if request_id in self.request_states:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
+        samples = []
+        for sample_id in sample_ids:
+            detok = None
+            if self.tokenizer is not None and isinstance(params, SamplingParams):
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                               params.stop, params.include_stop_str_in_output)
+            samples.append(_SampleState(sample_id, detok))
+        state = RequestState(request_id, prompt, list(prompt_token_ids), params, output_kind, samples, arrival_time)
+        self.request_states[request_id] = state
+        for sample in samples:
+            self._sample_owner[sample.request_id] = (state, sample)
+
+    def abort_request(self, request_id: str) -> RequestState | None:
+        """Stop tracking ``request_id``; its state, or None when unknown."""
+        state = self.request_states.pop(request_id, None)
+        if state is not None:
+            for sample in state.samples:
+                self._sample_owner.pop(sample.request_id, None)
+        return state
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    # ------------------------------------------------------------------ a step
+    def process_outputs(self, core_outputs, now: float) -> tuple[list[RequestOutput | EmbeddingRequestOutput],
+                                                                   dict[str, StopHit], dict[str, BaseException]]:
+        """Apply one step of the core (``EngineCoreOutputs``).
+
+        Returns:
+            (outputs, stops, failures): the ``RequestOutput``s this step produces (none for
+            a FINAL_ONLY request until it finishes; failed requests not included), the
+            stop-string hits for the core (sample id -> ``StopHit``), and user request id ->
+            exception for the requests whose output processing failed (still tracked: the
+            caller aborts them in the core and makes their failure output).
+        """
+        touched: dict[str, RequestState] = {}
+        stops: dict[str, StopHit] = {}
+        failures: dict[str, BaseException] = {}
+        for request_id in core_outputs.started:
+            state = self.request_states.get(request_id)
+            if state is not None and state.first_scheduled_time is None:
+                state.first_scheduled_time = core_outputs.scheduled_time
+        for request_id, positions in core_outputs.prompt_logprobs.items():
+            if request_id in self.request_states:
+                self.request_states[request_id].prompt_logprobs.update(positions)
+        for request_id, (vector, num_cached_tokens) in core_outputs.pooled.items():
+            state = self.request_states.get(request_id)
+            if state is None:
+                continue
+            state.num_cached_tokens = num_cached_tokens
+            vector = torch.nn.functional.normalize(vector, dim=0) if state.params.l2_normalize else vector
+            state.embedding = vector.tolist()
+            touched[request_id] = state
+        for out in core_outputs.outputs:
+            owner = self._sample_owner.get(out.request_id)
+            if owner is None:
+                continue
+            state, sample = owner
+            try:
+                hit = self._append(state, sample, out)
+            except Exception as exc:  # noqa: BLE001 - this request's fault
+                failures.setdefault(state.request_id, exc)
+                continue
+            if hit is not None:
+                stops[out.request_id] = hit
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            if state.request_id in failures:
+                continue
+            if state.first_token_time is None and not state.is_pooling:
+                state.first_token_time = now
+            try:
+                output = self._make_output(state, now)
+            except Exception as exc:  # noqa: BLE001 - this request's fault
+                failures[state.request_id] = exc
+                continue
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
+                self.abort_request(state.request_id)
+        return outputs, stops, failures
+
+    def _append(self, state: RequestState, sample: _SampleState, out) -> StopHit | None:
+        """Record a sample's new tokens: text (token by token, so that a stop string ends it
+        at the token that completed it), logprobs, cumulative logprob, finish."""
+        if sample is state.samples[0]:  # the sample that computed the prompt
+            state.num_cached_tokens = out.num_cached_tokens
+        tokens = out.new_token_ids
+        hit = None
+        detok = sample.detokenizer
+        if detok is not None:
+            last = len(tokens) - 1
+            for i, token in enumerate(tokens):
+                stop = detok.update([token], finished=out.finish_reason is not None and i == last)
+                if stop is not None:
+                    tokens = tokens[: i + 1]
+                    hit = StopHit(len(sample.token_ids) + i + 1, stop)
+                    break
+        sample.token_ids.extend(tokens)
+        if out.new_logprobs is not None:
+            for entry, token in zip(out.new_logprobs, tokens):
+                sample.logprobs.append(self._decoded(entry))
+                sample.cumulative_logprob += entry[token]
+        if hit is not None:
+            sample.finish_reason, sample.stop_reason = "stop", hit.stop_reason
+        elif out.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        return hit
+
+    def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """``entry`` with every ``Logprob.decoded_token`` set (``tokenizer.decode([id])``,
+        as vLLM; unchanged without a tokenizer)."""
+        if self.tokenizer is None:
+            return entry
+        texts = self._token_texts
+        out = {}
+        for token, logprob in entry.items():
+            text = texts.get(token)
+            if text is None:
+                text = texts[token] = self.tokenizer.decode([token])
+            out[token] = logprob.with_decoded_token(text)
+        return out
+
+    # ------------------------------------------------------------------ outputs
+    def _make_output(self, state: RequestState, now: float) -> RequestOutput | EmbeddingRequestOutput | None:
+        if state.is_pooling:
+            return EmbeddingRequestOutput(
+                state.request_id, EmbeddingOutput(state.embedding), state.prompt_token_ids, state.num_cached_tokens,
+                True, state.prompt,
+                {"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
+                 "finished_time": now},
+            )
+        finished = state.finished
+        kind = state.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        params = state.params
+        wants_logprobs = params.logprobs is not None
+        metrics = {"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
+                   "first_token_time": state.first_token_time}
+        if finished:
+            metrics["finished_time"] = now
+        delta = kind is RequestOutputKind.DELTA
+        completions = []
+        for index, sample in enumerate(state.samples):
+            if delta:
+                text = sample.detokenizer.text_since(sample.num_sent_chars) if sample.detokenizer is not None else ""
+                sample.num_sent_chars += len(text)
+                start = sample.num_sent_tokens
+                token_ids = sample.token_ids[start:]
+                logprobs = sample.logprobs[start:] if wants_logprobs else None
+                sample.num_sent_tokens = len(sample.token_ids)
+            else:
+                text = sample.detokenizer.text if sample.detokenizer is not None else ""
+                token_ids = list(sample.token_ids)
+                logprobs = list(sample.logprobs) if wants_logprobs else None
+            completions.append(CompletionOutput(
+                index=index, text=text, token_ids=token_ids, finish_reason=sample.finish_reason,
+                stop_reason=sample.stop_reason, logprobs=logprobs,
+                cumulative_logprob=sample.cumulative_logprob if wants_logprobs else None,
+            ))
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=metrics,
+            prompt_logprobs=(  # as vLLM: None for the first prompt token, which has no predecessor
+                [None, *(self._decoded(state.prompt_logprobs[i]) for i in range(1, len(state.prompt_token_ids)))]
+                if finished and params.prompt_logprobs is not None
+                else None
+            ),
+            num_cached_tokens=state.num_cached_tokens,
+        )
+
+    def make_failure_output(self, request_id: str, exc: BaseException, now: float,
+                            token_ids: list[list[int]] | None = None) -> RequestOutput | EmbeddingRequestOutput | None:
+        """The final output of a user request the engine failed (``error`` set, every
+        finish_reason "error"), and stop tracking it. ``token_ids``: each sample's output
+        tokens as the core had them (default: those this processor saw). None when the
+        request is not tracked."""
+        state = self.abort_request(request_id)
+        if state is None:
+            return None
+        failure = RequestFailure.from_exception(exc)
+        if state.is_pooling:
+            return EmbeddingRequestOutput(
+                request_id, EmbeddingOutput([]), state.prompt_token_ids, state.num_cached_tokens, True, state.prompt,
+                {"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
+                 "finished_time": now},
+                error=failure,
+            )
+        if token_ids is None:
+            token_ids = [list(s.token_ids) for s in state.samples]
+        delta = state.output_kind is RequestOutputKind.DELTA
+        return RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=[
+                CompletionOutput(index=i, text="", token_ids=ids[s.num_sent_tokens:] if delta else ids,
+                                 finish_reason="error")
+                for i, (s, ids) in enumerate(zip(state.samples, token_ids))
+            ],
+            finished=True,
+            metrics={"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
+                     "first_token_time": state.first_token_time, "finished_time": now},
+            error=failure,
+        )
