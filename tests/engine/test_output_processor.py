@@ -92,7 +92,7 @@ def test_a_stop_string_ends_the_request_in_the_core_in_the_same_step(tokenizer):
     # told to drop it at the next step; "b" runs on
     assert "a" not in engine.scheduler.requests
     assert [r.request_id for r in engine.scheduler.running] == ["b"]
-    held = len(engine.scheduler.requests["b"].block_ids)
+    held = sum(len(ids) for ids in engine.scheduler.requests["b"].block_ids)
     assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"] - held
     engine.step()
     assert "a" in engine.last_scheduler_output.finished_req_ids and "a" not in engine.model_runner.requests
