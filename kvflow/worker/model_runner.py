@@ -195,6 +195,7 @@ class ModelRunner:
         # KV cache groups: 1, or a hybrid cache's
         groups = getattr(cache_engine, "groups", None)
         self.num_kv_cache_groups = groups.num_groups if groups is not None else 1
+        self._layer_group = _layer_group(groups) if self.num_kv_cache_groups > 1 else None
         self.input_batch = InputBatch(self.num_kv_cache_groups, max_num_seqs, max_model_len, block_size)
 
     @property
@@ -341,8 +342,7 @@ class ModelRunner:
         if self.num_kv_cache_groups == 1:
             metadata = backend.build_metadata(layouts[0])
         else:
-            metadata = HybridMetadata([backend.build_metadata(layout) for layout in layouts],
-                                      self.cache_engine.groups.layer_group)
+            metadata = HybridMetadata([backend.build_metadata(layout) for layout in layouts], self._layer_group)
         lora = None
         if self.lora_manager is not None:
             lora = self.lora_manager.mapping([(r.lora_request, n) for r, n in zip(ordered, q_lens.tolist())])
@@ -469,10 +469,12 @@ class ModelRunner:
                                        row_exc, exc_info=row_exc)
                         result.failed[r.request_id] = row_exc
                         tokens.append(None)
+            sampled = result.sampled_token_ids
             for i, (r, t) in enumerate(zip(inputs.sampling_requests, tokens)):
                 if t is not None:
-                    result.sampled_token_ids[r.request_id] = [t]
-                    emitted.append((r, logits[i : i + 1], [t]))
+                    sampled[r.request_id] = [t]
+                    if r.sampling_params.logprobs is not None:  # (no tensor slice per row otherwise)
+                        emitted.append((r, logits[i : i + 1], [t]))
         row = num_plain
         for r, drafts in inputs.spec_requests:
             rows = all_logits[row : row + len(drafts) + 1]
@@ -486,7 +488,8 @@ class ModelRunner:
                 continue
             result.sampled_token_ids[r.request_id] = tokens
             result.num_accepted[r.request_id] = (len(drafts), len(tokens) - 1)
-            emitted.append((r, rows[: len(tokens)], tokens))
+            if r.sampling_params.logprobs is not None:
+                emitted.append((r, rows[: len(tokens)], tokens))
         for r, rows, tokens in emitted:
             k = r.sampling_params.logprobs
             if k is not None:
@@ -608,6 +611,17 @@ class ModelRunnerOutput:
         self.num_accepted.update(other.num_accepted)
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.failed.update(other.failed)
+
+
+def _layer_group(groups) -> tuple[int, ...]:
+    """Each decoder layer's KV cache group: ``groups.layer_group``, or from each group's
+    ``layer_ids`` (a group spec per group, in ``groups.groups`` or iterating ``groups``)."""
+    layer_group = getattr(groups, "layer_group", None)
+    if layer_group is not None:
+        return tuple(layer_group)
+    specs = list(getattr(groups, "groups", groups))
+    owner = {layer: g for g, spec in enumerate(specs) for layer in spec.layer_ids}
+    return tuple(owner[layer] for layer in range(len(owner)))
 
 
 class _StatesView(Mapping):
