@@ -10,7 +10,8 @@ greedy, ``ignore_eos``) the engine prefills every request, runs ``--warmup`` dec
 then times ``--steps`` decode steps of ``engine.step()``. Per size: steps/s, the step's wall
 time, the model forward's time (a forward pre/post hook on the runner's model), the LM
 head's (``compute_logits``), and the share of the step outside the model forward (the
-engine's host work: scheduling, input preparation, sampling, outputs). Then a cProfile pass
+engine's host work with the sampler: scheduling, input preparation, sampling, outputs) and
+"host ms", the step less the forward and the LM head. Then a cProfile pass
 of ``--profile-steps`` steps splits the host work by function (ms per step, cumulative),
 for the functions named in ``PROFILE_FUNCTIONS`` and the top functions by own time.
 
@@ -250,6 +251,8 @@ def run_child(args: argparse.Namespace) -> dict:
             "lm_head_ms": lm_head_ms,
             "outside_forward_ms": step_ms - forward_ms,
             "outside_forward_share": (step_ms - forward_ms) / step_ms,
+            # the engine's host work: neither the decoder forward nor the LM head
+            "host_ms": step_ms - forward_ms - lm_head_ms,
             "attention_backend": getattr(runner, "attention_backend", None).name
             if getattr(runner, "attention_backend", None) is not None else None,
         }
@@ -312,17 +315,20 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     best = {name: _best(rs) for name, rs in runs.items()}
     headers = ["checkout", "seqs", "steps/s", "step ms", "forward ms", "LM head ms", "outside fwd ms",
-               "outside share", "x baseline"]
+               "outside share", "host ms", "x baseline", "host x"]
     rows = []
     for size in (str(n) for n in args.size_list):
         for name in checkouts:
             e = best[name]["sizes"][size]
-            ratio = None
+            ratio = host_ratio = None
             if "baseline" in best and name != "baseline":
-                ratio = e["steps_per_s"] / best["baseline"]["sizes"][size]["steps_per_s"]
+                base = best["baseline"]["sizes"][size]
+                ratio = e["steps_per_s"] / base["steps_per_s"]
+                host_ratio = base["host_ms"] / e["host_ms"] if e["host_ms"] > 0 else None
             rows.append([name, int(size), e["steps_per_s"], e["step_ms"], e["forward_ms"], e["lm_head_ms"],
-                         e["outside_forward_ms"], f"{100 * e['outside_forward_share']:.0f} %",
-                         f"{ratio:.2f}x" if ratio is not None else None])
+                         e["outside_forward_ms"], f"{100 * e['outside_forward_share']:.0f} %", e["host_ms"],
+                         f"{ratio:.2f}x" if ratio is not None else None,
+                         f"{host_ratio:.2f}x" if host_ratio is not None else None])
     print()
     print(format_table(headers, rows))
     if args.profile_steps:

@@ -234,19 +234,22 @@ class ModelRunner:
             batch.add_request(CachedRequestState.from_new(data), self._group_block_ids(data.block_ids))
         cached = out.scheduled_cached_reqs
         index = batch.req_id_to_index
-        for i, request_id in enumerate(cached.request_ids):
-            row = index[request_id]
-            state = batch.states[row]
-            new_tokens = cached.new_token_ids[i]
-            if new_tokens:
+        if cached.request_ids:
+            # The tokens and computed counts of every held request in a few array writes.
+            num = len(cached.request_ids)
+            rows = np.fromiter((index[request_id] for request_id in cached.request_ids), dtype=np.int64, count=num)
+            batch.append_tokens_batch(rows, cached.new_token_ids)
+            batch.num_computed_tokens[rows] = cached.num_computed_tokens
+            states = batch.states
+            for row, new_tokens, computed in zip(rows.tolist(), cached.new_token_ids, cached.num_computed_tokens):
+                state = states[row]
                 state.all_token_ids.extend(new_tokens)
-                batch.append_tokens(row, new_tokens)
-            new_blocks = cached.new_block_ids[i]
-            replace = cached.replace_block_ids[i]
-            if new_blocks or replace:
-                for g, ids in enumerate(self._group_block_ids(new_blocks)):
-                    batch.set_block_ids(row, g, ids, replace)
-            state.num_computed_tokens = batch.num_computed_tokens[row] = cached.num_computed_tokens[i]
+                state.num_computed_tokens = computed
+            for i, (new_blocks, replace) in enumerate(zip(cached.new_block_ids, cached.replace_block_ids)):
+                if replace or (any(map(len, new_blocks)) if isinstance(new_blocks, tuple) else new_blocks):
+                    row = int(rows[i])
+                    for g, ids in enumerate(self._group_block_ids(new_blocks)):
+                        batch.set_block_ids(row, g, ids, replace)
         for request_id, drafts in out.scheduled_spec_tokens.items():
             state = batch.states[index[request_id]]
             state.spec_token_ids = drafts

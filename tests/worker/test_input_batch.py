@@ -52,7 +52,10 @@ def test_rows_stay_dense_and_match_the_per_request_form():
             row = batch.req_id_to_index[rid]
             new = [rng.randrange(1000) for _ in range(rng.randint(1, 3))]
             tokens.extend(new)
-            batch.append_tokens(row, new)
+            if rng.random() < 0.5:
+                batch.append_tokens(row, new)
+            else:
+                batch.append_tokens_batch(np.array([row]), [new])
             for g in range(2):
                 if rng.random() < 0.2:
                     tables[g] = [rng.randrange(500) for _ in range(-(-len(tokens) // bs))]
