@@ -35,22 +35,50 @@ class BatchLayout:
     Attributes:
         slot_mapping: int64 [T] on the device: the flat cache slot of each new token.
         query_lens: new tokens per request, in flat token order (request r's tokens follow
-            request r - 1's).
-        context_lens: tokens in each request's cache after this step's writes.
-        block_tables: physical block ids per request, covering ``context_lens``.
+            request r - 1's): int64 [R] (a list of ints is converted).
+        context_lens: tokens in each request's cache after this step's writes: int64 [R]
+            (a list is converted).
+        block_tables: physical block ids per request, covering ``context_lens``: int64
+            [R, W] padded with block 0 (the runner's ``InputBatch`` builds it with vectorized
+            indexing), or a list of lists (padded here, ``padded_block_tables``).
         group_sizes: requests per attention group, in order (sums to the request count):
             the decode groups the backend asked for (``decode_groups``), then the prefills.
         block_size: tokens per block.
         device: where the metadata tensors go.
+        block_table_lens: int64 [R], the length of each request's own table (columns past
+            it are padding); None: every row's (set from a list of lists, else W).
     """
 
     slot_mapping: torch.Tensor
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
+    query_lens: torch.Tensor | list[int]
+    context_lens: torch.Tensor | list[int]
+    block_tables: torch.Tensor | list[list[int]]
     group_sizes: list[int]
     block_size: int
     device: torch.device
+    block_table_lens: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.query_lens, torch.Tensor):
+            self.query_lens = torch.tensor(self.query_lens, dtype=torch.int64)
+        if not isinstance(self.context_lens, torch.Tensor):
+            self.context_lens = torch.tensor(self.context_lens, dtype=torch.int64)
+        if not isinstance(self.block_tables, torch.Tensor):
+            self.block_table_lens = torch.tensor([len(t) for t in self.block_tables], dtype=torch.int64)
+            self.block_tables = padded_block_tables(self.block_tables, torch.int64)
+        elif self.block_table_lens is None:
+            self.block_table_lens = torch.full((self.block_tables.shape[0],), self.block_tables.shape[1],
+                                               dtype=torch.int64)
+
+    def tables(self, first: int, last: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """The block tables of requests ``first .. last - 1``: ``dtype`` [last - first, W']
+        where W' is the longest of their own tables (at least 1)."""
+        lens = self.block_table_lens[first:last]
+        width = max(int(lens.max()) if len(lens) else 1, 1)
+        table = self.block_tables[first:last, :width]
+        if table.shape[1] < width:  # (a list of empty tables)
+            table = torch.nn.functional.pad(table, (0, width - table.shape[1]))
+        return table.to(dtype)
 
 
 def padded_block_tables(block_tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
@@ -159,16 +187,17 @@ class FlatMetadata:
 
     @classmethod
     def build(cls, backend: AttentionBackend, layout: BatchLayout, table_dtype: torch.dtype) -> "FlatMetadata":
-        table = padded_block_tables(layout.block_tables, table_dtype)
-        starts = torch.zeros(len(layout.query_lens) + 1, dtype=torch.int32)
-        starts[1:] = torch.tensor(layout.query_lens, dtype=torch.int32).cumsum(0)
+        num_reqs = len(layout.query_lens)
+        table = layout.tables(0, num_reqs, table_dtype)
+        starts = torch.zeros(num_reqs + 1, dtype=torch.int32)
+        starts[1:] = layout.query_lens.to(torch.int32).cumsum(0)
         return cls(
             backend=backend,
             slot_mapping=layout.slot_mapping,
             block_tables=table.to(layout.device),
             query_start_loc=starts.to(layout.device),
-            context_lens=torch.tensor(layout.context_lens, dtype=torch.int32).to(layout.device),
-            max_query_len=max(layout.query_lens, default=0),
+            context_lens=layout.context_lens.to(torch.int32).to(layout.device),
+            max_query_len=int(layout.query_lens.max()) if num_reqs else 0,
         )
 
 

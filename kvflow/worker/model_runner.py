@@ -2,18 +2,25 @@
 the model and samples.
 
 The runner receives data, not the scheduler's requests (``kvflow/core/sched_output.py``):
-``update_states`` adds a ``CachedRequestState`` for each new request, applies each step's
-diff (appended tokens, block-table change, computed count) and drops finished and preempted
-requests; the inputs are built from that state (as vLLM v1's ``GPUModelRunner`` with its
-``CachedRequestState`` records, ``vllm/v1/worker/gpu_input_batch.py``).
+``update_states`` writes each new request into a row of the persistent ``InputBatch``
+(``kvflow/worker/input_batch.py``: token ids, computed counts, one block table per KV cache
+group, sampling parameters, as preallocated arrays), applies each step's diff (appended
+tokens, block-table change, computed count) to its row and drops finished and preempted
+requests; ``prepare_inputs`` computes positions, input ids, slot mappings and the attention
+layout of the whole batch with a few vectorized operations over those rows (as vLLM v1's
+``GPUModelRunner`` over its ``InputBatch``, ``vllm/v1/worker/gpu_input_batch.py``). A
+``CachedRequestState`` per row keeps the Python-side handles the sampler, the logits
+processors and the logprobs read.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout, HybridMetadata
@@ -26,6 +33,7 @@ from kvflow.sample.logits_processor import apply_logits_processors
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingTensors
 from kvflow.worker.cache_engine import CacheEngine
+from kvflow.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
     from kvflow.sample.guided import GrammarMatcher
@@ -35,9 +43,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class CachedRequestState:
-    """The runner's persistent state of one request, built from its ``NewRequestData`` and
-    kept up to date by the step diffs. It has the attributes of a ``Request`` that the
-    logits processors, the samplers and the rejection sampler read.
+    """The Python side of one request's row in the runner's ``InputBatch``, built from its
+    ``NewRequestData`` and kept up to date by the step diffs (its block tables live in the
+    batch only). It has the attributes of a ``Request`` that the logits processors, the
+    samplers and the rejection sampler read.
 
     Attributes:
         request_id: the (sample) id.
@@ -46,7 +55,6 @@ class CachedRequestState:
         sampling_params: its parameters.
         eos_token_id: EOS id for ``min_tokens``, or None.
         bad_words_token_ids: token sequences of the bad words.
-        block_ids: its block tables, one per KV cache group.
         num_computed_tokens: tokens whose K/V are in the cache.
         generator: its own seeded generator, or None (the engine's).
         grammar: its structured-output matcher, or None.
@@ -64,7 +72,6 @@ class CachedRequestState:
     sampling_params: SamplingParams
     eos_token_id: int | None
     bad_words_token_ids: list[list[int]]
-    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     generator: torch.Generator | None = None
     grammar: "GrammarMatcher | None" = None
@@ -77,10 +84,9 @@ class CachedRequestState:
     @classmethod
     def from_new(cls, data: NewRequestData) -> "CachedRequestState":
         return cls(data.request_id, data.prompt_token_ids, [*data.prompt_token_ids, *data.output_token_ids],
-                   data.sampling_params, data.eos_token_id, data.bad_words_token_ids,
-                   tuple(list(t) for t in data.block_ids),
-                   data.num_computed_tokens, data.generator, data.grammar, pooling_params=data.pooling_params,
-                   pooled_sum=data.pooled_sum, lora_request=data.lora_request)
+                   data.sampling_params, data.eos_token_id, data.bad_words_token_ids, data.num_computed_tokens,
+                   data.generator, data.grammar, pooling_params=data.pooling_params, pooled_sum=data.pooled_sum,
+                   lora_request=data.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -147,6 +153,8 @@ class ModelRunner:
             dense CPU linears switched, in place.
         lora_manager: the model's LoRA adapters (``kvflow.lora.manager.LoRAManager``), or
             None without ``enable_lora``.
+        max_num_seqs, max_model_len: the ``InputBatch``'s first allocation (rows, token
+            columns); it grows past them when needed.
     """
 
     def __init__(
@@ -160,6 +168,8 @@ class ModelRunner:
         broadcast=None,
         attention_backend: AttentionBackend = TORCH_BACKEND,
         lora_manager=None,
+        max_num_seqs: int = 16,
+        max_model_len: int = 256,
     ) -> None:
         if not isinstance(attention_backend, AttentionBackend):
             raise ValueError(f"attention_backend must be an AttentionBackend (kvflow.attention.selector), "
@@ -182,135 +192,173 @@ class ModelRunner:
         self.sampler = sampler
         self.rejection_sampler = RejectionSampler(sampler.generator)
         self.device = device
-        self.requests: dict[str, CachedRequestState] = {}  # the persistent batch state
-        # KV cache groups: 1, or a hybrid cache's (each request's block_ids: one table per group)
+        # KV cache groups: 1, or a hybrid cache's
         groups = getattr(cache_engine, "groups", None)
         self.num_kv_cache_groups = groups.num_groups if groups is not None else 1
+        self._layer_group = _layer_group(groups) if self.num_kv_cache_groups > 1 else None
+        self.input_batch = InputBatch(self.num_kv_cache_groups, max_num_seqs, max_model_len, block_size)
+
+    @property
+    def requests(self) -> Mapping[str, CachedRequestState]:
+        """request_id -> the state of each request the runner holds (a read-only view of the
+        ``InputBatch``'s rows)."""
+        return _StatesView(self.input_batch)
+
+    def _group_block_ids(self, block_ids) -> tuple[list[int], ...]:
+        """Block ids per KV cache group: a tuple of per-group lists is taken as it is (the
+        scheduler's form, one list per group); a flat list of a G-group cache is its logical
+        blocks' ids interleaved (entry ``i * G + g`` is logical block i of group g)."""
+        if isinstance(block_ids, tuple):
+            return block_ids
+        num_groups = self.num_kv_cache_groups
+        if num_groups == 1:
+            return (block_ids,)
+        return tuple(block_ids[g::num_groups] for g in range(num_groups))
 
     def update_states(self, out: SchedulerOutput) -> None:
-        """Apply a step's state changes: drop the finished and preempted requests, add the
-        new ones, apply the diffs of the held ones (``execute`` calls it first). A request
-        that finishes in a step is dropped at the next step (its id comes in that step's
-        ``finished_req_ids``), as in vLLM; a held request that is not scheduled in a step
-        keeps its state until it is.
+        """Apply a step's state changes to the ``InputBatch``: drop the finished and
+        preempted requests (the last rows move into their places), add the new ones as
+        rows, write the diffs of the held ones into their rows (``execute`` calls it
+        first). A request that finishes in a step is dropped at the next step (its id comes
+        in that step's ``finished_req_ids``), as in vLLM; a held request that is not
+        scheduled in a step keeps its row until it is.
 
         Raises:
             KeyError: a diff for a request the runner does not hold (a broken contract).
         """
+        batch = self.input_batch
         for request_id in (*out.finished_req_ids, *out.preempted_req_ids):
-            self.requests.pop(request_id, None)
+            batch.remove_request(request_id)
         for data in out.scheduled_new_reqs:
-            self.requests[data.request_id] = CachedRequestState.from_new(data)
+            batch.remove_request(data.request_id)  # (a resumed request the runner was never told to drop)
+            batch.add_request(CachedRequestState.from_new(data), self._group_block_ids(data.block_ids))
         cached = out.scheduled_cached_reqs
-        for i, request_id in enumerate(cached.request_ids):
-            state = self.requests[request_id]
-            state.all_token_ids.extend(cached.new_token_ids[i])
-            if cached.replace_block_ids[i]:
-                state.block_ids = tuple(list(t) for t in cached.new_block_ids[i])
-            else:
-                for table, new in zip(state.block_ids, cached.new_block_ids[i]):
-                    table.extend(new)
-            state.num_computed_tokens = cached.num_computed_tokens[i]
+        index = batch.req_id_to_index
+        if cached.request_ids:
+            # The tokens and computed counts of every held request in a few array writes.
+            num = len(cached.request_ids)
+            rows = np.fromiter((index[request_id] for request_id in cached.request_ids), dtype=np.int64, count=num)
+            batch.append_tokens_batch(rows, cached.new_token_ids)
+            batch.num_computed_tokens[rows] = cached.num_computed_tokens
+            states = batch.states
+            for row, new_tokens, computed in zip(rows.tolist(), cached.new_token_ids, cached.num_computed_tokens):
+                state = states[row]
+                state.all_token_ids.extend(new_tokens)
+                state.num_computed_tokens = computed
+            for i, (new_blocks, replace) in enumerate(zip(cached.new_block_ids, cached.replace_block_ids)):
+                if replace or (any(map(len, new_blocks)) if isinstance(new_blocks, tuple) else new_blocks):
+                    row = int(rows[i])
+                    for g, ids in enumerate(self._group_block_ids(new_blocks)):
+                        batch.set_block_ids(row, g, ids, replace)
         for request_id, drafts in out.scheduled_spec_tokens.items():
-            state = self.requests[request_id]
+            state = batch.states[index[request_id]]
             state.spec_token_ids = drafts
             state.spec_draft_probs = out.spec_draft_probs.get(request_id)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
-        """Flatten the batch (from the runner's state, after ``update_states``): decodes
-        (one new token) first, in the backend's decode groups, then prefill chunks.
+        """Flatten the batch (from the ``InputBatch``'s rows, after ``update_states``):
+        decodes (one new token) first, in the backend's decode groups, then prefill chunks.
 
         Each request contributes tokens ``all_token_ids[num_computed : num_computed + n]`` at
-        positions ``num_computed .. num_computed + n - 1``; a request samples only when its
-        chunk reaches ``num_tokens``. With a hybrid KV cache (G > 1 groups, ``block_ids[g]``
-        group g's table) the metadata is a ``HybridMetadata``: one backend metadata per group.
+        positions ``num_computed .. num_computed + n - 1`` (its drafts last, for a request
+        verifying drafts); a request samples only when its chunk reaches ``num_tokens``.
+        Positions, input ids, slot mappings, context lengths and block tables are gathered
+        for the whole batch at once from the rows (numpy indexing; no per-request tensor
+        op). With G > 1 KV cache groups the metadata is a ``HybridMetadata``: one backend
+        metadata per group, over that group's block tables.
         """
+        batch = self.input_batch
         n_sched = out.num_scheduled_tokens
-        scheduled = [self.requests[request_id] for request_id in n_sched]
-        decodes = [r for r in scheduled if n_sched[r.request_id] == 1]
-        prefills = [r for r in scheduled if n_sched[r.request_id] > 1]
+        index = batch.req_id_to_index
+        num = len(n_sched)
+        rows = np.fromiter((index[request_id] for request_id in n_sched), dtype=np.int64, count=num)
+        q_all = np.fromiter(n_sched.values(), dtype=np.int64, count=num)
         bs = self.block_size
         backend = self.attention_backend
+        computed_all = batch.num_computed_tokens[rows]
+        dec = np.flatnonzero(q_all == 1)
+        pre = np.flatnonzero(q_all > 1)
         # The backend orders the decodes (a padding-bound one groups them by context length).
-        decode_groups = [[decodes[i] for i in group]
-                         for group in backend.decode_groups([-(-(r.num_computed_tokens + 1) // bs) for r in decodes], bs)]
-        input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        logits_indices: list[int] = []
-        sampling_requests: list[CachedRequestState] = []
+        parts, group_sizes = [], []
+        for group in backend.decode_groups((-(-(computed_all[dec] + 1) // bs)).tolist(), bs):
+            if group:
+                parts.append(dec[np.asarray(group, dtype=np.int64)])
+                group_sizes.append(len(group))
+        if len(pre):
+            parts.append(pre)
+            group_sizes.append(len(pre))
+        order = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        rows = rows[order]
+        q_lens = q_all[order]
+        begins = computed_all[order]
+        ends = begins + q_lens
+        token_rows, positions, starts = batch.token_positions(rows, q_lens)
+        if len(ends) and int(ends.max()) > batch.token_ids.shape[1]:
+            batch._ensure_tokens(int(ends.max()))  # (draft positions past the known tokens)
+        input_ids = batch.token_ids[token_rows, positions]
+        states = batch.states
+        ordered = [states[r] for r in rows.tolist()]
+        spec = out.scheduled_spec_tokens
         prompt_logprob_rows: list[tuple[CachedRequestState, int, int]] = []
         spec_requests: list[tuple[CachedRequestState, list[int]]] = []
-        spec_indices: list[int] = []
-        num_groups = self.num_kv_cache_groups
         pooling_rows: list[tuple[CachedRequestState, int, int]] = []
-        lora_runs: list[tuple[Any, int]] = []  # (adapter or None, tokens) per request, in batch order
-        q_lens: list[int] = []
-        ctx_lens: list[int] = []
-        tables: list[tuple[list[int], ...]] = []
-        group_sizes: list[int] = []
-        for reqs in (*decode_groups, prefills):
-            if not reqs:
-                continue
-            group_sizes.append(len(reqs))
-            for r in reqs:
-                n = n_sched[r.request_id]
-                begin = r.num_computed_tokens
+        special = bool(spec) or any(r.pooling_params is not None or r.sampling_params.prompt_logprobs is not None
+                                    for r in ordered)
+        if not special:  # the common step: a row samples when its chunk reaches its known tokens
+            samples = np.flatnonzero(ends == batch.num_tokens[rows])
+            logits_indices: list[int] = (starts[1:][samples] - 1).tolist()
+            sampling_requests = [ordered[i] for i in samples.tolist()]
+            spec_indices: list[int] = []
+        else:
+            logits_indices, sampling_requests, spec_indices = [], [], []
+            num_tokens = batch.num_tokens[rows].tolist()
+            for i, (r, begin, n, start) in enumerate(zip(ordered, begins.tolist(), q_lens.tolist(),
+                                                         starts[:-1].tolist())):
+                end = start + n
                 if r.sampling_params.prompt_logprobs is not None:
                     prompt_logprob_rows.extend(
-                        (r, len(input_ids) + p - begin, p) for p in range(begin, min(begin + n, r.num_prompt_tokens - 1))
+                        (r, start + p - begin, p) for p in range(begin, min(begin + n, r.num_prompt_tokens - 1))
                     )
-                drafts = out.scheduled_spec_tokens.get(r.request_id, [])
-                input_ids.extend(r.all_token_ids[begin : begin + n - len(drafts)])
-                input_ids.extend(drafts)
-                pos = torch.arange(begin, begin + n, dtype=torch.int64)
-                positions.append(pos)
-                if num_groups == 1:
-                    table = torch.tensor(r.block_ids[0], dtype=torch.int64)
-                    slots.append(table[pos // bs] * bs + pos % bs)
-                else:  # one table per group: [num_blocks, G]
-                    table = torch.tensor(r.block_ids, dtype=torch.int64).T
-                    slots.append(table[pos // bs] * bs + (pos % bs).unsqueeze(1))  # [n, G]
+                drafts = spec.get(r.request_id, [])
+                if drafts:
+                    input_ids[end - len(drafts) : end] = drafts
                 if r.pooling_params is not None:  # an embedding: pooled, never sampled
-                    pooling_rows.append((r, len(input_ids) - n, n))
+                    pooling_rows.append((r, start, n))
                 elif drafts:
                     spec_requests.append((r, drafts))
-                    spec_indices.extend(range(len(input_ids) - len(drafts) - 1, len(input_ids)))
-                elif begin + n == r.num_tokens:
-                    logits_indices.append(len(input_ids) - 1)
+                    spec_indices.extend(range(end - len(drafts) - 1, end))
+                elif begin + n == num_tokens[i]:
+                    logits_indices.append(end - 1)
                     sampling_requests.append(r)
-                q_lens.append(n)
-                lora_runs.append((r.lora_request, n))
-                ctx_lens.append(begin + n)
-                tables.append(r.block_ids)
         for child_id, parent_id in out.forked:  # parallel samples draw from their parent's logits (no drafts yet)
             parent_row = next(i for i, r in enumerate(sampling_requests) if r.request_id == parent_id)
             logits_indices.append(logits_indices[parent_row])
-            sampling_requests.append(self.requests[child_id])
+            sampling_requests.append(states[index[child_id]])
         logits_indices.extend(spec_indices)
         dev = self.device
-        if num_groups == 1:
-            metadata = backend.build_metadata(
-                BatchLayout(torch.cat(slots).to(dev), q_lens, ctx_lens, [t[0] for t in tables], group_sizes, bs, dev)
-            )
+        q_t, ctx_t = torch.from_numpy(q_lens), torch.from_numpy(ends)
+        layouts = []
+        for g in range(self.num_kv_cache_groups):
+            slots = torch.from_numpy(batch.slot_mapping(g, token_rows, positions)).to(dev)
+            table, lens = batch.padded_block_tables(g, rows)
+            layouts.append(BatchLayout(slots, q_t, ctx_t, table, group_sizes, bs, dev, block_table_lens=lens))
+        if self.num_kv_cache_groups == 1:
+            metadata = backend.build_metadata(layouts[0])
         else:
-            group_slots = torch.cat(slots).to(dev)
-            metadata = HybridMetadata(
-                [backend.build_metadata(BatchLayout(group_slots[:, g].contiguous(), q_lens, ctx_lens,
-                                                    [t[g] for t in tables], group_sizes, bs, dev))
-                 for g in range(num_groups)],
-                self.cache_engine.groups.layer_group,
-            )
+            metadata = HybridMetadata([backend.build_metadata(layout) for layout in layouts], self._layer_group)
+        lora = None
+        if self.lora_manager is not None:
+            lora = self.lora_manager.mapping([(r.lora_request, n) for r, n in zip(ordered, q_lens.tolist())])
         return ModelInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.cat(positions).to(dev),
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
             metadata=metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=dev),
             sampling_requests=sampling_requests,
             prompt_logprob_rows=prompt_logprob_rows,
             spec_requests=spec_requests,
             pooling_rows=pooling_rows,
-            lora=self.lora_manager.mapping(lora_runs) if self.lora_manager is not None else None,
+            lora=lora,
         )
 
     @torch.inference_mode()
@@ -424,10 +472,12 @@ class ModelRunner:
                                        row_exc, exc_info=row_exc)
                         result.failed[r.request_id] = row_exc
                         tokens.append(None)
+            sampled = result.sampled_token_ids
             for i, (r, t) in enumerate(zip(inputs.sampling_requests, tokens)):
                 if t is not None:
-                    result.sampled_token_ids[r.request_id] = [t]
-                    emitted.append((r, logits[i : i + 1], [t]))
+                    sampled[r.request_id] = [t]
+                    if r.sampling_params.logprobs is not None:  # (no tensor slice per row otherwise)
+                        emitted.append((r, logits[i : i + 1], [t]))
         row = num_plain
         for r, drafts in inputs.spec_requests:
             rows = all_logits[row : row + len(drafts) + 1]
@@ -441,7 +491,8 @@ class ModelRunner:
                 continue
             result.sampled_token_ids[r.request_id] = tokens
             result.num_accepted[r.request_id] = (len(drafts), len(tokens) - 1)
-            emitted.append((r, rows[: len(tokens)], tokens))
+            if r.sampling_params.logprobs is not None:
+                emitted.append((r, rows[: len(tokens)], tokens))
         for r, rows, tokens in emitted:
             k = r.sampling_params.logprobs
             if k is not None:
@@ -459,8 +510,24 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, requests: list[CachedRequestState]) -> list[int]:
         """One token per row of ``logits`` (float32 [N, vocab_size]) for the N ``requests``."""
-        st = SamplingTensors.from_requests(requests, logits.shape[-1], self.device)
+        st = self._sampling_tensors(requests, logits.shape[-1])
         return self.sampler(apply_logits_processors(logits, requests), st).tolist()
+
+    def _sampling_tensors(self, requests: list[CachedRequestState], vocab_size: int) -> SamplingTensors:
+        """The rows' sampling settings, gathered from the ``InputBatch``'s parameter arrays
+        (written once when each request joined) instead of rebuilt from its parameters."""
+        batch = self.input_batch
+        index = batch.req_id_to_index
+        rows = np.fromiter((index[r.request_id] for r in requests), dtype=np.int64, count=len(requests))
+        top_k = torch.from_numpy(batch.top_k[rows])
+        dev = self.device
+        return SamplingTensors(
+            temperature=torch.from_numpy(batch.temperature[rows]).to(dev),
+            top_k=torch.where((top_k > 0) & (top_k < vocab_size), top_k, vocab_size).to(dev),
+            top_p=torch.from_numpy(batch.top_p[rows]).to(dev),
+            min_p=torch.from_numpy(batch.min_p[rows]).to(dev),
+            generators=[r.generator for r in requests],
+        )
 
     def _generator_states(self, requests: list[CachedRequestState]) -> list[tuple[torch.Generator, torch.Tensor]]:
         """The state of every generator the batch may draw from (engine and seeded requests)."""
@@ -547,6 +614,36 @@ class ModelRunnerOutput:
         self.num_accepted.update(other.num_accepted)
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.failed.update(other.failed)
+
+
+def _layer_group(groups) -> tuple[int, ...]:
+    """Each decoder layer's KV cache group: ``groups.layer_group``, or from each group's
+    ``layer_ids`` (a group spec per group, in ``groups.groups`` or iterating ``groups``)."""
+    layer_group = getattr(groups, "layer_group", None)
+    if layer_group is not None:
+        return tuple(layer_group)
+    specs = list(getattr(groups, "groups", groups))
+    owner = {layer: g for g, spec in enumerate(specs) for layer in spec.layer_ids}
+    return tuple(owner[layer] for layer in range(len(owner)))
+
+
+class _StatesView(Mapping):
+    """request_id -> ``CachedRequestState`` over an ``InputBatch`` (read-only)."""
+
+    def __init__(self, batch: InputBatch) -> None:
+        self._batch = batch
+
+    def __getitem__(self, request_id: str) -> CachedRequestState:
+        return self._batch.states[self._batch.req_id_to_index[request_id]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._batch.req_ids))
+
+    def __len__(self) -> int:
+        return self._batch.num_reqs
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._batch.req_id_to_index
 
 
 def _restore(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:

@@ -186,9 +186,14 @@ def test_runner_state_mirrors_the_scheduler_through_every_feature(monkeypatch, p
                 mismatches.append((checked["steps"], sorted(self.requests), [r.request_id for r in running]))
             for r in map(tight.scheduler.requests.get, [*out.num_scheduled_tokens, *(c for c, _ in out.forked)]):
                 state = self.requests.get(r.request_id)
-                if state is None or (state.all_token_ids, state.block_ids, state.num_computed_tokens) != (
-                        r.all_token_ids, r.block_ids, r.num_computed_tokens):
-                    mismatches.append((checked["steps"], r.request_id, (r.num_tokens, r.block_ids, r.num_computed_tokens), state and (state.num_tokens, state.block_ids, state.num_computed_tokens)))
+                row = self.input_batch.req_id_to_index.get(r.request_id)
+                held = None if state is None else (
+                    state.all_token_ids, self.input_batch.token_ids[row, : self.input_batch.num_tokens[row]].tolist(),
+                    self.input_batch.block_ids(row), state.num_computed_tokens,
+                    int(self.input_batch.num_computed_tokens[row]))
+                if held != (r.all_token_ids, r.all_token_ids, r.block_ids, r.num_computed_tokens,
+                            r.num_computed_tokens):
+                    mismatches.append((checked["steps"], r.request_id, held))
             checked["steps"] += 1
             checked["replaced"] += sum(out.scheduled_cached_reqs.replace_block_ids)
         return original(self, out)

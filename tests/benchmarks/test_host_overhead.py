@@ -1,0 +1,25 @@
+"""benchmarks/host_overhead.py: its options and the baseline checkout it is pointed at."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.host_overhead import _best, parse_args
+
+
+def test_sizes_and_bounds_are_checked(tmp_path):
+    assert parse_args(["--sizes", "1, 64,256"]).size_list == [1, 64, 256]
+    for bad in (["--sizes", "a,2"], ["--sizes", "0"], ["--steps", "0"], ["--warmup", "-1"],
+                ["--baseline-repo", str(tmp_path)]):  # a folder without a kvflow package
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    (tmp_path / "kvflow").mkdir()
+    (tmp_path / "kvflow" / "__init__.py").write_text("")
+    assert parse_args(["--baseline-repo", str(tmp_path)]).baseline_repo == str(tmp_path)
+
+
+def test_best_round_is_kept_per_size():
+    rounds = [{"kvflow": "x", "sizes": {"1": {"steps_per_s": 5.0}, "64": {"steps_per_s": 1.0}}},
+              {"kvflow": "x", "sizes": {"1": {"steps_per_s": 4.0}, "64": {"steps_per_s": 2.0}}}]
+    best = _best(rounds)
+    assert best["sizes"]["1"]["steps_per_s"] == 5.0 and best["sizes"]["64"]["steps_per_s"] == 2.0

@@ -1,0 +1,113 @@
+"""The runner's persistent batch (kvflow/worker/input_batch.py) and the vectorized decode
+grouping of the torch backend."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from kvflow.attention.torch_backend import _split_by_context_reference, split_by_context
+from kvflow.sampling_params import SamplingParams
+from kvflow.worker.input_batch import InputBatch
+from kvflow.worker.model_runner import CachedRequestState
+
+
+def _state(rid: str, tokens: list[int], computed: int, **params) -> CachedRequestState:
+    return CachedRequestState(rid, tokens[:3], list(tokens), SamplingParams(**params), None, [], computed)
+
+
+def _naive(tokens, tables, computed, n, bs):
+    """The per-request form the batch replaces: positions and slots of one chunk."""
+    pos = torch.arange(computed, computed + n)
+    return tokens[computed : computed + n], pos.tolist(), (torch.tensor(tables)[pos // bs] * bs + pos % bs).tolist()
+
+
+def test_rows_stay_dense_and_match_the_per_request_form():
+    """Random adds, appends, block replacements and removals (rows condensed): every
+    request's token ids, positions and slots of a random chunk equal the per-request
+    computation from its own lists; the batch grows past its first allocation."""
+    rng = random.Random(0)
+    bs = 4
+    batch = InputBatch(num_kv_cache_groups=2, max_num_reqs=2, max_model_len=8, block_size=bs)
+    held: dict[str, tuple[list[int], list[list[int]], int]] = {}
+    for step in range(300):
+        op = rng.random()
+        if op < 0.3 or not held:
+            rid = f"r{step}"
+            tokens = [rng.randrange(1000) for _ in range(rng.randint(3, 30))]
+            tables = [[rng.randrange(500) for _ in range(-(-len(tokens) // bs) + 1)] for _ in range(2)]
+            computed = rng.randrange(len(tokens))
+            batch.add_request(_state(rid, tokens, computed), tuple(tables))
+            held[rid] = (tokens, tables, computed)
+        elif op < 0.5:
+            rid = rng.choice(sorted(held))
+            assert batch.remove_request(rid)
+            del held[rid]
+        else:
+            rid = rng.choice(sorted(held))
+            tokens, tables, computed = held[rid]
+            row = batch.req_id_to_index[rid]
+            new = [rng.randrange(1000) for _ in range(rng.randint(1, 3))]
+            tokens.extend(new)
+            if rng.random() < 0.5:
+                batch.append_tokens(row, new)
+            else:
+                batch.append_tokens_batch(np.array([row]), [new])
+            for g in range(2):
+                if rng.random() < 0.2:
+                    tables[g] = [rng.randrange(500) for _ in range(-(-len(tokens) // bs))]
+                    batch.set_block_ids(row, g, tables[g], replace=True)
+                else:
+                    extra = [rng.randrange(500) for _ in range(max(0, -(-len(tokens) // bs) - len(tables[g])))]
+                    tables[g].extend(extra)
+                    batch.set_block_ids(row, g, extra, replace=False)
+            computed = len(tokens) - 1
+            batch.num_computed_tokens[row] = computed
+            held[rid] = (tokens, tables, computed)
+        assert batch.num_reqs == len(held) and sorted(batch.req_ids) == sorted(held)
+        assert all(batch.req_id_to_index[r] == i for i, r in enumerate(batch.req_ids))
+    assert batch.token_ids.shape[0] > 2 and batch.token_ids.shape[1] > 8  # grew
+    rids = sorted(held)
+    rows = np.array([batch.req_id_to_index[r] for r in rids])
+    q = np.array([rng.randint(1, len(held[r][0]) - held[r][2]) for r in rids])
+    token_rows, positions, starts = batch.token_positions(rows, q)
+    ids = batch.token_ids[token_rows, positions]
+    for g in range(2):
+        slots = batch.slot_mapping(g, token_rows, positions)
+        table, lens = batch.padded_block_tables(g, rows)
+        for i, r in enumerate(rids):
+            tokens, tables, computed = held[r]
+            want_ids, want_pos, want_slots = _naive(tokens, tables[g], computed, int(q[i]), bs)
+            s, e = starts[i], starts[i + 1]
+            assert ids[s:e].tolist() == want_ids and positions[s:e].tolist() == want_pos
+            assert slots[s:e].tolist() == want_slots
+            assert table[i, : len(tables[g])].tolist() == tables[g] and int(lens[i]) == len(tables[g])
+            assert not table[i, len(tables[g]) :].any()  # padding: block 0
+
+
+def test_sampling_parameters_move_with_their_row():
+    batch = InputBatch(max_num_reqs=4)
+    batch.add_request(_state("a", [1, 2, 3, 4], 3, temperature=0.5, top_k=7, top_p=0.9, min_p=0.1), ([0],))
+    batch.add_request(_state("b", [1, 2, 3, 4], 3, temperature=0), ([1],))
+    batch.add_request(_state("c", [1, 2, 3, 4], 3, temperature=1.0, top_k=2**70), ([2],))
+    batch.remove_request("a")  # c moves to row 0
+    row = batch.req_id_to_index["c"]
+    assert row == 0 and batch.states[0].request_id == "c" and batch.block_ids(0) == [2]
+    assert batch.temperature[row] == 1.0 and batch.top_k[row] == 2**62 and batch.top_p[row] == 1.0
+    assert batch.temperature[batch.req_id_to_index["b"]] == 0.0
+    with pytest.raises(ValueError, match="already"):
+        batch.add_request(_state("b", [1, 2, 3], 0), ([1],))
+    with pytest.raises(ValueError, match="block tables"):
+        batch.add_request(_state("d", [1, 2, 3], 0), ([1], [2]))
+    assert not batch.remove_request("a")
+
+
+def test_vectorized_decode_grouping_equals_the_dynamic_program():
+    rng = random.Random(1)
+    for _ in range(500):
+        blocks = [rng.randint(1, rng.choice([1, 3, 20, 200])) for _ in range(rng.randint(0, 40))]
+        overhead = rng.choice([0, 1, 16, 512, 10**9])
+        assert split_by_context(blocks, 16, overhead) == _split_by_context_reference(blocks, 16, overhead)
