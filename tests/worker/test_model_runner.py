@@ -189,7 +189,8 @@ def test_runner_state_mirrors_the_scheduler_through_every_feature(monkeypatch, p
                 row = self.input_batch.req_id_to_index.get(r.request_id)
                 held = None if state is None else (
                     state.all_token_ids, self.input_batch.token_ids[row, : self.input_batch.num_tokens[row]].tolist(),
-                    self.input_batch.block_ids(row), state.num_computed_tokens,
+                    tuple(self.input_batch.block_ids(row, g) for g in range(self.num_kv_cache_groups)),
+                    state.num_computed_tokens,
                     int(self.input_batch.num_computed_tokens[row]))
                 if held != (r.all_token_ids, r.all_token_ids, r.block_ids, r.num_computed_tokens,
                             r.num_computed_tokens):
