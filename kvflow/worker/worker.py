@@ -40,8 +40,9 @@ def build_shard(config: EngineConfig, rank: int = 0):
 
 def start_cpu_kernel_builds(config: EngineConfig) -> list[CppKernel]:
     """Start building, in the background, the C++ CPU kernels this engine would use that are
-    not built yet (``kvflow.ops.build.start_background_builds``): paged attention, RMSNorm,
-    rotary, and the INT8 linear for an INT8-quantized model, in that order. Only on the CPU,
+    not built yet (``kvflow.ops.build.start_background_builds``): the GGUF matmul for a model
+    computed as stored, paged attention, RMSNorm, rotary, and the INT8 linear for an
+    INT8-quantized model, in that order. Only on the CPU,
     without tensor parallelism (ranks must switch at the same step) and with
     ``KVFLOW_CPU_KERNEL_BUILD=background`` (the default); elsewhere nothing starts and each
     kernel is built on its first use, as before.
@@ -54,6 +55,8 @@ def start_cpu_kernel_builds(config: EngineConfig) -> list[CppKernel]:
             or envs.KVFLOW_CPU_KERNEL_BUILD != "background"):
         return []
     kernels = [ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY]
+    if config.load is not None and config.load.quantization == "gguf":
+        kernels.insert(0, ops.GGUF_MATMUL)  # a GGUF model's linears: most of its step
     if config.load is not None and "int8" in (config.load.quantization, config.load.quantize_lm_head):
         kernels.append(ops.INT8_LINEAR)
     return ops.start_background_builds(kernels)
