@@ -51,11 +51,21 @@ def init_process_group(rank: int, world_size: int, init_method: str, device: tor
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    # torch names the default group by a per-process counter that a failed start-up still
+    # advances; the next start-up in this process (a fresh engine after a timeout) would then
+    # publish its gloo address under a name its freshly spawned peers never read, and both
+    # would wait out the whole timeout. A failed start-up puts the counter back.
+    world = getattr(dist.distributed_c10d, "_world", None)
+    group_count = getattr(world, "group_count", None)
     try:
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
         )
-    except (RuntimeError, TimeoutError) as exc:  # DistStoreError / DistBackendError are RuntimeErrors
+    except BaseException as exc:
+        if group_count is not None and not dist.is_initialized():
+            world.group_count = group_count
+        if not isinstance(exc, (RuntimeError, TimeoutError)):  # DistStoreError / DistBackendError are RuntimeErrors
+            raise
         if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
             raise
         raise RuntimeError(f"tensor-parallel start-up (rank {rank} of {world_size}): {timeout_advice(timeout_s)}") from exc

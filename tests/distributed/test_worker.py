@@ -201,10 +201,12 @@ def test_dead_worker_fails_loudly_and_cleans_up(tiny_dir):
     assert not torch.distributed.is_initialized()
 
 
-def test_rendezvous_timeout_is_configurable_and_says_what_to_do(monkeypatch):
+def test_rendezvous_timeout_is_configurable_and_says_what_to_do(monkeypatch, tiny_dir):
     """A rank that never comes (here: torchrun-style, rank 1 never started) fails the
     driver after collective_timeout_s, with what to do, instead of a bare store error after
-    a fixed 120 s (which a loaded machine missed while the other ranks loaded)."""
+    a fixed 120 s (which a loaded machine missed while the other ranks loaded); and the
+    process can start a tensor-parallel engine afterwards (the failed start-up left torch's
+    group naming where its fresh peers expect it)."""
     from kvflow.config import DeviceConfig, ParallelConfig
     from kvflow.distributed.worker import TPWorkers, free_port
 
@@ -216,3 +218,13 @@ def test_rendezvous_timeout_is_configurable_and_says_what_to_do(monkeypatch):
                                  device=DeviceConfig(torch.device("cpu"), torch.float32))  # the parts TPWorkers reads
         TPWorkers(config, spawn=False)
     assert time.monotonic() - start < 60  # the 1 s limit was used (a generous bound: a shared machine)
+    monkeypatch.delenv("MASTER_ADDR")
+    monkeypatch.delenv("MASTER_PORT")
+    llm = LLM(model=str(tiny_dir), dtype="float32", tensor_parallel_size=2, num_threads=1, num_kv_blocks=64,
+              collective_timeout_s=120)
+    try:
+        (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+    assert _no_children()
