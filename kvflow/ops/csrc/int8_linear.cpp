@@ -139,5 +139,5 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor weight, torch::Tensor s
 // Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_supported", torch::wrap_pybind_function(int8_supported), "int8_supported");
-  m.def("int8_linear", torch::wrap_pybind_function(int8_linear), "int8_linear");
+  m.def("int8_linear", torch::wrap_pybind_function_no_gil(int8_linear), "int8_linear");
 }

@@ -201,7 +201,7 @@ torch::Tensor invariant_linear_pairs(torch::Tensor x, torch::Tensor wp, torch::T
 
 // Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("invariant_linear", torch::wrap_pybind_function(invariant_linear), "invariant_linear");
-  m.def("invariant_linear_pairs", torch::wrap_pybind_function(invariant_linear_pairs), "invariant_linear_pairs");
+  m.def("invariant_linear", torch::wrap_pybind_function_no_gil(invariant_linear), "invariant_linear");
+  m.def("invariant_linear_pairs", torch::wrap_pybind_function_no_gil(invariant_linear_pairs), "invariant_linear_pairs");
   m.def("pairs_supported", torch::wrap_pybind_function(pairs_supported), "pairs_supported");
 }

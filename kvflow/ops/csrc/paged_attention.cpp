@@ -942,7 +942,7 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
 
 // Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", torch::wrap_pybind_function(paged_decode_attention), "paged_decode_attention");
-  m.def("paged_attention_quantized", torch::wrap_pybind_function(paged_attention_quantized), "paged_attention_quantized");
-  m.def("paged_prefill_attention", torch::wrap_pybind_function(paged_prefill_attention), "paged_prefill_attention");
+  m.def("paged_decode_attention", torch::wrap_pybind_function_no_gil(paged_decode_attention), "paged_decode_attention");
+  m.def("paged_attention_quantized", torch::wrap_pybind_function_no_gil(paged_attention_quantized), "paged_attention_quantized");
+  m.def("paged_prefill_attention", torch::wrap_pybind_function_no_gil(paged_prefill_attention), "paged_prefill_attention");
 }

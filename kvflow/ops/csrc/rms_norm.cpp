@@ -57,5 +57,5 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 // Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
+  m.def("rms_norm", torch::wrap_pybind_function_no_gil(rms_norm), "rms_norm");
 }

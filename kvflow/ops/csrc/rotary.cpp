@@ -55,5 +55,5 @@ torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
 
 // Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("apply_rotary", torch::wrap_pybind_function(apply_rotary), "apply_rotary");
+  m.def("apply_rotary", torch::wrap_pybind_function_no_gil(apply_rotary), "apply_rotary");
 }
