@@ -86,9 +86,9 @@ class CpuAttentionBackend(AttentionBackend):
         for size in layout.group_sizes:
             q_lens = layout.query_lens[first : first + size]
             first += size
-            if max(q_lens) > 1:
+            if size and int(q_lens.max()) > 1:  # (query_lens: an int64 tensor, see BatchLayout)
                 loc = torch.zeros(size + 1, dtype=torch.int32)
-                loc[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+                loc[1:] = q_lens.cumsum(0)
                 starts.append(loc)
             else:
                 starts.append(None)
