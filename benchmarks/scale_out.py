@@ -14,7 +14,10 @@ Three set-ups with the same CPUs and the same KV memory in total:
 * ``cache_aware``: two replicas (``kvflow serve``, one thread each, pinned to one core
   each, ``--num-kv-blocks`` blocks each) behind ``vllm-router --policy cache_aware``;
 * ``round_robin``: the same two replicas behind ``vllm-router --policy round_robin``;
-* ``single``: one replica with two threads and twice the blocks.
+* ``single``: one replica with two threads and twice the blocks;
+* ``ray_serve`` (with ``--ray``, after the others have stopped): two replicas as Ray Serve
+  deployments (``kvflow.entrypoints.ray_serve``, one thread and one Ray CPU each, the same
+  blocks each) behind Ray's ``PrefixCacheAffinityRouter``, on a local Ray cluster.
 
 The per-replica KV budget holds about 5 of the 8 system prompts: a policy that sends every
 tenant to both replicas (round-robin over a random interleaving) makes each replica cycle
@@ -25,12 +28,15 @@ Per set-up: the prefix-cache hit rate (the increase of ``kvflow:prefix_cache_hit
 over that of ``kvflow:prefix_cache_queries_total``, summed over the replicas' ``/metrics``),
 the cached prompt tokens the responses report (``usage.prompt_tokens_details``), the mean
 and p50 / p90 TTFT (request sent -> first chunk with text) and the duration; plus the
-requests each replica served.
+requests each replica served. Ray Serve's replicas have no URL of their own, so their hit
+rate is the responses' cached prompt tokens over their prompt tokens (on the other set-ups
+the two agree to the token).
 
 How to run
 ----------
     python -m benchmarks.scale_out                    # the issue's workload, ~5-10 min on 2 loaded cores
     python -m benchmarks.scale_out --num-requests 16  # a quick run
+    python -m benchmarks.scale_out --ray              # also the Ray Serve set-up (needs ray[serve])
 
 Needs ``vllm-router`` (``pip install 'kvflow[scale-out]'``). Prints a table and writes JSON
 to ``--out`` (default ``benchmarks/results/scale_out.json``).
@@ -123,6 +129,9 @@ def run_setup(name: str, base: str, replica_urls: list[str], model: str, items, 
     hits = sum(a[0] - b[0] for a, b in zip(after, before))
     queries = sum(a[1] - b[1] for a, b in zip(after, before))
     ok = [r for r in results if "error" not in r and r["ttft_s"] is not None]
+    if not replica_urls:  # replicas without URLs of their own (Ray Serve): from the responses' usage
+        hits = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in ok if r["usage"])
+        queries = sum(r["usage"]["prompt_tokens"] for r in ok if r["usage"])
     ttfts = sorted(r["ttft_s"] for r in ok)
 
     def pct(p: float) -> float | None:
@@ -141,6 +150,31 @@ def run_setup(name: str, base: str, replica_urls: list[str], model: str, items, 
     }
 
 
+def run_ray_setup(args, items, cpus: list[int]) -> tuple[dict[str, Any], float]:
+    """The workload through two Ray Serve replicas on a local cluster: (its row, start-up s)."""
+    import ray
+    from ray import serve
+
+    from kvflow.entrypoints.ray_serve import build_openai_app
+
+    port = free_port()
+    t0 = time.perf_counter()
+    ray.init(num_cpus=len(cpus), include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        engine = {"model": args.model, "num_threads": 1, "block_size": 16, "num_kv_blocks": args.num_kv_blocks,
+                  "max_num_seqs": 8}
+        serve.run(build_openai_app(engine, num_replicas=2, num_cpus_per_replica=1), route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        model = httpx.get(base + "/v1/models", timeout=60).json()["data"][0]["id"]
+        startup_s = time.perf_counter() - t0
+        row = run_setup("ray_serve", base, [], model, items, args)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return row, startup_s
+
+
 def _served(url: str) -> float:
     text = httpx.get(url + "/metrics", timeout=30).text
     return sum(float(m) for m in re.findall(r"^kvflow:request_success_total\{[^}]*\} (\S+)$", text, re.M))
@@ -157,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-kv-blocks", type=int, default=176, help="per replica (block size 16); the single one gets 2x")
     p.add_argument("--request-timeout", type=float, default=600)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ray", action="store_true", help="also run the workload on two Ray Serve replicas")
     p.add_argument("--out", default="benchmarks/results/scale_out.json")
     args = p.parse_args(argv)
+    load_before = os.getloadavg()
 
     from kvflow.model.resolve import resolve_model
     from transformers import AutoTokenizer
@@ -202,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         for proc in (rr, single):
             if proc is not None:
                 proc.wait(30)
+    ray_startup_s = None
+    if args.ray:
+        row, ray_startup_s = run_ray_setup(args, items, cpus)
+        rows.append(row)
     by = {r["setup"]: r for r in rows}
     ca, rrr, one = by["cache_aware"], by["round_robin"], by["single"]
     checks = {
@@ -219,8 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cache_aware / single hit rate {checks['hit_rate_vs_single']:.2f} (target >= 0.9); "
           f"cache_aware / round_robin hit rate {checks['hit_rate_vs_round_robin']:.2f} (target >= 1.5); "
           f"cache_aware / round_robin mean TTFT {checks['mean_ttft_vs_round_robin']:.2f} (target < 1)")
-    record = {"machine": machine_info(), "args": vars(args), "startup_s": startup_s, "results": rows,
-              "ratios": checks, "note": "measured on a loaded machine (other developers' jobs on the same 2 cores)"}
+    if args.ray:
+        ray_row = by["ray_serve"]
+        checks["ray_hit_rate_vs_single"] = ray_row["prefix_cache_hit_rate"] / one["prefix_cache_hit_rate"]
+        print(f"ray_serve / single hit rate {checks['ray_hit_rate_vs_single']:.2f}; ray_serve failed "
+              f"{ray_row['failed']} of {ray_row['requests']}; Ray start-up + 2 replicas {ray_startup_s:.1f} s")
+    record = {"machine": machine_info(), "args": vars(args), "startup_s": startup_s, "ray_startup_s": ray_startup_s,
+              "results": rows, "ratios": checks, "load_average_before": load_before,
+              "load_average_after": os.getloadavg()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
