@@ -208,9 +208,17 @@ class KVCacheManager:
             replaced by a private copy per group (queued in ``pending_copies`` as (src, dst)
             for the model runner).
         """
+        bs, G, null = self.block_size, self.num_groups, self._null
+        if new_computed_blocks is None and G == 1 and null is None and request.block_ids:
+            # The common decode step: the new tokens fit in the blocks held, none of which is
+            # shared (no copy-on-write) — nothing to allocate, free or copy.
+            table = request.block_ids[0]
+            start = request.num_computed_tokens
+            if start + num_new_tokens <= len(table) * bs and (
+                    start % bs == 0 or self.block_pool.blocks[table[start // bs]].ref_cnt == 1):
+                return True
         tables = self._tables(request)
         hits = new_computed_blocks or ()
-        bs, G, null = self.block_size, self.num_groups, self._null
         num_hit = len(hits[0]) if hits else 0
         start = request.num_computed_tokens + num_hit * bs
         if null is not None:

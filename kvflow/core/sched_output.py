@@ -235,12 +235,24 @@ class RunnerStateTracker:
             out.scheduled_new_reqs.append(data)
             self._held[request.request_id] = _Held(len(tokens), tuple(list(t) for t in data.block_ids))
             return
-        append_only = len(tables) == len(held.block_ids) and all(
-            len(table) >= len(was) and table[: len(was)] == was for table, was in zip(tables, held.block_ids))
+        # Append-only: every group's table starts with what the runner holds (compared
+        # without a copy when the lengths are equal, the common decode step).
+        append_only = len(tables) == len(held.block_ids)
+        new_list: list[list[int]] = []
         if append_only:
-            new_blocks = tuple(table[len(was) :] for table, was in zip(tables, held.block_ids))
-            for was, new in zip(held.block_ids, new_blocks):
-                was.extend(new)
+            for table, was in zip(tables, held.block_ids):
+                n = len(was)
+                if len(table) == n and table == was:
+                    new_list.append([])
+                elif len(table) > n and table[:n] == was:
+                    new = table[n:]
+                    was.extend(new)
+                    new_list.append(new)
+                else:
+                    append_only = False
+                    break
+        if append_only:
+            new_blocks = tuple(new_list)
         else:
             new_blocks = tuple(list(t) for t in tables)
             held.block_ids = tuple(list(t) for t in tables)

@@ -21,6 +21,27 @@ _CONTEXT_TOKENS = 5
 _REPLACEMENT = "\ufffd"
 
 
+def fast_decode(tokenizer: Any) -> Any | None:
+    """The Rust ``tokenizers.Tokenizer.decode`` behind a transformers tokenizer, when calling
+    it gives exactly what ``tokenizer.decode(ids, skip_special_tokens=...)`` gives: a
+    ``TokenizersBackend`` whose ``decode``/``_decode`` no subclass overrides and that cleans
+    up no tokenization spaces (``_decode`` then returns the backend's string unchanged).
+    None otherwise (the transformers call is used). The transformers wrapper converts its
+    arguments and looks up options on every call; for one token of one stream that costs
+    several times the decoding itself."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # pragma: no cover - an older transformers
+        return None
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (not isinstance(tokenizer, TokenizersBackend) or backend is None
+            or cls._decode is not TokenizersBackend._decode or cls.decode is not TokenizersBackend.decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", False)):
+        return None
+    return backend.decode
+
+
 class IncrementalDetokenizer:
     """Text of one output sequence, grown token by token.
 
@@ -41,6 +62,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self._fast_decode = fast_decode(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -55,6 +77,8 @@ class IncrementalDetokenizer:
         self.finished = False
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: list[int], finished: bool = False) -> str | None:

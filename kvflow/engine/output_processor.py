@@ -33,6 +33,7 @@ from kvflow.outputs import (
     EmbeddingOutput,
     EmbeddingRequestOutput,
     RequestFailure,
+    RequestMetrics,
     RequestOutput,
     RequestOutputKind,
 )
@@ -262,10 +263,8 @@ class OutputProcessor:
             return None
         params = state.params
         wants_logprobs = params.logprobs is not None
-        metrics = {"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
-                   "first_token_time": state.first_token_time}
-        if finished:
-            metrics["finished_time"] = now
+        metrics = RequestMetrics(state.arrival_time, state.first_scheduled_time, state.first_token_time,
+                                 now if finished else None)
         delta = kind is RequestOutputKind.DELTA
         completions = []
         for index, sample in enumerate(state.samples):

@@ -68,6 +68,14 @@ class InputBatch:
         self.req_ids: list[str] = []
         self.states: list[Any] = []  # CachedRequestState per row
         self.req_id_to_index: dict[str, int] = {}
+        # rows whose inputs need the per-request path of ``prepare_inputs`` (prompt
+        # logprobs, pooling): while there are none the step takes the vectorized one
+        self.num_special_reqs = 0
+
+    @staticmethod
+    def _is_special(state: Any) -> bool:
+        return (getattr(state, "pooling_params", None) is not None
+                or state.sampling_params.prompt_logprobs is not None)
 
     # --- capacity --------------------------------------------------------------------------
 
@@ -145,6 +153,7 @@ class InputBatch:
         self.req_ids.append(state.request_id)
         self.states.append(state)
         self.req_id_to_index[state.request_id] = row
+        self.num_special_reqs += self._is_special(state)
         return row
 
     def remove_request(self, request_id: str) -> bool:
@@ -153,6 +162,7 @@ class InputBatch:
         row = self.req_id_to_index.pop(request_id, None)
         if row is None:
             return False
+        self.num_special_reqs -= self._is_special(self.states[row])
         last = self.num_reqs - 1
         if row != last:
             moved = self.req_ids[last]

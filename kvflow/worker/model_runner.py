@@ -302,8 +302,8 @@ class ModelRunner:
         prompt_logprob_rows: list[tuple[CachedRequestState, int, int]] = []
         spec_requests: list[tuple[CachedRequestState, list[int]]] = []
         pooling_rows: list[tuple[CachedRequestState, int, int]] = []
-        special = bool(spec) or any(r.pooling_params is not None or r.sampling_params.prompt_logprobs is not None
-                                    for r in ordered)
+        special = bool(spec) or (batch.num_special_reqs > 0 and any(
+            r.pooling_params is not None or r.sampling_params.prompt_logprobs is not None for r in ordered))
         if not special:  # the common step: a row samples when its chunk reaches its known tokens
             samples = np.flatnonzero(ends == batch.num_tokens[rows])
             logits_indices: list[int] = (starts[1:][samples] - 1).tolist()

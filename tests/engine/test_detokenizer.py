@@ -351,3 +351,31 @@ def test_no_stop_strings_means_no_hold_back(tok):
     for token in tok.encode(" ST"):
         detok.update([token])
     assert detok.text == " ST"
+
+
+def test_fast_decode_is_the_transformers_decode(tok):
+    """The Rust decode the detokenizer calls gives the transformers decode's string (special
+    tokens kept or skipped), and is refused where transformers would change that string."""
+    import copy
+
+    from kvflow.engine.detokenizer import fast_decode
+
+    fast = fast_decode(tok.tokenizer)
+    assert fast is not None
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        ids = torch.randint(0, tok.vocab, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+        ids[0] = tok.special[0]
+        for skip in (True, False):
+            assert fast(ids, skip_special_tokens=skip) == tok.decode(ids, skip)
+    cleaning = copy.copy(tok.tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert fast_decode(cleaning) is None
+
+    class Overriding(type(tok.tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return "x"
+
+    other = copy.copy(tok.tokenizer)
+    other.__class__ = Overriding
+    assert fast_decode(other) is None
