@@ -36,13 +36,13 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self._is_finished  # (set on each member below: an enum hashes in Python)
 
     @property
     def finish_reason(self) -> str | None:
         """OpenAI-style finish reason: "stop", "length", "abort", "error" (failed inside the
         engine), or None while unfinished."""
-        return _FINISH_REASON.get(self)
+        return self._finish_reason
 
 
 _FINISHED = {
@@ -57,6 +57,9 @@ _FINISH_REASON = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+for _status in RequestStatus:
+    _status._is_finished = _status in _FINISHED
+    _status._finish_reason = _FINISH_REASON.get(_status)
 
 
 class Request:
