@@ -163,8 +163,8 @@ def split_by_context(context_blocks: list[int], block_size: int, overhead_tokens
     for the tests). Ties go to the earliest cut, as in the reference.
     """
     n = len(context_blocks)
-    if n == 0:
-        return []
+    if n <= 1:
+        return [[0]] if n else []
     blocks = np.asarray(context_blocks, dtype=np.int64)
     order = np.argsort(blocks, kind="stable")
     lengths = (blocks[order] * block_size).astype(np.float64)

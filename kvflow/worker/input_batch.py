@@ -198,6 +198,11 @@ class InputBatch:
         if not total:
             return
         starts = self.num_tokens[rows]
+        if total == len(token_ids) and int(counts.max()) == 1:  # one token each: a decode step
+            self._ensure_tokens(int(starts.max()) + 1)
+            self.token_ids[rows, starts] = [ids[0] for ids in token_ids]
+            self.num_tokens[rows] = starts + 1
+            return
         ends = starts + counts
         self._ensure_tokens(int(ends.max()))
         first = np.cumsum(counts) - counts
