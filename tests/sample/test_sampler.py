@@ -320,3 +320,27 @@ def test_row_argmax_takes_the_first_of_tied_maxima():
     y[:, 100] = y.max() + 1  # a tie far from the first position too
     y[:, 40000] = y[:, 100]
     assert torch.equal(row_argmax(y), y.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [1024, 4096 + 77, 49152, 151936])
+def test_row_argmax_two_pass_equals_argmax(vocab):
+    """The chunked search gives ``argmax``'s index (the first of tied maxima) for every row:
+    ties inside a chunk, across chunks and in the partial last chunk, a maximum only in the
+    last chunk, rows of -inf, a NaN, bfloat16, and a non-contiguous batch of rows."""
+    from kvflow.sample.sampler import ARGMAX_CHUNK, row_argmax
+
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(40, vocab, generator=gen)
+    top = x.max() + 1
+    x[0, 5], x[0, 6] = top, top  # a tie inside one chunk
+    x[1, 3 * ARGMAX_CHUNK + 1], x[1, vocab - 1] = top, top  # across chunks, one in the last
+    x[2, vocab - 1] = top  # only in the last (partial) chunk
+    x[3] = float("-inf")
+    x[5, ARGMAX_CHUNK - 1], x[5, ARGMAX_CHUNK] = top, top  # at a chunk boundary
+    with_nan = x.clone()
+    with_nan[4, 9] = float("nan")  # (its batch takes max(dim): checked apart)
+    for batch in (x, x[::2], x.to(torch.bfloat16), with_nan):
+        assert torch.equal(row_argmax(batch), batch.argmax(dim=-1))
+    # the sampled path's input: probabilities over noise
+    probs = torch.softmax(x[6:], dim=-1) / torch.empty_like(x[6:]).exponential_(generator=gen)
+    assert torch.equal(row_argmax(probs), probs.argmax(dim=-1))
