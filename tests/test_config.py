@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.config import EngineArgs
+from kvflow.engine.arg_utils import EngineArgs
 
 
 def test_unknown_attention_backend_names_the_field():

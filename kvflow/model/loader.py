@@ -31,7 +31,7 @@ from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.linear import UnquantizedLinearMethod, linear_layers
 from kvflow.layers.moe import moe_layers
-from kvflow.model.registry import model_class
+from kvflow.model import registry
 from kvflow.model.resolve import iter_weights, load_config, load_tokenizer
 from kvflow.quantization.checkpoint import quantization_of
 from kvflow.quantization.registry import get_quantization_config
@@ -129,7 +129,7 @@ def load_model(
             checkpoint.
     """
     if model_config is None:
-        model_config = ModelConfig.from_hf_config(load_config(model_dir))
+        model_config = registry.model_config(load_config(model_dir))
     if max_model_len is not None:
         model_config = dataclasses.replace(model_config, max_model_len=max_model_len)
     saved = quantization_of(model_dir)
@@ -149,7 +149,7 @@ def load_model(
     torch.set_default_dtype(build_dtype)
     try:
         with torch.device(device):
-            model = model_class(model_config.model_type)(model_config, tp, quant_config)
+            model = registry.model_class(model_config.model_type)(model_config, tp, quant_config)
     finally:
         torch.set_default_dtype(previous)
     if saved is not None:
