@@ -273,28 +273,34 @@ class EngineArgs:
                 budget that holds no block.
             FileNotFoundError: for a model path that does not exist.
         """
-        from kvflow.model.registry import model_config as read_model_config
-        from kvflow.model.resolve import load_config, resolve_model
+        from kvflow.model.resolve import resolve_model_config
 
         self.verify()
-        device = self.torch_device()
-        dtype = resolve_dtype(self.dtype, device)
-        model_dir = resolve_model(self.model, cache_dir=self.model_cache_dir)
-        model_config = read_model_config(load_config(model_dir), max_model_len=self.max_model_len)
-        scheduler = self.scheduler_config(model_config)
         spec = SpeculativeConfig.from_dict(self.speculative_config) if self.speculative_config is not None else None
-        draft = draft_model = None
+        # 1. The models, once, in one order: argument -> HF folder -> transformers config ->
+        #    ModelConfig (the architecture's ArchSpec applied). Nothing downstream resolves again.
+        model_dir, model_config = resolve_model_config(self.model, self.model_cache_dir, self.max_model_len)
+        draft_dir = draft_model = None
         if spec is not None and spec.method == "draft_model":
-            draft_dir = resolve_model(spec.model, cache_dir=self.model_cache_dir)
-            draft_model = read_model_config(load_config(draft_dir))
-            draft = LoadConfig(spec.model, str(draft_dir),
-                               self.resolved_quantization(spec.quantization, draft_dir, draft_model, device),
-                               self.quantization_group_size)
+            draft_dir, draft_model = resolve_model_config(spec.model, self.model_cache_dir)
             if draft_model.vocab_size != model_config.vocab_size:
                 raise ValueError(
                     f"speculative_config.model has vocab_size {draft_model.vocab_size}, the target "
                     f"{model_config.vocab_size}: the draft must share the target's vocabulary"
                 )
+        # 2. How they load and run.
+        device = self.torch_device()
+        dtype = resolve_dtype(self.dtype, device)
+        load = LoadConfig(self.model, str(model_dir),
+                          self.resolved_quantization(self.quantization, model_dir, model_config, device),
+                          self.quantization_group_size, self.quantize_lm_head)
+        draft = None
+        if draft_dir is not None:
+            draft = LoadConfig(spec.model, str(draft_dir),
+                               self.resolved_quantization(spec.quantization, draft_dir, draft_model, device),
+                               self.quantization_group_size)
+        # 3. Batching and the KV cache geometry and pool.
+        scheduler = self.scheduler_config(model_config)
         world = self.tensor_parallel_size
         if world > 1:
             # Every rank has as many blocks, sized for the rank holding the most KV heads (the
@@ -318,9 +324,7 @@ class EngineArgs:
             cache=cache,
             scheduler=scheduler,
             device=DeviceConfig(device, dtype, self.num_threads),
-            load=LoadConfig(self.model, str(model_dir),
-                            self.resolved_quantization(self.quantization, model_dir, model_config, device),
-                            self.quantization_group_size, self.quantize_lm_head),
+            load=load,
             parallel=ParallelConfig(world, self.resolved_collective_timeout_s()),
             speculative=spec,
             draft=draft,

@@ -135,6 +135,24 @@ def gguf_file(model: str, cache_dir: str | os.PathLike[str] | None = None) -> Pa
     return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 
+def resolve_model_config(model: str, cache_dir: str | os.PathLike[str] | None = None,
+                         max_model_len: int | None = None) -> tuple[Path, Any]:
+    """Resolve a model argument in one order: the argument -> its Hugging Face-format folder
+    (``resolve_model``) -> its transformers config (``load_config``) -> its ``ModelConfig``
+    (``kvflow.model.registry.model_config``: the architecture's ``ArchSpec`` facts applied;
+    ``max_model_len`` the engine's context limit, None: the model's).
+
+    Returns:
+        (the folder, the ``kvflow.config.ModelConfig``).
+
+    Raises:
+        as ``resolve_model`` and ``registry.model_config`` (an unsupported architecture, a
+        ``max_model_len`` beyond the model's context).
+    """
+    model_dir = resolve_model(model, cache_dir)
+    return model_dir, registry.model_config(load_config(model_dir), max_model_len)
+
+
 def load_config(model_dir: str | os.PathLike[str]) -> transformers.PretrainedConfig:
     """`config.json` of an HF model directory, via `transformers.AutoConfig.from_pretrained`.
 
