@@ -40,7 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import format_table, machine_info  # noqa: E402
-from kvflow.config import EngineArgs, groups_page_spec  # noqa: E402
+from kvflow.config import groups_page_spec  # noqa: E402
+from kvflow.engine.arg_utils import EngineArgs  # noqa: E402
 from kvflow.core.kv_cache_manager import KVCacheManager  # noqa: E402
 from kvflow.entrypoints import memory_report as memory  # noqa: E402
 from kvflow.request import Request  # noqa: E402

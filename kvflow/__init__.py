@@ -10,7 +10,7 @@ from kvflow.cpu_threads import set_openmp_defaults as _set_openmp_defaults
 
 _set_openmp_defaults()
 
-from kvflow.config import EngineArgs  # noqa: E402
+from kvflow.engine.arg_utils import EngineArgs  # noqa: E402
 from kvflow.entrypoints.llm import LLM  # noqa: E402
 from kvflow.inputs import PromptType, TextPrompt, TokensPrompt  # noqa: E402
 from kvflow.logprobs import Logprob  # noqa: E402

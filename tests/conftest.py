@@ -398,7 +398,7 @@ def engine_greedy_matches_hf(model_dir, hf_model, prompts: list[list[int]], shar
     Asserts identical tokens and a prefix-cache hit. Returns the smallest top-2 margin
     transformers had over all steps (how far from a near-tie the comparison was).
     """
-    from kvflow.config import EngineArgs
+    from kvflow.engine.arg_utils import EngineArgs
     from kvflow.sampling_params import SamplingParams
 
     args = dict(model=str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=128,

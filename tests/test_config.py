@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.config import EngineArgs
+from kvflow.engine.arg_utils import EngineArgs
 
 
 def test_unknown_attention_backend_names_the_field():
@@ -73,6 +73,33 @@ def test_create_config_builds_the_whole_engine_config(tmp_path):
     assert config.load.model_dir == str(folder.resolve()) and config.speculative is None
     with pytest.raises(ValueError, match="max_model_len"):
         EngineArgs(model=str(folder), device="cpu", max_model_len=10**6).create_config()
+
+
+def test_the_engine_builds_from_the_resolved_config_without_resolving_again(tmp_path, monkeypatch):
+    """Resolution (folder -> transformers config -> ModelConfig) happens in create_config
+    only: the engine, its worker, the loader and the draft proposer take the resolved
+    EngineConfig and read no model config again."""
+    from conftest import tiny_hf_model_dir
+    from kvflow import SamplingParams
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.model import registry, resolve
+
+    folder = tiny_hf_model_dir(tmp_path / "m")
+    config = EngineArgs(model=str(folder), device="cpu", dtype="float32", num_kv_blocks=32, block_size=4,
+                        attention_backend="torch", max_model_len=64,
+                        speculative_config={"method": "draft_model", "model": str(folder),
+                                            "num_speculative_tokens": 2}).create_config()
+
+    def resolved_again(*args, **kwargs):
+        raise AssertionError("the model config was resolved again after create_config")
+
+    for module, name in ((resolve, "load_config"), (resolve, "resolve_model"), (registry, "model_config")):
+        monkeypatch.setattr(module, name, resolved_again)
+    engine = LLMEngine(config)
+    engine.add_request("r", [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    assert len(outputs[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])

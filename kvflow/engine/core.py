@@ -32,7 +32,7 @@ from kvflow.core.scheduler import NewRequestData, Scheduler, SchedulerOutput, St
 from kvflow.logprobs import Logprob
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
-from kvflow.model.loader import load_model
+from kvflow.model.loader import build_model
 from kvflow.spec_decode.draft_model import DraftModelProposer
 from kvflow.spec_decode.metrics import SpecDecodeStats
 from kvflow.spec_decode.ngram import NgramProposer
@@ -56,8 +56,9 @@ def make_proposer(config: EngineConfig, backend):
     if spec.method == "ngram":
         return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
     device = config.device
-    draft, draft_config = load_model(config.draft.model_dir, device.dtype, device.device, config.draft.quantization,
-                                     config.draft.group_size, model_config=config.draft_model)
+    draft_config = config.draft_model
+    draft = build_model(draft_config, config.draft.model_dir, device.dtype, device.device, config.draft.quantization,
+                        config.draft.group_size)
     cache = config.cache
     draft_cache = CacheConfig(cache.block_size, cache.num_blocks, cache.dtype, enable_prefix_caching=False)
     return DraftModelProposer(draft, draft_config, draft_cache, k, max_len, device.device, config.seed,

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from kvflow.config import EngineArgs, EngineConfig
+from kvflow.config import EngineConfig
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.cpu_threads import check_wait_policy
 from kvflow.engine.core import EngineCore
 from kvflow.engine.output_processor import OutputProcessor

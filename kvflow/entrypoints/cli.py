@@ -28,7 +28,8 @@ from dataclasses import MISSING, Field, fields
 from typing import Any
 
 from kvflow import envs
-from kvflow.config import KV_CACHE_DTYPE_NAMES, EngineArgs
+from kvflow.config import KV_CACHE_DTYPE_NAMES
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.distributed.worker import torchrun_rank
 from kvflow.entrypoints.openai.reasoning import REASONING_PARSERS
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS

@@ -8,7 +8,7 @@ from typing import Any, Union
 
 from tqdm.auto import tqdm
 
-from kvflow.config import EngineArgs
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.entrypoints.chat_utils import normalize_conversation, render_chat
 from kvflow.inputs import EMPTY_ONLY, PROMPT_KEYS

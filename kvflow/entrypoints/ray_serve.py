@@ -135,7 +135,7 @@ class KVFlowServer:
 
     def __init__(self, engine_kwargs: dict[str, Any], served_model_name: str | None = None,
                  app_kwargs: dict[str, Any] | None = None) -> None:
-        from kvflow.config import EngineArgs
+        from kvflow.engine.arg_utils import EngineArgs
         from kvflow.engine.async_engine import AsyncLLMEngine
         from kvflow.engine.llm_engine import LLMEngine
         from kvflow.entrypoints.openai.server import build_app, default_served_name

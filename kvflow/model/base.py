@@ -43,6 +43,7 @@ class CausalLM(nn.Module):
             tensors that load into one part of a fused parameter (``q_proj`` into
             ``qkv_proj`` as shard "q", ...).
         skip_weights: substrings of checkpoint names that hold nothing to load.
+        arch_specs: the model_types it runs and how to read them (``kvflow.model.arch``).
         renamed_prefixes: (checkpoint prefix, replacement) pairs, the first that matches
             applied before the ``model.`` prefix is stripped (a multimodal checkpoint's
             ``language_model.model.`` -> ``model.``).
@@ -57,6 +58,9 @@ class CausalLM(nn.Module):
     ]
     skip_weights: tuple[str, ...] = ("rotary_emb.inv_freq",)
     renamed_prefixes: tuple[tuple[str, str], ...] = ()
+    #: One ``kvflow.model.arch.ArchSpec`` per HF model_type the class runs (collected by
+    #: ``kvflow.model.registry``); a subclass declares its own.
+    arch_specs: tuple = ()
 
     config: ModelConfig
     tp: TensorParallel | None

@@ -17,10 +17,21 @@ models, linear RoPE scaling). From Gemma 1/2 (transformers' ``Gemma3TextModel``)
 
 Refused at load: ``attn_logit_softcapping`` (Gemma 2's), ``use_bidirectional_attention``
 (EmbeddingGemma), an activation other than gelu-tanh, attention types other than full / sliding.
+
+GGUF (llama.cpp ``Gemma3Model``): norm weights stored as ``1 + w`` (the HF checkpoint's ``w``;
+transformers' GGUF loader subtracts the 1 back, ``Gemma2TensorProcessor``), ``ffn_norm`` /
+``post_attention_norm`` / ``post_ffw_norm`` are the pre-/post-feed-forward and post-attention
+norms, ``attention.sliding_window``; what llama.cpp fixes in code and does not store (its
+``llama-model.cpp``, LLM_ARCH_GEMMA3): a local layer in every position but each sixth
+(``set_swa_pattern(6)``), local RoPE base 10000, ``query_pre_attn_scalar`` = head_dim except
+the 62-layer 27B model (hidden / heads).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import gguf
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +44,7 @@ from kvflow.layers.attention import Attention
 from kvflow.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.model.arch import ArchSpec, GGUFMetadata
 from kvflow.model.base import CausalLM
 from kvflow.model.llama import LlamaMLP
 from kvflow.model.qwen3 import Qwen3Attention
@@ -115,12 +127,32 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
+def gemma3_gguf_fields(meta: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
+    """``Gemma3TextConfig`` fields of a gemma3 GGUF: the window, the per-layer-type RoPE (the
+    global layers' from the metadata, the local ones' base 10000) and what llama.cpp fixes in
+    code (see the module docstring)."""
+    layers, heads = fields["num_hidden_layers"], fields["num_attention_heads"]
+    window = int(meta.arch_get("attention.sliding_window", 0))
+    return {
+        "sliding_window": window or None,
+        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+        "rope_parameters": {"full_attention": fields["rope_parameters"],
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        "query_pre_attn_scalar": fields["hidden_size"] // heads if layers == 62 else fields["head_dim"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+    }
+
+
+T = gguf.MODEL_TENSOR
+
+
 class Gemma3ForCausalLM(CausalLM):
     """Gemma 3 text model (``model_type`` gemma3_text) with its tied LM head.
 
     Also the language model of a multimodal Gemma 3 checkpoint (``model_type`` gemma3,
     Gemma3ForConditionalGeneration: 4B / 12B / 27B): its ``text_config`` is read
-    (``kvflow.model.registry.TEXT_MODELS_OF``), its ``language_model.`` tensors load here
+    (its spec's ``text_model_of``), its ``language_model.`` tensors load here
     and the vision tower and projector are not loaded (text only).
 
     Args: as ``LlamaForCausalLM`` (config, tp, quant_config).
@@ -130,6 +162,13 @@ class Gemma3ForCausalLM(CausalLM):
     """
 
     supports_lora = False  # its decoder layers do not pass a LoRA mapping on
+    arch_specs = (ArchSpec(
+        "gemma3_text", "Gemma3TextConfig", hf_architecture="Gemma3ForCausalLM", gguf_arch="gemma3",
+        gguf_tensor_names={T.FFN_PRE_NORM: "pre_feedforward_layernorm", T.ATTN_POST_NORM: "post_attention_layernorm",
+                           T.FFN_POST_NORM: "post_feedforward_layernorm"},
+        gguf_norm_offset=1.0, gguf_config_fields=gemma3_gguf_fields,
+        text_model_of=("gemma3",),  # Gemma3ForConditionalGeneration's language model
+    ),)
 
     skip_weights = (*CausalLM.skip_weights, "vision_tower.", "multi_modal_projector.")
     # Gemma3ForConditionalGeneration as saved (language_model.model.*, language_model.lm_head)

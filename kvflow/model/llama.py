@@ -29,6 +29,7 @@ from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
 from kvflow.lora.punica import LoRAMapping
+from kvflow.model.arch import ArchSpec
 from kvflow.model.base import CausalLM
 from kvflow.quantization.base import QuantizationConfig
 
@@ -172,6 +173,14 @@ class LlamaForCausalLM(CausalLM):
     #: The forward takes ``lora`` (a ``kvflow.lora.punica.LoRAMapping``) down to the linears;
     #: a subclass whose layers do not pass it on sets False (``kvflow.lora.manager``).
     supports_lora: bool = True
+    arch_specs = (
+        # llama.cpp permutes Q/K rows of arch "llama" (convert_hf_to_gguf.py LlamaModel.permute)
+        # and also writes Mistral checkpoints as "llama".
+        ArchSpec("llama", "LlamaConfig", gguf_arch="llama", gguf_qk_permuted=True,
+                 gguf_attention_bias_from_tensors=True),
+        ArchSpec("mistral"),
+        ArchSpec("qwen2", "Qwen2Config", gguf_arch="qwen2", attention_bias=True),  # Q/K/V biases always
+    )
 
     @classmethod
     def check_config(cls, config: ModelConfig) -> None:

@@ -1,7 +1,8 @@
 """Build a model, load its weights and quantize it: the one path from a model folder to a
 ready ``CausalLM`` (this rank's shard under tensor parallelism).
 
-Steps (``load_model``):
+Steps (``build_model``, over a resolved ``ModelConfig``; ``load_model`` reads the folder's
+config first):
 
 1. the architecture's class from ``kvflow.model.registry``, built directly in the serving
    dtype on the target device, or in float32 when a scheme quantizes it (quantization reads
@@ -31,7 +32,7 @@ from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.linear import UnquantizedLinearMethod, linear_layers
 from kvflow.layers.moe import moe_layers
-from kvflow.model.registry import model_class
+from kvflow.model import registry
 from kvflow.model.resolve import iter_weights, load_config, load_tokenizer
 from kvflow.quantization.checkpoint import quantization_of
 from kvflow.quantization.registry import get_quantization_config
@@ -99,10 +100,51 @@ def load_model(
     max_model_len: int | None = None,
     model_config: ModelConfig | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Build and load a model (this rank's shard under tensor parallelism); see the module
-    docstring for the steps.
+    """Read a folder's architecture (unless ``model_config`` is given) and ``build_model``:
+    the entry point for tools and tests that start from a folder. The engine resolves the
+    config once (``EngineArgs.create_config``) and calls ``build_model`` itself.
 
     Args:
+        model_dir, dtype, device, quantization, group_size, tp, quantize_lm_head,
+            calibration_ids: as ``build_model``.
+        max_model_len: the engine's context limit in tokens (``ModelConfig.max_model_len``;
+            it fixes LongRoPE's factor set and decides whether a sliding window would act),
+            or None for the model's context.
+        model_config: the folder's architecture when already read, else read from
+            ``model_dir`` (``kvflow.model.registry.model_config``).
+
+    Returns:
+        The model and the full model's ``ModelConfig``.
+
+    Raises:
+        ValueError: as ``build_model``; an unsupported architecture (``registry.model_config``).
+    """
+    if model_config is None:
+        model_config = registry.model_config(load_config(model_dir))
+    if max_model_len is not None:
+        model_config = dataclasses.replace(model_config, max_model_len=max_model_len)
+    model = build_model(model_config, model_dir, dtype, device, quantization, group_size, tp, quantize_lm_head,
+                        calibration_ids)
+    return model, model_config
+
+
+def build_model(
+    model_config: ModelConfig,
+    model_dir: str | os.PathLike,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+    group_size: int = 32,
+    tp: TensorParallel | None = None,
+    quantize_lm_head: bool | str = False,
+    calibration_ids: list[int] | None = None,
+) -> nn.Module:
+    """Build and load a model of a resolved architecture (this rank's shard under tensor
+    parallelism); see the module docstring for the steps. Reads no config: ``model_config``
+    is what ``EngineArgs.create_config`` (or ``load_model``) resolved.
+
+    Args:
+        model_config: the full model's architecture (``max_model_len`` set by the engine).
         model_dir: a Hugging Face-format folder (``kvflow.model.resolve.resolve_model``), or a
             quantized checkpoint folder (loaded quantized whatever ``quantization`` says).
         dtype: the serving dtype.
@@ -113,25 +155,16 @@ def load_model(
         quantize_lm_head: True for the scheme's head method (``lm_head_method``), or "int8",
             "int4", "fp8"; False keeps the head dense.
         calibration_ids: AWQ calibration tokens (default: the default text).
-        model_config: the folder's architecture when already read (``EngineConfig.model``),
-            else read from ``model_dir``.
-        max_model_len: the engine's context limit in tokens (``ModelConfig.max_model_len``;
-            it fixes LongRoPE's factor set and decides whether a sliding window would act),
-            or None for the model's context.
 
     Returns:
-        The model and the full model's ``ModelConfig``.
+        The model (this rank's shard).
 
     Raises:
-        ValueError: an unsupported architecture or option (a config field the model refuses
-            is named), a checkpoint that does not match the model, ``max_model_len`` beyond
-            the model's context, or tensor parallelism over a compact GGUF / saved quantized
-            checkpoint.
+        ValueError: an unsupported option (a config field the model refuses is named), a
+            checkpoint that does not match the model, or tensor parallelism over a compact
+            GGUF / saved quantized checkpoint.
     """
-    if model_config is None:
-        model_config = ModelConfig.from_hf_config(load_config(model_dir))
-    if max_model_len is not None:
-        model_config = dataclasses.replace(model_config, max_model_len=max_model_len)
+    model_cls = registry.model_class(model_config.model_type)
     saved = quantization_of(model_dir)
     if tp is not None and saved is not None:
         raise ValueError("tensor parallelism loads float or GGUF checkpoints (a saved quantized checkpoint cannot be "
@@ -149,7 +182,7 @@ def load_model(
     torch.set_default_dtype(build_dtype)
     try:
         with torch.device(device):
-            model = model_class(model_config.model_type)(model_config, tp, quant_config)
+            model = model_cls(model_config, tp, quant_config)
     finally:
         torch.set_default_dtype(previous)
     if saved is not None:
@@ -174,7 +207,7 @@ def load_model(
     model.to(device=device, dtype=dtype)
     if device.type == "cpu":
         pack_for_cpu(model)
-    return model, model_config
+    return model
 
 
 def _load_state_dict(model: nn.Module, path: Path) -> None:

@@ -18,16 +18,34 @@ supported (refused at load by ``check_mixtral_config``): activations other than 
 
 from __future__ import annotations
 
+from typing import Any
+
+import gguf
 from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.moe import SparseMoeBlock, map_expert_weight
 from kvflow.layers.norm import RMSNorm
+from kvflow.model.arch import ArchSpec, GGUFMetadata, gguf_moe_fields
 from kvflow.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from kvflow.quantization.base import QuantizationConfig
 
 MIXTRAL_PROJECTIONS = {"w1": "w1", "w3": "w3", "w2": "w2"}
+T = gguf.MODEL_TENSOR
+
+
+def mixtral_gguf_fields(meta: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
+    """``MixtralConfig`` fields of a GGUF arch "llama" file with experts (llama.cpp writes
+    Mixtral that way): ``num_local_experts``, ``num_experts_per_tok``, no sliding window.
+
+    Raises:
+        NotImplementedError: a layer without experts, a gating other than softmax, shared experts.
+    """
+    moe, dense = gguf_moe_fields(meta, fields["num_hidden_layers"])
+    if dense:
+        raise NotImplementedError(f"GGUF Mixtral layers {dense} have no experts (ffn_gate_inp)")
+    return {**moe, "num_local_experts": int(meta.arch_get("expert_count")), "sliding_window": None}
 
 
 def check_mixtral_config(config: ModelConfig) -> None:
@@ -73,6 +91,11 @@ class MixtralForCausalLM(LlamaForCausalLM):
     supports_lora = False  # its decoder layers do not pass a LoRA mapping on
 
     decoder_layer_cls = MixtralDecoderLayer
+    arch_specs = (ArchSpec(
+        "mixtral", "MixtralConfig", gguf_arch="llama", gguf_experts=True, gguf_qk_permuted=True,
+        gguf_moe_block=("block_sparse_moe", {T.FFN_GATE_EXP: "w1", T.FFN_UP_EXP: "w3", T.FFN_DOWN_EXP: "w2"}),
+        gguf_config_fields=mixtral_gguf_fields,
+    ),)
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:

@@ -21,6 +21,7 @@ from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import apply_rotary
+from kvflow.model.arch import ArchSpec
 from kvflow.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from kvflow.quantization.base import QuantizationConfig
 
@@ -57,3 +58,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """
 
     decoder_layer_cls = Qwen3DecoderLayer
+    arch_specs = (ArchSpec("qwen3", "Qwen3Config", gguf_arch="qwen3", gguf_attention_bias_from_tensors=True),)

@@ -28,18 +28,41 @@ such a config is another architecture).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import gguf
 from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.moe import SparseMoeBlock, map_expert_weight
 from kvflow.layers.norm import RMSNorm
+from kvflow.model.arch import ArchSpec, GGUFMetadata, gguf_moe_fields
 from kvflow.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from kvflow.model.qwen3 import Qwen3Attention
 from kvflow.quantization.base import QuantizationConfig
 
 QWEN_MOE_PROJECTIONS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+T = gguf.MODEL_TENSOR
+
+
+def qwen3_moe_gguf_fields(meta: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
+    """``Qwen3MoeConfig`` fields of a qwen3moe GGUF: ``expert_feed_forward_length`` is
+    ``moe_intermediate_size``; ``norm_topk_prob`` is ``expert_weights_norm`` when present,
+    else True (llama.cpp's qwen3moe graph always renormalizes the top-k weights,
+    src/models/qwen3moe.cpp); layers without a router tensor are dense (``mlp_only_layers``).
+
+    Raises:
+        NotImplementedError: a gating function other than softmax, or shared experts.
+    """
+    moe, dense = gguf_moe_fields(meta, fields["num_hidden_layers"])
+    return {
+        **moe,
+        "num_experts": int(meta.arch_get("expert_count")),
+        "moe_intermediate_size": int(meta.arch_get("expert_feed_forward_length")),
+        "norm_topk_prob": bool(meta.arch_get("expert_weights_norm", True)),
+        "mlp_only_layers": dense,
+    }
 
 
 def check_qwen_moe_config(config: ModelConfig) -> None:
@@ -110,6 +133,13 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     supports_lora = False  # its decoder layers do not pass a LoRA mapping on
 
     decoder_layer_cls = Qwen3MoeDecoderLayer
+    arch_specs = (
+        ArchSpec("qwen3_moe", "Qwen3MoeConfig", gguf_arch="qwen3moe", gguf_experts=True,
+                 gguf_attention_bias_from_tensors=True, gguf_config_fields=qwen3_moe_gguf_fields,
+                 gguf_moe_block=("mlp", {T.FFN_GATE_EXP: "gate_proj", T.FFN_UP_EXP: "up_proj",
+                                         T.FFN_DOWN_EXP: "down_proj"})),
+        ArchSpec("qwen2_moe"),
+    )
 
     def __init__(self, config: ModelConfig, tp: TensorParallel | None = None,
                  quant_config: QuantizationConfig | None = None) -> None:

@@ -10,20 +10,10 @@ Format sources:
 - GGUF container, metadata keys and tensor names: the GGUF spec
   (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) and `gguf-py` (`gguf.constants`),
   read with `gguf.GGUFReader` and dequantized with `gguf.quants.dequantize`.
-- Q/K row permutation of arch `llama`: llama.cpp `convert_hf_to_gguf.py`, `LlamaModel.permute`
-  (its `qwen2`, `qwen3` and `phi3` converters store Q/K as in the HF checkpoint).
-- `phi3`: llama.cpp `Phi3MiniModel` writes the fused `attn_qkv` and `ffn_up` (gate then up,
-  the HF `gate_up_proj`), the LongRoPE factors as the tensors `rope_factors_long` /
-  `rope_factors_short` (no `rope.scaling.type` key), `rope.scaling.attn_factor`,
-  `rope.scaling.original_context_length`, `rope.dimension_count` (partial rotary) and
-  `attention.sliding_window` (0: none).
-- `gemma3` (llama.cpp `Gemma3Model`): norm weights stored as ``1 + w`` (the HF checkpoint's
-  ``w``; transformers' GGUF loader subtracts the 1 back, `Gemma2TensorProcessor`), `ffn_norm`
-  / `post_attention_norm` / `post_ffw_norm` are the pre-/post-feed-forward and post-attention
-  norms, `attention.sliding_window`; what llama.cpp fixes in code and does not store (its
-  `llama-model.cpp`, LLM_ARCH_GEMMA3): a local layer in every position but each sixth
-  (`set_swa_pattern(6)`), local RoPE base 10000, `query_pre_attn_scalar` = head_dim except
-  the 62-layer 27B model (hidden / heads).
+- What differs per architecture (config class, tensor names, Q/K row permutation, norm
+  offsets, metadata read into config fields) is declared by each model file's ``ArchSpec``
+  (``kvflow.model.arch``), found through ``kvflow.model.registry``; the sources of each are
+  cited in the model file.
 - HF directory layout, sharded-safetensors index (`model.safetensors.index.json`) and config
   fields: transformers `PreTrainedModel.save_pretrained` / `LlamaConfig` / `Qwen2Config`.
 """
@@ -51,7 +41,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kvflow import envs
-from kvflow.model import packages
+from kvflow.model import packages, registry
+from kvflow.model.arch import GGUF_GLOBAL_TENSORS, GGUFMetadata, float32_value, gguf_layer_name
 
 logger = logging.getLogger(__name__)
 
@@ -69,55 +60,12 @@ _COPY_CHUNK_BYTES = 16 << 20
 
 _MISSING: Any = object()
 
-_LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",  # Qwen3 / Qwen3-MoE per-head q/k RMSNorm
-    "attn_k_norm": "self_attn.k_norm",
-    "attn_qkv": "self_attn.qkv_proj",  # phi3 (fused)
-}
-# Per-architecture exceptions to _LAYER_TENSORS.
-_ARCH_LAYER_TENSORS = {
-    "phi3": {"ffn_up": "mlp.gate_up_proj"},  # phi3's ffn_up is gate and up, fused
-    "gemma3_text": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
-                    "post_ffw_norm": "post_feedforward_layernorm"},
-}
-# Mixture-of-experts tensors, by HF model_type: the MoE block's module path and the HF
-# projection name of each stacked GGUF expert tensor (gguf-py `gguf.constants`:
-# FFN_GATE_INP "ffn_gate_inp" is the router, FFN_{GATE,UP,DOWN}_EXP "ffn_*_exps" hold all
-# experts, numpy shape [n_expert, out, in]; llama.cpp convert_hf_to_gguf.py stacks the HF
-# per-expert matrices in expert order).
-_MOE_LAYOUT = {
-    "qwen3_moe": ("mlp", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}),
-    "mixtral": ("block_sparse_moe", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}),
-}
-# GGUF `{arch}.expert_gating_func` values (llama.cpp LLAMA_EXPERT_GATING_FUNC_TYPE_*).
-_GATING_SOFTMAX = 1
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-# GGUF tensors that become config fields rather than weights (phi3's LongRoPE factors).
-_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# Whole-model GGUF tensor name -> HF module path, and the MoE router's layer-relative name.
+_GLOBAL_TENSORS = {gguf.TENSOR_NAMES[tensor]: path for tensor, path in GGUF_GLOBAL_TENSORS.items()}
+_ROUTER = gguf_layer_name(gguf.MODEL_TENSOR.FFN_GATE_INP)
 # Optional `{arch}.rope.scaling.<gguf key>` -> HF yarn `rope_parameters` key.
 _YARN_OPTIONAL_KEYS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "attn_factor": "attention_factor"}
 _TOKEN_ID_KEYS = {"bos_token_id": "bos", "eos_token_id": "eos", "pad_token_id": "padding"}
-_CONFIG_CLASSES: dict[str, type[transformers.PretrainedConfig]] = {
-    # llama.cpp also writes Mistral checkpoints as arch "llama" (same layout and permutation).
-    "llama": transformers.LlamaConfig,
-    "qwen2": transformers.Qwen2Config,
-    "qwen3": transformers.Qwen3Config,
-    "phi3": transformers.Phi3Config,
-    "qwen3moe": transformers.Qwen3MoeConfig,
-    "gemma3": transformers.Gemma3TextConfig,
-}
-# Arch "llama" with `llama.expert_count` > 0 is Mixtral (llama.cpp writes Mixtral that way).
-
-
 def default_cache_dir() -> Path:
     """Where converted models go: `$KVFLOW_CACHE_DIR`, else `~/.cache/kvflow/models`."""
     env = envs.KVFLOW_CACHE_DIR
@@ -132,8 +80,9 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
          model; `qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`), taken from its pip package(s);
          split models are first concatenated into `<cache>/<name>.gguf` (size and SHA-256
          checked);
-      2. a path to a `.gguf` file (arch `llama` — Mixtral when it has experts — `qwen2`,
-         `qwen3`, `phi3`, `qwen3moe` or `gemma3`);
+      2. a path to a `.gguf` file of an architecture some registered model's ``ArchSpec``
+         reads (`kvflow.model.registry.gguf_arch_spec`: `llama` — Mixtral when it has
+         experts — `qwen2`, `qwen3`, `phi3`, `qwen3moe`, `gemma3` built in);
       3. an HF directory containing `config.json`, returned as is (resolved to absolute).
 
     For a GGUF file the folder `<cache>/<gguf stem>-<key>` holds its `config.json`, tokenizer
@@ -184,6 +133,24 @@ def gguf_file(model: str, cache_dir: str | os.PathLike[str] | None = None) -> Pa
         return _packaged_gguf(packages.lookup(model), root)
     path = Path(model).expanduser()
     return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
+
+
+def resolve_model_config(model: str, cache_dir: str | os.PathLike[str] | None = None,
+                         max_model_len: int | None = None) -> tuple[Path, Any]:
+    """Resolve a model argument in one order: the argument -> its Hugging Face-format folder
+    (``resolve_model``) -> its transformers config (``load_config``) -> its ``ModelConfig``
+    (``kvflow.model.registry.model_config``: the architecture's ``ArchSpec`` facts applied;
+    ``max_model_len`` the engine's context limit, None: the model's).
+
+    Returns:
+        (the folder, the ``kvflow.config.ModelConfig``).
+
+    Raises:
+        as ``resolve_model`` and ``registry.model_config`` (an unsupported architecture, a
+        ``max_model_len`` beyond the model's context).
+    """
+    model_dir = resolve_model(model, cache_dir)
+    return model_dir, registry.model_config(load_config(model_dir), max_model_len)
 
 
 def load_config(model_dir: str | os.PathLike[str]) -> transformers.PretrainedConfig:
@@ -252,8 +219,8 @@ def iter_gguf_weights(source: str | os.PathLike[str], config: transformers.Pretr
     """Yield ``(HF tensor name, tensor)`` for every weight of a GGUF file, one at a time.
 
     With ``native`` every 2-D matrix in a type of ``gguf_kernels.SUPPORTED_QTYPES`` comes as
-    a ``GGUFWeight`` of its stored blocks (copied once out of the memory-mapped file; the Q/K
-    rows of arch ``llama`` un-permuted, which moves whole rows of blocks); every other tensor
+    a ``GGUFWeight`` of its stored blocks (copied once out of the memory-mapped file; Q/K
+    rows un-permuted where ``ArchSpec.gguf_qk_permuted``, which moves whole rows of blocks); every other tensor
     (float types, norms, stacked experts, other quantized types) is dequantized to float32 as
     ``convert_gguf`` writes it.
 
@@ -268,9 +235,10 @@ def iter_gguf_weights(source: str | os.PathLike[str], config: transformers.Pretr
     # The tensor table alone: gguf.GGUFReader would also build every metadata value (~0.4 GiB
     # of objects for a 151k-token vocabulary) that loading weights does not need.
     infos = read_tensor_infos(source)
+    config_tensors = registry.arch_spec(config.model_type).config_tensor_names()
     with open(source, "rb", buffering=0) as file:
         for info in infos:
-            if info.name in _CONFIG_TENSORS:
+            if info.name in config_tensors:
                 continue
             names = _hf_names(info.name, config)
             try:
@@ -316,8 +284,9 @@ def _open_gguf(source: Path) -> gguf.GGUFReader:
 
 def _permuted_rows(rows: np.ndarray, gguf_name: str, config: transformers.PretrainedConfig) -> np.ndarray:
     """Rows of a GGUF matrix (any element layout, one row per output feature) in HF order:
-    llama.cpp's arch ``llama`` permutes the Q and K rows (``_unpermute_rows``)."""
-    if config.model_type in ("llama", "mixtral"):
+    un-permuted Q and K rows where the architecture's spec says llama.cpp permuted them
+    (``ArchSpec.gguf_qk_permuted``, ``_unpermute_rows``)."""
+    if registry.arch_spec(config.model_type).gguf_qk_permuted:
         if ".attn_q." in gguf_name:
             return _unpermute_rows(rows, config.num_attention_heads)
         if ".attn_k." in gguf_name:
@@ -379,16 +348,15 @@ def convert_gguf(
     gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], shard_bytes: int = SHARD_BYTES,
     weights: bool = True,
 ) -> None:
-    """Write the HF-format equivalent of a `llama`, `qwen2`, `qwen3`, `phi3`, `qwen3moe` or `gemma3` GGUF
-    file into `out_dir`.
+    """Write the HF-format equivalent of a GGUF file into `out_dir`; the file's architecture
+    is read by its registered ``ArchSpec`` (``kvflow.model.registry.gguf_arch_spec``).
 
-    Writes `config.json` (`LlamaConfig` / `MixtralConfig` for arch `llama` with experts /
-    `Qwen2Config` / `Qwen3Config` / `Phi3Config` / `Qwen3MoeConfig` from the GGUF metadata,
-    dtype float32), float32 safetensors (dequantized tensor by tensor, shards of at most
-    `shard_bytes` bytes plus `model.safetensors.index.json` when more than one; Q/K
-    permutation of arch `llama` undone; stacked expert tensors split into the HF per-expert
-    tensors) and the tokenizer files (via transformers' GGUF tokenizer support, keeping the
-    chat template and EOS token of the GGUF metadata). Peak memory is about one shard.
+    Writes `config.json` (the spec's transformers config class filled from the GGUF
+    metadata, dtype float32), float32 safetensors (dequantized tensor by tensor, shards of at
+    most `shard_bytes` bytes plus `model.safetensors.index.json` when more than one; Q/K
+    permutation undone where the spec says so; stacked expert tensors split into the HF
+    per-expert tensors) and the tokenizer files (via transformers' GGUF tokenizer support,
+    keeping the chat template and EOS token of the GGUF metadata). Peak memory is about one shard.
     `out_dir` is created if needed; existing files of the same names are overwritten.
     `weights=False` writes the config and tokenizer only (what `resolve_model` caches: the
     engine then reads the weights from the GGUF file itself).
@@ -403,8 +371,9 @@ def convert_gguf(
     out.mkdir(parents=True, exist_ok=True)
     reader = _open_gguf(source)
     config = _build_config(reader)
+    config_tensors = registry.arch_spec(config.model_type).config_tensor_names()
     for tensor in reader.tensors:
-        if tensor.name not in _CONFIG_TENSORS:
+        if tensor.name not in config_tensors:
             _hf_names(tensor.name, config)  # reject unsupported tensors before writing anything
     config.save_pretrained(out)
     if weights:
@@ -421,32 +390,30 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
     return field.contents()
 
 
-def _float32(value: float) -> float:
-    """The shortest decimal that rounds to the same float32 (GGUF stores e.g. 1e-5 as float32)."""
-    return float(str(np.float32(value)))
+_float32 = float32_value
 
 
-def _rope_parameters(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
+def _rope_parameters(meta: GGUFMetadata) -> dict[str, Any]:
     """transformers-5 `rope_parameters` from `{arch}.rope.*` metadata."""
-    theta = _float32(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    theta = _float32(meta.arch_get("rope.freq_base", 10000.0))
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
-    scaling = _field(reader, f"{arch}.rope.scaling.type", None)
-    legacy_linear = _field(reader, f"{arch}.rope.scale_linear", None)
+    scaling = meta.arch_get("rope.scaling.type", None)
+    legacy_linear = meta.arch_get("rope.scale_linear", None)
     if scaling is None and legacy_linear is not None:
         scaling = "linear"
     if scaling in (None, "none"):
         return params
-    factor = _field(reader, f"{arch}.rope.scaling.factor", legacy_linear)
+    factor = meta.arch_get("rope.scaling.factor", legacy_linear)
     if scaling == "linear":
         params.update(rope_type="linear", factor=_float32(factor))
     elif scaling == "yarn":
         params.update(
             rope_type="yarn",
             factor=_float32(factor),
-            original_max_position_embeddings=int(_field(reader, f"{arch}.rope.scaling.original_context_length")),
+            original_max_position_embeddings=int(meta.arch_get("rope.scaling.original_context_length")),
         )
         for gguf_key, hf_key in _YARN_OPTIONAL_KEYS.items():
-            value = _field(reader, f"{arch}.rope.scaling.{gguf_key}", None)
+            value = meta.arch_get(f"rope.scaling.{gguf_key}", None)
             if value is not None:
                 params[hf_key] = _float32(value)
     else:
@@ -455,145 +422,66 @@ def _rope_parameters(reader: gguf.GGUFReader, arch: str) -> dict[str, Any]:
 
 
 def _build_config(reader: gguf.GGUFReader) -> transformers.PretrainedConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in _CONFIG_CLASSES:
-        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported ({', '.join(_CONFIG_CLASSES)} are)")
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    hidden_size = int(_field(reader, f"{arch}.embedding_length"))
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden_size // num_heads))
-    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim and arch != "phi3":
+    """The transformers config of a GGUF file: the Llama-shaped fields every architecture
+    stores under the same ``{arch}.*`` keys, then what the architecture's ``ArchSpec``
+    (``kvflow.model.registry.gguf_arch_spec``) adds.
+
+    Raises:
+        NotImplementedError: an architecture no spec reads, or partial rotary where the
+            spec does not allow it (or from the spec's hook).
+        KeyError: a required metadata key is missing.
+    """
+    meta = GGUFMetadata(reader)
+    spec = registry.gguf_arch_spec(meta.arch, int(meta.arch_get("expert_count", 0)) > 0)
+    tensors = meta.tensors
+    hidden_size = int(meta.arch_get("embedding_length"))
+    num_heads = int(meta.arch_get("attention.head_count"))
+    head_dim = int(meta.arch_get("attention.key_length", hidden_size // num_heads))
+    rope_dim = int(meta.arch_get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim and not spec.gguf_partial_rotary:
         raise NotImplementedError(f"Partial rotary embedding ({rope_dim} of {head_dim} dims) is not supported")
     kwargs: dict[str, Any] = dict(
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF dims are reversed: (hidden, vocab)
         hidden_size=hidden_size,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(meta.arch_get("feed_forward_length")),
+        num_hidden_layers=int(meta.arch_get("block_count")),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        num_key_value_heads=int(meta.arch_get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
-        rms_norm_eps=_float32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length")),
-        rope_parameters=_rope_parameters(reader, arch),
+        rms_norm_eps=_float32(meta.arch_get("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(meta.arch_get("context_length")),
+        rope_parameters=_rope_parameters(meta),
         tie_word_embeddings="output.weight" not in tensors,
         dtype="float32",
     )
     for hf_key, gguf_key in _TOKEN_ID_KEYS.items():
-        token_id = _field(reader, f"tokenizer.ggml.{gguf_key}_token_id", None)
+        token_id = meta.get(f"tokenizer.ggml.{gguf_key}_token_id", None)
         if token_id is not None:
             kwargs[hf_key] = int(token_id)
-    config_class = _CONFIG_CLASSES[arch]
-    num_experts = int(_field(reader, f"{arch}.expert_count", 0))
-    if num_experts:
-        config_class = transformers.MixtralConfig if arch == "llama" else config_class
-        kwargs.update(_moe_config(reader, arch, num_experts, tensors, kwargs["num_hidden_layers"], config_class))
-    elif arch == "qwen3moe":
-        raise NotImplementedError("GGUF architecture 'qwen3moe' without qwen3moe.expert_count is not supported")
-    if arch in ("llama", "qwen3", "qwen3moe") and config_class is not transformers.MixtralConfig:
+    if spec.gguf_attention_bias_from_tensors:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
-    if arch == "phi3":
-        kwargs.update(_phi3_fields(reader, tensors, rope_dim / head_dim, kwargs["rope_parameters"]))
-    if arch == "gemma3":
-        kwargs.update(_gemma3_fields(reader, kwargs))
+    if spec.gguf_config_fields is not None:
+        kwargs.update(spec.gguf_config_fields(meta, kwargs))
+    config_class = spec.config_class()
     config = config_class(**kwargs)
-    config.architectures = ["Gemma3ForCausalLM" if arch == "gemma3" else config.__class__.__name__.replace("Config", "ForCausalLM")]
+    config.architectures = [spec.hf_architecture or config_class.__name__.replace("Config", "ForCausalLM")]
     return config
 
 
-def _gemma3_fields(reader: gguf.GGUFReader, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`Gemma3TextConfig` fields of a gemma3 GGUF: the window, the per-layer-type RoPE (the
-    global layers' from the metadata, the local ones' base 10000) and what llama.cpp fixes in
-    code (see the module docstring)."""
-    layers, heads = kwargs["num_hidden_layers"], kwargs["num_attention_heads"]
-    window = int(_field(reader, "gemma3.attention.sliding_window", 0))
-    return {
-        "sliding_window": window or None,
-        "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
-        "rope_parameters": {"full_attention": kwargs["rope_parameters"],
-                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-        "query_pre_attn_scalar": kwargs["hidden_size"] // heads if layers == 62 else kwargs["head_dim"],
-        "hidden_activation": "gelu_pytorch_tanh",
-        "final_logit_softcapping": None,
-    }
-
-
-def _phi3_fields(
-    reader: gguf.GGUFReader, tensors: dict[str, gguf.ReaderTensor], partial_rotary: float, rope: dict[str, Any]
-) -> dict[str, Any]:
-    """`Phi3Config` fields from phi3 metadata: the LongRoPE factor tensors (their presence is
-    how llama.cpp marks LongRoPE), the attention factor, partial rotary, the sliding window."""
-    fields: dict[str, Any] = {}
-    original = _field(reader, "phi3.rope.scaling.original_context_length", None)
-    if original is not None:
-        fields["original_max_position_embeddings"] = int(original)
-    factors = {name: tensors.get(f"rope_factors_{name}.weight") for name in ("long", "short")}
-    if any(t is not None for t in factors.values()):
-        if None in factors.values() or original is None:
-            raise NotImplementedError("phi3 GGUF has incomplete LongRoPE data (needs rope_factors_long, "
-                                      "rope_factors_short and rope.scaling.original_context_length)")
-        rope.update(
-            rope_type="longrope",
-            original_max_position_embeddings=int(original),
-            **{f"{name}_factor": [_float32(v) for v in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)]
-               for name, t in factors.items()},
-        )
-        attn_factor = _field(reader, "phi3.rope.scaling.attn_factor", None)
-        if attn_factor is not None:
-            rope["attention_factor"] = _float32(attn_factor)
-    rope["partial_rotary_factor"] = partial_rotary
-    window = int(_field(reader, "phi3.attention.sliding_window", 0))
-    fields["sliding_window"] = window or None
-    return fields
-
-
-def _moe_config(reader: gguf.GGUFReader, arch: str, num_experts: int, tensors: dict, num_layers: int,
-                config_class: type) -> dict[str, Any]:
-    """The MoE fields of a Qwen3-MoE / Mixtral config from `{arch}.expert_*` metadata.
-
-    Qwen3-MoE: `expert_feed_forward_length` is `moe_intermediate_size`; `norm_topk_prob`
-    is `expert_weights_norm` when present, else True (llama.cpp's qwen3moe graph always
-    renormalizes the top-k weights, src/models/qwen3moe.cpp); layers without a router
-    tensor are dense (`mlp_only_layers`).
-
-    Raises:
-        NotImplementedError: a gating function other than softmax, shared experts, or a
-            Mixtral layer without experts.
-    """
-    gating = _field(reader, f"{arch}.expert_gating_func", _GATING_SOFTMAX)
-    if int(gating) != _GATING_SOFTMAX:
-        raise NotImplementedError(f"GGUF {arch}.expert_gating_func={gating} is not supported (only softmax, 1)")
-    shared = int(_field(reader, f"{arch}.expert_shared_count", 0))
-    if shared:
-        raise NotImplementedError(f"GGUF {arch}.expert_shared_count={shared}: shared experts are not supported here")
-    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
-    fields: dict[str, Any] = {"num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count"))}
-    if config_class is transformers.MixtralConfig:
-        if dense:
-            raise NotImplementedError(f"GGUF Mixtral layers {dense} have no experts (ffn_gate_inp)")
-        return {**fields, "num_local_experts": num_experts, "sliding_window": None}
-    return {
-        **fields,
-        "num_experts": num_experts,
-        "moe_intermediate_size": int(_field(reader, f"{arch}.expert_feed_forward_length")),
-        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", True)),
-        "mlp_only_layers": dense,
-    }
-
-
 def _hf_names(gguf_name: str, config: transformers.PretrainedConfig) -> list[str]:
-    """The HF tensor name(s) of a GGUF tensor: one, or one per expert for a stacked
-    `ffn_*_exps` tensor."""
+    """The HF tensor name(s) of a GGUF tensor (names from the architecture's ``ArchSpec``):
+    one, or one per expert for a stacked `ffn_*_exps` tensor."""
     base, _, kind = gguf_name.rpartition(".")
     layer = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if kind in ("weight", "bias"):
-        names = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(config.model_type, {})}
+        spec = registry.arch_spec(config.model_type)
+        names = spec.layer_tensors()
         if layer and layer[2] in names:
             return [f"model.layers.{layer[1]}.{names[layer[2]]}.{kind}"]
-        moe = _MOE_LAYOUT.get(config.model_type)
+        moe = spec.moe_tensors()
         if layer and moe and kind == "weight":
             block, projections = moe
-            if layer[2] == "ffn_gate_inp":
+            if layer[2] == _ROUTER:
                 return [f"model.layers.{layer[1]}.{block}.gate.weight"]
             if layer[2] in projections:
                 return [f"model.layers.{layer[1]}.{block}.experts.{e}.{projections[layer[2]]}.weight"
@@ -634,8 +522,9 @@ def _hf_tensor(tensor: gguf.ReaderTensor, config: transformers.PretrainedConfig)
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     values = values.reshape([int(dim) for dim in reversed(tensor.shape)]).astype(np.float32, copy=False)
     values = _permuted_rows(values, tensor.name, config)
-    if config.model_type == "gemma3_text" and tensor.name.endswith("norm.weight"):
-        values = values - 1.0  # llama.cpp stores Gemma's 1 + w
+    offset = registry.arch_spec(config.model_type).gguf_norm_offset
+    if offset and tensor.name.endswith("norm.weight"):
+        values = values - offset  # e.g. llama.cpp stores Gemma's 1 + w
     if not values.flags.writeable:  # a view of the memory-mapped file (F32 tensors)
         values = values.copy()
     return torch.from_numpy(np.ascontiguousarray(values))
@@ -644,7 +533,8 @@ def _hf_tensor(tensor: gguf.ReaderTensor, config: transformers.PretrainedConfig)
 def _write_weights(reader: gguf.GGUFReader, config: transformers.PretrainedConfig, out: Path, shard_bytes: int) -> None:
     shards: list[list[gguf.ReaderTensor]] = [[]]
     used = 0
-    weights_only = [tensor for tensor in reader.tensors if tensor.name not in _CONFIG_TENSORS]
+    config_tensors = registry.arch_spec(config.model_type).config_tensor_names()
+    weights_only = [tensor for tensor in reader.tensors if tensor.name not in config_tensors]
     for tensor in weights_only:
         _hf_names(tensor.name, config)  # reject unsupported tensors before writing anything
         nbytes = int(tensor.n_elements) * 4
@@ -668,7 +558,14 @@ def _write_weights(reader: gguf.GGUFReader, config: transformers.PretrainedConfi
 
 
 def _write_tokenizer(reader: gguf.GGUFReader, source: Path, out: Path) -> None:
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    except ValueError as exc:
+        if "is not supported yet" not in str(exc):
+            raise
+        # An architecture transformers' GGUF config reader does not know (one registered with
+        # kvflow only): the tokenizer itself is described by the `tokenizer.ggml.*` keys alone.
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(source.parent), gguf_file=source.name)
     template = _field(reader, "tokenizer.chat_template", None)
     if template is not None:
         tokenizer.chat_template = template

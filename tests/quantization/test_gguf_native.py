@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from kvflow.config import EngineArgs
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.gguf_kernels import GGUFWeight, kernel_available
 from kvflow.layers.linear import QKVParallelLinear, RowParallelLinear

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.config import EngineArgs
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.attention.kv_cache import quantize_kv
 from kvflow.model.loader import quantize_model
 from kvflow.quantization.int4 import group_size_for

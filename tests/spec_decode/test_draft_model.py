@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from conftest import make_engine as conftest_make_engine, tiny_model, tiny_model_config
-from kvflow.config import CacheConfig, EngineArgs, SchedulerConfig, SpeculativeConfig
+from kvflow.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from kvflow.engine.arg_utils import EngineArgs
 from kvflow.core.block_pool import hash_block_tokens
 from kvflow.core.kv_cache_manager import cdiv
 from kvflow.engine.llm_engine import LLMEngine
