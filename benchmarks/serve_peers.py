@@ -104,14 +104,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wait-idle", type=float, default=60.0, help="max seconds to wait for an idle CPU before each engine")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="cores kept busy by N spinning processes while each engine is measured (contention)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ENGINE:ARGS",
+                   help="an engine under another name with extra server arguments, e.g. "
+                        "'kvflow-nostep=kvflow-default:--max-step-seconds 0'; NAME then goes in --engines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-trace", type=Path, default=None, metavar="DIR",
+                   help="trace every engine step of kvflow and vLLM (benchmarks/peers/step_trace) into "
+                        "DIR/<engine>.<pid>.jsonl and keep each server's /metrics after each scenario in "
+                        "DIR/<engine>-<scenario>.metrics; summarize with python -m benchmarks.peers.step_report")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "serve_peers.json")
     p.add_argument("--plot", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "serve_peers.png")
     args = p.parse_args(argv)
     args.engines = [e for e in args.engines.split(",") if e]
+    args.variants = {}
+    for v in args.variant:
+        name, sep, rest = v.partition("=")
+        base, sep2, extra = rest.partition(":")
+        if not (sep and sep2 and name) or base not in ENGINES or name in ENGINES:
+            p.error(f"--variant: expected NAME=ENGINE:ARGS with ENGINE one of {', '.join(ENGINES)}, got {v!r}")
+        args.variants[name] = (base, shlex.split(extra))
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     for e in args.engines:
-        if e not in ENGINES:
+        if e not in ENGINES and e not in args.variants:
             p.error(f"--engines: unknown engine {e!r} (known: {', '.join(ENGINES)})")
     for s in args.scenarios:
         if s not in SCENARIOS:
@@ -135,6 +149,9 @@ def model_files(model: str) -> tuple[Path, Path | None]:
 def server_command(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None, port: int,
                    max_concurrency: int) -> list[str]:  # fmt: skip
     """The command line that starts ``engine``'s OpenAI-compatible server on ``port``."""
+    if engine in getattr(args, "variants", {}):
+        base, extra = args.variants[engine]
+        return [*server_command(base, args, hf_dir, gguf, port, max_concurrency), *extra]
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if engine.startswith("kvflow"):
         dtype = [] if engine == "kvflow-default" else ["--dtype", args.dtype]
@@ -277,6 +294,16 @@ def run_bench(args: argparse.Namespace, url: str, hf_dir: Path, scenario: str, s
     return result
 
 
+def _save_metrics(url: str, path: Path) -> None:
+    """The server's Prometheus ``/metrics`` text into ``path`` (nothing if it has none)."""
+    try:
+        r = httpx.get(url + "/metrics", timeout=10)
+    except httpx.HTTPError:
+        return
+    if r.status_code == 200:
+        path.write_text(r.text)
+
+
 def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None, workdir: Path) -> dict[str, Any]:
     """Start ``engine``'s server, run every scenario against it, stop it."""
     idle = wait_for_idle(args.wait_idle)
@@ -285,6 +312,10 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
     cmd = server_command(engine, args, hf_dir, gguf, port, max_concurrency)
     log_path = workdir / f"{engine}.log"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if args.step_trace is not None:  # the tracer's sitecustomize first on the path (kvflow and vLLM)
+        args.step_trace.mkdir(parents=True, exist_ok=True)
+        env.update(STEP_TRACE=str(args.step_trace.resolve() / engine),
+                   PYTHONPATH=str(REPO_ROOT / "benchmarks" / "peers" / "step_trace") + os.pathsep + env["PYTHONPATH"])
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     record: dict[str, Any] = {"engine": engine, "server_command": shlex.join(cmd), "cpu_busy_before": idle,
@@ -297,6 +328,8 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
         for scenario in args.scenarios:
             print(f"[{engine}] {scenario} ...", flush=True)
             record["scenarios"][scenario] = run_bench(args, f"http://127.0.0.1:{port}", hf_dir, scenario, proc.pid, workdir)
+            if args.step_trace is not None:
+                _save_metrics(f"http://127.0.0.1:{port}", args.step_trace / f"{engine}-{scenario}.metrics")
         record["peak_rss_mib"] = max(r["peak_rss_mib"] for r in record["scenarios"].values())
     except RuntimeError as exc:
         record["error"] = str(exc)
