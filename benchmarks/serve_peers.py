@@ -11,8 +11,13 @@ the requested number of tokens. Scenarios (``--scenarios``):
 
 * ``concurrent4`` / ``concurrent16`` / ``concurrent32``: 64 prompts of 128-384 tokens, outputs
   of 64-192 tokens (``--random-input-len 256 --random-output-len 128 --random-range-ratio
-  0.5``), at most 4 / 16 / 32 requests in flight (the same 64 requests in each);
+  0.5``), at most 4 / 16 / 32 requests in flight;
 * ``single``: 4 prompts of 32 tokens, 128 output tokens each, one at a time.
+
+Every scenario draws its own prompts (seed ``--seed`` + the scenario's number in
+``SCENARIOS``): the scenarios run one after the other on the same server, and with one seed
+for all of them a later scenario sent the same 64 prompts again, so that its TTFT measured
+the engine's prefix cache (whether 64 prompts + outputs fit in it) instead of its prefill.
 
 Per engine and scenario: completed / failed requests, output tokens/s, TTFT (mean, p99),
 TPOT (mean, p99), ITL p99, all as ``vllm bench serve`` reports them (its ``--save-result``
@@ -260,18 +265,29 @@ def _all_busy_seconds() -> float:
     return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
 
 
-def run_bench(args: argparse.Namespace, url: str, hf_dir: Path, scenario: str, server_pid: int, workdir: Path) -> dict[str, Any]:
-    """One ``vllm bench serve`` run; its result JSON plus ``other_load_cores`` and the command."""
+def scenario_seed(seed: int, scenario: str) -> int:
+    """The load generator's seed for ``scenario``: distinct per scenario, so that no scenario
+    repeats another's prompts (which would be prefix-cache hits on the same server)."""
+    return seed + list(SCENARIOS).index(scenario)
+
+
+def bench_command(args: argparse.Namespace, url: str, hf_dir: Path, scenario: str, workdir: Path, name: str) -> list[str]:
+    """``vllm bench serve``'s command line for ``scenario`` against ``url``, its result JSON to ``workdir/name``."""
     s = SCENARIOS[scenario]
-    name = f"{scenario}.json"
-    cmd = [*shlex.split(args.bench or args.vllm), "bench", "serve", "--backend", "openai", "--base-url", url,
+    return [*shlex.split(args.bench or args.vllm), "bench", "serve", "--backend", "openai", "--base-url", url,
            "--endpoint", "/v1/completions", "--model", "model", "--tokenizer", str(hf_dir),
            "--dataset-name", "random", "--random-input-len", str(s["input_len"]),
            "--random-output-len", str(s["output_len"]), "--random-range-ratio", str(s["range_ratio"]),
            "--num-prompts", str(s["num_prompts"]), "--max-concurrency", str(s["concurrency"]),
-           "--ignore-eos", "--seed", str(args.seed), "--temperature", "0",
+           "--ignore-eos", "--seed", str(scenario_seed(args.seed, scenario)), "--temperature", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
+
+
+def run_bench(args: argparse.Namespace, url: str, hf_dir: Path, scenario: str, server_pid: int, workdir: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; its result JSON plus ``other_load_cores`` and the command."""
+    name = f"{scenario}.json"
+    cmd = bench_command(args, url, hf_dir, scenario, workdir, name)
     server_cpu0, busy0, t0 = _tree_cpu_seconds(server_pid), _all_busy_seconds(), time.monotonic()
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     bench_cpu = peak_rss = 0.0

@@ -74,3 +74,26 @@ def test_background_load_spins_until_stopped() -> None:
         load.stop()
     assert proc.poll() is not None
     assert serve_peers._tree_rss_mib(proc.pid) == 0.0
+
+
+def test_each_scenario_draws_its_own_prompts(tmp_path: Path) -> None:
+    """Scenarios run back to back on one server: with one seed, a later scenario resent the same
+    prompts and measured the prefix cache."""
+    args = serve_peers.parse_args(["--seed", "5"])
+    seeds = []
+    for scenario in serve_peers.SCENARIOS:
+        cmd = serve_peers.bench_command(args, "http://x", Path("/m/hf"), scenario, tmp_path, "r.json")
+        seeds.append(int(cmd[cmd.index("--seed") + 1]))
+    assert seeds[0] == 5 and len(set(seeds)) == len(serve_peers.SCENARIOS)
+
+
+def test_variant_runs_an_engine_with_extra_server_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    args = serve_peers.parse_args(["--engines", "kvflow-default,nobound",
+                                   "--variant", "nobound=kvflow-default:--max-step-seconds 0"])  # fmt: skip
+    cmd = serve_peers.server_command("nobound", args, Path("/m/hf"), None, 9000, 16)
+    assert cmd[-2:] == ["--max-step-seconds", "0"] and "--dtype" not in cmd
+    assert build_parser().parse_args(cmd[cmd.index("serve"):]).max_step_seconds == 0
+    for bad in ("nobound=sglang:--x", "kvflow=kvflow-default:--x", "nobound"):
+        with pytest.raises(SystemExit):
+            serve_peers.parse_args(["--variant", bad])
+        assert "--variant" in capsys.readouterr().err
