@@ -14,6 +14,9 @@ the requested number of tokens. Scenarios (``--scenarios``):
   0.5``), at most 4 / 16 / 32 requests in flight;
 * ``single``: 4 prompts of 32 tokens, 128 output tokens each, one at a time.
 
+A scenario listed twice (``--scenarios concurrent16,concurrent16``) runs again on the same
+server with the same prompts, reported as ``concurrent16#2``: the prefix cache's share.
+
 Every scenario draws its own prompts (seed ``--seed`` + the scenario's number in
 ``SCENARIOS``): the scenarios run one after the other on the same server, and with one seed
 for all of them a later scenario sent the same 64 prompts again, so that its TTFT measured
@@ -341,11 +344,12 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
         record["startup_s"] = wait_ready(proc, f"http://127.0.0.1:{port}", args.startup_timeout, log_path)
         load = BackgroundLoad(args.background_load)
         record["scenarios"] = {}
-        for scenario in args.scenarios:
-            print(f"[{engine}] {scenario} ...", flush=True)
-            record["scenarios"][scenario] = run_bench(args, f"http://127.0.0.1:{port}", hf_dir, scenario, proc.pid, workdir)
+        for key in run_keys(args.scenarios):
+            scenario = key.partition("#")[0]
+            print(f"[{engine}] {key} ...", flush=True)
+            record["scenarios"][key] = run_bench(args, f"http://127.0.0.1:{port}", hf_dir, scenario, proc.pid, workdir)
             if args.step_trace is not None:
-                _save_metrics(f"http://127.0.0.1:{port}", args.step_trace / f"{engine}-{scenario}.metrics")
+                _save_metrics(f"http://127.0.0.1:{port}", args.step_trace / f"{engine}-{key}.metrics")
         record["peak_rss_mib"] = max(r["peak_rss_mib"] for r in record["scenarios"].values())
     except RuntimeError as exc:
         record["error"] = str(exc)
@@ -355,6 +359,18 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
             load.stop()
         stop(proc)
     return record
+
+
+def run_keys(scenarios: list[str]) -> list[str]:
+    """Result keys of the scenarios in run order: a scenario listed again is run again on the same
+    server with the same prompts (its seed), as ``<scenario>#2``, ``#3``...: the engine then
+    serves them from its prefix cache as far as the cache still holds them."""
+    seen: dict[str, int] = {}
+    keys = []
+    for s in scenarios:
+        seen[s] = seen.get(s, 0) + 1
+        keys.append(s if seen[s] == 1 else f"{s}#{seen[s]}")
+    return keys
 
 
 def tables(records: list[dict[str, Any]], scenarios: list[str]) -> str:
@@ -374,7 +390,7 @@ def tables(records: list[dict[str, Any]], scenarios: list[str]) -> str:
                          r["other_load_cores"]])  # fmt: skip
         headers = ["engine", "ok", "failed", "out tok/s", "TTFT ms", "TTFT p99", "TPOT ms", "TPOT p99", "ITL p99",
                    "tok/s vs 1st", "TTFT vs 1st", "peak RSS MiB", "other load"]  # fmt: skip
-        out.append(f"{scenario} ({SCENARIOS[scenario]})\n" + format_table(headers, rows))
+        out.append(f"{scenario} ({SCENARIOS[scenario.partition('#')[0]]})\n" + format_table(headers, rows))
     return "\n\n".join(out)
 
 
@@ -410,15 +426,16 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in records[-1]:
                 log = Path(tmp) / f"{engine}.log"
                 records[-1]["server_log_tail"] = log.read_text(errors="replace")[-3000:] if log.is_file() else None
-    print(tables(records, args.scenarios))
+    keys = run_keys(args.scenarios)
+    print(tables(records, keys))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine_info(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
                "background_load": args.background_load,
-               "scenarios": {s: SCENARIOS[s] for s in args.scenarios}, "engines": records}  # fmt: skip
+               "scenarios": {k: SCENARIOS[k.partition("#")[0]] for k in keys}, "engines": records}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     try:
-        plot(records, args.scenarios, args.plot)
+        plot(records, keys, args.plot)
         print(f"wrote {args.plot}")
     except ImportError:
         print("matplotlib not installed: no plot (pip install -e '.[bench]')")

@@ -97,3 +97,14 @@ def test_variant_runs_an_engine_with_extra_server_arguments(capsys: pytest.Captu
         with pytest.raises(SystemExit):
             serve_peers.parse_args(["--variant", bad])
         assert "--variant" in capsys.readouterr().err
+
+
+def test_a_scenario_listed_twice_runs_again_under_its_own_key(tmp_path: Path) -> None:
+    args = serve_peers.parse_args(["--scenarios", "concurrent16,single,concurrent16"])
+    keys = serve_peers.run_keys(args.scenarios)
+    assert keys == ["concurrent16", "single", "concurrent16#2"]
+    result = {"completed": 4, "failed": 0, "output_throughput": 50.0, "mean_ttft_ms": 100.0, "other_load_cores": 0.0}
+    text = serve_peers.tables([{"engine": "kvflow", "scenarios": {k: result for k in keys}}], keys)
+    assert text.count("concurrent16#2 ({") == 1 and text.count("\nkvflow ") == 3
+    first, again = (serve_peers.bench_command(args, "u", Path("/m"), "concurrent16", tmp_path, "r") for _ in range(2))
+    assert first == again  # the same prompts (seed) again
