@@ -11,8 +11,16 @@ the requested number of tokens. Scenarios (``--scenarios``):
 
 * ``concurrent4`` / ``concurrent16`` / ``concurrent32``: 64 prompts of 128-384 tokens, outputs
   of 64-192 tokens (``--random-input-len 256 --random-output-len 128 --random-range-ratio
-  0.5``), at most 4 / 16 / 32 requests in flight (the same 64 requests in each);
+  0.5``), at most 4 / 16 / 32 requests in flight;
 * ``single``: 4 prompts of 32 tokens, 128 output tokens each, one at a time.
+
+A scenario listed twice (``--scenarios concurrent16,concurrent16``) runs again on the same
+server with the same prompts, reported as ``concurrent16#2``: the prefix cache's share.
+
+Every scenario draws its own prompts (seed ``--seed`` + the scenario's number in
+``SCENARIOS``): the scenarios run one after the other on the same server, and with one seed
+for all of them a later scenario sent the same 64 prompts again, so that its TTFT measured
+the engine's prefix cache (whether 64 prompts + outputs fit in it) instead of its prefill.
 
 Per engine and scenario: completed / failed requests, output tokens/s, TTFT (mean, p99),
 TPOT (mean, p99), ITL p99, all as ``vllm bench serve`` reports them (its ``--save-result``
@@ -104,14 +112,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wait-idle", type=float, default=60.0, help="max seconds to wait for an idle CPU before each engine")
     p.add_argument("--background-load", type=int, default=0, metavar="N",
                    help="cores kept busy by N spinning processes while each engine is measured (contention)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=ENGINE:ARGS",
+                   help="an engine under another name with extra server arguments, e.g. "
+                        "'kvflow-nostep=kvflow-default:--max-step-seconds 0'; NAME then goes in --engines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-trace", type=Path, default=None, metavar="DIR",
+                   help="trace every engine step of kvflow and vLLM (benchmarks/peers/step_trace) into "
+                        "DIR/<engine>.<pid>.jsonl and keep each server's /metrics after each scenario in "
+                        "DIR/<engine>-<scenario>.metrics; summarize with python -m benchmarks.peers.step_report")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "serve_peers.json")
     p.add_argument("--plot", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "serve_peers.png")
     args = p.parse_args(argv)
     args.engines = [e for e in args.engines.split(",") if e]
+    args.variants = {}
+    for v in args.variant:
+        name, sep, rest = v.partition("=")
+        base, sep2, extra = rest.partition(":")
+        if not (sep and sep2 and name) or base not in ENGINES or name in ENGINES:
+            p.error(f"--variant: expected NAME=ENGINE:ARGS with ENGINE one of {', '.join(ENGINES)}, got {v!r}")
+        args.variants[name] = (base, shlex.split(extra))
     args.scenarios = [s for s in args.scenarios.split(",") if s]
     for e in args.engines:
-        if e not in ENGINES:
+        if e not in ENGINES and e not in args.variants:
             p.error(f"--engines: unknown engine {e!r} (known: {', '.join(ENGINES)})")
     for s in args.scenarios:
         if s not in SCENARIOS:
@@ -135,6 +157,9 @@ def model_files(model: str) -> tuple[Path, Path | None]:
 def server_command(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None, port: int,
                    max_concurrency: int) -> list[str]:  # fmt: skip
     """The command line that starts ``engine``'s OpenAI-compatible server on ``port``."""
+    if engine in getattr(args, "variants", {}):
+        base, extra = args.variants[engine]
+        return [*server_command(base, args, hf_dir, gguf, port, max_concurrency), *extra]
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if engine.startswith("kvflow"):
         dtype = [] if engine == "kvflow-default" else ["--dtype", args.dtype]
@@ -243,18 +268,29 @@ def _all_busy_seconds() -> float:
     return t.user + t.nice + t.system + t.irq + t.softirq + getattr(t, "steal", 0.0)
 
 
-def run_bench(args: argparse.Namespace, url: str, hf_dir: Path, scenario: str, server_pid: int, workdir: Path) -> dict[str, Any]:
-    """One ``vllm bench serve`` run; its result JSON plus ``other_load_cores`` and the command."""
+def scenario_seed(seed: int, scenario: str) -> int:
+    """The load generator's seed for ``scenario``: distinct per scenario, so that no scenario
+    repeats another's prompts (which would be prefix-cache hits on the same server)."""
+    return seed + list(SCENARIOS).index(scenario)
+
+
+def bench_command(args: argparse.Namespace, url: str, hf_dir: Path, scenario: str, workdir: Path, name: str) -> list[str]:
+    """``vllm bench serve``'s command line for ``scenario`` against ``url``, its result JSON to ``workdir/name``."""
     s = SCENARIOS[scenario]
-    name = f"{scenario}.json"
-    cmd = [*shlex.split(args.bench or args.vllm), "bench", "serve", "--backend", "openai", "--base-url", url,
+    return [*shlex.split(args.bench or args.vllm), "bench", "serve", "--backend", "openai", "--base-url", url,
            "--endpoint", "/v1/completions", "--model", "model", "--tokenizer", str(hf_dir),
            "--dataset-name", "random", "--random-input-len", str(s["input_len"]),
            "--random-output-len", str(s["output_len"]), "--random-range-ratio", str(s["range_ratio"]),
            "--num-prompts", str(s["num_prompts"]), "--max-concurrency", str(s["concurrency"]),
-           "--ignore-eos", "--seed", str(args.seed), "--temperature", "0",
+           "--ignore-eos", "--seed", str(scenario_seed(args.seed, scenario)), "--temperature", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
+
+
+def run_bench(args: argparse.Namespace, url: str, hf_dir: Path, scenario: str, server_pid: int, workdir: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; its result JSON plus ``other_load_cores`` and the command."""
+    name = f"{scenario}.json"
+    cmd = bench_command(args, url, hf_dir, scenario, workdir, name)
     server_cpu0, busy0, t0 = _tree_cpu_seconds(server_pid), _all_busy_seconds(), time.monotonic()
     bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     bench_cpu = peak_rss = 0.0
@@ -277,6 +313,16 @@ def run_bench(args: argparse.Namespace, url: str, hf_dir: Path, scenario: str, s
     return result
 
 
+def _save_metrics(url: str, path: Path) -> None:
+    """The server's Prometheus ``/metrics`` text into ``path`` (nothing if it has none)."""
+    try:
+        r = httpx.get(url + "/metrics", timeout=10)
+    except httpx.HTTPError:
+        return
+    if r.status_code == 200:
+        path.write_text(r.text)
+
+
 def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None, workdir: Path) -> dict[str, Any]:
     """Start ``engine``'s server, run every scenario against it, stop it."""
     idle = wait_for_idle(args.wait_idle)
@@ -285,6 +331,10 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
     cmd = server_command(engine, args, hf_dir, gguf, port, max_concurrency)
     log_path = workdir / f"{engine}.log"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if args.step_trace is not None:  # the tracer's sitecustomize first on the path (kvflow and vLLM)
+        args.step_trace.mkdir(parents=True, exist_ok=True)
+        env.update(STEP_TRACE=str(args.step_trace.resolve() / engine),
+                   PYTHONPATH=str(REPO_ROOT / "benchmarks" / "peers" / "step_trace") + os.pathsep + env["PYTHONPATH"])
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     record: dict[str, Any] = {"engine": engine, "server_command": shlex.join(cmd), "cpu_busy_before": idle,
@@ -294,9 +344,12 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
         record["startup_s"] = wait_ready(proc, f"http://127.0.0.1:{port}", args.startup_timeout, log_path)
         load = BackgroundLoad(args.background_load)
         record["scenarios"] = {}
-        for scenario in args.scenarios:
-            print(f"[{engine}] {scenario} ...", flush=True)
-            record["scenarios"][scenario] = run_bench(args, f"http://127.0.0.1:{port}", hf_dir, scenario, proc.pid, workdir)
+        for key in run_keys(args.scenarios):
+            scenario = key.partition("#")[0]
+            print(f"[{engine}] {key} ...", flush=True)
+            record["scenarios"][key] = run_bench(args, f"http://127.0.0.1:{port}", hf_dir, scenario, proc.pid, workdir)
+            if args.step_trace is not None:
+                _save_metrics(f"http://127.0.0.1:{port}", args.step_trace / f"{engine}-{key}.metrics")
         record["peak_rss_mib"] = max(r["peak_rss_mib"] for r in record["scenarios"].values())
     except RuntimeError as exc:
         record["error"] = str(exc)
@@ -306,6 +359,18 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
             load.stop()
         stop(proc)
     return record
+
+
+def run_keys(scenarios: list[str]) -> list[str]:
+    """Result keys of the scenarios in run order: a scenario listed again is run again on the same
+    server with the same prompts (its seed), as ``<scenario>#2``, ``#3``...: the engine then
+    serves them from its prefix cache as far as the cache still holds them."""
+    seen: dict[str, int] = {}
+    keys = []
+    for s in scenarios:
+        seen[s] = seen.get(s, 0) + 1
+        keys.append(s if seen[s] == 1 else f"{s}#{seen[s]}")
+    return keys
 
 
 def tables(records: list[dict[str, Any]], scenarios: list[str]) -> str:
@@ -325,7 +390,7 @@ def tables(records: list[dict[str, Any]], scenarios: list[str]) -> str:
                          r["other_load_cores"]])  # fmt: skip
         headers = ["engine", "ok", "failed", "out tok/s", "TTFT ms", "TTFT p99", "TPOT ms", "TPOT p99", "ITL p99",
                    "tok/s vs 1st", "TTFT vs 1st", "peak RSS MiB", "other load"]  # fmt: skip
-        out.append(f"{scenario} ({SCENARIOS[scenario]})\n" + format_table(headers, rows))
+        out.append(f"{scenario} ({SCENARIOS[scenario.partition('#')[0]]})\n" + format_table(headers, rows))
     return "\n\n".join(out)
 
 
@@ -361,15 +426,16 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in records[-1]:
                 log = Path(tmp) / f"{engine}.log"
                 records[-1]["server_log_tail"] = log.read_text(errors="replace")[-3000:] if log.is_file() else None
-    print(tables(records, args.scenarios))
+    keys = run_keys(args.scenarios)
+    print(tables(records, keys))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine_info(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
                "background_load": args.background_load,
-               "scenarios": {s: SCENARIOS[s] for s in args.scenarios}, "engines": records}  # fmt: skip
+               "scenarios": {k: SCENARIOS[k.partition("#")[0]] for k in keys}, "engines": records}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     try:
-        plot(records, args.scenarios, args.plot)
+        plot(records, keys, args.plot)
         print(f"wrote {args.plot}")
     except ImportError:
         print("matplotlib not installed: no plot (pip install -e '.[bench]')")

@@ -74,3 +74,37 @@ def test_background_load_spins_until_stopped() -> None:
         load.stop()
     assert proc.poll() is not None
     assert serve_peers._tree_rss_mib(proc.pid) == 0.0
+
+
+def test_each_scenario_draws_its_own_prompts(tmp_path: Path) -> None:
+    """Scenarios run back to back on one server: with one seed, a later scenario resent the same
+    prompts and measured the prefix cache."""
+    args = serve_peers.parse_args(["--seed", "5"])
+    seeds = []
+    for scenario in serve_peers.SCENARIOS:
+        cmd = serve_peers.bench_command(args, "http://x", Path("/m/hf"), scenario, tmp_path, "r.json")
+        seeds.append(int(cmd[cmd.index("--seed") + 1]))
+    assert seeds[0] == 5 and len(set(seeds)) == len(serve_peers.SCENARIOS)
+
+
+def test_variant_runs_an_engine_with_extra_server_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    args = serve_peers.parse_args(["--engines", "kvflow-default,nobound",
+                                   "--variant", "nobound=kvflow-default:--max-step-seconds 0"])  # fmt: skip
+    cmd = serve_peers.server_command("nobound", args, Path("/m/hf"), None, 9000, 16)
+    assert cmd[-2:] == ["--max-step-seconds", "0"] and "--dtype" not in cmd
+    assert build_parser().parse_args(cmd[cmd.index("serve"):]).max_step_seconds == 0
+    for bad in ("nobound=sglang:--x", "kvflow=kvflow-default:--x", "nobound"):
+        with pytest.raises(SystemExit):
+            serve_peers.parse_args(["--variant", bad])
+        assert "--variant" in capsys.readouterr().err
+
+
+def test_a_scenario_listed_twice_runs_again_under_its_own_key(tmp_path: Path) -> None:
+    args = serve_peers.parse_args(["--scenarios", "concurrent16,single,concurrent16"])
+    keys = serve_peers.run_keys(args.scenarios)
+    assert keys == ["concurrent16", "single", "concurrent16#2"]
+    result = {"completed": 4, "failed": 0, "output_throughput": 50.0, "mean_ttft_ms": 100.0, "other_load_cores": 0.0}
+    text = serve_peers.tables([{"engine": "kvflow", "scenarios": {k: result for k in keys}}], keys)
+    assert text.count("concurrent16#2 ({") == 1 and text.count("\nkvflow ") == 3
+    first, again = (serve_peers.bench_command(args, "u", Path("/m"), "concurrent16", tmp_path, "r") for _ in range(2))
+    assert first == again  # the same prompts (seed) again
