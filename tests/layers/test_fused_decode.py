@@ -26,7 +26,7 @@ from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.loader import process_weights_after_loading
 from kvflow.quantization.gguf import GGUFConfig
 from kvflow.worker.cache_engine import CacheEngine
-from tests.conftest import tiny_model_config
+from tests.conftest import requires_smollm2, tiny_model_config
 
 QT = gguf.GGMLQuantizationType
 
@@ -185,3 +185,30 @@ def test_models_and_steps_it_does_not_cover_keep_the_pytorch_path() -> None:
         layout = BatchLayout(torch.arange(n), [1] * n, [1] * n, [[0]] * n, [n], 4, torch.device("cpu"))
         assert step(torch.ones(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), cache.kv_caches,
                     backend.build_metadata(layout)) is None
+
+
+@pytest.mark.integration
+@requires_smollm2
+@needs_kernel
+def test_smollm2_greedy_tokens_equal_with_and_without_the_fused_step(smollm2_dir, monkeypatch) -> None:
+    """The real SmolLM2-135M Q4_1 file served as stored: 16 greedy tokens of two prompts (decode
+    steps of two tokens, then one) equal with the fused step and with the PyTorch path."""
+    from kvflow import LLM, SamplingParams
+
+    monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "wait")  # the kernels now, not in the background
+    llm = LLM(model=str(smollm2_dir), dtype="float32", quantization="gguf", num_kv_blocks=64)
+    model = llm.engine.model_runner.model
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    "]
+    calls = []
+    fused = llm.generate(prompts, params)
+    step = model.__dict__["fused_decode"]
+    assert isinstance(step, fused_decode.FusedDecodeStep)
+    forward = step.decoder.forward
+    step.decoder = type("Counted", (), {"forward": lambda self, *a: calls.append(1) or forward(*a)})()
+    again = llm.generate(prompts[:1], params)
+    assert len(calls) == 15 and again[0].outputs[0].token_ids == fused[0].outputs[0].token_ids
+    model.__dict__["fused_decode"] = None  # the PyTorch path, the reference
+    ref = llm.generate(prompts, params)
+    for a, b in zip(fused, ref):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
