@@ -106,10 +106,16 @@ class FusedDecoder {
   // x [M, H] (the token embeddings, model dtype) -> the final hidden states [M, H] after the
   // last RMSNorm. cos / sin [M, 1, R] (R <= head_dim, even), slot_mapping int64 [M] (negative:
   // not stored), block_tables int64 [M, W], context_lens int32 [M] (after this step's write).
+  // Layers [first, last) only (last < 0: to the end): x is then the residual stream entering
+  // layer first, and the result the one leaving layer last - 1, normalized only when last is
+  // the end (one call per layer computes what one call for all does: the benchmark's baseline).
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
-                        torch::Tensor block_tables, torch::Tensor context_lens) {
+                        torch::Tensor block_tables, torch::Tensor context_lens, int64_t first, int64_t last) {
     std::lock_guard<std::mutex> guard(mutex_);  // the scratch buffers serve one forward at a time
     TORCH_CHECK(!k_.empty(), "set_kv_caches first");
+    const int64_t L = num_layers();
+    if (last < 0) last = L;
+    TORCH_CHECK(0 <= first && first < last && last <= L, "layers [", first, ", ", last, ") outside 0 .. ", L);
     TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == H_ && x.is_contiguous(), "x: contiguous [M, ", H_,
                 "]");
     TORCH_CHECK(x.scalar_type() == k_[0].scalar_type(), "x and the kv caches must share a dtype");
@@ -141,11 +147,11 @@ class FusedDecoder {
     if (M == 0) return y;
     if (x.scalar_type() == torch::kFloat32)
       run<float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(2), sp, tp, width, cp, M,
-                 y.data_ptr<float>());
+                 first, last, y.data_ptr<float>());
     else {
       TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
       run<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(),
-                         cos.size(2), sp, tp, width, cp, M, y.data_ptr<c10::BFloat16>());
+                         cos.size(2), sp, tp, width, cp, M, first, last, y.data_ptr<c10::BFloat16>());
     }
     return y;
   }
@@ -230,7 +236,7 @@ class FusedDecoder {
 
   template <typename T>
   void run(const T* x, const T* cos, const T* sin, int64_t R, const int64_t* slots, const int64_t* tables,
-           int64_t width, const int32_t* ctx, int64_t M, T* out) {
+           int64_t width, const int32_t* ctx, int64_t M, int64_t first, int64_t last, T* out) {
     const int64_t qs = nh_ * D_, kvs = nkv_ * D_, nqkv = qs + 2 * kvs, half = R / 2;
     res_.resize(M * H_);
     h_.resize(M * H_);
@@ -240,7 +246,7 @@ class FusedDecoder {
     std::vector<T> q(M * qs), att(M * qs);
     for (int64_t i = 0; i < M * H_; ++i) res_[i] = static_cast<float>(x[i]);
     const int64_t slot_stride = kvs, bs = k_[0].size(1);
-    for (size_t li = 0; li < layers_.size(); ++li) {
+    for (int64_t li = first; li < last; ++li) {
       const Layer& l = layers_[li];
       T* kc = k_[li].data_ptr<T>();
       T* vc = v_[li].data_ptr<T>();
@@ -296,6 +302,10 @@ class FusedDecoder {
       matmul(act_.data(), M, l.down, proj_.data());
       for (int64_t i = 0; i < M * H_; ++i) res_[i] = rnd<T>(res_[i] + rnd<T>(proj_[i]));
     }
+    if (last < num_layers()) {
+      for (int64_t i = 0; i < M * H_; ++i) out[i] = static_cast<T>(res_[i]);
+      return;
+    }
     rms<T>(res_.data(), final_norm_.data_ptr<float>(), M, h_.data());
     for (int64_t i = 0; i < M * H_; ++i) out[i] = static_cast<T>(h_[i]);
   }
@@ -320,5 +330,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &FusedDecoder::add_layer)
       .def("set_kv_caches", &FusedDecoder::set_kv_caches)
       .def("num_layers", &FusedDecoder::num_layers)
-      .def("forward", &FusedDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &FusedDecoder::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("context_lens"),
+           pybind11::arg("first") = 0, pybind11::arg("last") = -1, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
