@@ -68,9 +68,9 @@ def _measure_batch(llm, batch: int, new_tokens: int, repeats: int) -> dict:
             for fused in (True, False):
                 model.__dict__["fused_decode"] = step if fused else None
                 t0 = time.perf_counter()
-                llm.generate(prompts, first)
+                llm.generate(prompts, first, use_tqdm=False)
                 t1 = time.perf_counter()
-                llm.generate(prompts, params)
+                llm.generate(prompts, params, use_tqdm=False)
                 t2 = time.perf_counter()
                 rates[fused].append(batch * (new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9))
     finally:
@@ -86,7 +86,7 @@ def _measure_single(llm, model_name: str, new_tokens: int, repeats: int) -> dict
     model = llm.engine.model_runner.model
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up, binds
+    llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)  # warm-up, binds
     step = model.__dict__.get("fused_decode")
     if not isinstance(step, fused_decode.FusedDecodeStep):
         raise SystemExit(f"{model_name}: no fused decode step ({fused_decode.refusal(model) or 'kernel unavailable'})")
@@ -94,9 +94,9 @@ def _measure_single(llm, model_name: str, new_tokens: int, repeats: int) -> dict
     def run(fused: bool) -> tuple[float, list[int]]:
         model.__dict__["fused_decode"] = step if fused else None
         t0 = time.perf_counter()
-        llm.generate([PROMPT], first)
+        llm.generate([PROMPT], first, use_tqdm=False)
         t1 = time.perf_counter()
-        out = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+        out = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
         t2 = time.perf_counter()
         # decode time: the whole generation minus a one-token one (prefill + first token)
         return (new_tokens - 1) / max((t2 - t1) - (t1 - t0), 1e-9), list(out)

@@ -192,13 +192,14 @@ def test_models_and_steps_it_does_not_cover_keep_the_pytorch_path() -> None:
 @needs_kernel
 def test_smollm2_greedy_tokens_equal_with_and_without_the_fused_step(smollm2_dir, monkeypatch) -> None:
     """The real SmolLM2-135M Q4_1 file served as stored: 16 greedy tokens of two prompts (decode
-    steps of two tokens, then one) equal with the fused step and with the PyTorch path."""
+    steps of two tokens) equal with the fused step and with the PyTorch path (measured: all
+    equal; a split is allowed only at a near tie of the reference, < 0.01 nat)."""
     from kvflow import LLM, SamplingParams
 
     monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "wait")  # the kernels now, not in the background
     llm = LLM(model=str(smollm2_dir), dtype="float32", quantization="gguf", num_kv_blocks=64)
     model = llm.engine.model_runner.model
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     prompts = ["The capital of France is", "def fibonacci(n):\n    "]
     calls = []
     fused = llm.generate(prompts, params)
@@ -211,4 +212,8 @@ def test_smollm2_greedy_tokens_equal_with_and_without_the_fused_step(smollm2_dir
     model.__dict__["fused_decode"] = None  # the PyTorch path, the reference
     ref = llm.generate(prompts, params)
     for a, b in zip(fused, ref):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids, a.prompt
+        got, want = a.outputs[0].token_ids, b.outputs[0].token_ids
+        d = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), len(want))
+        if d < len(want):  # parted: only where the reference stood at a near tie (float32 sum order)
+            top = sorted((lp.logprob for lp in b.outputs[0].logprobs[d].values()), reverse=True)
+            assert top[0] - top[1] < 0.01, (a.prompt, d, top)
