@@ -24,7 +24,7 @@ Switches and when they are read:
   ``KVFLOW_CPU_ATTENTION`` (paged attention), ``KVFLOW_CPU_NORM`` (RMSNorm),
   ``KVFLOW_CPU_ROTARY`` (rotary embedding), ``KVFLOW_CPU_LINEAR`` (weight-only INT8),
   ``KVFLOW_CPU_INVARIANT_LINEAR`` (batch-invariant linears), ``KVFLOW_CPU_GGUF`` (GGUF
-  quantized matmuls), read when the kernel is
+  quantized matmuls), ``KVFLOW_CPU_FUSED_DECODE`` (GGUF decode steps in one call), read when the kernel is
   first asked for (and decided once per process).
 - ``KVFLOW_CPU_PREFILL_ATTENTION`` (bool; default on): ``0`` sends prefill chunks on the CPU
   to gather + ``scaled_dot_product_attention`` instead of the paged-attention kernel's
@@ -145,6 +145,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     _kernel_switch("KVFLOW_CPU_LINEAR", "weight-only INT8 linear"),
     _kernel_switch("KVFLOW_CPU_INVARIANT_LINEAR", "batch-invariant linear"),
     _kernel_switch("KVFLOW_CPU_GGUF", "GGUF quantized matmul"),
+    _kernel_switch("KVFLOW_CPU_FUSED_DECODE", "fused GGUF decode-step (all decoder layers in one call)"),
     Switch("KVFLOW_CPU_PREFILL_ATTENTION", "bool", "1 (on)",
            "`0`: prefill chunks on the CPU gather K/V and run PyTorch's `scaled_dot_product_attention` instead "
            "of the paged-attention kernel's flash-attention pass (that kernel's switches still apply)",

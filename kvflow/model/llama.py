@@ -23,6 +23,7 @@ from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.attention.backend import AttentionMetadata, layer_metadata
 from kvflow.attention.kv_cache import KVCache
+from kvflow.layers import fused_decode
 from kvflow.layers.attention import Attention
 from kvflow.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -238,7 +239,19 @@ class LlamaForCausalLM(CausalLM):
 
         Returns:
             Final hidden states [T, hidden_size] (after the last RMSNorm), model dtype.
+
+        A GGUF model's small decode steps run in one C++ call instead
+        (``kvflow.layers.fused_decode``: bound at the first step, ``fused_decode`` in the
+        instance's dict; None there keeps this PyTorch path, the reference).
         """
+        if lora is None:  # a decode step of a GGUF model: the whole decoder in one C++ call
+            fused = self.__dict__.get("fused_decode", fused_decode.PENDING)
+            if fused is fused_decode.PENDING:
+                fused = self.__dict__["fused_decode"] = fused_decode.bind(self)
+            if fused is not None and fused is not fused_decode.PENDING:
+                hidden = fused(input_ids, positions, kv_caches, metadata)
+                if hidden is not None:
+                    return hidden
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         share = self.config.cla_share_factor

@@ -9,6 +9,7 @@ kernel                 source                      switch (``kvflow.envs``)     
 ``ROTARY``             ``rotary.cpp``              ``KVFLOW_CPU_ROTARY``            ``layers/rotary.py``
 ``INVARIANT_LINEAR``   ``invariant_linear.cpp``    ``KVFLOW_CPU_INVARIANT_LINEAR``  ``layers/invariant_linear.py``
 ``GGUF_MATMUL``        ``gguf_matmul.cpp``         ``KVFLOW_CPU_GGUF``              ``layers/gguf_kernels.py``
+``FUSED_DECODE``       ``fused_decode.cpp``        ``KVFLOW_CPU_FUSED_DECODE``      ``layers/fused_decode.py``
 =====================  ==========================  ===============================  ============================
 
 Each is a :class:`kvflow.ops.build.CppKernel`: ``load()`` builds it once (or returns None:
@@ -55,7 +56,11 @@ INVARIANT_LINEAR = CppKernel("kvflow_cpu_invariant_linear", "invariant_linear.cp
                              "batch-invariant linear kernel")
 GGUF_MATMUL = CppKernel("kvflow_cpu_gguf_matmul", "gguf_matmul.cpp", "KVFLOW_CPU_GGUF", "CPU GGUF quantized matmul kernel")
 
-KERNELS: tuple[CppKernel, ...] = (PAGED_ATTENTION, INT8_LINEAR, RMS_NORM, ROTARY, INVARIANT_LINEAR, GGUF_MATMUL)
+FUSED_DECODE = CppKernel("kvflow_cpu_fused_decode", "fused_decode.cpp", "KVFLOW_CPU_FUSED_DECODE",
+                         "CPU fused GGUF decode-step kernel", includes=("gguf_matmul.cpp", "paged_attention.cpp"))
+
+KERNELS: tuple[CppKernel, ...] = (PAGED_ATTENTION, INT8_LINEAR, RMS_NORM, ROTARY, INVARIANT_LINEAR, GGUF_MATMUL,
+                                  FUSED_DECODE)
 """Every kernel of the package."""
 
-__all__ = ["CppKernel", "KERNELS", "publish_background_builds", "start_background_builds", "PAGED_ATTENTION", "INT8_LINEAR", "RMS_NORM", "ROTARY", "INVARIANT_LINEAR", "GGUF_MATMUL"]
+__all__ = ["CppKernel", "KERNELS", "publish_background_builds", "start_background_builds", "PAGED_ATTENTION", "INT8_LINEAR", "RMS_NORM", "ROTARY", "INVARIANT_LINEAR", "GGUF_MATMUL", "FUSED_DECODE"]

@@ -154,13 +154,18 @@ class CppKernel:
         switch: the ``kvflow.envs`` switch that, set to ``0``, keeps the kernel unbuilt (as
             ``KVFLOW_CPU_KERNELS=0`` does for all of them).
         what: the kernel's name in log messages.
+        includes: other sources of ``kvflow/ops/csrc`` that ``source`` includes (``#include
+            "gguf_matmul.cpp"``): their text joins the build's name, so an edit there builds
+            this kernel again too.
     """
 
-    def __init__(self, prefix: str, source: str | os.PathLike[str], switch: str, what: str) -> None:
+    def __init__(self, prefix: str, source: str | os.PathLike[str], switch: str, what: str,
+                 includes: Sequence[str] = ()) -> None:
         if switch not in envs.SWITCHES:
             raise ValueError(f"{switch!r} is not a switch of kvflow.envs")
         self.prefix, self.switch, self.what = prefix, switch, what
         self.source_path = CSRC / source if isinstance(source, str) and os.sep not in source else Path(source)
+        self.include_paths = tuple(self.source_path.parent / name for name in includes)
         self._lock = threading.Lock()
         self._module: Any = None
         self._failed = False
@@ -174,12 +179,12 @@ class CppKernel:
 
     def build_name(self) -> str:
         """``<prefix>_<12 hex digits>``: the digits hash the machine, this CPU's feature flags,
-        the compiler flags, the source and its path, and ``build_inputs()`` (torch, Python,
+        the compiler flags, the source and its path (and the sources it includes), and ``build_inputs()`` (torch, Python,
         include paths, compiler): everything the build's ninja file names, so that two
         copies of kvflow or two environments sharing one extensions folder never find each
         other's build and have torch rebuild it in the foreground."""
         key = "\n".join([platform.machine(), host_cpu_flags(), " ".join(build_cflags()), self.source,
-                         str(self.source_path), *build_inputs()])
+                         str(self.source_path), *build_inputs(), *(p.read_text() for p in self.include_paths)])
         return f"{self.prefix}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
     def _build_directory(self) -> Path:

@@ -58,6 +58,8 @@ def start_cpu_kernel_builds(config: EngineConfig) -> list[CppKernel]:
         kernels.insert(0, ops.GGUF_MATMUL)  # a GGUF model's linears: most of its step
     if config.load is not None and "int8" in (config.load.quantization, config.load.quantize_lm_head):
         kernels.append(ops.INT8_LINEAR)
+    if config.load is not None and config.load.quantization == "gguf":
+        kernels.append(ops.FUSED_DECODE)  # its decode steps in one call (kvflow.layers.fused_decode)
     return ops.start_background_builds(kernels)
 
 

@@ -86,6 +86,16 @@ def test_name_hashes_source_and_cpu(tmp_path, source):
     assert CppKernel("kvflow_x", copy, SWITCH, "k").build_name() != a.build_name()
 
 
+def test_name_hashes_the_sources_it_includes(tmp_path, source):
+    """A kernel that includes another source (fused_decode.cpp includes gguf_matmul.cpp)
+    builds again when that source is edited."""
+    (tmp_path / "shared.cpp").write_text("// shared routines\n")
+    a = CppKernel("kvflow_x", source, SWITCH, "k", includes=("shared.cpp",)).build_name()
+    (tmp_path / "shared.cpp").write_text("// shared routines, edited\n")
+    assert CppKernel("kvflow_x", source, SWITCH, "k", includes=("shared.cpp",)).build_name() != a
+    assert ops.FUSED_DECODE.include_paths == (build.CSRC / "gguf_matmul.cpp", build.CSRC / "paged_attention.cpp")
+
+
 def test_name_changes_with_the_cpu(monkeypatch, source):
     """A build for one CPU's instruction set is never loaded on another."""
     ext = CppKernel("kvflow_x", source, SWITCH, "k")

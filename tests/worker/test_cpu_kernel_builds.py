@@ -23,7 +23,7 @@ def test_a_gguf_model_builds_its_matmul_kernel_first_in_the_background(monkeypat
     worker.start_cpu_kernel_builds(_config("gguf"))
     worker.start_cpu_kernel_builds(_config(None))
     worker.start_cpu_kernel_builds(_config("int8"))
-    assert started == [[ops.GGUF_MATMUL, ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY],
+    assert started == [[ops.GGUF_MATMUL, ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY, ops.FUSED_DECODE],
                        [ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY],
                        [ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY, ops.INT8_LINEAR]]
     monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "wait")

@@ -1162,7 +1162,9 @@ void gguf_linear_packed(torch::Tensor x, torch::Tensor packed, int64_t qtype, in
     dispatch_packed(qt, packed.data_ptr<uint8_t>(), ldg, a, M, N, bp, out.data_ptr<c10::BFloat16>(), ldy);
 }
 
-// Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py).
+// Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py);
+// left out where fused_decode.cpp includes this file for its routines.
+#ifndef KVFLOW_NO_BINDINGS
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_isa", &gguf_isa, "gguf_isa");
   m.def("gguf_linear", &gguf_linear, "gguf_linear", pybind11::call_guard<pybind11::gil_scoped_release>());
@@ -1171,3 +1173,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_packed", &gguf_linear_packed, "gguf_linear_packed", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_dequantize", &gguf_dequantize, "gguf_dequantize", pybind11::call_guard<pybind11::gil_scoped_release>());
 }
+#endif  // KVFLOW_NO_BINDINGS

@@ -940,9 +940,12 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor k_cache, to
   return out;
 }
 
-// Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py).
+// Python bindings (the module name, TORCH_EXTENSION_NAME, is the build's name: see kvflow/ops/build.py);
+// left out where fused_decode.cpp includes this file for its routines.
+#ifndef KVFLOW_NO_BINDINGS
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", torch::wrap_pybind_function_no_gil(paged_decode_attention), "paged_decode_attention");
   m.def("paged_attention_quantized", torch::wrap_pybind_function_no_gil(paged_attention_quantized), "paged_attention_quantized");
   m.def("paged_prefill_attention", torch::wrap_pybind_function_no_gil(paged_prefill_attention), "paged_prefill_attention");
 }
+#endif  // KVFLOW_NO_BINDINGS

@@ -1,0 +1,196 @@
+"""A GGUF model's decode step in one C++ call: every Llama-family decoder layer fused.
+
+At one stream a decode step of a small model is dominated by fixed per-call costs: SmolLM2-135M
+made ~32 PyTorch dispatches per layer (956 a step), several milliseconds by themselves, about
+llama.cpp's whole time per token. ``FusedDecodeStep`` runs the whole decoder of a decode-only
+step over the GGUF-packed weights in one call of the C++ ``FusedDecoder``
+(``kvflow/ops/csrc/fused_decode.cpp``, switch ``KVFLOW_CPU_FUSED_DECODE``), per layer and
+token: RMSNorm -> QKV (+ bias: Qwen2) packed GEMV with one int8 activation quantization ->
+rotary (GPT-NeoX "rotate half", partial rotary; Su et al. 2021, "RoFormer" section 3.4) -> K/V
+written to the paged cache at ``slot_mapping`` -> paged decode attention over the block
+tables (GQA) -> O GEMV -> residual -> RMSNorm -> gate/up GEMV -> SiLU x up (Shazeer 2020,
+"GLU Variants Improve Transformer", eq. 6) -> down GEMV -> residual; then the final RMSNorm.
+It reuses the other kernels' routines (``gguf_matmul.cpp``'s activation quantization and
+packed GEMV, llama.cpp's method; ``paged_attention.cpp``'s decode attention), so the result
+equals the PyTorch path (``LlamaForCausalLM.forward`` with the GGUF linears) up to the order of
+float32 sums.
+
+Which models and steps (decided once per model at its first decode step, ``bind``; the
+PyTorch path stays the reference and serves every other case):
+
+- the model: a ``LlamaForCausalLM`` whose decoder layers are the plain Llama ones (Llama,
+  Mistral, SmolLM, Qwen2 with its QKV bias; not Qwen3's q/k norms, MoE blocks, cross-layer KV
+  sharing or sliding windows), every decoder linear GGUF-stored (``quantization="gguf"``), no
+  tensor parallelism, float32 or bfloat16, and both C++ kernels built (``KVFLOW_CPU_GGUF`` and
+  ``KVFLOW_CPU_FUSED_DECODE`` not ``0``);
+- the step: decode only (one new token per request) on the CPU attention backend's float
+  cache (``CpuAttentionBackend``: one group, no quantized KV cache), no LoRA, at most
+  ``MAX_DECODE_TOKENS`` tokens (beyond that the batched PyTorch path's GEMMs pay better).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvflow import ops
+
+logger = logging.getLogger(__name__)
+
+MAX_DECODE_TOKENS = 16
+"""Decode steps of at most this many tokens take the fused call. It runs the same packed GEMV
+and decode attention as the PyTorch path, so it pays while the per-call overhead it saves
+outweighs its single-threaded per-row parts (norms, rotary, SiLU): measured on SmolLM2-135M
+(``python -m benchmarks.fused_decode --batch-sizes 2 4 8 16``, loaded machine) 1.6x at 2
+streams, 1.5x at 4, 1.15x at 8, 1.25x at 16."""
+
+_EXTENSION = ops.FUSED_DECODE
+
+
+def _segments(layer) -> list[tuple[torch.Tensor, int, int, int]] | None:
+    """(packed, qtype, offset, rows) of each stored part of a GGUF linear, or None when the
+    layer is not GGUF-stored through and through (a float segment, another method)."""
+    from kvflow.layers.gguf_kernels import GGUFWeight
+    from kvflow.quantization.gguf import GGUFLinearMethod
+
+    if not isinstance(getattr(layer, "quant_method", None), GGUFLinearMethod):
+        return None
+    out = []
+    for s in layer.gguf_segments:
+        if not isinstance(s.weight, GGUFWeight):
+            return None
+        w = s.weight
+        packed = w.packed if w.packed is not None else w.pack(release_raw=w.release_raw_on_pack)
+        out.append((packed, int(w.qtype), s.offset, w.n))
+    return out
+
+
+def refusal(model) -> str | None:
+    """Why ``model`` cannot take the fused decode step (a sentence), or None when it can."""
+    from kvflow.layers.norm import RMSNorm
+    from kvflow.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a Llama-family model"
+    if model.tp is not None:
+        return "tensor parallelism"
+    config = model.config
+    if config.cla_share_factor != 1:
+        return "cross-layer KV sharing"
+    if any(w is not None for w in config.sliding_windows):
+        return "sliding-window layers"
+    if model.norm.weight.device.type != "cpu":
+        return f"the model is on {model.norm.weight.device}, not the CPU"
+    dtype = model.norm.weight.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype {dtype}"
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward \
+                or type(attn).rotate_heads is not LlamaAttention.rotate_heads or type(mlp) is not LlamaMLP:
+            return f"layer {i} is a {type(layer).__name__} with its own attention or MLP"
+        if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
+            return f"layer {i} has another norm"
+        if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+            return f"layer {i} has an output or MLP bias"
+        for name, lin in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj), ("gate_up_proj", mlp.gate_up_proj),
+                          ("down_proj", mlp.down_proj)):
+            if not hasattr(lin, "gguf_segments") or not all(hasattr(s.weight, "qtype") for s in lin.gguf_segments):
+                return f"layer {i}'s {name} is not GGUF-stored"
+    if type(model.norm) is not RMSNorm:
+        return "the final norm is not RMSNorm"
+    return None
+
+
+class FusedDecodeStep:
+    """The bound C++ ``FusedDecoder`` of one model (its packed weights referenced, not copied).
+
+    Args:
+        model: a ``LlamaForCausalLM`` that ``refusal`` accepts (not checked again here).
+        module: the loaded ``kvflow.ops.FUSED_DECODE`` extension.
+
+    Raises:
+        RuntimeError: from the C++ side when a weight's shape or layout disagrees with the
+            config (the message names the linear).
+    """
+
+    def __init__(self, model, module: Any) -> None:
+        config = model.config
+        first = model.layers[0]
+        attn = first.self_attn
+        self.model = model
+        self.decoder = module.FusedDecoder(
+            config.hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, first.mlp.intermediate_size,
+            float(model.norm.eps), float(attn.attn.scale), model.norm.weight.detach())
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.decoder.add_layer(
+                layer.input_layernorm.weight.detach(), _segments(a.qkv_proj),
+                None if a.qkv_proj.bias is None else a.qkv_proj.bias.detach(), _segments(a.o_proj),
+                layer.post_attention_layernorm.weight.detach(), _segments(m.gate_up_proj), _segments(m.down_proj))
+        self.dtype = model.norm.weight.dtype
+        #: One C++ call per layer instead of one for all (the same result; for measurement).
+        self.per_layer = False
+        self._caches: tuple[int, ...] | None = None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata) -> torch.Tensor | None:
+        """The final hidden states [T, hidden] (after the last RMSNorm, model dtype) of a decode
+        step this call covers, else None (the caller runs the PyTorch path). Arguments as
+        ``LlamaForCausalLM.forward``'s."""
+        from kvflow.attention.cpu_backend import CpuAttentionBackend, CpuGroupedMetadata
+
+        num_tokens = input_ids.shape[0]
+        if (num_tokens == 0 or num_tokens > MAX_DECODE_TOKENS or type(metadata) is not CpuGroupedMetadata
+                or type(metadata.backend) is not CpuAttentionBackend or len(metadata.groups) != 1):
+            return None
+        group = metadata.groups[0]
+        if group.max_query_len != 1 or group.num_requests != num_tokens or group.context_lens is None:
+            return None
+        key = tuple(c[0].data_ptr() for c in kv_caches)
+        if key != self._caches:
+            if any(len(c) != 2 or c[0].dtype != self.dtype for c in kv_caches):
+                return None  # a quantized cache (its scales) or another dtype: the PyTorch path
+            self.decoder.set_kv_caches([c[0] for c in kv_caches], [c[1] for c in kv_caches])
+            self._caches = key
+        model = self.model
+        x = model.embed_tokens(input_ids).contiguous()
+        cos, sin = model.rotary.cos_sin(positions, x.dtype)
+        args = (cos, sin, metadata.slot_mapping, group.block_tables, group.context_lens)
+        if not self.per_layer:
+            return self.decoder.forward(x, *args)
+        for i in range(len(model.layers)):
+            x = self.decoder.forward(x, *args, i, i + 1)
+        return x
+
+
+_PENDING = object()
+
+
+def bind(model) -> FusedDecodeStep | None | object:
+    """The model's fused decode step, None when it cannot have one (the reason is logged
+    once), or ``PENDING`` while a kernel it needs is still being built in the background (ask
+    again at a later step: the engine publishes finished builds between steps)."""
+    reason = refusal(model)
+    if reason is None:
+        if _EXTENSION.pending() or ops.GGUF_MATMUL.pending():
+            return _PENDING
+        module = _EXTENSION.load()
+        if module is None or ops.GGUF_MATMUL.load() is None:
+            reason = "its C++ kernels are switched off or not built"
+        else:
+            try:
+                step = FusedDecodeStep(model, module)
+            except (RuntimeError, ValueError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            else:
+                logger.info("decode steps of up to %d tokens run the fused C++ decoder (one call per step)",
+                            MAX_DECODE_TOKENS)
+                return step
+    logger.debug("no fused decode step: %s", reason)
+    return None
+
+
+PENDING = _PENDING
+"""``bind``'s answer while a kernel builds in the background."""

@@ -1,0 +1,336 @@
+// kvflow C++ CPU kernel: a whole Llama-family decoder step for a few decode tokens over
+// GGUF-packed weights, one call for all layers (``FusedDecoder.forward``).
+// Python side and documentation: kvflow/layers/fused_decode.py.
+// Built on first use by kvflow.ops.build (torch.utils.cpp_extension.load, -O3 -march=$KVFLOW_CPU_MARCH).
+//
+// It reuses the other kernels' routines by including their sources (their bindings left out,
+// KVFLOW_NO_BINDINGS; kvflow.ops.build hashes the included sources into this build's name):
+// gguf_matmul.cpp's activation quantization (quantize_rows) and packed GEMV (dispatch_packed),
+// paged_attention.cpp's decode attention (decode_kernel). Per layer and token row m:
+//
+//   h = RMSNorm(x) w_in                     (rms_norm.cpp's arithmetic)
+//   qkv = h Wqkv^T (+ b)                    (one activation quantization for Q, K and V)
+//   q, k = rotary(q, k) (neox, cos / signed sin tables, partial rotary passes the rest)
+//   K/V cache[slot_mapping[m]] = k, v
+//   o = paged decode attention(q, cache, block_tables[m], context_lens[m]) (GQA)
+//   x = x + o Wo^T
+//   h = RMSNorm(x) w_post; g, u = h Wgu^T; x = x + (silu(g) u) Wdown^T
+//
+// and after the last layer y = RMSNorm(x) w_final. Values are computed in float32 and rounded
+// to the model dtype T where the PyTorch path stores a T tensor (norm outputs, projections,
+// rotated heads, residual sums), so float32 and bfloat16 models follow the PyTorch path's
+// roundings up to the order of float32 sums.
+
+#define KVFLOW_NO_BINDINGS 1
+#include "gguf_matmul.cpp"
+#include "paged_attention.cpp"
+
+#include <mutex>
+#include <tuple>
+
+namespace kvflow_fused {
+
+template <typename T>
+inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// One stored part of a linear's rows: packed (gguf_pack's layout) rows [offset, offset + n).
+struct Segment {
+  torch::Tensor packed;
+  int qt;
+  int64_t offset, n, ldg;
+  PFmt pf;
+};
+
+struct Linear {
+  std::vector<Segment> segs;
+  int64_t K = 0, N = 0;
+  torch::Tensor bias;  // float32 [N] or undefined
+};
+
+struct Layer {
+  torch::Tensor ln_in, ln_post;  // float32 [H]
+  Linear qkv, o, gate_up, down;
+};
+
+using SegmentSpec = std::tuple<torch::Tensor, int64_t, int64_t, int64_t>;  // packed, qtype, offset, rows
+
+class FusedDecoder {
+ public:
+  FusedDecoder(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+               double eps, double scale, torch::Tensor final_norm)
+      : H_(hidden), nh_(num_heads), nkv_(num_kv_heads), D_(head_dim), I_(intermediate), eps_(eps), scale_(scale) {
+    TORCH_CHECK(hidden > 0 && hidden % 32 == 0, "hidden_size: a positive multiple of 32, got ", hidden);
+    TORCH_CHECK(intermediate > 0 && intermediate % 32 == 0, "intermediate_size: a positive multiple of 32, got ",
+                intermediate);
+    TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads: a multiple of num_kv_heads");
+    TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0 && head_dim <= 512 && (num_heads * head_dim) % 32 == 0,
+                "head_dim: even, at most 512, num_heads * head_dim a multiple of 32");
+    final_norm_ = norm_weight(final_norm, "final_norm");
+  }
+
+  void add_layer(torch::Tensor ln_in, const std::vector<SegmentSpec>& qkv, c10::optional<torch::Tensor> qkv_bias,
+                 const std::vector<SegmentSpec>& o, torch::Tensor ln_post, const std::vector<SegmentSpec>& gate_up,
+                 const std::vector<SegmentSpec>& down) {
+    Layer l;
+    l.ln_in = norm_weight(ln_in, "ln_in");
+    l.ln_post = norm_weight(ln_post, "ln_post");
+    l.qkv = linear(qkv, H_, (nh_ + 2 * nkv_) * D_, "qkv");
+    if (qkv_bias.has_value()) {
+      TORCH_CHECK(qkv_bias->numel() == l.qkv.N, "qkv_bias: [", l.qkv.N, "]");
+      l.qkv.bias = qkv_bias->to(torch::kFloat32).contiguous();
+    }
+    l.o = linear(o, nh_ * D_, H_, "o");
+    l.gate_up = linear(gate_up, H_, 2 * I_, "gate_up");
+    l.down = linear(down, I_, H_, "down");
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // The paged caches, one (K, V) per layer: [num_blocks, block_size, num_kv_heads, head_dim],
+  // contiguous, all of one shape and dtype.
+  void set_kv_caches(const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "kv caches: one K and one V per layer (",
+                layers_.size(), ")");
+    for (size_t i = 0; i < k.size(); ++i) {
+      TORCH_CHECK(k[i].device().is_cpu() && k[i].dim() == 4 && k[i].is_contiguous() && v[i].is_contiguous() &&
+                      v[i].sizes() == k[i].sizes() && k[i].scalar_type() == v[i].scalar_type() &&
+                      k[i].sizes() == k[0].sizes() && k[i].scalar_type() == k[0].scalar_type() &&
+                      k[i].size(2) == nkv_ && k[i].size(3) == D_,
+                  "kv caches: contiguous [num_blocks, block_size, ", nkv_, ", ", D_, "] of one dtype");
+    }
+    k_ = k;
+    v_ = v;
+  }
+
+  // x [M, H] (the token embeddings, model dtype) -> the final hidden states [M, H] after the
+  // last RMSNorm. cos / sin [M, 1, R] (R <= head_dim, even), slot_mapping int64 [M] (negative:
+  // not stored), block_tables int64 [M, W], context_lens int32 [M] (after this step's write).
+  // Layers [first, last) only (last < 0: to the end): x is then the residual stream entering
+  // layer first, and the result the one leaving layer last - 1, normalized only when last is
+  // the end (one call per layer computes what one call for all does: the benchmark's baseline).
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor slot_mapping,
+                        torch::Tensor block_tables, torch::Tensor context_lens, int64_t first, int64_t last) {
+    std::lock_guard<std::mutex> guard(mutex_);  // the scratch buffers serve one forward at a time
+    TORCH_CHECK(!k_.empty(), "set_kv_caches first");
+    const int64_t L = num_layers();
+    if (last < 0) last = L;
+    TORCH_CHECK(0 <= first && first < last && last <= L, "layers [", first, ", ", last, ") outside 0 .. ", L);
+    TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == H_ && x.is_contiguous(), "x: contiguous [M, ", H_,
+                "]");
+    TORCH_CHECK(x.scalar_type() == k_[0].scalar_type(), "x and the kv caches must share a dtype");
+    const int64_t M = x.size(0);
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 3 && cos.size(0) == M &&
+                    cos.size(1) == 1 && cos.sizes() == sin.sizes() && cos.size(2) % 2 == 0 && cos.size(2) <= D_ &&
+                    cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+                "cos / sin: contiguous [M, 1, rotary_dim] of x's dtype");
+    auto slots = slot_mapping.contiguous();
+    auto tables = block_tables.contiguous();
+    auto ctx = context_lens.contiguous();
+    TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == M, "slot_mapping: int64 [M]");
+    TORCH_CHECK(tables.scalar_type() == torch::kInt64 && tables.dim() == 2 && tables.size(0) == M,
+                "block_tables: int64 [M, W]");
+    TORCH_CHECK(ctx.scalar_type() == torch::kInt32 && ctx.numel() == M, "context_lens: int32 [M]");
+    const int64_t num_blocks = k_[0].size(0), bs = k_[0].size(1), width = tables.size(1);
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    const int32_t* cp = ctx.data_ptr<int32_t>();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    for (int64_t r = 0; r < M; ++r) {  // every block and slot touched must exist (as paged_decode_attention)
+      TORCH_CHECK(cp[r] >= 1 && cp[r] <= width * bs, "context_lens[", r, "] = ", cp[r],
+                  " is outside 1 .. block_tables width * block_size = ", width * bs);
+      for (int64_t b = 0; b < (cp[r] + bs - 1) / bs; ++b)
+        TORCH_CHECK(tp[r * width + b] >= 0 && tp[r * width + b] < num_blocks, "block_tables[", r, ", ", b, "] = ",
+                    tp[r * width + b], " is not a block of the cache (", num_blocks, " blocks)");
+      TORCH_CHECK(sp[r] < num_blocks * bs, "slot_mapping[", r, "] = ", sp[r], " is outside the cache");
+    }
+    auto y = torch::empty({M, H_}, x.options());
+    if (M == 0) return y;
+    if (x.scalar_type() == torch::kFloat32)
+      run<float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(2), sp, tp, width, cp, M,
+                 first, last, y.data_ptr<float>());
+    else {
+      TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
+      run<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), cos.data_ptr<c10::BFloat16>(), sin.data_ptr<c10::BFloat16>(),
+                         cos.size(2), sp, tp, width, cp, M, first, last, y.data_ptr<c10::BFloat16>());
+    }
+    return y;
+  }
+
+ private:
+  static torch::Tensor norm_weight(const torch::Tensor& w, const char* name) {
+    TORCH_CHECK(w.dim() == 1, name, ": [hidden]");
+    return w.to(torch::kFloat32).contiguous();
+  }
+
+  static Linear linear(const std::vector<SegmentSpec>& specs, int64_t K, int64_t N, const char* name) {
+    Linear l;
+    l.K = K;
+    l.N = N;
+    int64_t covered = 0;
+    for (const auto& s : specs) {
+      Segment seg;
+      seg.packed = std::get<0>(s);
+      seg.qt = static_cast<int>(std::get<1>(s));
+      seg.offset = std::get<2>(s);
+      seg.n = std::get<3>(s);
+      TORCH_CHECK(block_bytes(seg.qt) > 0, name, ": GGML type ", seg.qt, " is not supported");
+      TORCH_CHECK(K % block_elems(seg.qt) == 0, name, ": K = ", K, " is not a multiple of the block");
+      TORCH_CHECK(seg.offset == covered && seg.n > 0, name, ": segments must cover the rows in order");
+      seg.pf = pfmt(seg.qt);
+      seg.ldg = K / seg.pf.sb * seg.pf.sb_bytes();
+      TORCH_CHECK(seg.packed.device().is_cpu() && seg.packed.scalar_type() == torch::kUInt8 &&
+                      seg.packed.is_contiguous() && seg.packed.dim() == 2 && seg.packed.size(0) == (seg.n + G - 1) / G &&
+                      seg.packed.size(1) == seg.ldg,
+                  name, ": packed uint8 [", (seg.n + G - 1) / G, ", ", seg.ldg, "] (gguf_pack's result)");
+      covered += seg.n;
+      l.segs.push_back(seg);
+    }
+    TORCH_CHECK(covered == N, name, ": segments cover ", covered, " of ", N, " rows");
+    return l;
+  }
+
+  // y [M, l.N] (float32, rows of l.N) = x [M, l.K] W^T + bias: x quantized once for all segments.
+  template <typename Tin>
+  void matmul(const Tin* x, int64_t M, const Linear& l, float* y) {
+    const int64_t K = l.K, nb = K / 32;
+    q_.resize(M * K);
+    d_.resize(M * nb);
+    s16_.resize(M * 2 * nb);
+    s32_.resize(M * nb);
+    v16_.resize(M * nb * 16);
+    quantize_rows(x, K, M, K, q_.data(), d_.data(), s16_.data(), s32_.data());
+    const float* bias = l.bias.defined() ? l.bias.data_ptr<float>() : nullptr;
+    for (const Segment& s : l.segs) {
+      // As gguf_linear_packed: per activation block [a_0 x 8, a_1 x 8] for the format's offsets.
+#if defined(GG_VNNI)
+      const float k0 = static_cast<float>(s.pf.k0);
+#else
+      const float k0 = s.qt == Q8_0 ? 0.f : static_cast<float>(s.pf.k0);
+#endif
+      const float mul = s.pf.has_m ? 1.f : -k0;
+      for (int64_t i = 0; i < M * nb; ++i)
+        for (int j = 0; j < 16; ++j) v16_[i * 16 + j] = mul * s16_[2 * i + (j >> 3)];
+      const PAct a{q_.data(), d_.data(), v16_.data(), K};
+      dispatch_packed<float>(s.qt, s.packed.data_ptr<uint8_t>(), s.ldg, a, M, s.n, bias ? bias + s.offset : nullptr,
+                             y + s.offset, l.N);
+    }
+  }
+
+  // RMSNorm of rows x [M, H] (float32) with weight w, into y, rounded to T (rms_norm.cpp's order).
+  template <typename T>
+  void rms(const float* x, const float* w, int64_t M, float* y) {
+    const int64_t n = H_;
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xr = x + r * n;
+      float part[16] = {};
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; ++j) part[j] += xr[i + j] * xr[i + j];
+      for (int j = 0; i < n; ++i, ++j) part[j] += xr[i] * xr[i];
+      float ss = 0.f;
+      for (int j = 0; j < 16; ++j) ss += part[j];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps_));
+      for (int64_t i = 0; i < n; ++i) y[r * n + i] = rnd<T>(xr[i] * inv * w[i]);
+    }
+  }
+
+  template <typename T>
+  void run(const T* x, const T* cos, const T* sin, int64_t R, const int64_t* slots, const int64_t* tables,
+           int64_t width, const int32_t* ctx, int64_t M, int64_t first, int64_t last, T* out) {
+    const int64_t qs = nh_ * D_, kvs = nkv_ * D_, nqkv = qs + 2 * kvs, half = R / 2;
+    res_.resize(M * H_);
+    h_.resize(M * H_);
+    qkv_.resize(M * nqkv);
+    proj_.resize(M * std::max(H_, 2 * I_));
+    act_.resize(M * I_);
+    std::vector<T> q(M * qs), att(M * qs);
+    for (int64_t i = 0; i < M * H_; ++i) res_[i] = static_cast<float>(x[i]);
+    const int64_t slot_stride = kvs, bs = k_[0].size(1);
+    for (int64_t li = first; li < last; ++li) {
+      const Layer& l = layers_[li];
+      T* kc = k_[li].data_ptr<T>();
+      T* vc = v_[li].data_ptr<T>();
+      // Attention block.
+      rms<T>(res_.data(), l.ln_in.data_ptr<float>(), M, h_.data());
+      matmul(h_.data(), M, l.qkv, qkv_.data());
+      for (int64_t m = 0; m < M; ++m) {
+        float* row = qkv_.data() + m * nqkv;
+        for (int64_t i = 0; i < nqkv; ++i) row[i] = rnd<T>(row[i]);  // the projection's output in T
+        const T* c = cos + m * R;
+        const T* s = sin + m * R;
+        // Rotate the query heads, then the key heads (rotary.cpp's roundings: T(x cos) + x' sin).
+        float rot[512];
+        for (int64_t hd = 0; hd < nh_ + nkv_; ++hd) {
+          float* xh = row + hd * D_;
+          for (int64_t d = 0; d < R; ++d) {
+            const float a = rnd<T>(xh[d] * static_cast<float>(c[d]));
+            const float r = xh[d < half ? d + half : d - half];
+            // float32: addcmul's fused multiply-add; bfloat16: its float opmath
+            if constexpr (std::is_same<T, float>::value) rot[d] = std::fma(r, static_cast<float>(s[d]), a);
+            else rot[d] = rnd<T>(a + r * static_cast<float>(s[d]));
+          }
+          for (int64_t d = 0; d < R; ++d) xh[d] = rot[d];
+        }
+        for (int64_t i = 0; i < qs; ++i) q[m * qs + i] = static_cast<T>(row[i]);
+        if (slots[m] >= 0) {
+          T* kd = kc + slots[m] * slot_stride;
+          T* vd = vc + slots[m] * slot_stride;
+          for (int64_t i = 0; i < kvs; ++i) {
+            kd[i] = static_cast<T>(row[qs + i]);
+            vd[i] = static_cast<T>(row[qs + kvs + i]);
+          }
+        }
+      }
+      const int64_t group = nh_ / nkv_;
+      with_shape<T>(D_, group, [&](auto hd, auto g) {
+        decode_kernel<T, decltype(hd)::value, decltype(g)::value>(
+            q.data(), kc, vc, tables, ctx, att.data(), M, nh_, nkv_, D_, bs, width, static_cast<float>(scale_), qs, D_,
+            qs, D_);
+      });
+      matmul(att.data(), M, l.o, proj_.data());
+      for (int64_t i = 0; i < M * H_; ++i) res_[i] = rnd<T>(res_[i] + rnd<T>(proj_[i]));
+      // MLP block.
+      rms<T>(res_.data(), l.ln_post.data_ptr<float>(), M, h_.data());
+      matmul(h_.data(), M, l.gate_up, proj_.data());
+      for (int64_t m = 0; m < M; ++m) {
+        const float* gu = proj_.data() + m * 2 * I_;
+        for (int64_t i = 0; i < I_; ++i) {
+          const float g = rnd<T>(gu[i]), u = rnd<T>(gu[I_ + i]);
+          act_[m * I_ + i] = rnd<T>(rnd<T>(g / (1.f + std::exp(-g))) * u);
+        }
+      }
+      matmul(act_.data(), M, l.down, proj_.data());
+      for (int64_t i = 0; i < M * H_; ++i) res_[i] = rnd<T>(res_[i] + rnd<T>(proj_[i]));
+    }
+    if (last < num_layers()) {
+      for (int64_t i = 0; i < M * H_; ++i) out[i] = static_cast<T>(res_[i]);
+      return;
+    }
+    rms<T>(res_.data(), final_norm_.data_ptr<float>(), M, h_.data());
+    for (int64_t i = 0; i < M * H_; ++i) out[i] = static_cast<T>(h_[i]);
+  }
+
+  int64_t H_, nh_, nkv_, D_, I_;
+  double eps_, scale_;
+  torch::Tensor final_norm_;
+  std::vector<Layer> layers_;
+  std::vector<torch::Tensor> k_, v_;
+  std::mutex mutex_;
+  // Scratch, reused across steps (one forward at a time: the engine's step loop).
+  std::vector<int8_t> q_;
+  std::vector<float> d_, s16_, s32_, v16_, res_, h_, qkv_, proj_, act_;
+};
+
+}  // namespace kvflow_fused
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using kvflow_fused::FusedDecoder;
+  pybind11::class_<FusedDecoder>(m, "FusedDecoder")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor>())
+      .def("add_layer", &FusedDecoder::add_layer)
+      .def("set_kv_caches", &FusedDecoder::set_kv_caches)
+      .def("num_layers", &FusedDecoder::num_layers)
+      .def("forward", &FusedDecoder::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("context_lens"),
+           pybind11::arg("first") = 0, pybind11::arg("last") = -1, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

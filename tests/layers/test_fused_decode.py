@@ -1,0 +1,219 @@
+"""The fused GGUF decode step (kvflow.layers.fused_decode) against the PyTorch path.
+
+A tiny random-weight Llama is quantized to GGUF block formats with the ``gguf`` package (mixed
+types per linear, as Q4_K_M files mix them) and runs prefill + several decode steps over a
+multi-block paged cache on the CPU attention backend, once with the fused C++ decoder and
+once with the PyTorch path (the reference); both quantize the same activations to int8, so
+they agree to float32 rounding (a flipped int8 rounding at most: the tolerance below).
+"""
+
+from __future__ import annotations
+
+import types
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvflow import ops
+from kvflow.attention.backend import BatchLayout
+from kvflow.attention.cpu_backend import CpuAttentionBackend
+from kvflow.config import CacheConfig
+from kvflow.layers import fused_decode
+from kvflow.layers.gguf_kernels import GGUFWeight
+from kvflow.model.llama import LlamaForCausalLM
+from kvflow.model.loader import process_weights_after_loading
+from kvflow.quantization.gguf import GGUFConfig
+from kvflow.worker.cache_engine import CacheEngine
+from tests.conftest import requires_smollm2, tiny_model_config
+
+QT = gguf.GGMLQuantizationType
+
+needs_kernel = pytest.mark.skipif(ops.FUSED_DECODE.disabled() or ops.GGUF_MATMUL.disabled(),
+                                  reason="the C++ kernels are switched off (the PyTorch path is what runs)")
+
+
+def _gguf(values: torch.Tensor, qtype, seed: int = 0) -> GGUFWeight:
+    """``values`` [n, k] quantized by the gguf package; for the K-quants, which it cannot
+    quantize, valid random blocks with scales that give weights of about ``values``' size."""
+    n, k = values.shape
+    if qtype not in (QT.Q4_K, QT.Q6_K):
+        raw = gguf.quants.quantize(values.numpy(), qtype)
+        return GGUFWeight(torch.from_numpy(np.ascontiguousarray(raw)), qtype, n, k)
+    rng = np.random.default_rng(seed)
+    size, bpb = gguf.GGML_QUANT_SIZES[qtype]
+    nb = n * k // size
+    b = rng.integers(0, 256, (nb, bpb), dtype=np.uint8)
+    amax = float(values.abs().max())
+
+    def set_f16(offset: int, value: float) -> None:
+        b[:, offset:offset + 2] = rng.uniform(0.5 * value, value, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+
+    if qtype == QT.Q4_K:  # w = d sc q - dmin mn: sc, mn < 64, q < 16
+        set_f16(0, amax / 63 / 15)
+        set_f16(2, amax / 63 / 15 / 2)
+    else:  # Q6_K: w = d sc (q - 32), int8 sc
+        set_f16(208, amax / 128 / 32)
+    return GGUFWeight(torch.from_numpy(b.reshape(n, -1)), qtype, n, k)
+
+
+def gguf_tiny_model(seed: int = 0, attention_bias: bool = False, dtype: torch.dtype = torch.float32,
+                    **overrides) -> LlamaForCausalLM:
+    """A 2-layer GQA Llama (hidden 256, 4 query / 2 KV heads of 64) whose decoder linears are
+    GGUF blocks of several types (K-quants need 256-element rows)."""
+    config = tiny_model_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=64, attention_bias=attention_bias, **overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config, quant_config=GGUFConfig())
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.numel():
+                p.normal_(0.0, 0.2)
+        for norm in [model.norm] + [n for layer in model.layers
+                                    for n in (layer.input_layernorm, layer.post_attention_layernorm)]:
+            norm.weight.copy_(1.0 + 0.1 * torch.randn_like(norm.weight))
+
+        def w(n, k):
+            return torch.randn(n, k) * k**-0.5
+
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for sid, n, qt in (("q", 4 * d, QT.Q4_K), ("k", 2 * d, QT.Q4_K), ("v", 2 * d, QT.Q6_K)):
+                attn.qkv_proj.weight_loader(attn.qkv_proj.weight, _gguf(w(n, h), qt), sid)
+                if attention_bias:
+                    attn.qkv_proj.weight_loader(attn.qkv_proj.bias, 0.5 * torch.randn(n), sid)
+            attn.o_proj.weight_loader(attn.o_proj.weight, _gguf(w(h, 4 * d), QT.Q8_0))
+            mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, _gguf(w(i, h), QT.Q4_0), 0)
+            mlp.gate_up_proj.weight_loader(mlp.gate_up_proj.weight, _gguf(w(i, h), QT.Q5_1), 1)
+            mlp.down_proj.weight_loader(mlp.down_proj.weight, _gguf(w(h, i), QT.Q4_1), None)
+    process_weights_after_loading(model)
+    return model.to(dtype).eval()
+
+
+def _decode_run(model, prompts: list[list[int]], steps: int, fused: bool, block_size: int = 4):
+    """Prefill ``prompts`` (one step, PyTorch path), then ``steps`` decode steps of all of them
+    (next token: the argmax of the fused run's first pass is not needed: fixed ids). Returns
+    the hidden states of each decode step [R, hidden] and the final caches."""
+    if not fused:
+        model.__dict__["fused_decode"] = None
+    else:
+        model.__dict__.pop("fused_decode", None)
+    backend = CpuAttentionBackend()
+    dtype = model.norm.weight.dtype
+    max_len = max(len(p) for p in prompts) + steps
+    per_req = -(-max_len // block_size)
+    num_blocks = per_req * len(prompts) + 2
+    cache = CacheEngine(model.kv_cache_spec, CacheConfig(block_size, num_blocks, dtype), torch.device("cpu"))
+    # Scrambled block tables: request r's logical block j -> a block far from j.
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3)).tolist()
+    tables = [order[r * per_req:(r + 1) * per_req] for r in range(len(prompts))]
+
+    def slots(r, pos):
+        return tables[r][pos // block_size] * block_size + pos % block_size
+
+    ids = [p[:] for p in prompts]
+    hidden_states = []
+    with torch.inference_mode():
+        lens = [len(p) for p in prompts]
+        flat = [t for p in prompts for t in p]
+        pos = [j for p in prompts for j in range(len(p))]
+        slot = [slots(r, j) for r, p in enumerate(prompts) for j in range(len(p))]
+        layout = BatchLayout(torch.tensor(slot), lens, lens, [tables[r][: -(-n // block_size)] for r, n in enumerate(lens)],
+                             [len(prompts)], block_size, torch.device("cpu"))
+        model(torch.tensor(flat), torch.tensor(pos), cache.kv_caches, backend.build_metadata(layout))
+        for step in range(steps):
+            ctx = [len(x) + 1 for x in ids]
+            new = [(7 * step + 11 * r) % model.config.vocab_size for r in range(len(ids))]
+            layout = BatchLayout(torch.tensor([slots(r, c - 1) for r, c in enumerate(ctx)]), [1] * len(ids), ctx,
+                                 [tables[r][: -(-c // block_size)] for r, c in enumerate(ctx)], [len(ids)], block_size,
+                                 torch.device("cpu"))
+            hidden = model(torch.tensor(new), torch.tensor([c - 1 for c in ctx]), cache.kv_caches,
+                           backend.build_metadata(layout))
+            hidden_states.append(hidden.float())
+            for x, t in zip(ids, new):
+                x.append(t)
+    return hidden_states, cache.kv_caches
+
+
+PROMPTS = [[1, 5, 9, 2, 7], [3, 3, 8, 1, 4, 4, 6, 2, 9, 10, 11], [12]]
+
+
+@needs_kernel
+@pytest.mark.parametrize("attention_bias", [False, True], ids=["llama", "qwen2-bias"])
+def test_fused_decode_steps_match_the_pytorch_path(attention_bias: bool) -> None:
+    model = gguf_tiny_model(attention_bias=attention_bias)
+    ref, ref_caches = _decode_run(model, PROMPTS, steps=6, fused=False)
+    out, caches = _decode_run(model, PROMPTS, steps=6, fused=True)
+    assert isinstance(model.__dict__["fused_decode"], fused_decode.FusedDecodeStep)  # it ran
+    for step, (a, b) in enumerate(zip(out, ref)):
+        # Both paths quantize the same activations to int8; float32 sums in another order
+        # may flip one int8 rounding (a step of amax / 127): a small fraction of the scale.
+        err = (a - b).abs().max().item()
+        assert err <= 2e-3 * b.abs().max().item(), f"step {step}: max |fused - reference| = {err}"
+    for (k, v), (rk, rv) in zip(caches, ref_caches):  # the K/V written to the cache (rotated keys)
+        assert (k - rk).abs().max() <= 2e-3 * rk.abs().max() and (v - rv).abs().max() <= 2e-3 * rv.abs().max()
+
+
+@needs_kernel
+def test_fused_decode_in_bfloat16_follows_the_pytorch_path() -> None:
+    model = gguf_tiny_model(dtype=torch.bfloat16)
+    ref, _ = _decode_run(model, PROMPTS, steps=3, fused=False)
+    out, _ = _decode_run(model, PROMPTS, steps=3, fused=True)
+    assert isinstance(model.__dict__["fused_decode"], fused_decode.FusedDecodeStep)
+    for a, b in zip(out, ref):  # bfloat16 roundings of every intermediate (8 bits of mantissa)
+        assert (a - b).abs().max() <= 0.01 * b.abs().max()
+
+
+def test_models_and_steps_it_does_not_cover_keep_the_pytorch_path() -> None:
+    windowed = gguf_tiny_model(hf_config=types.SimpleNamespace(sliding_window=8))  # Mistral-style, every layer
+    assert "sliding-window" in fused_decode.refusal(windowed)
+    from tests.conftest import tiny_model
+    assert "not GGUF-stored" in fused_decode.refusal(tiny_model(tiny_model_config()))
+    model = gguf_tiny_model()
+    assert fused_decode.refusal(model) is None
+    if not needs_kernel.args[0]:
+        step = fused_decode.bind(model)
+        assert isinstance(step, fused_decode.FusedDecodeStep)
+        # A prefill step (several tokens of one request) and a step above MAX_DECODE_TOKENS: None.
+        backend = CpuAttentionBackend()
+        cache = CacheEngine(model.kv_cache_spec, CacheConfig(4, 8, torch.float32), torch.device("cpu"))
+        layout = BatchLayout(torch.arange(3), [3], [3], [[0]], [1], 4, torch.device("cpu"))
+        assert step(torch.tensor([1, 2, 3]), torch.arange(3), cache.kv_caches, backend.build_metadata(layout)) is None
+        n = fused_decode.MAX_DECODE_TOKENS + 1
+        layout = BatchLayout(torch.arange(n), [1] * n, [1] * n, [[0]] * n, [n], 4, torch.device("cpu"))
+        assert step(torch.ones(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), cache.kv_caches,
+                    backend.build_metadata(layout)) is None
+
+
+@pytest.mark.integration
+@requires_smollm2
+@needs_kernel
+def test_smollm2_greedy_tokens_equal_with_and_without_the_fused_step(smollm2_dir, monkeypatch) -> None:
+    """The real SmolLM2-135M Q4_1 file served as stored: 16 greedy tokens of two prompts (decode
+    steps of two tokens) equal with the fused step and with the PyTorch path (measured: all
+    equal; a split is allowed only at a near tie of the reference, < 0.01 nat)."""
+    from kvflow import LLM, SamplingParams
+
+    monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "wait")  # the kernels now, not in the background
+    llm = LLM(model=str(smollm2_dir), dtype="float32", quantization="gguf", num_kv_blocks=64)
+    model = llm.engine.model_runner.model
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    "]
+    calls = []
+    fused = llm.generate(prompts, params)
+    step = model.__dict__["fused_decode"]
+    assert isinstance(step, fused_decode.FusedDecodeStep)
+    forward = step.decoder.forward
+    step.decoder = type("Counted", (), {"forward": lambda self, *a: calls.append(1) or forward(*a)})()
+    again = llm.generate(prompts[:1], params)
+    assert len(calls) == 15 and again[0].outputs[0].token_ids == fused[0].outputs[0].token_ids
+    model.__dict__["fused_decode"] = None  # the PyTorch path, the reference
+    ref = llm.generate(prompts, params)
+    for a, b in zip(fused, ref):
+        got, want = a.outputs[0].token_ids, b.outputs[0].token_ids
+        d = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), len(want))
+        if d < len(want):  # parted: only where the reference stood at a near tie (float32 sum order)
+            top = sorted((lp.logprob for lp in b.outputs[0].logprobs[d].values()), reverse=True)
+            assert top[0] - top[1] < 0.01, (a.prompt, d, top)
