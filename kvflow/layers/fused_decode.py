@@ -70,10 +70,15 @@ def _segments(layer) -> list[tuple[torch.Tensor, int, int, int]] | None:
 def refusal(model) -> str | None:
     """Why ``model`` cannot take the fused decode step (a sentence), or None when it can."""
     from kvflow.layers.norm import RMSNorm
-    from kvflow.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
-    if not isinstance(model, LlamaForCausalLM):
+    # (the model's own file says whether its layers are the plain Llama ones: this module
+    # stands below kvflow/model and imports nothing of it)
+    layout = getattr(model, "fused_decode_layout", None)
+    if layout is None:
         return f"{type(model).__name__} is not a Llama-family model"
+    reason = layout()
+    if reason is not None:
+        return reason
     if model.tp is not None:
         return "tensor parallelism"
     config = model.config
@@ -88,9 +93,6 @@ def refusal(model) -> str | None:
         return f"dtype {dtype}"
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward \
-                or type(attn).rotate_heads is not LlamaAttention.rotate_heads or type(mlp) is not LlamaMLP:
-            return f"layer {i} is a {type(layer).__name__} with its own attention or MLP"
         if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
             return f"layer {i} has another norm"
         if attn.o_proj.bias is not None or mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:

@@ -216,6 +216,18 @@ class LlamaForCausalLM(CausalLM):
             config.vocab_size, config.hidden_size, tp, tied=self.embed_tokens if config.tie_word_embeddings else None
         )
 
+    def fused_decode_layout(self) -> str | None:
+        """Why this model's layers are not the plain Llama ones that the fused decode step
+        (``kvflow.layers.fused_decode``) computes — a sentence — or None when they are:
+        every layer a ``LlamaDecoderLayer`` with ``LlamaAttention``'s forward and rotary and
+        a ``LlamaMLP`` (Qwen3's q/k norms, MoE blocks and other subclasses are not)."""
+        for i, layer in enumerate(self.layers):
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if (type(layer).forward is not LlamaDecoderLayer.forward or type(attn).forward is not LlamaAttention.forward
+                    or type(attn).rotate_heads is not LlamaAttention.rotate_heads or type(mlp) is not LlamaMLP):
+                return f"layer {i} is a {type(layer).__name__} with its own attention or MLP"
+        return None
+
     def forward(
         self,
         input_ids: torch.Tensor,
