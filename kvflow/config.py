@@ -420,7 +420,8 @@ class SchedulerConfig:
         max_head_skips: how many times later requests may be admitted past a waiting request
             that does not fit yet, before admission waits for it.
         max_step_seconds: bound on one step's duration, in seconds: a step's token budget is
-            cut to what the measured throughput computes in this time (0: no bound).
+            cut to the tokens a step is predicted to compute in this time (its duration fitted as a fixed
+            part plus a part per token, ``kvflow/core/step_time.py``; 0: no bound).
         max_loras: distinct LoRA adapters one step may use (0: LoRA off).
     """
 

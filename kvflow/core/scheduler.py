@@ -22,10 +22,12 @@ request's static data once, then per-step diffs; ``RunnerStateTracker`` remember
 runner holds.
 
 A step is bounded in time too (``max_step_seconds``): the scheduler measures each step
-(from ``schedule`` to ``update``: the model's forward and sampling) and cuts the next
-step's budget to the tokens the measured throughput computes in that time, so that on a slow
-or loaded CPU a long prompt prefills in smaller chunks and an abort or a new request waits
-for at most about one step. Chunking does not change a request's tokens.
+(from ``schedule`` to ``update``: the model's forward and sampling), fits its duration as a
+fixed part plus a part per token (``kvflow/core/step_time.py``), and cuts the next step's
+budget to the tokens predicted to fit in that time, so that on a slow or loaded CPU a long
+prompt prefills in smaller chunks and an abort or a new request waits for at most about one
+step, while the chunks stay as large as the bound allows. Chunking does not change a
+request's tokens.
 
 Admission does not block on the head of the queue: a request that does not fit yet may be
 passed by later ones at most ``max_head_skips`` times; after that nothing passes it, so it is
@@ -42,12 +44,12 @@ from dataclasses import dataclass
 from kvflow.config import SchedulerConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.sched_output import CachedRequestData, NewRequestData, RunnerStateTracker, SchedulerOutput
+from kvflow.core.step_time import StepTimeModel
 from kvflow.request import Request, RequestStatus
 
 __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput", "StopHit"]
 
-# A step's budget is never cut below this many tokens (progress on any machine), and a step
-# of fewer tokens is not measured (its time is mostly fixed per-step cost).
+# A step's budget is never cut below this many tokens (progress on any machine).
 MIN_STEP_TOKENS = 32
 
 
@@ -85,7 +87,7 @@ class Scheduler:
         self._runner_state = RunnerStateTracker()  # what the model runner holds
         self._finished_req_ids: list[str] = []  # for the runner, at the next step
         self.clock: Callable[[], float] = time.monotonic
-        self.tokens_per_second: float | None = None  # measured (exponential average over steps)
+        self.step_time = StepTimeModel()  # fixed + per-token seconds of a step, fitted as steps run
         self._step_start: tuple[float, int] | None = None  # (clock at schedule, tokens) of the last batch
         # Running requests whose new full blocks are published once this step's stop strings
         # are known (``finish_requests``): a block never holds a token past a stop.
@@ -218,22 +220,21 @@ class Scheduler:
 
     def step_budget(self) -> int:
         """This step's token budget: ``max_num_batched_tokens``, cut (to no less than
-        ``MIN_STEP_TOKENS``) to ``tokens_per_second x max_step_seconds`` once a step was
-        measured."""
+        ``MIN_STEP_TOKENS``) to the tokens ``step_time`` predicts to fit in
+        ``max_step_seconds`` once a step was measured."""
         budget = self.config.max_num_batched_tokens
-        if self.config.max_step_seconds > 0 and self.tokens_per_second is not None:
-            budget = min(budget, max(MIN_STEP_TOKENS, int(self.tokens_per_second * self.config.max_step_seconds)))
+        if self.config.max_step_seconds > 0:
+            fits = self.step_time.tokens_within(self.config.max_step_seconds)
+            if fits is not None:
+                budget = min(budget, max(MIN_STEP_TOKENS, fits))
         return budget
 
     def _measure_step(self) -> None:
-        """Fold the step that just ran (schedule -> update) into ``tokens_per_second``."""
+        """Fold the step that just ran (schedule -> update) into ``step_time``."""
         if self._step_start is None:
             return
         (start, tokens), self._step_start = self._step_start, None
-        elapsed = self.clock() - start
-        if tokens >= MIN_STEP_TOKENS and elapsed > 0:
-            rate = tokens / elapsed
-            self.tokens_per_second = rate if self.tokens_per_second is None else (self.tokens_per_second + rate) / 2
+        self.step_time.observe(tokens, self.clock() - start)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_cache_manager
@@ -351,7 +352,7 @@ class Scheduler:
         full blocks of the requests still running are published only then, so that no
         block holding a token past a stop string is published. The K/V of rejected draft
         tokens is rolled back: ``num_computed_tokens`` counts only accepted tokens, blocks
-        past them are freed. The step's duration is measured here (``tokens_per_second``).
+        past them are freed. The step's duration is measured here (``step_time``).
         """
         self._measure_step()
         for child_id, parent_id in out.forked:

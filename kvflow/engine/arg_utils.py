@@ -80,9 +80,10 @@ class EngineArgs:
     max_num_batched_tokens: int = _option(2048, "per-step token budget (prefill chunks plus decodes)")
     max_num_seqs: int = _option(64, "maximum number of concurrently running requests")
     max_step_seconds: float = _option(
-        1.0, "bound on one engine step's duration: the step's token budget is cut to what the measured "
-        "throughput computes in this many seconds (long prompts then prefill in smaller chunks on a slow or "
-        "loaded CPU, so that an abort or a new request waits at most about this long); 0: no bound",
+        1.0, "bound on one engine step's duration: the step's token budget is cut to the tokens a step is "
+        "predicted to compute in this many seconds, its measured duration fitted as a fixed part plus a part "
+        "per token (long prompts then prefill in smaller chunks on a slow or loaded CPU, so that an abort or a "
+        "new request waits at most about this long); 0: no bound",
         metavar="SECONDS")
     max_model_len: int | None = _option(None, "context limit in tokens (default: the model's)")
     enable_prefix_caching: bool = _option(True, "reuse cached K/V of shared prompt prefixes")

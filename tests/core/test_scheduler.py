@@ -691,42 +691,52 @@ def test_small_request_passes_a_large_one_a_bounded_number_of_times():
 
 
 # ---------------------------------------------------------------------------- step duration
-def test_a_step_is_bounded_in_time_by_the_measured_throughput():
+def test_a_step_is_bounded_in_time_by_the_measured_step_time():
     """Issue #31: a 2,209-token prefill step took 97 s on a loaded CPU and a request behind
-    it timed out. With max_step_seconds the budget follows the measured tokens per second."""
+    it timed out. With max_step_seconds the budget follows the measured step time, fitted as a
+    fixed part plus a part per token, so prompt chunks are as large as the bound allows."""
     from kvflow.core.scheduler import MIN_STEP_TOKENS
+    from kvflow.core.step_time import StepTimeModel
 
-    config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=8, max_model_len=2048, max_step_seconds=1.0)
-    sched = Scheduler(config, KVCacheManager(256, 4, enable_prefix_caching=False))
+    config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8, max_model_len=8192, max_step_seconds=1.0)
+    sched = Scheduler(config, KVCacheManager(1024, 4, enable_prefix_caching=False))
     now = [0.0]
     sched.clock = lambda: now[0]
-    sched.add_request(make_request("long", 0, max_tokens=4, prompt=[(5 * i) % 100 for i in range(1000)]))
+    sched.add_request(make_request("long", 0, max_tokens=4, prompt=[(5 * i) % 100 for i in range(4000)]))
+    cost = {"fixed": 0.1, "per_token": 0.001}  # the simulated machine's step time
 
-    def timed_step(seconds_per_token: float) -> SchedulerOutput:
+    def timed_step() -> SchedulerOutput:
         out = sched.schedule()
-        now[0] += out.total_num_scheduled_tokens * seconds_per_token
+        now[0] += cost["fixed"] + out.total_num_scheduled_tokens * cost["per_token"]
         sampled = {r: [1] for r in out.scheduled_req_ids
                    if sched.requests[r].num_computed_tokens + out.num_scheduled_tokens[r] == sched.requests[r].num_tokens}
         sched.update(out, sampled)
         return out
 
-    assert timed_step(0.01).total_num_scheduled_tokens == 512  # unmeasured: the token budget; took 5.12 s
-    assert sched.tokens_per_second == pytest.approx(100)
-    out = timed_step(0.01)
-    assert out.total_num_scheduled_tokens == 100  # 100 tokens/s x 1 s
+    assert timed_step().total_num_scheduled_tokens == 2048  # unmeasured: the token budget; took 2.15 s
+    # one step size seen: every second charged to the tokens (2.148 s / 2048 tokens)
+    assert sched.step_time.fixed_seconds == 0.0
+    assert timed_step().total_num_scheduled_tokens == int(1.0 / (2.148 / 2048))  # 953
+    # two sizes: the fixed 0.1 s and 1 ms a token are separated; a rate model (tokens / seconds of
+    # the steps) would keep charging the fixed part to the tokens and cut the chunk to ~900 x 0.9
+    assert sched.step_time.fixed_seconds == pytest.approx(0.1)
+    assert sched.step_time.seconds_per_token == pytest.approx(0.001)
+    out = timed_step()
+    assert out.total_num_scheduled_tokens == 900  # (1.0 - 0.1) / 0.001
+    assert now[0] - 2.148 - 1.053 == pytest.approx(1.0)  # the step lasted the bound
     # a newcomer waits for steps of about a second, not for the whole prefill
     sched.add_request(make_request("short", 4, max_tokens=2))
-    out = timed_step(0.002)  # the machine got faster: 500 tokens/s measured, average 300
-    assert out.num_scheduled_tokens == {"long": 100}
-    out = timed_step(0.002)
-    assert out.num_scheduled_tokens == {"long": 288, "short": 4}  # the rest of the prompt fits in 300
-    # steps of fewer than MIN_STEP_TOKENS (decodes) are not measured; the budget never falls below it
-    measured = sched.tokens_per_second
-    timed_step(10.0)
-    assert sched.tokens_per_second == measured
-    sched.tokens_per_second = 5.0
+    out = timed_step()
+    assert out.num_scheduled_tokens == {"long": 4000 - 2048 - 953 - 900, "short": 4}
+    # decode steps (small, mostly fixed cost) keep the fit: the next prompt still gets 900
+    for _ in range(3):
+        timed_step()
+    sched.add_request(make_request("next", 6, max_tokens=2, prompt=list(range(2000))))
+    assert timed_step().num_scheduled_tokens["next"] == 900 - len(sched.running) + 1
+    # a fixed cost above the bound: the budget never falls below MIN_STEP_TOKENS
+    sched.step_time = StepTimeModel.fixed(2.0, 0.001)
     assert sched.step_budget() == MIN_STEP_TOKENS
     # off: the token budget alone
     unbounded = make_scheduler(max_num_batched_tokens=512)
-    unbounded.tokens_per_second = 1.0
+    unbounded.step_time = StepTimeModel.fixed(0.0, 1.0)
     assert unbounded.step_budget() == 512
