@@ -21,10 +21,18 @@ The batch goes to the model runner as data (``kvflow/core/sched_output.py``): ea
 request's static data once, then per-step diffs; ``RunnerStateTracker`` remembers what the
 runner holds.
 
-A step is bounded in time too (``max_step_seconds``): the scheduler measures each step
-(from ``schedule`` to ``update``: the model's forward and sampling), fits its duration as a
-fixed part plus a part per token (``kvflow/core/step_time.py``), and cuts the next step's
-budget to the tokens predicted to fit in that time, so that on a slow or loaded CPU a long
+Within a step, a prompt chunk of a running request leaves a token of the budget for every
+decode after it in the running list and, while a waiting request could be admitted, half of
+the rest for the waiting ones (vLLM caps a long prompt's chunk with
+``long_prefill_token_threshold`` for the same reason): a long prompt stalls neither the
+decodes nor the first tokens of the prompts that arrive during its prefill.
+
+A step is bounded in time too (``max_step_seconds``): the scheduler measures each step that
+holds prompt tokens (from ``schedule`` to ``update``: the model's forward and sampling; a
+decode-only step may run another path at another cost, such as a GGUF model's fused decode
+step), fits its duration as a fixed part plus a part per token
+(``kvflow/core/step_time.py``), and cuts the next step's budget to the tokens predicted to
+fit in that time, so that on a slow or loaded CPU a long
 prompt prefills in smaller chunks and an abort or a new request waits for at most about one
 step, while the chunks stay as large as the bound allows. Chunking does not change a
 request's tokens.
@@ -88,7 +96,8 @@ class Scheduler:
         self._finished_req_ids: list[str] = []  # for the runner, at the next step
         self.clock: Callable[[], float] = time.monotonic
         self.step_time = StepTimeModel()  # fixed + per-token seconds of a step, fitted as steps run
-        self._step_start: tuple[float, int] | None = None  # (clock at schedule, tokens) of the last batch
+        # (clock at schedule, tokens) of the last batch when it held a prompt chunk; None otherwise
+        self._step_start: tuple[float, int] | None = None
         # Running requests whose new full blocks are published once this step's stop strings
         # are known (``finish_requests``): a block never holds a token past a stop.
         self._to_publish: list[Request] = []
@@ -175,16 +184,36 @@ class Scheduler:
         budget = self.step_budget()
         kv = self.kv_cache_manager
 
+        # A prompt chunk of a running request leaves one token of the budget for each decode
+        # after it in the running list, and, while a waiting request could be admitted, half
+        # of the rest for the waiting ones: a long prompt neither stalls the decodes admitted
+        # after it nor holds new prompts back for its whole prefill.
+        decodes_after = [0] * (len(self.running) + 1)
+        for i in range(len(self.running) - 1, -1, -1):
+            r = self.running[i]
+            decodes_after[i] = decodes_after[i + 1] + (r.num_tokens - r.num_computed_tokens <= 1)
+        share = self._waiting_could_run()
+        decode_tokens = 0  # of decodes (with their drafts): a step of nothing else is not timed
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 1:  # a prompt chunk (or a preempted request's recompute)
+                limit = budget - min(decodes_after[index + 1], budget - 1)
+                if share and self._queue_key(self.waiting[0])[0] <= self._queue_key(request)[0]:
+                    limit = max(1, (limit + 1) // 2)
+                num_new = min(remaining, limit)
+            else:
+                num_new = min(remaining + len(request.spec_token_ids), budget)
             while not kv.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
                 if victim.request_id in out.num_scheduled_tokens:  # priority: already in this batch
-                    budget += out._remove(victim.request_id)
+                    removed = out._remove(victim.request_id)
+                    budget += removed
+                    if victim.num_tokens - victim.num_computed_tokens <= 1:
+                        decode_tokens -= removed
                     out.scheduled_spec_tokens.pop(victim.request_id, None)
                     out.spec_draft_probs.pop(victim.request_id, None)
                 if victim_index < index:
@@ -195,6 +224,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             out._add(request.request_id, num_new)
+            if remaining <= 1:
+                decode_tokens += num_new
             num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
             if num_spec > 0:  # a decode verifying draft tokens (the budget may trim them)
                 out.scheduled_spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
@@ -215,8 +246,20 @@ class Scheduler:
         for request_id in (*out.num_scheduled_tokens, *(child for child, _ in out.forked)):
             self._runner_state.record(out, self.requests[request_id])
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
-        self._step_start = (self.clock(), out.total_num_scheduled_tokens)
+        # Only steps holding prompt tokens are timed: the budget bounds those, and a decode-only
+        # step may run another path (a GGUF model's fused decode step) at another cost.
+        has_prompt = out.total_num_scheduled_tokens > decode_tokens
+        self._step_start = (self.clock(), out.total_num_scheduled_tokens) if has_prompt else None
         return out
+
+    def _waiting_could_run(self) -> bool:
+        """Whether the head of the waiting queue might be admitted this step (a free
+        sequence slot and a free KV block): only then is budget kept for it."""
+        if not self.waiting:
+            return False
+        num_seqs = len(self.running) + sum(len(r.pending_forks) for r in self.running)
+        return (num_seqs + 1 + len(self.waiting[0].pending_forks) <= self.config.max_num_seqs
+                and self.kv_cache_manager.num_free_blocks > 0)
 
     def step_budget(self) -> int:
         """This step's token budget: ``max_num_batched_tokens``, cut (to no less than

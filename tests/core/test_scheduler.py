@@ -164,6 +164,60 @@ def test_chunked_prefill_mixes_with_decodes():
     assert len(table(b)) == 5 and len(table(a)) == 2
 
 
+def test_a_long_prompt_leaves_budget_for_the_decodes_after_it():
+    """A prompt chunk reserves a token for every decode later in the running list (admitted
+    in the same step as its first chunk): the decodes are not stalled for its whole prefill."""
+    sched = make_scheduler(max_num_batched_tokens=8, num_blocks=128)
+    long, short = make_request("long", 0, prompt=list(range(60))), make_request("short", 2, max_tokens=20)
+    sched.add_request(long)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"long": 8}
+    sched.add_request(short)
+    out, _ = step(sched)  # the waiting short prompt gets half the budget
+    assert out.num_scheduled_tokens == {"long": 4, "short": 2}
+    for _ in range(5):  # short decodes (after long in the running list) every step
+        out, _ = step(sched)
+        assert out.num_scheduled_tokens == {"long": 7, "short": 1}
+    assert short.num_output_tokens == 6
+
+
+def test_a_long_prompt_shares_the_budget_with_waiting_prompts():
+    """Without the share, a new prompt waited for the whole prefill of a long one ahead of it
+    (163 s for a 6,000-token prompt on a loaded CPU, where the step-time bound kept the budget
+    near 32 tokens)."""
+    sched = make_scheduler(max_num_batched_tokens=32, num_blocks=256)
+    long = make_request("long", 0, prompt=[(3 * i) % 97 for i in range(600)])
+    sched.add_request(long)
+    step(sched)
+    arrivals = [make_request(f"s{i}", 0, max_tokens=4, prompt=[i + 1] * 10) for i in range(3)]
+    for r in arrivals:
+        sched.add_request(r)
+    first_token_step = {}
+    for n in range(1, 6):
+        out, _ = step(sched)
+        assert out.num_scheduled_tokens["long"] >= 8  # the long prompt keeps moving
+        for r in arrivals:
+            if r.num_output_tokens and r.request_id not in first_token_step:
+                first_token_step[r.request_id] = n
+    assert first_token_step == {"s0": 1, "s1": 2, "s2": 2}
+    # nothing waiting: the long prompt takes the whole budget again
+    while any(r.request_id in sched.requests for r in arrivals):
+        step(sched)
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens == {"long": 32}
+    # a waiting request of a lower priority (a larger value) gets no share
+    psched = Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=16, max_model_len=1024,
+                                       policy="priority"), KVCacheManager(256, 4, enable_prefix_caching=False))
+    plong = make_request("long", 0, prompt=[(3 * i) % 97 for i in range(600)])
+    psched.add_request(plong)
+    step(psched)
+    low = make_request("low", 0, max_tokens=4, prompt=[5] * 10)
+    low.priority = 1
+    psched.add_request(low)
+    out, _ = step(psched)
+    assert out.num_scheduled_tokens == {"long": 32}
+
+
 def test_chunk_size_one():
     sched = make_scheduler(max_num_batched_tokens=1)
     a = make_request("a", 3, max_tokens=2)
@@ -728,9 +782,13 @@ def test_a_step_is_bounded_in_time_by_the_measured_step_time():
     sched.add_request(make_request("short", 4, max_tokens=2))
     out = timed_step()
     assert out.num_scheduled_tokens == {"long": 4000 - 2048 - 953 - 900, "short": 4}
-    # decode steps (small, mostly fixed cost) keep the fit: the next prompt still gets 900
+    # decode-only steps are not timed (a GGUF model's fused decode step runs another path at
+    # another cost): the next prompt still gets 900
+    cost["fixed"], cost["per_token"] = 0.01, 0.0001
     for _ in range(3):
-        timed_step()
+        assert set(timed_step().num_scheduled_tokens.values()) == {1}  # decodes only
+    assert sched.step_time.fixed_seconds == pytest.approx(0.1)
+    cost["fixed"], cost["per_token"] = 0.1, 0.001
     sched.add_request(make_request("next", 6, max_tokens=2, prompt=list(range(2000))))
     assert timed_step().num_scheduled_tokens["next"] == 900 - len(sched.running) + 1
     # a fixed cost above the bound: the budget never falls below MIN_STEP_TOKENS
