@@ -281,7 +281,7 @@ def test_concurrent_resolves_convert_once(tiny_llama: Tiny, tmp_path: Path, monk
 
 
 def test_failed_conversion_leaves_nothing(tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def crash(reader: object, source: Path, out: Path) -> None:
+    def crash(meta: object, source: Path, out: Path, config: object) -> None:
         raise RuntimeError("crash midway")
 
     monkeypatch.setattr(resolve, "_write_tokenizer", crash)
