@@ -428,7 +428,7 @@ def _build_config(meta: GGUFMetadata | gguf.GGUFReader) -> transformers.Pretrain
             spec does not allow it (or from the spec's hook).
         KeyError: a required metadata key is missing.
     """
-    if isinstance(meta, gguf.GGUFReader):
+    if not isinstance(meta, GGUFMetadata):  # a gguf.GGUFReader
         meta = GGUFMetadata.from_reader(meta)
     spec = registry.gguf_arch_spec(meta.arch, int(meta.arch_get("expert_count", 0)) > 0)
     tensors = meta.tensors
