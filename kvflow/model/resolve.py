@@ -58,8 +58,6 @@ SOURCE_MARKER = "kvflow_source.json"
 _KEY_HEAD_BYTES = 1 << 20
 _COPY_CHUNK_BYTES = 16 << 20
 
-_MISSING: Any = object()
-
 # Whole-model GGUF tensor name -> HF module path, and the MoE router's layer-relative name.
 _GLOBAL_TENSORS = {gguf.TENSOR_NAMES[tensor]: path for tensor, path in GGUF_GLOBAL_TENSORS.items()}
 _ROUTER = gguf_layer_name(gguf.MODEL_TENSOR.FFN_GATE_INP)
