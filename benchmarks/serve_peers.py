@@ -12,7 +12,9 @@ the requested number of tokens. Scenarios (``--scenarios``):
 * ``concurrent4`` / ``concurrent16`` / ``concurrent32``: 64 prompts of 128-384 tokens, outputs
   of 64-192 tokens (``--random-input-len 256 --random-output-len 128 --random-range-ratio
   0.5``), at most 4 / 16 / 32 requests in flight;
-* ``single``: 4 prompts of 32 tokens, 128 output tokens each, one at a time.
+* ``single``: 4 prompts of 32 tokens, 128 output tokens each, one at a time;
+* ``prefill512``: 4 prompts of 512 tokens, 4 output tokens each, one at a time: its TTFT is
+  the time to prefill a 512-token prompt.
 
 A scenario listed twice (``--scenarios concurrent16,concurrent16``) runs again on the same
 server with the same prompts, reported as ``concurrent16#2``: the prefix cache's share.
@@ -21,6 +23,19 @@ Every scenario draws its own prompts (seed ``--seed`` + the scenario's number in
 ``SCENARIOS``): the scenarios run one after the other on the same server, and with one seed
 for all of them a later scenario sent the same 64 prompts again, so that its TTFT measured
 the engine's prefix cache (whether 64 prompts + outputs fit in it) instead of its prefill.
+
+Start-up (unless ``--no-starts``): before its scenarios each engine is started twice more
+and stopped, measuring the seconds from the process start to ``/v1/models`` answering
+(``ready_s``) and to the first token of a 1-token completion (``first_token_s``) and the peak
+RSS meanwhile: a **cold** start (kvflow: with an empty model cache, ``--model-cache-dir`` a
+fresh folder, so the config and tokenizer are read from the GGUF file; llama-server: its
+first start in the run) and a **warm** start (kvflow: the cache the cold start filled). Both
+read the GGUF file from the page cache (the file is read once before), and the C++ kernels
+are already built (``python -m kvflow.ops.build`` or a first run builds them: about 85 s for
+the GGUF kernel, once per machine). After the run the cache folder is checked: the files
+kvflow wrote there (``cache_files``) must be config and tokenizer files only, no weights.
+kvflow's engines are given the GGUF file path (the file llama-server gets), not the packaged
+short name, so that a split package's one-time assembly into the cache is not counted.
 
 Per engine and scenario: completed / failed requests, output tokens/s, TTFT (mean, p99),
 TPOT (mean, p99), ITL p99, all as ``vllm bench serve`` reports them (its ``--save-result``
@@ -44,7 +59,13 @@ Engines (``--engines``):
   ``--dtype``;
 * ``llama-server``: llama.cpp's server (``--llama-server`` is the binary) on the GGUF file as
   stored (Q4_1 for ``smollm2-135m``), ``-np`` = the largest concurrency of the scenarios, a
-  unified KV cache (``-kvu``) of ``-c`` = that x 1024 tokens, ``-t``/``-tb`` = ``--threads``.
+  unified KV cache (``-kvu``) of ``-c`` = ``--kv-tokens`` tokens (default: that concurrency
+  x 1024, at least 4,096), ``-t``/``-tb`` = ``--threads``.
+
+**The same KV capacity**: kvflow's engines get ``--num-kv-blocks`` = ``--kv-tokens`` / 16
+(16-token blocks), so kvflow and llama-server hold the same number of tokens of K/V (kvflow
+in the model dtype or its ``--kv-cache-dtype``, llama-server in f16); the tables print it.
+vLLM's KV space is set by its wrapper (``VLLM_CPU_KVCACHE_SPACE``) and is not matched.
 
 How to run
 ----------
@@ -57,6 +78,10 @@ per scenario (and the ratios of each engine to the first one) and writes every n
 ``--out`` (JSON, default ``benchmarks/results/serve_peers.json``) and a bar chart to
 ``--plot`` (PNG, needs matplotlib). Start it on an idle machine: ``--wait-idle`` seconds (default
 60) are spent waiting for the CPUs to be < 10 % busy before each engine starts.
+
+A baseline in the same run (``--baseline DIR``): every kvflow engine E also runs as
+``E@base`` from the kvflow checkout DIR (its ``kvflow`` package first on ``PYTHONPATH``), just
+before E, e.g. ``git worktree add ../kvflow-base main`` and ``--baseline ../kvflow-base``.
 
 Contention (``--background-load N``): N processes that each keep one core busy (a pure
 Python loop at normal priority) run from the moment an engine's server is ready until its
@@ -75,6 +100,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -90,7 +116,9 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "concurrent16": {"num_prompts": 64, "input_len": 256, "output_len": 128, "range_ratio": 0.5, "concurrency": 16},
     "concurrent32": {"num_prompts": 64, "input_len": 256, "output_len": 128, "range_ratio": 0.5, "concurrency": 32},
     "single": {"num_prompts": 4, "input_len": 32, "output_len": 128, "range_ratio": 0.0, "concurrency": 1},
+    "prefill512": {"num_prompts": 4, "input_len": 512, "output_len": 4, "range_ratio": 0.0, "concurrency": 1},
 }
+KV_BLOCK_SIZE = 16  # kvflow's default --block-size
 ENGINES = ("kvflow", "kvflow-int4", "kvflow-default", "vllm", "llama-server")
 # Keys of vllm bench serve's result JSON shown in the table (its names).
 SHOWN = ("completed", "failed", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
@@ -116,6 +144,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="an engine under another name with extra server arguments, e.g. "
                         "'kvflow-nostep=kvflow-default:--max-step-seconds 0'; NAME then goes in --engines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
+                   help="KV cache capacity in tokens of every kvflow engine and llama-server (default: the largest "
+                        "concurrency x 1024, at least 4096)")
+    p.add_argument("--baseline", type=Path, default=None, metavar="DIR",
+                   help="a kvflow checkout: each kvflow engine E also runs from it, as E@base (before E)")
+    p.add_argument("--no-starts", dest="starts", action="store_false",
+                   help="skip the cold and warm start measurements")
     p.add_argument("--step-trace", type=Path, default=None, metavar="DIR",
                    help="trace every engine step of kvflow and vLLM (benchmarks/peers/step_trace) into "
                         "DIR/<engine>.<pid>.jsonl and keep each server's /metrics after each scenario in "
@@ -131,8 +166,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not (sep and sep2 and name) or base not in ENGINES or name in ENGINES:
             p.error(f"--variant: expected NAME=ENGINE:ARGS with ENGINE one of {', '.join(ENGINES)}, got {v!r}")
         args.variants[name] = (base, shlex.split(extra))
+    if args.baseline is not None:
+        if not (args.baseline / "kvflow" / "__init__.py").is_file():
+            p.error(f"--baseline: {args.baseline} is not a kvflow checkout (no kvflow/__init__.py)")
+        args.baseline = args.baseline.resolve()
+        args.engines = [name for e in args.engines
+                        for name in ([f"{e}@base", e] if _is_kvflow(e, args.variants) else [e])]
     args.scenarios = [s for s in args.scenarios.split(",") if s]
+    if args.kv_tokens is not None and args.kv_tokens < KV_BLOCK_SIZE:
+        p.error(f"--kv-tokens: at least {KV_BLOCK_SIZE}, got {args.kv_tokens}")
     for e in args.engines:
+        e = e.removesuffix("@base")
         if e not in ENGINES and e not in args.variants:
             p.error(f"--engines: unknown engine {e!r} (known: {', '.join(ENGINES)})")
     for s in args.scenarios:
@@ -141,30 +185,55 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _is_kvflow(engine: str, variants: dict[str, tuple[str, list[str]]]) -> bool:
+    return (variants[engine][0] if engine in variants else engine).startswith("kvflow")
+
+
+def server_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
+    """The server's environment: this checkout (an ``@base`` engine: ``--baseline``'s) first
+    on ``PYTHONPATH``."""
+    root = args.baseline if engine.endswith("@base") else REPO_ROOT
+    return dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def model_files(model: str) -> tuple[Path, Path | None]:
-    """(Hugging Face folder with weights, for vLLM; GGUF file or None) of a kvflow model name or path."""
-    from kvflow.model.resolve import gguf_file, hf_checkpoint_dir
+def model_files(model: str, with_weights: bool = True) -> tuple[Path, Path | None]:
+    """(Hugging Face folder, GGUF file or None) of a kvflow model name or path. The folder
+    holds weights (a float32 conversion of a GGUF file, for vLLM) only ``with_weights``;
+    else it is kvflow's config + tokenizer folder (the load generator's tokenizer)."""
+    from kvflow.model.resolve import gguf_file, hf_checkpoint_dir, resolve_model
 
-    return hf_checkpoint_dir(model), gguf_file(model)
+    return (hf_checkpoint_dir(model) if with_weights else resolve_model(model)), gguf_file(model)
+
+
+def kv_tokens(args: argparse.Namespace, max_concurrency: int) -> int:
+    """The KV capacity in tokens every kvflow engine and llama-server get (``--kv-tokens``)."""
+    return args.kv_tokens or max(4096, max_concurrency * 1024)
 
 
 def server_command(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None, port: int,
                    max_concurrency: int) -> list[str]:  # fmt: skip
-    """The command line that starts ``engine``'s OpenAI-compatible server on ``port``."""
+    """The command line that starts ``engine``'s OpenAI-compatible server on ``port`` (an
+    ``@base`` engine: the same command, run from ``--baseline``, ``server_env``)."""
+    engine = engine.removesuffix("@base")
     if engine in getattr(args, "variants", {}):
         base, extra = args.variants[engine]
         return [*server_command(base, args, hf_dir, gguf, port, max_concurrency), *extra]
     host = ["--host", "127.0.0.1", "--port", str(port)]
     if engine.startswith("kvflow"):
         dtype = [] if engine == "kvflow-default" else ["--dtype", args.dtype]
-        cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--model", args.model, *dtype,
-               "--num-threads", str(args.threads), "--served-model-name", "model", "--log-level", "warning", *host]  # fmt: skip
+        model = str(gguf) if gguf is not None else args.model  # the file llama-server gets
+        blocks = -(-kv_tokens(args, max_concurrency) // KV_BLOCK_SIZE)
+        cmd = [sys.executable, "-m", "kvflow.entrypoints.cli", "serve", "--model", model, *dtype,
+               "--num-threads", str(args.threads), "--served-model-name", "model", "--log-level", "warning",
+               "--num-kv-blocks", str(blocks), *host]  # fmt: skip
+        if getattr(args, "model_cache_dir", None) is not None:
+            cmd += ["--model-cache-dir", str(args.model_cache_dir)]
         if engine == "kvflow-int4":
             cmd += ["--quantization", "int4", "--lm-head-quantization", "int8"]
         elif engine == "kvflow":  # the file dequantized to --dtype weights (kvflow-default computes it as stored)
@@ -175,8 +244,8 @@ def server_command(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Pa
                 "--max-model-len", "8192", *host]  # fmt: skip
     if gguf is None:
         raise ValueError(f"llama-server needs a GGUF file; {args.model!r} has none")
-    return [args.llama_server, "-m", str(gguf), "-np", str(max_concurrency), "-kvu", "-c", str(max_concurrency * 1024),
-            "-t", str(args.threads), "-tb", str(args.threads), *host]  # fmt: skip
+    return [args.llama_server, "-m", str(gguf), "-np", str(max_concurrency), "-kvu", "-c",
+            str(kv_tokens(args, max_concurrency)), "-t", str(args.threads), "-tb", str(args.threads), *host]  # fmt: skip
 
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path) -> float:
@@ -196,6 +265,104 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Pat
             pass
         time.sleep(1.0)
     raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {log_path}")
+
+
+def first_token(url: str, timeout_s: float) -> float:
+    """Seconds a 1-token completion takes to return (streamed: to its first chunk).
+
+    Raises:
+        RuntimeError: the server answered an error.
+    """
+    t0 = time.monotonic()
+    body = {"model": "model", "prompt": "Hello, my name is", "max_tokens": 1, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"first completion: HTTP {r.status_code}: {r.read()[:500]!r}")
+        for line in r.iter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                return time.monotonic() - t0
+    raise RuntimeError("first completion: no token streamed")
+
+
+def measure_start(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None, workdir: Path,
+                  label: str) -> dict[str, Any]:  # fmt: skip
+    """Start ``engine``'s server, time it to ready and to its first token (sampling the peak
+    RSS of its process tree meanwhile), stop it. ``label`` (cold / warm) names its log.
+
+    Returns:
+        ``ready_s``, ``first_token_s`` (both from the process start), ``peak_rss_mib``, or
+        ``error`` with the log's tail.
+    """
+    port = _free_port()
+    max_concurrency = max(SCENARIOS[s]["concurrency"] for s in args.scenarios)
+    cmd = server_command(engine, args, hf_dir, gguf, port, max_concurrency)
+    log_path = workdir / f"{engine}-{label}-start.log"
+    url = f"http://127.0.0.1:{port}"
+    env = server_env(engine, args)
+    result: dict[str, Any] = {"server_command": shlex.join(cmd)}
+    peak = [0.0]
+    with open(log_path, "wb") as log:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _tree_rss_mib(proc.pid))
+            done.wait(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}); see {log_path}")
+            if time.monotonic() - t0 > args.startup_timeout:
+                raise RuntimeError(f"server not ready after {args.startup_timeout:.0f} s; see {log_path}")
+            try:
+                if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        result["ready_s"] = time.monotonic() - t0
+        first_token(url, args.startup_timeout)
+        result["first_token_s"] = time.monotonic() - t0
+    except (RuntimeError, httpx.HTTPError) as exc:
+        result["error"] = str(exc)
+        result["server_log_tail"] = log_path.read_text(errors="replace")[-3000:] if log_path.is_file() else None
+    finally:
+        done.set()
+        sampler.join()
+        stop(proc)
+    result["peak_rss_mib"] = peak[0]
+    return result
+
+
+def measure_starts(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None,
+                   workdir: Path) -> dict[str, Any]:  # fmt: skip
+    """A cold start then a warm one (module docstring); for kvflow the files its cold start
+    wrote to the model cache (``cache_files``: name -> bytes)."""
+    starts: dict[str, Any] = {}
+    if _is_kvflow(engine.removesuffix("@base"), getattr(args, "variants", {})):
+        args.model_cache_dir = Path(tempfile.mkdtemp(prefix=f"cold-{engine}-", dir=workdir))
+    wait_for_idle(args.wait_idle)
+    starts["cold"] = measure_start(engine, args, hf_dir, gguf, workdir, "cold")
+    wait_for_idle(args.wait_idle)
+    starts["warm"] = measure_start(engine, args, hf_dir, gguf, workdir, "warm")
+    if getattr(args, "model_cache_dir", None) is not None:
+        starts["cache_files"] = cache_files(args.model_cache_dir)
+    return starts
+
+
+def cache_files(cache_dir: Path) -> dict[str, int]:
+    """Relative path -> bytes of every file under kvflow's model cache folder ``cache_dir``."""
+    return {str(p.relative_to(cache_dir)): p.stat().st_size for p in sorted(cache_dir.rglob("*")) if p.is_file()}
+
+
+def weights_in_cache(files: dict[str, int]) -> list[str]:
+    """The files of ``cache_files`` that hold weights (safetensors, .bin, .pt, .gguf)."""
+    return [name for name in files if name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf"))]
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -324,13 +491,16 @@ def _save_metrics(url: str, path: Path) -> None:
 
 
 def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None, workdir: Path) -> dict[str, Any]:
-    """Start ``engine``'s server, run every scenario against it, stop it."""
+    """Measure ``engine``'s cold and warm starts (unless ``--no-starts``), then start its server,
+    run every scenario against it, stop it."""
+    args.model_cache_dir = None
+    starts = measure_starts(engine, args, hf_dir, gguf, workdir) if args.starts else None
     idle = wait_for_idle(args.wait_idle)
     port = _free_port()
     max_concurrency = max(SCENARIOS[s]["concurrency"] for s in args.scenarios)
     cmd = server_command(engine, args, hf_dir, gguf, port, max_concurrency)
     log_path = workdir / f"{engine}.log"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = server_env(engine, args)
     if args.step_trace is not None:  # the tracer's sitecustomize first on the path (kvflow and vLLM)
         args.step_trace.mkdir(parents=True, exist_ok=True)
         env.update(STEP_TRACE=str(args.step_trace.resolve() / engine),
@@ -338,7 +508,10 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     record: dict[str, Any] = {"engine": engine, "server_command": shlex.join(cmd), "cpu_busy_before": idle,
-                              "background_load": args.background_load}  # fmt: skip
+                              "background_load": args.background_load,
+                              "kv_tokens": kv_tokens(args, max_concurrency)}  # fmt: skip
+    if starts is not None:
+        record["starts"] = starts
     load = None
     try:
         record["startup_s"] = wait_ready(proc, f"http://127.0.0.1:{port}", args.startup_timeout, log_path)
@@ -351,6 +524,9 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
             if args.step_trace is not None:
                 _save_metrics(f"http://127.0.0.1:{port}", args.step_trace / f"{engine}-{key}.metrics")
         record["peak_rss_mib"] = max(r["peak_rss_mib"] for r in record["scenarios"].values())
+        if starts is not None:
+            record["peak_rss_mib"] = max([record["peak_rss_mib"], *(starts[k].get("peak_rss_mib", 0.0)
+                                                                    for k in ("cold", "warm"))])
     except RuntimeError as exc:
         record["error"] = str(exc)
         print(f"[{engine}] failed: {exc}", file=sys.stderr)
@@ -394,6 +570,32 @@ def tables(records: list[dict[str, Any]], scenarios: list[str]) -> str:
     return "\n\n".join(out)
 
 
+def summary(records: list[dict[str, Any]]) -> str:
+    """One row per engine, #26's table: KV capacity, cold / warm start to the first token, peak
+    RSS (over its starts and scenarios), output tok/s single / 4 / 16 in flight, the TTFT of a
+    512-token prompt, and weight files kvflow wrote to its model cache; ratios to the last
+    engine (put llama-server last)."""
+
+    def row(rec: dict[str, Any]) -> list[Any]:
+        starts, sc = rec.get("starts") or {}, rec.get("scenarios", {})
+        tput = [sc.get(k, {}).get("output_throughput") for k in ("single", "concurrent4", "concurrent16")]
+        files = starts.get("cache_files")
+        return [rec["engine"], rec.get("kv_tokens"), starts.get("cold", {}).get("ready_s"),
+                starts.get("cold", {}).get("first_token_s"), starts.get("warm", {}).get("first_token_s"),
+                rec.get("peak_rss_mib"), *tput, sc.get("prefill512", {}).get("mean_ttft_ms"),
+                None if files is None else len(weights_in_cache(files))]  # fmt: skip
+
+    rows = [row(r) for r in records]
+    ref = rows[-1] if rows else None
+    for r in rows:
+        ratios = [r[i] / ref[i] if r[i] is not None and ref[i] else None for i in (3, 5, 6, 9)]
+        r += ratios
+    headers = ["engine", "KV tokens", "cold ready s", "cold 1st tok s", "warm 1st tok s", "peak RSS MiB",
+               "single tok/s", "4 tok/s", "16 tok/s", "prefill512 TTFT ms", "weight files cached",
+               "cold vs last", "RSS vs last", "single vs last", "prefill vs last"]  # fmt: skip
+    return "summary (#26)\n" + format_table(headers, rows)
+
+
 def plot(records: list[dict[str, Any]], scenarios: list[str], path: Path) -> None:
     """Bars of output tokens/s and mean TTFT per engine, one panel pair per scenario."""
     import matplotlib
@@ -416,9 +618,38 @@ def plot(records: list[dict[str, Any]], scenarios: list[str], path: Path) -> Non
     fig.savefig(path, dpi=110)
 
 
+def _cpu_model() -> dict[str, Any]:
+    """The CPU's model name and its vector ISA flags (from /proc/cpuinfo)."""
+    info: dict[str, Any] = {"model": None, "isa": []}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and info["model"] is None:
+            info["model"] = value.strip()
+        if key.strip() == "flags":
+            flags = set(value.split())
+            info["isa"] = sorted(f for f in flags if f in {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni",
+                                                           "avx_vnni", "avx512_bf16", "amx_bf16"})
+            break
+    return info
+
+
+def _git_head(root: Path) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    hf_dir, gguf = model_files(args.model)
+    hf_dir, gguf = model_files(args.model, with_weights="vllm" in [args.variants.get(e, (e,))[0] for e in args.engines])
+    if args.baseline is not None:
+        print(f"baseline: {args.baseline} at {_git_head(args.baseline)}; this checkout at {_git_head(REPO_ROOT)}")
     records = []
     with tempfile.TemporaryDirectory(prefix="serve_peers-") as tmp:
         for engine in args.engines:
@@ -428,8 +659,13 @@ def main(argv: list[str] | None = None) -> int:
                 records[-1]["server_log_tail"] = log.read_text(errors="replace")[-3000:] if log.is_file() else None
     keys = run_keys(args.scenarios)
     print(tables(records, keys))
+    print()
+    print(summary(records))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine_info(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
+               "baseline": None if args.baseline is None else {"root": str(args.baseline),
+                                                              "head": _git_head(args.baseline)},
+               "head": _git_head(REPO_ROOT), "cpu": _cpu_model(),
                "background_load": args.background_load,
                "scenarios": {k: SCENARIOS[k.partition("#")[0]] for k in keys}, "engines": records}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -472,8 +472,8 @@ def load_kv_spec(model: str, cache_dir: str | os.PathLike[str] | None = None) ->
     """The KV numbers of ``model`` without loading any weight.
 
     - an HF folder (or a ``config.json`` path): ``config.json`` is read as JSON;
-    - a ``.gguf`` file: its metadata is read with ``gguf.GGUFReader`` (memory-mapped; no
-      tensor is dequantized) into the same config the converter would write
+    - a ``.gguf`` file: its header is read with ``GGUFMetadata.from_file`` (no tensor and no
+      vocabulary string is read) into the same config the converter would write
       (``kvflow.model.resolve._build_config``);
     - a packaged short name: the same, on the package's GGUF file when it is one file; a
       model split across packages goes through ``resolve_model`` + ``load_config`` (which
@@ -509,11 +509,10 @@ def load_kv_spec(model: str, cache_dir: str | os.PathLike[str] | None = None) ->
 
 
 def _gguf_config(path: Path) -> Any:
-    import gguf
-
+    from kvflow.model.arch import GGUFMetadata
     from kvflow.model.resolve import _build_config
 
-    return _build_config(gguf.GGUFReader(path))
+    return _build_config(GGUFMetadata.from_file(path))
 
 
 # ---------------------------------------------------------------------------- weights

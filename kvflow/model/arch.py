@@ -15,6 +15,7 @@ GGUF tensor names come from gguf-py's ``gguf.constants`` (``MODEL_TENSOR`` and
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -61,13 +62,42 @@ class GGUFMetadata:
 
     Attributes:
         arch: ``general.architecture``.
-        tensors: tensor name -> ``gguf.ReaderTensor``.
+        tensors: tensor name -> a tensor with ``gguf.ReaderTensor``'s ``name``, ``shape``
+            (ggml order), ``tensor_type`` and ``data`` (read when asked for).
     """
 
-    def __init__(self, reader: gguf.GGUFReader) -> None:
-        self.reader = reader
+    def __init__(self, values: Mapping[str, Any], tensors: Mapping[str, Any], source: str = "GGUF file") -> None:
+        """``values``: metadata key -> value (``gguf.ReaderField.contents()``'s form);
+        ``tensors``: name -> tensor (above); ``source``: named in errors. Prefer
+        ``from_file`` (which skips the vocabulary) or ``from_reader``.
+
+        Raises:
+            KeyError: ``general.architecture`` is missing.
+        """
+        self.values = values
+        self.source = source
+        self.tensors: dict[str, Any] = dict(tensors)
         self.arch: str = self.get("general.architecture")
-        self.tensors: dict[str, gguf.ReaderTensor] = {tensor.name: tensor for tensor in reader.tensors}
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> GGUFMetadata:
+        """Read ``path``'s header with ``kvflow.model.gguf_file.read_header`` (scalars and
+        numeric arrays; the vocabulary's string arrays skipped; tensor data read on access).
+
+        Raises:
+            ValueError: the file is not a readable GGUF file (naming it).
+            KeyError: ``general.architecture`` is missing.
+        """
+        from kvflow.model.gguf_file import read_header
+
+        header = read_header(path)
+        return cls(header.metadata, {i.name: _FileTensor(header.path, i) for i in header.tensors}, str(path))
+
+    @classmethod
+    def from_reader(cls, reader: gguf.GGUFReader) -> GGUFMetadata:
+        """Over an open ``gguf.GGUFReader`` (every value already parsed)."""
+        values = {key: field.contents() for key, field in reader.fields.items()}
+        return cls(values, {tensor.name: tensor for tensor in reader.tensors}, str(getattr(reader.data, "filename", None) or "GGUF file"))
 
     def get(self, key: str, default: Any = _MISSING) -> Any:
         """The value of metadata ``key``, else ``default``.
@@ -75,16 +105,30 @@ class GGUFMetadata:
         Raises:
             KeyError: naming the key, when it is missing and no default is given.
         """
-        value = self.reader.get_field(key)
+        value = self.values.get(key)
         if value is None:
             if default is _MISSING:
                 raise KeyError(f"GGUF metadata key {key!r} is missing")
             return default
-        return value.contents()
+        return value
 
     def arch_get(self, key: str, default: Any = _MISSING) -> Any:
         """``get(f"{arch}.{key}")``: an architecture-scoped key (``rope.freq_base``, ...)."""
         return self.get(f"{self.arch}.{key}", default)
+
+
+class _FileTensor:
+    """A tensor of a GGUF file whose ``data`` is read (``pread``) when asked for."""
+
+    def __init__(self, path: os.PathLike[str], info: Any) -> None:
+        self.path, self.info = path, info
+        self.name, self.shape, self.tensor_type = info.name, info.shape, info.tensor_type
+
+    @property
+    def data(self) -> Any:
+        """The stored values (``kvflow.model.gguf_file.GGUFTensorInfo.read``'s form)."""
+        with open(self.path, "rb", buffering=0) as file:
+            return self.info.read(file)
 
 
 # (metadata, the config fields read so far) -> more config fields; may replace read ones.

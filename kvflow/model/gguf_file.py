@@ -1,11 +1,13 @@
-"""The tensor table of a GGUF file, read without building its metadata.
+"""The header of a GGUF file (metadata values and tensor table), read without the vocabulary.
 
 ``gguf.GGUFReader`` turns every metadata value into numpy views; a model whose tokenizer
 sits in the file (Qwen2.5: 151,936 tokens and 151,387 merges) costs ~0.4 GiB of Python
-objects and seconds to parse that way, before the first weight is read. Loading the weights
-needs only the tensor infos, so ``read_tensor_infos`` walks the header (skipping every
-metadata value by its length) and returns them; the tensors' bytes are then read with
-``pread`` one at a time (``GGUFTensorInfo.read``).
+objects and ~20 s to parse that way on a loaded 2-core machine, before the first weight is
+read. Loading needs only the tensor infos and the scalar metadata (the config), so
+``read_header`` walks the header once, keeps every scalar, string and numeric array, and
+skips the string arrays (the vocabulary and merges: the tokenizer reads them itself) by
+their lengths; ``read_tensor_infos`` is its tensor table alone. The tensors' bytes are then
+read with ``pread`` one at a time (``GGUFTensorInfo.read``).
 
 Layout (the GGUF spec, ggml's ``docs/gguf.md``, versions 2 and 3, little-endian): magic
 ``GGUF``, u32 version, u64 tensor count, u64 metadata count; each metadata pair is a string
@@ -20,8 +22,9 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -30,6 +33,11 @@ import numpy as np
 # ARRAY 9 are sized as they are read)
 _SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
+# scalar value type -> struct format (the GGUF spec's GGUFValueType)
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                   12: "<d"}
+_NUMPY_FORMATS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
+                  12: "<f8"}
 _FLOAT_DTYPES = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16}
 
 
@@ -72,6 +80,68 @@ class GGUFTensorInfo:
         block, size = gguf.GGML_QUANT_SIZES[self.tensor_type]
         return raw.reshape([*dims[:-1], dims[-1] // block * size])
 
+    def map(self, file) -> np.ndarray:
+        """The tensor's bytes as a private (copy-on-write) memory map of ``file``, in
+        ``read``'s form, without copying them: pages come from the page cache when first
+        touched (by a repack or a dequantize), and the mapping, of this tensor's range only, is
+        unmapped when the last array or tensor viewing it is freed. So a weight repacked at
+        load and then released holds no second copy, and no whole-file mapping keeps every
+        page resident (mapped pages count in the process's RSS).
+
+        Raises:
+            ValueError: the file ends inside the tensor's data (truncated).
+        """
+        start = self.data_offset - self.data_offset % mmap.ALLOCATIONGRANULARITY
+        length = self.data_offset + self.n_bytes - start
+        if os.fstat(file.fileno()).st_size < start + length:
+            raise ValueError("the file ends inside the tensor's data (truncated)")
+        mapping = mmap.mmap(file.fileno(), length, access=mmap.ACCESS_COPY, offset=start)
+        if hasattr(mapping, "madvise"):
+            mapping.madvise(mmap.MADV_WILLNEED)  # read ahead: the repack reads it all, in order
+        raw = np.frombuffer(mapping, np.uint8, self.n_bytes, self.data_offset - start)
+        dims = [int(d) for d in reversed(self.shape)]
+        block, size = gguf.GGML_QUANT_SIZES[self.tensor_type]
+        return raw.reshape([*dims[:-1], dims[-1] // block * size])
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What a GGUF file says before its tensor data (``read_header``).
+
+    Attributes:
+        path: the file.
+        metadata: key -> value, as ``gguf.ReaderField.contents()`` gives it (int, float,
+            bool, str; numeric arrays as lists) for every key except string arrays.
+        string_arrays: key -> item count of each string array (``tokenizer.ggml.tokens``,
+            ``tokenizer.ggml.merges``), whose items are not read.
+        tensors: the tensor infos in file order.
+    """
+
+    path: Path
+    metadata: dict[str, Any]
+    string_arrays: dict[str, int] = field(default_factory=dict)
+    tensors: list[GGUFTensorInfo] = field(default_factory=list)
+
+
+def read_header(path: str | os.PathLike[str]) -> GGUFHeader:
+    """The metadata (string arrays skipped) and tensor infos of the GGUF file at ``path``;
+    no tensor data is read.
+
+    Raises:
+        ValueError: not a GGUF file, a big-endian or unknown version, an unknown metadata
+            or tensor type, a tensor with a shape its type cannot hold, or a table or tensor
+            data past the end of the file (truncated) — naming the file.
+    """
+    path = Path(path)
+    metadata: dict[str, Any] = {}
+    string_arrays: dict[str, int] = {}
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+            tensors = _parse(view, len(view), metadata, string_arrays)
+    except (struct.error, IndexError, KeyError, UnicodeDecodeError, OverflowError, ValueError) as exc:
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
+    return GGUFHeader(path, metadata, string_arrays, tensors)
+
 
 def read_tensor_infos(path: str | os.PathLike[str]) -> list[GGUFTensorInfo]:
     """The tensor infos of the GGUF file at ``path``, in file order (no value is read).
@@ -89,8 +159,11 @@ def read_tensor_infos(path: str | os.PathLike[str]) -> list[GGUFTensorInfo]:
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
 
 
-def _parse(buf: mmap.mmap, size: int) -> list[GGUFTensorInfo]:
-    if buf[:4] != b"GGUF":
+def _parse(buf: mmap.mmap, size: int, values: dict[str, Any] | None = None,
+           string_arrays: dict[str, int] | None = None) -> list[GGUFTensorInfo]:
+    """The tensor infos; with ``values`` also every metadata value but string arrays (their
+    counts into ``string_arrays``)."""
+    if size < 24 or buf[:4] != b"GGUF":
         raise ValueError("no GGUF magic")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
     if version not in (2, 3):
@@ -112,14 +185,37 @@ def _parse(buf: mmap.mmap, size: int) -> list[GGUFTensorInfo]:
             return pos
         return pos + _SCALAR_SIZES[kind]
 
+    def read_value(kind: int, pos: int) -> Any:
+        if kind == _STRING:
+            length = unpack_q(buf, pos)[0]
+            if pos + 8 + length > size:
+                raise ValueError("a string runs past the end of the file")
+            return bytes(buf[pos + 8 : pos + 8 + length]).decode()
+        if kind == _ARRAY:
+            item, count = unpack_i(buf, pos)[0], unpack_q(buf, pos + 4)[0]
+            if item in _NUMPY_FORMATS:
+                if pos + 12 + count * _SCALAR_SIZES[item] > size:
+                    raise ValueError("an array runs past the end of the file")
+                return np.frombuffer(buf, _NUMPY_FORMATS[item], count, pos + 12).tolist()
+            raise ValueError(f"array of value type {item}")  # arrays of arrays: not in any GGUF model
+        return struct.unpack_from(_SCALAR_FORMATS[kind], buf, pos)[0]
+
     for _ in range(n_kv):
         key_len = unpack_q(buf, pos)[0]
         key = bytes(buf[pos + 8 : pos + 8 + key_len])
         pos += 8 + key_len
         kind = unpack_i(buf, pos)[0]
         pos += 4
+        if kind not in _SCALAR_SIZES and kind not in (_STRING, _ARRAY):
+            raise ValueError(f"metadata {key.decode(errors='replace')!r} has unknown value type {kind}")
         if key == b"general.alignment" and kind == _UINT32:
             alignment = unpack_i(buf, pos)[0]
+        if values is not None:
+            name = key.decode()
+            if kind == _ARRAY and unpack_i(buf, pos)[0] == _STRING:
+                string_arrays[name] = unpack_q(buf, pos + 4)[0]  # type: ignore[index]
+            else:
+                values[name] = read_value(kind, pos)
         pos = skip_value(kind, pos)
         if pos > size:
             raise ValueError("the metadata runs past the end of the file")

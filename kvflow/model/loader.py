@@ -30,10 +30,11 @@ from torch import nn
 
 from kvflow.config import ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.layers.gguf_kernels import GGUFWeight
 from kvflow.layers.linear import UnquantizedLinearMethod, linear_layers
 from kvflow.layers.moe import moe_layers
 from kvflow.model import registry
-from kvflow.model.resolve import iter_weights, load_config, load_tokenizer
+from kvflow.model.resolve import gguf_source, iter_weights, load_config, load_tokenizer
 from kvflow.quantization.checkpoint import quantization_of
 from kvflow.quantization.registry import get_quantization_config
 
@@ -189,7 +190,7 @@ def build_model(
         _load_state_dict(model, Path(model_dir) / "model.safetensors")
     else:
         # A GGUF scheme takes the file's quantized blocks as stored (no float copy).
-        model.load_weights(iter_weights(model_dir, native=getattr(quant_config, "native_gguf", False)))
+        _load_weights(model, model_dir, native=getattr(quant_config, "native_gguf", False))
     model.eval()
     if quant_config is not None:
         context: dict[str, Any] = {
@@ -208,6 +209,34 @@ def build_model(
     if device.type == "cpu":
         pack_for_cpu(model)
     return model
+
+
+def _load_weights(model: nn.Module, model_dir: str | os.PathLike, native: bool) -> None:
+    """``model.load_weights`` over the folder's tensors (``iter_weights``). For a folder made
+    from a GGUF file, a tensor the model refuses is named with the file and the type the
+    file stores it in; nothing of the model stays referenced (its mapped tensors are
+    unmapped when the exception is dropped).
+
+    Raises:
+        ValueError: as ``CausalLM.load_weights`` (plus the GGUF file and stored type).
+    """
+    source = gguf_source(model_dir)
+    last: list[Any] = [None]
+
+    def tracked() -> Any:
+        for item in iter_weights(model_dir, native=native):
+            last[0] = item
+            yield item
+
+    try:
+        model.load_weights(tracked())
+    except ValueError as exc:
+        if source is None:
+            raise
+        stored = last[0][1] if last[0] is not None else None
+        kind = stored.qtype.name if isinstance(stored, GGUFWeight) else str(getattr(stored, "dtype", "?"))
+        last[0] = stored = None
+        raise ValueError(f"{source}: {exc} (the file's tensor, loaded as {kind})") from None
 
 
 def _load_state_dict(model: nn.Module, path: Path) -> None:

@@ -58,8 +58,6 @@ SOURCE_MARKER = "kvflow_source.json"
 _KEY_HEAD_BYTES = 1 << 20
 _COPY_CHUNK_BYTES = 16 << 20
 
-_MISSING: Any = object()
-
 # Whole-model GGUF tensor name -> HF module path, and the MoE router's layer-relative name.
 _GLOBAL_TENSORS = {gguf.TENSOR_NAMES[tensor]: path for tensor, path in GGUF_GLOBAL_TENSORS.items()}
 _ROUTER = gguf_layer_name(gguf.MODEL_TENSOR.FFN_GATE_INP)
@@ -219,8 +217,10 @@ def iter_gguf_weights(source: str | os.PathLike[str], config: transformers.Pretr
     """Yield ``(HF tensor name, tensor)`` for every weight of a GGUF file, one at a time.
 
     With ``native`` every 2-D matrix in a type of ``gguf_kernels.SUPPORTED_QTYPES`` comes as
-    a ``GGUFWeight`` of its stored blocks (copied once out of the memory-mapped file; Q/K
-    rows un-permuted where ``ArchSpec.gguf_qk_permuted``, which moves whole rows of blocks); every other tensor
+    a ``GGUFWeight`` of its stored blocks, a private memory map of the tensor's range of the
+    file (``GGUFTensorInfo.map``: nothing copied until the layer repacks it, after which the
+    mapping is released; Q/K rows un-permuted into a copy where ``ArchSpec.gguf_qk_permuted``,
+    which moves whole rows of blocks); every other tensor
     (float types, norms, stacked experts, other quantized types) is dequantized to float32 as
     ``convert_gguf`` writes it.
 
@@ -242,14 +242,16 @@ def iter_gguf_weights(source: str | os.PathLike[str], config: transformers.Pretr
                 continue
             names = _hf_names(info.name, config)
             try:
-                # Read with pread, not through a memory map: mapped pages would count in this
-                # process's RSS next to the copy.
-                data = info.read(file)
                 if native and info.tensor_type in SUPPORTED_QTYPES and len(names) == 1 and len(info.shape) == 2:
+                    # Mapped, not copied: the layer repacks it into the kernel's layout and
+                    # drops it (the mapping goes with it), so the stored bytes are never held
+                    # twice. Q/K rows llama.cpp permuted are un-permuted into a copy.
                     n, k = info.shape[1], info.shape[0]
-                    raw = _permuted_rows(data, info.name, config)
-                    yield names[0], GGUFWeight(torch.from_numpy(np.ascontiguousarray(raw)), info.tensor_type, n, k)
+                    raw = _permuted_rows(info.map(file), info.name, config)
+                    yield names[0], GGUFWeight(torch.from_numpy(raw), info.tensor_type, n, k)
                 else:
+                    # Read with pread (dequantized to float32 next: a mapping would stay resident)
+                    data = info.read(file)
                     yield from _hf_tensors(_ReadTensor(info.name, info.shape, info.tensor_type, data), config).items()
             except (ValueError, AssertionError) as exc:
                 raise ValueError(f"{source}: tensor {info.name!r} ({_type_name(info.tensor_type)}, shape "
@@ -369,25 +371,18 @@ def convert_gguf(
     source = Path(gguf_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    reader = _open_gguf(source)
-    config = _build_config(reader)
+    # The header only (the vocabulary's strings skipped: the tokenizer reads them itself);
+    # gguf.GGUFReader, which builds every value, only where the weights are dequantized.
+    meta = GGUFMetadata.from_file(source)
+    config = _build_config(meta)
     config_tensors = registry.arch_spec(config.model_type).config_tensor_names()
-    for tensor in reader.tensors:
-        if tensor.name not in config_tensors:
-            _hf_names(tensor.name, config)  # reject unsupported tensors before writing anything
+    for name in meta.tensors:
+        if name not in config_tensors:
+            _hf_names(name, config)  # reject unsupported tensors before writing anything
     config.save_pretrained(out)
     if weights:
-        _write_weights(reader, config, out, shard_bytes)
-    _write_tokenizer(reader, source, out)
-
-
-def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        if default is _MISSING:
-            raise KeyError(f"GGUF metadata key {key!r} is missing")
-        return default
-    return field.contents()
+        _write_weights(_open_gguf(source), config, out, shard_bytes)
+    _write_tokenizer(meta, source, out, config)
 
 
 _float32 = float32_value
@@ -421,7 +416,7 @@ def _rope_parameters(meta: GGUFMetadata) -> dict[str, Any]:
     return params
 
 
-def _build_config(reader: gguf.GGUFReader) -> transformers.PretrainedConfig:
+def _build_config(meta: GGUFMetadata | gguf.GGUFReader) -> transformers.PretrainedConfig:
     """The transformers config of a GGUF file: the Llama-shaped fields every architecture
     stores under the same ``{arch}.*`` keys, then what the architecture's ``ArchSpec``
     (``kvflow.model.registry.gguf_arch_spec``) adds.
@@ -431,7 +426,8 @@ def _build_config(reader: gguf.GGUFReader) -> transformers.PretrainedConfig:
             spec does not allow it (or from the spec's hook).
         KeyError: a required metadata key is missing.
     """
-    meta = GGUFMetadata(reader)
+    if not isinstance(meta, GGUFMetadata):  # a gguf.GGUFReader
+        meta = GGUFMetadata.from_reader(meta)
     spec = registry.gguf_arch_spec(meta.arch, int(meta.arch_get("expert_count", 0)) > 0)
     tensors = meta.tensors
     hidden_size = int(meta.arch_get("embedding_length"))
@@ -557,19 +553,31 @@ def _write_weights(reader: gguf.GGUFReader, config: transformers.PretrainedConfi
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_tokenizer(reader: gguf.GGUFReader, source: Path, out: Path) -> None:
+def _write_tokenizer(meta: GGUFMetadata, source: Path, out: Path, config: transformers.PretrainedConfig) -> None:
+    """Build the file's tokenizer with transformers' GGUF tokenizer conversion and save it
+    (``tokenizer.json`` and its config) into ``out``; the chat template and EOS token come
+    from the GGUF metadata.
+
+    ``AutoTokenizer.from_pretrained(gguf_file=...)`` would first build a transformers config
+    from the file, for most architectures with ``gguf.GGUFReader`` over every metadata value
+    (~30 s for a 151k-token vocabulary on a loaded 2-core machine); the config is already
+    known, so its ``model_type`` names the tokenizer class (``tokenizer_type``) and only the
+    vocabulary is read.
+    """
+    kwargs = {"gguf_file": source.name}
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.parent), tokenizer_type=config.model_type,
+                                                               **kwargs)
     except ValueError as exc:
-        if "is not supported yet" not in str(exc):
+        if "does not exist" not in str(exc) and "is not currently imported" not in str(exc):
             raise
-        # An architecture transformers' GGUF config reader does not know (one registered with
-        # kvflow only): the tokenizer itself is described by the `tokenizer.ggml.*` keys alone.
-        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(source.parent), gguf_file=source.name)
-    template = _field(reader, "tokenizer.chat_template", None)
+        # A model_type with no tokenizer class of its own in transformers (llama, or one
+        # registered with kvflow only): the tokenizer is described by `tokenizer.ggml.*` alone.
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(source.parent), **kwargs)
+    template = meta.get("tokenizer.chat_template", None)
     if template is not None:
         tokenizer.chat_template = template
-    eos_id = _field(reader, "tokenizer.ggml.eos_token_id", None)
+    eos_id = meta.get("tokenizer.ggml.eos_token_id", None)
     if eos_id is not None:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos_id))
     tokenizer.save_pretrained(str(out))

@@ -3,6 +3,7 @@ themselves need the peers installed and an idle machine; see docs/benchmarks.md)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -108,3 +109,67 @@ def test_a_scenario_listed_twice_runs_again_under_its_own_key(tmp_path: Path) ->
     assert text.count("concurrent16#2 ({") == 1 and text.count("\nkvflow ") == 3
     first, again = (serve_peers.bench_command(args, "u", Path("/m"), "concurrent16", tmp_path, "r") for _ in range(2))
     assert first == again  # the same prompts (seed) again
+
+
+def test_kvflow_and_llama_server_get_the_same_kv_capacity() -> None:
+    """kvflow's --num-kv-blocks x 16-token blocks == llama-server's -c (unified KV, -kvu)."""
+    for argv, conc, tokens in ((["--scenarios", "single,prefill512"], 1, 4096),
+                               (["--scenarios", "concurrent16"], 16, 16384),
+                               (["--scenarios", "single", "--kv-tokens", "1000"], 1, 1000)):  # fmt: skip
+        args = serve_peers.parse_args(["--engines", "kvflow-default,llama-server", *argv])
+        kv = serve_peers.server_command("kvflow-default", args, Path("/m/hf"), Path("/m/x.gguf"), 9000, conc)
+        llama = serve_peers.server_command("llama-server", args, Path("/m/hf"), Path("/m/x.gguf"), 9000, conc)
+        blocks = int(kv[kv.index("--num-kv-blocks") + 1])
+        assert int(llama[llama.index("-c") + 1]) == tokens and "-kvu" in llama
+        assert tokens <= blocks * serve_peers.KV_BLOCK_SIZE < tokens + serve_peers.KV_BLOCK_SIZE
+        assert build_parser().parse_args(kv[kv.index("serve"):]).num_kv_blocks == blocks
+        assert kv[kv.index("--model") + 1] == "/m/x.gguf"  # the file llama-server reads
+    with pytest.raises(SystemExit):
+        serve_peers.parse_args(["--kv-tokens", "8"])
+
+
+def test_prefill512_is_one_512_token_prompt_at_a_time(tmp_path: Path) -> None:
+    args = serve_peers.parse_args(["--scenarios", "prefill512"])
+    cmd = serve_peers.bench_command(args, "http://x", Path("/m/hf"), "prefill512", tmp_path, "r.json")
+    flag = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
+    assert (flag("--random-input-len"), flag("--random-range-ratio"), flag("--max-concurrency")) == ("512", "0.0", "1")
+    assert int(flag("--random-output-len")) <= 8
+
+
+def test_starts_use_an_empty_model_cache_and_the_summary_flags_weights(tmp_path: Path) -> None:
+    args = serve_peers.parse_args(["--engines", "kvflow-default,llama-server", "--scenarios", "single"])
+    args.model_cache_dir = tmp_path / "cold"
+    kv = serve_peers.server_command("kvflow-default", args, Path("/m/hf"), Path("/m/x.gguf"), 9000, 1)
+    assert kv[kv.index("--model-cache-dir") + 1] == str(tmp_path / "cold")
+    assert build_parser().parse_args(kv[kv.index("serve"):]).model_cache_dir == str(tmp_path / "cold")
+    folder = tmp_path / "cold" / "m-123"
+    folder.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):
+        (folder / name).write_text("{}")
+    files = serve_peers.cache_files(tmp_path / "cold")
+    assert serve_peers.weights_in_cache(files) == ["m-123/model.safetensors"]
+    scenario = {"output_throughput": 10.0, "mean_ttft_ms": 100.0}
+    records = [{"engine": "kvflow-default", "kv_tokens": 4096, "peak_rss_mib": 1100.0,
+                "starts": {"cold": {"ready_s": 3.0, "first_token_s": 4.0}, "warm": {"first_token_s": 2.0},
+                           "cache_files": files},
+                "scenarios": {"single": dict(scenario, output_throughput=12.0), "prefill512": scenario}},
+               {"engine": "llama-server", "kv_tokens": 4096, "peak_rss_mib": 1000.0,
+                "starts": {"cold": {"ready_s": 1.0, "first_token_s": 2.0}, "warm": {"first_token_s": 1.0}},
+                "scenarios": {"single": scenario, "prefill512": dict(scenario, mean_ttft_ms=50.0)}}]  # fmt: skip
+    row = next(line for line in serve_peers.summary(records).splitlines() if line.startswith("kvflow-default"))
+    assert row.split()[1:] == ["4096", "3", "4", "2", "1100.0", "12.0", "-", "-", "100.0", "1",
+                               "2", "1.1", "1.2", "2"]  # fmt: skip
+
+
+def test_baseline_runs_each_kvflow_engine_from_the_other_checkout(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    (base / "kvflow").mkdir(parents=True)
+    (base / "kvflow" / "__init__.py").write_text("")
+    args = serve_peers.parse_args(["--engines", "kvflow-default,llama-server", "--baseline", str(base)])
+    assert args.engines == ["kvflow-default@base", "kvflow-default", "llama-server"]
+    assert serve_peers.server_env("kvflow-default@base", args)["PYTHONPATH"].split(os.pathsep)[0] == str(base)
+    assert serve_peers.server_env("kvflow-default", args)["PYTHONPATH"].split(os.pathsep)[0] == str(serve_peers.REPO_ROOT)
+    assert (serve_peers.server_command("kvflow-default@base", args, Path("/m"), None, 1, 1)
+            == serve_peers.server_command("kvflow-default", args, Path("/m"), None, 1, 1))
+    with pytest.raises(SystemExit):
+        serve_peers.parse_args(["--baseline", str(tmp_path)])

@@ -281,7 +281,7 @@ def test_concurrent_resolves_convert_once(tiny_llama: Tiny, tmp_path: Path, monk
 
 
 def test_failed_conversion_leaves_nothing(tiny_llama: Tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def crash(reader: object, source: Path, out: Path) -> None:
+    def crash(meta: object, source: Path, out: Path, config: object) -> None:
         raise RuntimeError("crash midway")
 
     monkeypatch.setattr(resolve, "_write_tokenizer", crash)
@@ -667,3 +667,54 @@ def test_invalid_generation_config_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text('{"temperature": -1}')
     with pytest.raises(ValueError, match="generation_config.json: temperature"):
         load_generation_defaults(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_cached_folder_is_read_from_the_header_alone(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config and tokenizer come from the file's header without ``gguf.GGUFReader`` (which
+    builds every vocabulary string: ~30 s per reader for a 151k-token vocabulary), and equal
+    what transformers' own GGUF path (``AutoTokenizer.from_pretrained(gguf_file=...)``) makes."""
+    import gguf as gguf_package
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(path, arch)  # its metadata holds CHAT_TEMPLATE
+
+    def no_reader(*args: object, **kwargs: object) -> None:
+        raise AssertionError("gguf.GGUFReader read the whole metadata")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_package, "GGUFReader", no_reader)
+        folder = resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "chat_template.jinja", "config.json", resolve.SOURCE_MARKER, "tokenizer.json", "tokenizer_config.json"]
+    made = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    made.chat_template = CHAT_TEMPLATE
+    made.eos_token = made.convert_ids_to_tokens(int(gguf_package.GGUFReader(path).fields[
+        "tokenizer.ggml.eos_token_id"].contents()))
+    made.save_pretrained(str(tmp_path / "reference"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).read_text() == (tmp_path / "reference" / name).read_text(), name
+    reference, ours = resolve.load_tokenizer(tmp_path / "reference"), resolve.load_tokenizer(folder)
+    assert ours.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    assert type(ours) is type(reference) and ours.chat_template == CHAT_TEMPLATE
+    assert ours("hello world").input_ids == reference("hello world").input_ids
+
+
+def test_native_weights_are_the_files_pages_until_repacked(tiny_llama: Tiny) -> None:
+    """``iter_gguf_weights(native=True)`` hands each stored matrix over as a view of the file's
+    memory map (no copy held next to the repacked one); Q/K rows llama.cpp permuted are a copy."""
+    from kvflow.layers.gguf_kernels import GGUFWeight
+
+    path = tiny_llama[0]
+    config = resolve.load_config(resolve.resolve_model(str(path), cache_dir=path.parent / "cache"))
+    stored = {name: w for name, w in resolve.iter_gguf_weights(path, config, native=True) if isinstance(w, GGUFWeight)}
+    assert {"model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight"} <= set(stored)
+    regions = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        regions.append((lo, hi, fields[5] if len(fields) > 5 else ""))
+    for name, weight in stored.items():
+        address = weight.raw.data_ptr()
+        where = next(p for lo, hi, p in regions if lo <= address < hi)
+        assert where == str(path), name

@@ -253,3 +253,32 @@ def test_the_kernel_joins_the_engines_background_builds(monkeypatch) -> None:
     layer.weight_loader(layer.weight, _gguf(torch.randn(8, 64), QT.Q8_0))
     layer.quant_method.process_weights_after_loading(layer)
     assert asked == [ops.GGUF_MATMUL]
+
+
+def test_a_tensor_the_config_disagrees_with_is_one_error_and_nothing_stays_mapped(tmp_path: Path) -> None:
+    """A GGUF whose metadata says a hidden size of 32 while its tensors hold 64: one ValueError
+    naming the file, the tensor and its stored type; none of the file's mappings survive it."""
+    import gc
+
+    from model.test_resolve import write_tiny_gguf
+
+    path = tmp_path / "disagrees.gguf"
+
+    def smaller(writer: gguf.GGUFWriter) -> None:
+        writer.add_embedding_length(32)
+        writer.add_rope_dimension_count(8)
+
+    write_tiny_gguf(path, "llama", configure=smaller)
+
+    def mapped() -> list[str]:
+        return [line for line in open("/proc/self/maps") if line.rstrip().endswith(str(path))]
+
+    with pytest.raises(ValueError) as failure:
+        LLM(model=str(path), model_cache_dir=str(tmp_path / "cache"), num_kv_blocks=16, device="cpu")
+    message = str(failure.value)
+    assert message.startswith(f"{path}: weight 'model.embed_tokens.weight' has ") and "loaded as Q8_0" in message
+    del failure
+    gc.collect()
+    assert mapped() == []
+    assert sorted(p.name for p in next((tmp_path / "cache").glob("disagrees-*")).iterdir()) == [
+        "chat_template.jinja", "config.json", resolve.SOURCE_MARKER, "tokenizer.json", "tokenizer_config.json"]
