@@ -327,7 +327,7 @@ class LinearBase(nn.Module):
         GGUF method kept as a segment of stored rows."""
         if param is self._parameters.get("weight") and hasattr(self.quant_method, "load_segment"):
             rows, cols = _shape(src)
-            if rows != size:
+            if rows != size or cols != self.in_features:
                 raise ValueError(f"shape {(rows, cols)}, expected ({size}, {self.in_features})")
             self.quant_method.load_segment(self, offset, src)
             return
@@ -354,11 +354,16 @@ def _shape(src) -> tuple[int, ...]:
     return (src.n, src.k) if isinstance(src, GGUFWeight) else tuple(src.shape)
 
 
-def _rows(loaded, start: int, end: int):
-    """Rows [start, end) of a checkpoint tensor or ``GGUFWeight``."""
+def _rows(loaded, start: int, end: int, total: int):
+    """Rows [start, end) of a checkpoint tensor or ``GGUFWeight`` of ``total`` rows.
+
+    Raises:
+        ValueError: when ``loaded`` has another number of rows (a tensor larger than the
+            config says is refused, not cut to size).
+    """
+    if _shape(loaded)[0] != total:
+        raise ValueError(f"shape {_shape(loaded)}, expected {total} rows")
     if isinstance(loaded, GGUFWeight):
-        if end > loaded.n:
-            raise ValueError(f"shape {_shape(loaded)}, expected at least {end} rows")
         return loaded if (start, end) == (0, loaded.n) else loaded.narrow_rows(start, end - start)
     return loaded[start:end]
 
@@ -394,12 +399,13 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool, quant_config=None, prefix: str = "",
                  tp: TensorParallel | None = None) -> None:
         world, rank = (1, 0) if tp is None else (tp.world_size, tp.rank)
+        self.full_output_size = output_size
         self.output_range = even_partition(output_size, world, rank, what=f"{prefix or 'linear'} output size")
         super().__init__(input_size, self.output_range[1] - self.output_range[0], bias, quant_config, prefix, tp)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         start, end = self.output_range
-        self._load_rows(param, 0, self.out_features, _rows(loaded, start, end))
+        self._load_rows(param, 0, self.out_features, _rows(loaded, start, end, self.full_output_size))
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -424,7 +430,7 @@ class MergedColumnParallelLinear(LinearBase):
             return
         offset = sum(self.part_sizes[:shard_id])
         start, end = self.part_ranges[shard_id]
-        self._load_rows(param, offset, self.part_sizes[shard_id], _rows(loaded, start, end))
+        self._load_rows(param, offset, self.part_sizes[shard_id], _rows(loaded, start, end, self.output_sizes[shard_id]))
 
 
 class QKVParallelLinear(LinearBase):
@@ -472,7 +478,8 @@ class QKVParallelLinear(LinearBase):
             "k": (self.q_size, self.kv_size, self.kv_range),
             "v": (self.q_size + self.kv_size, self.kv_size, self.kv_range),
         }[shard_id]
-        self._load_rows(param, offset, size, _rows(loaded, start, end))
+        heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
+        self._load_rows(param, offset, size, _rows(loaded, start, end, heads * self.head_dim))
 
 
 class RowParallelLinear(LinearBase):
@@ -491,12 +498,15 @@ class RowParallelLinear(LinearBase):
                  tp: TensorParallel | None = None, input_range: tuple[int, int] | None = None,
                  reduce_results: bool = True) -> None:
         world, rank = (1, 0) if tp is None else (tp.world_size, tp.rank)
+        self.full_input_size = input_size
         self.input_range = input_range or even_partition(input_size, world, rank, what=f"{prefix or 'linear'} input size")
         self.reduce_results = reduce_results
         super().__init__(self.input_range[1] - self.input_range[0], output_size, bias, quant_config, prefix, tp)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         start, end = self.input_range
+        if len(_shape(loaded)) == 2 and _shape(loaded)[1] != self.full_input_size:
+            raise ValueError(f"shape {_shape(loaded)}, expected {self.full_input_size} columns")
         if isinstance(loaded, GGUFWeight):
             part = loaded if (start, end) == (0, loaded.k) else loaded.narrow_cols(start, end - start)
             self._load_rows(param, 0, self.out_features, part)

@@ -19,7 +19,7 @@ from kvflow import LLM, SamplingParams
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.gguf_kernels import GGUFWeight, kernel_available
-from kvflow.layers.linear import QKVParallelLinear, RowParallelLinear
+from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.model import resolve
 from kvflow.quantization import gguf as gguf_quant
 from kvflow.quantization.gguf import GGUFConfig, GGUFLinearMethod, gguf_report
@@ -72,8 +72,19 @@ def test_a_fused_linear_keeps_parts_of_different_types_as_stored_segments() -> N
 
 def test_gguf_linear_shape_errors_name_the_sizes() -> None:
     layer = QKVParallelLinear(64, 16, 4, 2, False, GGUFConfig(), "qkv")
-    with pytest.raises(ValueError, match=r"shape \(32, 64\), expected at least 64 rows"):
+    with pytest.raises(ValueError, match=r"shape \(32, 64\), expected 64 rows"):
         layer.weight_loader(layer.weight, _gguf(torch.randn(32, 64), QT.Q8_0), "q")
+    # a tensor larger than the config says is refused, not cut to size (either dimension)
+    with pytest.raises(ValueError, match=r"shape \(96, 64\), expected 64 rows"):
+        layer.weight_loader(layer.weight, _gguf(torch.randn(96, 64), QT.Q8_0), "q")
+    with pytest.raises(ValueError, match=r"shape \(64, 96\), expected \(64, 64\)"):
+        layer.weight_loader(layer.weight, _gguf(torch.randn(64, 96), QT.Q8_0), "q")
+    down = RowParallelLinear(64, 16, False, GGUFConfig(), "down_proj")
+    with pytest.raises(ValueError, match=r"shape \(16, 96\), expected 64 columns"):
+        down.weight_loader(down.weight, _gguf(torch.randn(16, 96), QT.Q8_0))
+    gate_up = MergedColumnParallelLinear(64, [32, 32], False, GGUFConfig(), "gate_up_proj")
+    with pytest.raises(ValueError, match=r"shape \(48, 64\), expected 32 rows"):
+        gate_up.weight_loader(gate_up.weight, _gguf(torch.randn(48, 64), QT.Q8_0), 0)
     layer.weight_loader(layer.weight, _gguf(torch.randn(64, 64), QT.Q8_0), "q")
     with pytest.raises(ValueError, match="GGUF rows cover 64 of 128"):  # K and V missing
         layer.quant_method.process_weights_after_loading(layer)
