@@ -229,6 +229,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
+        for name in ("stop_token_ids", "bad_words", "stop"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)) and not (name == "stop" and isinstance(value, str)):
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -267,6 +271,9 @@ class SamplingParams:
         return next((k for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None), None)
 
     def _verify(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         _check_number("temperature", self.temperature, finite=True)
