@@ -79,6 +79,8 @@ NAN = math.nan
         ({"logit_bias": [5]}, "logit_bias"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"min_tokens": -1}, "min_tokens"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32: a division by zero
         ({"stop": 5}, "stop"),
         ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"bad_words": 5}, "bad_words"),
