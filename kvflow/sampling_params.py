@@ -231,7 +231,8 @@ class SamplingParams:
         self._take_structured_outputs()
         for name in ("stop_token_ids", "bad_words", "stop"):
             value = getattr(self, name)
-            if value is not None and not isinstance(value, (list, tuple)) and not (name == "stop" and isinstance(value, str)):
+            is_list = isinstance(value, (list, tuple)) or (name == "stop" and isinstance(value, str))
+            if value is not None and not is_list:
                 raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.stop, str):

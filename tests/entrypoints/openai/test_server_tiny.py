@@ -321,8 +321,8 @@ GUIDED = [
 
 
 @pytest.mark.parametrize("path", [C, CH])
-@pytest.mark.parametrize("extra,pattern", GUIDED, ids=["choice", "choice-temperature-1e300", "so-choice", "lark", "gbnf",
-                                                       "so-regex"])
+@pytest.mark.parametrize("extra,pattern", GUIDED,
+                         ids=["choice", "choice-temperature-1e300", "so-choice", "lark", "gbnf", "so-regex"])
 def test_guided_choice_and_grammar_constrain_the_output(http, path, extra, pattern):
     import re
 
