@@ -167,8 +167,8 @@ class SamplingParams:
             so far (OpenAI semantics). In [-2, 2].
         frequency_penalty: subtracted once per occurrence in the output so far. In [-2, 2].
         repetition_penalty: divides positive logits and multiplies negative ones of tokens in
-            the prompt or the output (Keskar et al. 2019, "CTRL", section 4.1). A finite
-            number > 0; 1 is off.
+            the prompt or the output (Keskar et al. 2019, "CTRL", section 4.1). A number
+            > 0 within float32's normal range (about 1.2e-38 to 3.4e38); 1 is off.
         logit_bias: token id -> value added to its logit (OpenAI semantics): keys are
             integers or integer strings >= 0 (the engine refuses ids outside the
             vocabulary), values numbers in [-100, 100].
@@ -229,6 +229,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
+        for name in ("stop_token_ids", "bad_words", "stop"):
+            value = getattr(self, name)
+            is_list = isinstance(value, (list, tuple)) or (name == "stop" and isinstance(value, str))
+            if value is not None and not is_list:
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -267,6 +272,9 @@ class SamplingParams:
         return next((k for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None), None)
 
     def _verify(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         _check_number("temperature", self.temperature, finite=True)
@@ -305,8 +313,10 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         _check_number("repetition_penalty", self.repetition_penalty, finite=True)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not _FLOAT32_TINY <= self.repetition_penalty <= _FLOAT32_MAX:
+            # the sampler applies it in float32, where it would become 0 or inf (and 0 * inf a NaN logit)
+            raise ValueError(f"repetition_penalty must be > 0 and within float32's normal range "
+                             f"[{_FLOAT32_TINY:.4g}, {_FLOAT32_MAX:.4g}], got {self.repetition_penalty}")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
@@ -347,6 +357,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the request takes the argmax token at every step."""
         return self.temperature < _GREEDY_EPS or self.top_k == 1
+
+
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 1.1754943508222875e-38
 
 
 def _check_number(name: str, value: object, finite: bool = False) -> None:

@@ -79,6 +79,14 @@ NAN = math.nan
         ({"logit_bias": [5]}, "logit_bias"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
         ({"min_tokens": -1}, "min_tokens"),
+        ({"repetition_penalty": 1e300}, "repetition_penalty"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32: a division by zero
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"bad_words": 5}, "bad_words"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"skip_special_tokens": None}, "skip_special_tokens"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ],
 )
 def test_invalid_field_raises_value_error_naming_it(kwargs, field):

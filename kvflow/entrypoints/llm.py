@@ -111,6 +111,10 @@ class LLM:
             return [prompts]
         if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
             return [list(prompts)]
+        if not isinstance(prompts, (list, tuple)):
+            # an int or None would fail later as a TypeError ("'int' object is not iterable")
+            raise ValueError(f"prompts must be a string, a list of token ids, a dict or a list of these, got "
+                             f"{type(prompts).__name__}")
         return list(prompts)
 
     def _add_all(

@@ -19,6 +19,8 @@ import torch
 
 from kvflow.request import Request
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 
 @dataclass
 class SamplingTensors:
@@ -42,7 +44,9 @@ class SamplingTensors:
     def from_requests(cls, requests: list[Request], vocab_size: int, device: torch.device) -> "SamplingTensors":
         params = [r.sampling_params for r in requests]
         return cls(
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32, device=device),
+            # capped at float32's largest value: cast to inf, -inf (masked) logits / inf are NaN
+            temperature=torch.tensor([0.0 if p.greedy else min(p.temperature, _FLOAT32_MAX) for p in params],
+                                     dtype=torch.float32, device=device),
             # top_k off (0, -1) or at or above the vocabulary (any int: 2**63 does not fit int64)
             # keeps every token.
             top_k=torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 
 class InputBatch:
     """Row-indexed arrays of the requests a model runner holds (see the module docstring).
@@ -145,7 +147,9 @@ class InputBatch:
             self.block_tables[g][row, : len(ids)] = ids
             self.num_blocks[g, row] = len(ids)
         p = state.sampling_params
-        self.temperature[row] = 0.0 if p.greedy else p.temperature
+        # a temperature past float32's range (1e300 is valid) is capped there, not cast to inf:
+        # -inf (masked) logits / inf are NaN, and a NaN row samples token 0 whatever was masked
+        self.temperature[row] = 0.0 if p.greedy else min(p.temperature, _FLOAT32_MAX)
         # top_k <= 0: off; any int (2**63 does not fit int64) is capped far above a vocabulary
         self.top_k[row] = min(p.top_k, 2**62) if p.top_k > 0 else 0
         self.top_p[row] = p.top_p

@@ -157,6 +157,14 @@ def test_bad_input_raises_and_engine_keeps_serving(smollm2_llm, prompt, params, 
     assert len(out.outputs[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("prompts", [5, None, 1.5])
+def test_prompts_of_a_wrong_type_are_a_value_error(smollm2_llm, prompts):
+    """generate(5) / generate(None) was a TypeError ("'int' object is not iterable")."""
+    with pytest.raises(ValueError, match="prompts must be"):
+        smollm2_llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert not smollm2_llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens")],

@@ -344,3 +344,17 @@ def test_row_argmax_two_pass_equals_argmax(vocab):
     # the sampled path's input: probabilities over noise
     probs = torch.softmax(x[6:], dim=-1) / torch.empty_like(x[6:]).exponential_(generator=gen)
     assert torch.equal(row_argmax(probs), probs.argmax(dim=-1))
+
+
+def test_a_temperature_past_float32_keeps_masked_tokens_out():
+    """temperature=1e300 is valid (uniform over the allowed tokens) but is inf in float32, and
+    -inf (a grammar's or min_tokens' mask) / inf is NaN: the NaN row then sampled token 0,
+    outside a guided_choice. Capped at float32's largest value, masked tokens stay at 0."""
+    req = Request("a", [1], SamplingParams(temperature=1e300, seed=1), None)
+    st = SamplingTensors.from_requests([req], 5, torch.device("cpu"))
+    assert math.isfinite(st.temperature.item())
+    logits = torch.tensor([[-math.inf, 2.0, -math.inf, 0.5, -1.0]])
+    probs = Sampler.filtered_probs(logits, st)
+    assert not probs.isnan().any()
+    assert probs[0, 0] == 0 and probs[0, 2] == 0
+    torch.testing.assert_close(probs[0, [1, 3, 4]], torch.full((3,), 1 / 3))

@@ -98,6 +98,9 @@ def test_sampling_parameters_move_with_their_row():
     assert row == 0 and batch.states[0].request_id == "c" and batch.block_ids(0) == [2]
     assert batch.temperature[row] == 1.0 and batch.top_k[row] == 2**62 and batch.top_p[row] == 1.0
     assert batch.temperature[batch.req_id_to_index["b"]] == 0.0
+    # 1e300 is a valid temperature; float32 makes it inf (and -inf masked logits / inf NaN): capped
+    batch.add_request(_state("hot", [1, 2, 3, 4], 3, temperature=1e300), ([3],))
+    assert batch.temperature[batch.req_id_to_index["hot"]] == np.finfo(np.float32).max
     with pytest.raises(ValueError, match="already"):
         batch.add_request(_state("b", [1, 2, 3], 0), ([1],))
     with pytest.raises(ValueError, match="block tables"):

@@ -20,7 +20,7 @@ import json
 import logging
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -125,6 +125,14 @@ class _SamplingRequest(_Body):
     priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     # vLLM extras kvflow does not implement (refused when set; see unsupported_field)
     use_beam_search: Any = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info: ValidationInfo):
+        # as OpenAI and vLLM: without a stream they would be silently dropped
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
+        return value
     length_penalty: Any = None
     allowed_token_ids: Any = None
     prompt_logprobs: Any = None
@@ -395,6 +403,14 @@ class ChatCompletionRequest(_SamplingRequest):
     def unsupported_field(self) -> tuple[str, str] | None:
         """See ``_Body.unsupported_field``; also looks into the messages."""
         return super().unsupported_field() or unsupported_message_field(self.messages)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value, info: ValidationInfo):
+        # as OpenAI and vLLM: without logprobs: true they would be silently dropped
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -44,7 +44,10 @@ RETRY_AFTER_S = 1
 
 def _bad_request(exc: ValueError) -> APIError:
     message = str(exc)
-    param = message.split(" ", 1)[0] if message and message.split(" ", 1)[0].isidentifier() else None
+    # the message's first word names the field; "response_format.json_schema.schema ..." names
+    # the top-level field response_format
+    head = re.split(r"[.\[]", message.split(" ", 1)[0], maxsplit=1)[0] if message else ""
+    param = head if head.isidentifier() else None
     return APIError(400, message, "BadRequestError", param)
 
 

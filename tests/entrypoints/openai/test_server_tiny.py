@@ -134,6 +134,15 @@ BAD_VALUES = [
                  id="structured_outputs-two"),
     pytest.param(C, {"prompt": "x", "structured_outputs": {"nonsense": 1}}, "structured_outputs",
                  id="structured_outputs-unknown-key"),
+    # as OpenAI and vLLM: silently dropped before
+    pytest.param(CH, {"messages": MSG, "top_logprobs": 3}, "top_logprobs", id="top_logprobs-without-logprobs"),
+    pytest.param(C, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options",
+                 id="stream_options-without-stream"),
+    pytest.param(CH, {"messages": MSG, "stream_options": {"include_usage": True}}, "stream_options",
+                 id="chat-stream_options-without-stream"),
+    # a message about a nested field names its top-level field (param was null)
+    pytest.param(CH, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                 "response_format", id="response_format-json_schema-without-schema"),
 ]
 
 
@@ -302,6 +311,8 @@ def test_a_json_decode_error_names_no_param(http):
 
 GUIDED = [
     ({"guided_choice": ["red", "green", 'say "blue"']}, r'red|green|say "blue"'),
+    # float32 made 1e300 inf, the masked logits NaN, and the row sampled token 0 outside the choice
+    ({"guided_choice": ["red", "green"], "temperature": 1e300}, r"red|green"),
     ({"structured_outputs": {"choice": ["yes", "no"]}}, r"yes|no"),
     ({"guided_grammar": 'start: "ab" | "cd" "e"*'}, r"ab|cde*"),
     ({"guided_grammar": 'root ::= "x" [0-9]'}, r"x[0-9]"),
@@ -310,7 +321,8 @@ GUIDED = [
 
 
 @pytest.mark.parametrize("path", [C, CH])
-@pytest.mark.parametrize("extra,pattern", GUIDED, ids=["choice", "so-choice", "lark", "gbnf", "so-regex"])
+@pytest.mark.parametrize("extra,pattern", GUIDED,
+                         ids=["choice", "choice-temperature-1e300", "so-choice", "lark", "gbnf", "so-regex"])
 def test_guided_choice_and_grammar_constrain_the_output(http, path, extra, pattern):
     import re
 
