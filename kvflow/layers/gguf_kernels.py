@@ -314,11 +314,12 @@ class GGUFWeight:
             return dequantize(self._raw[ids], self.qtype, self.k, dtype)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
             raise IndexError(f"ids: values must lie in [0, {self.n})")
-        # Packed only: unpack just the 8-row groups the ids fall in.
-        groups, where = torch.unique(ids.long() // 8, return_inverse=True)
+        # Packed only: unpack just the row groups the ids fall in.
         module = _EXTENSION.require()
-        rows = module.gguf_unpack(self.packed[groups].contiguous(), int(self.qtype), 8 * len(groups), self.k)
-        return dequantize(rows[where * 8 + ids.long() % 8], self.qtype, self.k, dtype)
+        g = module.gguf_pack_rows()
+        groups, where = torch.unique(ids.long() // g, return_inverse=True)
+        rows = module.gguf_unpack(self.packed[groups].contiguous(), int(self.qtype), g * len(groups), self.k)
+        return dequantize(rows[where * g + ids.long() % g], self.qtype, self.k, dtype)
 
     def narrow_rows(self, start: int, length: int) -> GGUFWeight:
         """Rows [start, start + length) as a weight sharing this one's storage.
