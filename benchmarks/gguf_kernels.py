@@ -24,10 +24,18 @@ read once per step. A cell is the fastest of ``--repeats`` sweeps of the copies.
 The ISA of the kernel's integer products is printed (``kernel_isa()``); without the kernel
 the GGUF paths are PyTorch's dequantize + ``F.linear``.
 
+``--profile-matrices MODEL`` replays the GGUF matrices of one single-stream decode step of a
+GGUF model (its decoder linears' stored segments in layer order, then the LM head in its
+stored format) with M = 1: per matrix (role, format, N x K) the median time of one call and
+its weight bytes per second, the step's total, and the machine's read bandwidth (a float32
+sum of 512 MB, 1 thread and all) in the same run. The step outside these matrices (norms,
+rotary, attention, sampling, Python) is the fused step's time less this total.
+
 How to run
 ----------
     python -m benchmarks.gguf_kernels                          # everything (a few minutes)
     python -m benchmarks.gguf_kernels --formats Q4_0 Q6_K --m 1 --shapes qwen1.5b
+    python -m benchmarks.gguf_kernels --profile-matrices qwen2.5-coder-1.5b --out /tmp/m.json
 
 Prints a table and writes ``--out`` (default ``benchmarks/results/gguf_kernels.json``).
 
@@ -44,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -150,6 +159,83 @@ def profile_decode(model: str, steps: int, out: Path) -> dict:
     return record
 
 
+def read_bandwidth(mb: int = 512, repeats: int = 5) -> dict[int, float]:
+    """This machine's read bandwidth, GB/s: the fastest of ``repeats`` float32 sums of an
+    ``mb`` MB tensor (far past the caches), with 1 thread and with torch's thread count."""
+    x = torch.ones(mb * 2**20 // 4)
+    threads = torch.get_num_threads()
+    out = {}
+    for t in sorted({1, threads}):
+        torch.set_num_threads(t)
+        best = min(_timed(lambda: x.sum()) for _ in range(repeats))
+        out[t] = x.numel() * 4 / best / 1e9
+    torch.set_num_threads(threads)
+    return out
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def profile_matrices(model: str, steps: int, out: Path) -> dict:
+    """Replay one single-stream decode step's GGUF matrices of ``model`` (see the module
+    docstring): per matrix (role, format, N x K) the median time of one M = 1 call and its
+    weight GB/s; against the machine's read bandwidth measured in the same run."""
+    from kvflow import LLM
+
+    llm = LLM(model=model)
+    net = llm.engine.model_runner.model
+    calls = []  # (role, weight) in the order a step computes them
+    for i, layer in enumerate(net.layers):
+        for role, lin in (("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj),
+                          ("gate_up", layer.mlp.gate_up_proj), ("down", layer.mlp.down_proj)):
+            for seg in getattr(lin, "gguf_segments", []):
+                if isinstance(seg.weight, gk.GGUFWeight):
+                    calls.append((role, seg.weight))
+    head = net.lm_head.stored_gguf
+    if head is not None:
+        calls.append(("lm_head", head))
+    dtype = net.norm.weight.dtype
+    times = [[] for _ in calls]
+    for _ in range(steps + 1):  # the first step warms up (packs at first use)
+        for j, (_role, w) in enumerate(calls):
+            x = torch.randn(1, w.k).to(dtype)
+            times[j].append(_timed(lambda: gk.gguf_linear(x, w)))
+    groups: dict[tuple, dict] = {}
+    for (role, w), ts in zip(calls, times):
+        key = (role, w.qtype.name, w.n, w.k)
+        g = groups.setdefault(key, {"role": role, "format": w.qtype.name, "n": w.n, "k": w.k, "per_step": 0,
+                                    "us": [], "bytes": w.n * gk.row_bytes(w.qtype, w.k)})
+        g["per_step"] += 1
+        g["us"].append(statistics.median(ts[1:]) * 1e6)
+    bw = read_bandwidth()
+    rows, recs = [], []
+    total_ms = total_bytes = 0.0
+    for g in groups.values():
+        us = statistics.median(g["us"])
+        ms = us * g["per_step"] / 1e3
+        total_ms += ms
+        total_bytes += g["bytes"] * g["per_step"]
+        rec = {k: v for k, v in g.items() if k != "us"} | {"us_per_call": us, "ms_per_step": ms,
+                                                          "gb_per_s": g["bytes"] / us / 1e3}
+        recs.append(rec)
+        rows.append([g["role"], g["format"], f"{g['n']}x{g['k']}", g["per_step"], us, ms, rec["gb_per_s"]])
+    rows.append(["all", "", "", len(calls), "", total_ms, total_bytes / total_ms / 1e6])
+    threads = torch.get_num_threads()
+    print(f"# {model}: the GGUF matrices of one decode step, M = 1, {threads} threads, kernel ISA {gk.kernel_isa()}; "
+          f"read bandwidth (float32 sum of 512 MB): " + ", ".join(f"{t} thread(s) {v:.1f} GB/s" for t, v in bw.items()))
+    print(format_table(["matrix", "format", "N x K", "per step", "us/call", "ms/step", "weight GB/s"], rows))
+    record = {"machine": {**machine_info(), "isa": gk.kernel_isa()}, "model": model,
+              "read_bandwidth_gb_s": {str(t): v for t, v in bw.items()}, "matrices": recs,
+              "total_ms": total_ms, "total_bytes": total_bytes}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(f"\nwrote {out}")
+    return record
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS,
@@ -164,9 +250,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile-decode", metavar="MODEL", default=None,
                     help="profile single-stream decode steps of this GGUF model instead (see above)")
     ap.add_argument("--profile-steps", type=int, default=32)
+    ap.add_argument("--profile-matrices", metavar="MODEL", default=None,
+                    help="time each GGUF matrix of one decode step of this model instead (see above)")
     args = ap.parse_args(argv)
     if args.profile_decode:
         return profile_decode(args.profile_decode, args.profile_steps, args.out)
+    if args.profile_matrices:
+        return profile_matrices(args.profile_matrices, min(args.profile_steps, 10), args.out)
 
     info = machine_info()
     info["isa"] = gk.kernel_isa()

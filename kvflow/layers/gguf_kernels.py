@@ -34,18 +34,25 @@ stored row-major blocks directly: the benchmark's baseline.)
 
 Repacked at load (llama.cpp's ``ggml-cpu`` ``repack.cpp`` interleaves rows the same way for
 ``block_q4_0x8`` / ``block_q4_Kx8``; the layout here is kvflow's own, one for all formats):
-:meth:`GGUFWeight.pack` (C++ ``gguf_pack``) regroups the rows 8 at a time so that, per
-32-element block, one 64-byte vector holds 4 consecutive quantized values of each of the 8
-rows for both 16-element halves, and the rows' fp16 scales (and 6-bit sub-block scales) sit
-side by side. Against an activation block whose 4-byte groups are broadcast to the lanes, one
-``vpdpbusd`` (AVX2: ``vpmaddubsw`` + ``vpmaddwd``) per vector does 4 products of 16
-row-halves, and the scales of 8 rows convert in one instruction: about 3 instructions per
-32-element block and row instead of ~19 on the stored rows. The packed weight has the stored
-size (Q4_K / Q5_K: + 4 bytes per 256 elements) and computes exactly the stored blocks' fields; the decoder linears
-drop their stored rows once packed (``pack(release_raw=True)``: ``raw`` then rebuilds them,
-byte-exact, from the packed layout where asked for: ``dequantize``, ``narrow_*``, prefill
-tiles). A weight is packed where it is first computed with the kernel, or at load when the
-kernel is built already, so tensor-parallel narrowing (at load) happens before packing.
+:meth:`GGUFWeight.pack` (C++ ``gguf_pack``) regroups the rows 16 at a time (``gguf_pack_rows()``)
+so that, per 32-element block, one 64-byte vector holds 4 consecutive quantized values of each
+of the 16 rows (eight such vectors per block), and the rows' fp16 scales (and sub-block scales)
+sit side by side. Each vector meets one 4-byte group of the activation block broadcast to all
+lanes, which AVX-512 takes as the embedded-broadcast memory operand of ``vpdpbusd`` (64
+products per instruction, no shuffle; AVX2: ``vpmaddubsw`` + ``vpmaddwd`` against a
+``vpbroadcastd``, per 8 rows), about 0.5 dot-product instructions per block and row (the stored rows take ~19
+instructions per block and row), the scales of 16 rows converted together. A
+format's constant offset (Q4_0's 8, Q5_0's 16, Q6_K's 32; Q8_0's 128 on the VNNI path, which
+reads it as unsigned w + 128) is subtracted in integers from the block's product (its
+activation sums kept as integers), exactly. The work is handed to the threads in chunks of
+>= 32 KB of weight from a shared counter, so a thread that starts late (descheduled on a busy
+machine) finds the chunks done by the others instead of a fixed share still waiting for it. The packed weight has the stored size (Q4_K /
+Q5_K: + 4 bytes per 256 elements) and computes exactly the stored blocks' fields; the decoder
+linears drop their stored rows once packed (``pack(release_raw=True)``: ``raw`` then
+rebuilds them, byte-exact, from the packed layout where asked for: ``dequantize``,
+``narrow_*``, prefill tiles, embedding rows). A weight is packed where it is first computed
+with the kernel, or at load when the kernel is built already, so tensor-parallel narrowing (at
+load) happens before packing.
 
 Speed: ``python -m benchmarks.gguf_kernels`` (packed against stored rows and dense bfloat16 in
 one run; docs/benchmarks.md).
@@ -261,13 +268,13 @@ class GGUFWeight:
         return _EXTENSION.require().gguf_unpack(self.packed, int(self.qtype), self.n, self.k)
 
     def pack(self, release_raw: bool = False) -> torch.Tensor:
-        """Build ``packed`` once: the rows interleaved 8 at a time for the C++ kernel's GEMV and
+        """Build ``packed`` once: the rows interleaved 16 at a time for the C++ kernel's GEMV and
         small-M GEMM (layout: ``kvflow/ops/csrc/gguf_matmul.cpp``; same bytes as stored, K-quants
         + 4 bytes per 256 elements). ``release_raw`` drops the stored rows afterwards (``raw`` then unpacks on
         access), so the weight is held once.
 
         Returns:
-            The packed uint8 tensor [ceil(n / 8), group bytes].
+            The packed uint8 tensor [ceil(n / 16), group bytes].
 
         Raises:
             RuntimeError: when the C++ kernel is not available.
@@ -314,11 +321,12 @@ class GGUFWeight:
             return dequantize(self._raw[ids], self.qtype, self.k, dtype)
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
             raise IndexError(f"ids: values must lie in [0, {self.n})")
-        # Packed only: unpack just the 8-row groups the ids fall in.
-        groups, where = torch.unique(ids.long() // 8, return_inverse=True)
+        # Packed only: unpack just the row groups the ids fall in.
         module = _EXTENSION.require()
-        rows = module.gguf_unpack(self.packed[groups].contiguous(), int(self.qtype), 8 * len(groups), self.k)
-        return dequantize(rows[where * 8 + ids.long() % 8], self.qtype, self.k, dtype)
+        g = module.gguf_pack_rows()
+        groups, where = torch.unique(ids.long() // g, return_inverse=True)
+        rows = module.gguf_unpack(self.packed[groups].contiguous(), int(self.qtype), g * len(groups), self.k)
+        return dequantize(rows[where * g + ids.long() % g], self.qtype, self.k, dtype)
 
     def narrow_rows(self, start: int, length: int) -> GGUFWeight:
         """Rows [start, start + length) as a weight sharing this one's storage.

@@ -11,7 +11,7 @@ the layers keep it:
   ``ffn_down`` in Q6_K and the rest in Q4_K); after loading, adjacent segments of one type
   are joined, and ``apply`` runs one ``gguf_linear`` per segment into its columns of the
   output (the C++ kernel: activations quantized per block to int8, integer dot products on
-  the rows repacked 8 at a time, ``GGUFWeight.pack``, which then replace the stored rows;
+  the rows repacked 16 at a time, ``GGUFWeight.pack``, which then replace the stored rows;
   PyTorch's dequantize + matmul where the kernel is not built);
 - the token embedding (rows dequantized at lookup) and the LM head (tied: the embedding's
   blocks; else ``output.weight``) in ``kvflow.layers.embed_head``.

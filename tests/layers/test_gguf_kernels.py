@@ -110,10 +110,11 @@ def test_kernel_dequantize_is_exact(qt):
 
 
 # M: decode (1), speculative verification / batched decode (2..64, groups of four rows and
-# their remainders), prefill (512); from 32 to 128 rows by format (DEQUANT_GEMM_MIN_ROWS) the
-# kernel hands over to dequantized tiles + PyTorch's GEMM. Shapes: N not a multiple of the
-# kernel's 16-row tile; K a multiple of 32 but not of 256 for the 32-element formats.
-CASES = [(1, 13), (2, 13), (3, 49), (4, 13), (5, 49), (17, 13), (64, 49), (512, 13)]
+# their remainders), prefill (512); from DEQUANT_GEMM_MIN_ROWS rows the kernel hands over to
+# dequantized tiles + PyTorch's GEMM. Shapes: N not a multiple of the packed layout's 16-row
+# group (13: one partial group; 49; 333: 21 groups, several chunks of the shared work counter
+# for the threads); K a multiple of 32 but not of 256 for the 32-element formats.
+CASES = [(1, 13), (2, 13), (3, 49), (4, 13), (5, 49), (17, 13), (64, 49), (512, 13), (1, 333), (6, 333)]
 
 
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
@@ -221,8 +222,8 @@ def test_kernel_runs_the_expected_instruction_set():
 
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
 def test_packed_layout_round_trips_and_computes_as_stored(qt):
-    """pack (rows interleaved 8 at a time) and unpack are exact inverses, also for N not a
-    multiple of 8; the packed size is the stored one (Q4_K / Q5_K: + 4 bytes per 256 elements
+    """pack (rows interleaved 16 at a time) and unpack are exact inverses, also for N not a
+    multiple of 16; the packed size is the stored one (Q4_K / Q5_K: + 4 bytes per 256 elements
     for the unpacked 6-bit scales); a weight whose stored rows were released rebuilds them byte-exact
     (dequantize, narrow_rows, embedding work), and the packed kernel computes what the
     stored-row kernel computes (same quantized products; float32 summation order only)."""
@@ -237,7 +238,8 @@ def test_packed_layout_round_trips_and_computes_as_stored(qt):
     w = GGUFWeight(raw.clone(), qt, n, k)
     packed = w.pack(release_raw=True)
     extra = 4 * k // 256 if qt in (Q.Q4_K, Q.Q5_K) else 0  # 4 bytes per super-block and row
-    assert packed.shape[0] == 3 and packed.numel() == 24 * (gk.row_bytes(qt, k) + extra)
+    assert module.gguf_pack_rows() == 16
+    assert packed.shape[0] == 2 and packed.numel() == 32 * (gk.row_bytes(qt, k) + extra)  # 2 groups of 16 rows
     assert w.nbytes == packed.numel()  # held once
     assert torch.equal(w.raw, raw)
     assert torch.equal(w.dequantize(), dequantize(raw, qt, k))

@@ -197,20 +197,11 @@ class FusedDecoder {
     d_.resize(M * nb);
     s16_.resize(M * 2 * nb);
     s32_.resize(M * nb);
-    v16_.resize(M * nb * 16);
-    quantize_rows(x, K, M, K, q_.data(), d_.data(), s16_.data(), s32_.data());
+    i16_.resize(M * 2 * nb);
+    quantize_rows(x, K, M, K, q_.data(), d_.data(), s16_.data(), s32_.data(), i16_.data());
     const float* bias = l.bias.defined() ? l.bias.data_ptr<float>() : nullptr;
+    const PAct a{q_.data(), d_.data(), s32_.data(), i16_.data(), K};
     for (const Segment& s : l.segs) {
-      // As gguf_linear_packed: per activation block [a_0 x 8, a_1 x 8] for the format's offsets.
-#if defined(GG_VNNI)
-      const float k0 = static_cast<float>(s.pf.k0);
-#else
-      const float k0 = s.qt == Q8_0 ? 0.f : static_cast<float>(s.pf.k0);
-#endif
-      const float mul = s.pf.has_m ? 1.f : -k0;
-      for (int64_t i = 0; i < M * nb; ++i)
-        for (int j = 0; j < 16; ++j) v16_[i * 16 + j] = mul * s16_[2 * i + (j >> 3)];
-      const PAct a{q_.data(), d_.data(), v16_.data(), K};
       dispatch_packed<float>(s.qt, s.packed.data_ptr<uint8_t>(), s.ldg, a, M, s.n, bias ? bias + s.offset : nullptr,
                              y + s.offset, l.N);
     }
@@ -318,7 +309,8 @@ class FusedDecoder {
   std::mutex mutex_;
   // Scratch, reused across steps (one forward at a time: the engine's step loop).
   std::vector<int8_t> q_;
-  std::vector<float> d_, s16_, s32_, v16_, res_, h_, qkv_, proj_, act_;
+  std::vector<float> d_, s16_, s32_, res_, h_, qkv_, proj_, act_;
+  std::vector<int32_t> i16_;
 };
 
 }  // namespace kvflow_fused

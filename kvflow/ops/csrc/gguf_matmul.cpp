@@ -19,6 +19,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -58,7 +59,8 @@ inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
 }
 
 // The quantized activations of M rows: q int8 [M, K]; d the block scales [M, K/32]; s16 the
-// scaled sums d * sum(q) per 16 elements [M, K/16]; s32 the same per 32 [M, K/32].
+// scaled sums d * sum(q) per 16 elements [M, K/16]; s32 the same per 32 [M, K/32]; where
+// asked for, i16 the integer sums sum(q) per 16 elements [M, K/16].
 struct Act {
   const int8_t* q;
   const float* d;
@@ -68,7 +70,8 @@ struct Act {
 };
 
 template <typename T>
-void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d, float* s16, float* s32) {
+void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d, float* s16, float* s32,
+                   int32_t* i16 = nullptr) {
   const int64_t nb = K / 32;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     float buf[32];
@@ -109,6 +112,10 @@ void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, flo
         s16[m * 2 * nb + 2 * b] = db * static_cast<float>(sum[0]);
         s16[m * 2 * nb + 2 * b + 1] = db * static_cast<float>(sum[1]);
         s32[m * nb + b] = db * static_cast<float>(sum[0] + sum[1]);
+        if (i16) {
+          i16[m * 2 * nb + 2 * b] = sum[0];
+          i16[m * 2 * nb + 2 * b + 1] = sum[1];
+        }
       }
     }
   });
@@ -477,35 +484,38 @@ int64_t block_bytes(int qtype) {
 
 // =======================================================================================
 // The interleaved ("packed") layout, made once at load (gguf_pack) for GEMV and small-M GEMM.
-// Rows in groups of G = 8 (the last group padded with zero rows); per group, per super-block
+// Rows in groups of G = 16 (the last group padded with zero rows); per group, per super-block
 // of SB elements (32; 256 for the K-quants):
-//   D[8] fp16 (d of each row), then M[8] fp16 when the format has a minimum (Q4_1, Q5_1:
+//   D[16] fp16 (d of each row), then M[16] fp16 when the format has a minimum (Q4_1, Q5_1:
 //   m; Q4_K, Q5_K: dmin), then per 32-element sub-block j:
-//     scales: Q4_K / Q5_K SC[8] u8, MN[8] u8 (6-bit); Q6_K SC[16] int8 (half h, row r at 8h + r)
-//     quants: the 8 rows x 32 unsigned values u as four 64-byte vectors U_t (t = 0..3), byte
-//       p = 4 L + e of U_t (lane L = 8 h + r: row r, half h) = element 16 h + 4 t + e of row r,
-//       stored as 2 x 64 B of nibbles (U_0 | U_1 << 4, U_2 | U_3 << 4) plus, for Q5_*, 4 x 64
-//       bits (bit p of word t: the 5th bit), for Q6_K 64 B (bits 2t, 2t+1: the two high
-//       bits of U_t), and for Q8_0 the four U_t as bytes (w + 128).
-// With an activation block's dword e' broadcast to the lanes of its half, one u8 x s8
-// dot-product instruction per U_t adds 4 products of each of the 8 rows and both halves:
-// four instructions do a 32-block of 8 rows (llama.cpp's ggml-cpu repack.cpp block_q4_0x8 /
-// block_q4_Kx8 interleave rows the same way; this layout is kvflow's own). The value of
-// element i is s u_i + c with s = D (legacy), D SC (K-quants, Q6_K per half) and c = -K0 s
-// (Q4_0: 8, Q5_0: 16, Q8_0: 128, Q6_K: 32), M (Q4_1, Q5_1) or -M MN (Q4_K, Q5_K): the same
-// fields and float32 products as the stored blocks, so the packed weight computes exactly
-// what the stored one does. The packed size equals the stored one (Q4_K / Q5_K: + 4 bytes per 256 elements).
+//     scales: Q4_K / Q5_K SC[16] u8, MN[16] u8 (6-bit); Q6_K SC[32] int8 (half h, row r at 16 h + r)
+//     quants: the 16 rows x 32 unsigned values u as eight 64-byte vectors U_t (t = 0..7), byte
+//       p = 4 r + e of U_t = element 4 t + e of row r (so U_0..3 hold the first 16-element
+//       half, U_4..7 the second), stored as 4 x 64 B of nibbles (N_k = U_k | U_k+4 << 4), plus,
+//       for Q5_*, 8 x 64 bits (bit p of word t: the 5th bit of U_t), for Q6_K 2 x 64 B (byte p
+//       of H_k, bits 2i, 2i+1: the two high bits of U_4k+i), and for Q8_0 the eight U_t as
+//       bytes (w + 128).
+// One u8 x s8 dot-product instruction per U_t against the activation block's dword t
+// broadcast to all lanes (AVX-512: an embedded {1to16} broadcast of the memory operand, no
+// shuffle) adds 4 products to each of the 16 rows: eight instructions do a 32-block of 16
+// rows (llama.cpp's ggml-cpu repack.cpp block_q4_0x8 / block_q4_Kx8 interleave rows likewise;
+// this layout is kvflow's own). The value of element i is s u_i + c with s = D (legacy),
+// D SC (K-quants, Q6_K per half) and c = -K0 s (Q4_0: 8, Q5_0: 16, Q8_0: 128, Q6_K: 32), M
+// (Q4_1, Q5_1) or -M MN (Q4_K, Q5_K): the stored blocks' fields, so the packed weight computes
+// what the stored one does. The offsets K0 are applied in integers (sum(u q) - K0 sum(q), exact);
+// the minimums as M times the activation block's scaled sum. The packed size equals the
+// stored one (Q4_K / Q5_K: + 4 bytes per 256 elements).
 // =======================================================================================
-constexpr int G = 8;
+constexpr int G = 16;
 
 struct PFmt {
   int sb;       // elements per super-block
   int bits;     // 4, 5, 6 or 8
-  bool has_m;   // M[8] follows D[8]
-  int scales;   // 0: none; 1: SC[8] + MN[8] u8; 2: SC[16] int8 per half
+  bool has_m;   // M[16] follows D[16]
+  int scales;   // 0: none; 1: SC[16] + MN[16] u8; 2: SC[32] int8 per half
   int k0;       // the derived offset c = -k0 s (0: c from M)
-  int sub_bytes() const { return (scales ? 16 : 0) + (bits == 8 ? 256 : 128 + (bits == 5 ? 32 : bits == 6 ? 64 : 0)); }
-  int head_bytes() const { return has_m ? 32 : 16; }
+  int sub_bytes() const { return (scales ? 32 : 0) + (bits == 8 ? 512 : 256 + (bits == 5 ? 64 : bits == 6 ? 128 : 0)); }
+  int head_bytes() const { return has_m ? 64 : 32; }
   int64_t sb_bytes() const { return head_bytes() + (sb / 32) * sub_bytes(); }
 };
 
@@ -662,40 +672,40 @@ void encode_fields(int qt, const Fields& f, uint8_t* b) {
   }
 }
 
-// Byte p (0..63) of U_t for element e (0..31) of a row r: lane 8 h + r, byte e % 4.
-inline int lane_byte(int r, int e) { return 4 * (8 * (e >> 4) + r) + (e & 3); }
-
 // Write / read one row's super-block fields at its place in the group's packed super-block.
+// Element e (0..31) of a sub-block, row r: vector t = e / 4, byte p = 4 r + e % 4.
 void place_fields(const PFmt& pf, const Fields& f, int r, uint8_t* g) {
   wr16(g + 2 * r, f.D);
-  if (pf.has_m) wr16(g + 16 + 2 * r, f.M);
+  if (pf.has_m) wr16(g + 32 + 2 * r, f.M);
   uint8_t* sub = g + pf.head_bytes();
   for (int j = 0; j < pf.sb / 32; ++j, sub += pf.sub_bytes()) {
     uint8_t* q = sub;
     if (pf.scales == 1) {
       q[r] = f.sc[j];
-      q[8 + r] = f.mn[j];
-      q += 16;
+      q[16 + r] = f.mn[j];
+      q += 32;
     } else if (pf.scales == 2) {
       q[r] = f.sc[2 * j];
-      q[8 + r] = f.sc[2 * j + 1];
-      q += 16;
+      q[16 + r] = f.sc[2 * j + 1];
+      q += 32;
     }
     for (int e = 0; e < 32; ++e) {
       const uint8_t v = f.u[32 * j + e];
-      const int t = (e & 15) >> 2, p = lane_byte(r, e);
+      const int t = e >> 2, p = 4 * r + (e & 3);
       if (pf.bits == 8) {
         q[64 * t + p] = v;
         continue;
       }
-      uint8_t& lo = q[64 * (t >> 1) + p];
-      lo = (lo & ~(15 << 4 * (t & 1))) | ((v & 15) << 4 * (t & 1));
+      uint8_t& lo = q[64 * (t & 3) + p];
+      const int sh = 4 * (t >> 2);
+      lo = static_cast<uint8_t>((lo & ~(15 << sh)) | ((v & 15) << sh));
       if (pf.bits == 5) {
-        uint8_t* word = q + 128 + 8 * t;  // bit p of the little-endian u64 word t
-        word[p >> 3] = (word[p >> 3] & ~(1 << (p & 7))) | (((v >> 4) & 1) << (p & 7));
+        uint8_t* word = q + 256 + 8 * t;  // bit p of the little-endian u64 word t
+        word[p >> 3] = static_cast<uint8_t>((word[p >> 3] & ~(1 << (p & 7))) | (((v >> 4) & 1) << (p & 7)));
       } else if (pf.bits == 6) {
-        uint8_t& hi = q[128 + p];
-        hi = (hi & ~(3 << 2 * t)) | (((v >> 4) & 3) << 2 * t);
+        uint8_t& hi = q[256 + 64 * (t >> 2) + p];
+        const int hs = 2 * (t & 3);
+        hi = static_cast<uint8_t>((hi & ~(3 << hs)) | (((v >> 4) & 3) << hs));
       }
     }
   }
@@ -703,28 +713,28 @@ void place_fields(const PFmt& pf, const Fields& f, int r, uint8_t* g) {
 
 void gather_fields(const PFmt& pf, const uint8_t* g, int r, Fields& f) {
   f.D = rd16(g + 2 * r);
-  f.M = pf.has_m ? rd16(g + 16 + 2 * r) : 0;
+  f.M = pf.has_m ? rd16(g + 32 + 2 * r) : 0;
   const uint8_t* sub = g + pf.head_bytes();
   for (int j = 0; j < pf.sb / 32; ++j, sub += pf.sub_bytes()) {
     const uint8_t* q = sub;
     if (pf.scales == 1) {
       f.sc[j] = q[r];
-      f.mn[j] = q[8 + r];
-      q += 16;
+      f.mn[j] = q[16 + r];
+      q += 32;
     } else if (pf.scales == 2) {
       f.sc[2 * j] = q[r];
-      f.sc[2 * j + 1] = q[8 + r];
-      q += 16;
+      f.sc[2 * j + 1] = q[16 + r];
+      q += 32;
     }
     for (int e = 0; e < 32; ++e) {
-      const int t = (e & 15) >> 2, p = lane_byte(r, e);
+      const int t = e >> 2, p = 4 * r + (e & 3);
       uint8_t v;
       if (pf.bits == 8) {
         v = q[64 * t + p];
       } else {
-        v = (q[64 * (t >> 1) + p] >> 4 * (t & 1)) & 15;
-        if (pf.bits == 5) v |= ((q[128 + 8 * t + (p >> 3)] >> (p & 7)) & 1) << 4;
-        else if (pf.bits == 6) v |= ((q[128 + p] >> 2 * t) & 3) << 4;
+        v = (q[64 * (t & 3) + p] >> 4 * (t >> 2)) & 15;
+        if (pf.bits == 5) v |= ((q[256 + 8 * t + (p >> 3)] >> (p & 7)) & 1) << 4;
+        else if (pf.bits == 6) v |= ((q[256 + 64 * (t >> 2) + p] >> 2 * (t & 3)) & 3) << 4;
       }
       f.u[32 * j + e] = v;
     }
@@ -732,95 +742,134 @@ void gather_fields(const PFmt& pf, const uint8_t* g, int r, Fields& f) {
 }
 
 // ---------------------------------------------------------------------------------------
-// The packed kernel. Per activation row and 32-block the caller's vector av16 holds
-// [a_0 x 8, a_1 x 8] with a_h = -K0 da sum(q_h) (derived offsets) or da sum(q_h) (c from M).
+// The packed kernel. The activation rows as quantize_rows makes them, plus the integer sums
+// of each block's two 16-element halves (the offsets K0 are subtracted in integers).
 // ---------------------------------------------------------------------------------------
 struct PAct {
-  const int8_t* q;   // [M, K]
-  const float* d;    // [M, K/32]
-  const float* v16;  // [M, K/32, 16]
+  const int8_t* q;     // [M, K]
+  const float* d;      // [M, K/32] block scales
+  const float* s32;    // [M, K/32] d * sum(q)
+  const int32_t* i16;  // [M, K/32, 2] sum(q) per half
   int64_t K;
 };
 
+// The integer product of one 32-block's halves with an activation block needs no K0 term
+// where K0 = 0; on AVX2 Q8_0 multiplies the signed values (w = u - 128) directly.
+template <int QT>
+constexpr int packed_k0() {
 #if defined(GG_VNNI)
-// 16 floats [x[0..7], x[0..7]] from 8 fp16.
-inline __m512 ph8x2(const uint8_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtph_ps(_mm256_broadcastsi128_si256(h));
-}
-inline __m512 u8x8x2(const uint8_t* p) {  // 8 bytes (u8) twice -> 16 floats
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<long long>(v))));
+  return QT == Q4_0 ? 8 : QT == Q5_0 ? 16 : QT == Q8_0 ? 128 : QT == Q6_K ? 32 : 0;
+#else
+  return QT == Q4_0 ? 8 : QT == Q5_0 ? 16 : QT == Q6_K ? 32 : 0;
+#endif
 }
 
+inline int32_t ld32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if defined(GG_VNNI)
+constexpr int PREFETCH = 2048;  // bytes ahead of the sub-block read that are prefetched to L1
+
+// The 16 rows' unsigned values of one sub-block (q: its quants): u[t], t = 0..7.
+template <int QT>
+inline void unpack16(const uint8_t* q, __m512i* u) {
+  if constexpr (QT == Q8_0) {
+    for (int t = 0; t < 8; ++t) u[t] = _mm512_loadu_si512(q + 64 * t);
+  } else {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i n = _mm512_loadu_si512(q + 64 * k);
+      u[k] = _mm512_and_si512(n, lo4);
+      u[k + 4] = _mm512_and_si512(_mm512_srli_epi16(n, 4), lo4);
+    }
+    if constexpr (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) {
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      for (int t = 0; t < 8; ++t) {
+        uint64_t w;
+        std::memcpy(&w, q + 256 + 8 * t, 8);
+        u[t] = _mm512_mask_add_epi8(u[t], static_cast<__mmask64>(w), u[t], sixteen);
+      }
+    } else if constexpr (QT == Q6_K) {
+      const __m512i m30 = _mm512_set1_epi8(0x30);
+      for (int k = 0; k < 2; ++k) {
+        const __m512i h = _mm512_loadu_si512(q + 256 + 64 * k);
+        u[4 * k + 0] = _mm512_or_si512(u[4 * k + 0], _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
+        u[4 * k + 1] = _mm512_or_si512(u[4 * k + 1], _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
+        u[4 * k + 2] = _mm512_or_si512(u[4 * k + 2], _mm512_and_si512(h, m30));
+        u[4 * k + 3] = _mm512_or_si512(u[4 * k + 3], _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+      }
+    }
+  }
+}
+
+// 16 floats from 16 fp16 / u8 / int8.
+inline __m512 ph16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// acc[m] (16 rows) += the group's rows . activation row m0 + m, m < MR.
 template <int QT, int MR>
 inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, __m512* acc) {
+  constexpr int K0 = packed_k0<QT>();
+  constexpr bool HAS_M = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
   const int64_t nsb = a.K / pf.sb, nb = a.K / 32;
-  const __m512i lo4 = _mm512_set1_epi8(0x0F);
-  __m512i idx[4];
-  for (int t = 0; t < 4; ++t) idx[t] = _mm512_setr_epi32(t, t, t, t, t, t, t, t, 4 + t, 4 + t, 4 + t, 4 + t, 4 + t, 4 + t, 4 + t, 4 + t);
+  const int nsub = pf.sb / 32, subb = pf.sub_bytes();
   for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
-    const __m512 Dv = ph8x2(g);
+    const __m512 Dv = ph16(g);
     __m512 Mv = _mm512_setzero_ps();
-    if constexpr (QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K) Mv = ph8x2(g + 16);
+    if constexpr (HAS_M) Mv = ph16(g + 32);
     const uint8_t* sub = g + pf.head_bytes();
-    for (int j = 0; j < pf.sb / 32; ++j, sub += pf.sub_bytes()) {
-      const int64_t b = s * (pf.sb / 32) + j;
+    for (int j = 0; j < nsub; ++j, sub += subb) {
+      const int64_t b = s * nsub + j;
       const uint8_t* q = sub;
-      __m512 sv = Dv, cv = Mv;
+      __m512 sv = Dv, sv1 = Dv, cv = Mv;
       if constexpr (QT == Q4_K || QT == Q5_K) {
-        sv = _mm512_mul_ps(Dv, u8x8x2(q));
-        cv = _mm512_mul_ps(Mv, u8x8x2(q + 8));  // the minimum's product; subtracted below
-        q += 16;
+        sv = _mm512_mul_ps(Dv, u8x16(q));
+        cv = _mm512_mul_ps(Mv, u8x16(q + 16));  // the minimum's product; subtracted below
+        q += 32;
       } else if constexpr (QT == Q6_K) {
-        sv = _mm512_mul_ps(Dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))));
-        q += 16;
+        sv = _mm512_mul_ps(Dv, i8x16(q));
+        sv1 = _mm512_mul_ps(Dv, i8x16(q + 16));
+        q += 32;
       }
-      __m512i u[4];
-      if constexpr (QT == Q8_0) {
-        for (int t = 0; t < 4; ++t) u[t] = _mm512_loadu_si512(q + 64 * t);
-      } else {
-        const __m512i p0 = _mm512_loadu_si512(q), p1 = _mm512_loadu_si512(q + 64);
-        u[0] = _mm512_and_si512(p0, lo4);
-        u[1] = _mm512_and_si512(_mm512_srli_epi16(p0, 4), lo4);
-        u[2] = _mm512_and_si512(p1, lo4);
-        u[3] = _mm512_and_si512(_mm512_srli_epi16(p1, 4), lo4);
-        if constexpr (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) {
-          const __m512i sixteen = _mm512_set1_epi8(16);
-          for (int t = 0; t < 4; ++t) {
-            uint64_t w;
-            std::memcpy(&w, q + 128 + 8 * t, 8);
-            u[t] = _mm512_mask_add_epi8(u[t], static_cast<__mmask64>(w), u[t], sixteen);
-          }
-        } else if constexpr (QT == Q6_K) {
-          const __m512i h = _mm512_loadu_si512(q + 128), m30 = _mm512_set1_epi8(0x30);
-          u[0] = _mm512_or_si512(u[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
-          u[1] = _mm512_or_si512(u[1], _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
-          u[2] = _mm512_or_si512(u[2], _mm512_and_si512(h, m30));
-          u[3] = _mm512_or_si512(u[3], _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
-        }
-      }
+      for (int o = 0; o < subb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(sub + PREFETCH + o), _MM_HINT_T0);
+      __m512i u[8];
+      unpack16<QT>(q, u);
 #pragma GCC unroll 4
       for (int m = 0; m < MR; ++m) {
         const int64_t row = m0 + m;
-        const __m512i av = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + row * a.K + b * 32)));
-        __m512i i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_permutexvar_epi32(idx[0], av));
-        i = _mm512_dpbusd_epi32(i, u[1], _mm512_permutexvar_epi32(idx[1], av));
-        i = _mm512_dpbusd_epi32(i, u[2], _mm512_permutexvar_epi32(idx[2], av));
-        i = _mm512_dpbusd_epi32(i, u[3], _mm512_permutexvar_epi32(idx[3], av));
-        const __m512 f = _mm512_cvtepi32_ps(i);
-        const __m512 v16 = _mm512_loadu_ps(a.v16 + (row * nb + b) * 16);
+        const int8_t* ap = a.q + row * a.K + b * 32;
+        __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_set1_epi32(ld32(ap)));
+        __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[4], _mm512_set1_epi32(ld32(ap + 16)));
+        i0 = _mm512_dpbusd_epi32(i0, u[1], _mm512_set1_epi32(ld32(ap + 4)));
+        i1 = _mm512_dpbusd_epi32(i1, u[5], _mm512_set1_epi32(ld32(ap + 20)));
+        i0 = _mm512_dpbusd_epi32(i0, u[2], _mm512_set1_epi32(ld32(ap + 8)));
+        i1 = _mm512_dpbusd_epi32(i1, u[6], _mm512_set1_epi32(ld32(ap + 24)));
+        i0 = _mm512_dpbusd_epi32(i0, u[3], _mm512_set1_epi32(ld32(ap + 12)));
+        i1 = _mm512_dpbusd_epi32(i1, u[7], _mm512_set1_epi32(ld32(ap + 28)));
+        const int32_t* is = a.i16 + (row * nb + b) * 2;
         const __m512 da = _mm512_set1_ps(a.d[row * nb + b]);
-        if constexpr (QT == Q4_1 || QT == Q5_1) {
-          acc[m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(f, da), acc[m]);
-          acc[m] = _mm512_fmadd_ps(cv, v16, acc[m]);
-        } else if constexpr (QT == Q4_K || QT == Q5_K) {
-          acc[m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(f, da), acc[m]);
-          acc[m] = _mm512_fnmadd_ps(cv, v16, acc[m]);
+        if constexpr (QT == Q6_K) {
+          i0 = _mm512_sub_epi32(i0, _mm512_set1_epi32(K0 * is[0]));
+          i1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(K0 * is[1]));
+          acc[m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(_mm512_cvtepi32_ps(i0), da), acc[m]);
+          acc[m] = _mm512_fmadd_ps(sv1, _mm512_mul_ps(_mm512_cvtepi32_ps(i1), da), acc[m]);
         } else {
-          acc[m] = _mm512_fmadd_ps(sv, _mm512_fmadd_ps(f, da, v16), acc[m]);
+          __m512i i = _mm512_add_epi32(i0, i1);
+          if constexpr (K0 != 0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(K0 * (is[0] + is[1])));
+          acc[m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(_mm512_cvtepi32_ps(i), da), acc[m]);
+          if constexpr (QT == Q4_1 || QT == Q5_1)
+            acc[m] = _mm512_fmadd_ps(cv, _mm512_set1_ps(a.s32[row * nb + b]), acc[m]);
+          else if constexpr (QT == Q4_K || QT == Q5_K)
+            acc[m] = _mm512_fnmadd_ps(cv, _mm512_set1_ps(a.s32[row * nb + b]), acc[m]);
         }
       }
     }
@@ -829,9 +878,11 @@ inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m
 }
 #endif
 
-// The same sums without AVX-512 (AVX2 or portable): acc[m][16] floats.
+// The same sums without AVX-512 (AVX2 or portable): acc[m][16] floats, one per row.
 template <int QT, int MR>
 inline void group_dot_generic(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, float (*acc)[16]) {
+  constexpr int K0 = packed_k0<QT>();
+  constexpr bool HAS_M = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
   const int64_t nsb = a.K / pf.sb, nb = a.K / 32;
   for (int m = 0; m < MR; ++m)
     for (int l = 0; l < 16; ++l) acc[m][l] = 0.f;
@@ -840,62 +891,78 @@ inline void group_dot_generic(const PFmt& pf, const uint8_t* g, const PAct& a, i
   for (int m = 0; m < MR; ++m) accv[m][0] = accv[m][1] = _mm256_setzero_ps();
 #endif
   for (int64_t s = 0; s < nsb; ++s) {
-    float D[8], Mm[8] = {0};
-    for (int r = 0; r < 8; ++r) {
+    alignas(32) float D[16], Mm[16] = {0};
+    for (int r = 0; r < 16; ++r) {
       D[r] = fp16(g + 2 * r);
-      if (pf.has_m) Mm[r] = fp16(g + 16 + 2 * r);
+      if (HAS_M) Mm[r] = fp16(g + 32 + 2 * r);
     }
     const uint8_t* sub = g + pf.head_bytes();
     for (int j = 0; j < pf.sb / 32; ++j, sub += pf.sub_bytes()) {
       const int64_t b = s * (pf.sb / 32) + j;
       const uint8_t* q = sub;
-      alignas(32) float sv[16], cv[16];
-      for (int l = 0; l < 16; ++l) {
-        const int r = l & 7;
-        float sc = 1.f;
-        if (QT == Q4_K || QT == Q5_K) sc = static_cast<float>(q[r]);
-        else if (QT == Q6_K) sc = static_cast<float>(static_cast<int8_t>(q[l]));
-        sv[l] = D[r] * sc;
-        cv[l] = (QT == Q4_K || QT == Q5_K) ? -(Mm[r] * static_cast<float>(q[8 + r])) : Mm[r];
+      alignas(32) float sv[2][16], cv[16];
+      for (int r = 0; r < 16; ++r) {
+        float sc0 = 1.f, sc1 = 1.f;
+        if (QT == Q4_K || QT == Q5_K) sc0 = sc1 = static_cast<float>(q[r]);
+        else if (QT == Q6_K) {
+          sc0 = static_cast<float>(static_cast<int8_t>(q[r]));
+          sc1 = static_cast<float>(static_cast<int8_t>(q[16 + r]));
+        }
+        sv[0][r] = D[r] * sc0;
+        sv[1][r] = D[r] * sc1;
+        cv[r] = (QT == Q4_K || QT == Q5_K) ? Mm[r] * static_cast<float>(q[16 + r]) : Mm[r];
       }
-      if (pf.scales) q += 16;
+      if (pf.scales) q += 32;
 #if defined(GG_AVX2)
-      __m256i u[4][2];
-      for (int t = 0; t < 4; ++t)
-        for (int h = 0; h < 2; ++h) {
+      // u[t][R]: vector t's rows 8R .. 8R + 7.
+      __m256i u[8][2];
+      for (int t = 0; t < 8; ++t)
+        for (int R = 0; R < 2; ++R) {
           if constexpr (QT == Q8_0) {
-            u[t][h] = _mm256_xor_si256(GG_LOAD(q + 64 * t + 32 * h), _mm256_set1_epi8(static_cast<char>(0x80)));  // w = u - 128
+            u[t][R] = _mm256_xor_si256(GG_LOAD(q + 64 * t + 32 * R), _mm256_set1_epi8(static_cast<char>(0x80)));  // w = u - 128
           } else {
-            const __m256i p = GG_LOAD(q + 64 * (t >> 1) + 32 * h);
-            u[t][h] = _mm256_and_si256(t & 1 ? _mm256_srli_epi16(p, 4) : p, _mm256_set1_epi8(0x0F));
-            if constexpr (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) u[t][h] = _mm256_or_si256(u[t][h], bits32(q + 128 + 8 * t + 4 * h));
+            const __m256i p = GG_LOAD(q + 64 * (t & 3) + 32 * R);
+            u[t][R] = _mm256_and_si256(t >= 4 ? _mm256_srli_epi16(p, 4) : p, _mm256_set1_epi8(0x0F));
+            if constexpr (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) u[t][R] = _mm256_or_si256(u[t][R], bits32(q + 256 + 8 * t + 4 * R));
             if constexpr (QT == Q6_K) {
-              const __m256i hb = GG_LOAD(q + 128 + 32 * h);
-              const __m256i sh = t == 3 ? _mm256_srli_epi16(hb, 2) : t == 2 ? hb : _mm256_slli_epi16(hb, 4 - 2 * t);
-              u[t][h] = _mm256_or_si256(u[t][h], _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
+              const __m256i hb = GG_LOAD(q + 256 + 64 * (t >> 2) + 32 * R);
+              const int tt = t & 3;
+              const __m256i sh = tt == 3 ? _mm256_srli_epi16(hb, 2) : tt == 2 ? hb : _mm256_slli_epi16(hb, 4 - 2 * tt);
+              u[t][R] = _mm256_or_si256(u[t][R], _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
             }
           }
         }
       for (int m = 0; m < MR; ++m) {
         const int64_t row = m0 + m;
-        const int32_t* adw = reinterpret_cast<const int32_t*>(a.q + row * a.K + b * 32);
+        const int8_t* ap = a.q + row * a.K + b * 32;
         const float da = a.d[row * nb + b];
-        const float* v16 = a.v16 + (row * nb + b) * 16;
-        for (int h = 0; h < 2; ++h) {
-          __m256i i = _mm256_setzero_si256();
-          for (int t = 0; t < 4; ++t) {
-            int32_t dw;
-            std::memcpy(&dw, adw + 4 * h + t, 4);
-            const __m256i av = _mm256_set1_epi32(dw);
-            if constexpr (QT == Q8_0) i = _mm256_add_epi32(i, dot_u8s8(_mm256_sign_epi8(u[t][h], u[t][h]), _mm256_sign_epi8(av, u[t][h])));
-            else i = _mm256_add_epi32(i, dot_u8s8(u[t][h], av));
+        const int32_t* is = a.i16 + (row * nb + b) * 2;
+        for (int R = 0; R < 2; ++R) {
+          __m256i ih[2];
+          for (int h = 0; h < 2; ++h) {
+            __m256i i = _mm256_setzero_si256();
+            for (int tt = 0; tt < 4; ++tt) {
+              const int t = 4 * h + tt;
+              const __m256i av = _mm256_set1_epi32(ld32(ap + 4 * t));
+              if constexpr (QT == Q8_0) i = _mm256_add_epi32(i, dot_u8s8(_mm256_sign_epi8(u[t][R], u[t][R]), _mm256_sign_epi8(av, u[t][R])));
+              else i = _mm256_add_epi32(i, dot_u8s8(u[t][R], av));
+            }
+            ih[h] = i;
           }
-          const __m256 f = _mm256_cvtepi32_ps(i), s8 = _mm256_load_ps(sv + 8 * h), vv = _mm256_loadu_ps(v16 + 8 * h);
-          if constexpr (QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K) {
-            accv[m][h] = _mm256_fmadd_ps(s8, _mm256_mul_ps(f, _mm256_set1_ps(da)), accv[m][h]);
-            accv[m][h] = _mm256_fmadd_ps(_mm256_load_ps(cv + 8 * h), vv, accv[m][h]);
+          const __m256 dav = _mm256_set1_ps(da);
+          if constexpr (QT == Q6_K) {
+            for (int h = 0; h < 2; ++h) {
+              const __m256i i = _mm256_sub_epi32(ih[h], _mm256_set1_epi32(K0 * is[h]));
+              accv[m][R] = _mm256_fmadd_ps(_mm256_load_ps(sv[h] + 8 * R), _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), accv[m][R]);
+            }
           } else {
-            accv[m][h] = _mm256_fmadd_ps(s8, _mm256_fmadd_ps(f, _mm256_set1_ps(da), vv), accv[m][h]);
+            __m256i i = _mm256_add_epi32(ih[0], ih[1]);
+            if constexpr (K0 != 0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(K0 * (is[0] + is[1])));
+            accv[m][R] = _mm256_fmadd_ps(_mm256_load_ps(sv[0] + 8 * R), _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), accv[m][R]);
+            if constexpr (QT == Q4_1 || QT == Q5_1)
+              accv[m][R] = _mm256_fmadd_ps(_mm256_load_ps(cv + 8 * R), _mm256_set1_ps(a.s32[row * nb + b]), accv[m][R]);
+            else if constexpr (QT == Q4_K || QT == Q5_K)
+              accv[m][R] = _mm256_fnmadd_ps(_mm256_load_ps(cv + 8 * R), _mm256_set1_ps(a.s32[row * nb + b]), accv[m][R]);
           }
         }
       }
@@ -904,25 +971,28 @@ inline void group_dot_generic(const PFmt& pf, const uint8_t* g, const PAct& a, i
         const int64_t row = m0 + m;
         const int8_t* ap = a.q + row * a.K + b * 32;
         const float da = a.d[row * nb + b];
-        const float* v16 = a.v16 + (row * nb + b) * 16;
-        for (int l = 0; l < 16; ++l) {
-          const int r = l & 7, h = l >> 3;
-          int32_t i = 0;
-          for (int e = 0; e < 16; ++e) {
-            const int t = e >> 2, p = 4 * l + (e & 3);
+        const int32_t* is = a.i16 + (row * nb + b) * 2;
+        for (int r = 0; r < 16; ++r) {
+          int32_t ih[2] = {0, 0};
+          for (int e = 0; e < 32; ++e) {
+            const int t = e >> 2, p = 4 * r + (e & 3);
             int v;
             if (QT == Q8_0) v = static_cast<int>(q[64 * t + p]) - 128;
             else {
-              v = (q[64 * (t >> 1) + p] >> 4 * (t & 1)) & 15;
-              if (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) v |= ((q[128 + 8 * t + (p >> 3)] >> (p & 7)) & 1) << 4;
-              if (QT == Q6_K) v |= ((q[128 + p] >> 2 * t) & 3) << 4;
+              v = (q[64 * (t & 3) + p] >> 4 * (t >> 2)) & 15;
+              if (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) v |= ((q[256 + 8 * t + (p >> 3)] >> (p & 7)) & 1) << 4;
+              if (QT == Q6_K) v |= ((q[256 + 64 * (t >> 2) + p] >> 2 * (t & 3)) & 3) << 4;
             }
-            i += v * ap[16 * h + e];
+            ih[e >> 4] += v * ap[e];
           }
-          (void)r;
-          const float f = static_cast<float>(i);
-          if (QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K) acc[m][l] += sv[l] * (f * da) + cv[l] * v16[l];
-          else acc[m][l] += sv[l] * (f * da + v16[l]);
+          if (QT == Q6_K) {
+            acc[m][r] += sv[0][r] * (static_cast<float>(ih[0] - K0 * is[0]) * da);
+            acc[m][r] += sv[1][r] * (static_cast<float>(ih[1] - K0 * is[1]) * da);
+          } else {
+            acc[m][r] += sv[0][r] * (static_cast<float>(ih[0] + ih[1] - K0 * (is[0] + is[1])) * da);
+            if (QT == Q4_1 || QT == Q5_1) acc[m][r] += cv[r] * a.s32[row * nb + b];
+            else if (QT == Q4_K || QT == Q5_K) acc[m][r] -= cv[r] * a.s32[row * nb + b];
+          }
         }
       }
 #endif
@@ -937,38 +1007,46 @@ inline void group_dot_generic(const PFmt& pf, const uint8_t* g, const PAct& a, i
 #endif
 }
 
+// The groups are handed out in chunks of >= ~32 KB of weight from a shared counter (each
+// thread of the intra-op pool takes the next chunk when done), so a thread that the OS
+// deschedules on a busy machine does not hold back the others' share.
 template <int QT, typename OutT>
 void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, int64_t M, int64_t N, const float* bias,
                 OutT* y, int64_t ldy) {
   const int64_t groups = (N + G - 1) / G;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, ldg));
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t gi = begin; gi < end; ++gi) {
-      const uint8_t* g = w + gi * ldg;
-      const int64_t n0 = gi * G, rows = std::min<int64_t>(G, N - n0);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));
-        float res[4][16];
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, ldg));
+  const int64_t chunks = (groups + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(chunks, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      for (int64_t gi = c * chunk; gi < std::min(groups, (c + 1) * chunk); ++gi) {
+        const uint8_t* g = w + gi * ldg;
+        const int64_t n0 = gi * G, rows = std::min<int64_t>(G, N - n0);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));
+          alignas(64) float res[4][16];
 #if defined(GG_VNNI)
-        __m512 acc[4];
-        switch (mr) {
-          case 1: group_dot<QT, 1>(pf, g, a, m0, acc); break;
-          case 2: group_dot<QT, 2>(pf, g, a, m0, acc); break;
-          case 3: group_dot<QT, 3>(pf, g, a, m0, acc); break;
-          default: group_dot<QT, 4>(pf, g, a, m0, acc); break;
-        }
-        for (int m = 0; m < mr; ++m) _mm512_storeu_ps(res[m], acc[m]);
+          __m512 acc[4];
+          switch (mr) {
+            case 1: group_dot<QT, 1>(pf, g, a, m0, acc); break;
+            case 2: group_dot<QT, 2>(pf, g, a, m0, acc); break;
+            case 3: group_dot<QT, 3>(pf, g, a, m0, acc); break;
+            default: group_dot<QT, 4>(pf, g, a, m0, acc); break;
+          }
+          for (int m = 0; m < mr; ++m) _mm512_store_ps(res[m], acc[m]);
 #else
-        switch (mr) {
-          case 1: group_dot_generic<QT, 1>(pf, g, a, m0, res); break;
-          case 2: group_dot_generic<QT, 2>(pf, g, a, m0, res); break;
-          case 3: group_dot_generic<QT, 3>(pf, g, a, m0, res); break;
-          default: group_dot_generic<QT, 4>(pf, g, a, m0, res); break;
-        }
+          switch (mr) {
+            case 1: group_dot_generic<QT, 1>(pf, g, a, m0, res); break;
+            case 2: group_dot_generic<QT, 2>(pf, g, a, m0, res); break;
+            case 3: group_dot_generic<QT, 3>(pf, g, a, m0, res); break;
+            default: group_dot_generic<QT, 4>(pf, g, a, m0, res); break;
+          }
 #endif
-        for (int m = 0; m < mr; ++m)
-          for (int r = 0; r < rows; ++r)
-            y[(m0 + m) * ldy + n0 + r] = static_cast<OutT>(res[m][r] + res[m][8 + r] + (bias ? bias[n0 + r] : 0.f));
+          for (int m = 0; m < mr; ++m)
+            for (int r = 0; r < rows; ++r)
+              y[(m0 + m) * ldy + n0 + r] = static_cast<OutT>(res[m][r] + (bias ? bias[n0 + r] : 0.f));
+        }
       }
     }
   });
@@ -1139,22 +1217,13 @@ void gguf_linear_packed(torch::Tensor x, torch::Tensor packed, int64_t qtype, in
   if (M == 0) return;
   const int64_t nb = K / 32;
   std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * nb), s16(M * 2 * nb), s32(M * nb), v16(M * nb * 16);
+  std::vector<float> d(M * nb), s16(M * 2 * nb), s32(M * nb);
+  std::vector<int32_t> i16(M * 2 * nb);
   if (x.scalar_type() == torch::kFloat32)
-    quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, q.data(), d.data(), s16.data(), s32.data());
+    quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, q.data(), d.data(), s16.data(), s32.data(), i16.data());
   else
-    quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, q.data(), d.data(), s16.data(), s32.data());
-  // Per activation block: [a_0 x 8, a_1 x 8], a_h = -K0 da sum(q_h) (derived offsets; Q8_0's
-  // +128 bias only where the product reads u = w + 128, the VNNI path) or da sum(q_h).
-#if defined(GG_VNNI)
-  const float k0 = static_cast<float>(pf.k0);
-#else
-  const float k0 = qt == Q8_0 ? 0.f : static_cast<float>(pf.k0);
-#endif
-  const float mul = pf.has_m ? 1.f : -k0;
-  for (int64_t i = 0; i < M * nb; ++i)
-    for (int l = 0; l < 16; ++l) v16[i * 16 + l] = mul * s16[2 * i + (l >> 3)];
-  const PAct a{q.data(), d.data(), v16.data(), K};
+    quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, q.data(), d.data(), s16.data(), s32.data(), i16.data());
+  const PAct a{q.data(), d.data(), s32.data(), i16.data(), K};
   const int64_t ldy = M > 1 ? out.stride(0) : N;
   if (x.scalar_type() == torch::kFloat32)
     dispatch_packed(qt, packed.data_ptr<uint8_t>(), ldg, a, M, N, bp, out.data_ptr<float>(), ldy);
@@ -1168,6 +1237,7 @@ void gguf_linear_packed(torch::Tensor x, torch::Tensor packed, int64_t qtype, in
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_isa", &gguf_isa, "gguf_isa");
   m.def("gguf_linear", &gguf_linear, "gguf_linear", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_pack_rows", []() { return static_cast<int64_t>(G); }, "rows per group of the packed layout");
   m.def("gguf_pack", &gguf_pack, "gguf_pack", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_unpack", &gguf_unpack, "gguf_unpack", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_linear_packed", &gguf_linear_packed, "gguf_linear_packed", pybind11::call_guard<pybind11::gil_scoped_release>());
