@@ -292,14 +292,13 @@ class EngineArgs:
         device = self.torch_device()
         dtype = platform_for(device).resolve_dtype(self.dtype)  # ("auto": the platform's choice)
         # (what each folder holds, a saved quantized checkpoint's scheme included, before loading)
-        load = resolve_load_config(self.model, model_dir,
-                                   self.resolved_quantization(self.quantization, model_dir, model_config, device),
-                                   self.quantization_group_size, self.quantize_lm_head)
+        quantization = self.resolved_quantization(self.quantization, model_dir, model_config, device)
+        load = resolve_load_config(self.model, model_dir, quantization, self.quantization_group_size,
+                                   self.quantize_lm_head)
         draft = None
         if draft_dir is not None:
-            draft = resolve_load_config(spec.model, draft_dir,
-                                        self.resolved_quantization(spec.quantization, draft_dir, draft_model, device),
-                                        self.quantization_group_size)
+            draft_quantization = self.resolved_quantization(spec.quantization, draft_dir, draft_model, device)
+            draft = resolve_load_config(spec.model, draft_dir, draft_quantization, self.quantization_group_size)
         # 3. Batching and the KV cache geometry and pool.
         scheduler = self.scheduler_config(model_config)
         world = self.tensor_parallel_size
