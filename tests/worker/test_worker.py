@@ -48,7 +48,7 @@ def test_the_worker_builds_the_draft_proposer_with_the_engines_backend(tmp_path)
     makes its runner (own cache of the target's block count, the engine's backend, the
     engine's seed); the core schedules with that proposer."""
     target = str(tiny_hf_model_dir(tmp_path / "target"))
-    draft = str(tiny_hf_model_dir(tmp_path / "draft"))
+    draft = target  # (its own copy of the weights, loaded by the builder)
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=target, device="cpu", dtype="float32", num_kv_blocks=24, block_size=4, seed=7, attention_backend="torch",
         speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2},
