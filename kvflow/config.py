@@ -9,18 +9,15 @@ the ``EngineConfig`` the engine and its workers receive.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvflow import envs
 
 if TYPE_CHECKING:
     from kvflow.core.kv_cache_groups import KVCacheGroups
 
-logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -44,9 +41,10 @@ KV_SCALE_BYTES = 2
 and K/V: ``kvflow.attention.kv_cache``)."""
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache element dtype: "auto" follows the model dtype; "int8" / "fp8" quantize
-    per token and head; float names as in ``resolve_dtype``.
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache element dtype: "auto" follows the model dtype (``model_dtype``, already
+    resolved); "int8" / "fp8" quantize per token and head; float names as in
+    ``resolve_dtype``.
 
     Raises:
         ValueError: for an unknown name.
@@ -56,53 +54,29 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device
     if kv_cache_dtype in _KV_CACHE_DTYPES:
         return _KV_CACHE_DTYPES[kv_cache_dtype]
     try:
-        return resolve_dtype(kv_cache_dtype, device)
+        return resolve_dtype(kv_cache_dtype)
     except ValueError:
         raise ValueError(
             f"kv_cache_dtype must be 'auto', 'int8', 'fp8' or a float dtype name, got {kv_cache_dtype!r}"
         ) from None
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """Map a dtype name ("auto", "float32", "bfloat16", "float16", ...) to a torch dtype.
-
-    "auto" is bfloat16 on CUDA; on the CPU it is bfloat16 where oneDNN runs bfloat16
-    natively (AVX512-BF16 or AMX-BF16: ``kvflow.layers.linear.onednn_bf16_native``) and
-    float32 elsewhere (there bfloat16 is emulated and float32 is as fast or faster);
-    ``KVFLOW_CPU_AUTO_DTYPE`` fixes the CPU's choice. The CPU's choice is logged once.
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a float dtype name ("float32", "bfloat16", "float16", ... : ``DTYPE_NAMES``) to a
+    torch dtype (a torch dtype is returned as it is). "auto" depends on the device and is the
+    platform's choice (``kvflow.platforms.platform_for(device).resolve_dtype``).
 
     Raises:
-        ValueError: for an unknown name.
+        ValueError: for an unknown name, or "auto".
     """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else auto_cpu_dtype()
+        raise ValueError("dtype 'auto' depends on the device: resolve it with kvflow.platforms.platform_for(device)"
+                         ".resolve_dtype")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {['auto', *_DTYPES]}, got {dtype!r}")
     return _DTYPES[dtype]
-
-
-_auto_logged: set[torch.dtype] = set()
-
-
-def auto_cpu_dtype() -> torch.dtype:
-    """What ``dtype="auto"`` means on the CPU (see ``resolve_dtype``); logs the choice and
-    its reason at INFO, once per process and outcome."""
-    from kvflow.layers.linear import onednn_bf16_native
-
-    forced = envs.KVFLOW_CPU_AUTO_DTYPE
-    if forced is not None:
-        dtype, reason = _DTYPES[forced], f"KVFLOW_CPU_AUTO_DTYPE={forced}"
-    elif onednn_bf16_native():
-        dtype, reason = torch.bfloat16, "this CPU's oneDNN runs bfloat16 natively (AVX512-BF16 / AMX-BF16)"
-    else:
-        dtype, reason = torch.float32, "no native bfloat16 in this CPU's oneDNN (AVX512-BF16 / AMX-BF16)"
-    if dtype not in _auto_logged:
-        _auto_logged.add(dtype)
-        logger.info("dtype auto: %s on the CPU (%s; dtype='float32' is the exactness reference)",
-                    str(dtype).replace("torch.", ""), reason)
-    return dtype
 
 
 @dataclass(frozen=True)
@@ -557,6 +531,10 @@ class LoadConfig:
         quantization: weight-only scheme of ``kvflow.quantization.registry``, or None.
         group_size: INT4 group size.
         quantize_lm_head: False, True (the scheme's head method) or a head scheme name.
+        serialized: ``model_dir`` is a saved quantized checkpoint (``kvflow quantize``):
+            ``quantization`` and ``group_size`` are the ones it was saved with, and the loader
+            fills the quantized buffers from its state dict (resolved before loading:
+            ``kvflow.model.loader.resolve_load_config``).
     """
 
     model: str
@@ -564,6 +542,7 @@ class LoadConfig:
     quantization: str | None = None
     group_size: int = 32
     quantize_lm_head: bool | str = False
+    serialized: bool = False
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ Switches and when they are read:
   between two steps once it is built; ``wait`` builds each one on its first use, before it
   is needed (the first request waits for it, as before).
 - ``KVFLOW_CPU_AUTO_DTYPE`` (str; default unset: detect): what ``dtype="auto"`` means on the
-  CPU (``kvflow.config.resolve_dtype``): unset = bfloat16 where oneDNN runs bfloat16 natively
+  CPU (``kvflow.platforms.cpu.CpuPlatform.auto_dtype``): unset = bfloat16 where oneDNN runs bfloat16 natively
   (AVX512-BF16 or AMX-BF16), float32 elsewhere; ``float32`` or ``bfloat16`` fixes it.
 - ``KVFLOW_CPU_ADAPTIVE_THREADS`` (bool; default on): an engine on the CPU fits its intra-op
   thread count to the cores other processes leave free, between steps

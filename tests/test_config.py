@@ -102,45 +102,17 @@ def test_the_engine_builds_from_the_resolved_config_without_resolving_again(tmp_
     assert len(outputs[0].outputs[0].token_ids) == 4
 
 
-@pytest.mark.parametrize("native, expected", [(True, torch.bfloat16), (False, torch.float32)])
-def test_auto_dtype_on_the_cpu_follows_native_bfloat16(monkeypatch, caplog, native, expected):
-    """dtype "auto" on the CPU: bfloat16 where oneDNN runs it natively, float32 elsewhere;
-    logged once; CUDA keeps bfloat16; an explicit name is never overridden."""
-    import logging
+def test_resolve_dtype_maps_names_and_leaves_auto_to_the_platform():
+    from kvflow.config import resolve_dtype, resolve_kv_cache_dtype
 
-    import kvflow.config as config
-    import kvflow.layers.linear as linear
-
-    monkeypatch.delenv("KVFLOW_CPU_AUTO_DTYPE", raising=False)
-    monkeypatch.setattr(linear, "onednn_bf16_native", lambda: native)
-    monkeypatch.setattr(config, "_auto_logged", set())
-    cpu = torch.device("cpu")
-    with caplog.at_level(logging.INFO, logger="kvflow.config"):
-        assert config.resolve_dtype("auto", cpu) == expected
-        assert config.resolve_dtype("auto", cpu) == expected
-    assert caplog.text.count("dtype auto: ") == 1 and str(expected).replace("torch.", "") in caplog.text
-    assert config.resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert config.resolve_dtype("float32", cpu) == torch.float32
-    assert config.resolve_dtype("bfloat16", cpu) == torch.bfloat16
-
-
-@pytest.mark.parametrize("forced, expected", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
-def test_kvflow_cpu_auto_dtype_fixes_the_choice(monkeypatch, forced, expected):
-    import kvflow.layers.linear as linear
-    from kvflow.config import resolve_dtype
-
-    monkeypatch.setenv("KVFLOW_CPU_AUTO_DTYPE", forced)
-    for native in (True, False):
-        monkeypatch.setattr(linear, "onednn_bf16_native", lambda native=native: native)
-        assert resolve_dtype("auto", torch.device("cpu")) == expected
-
-
-def test_kvflow_cpu_auto_dtype_refuses_other_values(monkeypatch):
-    from kvflow.config import resolve_dtype
-
-    monkeypatch.setenv("KVFLOW_CPU_AUTO_DTYPE", "float16")
-    with pytest.raises(ValueError, match="KVFLOW_CPU_AUTO_DTYPE must be one of"):
-        resolve_dtype("auto", torch.device("cpu"))
+    assert resolve_dtype("float32") == torch.float32 and resolve_dtype("bf16") == torch.bfloat16
+    assert resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="platform"):
+        resolve_dtype("auto")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("float64")
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("int8", torch.bfloat16) == torch.int8
 
 
 @pytest.mark.parametrize("packs, avx512_bf16, amx, cap, native", [

@@ -74,8 +74,8 @@ def init_process_group(rank: int, world_size: int, init_method: str, device: tor
 def worker_main(rank: int, world_size: int, init_method: str, config, build_rank) -> None:
     """Entry point of a worker process (spawned, or a non-zero torchrun rank): join the group,
     build this rank's shard from the engine's ``EngineConfig`` with ``build_rank(config,
-    rank)`` (``kvflow.worker.worker.build_rank``: passed in, as this layer sits below the
-    worker's) and mirror the driver's steps."""
+    rank)`` (``kvflow.worker.worker.build_rank``: passed in by the worker's builder, as this
+    layer stands below the worker's) and mirror the driver's steps."""
     if config.device.num_threads is not None:
         torch.set_num_threads(config.device.num_threads)
     init_process_group(rank, world_size, init_method, config.device.device, config.parallel.collective_timeout_s)

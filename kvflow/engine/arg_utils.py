@@ -31,7 +31,6 @@ from kvflow.config import (
     EngineConfig,
     KernelConfig,
     KVCacheSpec,
-    LoadConfig,
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
@@ -40,9 +39,9 @@ from kvflow.config import (
     _positive_int,
     groups_page_spec,
     hybrid_kv_cache_groups,
-    resolve_dtype,
     resolve_kv_cache_dtype,
 )
+from kvflow.platforms import platform_for
 from kvflow.quantization.registry import LM_HEAD_METHODS, QUANTIZATION_METHODS
 from kvflow.utils import parse_bytes
 
@@ -200,7 +199,7 @@ class EngineArgs:
 
         if self.quantization != "none":
             check_method(self.quantization)
-        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32, torch.device("cpu"))
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
         if not isinstance(self.quantize_lm_head, bool) and self.quantize_lm_head not in LM_HEAD_METHODS:
             raise ValueError(f"quantize_lm_head must be True, False or one of {', '.join(LM_HEAD_METHODS)}, "
                              f"got {self.quantize_lm_head!r}")
@@ -274,6 +273,7 @@ class EngineArgs:
                 budget that holds no block.
             FileNotFoundError: for a model path that does not exist.
         """
+        from kvflow.model.loader import resolve_load_config
         from kvflow.model.resolve import resolve_model_config
 
         self.verify()
@@ -291,15 +291,15 @@ class EngineArgs:
                 )
         # 2. How they load and run.
         device = self.torch_device()
-        dtype = resolve_dtype(self.dtype, device)
-        load = LoadConfig(self.model, str(model_dir),
-                          self.resolved_quantization(self.quantization, model_dir, model_config, device),
-                          self.quantization_group_size, self.quantize_lm_head)
+        dtype = platform_for(device).resolve_dtype(self.dtype)  # ("auto": the platform's choice)
+        # (what each folder holds, a saved quantized checkpoint's scheme included, before loading)
+        quantization = self.resolved_quantization(self.quantization, model_dir, model_config, device)
+        load = resolve_load_config(self.model, model_dir, quantization, self.quantization_group_size,
+                                   self.quantize_lm_head)
         draft = None
         if draft_dir is not None:
-            draft = LoadConfig(spec.model, str(draft_dir),
-                               self.resolved_quantization(spec.quantization, draft_dir, draft_model, device),
-                               self.quantization_group_size)
+            draft_quantization = self.resolved_quantization(spec.quantization, draft_dir, draft_model, device)
+            draft = resolve_load_config(spec.model, draft_dir, draft_quantization, self.quantization_group_size)
         # 3. Batching and the KV cache geometry and pool.
         scheduler = self.scheduler_config(model_config)
         world = self.tensor_parallel_size
@@ -312,7 +312,7 @@ class EngineArgs:
             # The draft's cache has as many blocks as the target's (it mirrors every request),
             # and both come out of the one KV budget.
             kv_spec = model_config.kv_cache_spec()
-            kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)
+            kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
             extra = draft_model.kv_bytes_per_token(kv_dtype) if draft_model is not None else 0
         groups = hybrid_kv_cache_groups(model_config, self.disable_hybrid_kv_cache_manager)
         if groups is not None:
@@ -355,7 +355,7 @@ class EngineArgs:
         Raises:
             ValueError: if the budget does not hold a single block.
         """
-        dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, self.torch_device())
+        dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
         bytes_per_block = kv_spec.bytes_per_token(dtype) * self.block_size
         if self.num_kv_blocks is not None:
             num_blocks = self.num_kv_blocks

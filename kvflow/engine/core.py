@@ -26,43 +26,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvflow.config import CacheConfig, EngineConfig
+from kvflow.config import EngineConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.scheduler import NewRequestData, Scheduler, SchedulerOutput, StopHit
 from kvflow.logprobs import Logprob
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
-from kvflow.model.loader import build_model
-from kvflow.spec_decode.draft_model import DraftModelProposer
 from kvflow.spec_decode.metrics import SpecDecodeStats
-from kvflow.spec_decode.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
-
-
-def make_kv_cache_manager(config: EngineConfig) -> KVCacheManager:
-    """The scheduler-side owner of the block tables for ``config.cache``: one table per KV
-    cache group (``kvflow.core.kv_cache_coordinator``; one group, windowed when every layer
-    is, for most models)."""
-    return KVCacheManager.from_cache_config(config.cache, config.model.kv_free_window)
-
-
-def make_proposer(config: EngineConfig, backend):
-    """The speculative proposer of ``config.speculative``: n-gram prompt lookup, or a draft
-    model (loaded from ``config.draft``) with its own KV cache of as many blocks as the
-    target's (prefix caching off)."""
-    spec, max_len = config.speculative, config.scheduler.max_model_len
-    k = spec.num_speculative_tokens
-    if spec.method == "ngram":
-        return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
-    device = config.device
-    draft_config = config.draft_model
-    draft = build_model(draft_config, config.draft.model_dir, device.dtype, device.device, config.draft.quantization,
-                        config.draft.group_size)
-    cache = config.cache
-    draft_cache = CacheConfig(cache.block_size, cache.num_blocks, cache.dtype, enable_prefix_caching=False)
-    return DraftModelProposer(draft, draft_config, draft_cache, k, max_len, device.device, config.seed,
-                              attention_backend=backend)
 
 
 @dataclass
@@ -115,7 +87,8 @@ class EngineCoreOutputs:
 
 
 class EngineCore:
-    """Scheduler + KV cache manager + worker (+ speculative proposer), at the token level.
+    """Scheduler + KV cache manager over a worker (and its speculative proposer), at the
+    token level; the loop asks the platform for its chores once between steps.
 
     A user request is a list of samples (``Request``: one, or ``n`` parallel samples sharing
     the prompt's blocks); the core runs samples and answers by sample id, and keeps which
@@ -123,22 +96,25 @@ class EngineCore:
 
     Args:
         config: the engine's ``EngineConfig``.
-        worker: the ``kvflow.worker.worker.Worker`` (model, KV cache, runner).
-        proposer: the speculative proposer; None builds the one ``config.speculative``
-            names (``make_proposer``), if any.
+        worker: the ``kvflow.worker.worker.Worker`` (model, KV cache, runner, and the
+            speculative proposer ``worker.proposer``, or None).
+        platform: the engine's ``kvflow.platforms.Platform``; ``between_steps()`` is called
+            before each step's schedule.
     """
 
-    def __init__(self, config: EngineConfig, worker, proposer=None) -> None:
+    def __init__(self, config: EngineConfig, worker, platform) -> None:
         self.config = config
         self.worker = worker
-        self.kv_cache_manager = make_kv_cache_manager(config)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
-        if proposer is None and config.speculative is not None:
-            proposer = make_proposer(config, worker.attention_backend)
-        self.proposer = proposer
+        self.platform = platform
+        self.proposer = worker.proposer
         spec = config.speculative
         self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
         self.spec_stats = SpecDecodeStats(self.proposer.k if self.proposer is not None else 0)
+        # The scheduler-side owner of the block tables: one table per KV cache group
+        # (kvflow.core.kv_cache_coordinator; one group, windowed when every layer is, for
+        # most models).
+        self.kv_cache_manager = KVCacheManager.from_cache_config(config.cache, config.model.kv_free_window)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.last_scheduler_output: SchedulerOutput | None = None
         self._to_propose: SchedulerOutput | None = None  # the batch run since the last propose()
         self._samples: dict[str, list[Request]] = {}  # user request id -> its samples
@@ -197,7 +173,7 @@ class EngineCore:
             Exception: the engine cannot go on (a fault in the scheduler, the block copies,
                 a tensor-parallel forward, or the probe).
         """
-        self.worker.between_steps()
+        self.platform.between_steps()  # (thread count, kernels built since: never inside a step)
         sched_out = self.scheduler.schedule()
         result = EngineCoreOutputs()
         if sched_out.is_empty:

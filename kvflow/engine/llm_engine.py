@@ -1,12 +1,15 @@
 """The engine's public facade: add requests, step, read outputs (vLLM's ``LLMEngine``).
 
-``LLMEngine`` joins three parts (see docs/architecture.md, "Engine joints"):
+``LLMEngine`` joins four parts (see docs/architecture.md, "Engine joints"), built downhill
+from the one ``EngineConfig``:
 
+- the ``Platform`` (``kvflow/platforms/``): dtype "auto", the attention backend's
+  eligibility, C++ kernel builds and their publishing, the thread governor, CUDA-graph
+  eligibility; resolved once, its chores run once between steps;
 - the ``Worker`` (``kvflow/worker/worker.py``): model, KV cache, runner, CUDA graphs,
-  proposer, tensor-parallel workers and the platform's chores between steps, built from the
-  ``EngineConfig`` in one place;
-- the ``EngineCore`` (``kvflow/engine/core.py``): scheduler + KV cache manager + worker, at
-  the token level (no tokenizer);
+  speculative proposer, tensor-parallel workers, built from the ``EngineConfig`` in one place;
+- the ``EngineCore`` (``kvflow/engine/core.py``): scheduler + KV cache manager over the
+  worker, at the token level (no tokenizer);
 - the ``OutputProcessor`` (``kvflow/engine/output_processor.py``): text, stop strings,
   logprob decoding and ``RequestOutput``s.
 
@@ -26,14 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kvflow.config import EngineConfig
 from kvflow.engine.arg_utils import EngineArgs
-from kvflow.cpu_threads import check_wait_policy
 from kvflow.engine.core import EngineCore
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.model.resolve import load_generation_defaults, load_tokenizer
+from kvflow.platforms import resolve_platform
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, make_parallel_samples
@@ -105,8 +106,8 @@ class LLMEngine:
     cache_engine = _delegate("worker", "cache_engine", "the per-layer K/V tensors (rank 0's shard)")
     lora_manager = _delegate("worker", "lora_manager", "LoRA slots and host cache, or None")
     tp_workers = _delegate("worker", "tp_workers", "the tensor-parallel worker processes, or None")
-    kernel_builds = _delegate("worker", "kernel_builds", "C++ kernels building in the background")
-    thread_governor = _delegate("worker", "thread_governor", "the CPU thread governor, or None")
+    kernel_builds = _delegate("platform", "kernel_builds", "C++ kernels building in the background")
+    thread_governor = _delegate("platform", "thread_governor", "the CPU thread governor, or None")
     scheduler = _delegate("engine_core", "scheduler", "the ``Scheduler``")
     kv_cache_manager = _delegate("engine_core", "kv_cache_manager", "the block tables' owner")
     proposer = _delegate("engine_core", "proposer", "the speculative proposer, or None")
@@ -129,9 +130,12 @@ class LLMEngine:
         self.model_config = config.model
         self.cache_config = config.cache
         self.scheduler_config = config.scheduler
-        self.worker = Worker(config, model=model)
+        # Downhill: the platform (resolved once), then the whole worker side, then the core
+        # that schedules over it.
+        self.platform = resolve_platform(config)
+        self.worker = Worker(config, self.platform, model=model, proposer=proposer)
         try:
-            self.engine_core = EngineCore(config, self.worker, proposer)
+            self.engine_core = EngineCore(config, self.worker, self.platform)
         except BaseException:
             self.worker.shutdown()
             raise
@@ -165,10 +169,6 @@ class LLMEngine:
             FileNotFoundError: for a model path that does not exist.
         """
         config = args.create_config()
-        if config.device.device.type == "cpu":
-            check_wait_policy()  # (a hint when torch came first and the machine is busy)
-            if config.device.num_threads is not None:
-                torch.set_num_threads(config.device.num_threads)
         model_dir = config.load.model_dir
         return cls(
             config,
@@ -508,4 +508,4 @@ class LLMEngine:
         cpu_other_load (cores other processes wanted, last measurement) and
         num_cpu_thread_changes.
         """
-        return {**self.engine_core.get_stats(), **self.worker.get_stats()}
+        return {**self.engine_core.get_stats(), **self.platform.get_stats()}

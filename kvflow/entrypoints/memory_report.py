@@ -24,7 +24,7 @@ int8 and fp8 caches take 1 byte per element plus one float16 scale per token, K/
 K/V, **included** in every number here, as the engine allocates them (``scale_bytes_per_token``
 says how much of a token's bytes they are). KV cache dtype names are the engine's
 (``kvflow.config.resolve_kv_cache_dtype``; ``auto`` is the engine's default model dtype,
-``resolve_dtype("auto")``: bfloat16 on CUDA and on a CPU whose oneDNN runs bfloat16 natively,
+``kvflow.platforms.platform_for(device).resolve_dtype("auto")``: bfloat16 on CUDA and on a CPU whose oneDNN runs bfloat16 natively,
 float32 on other CPUs).
 
 The functions are pure: they take a ``KVSpec`` or anything with the same attribute names
@@ -42,7 +42,8 @@ from typing import Any, Protocol
 
 import torch
 
-from kvflow.config import QUANTIZED_KV_DTYPES, KVCacheSpec, kv_layer_count, resolve_dtype, resolve_kv_cache_dtype
+from kvflow.config import QUANTIZED_KV_DTYPES, KVCacheSpec, kv_layer_count, resolve_kv_cache_dtype
+from kvflow.platforms import platform_for
 from kvflow.utils import human_bytes
 
 DEFAULT_BUDGET_BYTES = 512 * 1024**2
@@ -149,7 +150,7 @@ def _layer_windows(get, layers: int) -> tuple[int | None, ...] | None:
 # ---------------------------------------------------------------------------- formulas
 def kv_cache_dtype_for(name: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
     """The KV cache element dtype of ``name`` as the engine resolves ``kv_cache_dtype`` with its
-    default model dtype (``auto``: ``resolve_dtype("auto", device)``, bfloat16 on CUDA and on a
+    default model dtype (``auto``: ``platform_for(device).resolve_dtype("auto")``, bfloat16 on CUDA and on a
     CPU with native bfloat16, float32 on other CPUs; ``device`` defaults to the engine's: CUDA
     when available).
 
@@ -160,7 +161,7 @@ def kv_cache_dtype_for(name: str | torch.dtype, device: torch.device | None = No
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if isinstance(name, torch.dtype):
         return name
-    return resolve_kv_cache_dtype(name, resolve_dtype("auto", device), device)
+    return resolve_kv_cache_dtype(name, platform_for(device).resolve_dtype("auto"))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -100,7 +100,7 @@ def onednn_bf16_native() -> bool:
     ``ONEDNN_MAX_CPU_ISA`` does not cap oneDNN below ``AVX512_CORE_BF16``. Elsewhere oneDNN
     emulates bfloat16 with float32 arithmetic and conversions (AVX-512 without BF16), or
     does not pack it at all. What ``dtype="auto"`` on the CPU keys on
-    (``kvflow.config.resolve_dtype``)."""
+    (``kvflow.platforms.cpu.CpuPlatform.auto_dtype``)."""
     if not onednn_packs(torch.bfloat16):
         return False
     cap = (envs.read("ONEDNN_MAX_CPU_ISA") or "").upper()

@@ -1,8 +1,9 @@
 """Build a model, load its weights and quantize it: the one path from a model folder to a
 ready ``CausalLM`` (this rank's shard under tensor parallelism).
 
-Steps (``build_model``, over a resolved ``ModelConfig``; ``load_model`` reads the folder's
-config first):
+Steps (``build_model``, over a resolved ``ModelConfig`` and ``LoadConfig``: what the folder
+holds, a saved quantized checkpoint included, is known before loading; ``load_model`` reads
+the folder's config first):
 
 1. the architecture's class from ``kvflow.model.registry``, built directly in the serving
    dtype on the target device, or in float32 when a scheme quantizes it (quantization reads
@@ -21,21 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
-from kvflow.config import ModelConfig
+from kvflow.config import LoadConfig, ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
 from kvflow.layers.gguf_kernels import GGUFWeight
 from kvflow.layers.linear import UnquantizedLinearMethod, linear_layers
 from kvflow.layers.moe import moe_layers
 from kvflow.model import registry
 from kvflow.model.resolve import gguf_source, iter_weights, load_config, load_tokenizer
-from kvflow.quantization.checkpoint import quantization_of
+from kvflow.quantization.checkpoint import load_quantized, quantization_of
 from kvflow.quantization.registry import get_quantization_config
 
 
@@ -124,37 +123,51 @@ def load_model(
         model_config = registry.model_config(load_config(model_dir))
     if max_model_len is not None:
         model_config = dataclasses.replace(model_config, max_model_len=max_model_len)
-    model = build_model(model_config, model_dir, dtype, device, quantization, group_size, tp, quantize_lm_head,
-                        calibration_ids)
-    return model, model_config
+    load = resolve_load_config(str(model_dir), model_dir, quantization, group_size, quantize_lm_head)
+    return build_model(model_config, load, dtype, device, tp, calibration_ids), model_config
+
+
+def resolve_load_config(model: str, model_dir: str | os.PathLike, quantization: str | None = None,
+                        group_size: int = 32, quantize_lm_head: bool | str = False) -> LoadConfig:
+    """What loading ``model_dir`` means, resolved before anything loads: a saved quantized
+    checkpoint (its config.json's ``kvflow_quantization``: ``kvflow.quantization.checkpoint``)
+    loads with the scheme and group size it was saved with (``serialized``), whatever
+    ``quantization`` says; any other folder with ``quantization`` / ``group_size``.
+
+    Args:
+        model: the model as the user named it.
+        model_dir: the resolved Hugging Face-format folder.
+        quantization, group_size, quantize_lm_head: as ``build_model``'s ``LoadConfig``.
+    """
+    saved = quantization_of(model_dir)
+    if saved is not None:
+        return LoadConfig(model, str(model_dir), saved["method"], saved["group_size"], quantize_lm_head, serialized=True)
+    return LoadConfig(model, str(model_dir), quantization, group_size, quantize_lm_head)
 
 
 def build_model(
     model_config: ModelConfig,
-    model_dir: str | os.PathLike,
+    load: LoadConfig,
     dtype: torch.dtype,
     device: torch.device,
-    quantization: str | None = None,
-    group_size: int = 32,
     tp: TensorParallel | None = None,
-    quantize_lm_head: bool | str = False,
     calibration_ids: list[int] | None = None,
 ) -> nn.Module:
     """Build and load a model of a resolved architecture (this rank's shard under tensor
     parallelism); see the module docstring for the steps. Reads no config: ``model_config``
-    is what ``EngineArgs.create_config`` (or ``load_model``) resolved.
+    and ``load`` are what ``EngineArgs.create_config`` (or ``load_model``) resolved.
 
     Args:
         model_config: the full model's architecture (``max_model_len`` set by the engine).
-        model_dir: a Hugging Face-format folder (``kvflow.model.resolve.resolve_model``), or a
-            quantized checkpoint folder (loaded quantized whatever ``quantization`` says).
+        load: what to load (``LoadConfig``): ``model_dir``, a Hugging Face-format folder
+            (``kvflow.model.resolve.resolve_model``) or a saved quantized checkpoint
+            (``serialized``); ``quantization``, a scheme of ``kvflow.quantization.registry``
+            or None; ``group_size``, the INT4 group size; ``quantize_lm_head``, True for the
+            scheme's head method (``lm_head_method``), or "int8", "int4", "fp8" (False keeps
+            the head dense). ``resolve_load_config`` makes one.
         dtype: the serving dtype.
         device: where the model lives.
-        quantization: a scheme of ``kvflow.quantization.registry``, or None.
-        group_size: INT4 group size.
         tp: this rank's tensor-parallel place, or None.
-        quantize_lm_head: True for the scheme's head method (``lm_head_method``), or "int8",
-            "int4", "fp8"; False keeps the head dense.
         calibration_ids: AWQ calibration tokens (default: the default text).
 
     Returns:
@@ -166,16 +179,13 @@ def build_model(
             GGUF / saved quantized checkpoint.
     """
     model_cls = registry.model_class(model_config.model_type)
-    saved = quantization_of(model_dir)
-    if tp is not None and saved is not None:
+    model_dir, quantization, quantize_lm_head = load.model_dir, load.quantization, load.quantize_lm_head
+    if tp is not None and load.serialized:
         raise ValueError("tensor parallelism loads float or GGUF checkpoints (a saved quantized checkpoint cannot be "
                          "sharded yet); load the float model with quantization='int8'/'int4'/'fp8' instead")
-    if saved is not None:
-        quant_config = get_quantization_config(saved["method"], saved["group_size"], serialized=True)
-    elif quantization is not None:
-        quant_config = get_quantization_config(quantization, group_size)
-    else:
-        quant_config = None
+    quant_config = None
+    if quantization is not None:
+        quant_config = get_quantization_config(quantization, load.group_size, serialized=load.serialized)
     # Build the parameters directly in the target dtype when nothing is quantized from them,
     # so that loading never holds a float32 copy of a bfloat16 model.
     build_dtype = (quant_config.build_dtype() if quant_config is not None else None) or dtype
@@ -186,8 +196,8 @@ def build_model(
             model = model_cls(model_config, tp, quant_config)
     finally:
         torch.set_default_dtype(previous)
-    if saved is not None:
-        _load_state_dict(model, Path(model_dir) / "model.safetensors")
+    if load.serialized:
+        load_quantized(model, model_dir)
     else:
         # A GGUF scheme takes the file's quantized blocks as stored (no float copy).
         _load_weights(model, model_dir, native=getattr(quant_config, "native_gguf", False))
@@ -237,15 +247,3 @@ def _load_weights(model: nn.Module, model_dir: str | os.PathLike, native: bool) 
         kind = stored.qtype.name if isinstance(stored, GGUFWeight) else str(getattr(stored, "dtype", "?"))
         last[0] = stored = None
         raise ValueError(f"{source}: {exc} (the file's tensor, loaded as {kind})") from None
-
-
-def _load_state_dict(model: nn.Module, path: Path) -> None:
-    """Fill a model built with a serialized scheme from a saved checkpoint's state dict.
-
-    Raises:
-        ValueError: when the checkpoint's tensors do not match the model.
-    """
-    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
-    missing = [m for m in missing if not m.startswith("rotary")]
-    if missing or unexpected:
-        raise ValueError(f"quantized checkpoint does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -8,7 +8,8 @@ top-p, min-p), the same function as the target's p, and the draft token is sampl
 (argmax for greedy requests). After verification the draft cache keeps only the tokens the
 target accepted: its block table and computed count are rolled back to the common prefix.
 
-The proposer drives its own ``ModelRunner`` through the public data contract
+The proposer drives its own ``ModelRunner`` (built by the worker's builder,
+``kvflow.worker.worker.build_proposer``) through the public data contract
 (``kvflow/core/sched_output.py``): its own block pool (``KVCacheManager``) holds a
 ``_DraftSequence`` per request, a ``RunnerStateTracker`` sends the runner each request's data
 once and then per-step diffs (the last draft token, new blocks), and a request whose drafts
@@ -22,19 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvflow.attention.backend import AttentionBackend
-from kvflow.attention.torch_backend import TORCH_BACKEND
-from kvflow.config import CacheConfig, ModelConfig
+from kvflow.config import CacheConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.sched_output import RunnerStateTracker, SchedulerOutput
-from kvflow.model.base import CausalLM
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 from kvflow.sample.rejection_sampler import processed_probs
-from kvflow.sample.sampler import Sampler
 from kvflow.spec_decode.ngram import max_drafts
-from kvflow.worker.cache_engine import CacheEngine
-from kvflow.worker.model_runner import ModelRunner
 
 
 @dataclass
@@ -65,37 +60,23 @@ class DraftModelProposer:
     """Proposes up to ``k`` tokens per request with a draft model.
 
     Args:
-        model: the draft decoder (same vocabulary as the target).
-        model_config: its architecture.
+        runner: the draft model's ``ModelRunner`` (``kvflow.worker.model_runner``; duck-typed:
+            this package stands below the worker's) over its own KV cache of
+            ``cache_config``'s blocks; its sampler's generator draws the drafts of requests
+            without a seed. Built by ``kvflow.worker.worker.build_proposer``.
+        vocab_size: the draft's vocabulary size (the target's).
         cache_config: its own KV block pool (prefix caching off).
         k: draft tokens per step.
         max_model_len: the context limit, in tokens.
-        device: where the draft runs.
-        seed: seed of the generator for unseeded requests' draft sampling.
-        attention_backend: the draft runner's attention backend (the engine's,
-            ``kvflow.attention.selector``; default the PyTorch one).
     """
 
-    def __init__(
-        self,
-        model: CausalLM,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        k: int,
-        max_model_len: int,
-        device: torch.device,
-        seed: int = 0,
-        attention_backend: AttentionBackend = TORCH_BACKEND,
-    ) -> None:
+    def __init__(self, runner, vocab_size: int, cache_config: CacheConfig, k: int, max_model_len: int) -> None:
         self.k = k
         self.max_model_len = max_model_len
-        self.vocab_size = model_config.vocab_size
+        self.vocab_size = vocab_size
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size, enable_prefix_caching=False)
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-        self.generator = generator
-        self.runner = ModelRunner(model, CacheEngine(model.kv_cache_spec, cache_config, device), cache_config.block_size,
-                                  Sampler(generator), device, attention_backend=attention_backend)
+        self.generator = runner.sampler.generator
+        self.runner = runner
         self._seqs: dict[str, _DraftSequence] = {}
         self._runner_state = RunnerStateTracker()  # what self.runner holds
         self._dropped: list[str] = []  # to drop from self.runner at its next batch

@@ -149,8 +149,8 @@ class ModelRunner:
             collectives as the driver but samples nothing.
         broadcast: on a tensor-parallel driver, sends each step's batch to the workers.
         attention_backend: the paged-attention backend (``kvflow.attention.selector``); one
-            that asks for batch-invariant linears (over a quantized cache) has the model's
-            dense CPU linears switched, in place.
+            that asks for batch-invariant linears (over a quantized cache) needs a model whose
+            dense CPU linears were switched (``kvflow.worker.worker.build_runner`` does it).
         lora_manager: the model's LoRA adapters (``kvflow.lora.manager.LoRAManager``), or
             None without ``enable_lora``.
         max_num_seqs, max_model_len: the ``InputBatch``'s first allocation (rows, token
@@ -174,13 +174,6 @@ class ModelRunner:
         if not isinstance(attention_backend, AttentionBackend):
             raise ValueError(f"attention_backend must be an AttentionBackend (kvflow.attention.selector), "
                              f"got {attention_backend!r}")
-        if attention_backend.needs_batch_invariant_linears:
-            # So that a token's stored (rounded) K/V never depends on how its step was batched
-            # or chunked: the CPU linears by ``InvariantLinear`` (CUDA ones stay), with the
-            # backend's batch-invariant attention over the quantized cache.
-            from kvflow.layers.invariant_linear import make_batch_invariant
-
-            make_batch_invariant(model)
         self.attention_backend = attention_backend
         self.lora_manager = lora_manager
         self.graph_runner = None  # a DecodeGraphRunner (kvflow.worker.cuda_graph) when set

@@ -21,12 +21,13 @@ import torch
 from conftest import make_engine, tiny_model, tiny_model_config
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
+from kvflow.attention.torch_backend import TORCH_BACKEND, AttentionGroup, GroupedMetadata
 from kvflow.request import Request
 from kvflow.sample.rejection_sampler import RejectionSampler, processed_probs
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_model import DraftModelProposer
 from kvflow.worker.cache_engine import CacheEngine
+from kvflow.worker.worker import build_runner
 
 try:
     from scipy import stats as scipy_stats
@@ -357,9 +358,9 @@ def test_speculative_sampling_preserves_target_distribution():
     marginals = exact_marginals(p)
 
     batch, bs = 512, 8
-    proposer = DraftModelProposer(
-        draft, cfg, CacheConfig(bs, 2 * batch, torch.float32, enable_prefix_caching=False), 3, 64, CPU, seed=1
-    )
+    draft_cache = CacheConfig(bs, 2 * batch, torch.float32, enable_prefix_caching=False)
+    proposer = DraftModelProposer(build_runner(draft, draft_cache, CPU, TORCH_BACKEND, seed=1), cfg.vocab_size,
+                                  draft_cache, 3, 64)
     engine = make_engine(
         target, cfg, CacheConfig(bs, 2 * batch, torch.float32), SchedulerConfig(1 << 20, batch, 64), None, CPU,
         seed=0, proposer=proposer,

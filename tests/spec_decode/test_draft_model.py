@@ -27,6 +27,8 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_model import DraftModelProposer
 from kvflow.spec_decode.metrics import SpecDecodeStats
 from kvflow.spec_decode.ngram import NgramProposer
+from kvflow.attention.torch_backend import TORCH_BACKEND
+from kvflow.worker.worker import build_runner
 
 CPU = torch.device("cpu")
 VOCAB = 32
@@ -57,12 +59,18 @@ def draft_model(noise: float | None, seed: int = 7):
     return model
 
 
+def draft_proposer(model, cache: CacheConfig, k: int, max_model_len: int = 256, seed: int = 0,
+                   backend=TORCH_BACKEND) -> DraftModelProposer:
+    """A draft proposer over ``model`` with its runner made as the worker's builder makes it."""
+    return DraftModelProposer(build_runner(model, cache, CPU, backend, seed), CONFIG.vocab_size, cache, k, max_model_len)
+
+
 def make_proposer(kind: str, k: int, max_model_len: int = 256, block_size: int = 4, num_blocks: int = 128,
                   noise: float | None = 0.02):
     if kind == "ngram":
         return NgramProposer(k, 1, 4, max_model_len)
     cache = CacheConfig(block_size, num_blocks, torch.float32, enable_prefix_caching=False)
-    return DraftModelProposer(draft_model(noise), CONFIG, cache, k, max_model_len, CPU, seed=3)
+    return draft_proposer(draft_model(noise), cache, k, max_model_len, seed=3)
 
 
 def make_engine(proposer=None, num_blocks=128, block_size=4, max_num_batched_tokens=64, max_num_seqs=16,
@@ -211,11 +219,11 @@ def test_greedy_identical_with_output_dependent_processing(kind):
 def test_identical_draft_accepts_everything(reference):
     """Draft == target: greedy drafts are all accepted (k + 1 tokens per verification), and
     sampled drafts almost all (p == q up to float noise between the two forwards)."""
-    proposer = DraftModelProposer(tiny_model(CONFIG), CONFIG, CacheConfig(4, 128, torch.float32, False), 3, 256, CPU)
+    proposer = draft_proposer(tiny_model(CONFIG), CacheConfig(4, 128, torch.float32, False), 3)
     engine = make_engine(proposer)
     assert run_schedule(engine, greedy_arrivals()) == reference
     assert engine.get_stats()["spec_acceptance_rate"] == 1.0
-    proposer = DraftModelProposer(tiny_model(CONFIG), CONFIG, CacheConfig(4, 128, torch.float32, False), 3, 256, CPU)
+    proposer = draft_proposer(tiny_model(CONFIG), CacheConfig(4, 128, torch.float32, False), 3)
     engine = make_engine(proposer)
     run_schedule(engine, greedy_arrivals(SamplingParams(temperature=1.0, max_tokens=24)))
     assert engine.get_stats()["spec_acceptance_rate"] > 0.99
@@ -227,8 +235,8 @@ def test_draft_on_the_triton_backend_accepts_everything(reference):
     pytest.importorskip("triton")
     from kvflow.attention.triton_backend import TritonAttentionBackend
 
-    proposer = DraftModelProposer(tiny_model(CONFIG), CONFIG, CacheConfig(4, 128, torch.float32, False), 3, 256, CPU,
-                                  attention_backend=TritonAttentionBackend())
+    proposer = draft_proposer(tiny_model(CONFIG), CacheConfig(4, 128, torch.float32, False), 3,
+                              backend=TritonAttentionBackend())
     assert proposer.runner.attention_backend.name == "triton"
     engine = make_engine(proposer)
     assert run_schedule(engine, greedy_arrivals()) == reference

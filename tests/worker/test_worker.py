@@ -1,0 +1,89 @@
+"""kvflow.worker.worker: the one builder of the worker side (runner, proposer) and the
+loader's LoadConfig resolved before loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_hf_model_dir, tiny_model, tiny_model_config
+from kvflow.attention.torch_backend import TorchAttentionBackend
+from kvflow.config import CacheConfig
+from kvflow.engine.arg_utils import EngineArgs
+from kvflow.engine.llm_engine import LLMEngine
+from kvflow.model.loader import resolve_load_config
+from kvflow.spec_decode.draft_model import DraftModelProposer
+from kvflow.worker import worker
+
+CPU = torch.device("cpu")
+
+
+class _InvariantTorchBackend(TorchAttentionBackend):
+    """The PyTorch backend, asking for batch-invariant linears as a quantized cache's does."""
+
+    needs_batch_invariant_linears = True
+
+
+def test_every_runner_gets_batch_invariant_linears_when_its_backend_asks(monkeypatch):
+    """``build_runner`` (the driver's, a rank's and a draft's runner) switches the model's
+    linears before the runner is made, only for a backend that asks for it."""
+    switched = []
+    monkeypatch.setattr(worker, "make_batch_invariant", lambda model: switched.append(model) or 0)
+    model = tiny_model(tiny_model_config())
+    cache = CacheConfig(4, 16, torch.float32, enable_prefix_caching=False)
+    plain = worker.build_runner(model, cache, CPU, TorchAttentionBackend(), seed=5)
+    assert switched == [] and plain.model is model
+    runner = worker.build_runner(model, cache, CPU, _InvariantTorchBackend(), seed=5, is_driver=False)
+    assert switched == [model] and runner.is_driver is False
+    assert runner.cache_engine.kv_caches[0][0].shape[0] == 16  # its own cache of the given blocks
+    # the sampler's generator is seeded with the given seed
+    expected = torch.Generator().manual_seed(5).initial_seed()
+    assert runner.sampler.generator.initial_seed() == expected
+
+
+def test_the_worker_builds_the_draft_proposer_with_the_engines_backend(tmp_path):
+    """``speculative_config`` with a draft model: the worker's builder loads the draft and
+    makes its runner (own cache of the target's block count, the engine's backend, the
+    engine's seed); the core schedules with that proposer."""
+    target = str(tiny_hf_model_dir(tmp_path / "target"))
+    draft = target  # (its own copy of the weights, loaded by the builder)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=target, device="cpu", dtype="float32", num_kv_blocks=24, block_size=4, seed=7, attention_backend="torch",
+        speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2},
+    ))
+    proposer = engine.worker.proposer
+    assert isinstance(proposer, DraftModelProposer) and engine.engine_core.proposer is proposer
+    assert proposer.runner.attention_backend is engine.worker.attention_backend
+    assert proposer.runner.model is not engine.model_runner.model
+    assert proposer.kv.block_pool.num_blocks == engine.config.cache.num_blocks
+    assert proposer.generator.initial_seed() == 7 and proposer.k == 2
+    engine.shutdown()
+
+
+def test_a_saved_quantized_checkpoint_is_resolved_before_loading(tmp_path):
+    """A folder written by ``kvflow quantize`` loads with its own scheme whatever was asked
+    (``LoadConfig.serialized``); any other folder with the scheme asked for."""
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                   "kvflow_quantization": {"method": "int4", "group_size": 64}}))
+    load = resolve_load_config("mine", saved, quantization="int8", group_size=32, quantize_lm_head="int8")
+    assert (load.quantization, load.group_size, load.serialized) == ("int4", 64, True)
+    assert load.model == "mine" and load.model_dir == str(saved) and load.quantize_lm_head == "int8"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    load = resolve_load_config("p", plain, quantization="int8", group_size=32)
+    assert (load.quantization, load.group_size, load.serialized) == ("int8", 32, False)
+
+
+def test_tensor_parallelism_refuses_a_saved_checkpoint_before_building(tmp_path):
+    from kvflow.config import LoadConfig
+    from kvflow.distributed.parallel_state import TensorParallel
+    from kvflow.model.loader import build_model
+
+    load = LoadConfig("x", str(tmp_path), "int8", 32, serialized=True)
+    with pytest.raises(ValueError, match="saved quantized checkpoint cannot be sharded"):
+        build_model(tiny_model_config(), load, torch.float32, CPU, TensorParallel(0, 2))
