@@ -84,11 +84,14 @@ _EXTENSION = ops.GGUF_MATMUL
 
 # Rows of x from which gguf_linear (with the kernel built) dequantizes tiles of the weight
 # in x's dtype and runs PyTorch's GEMM instead of the packed integer kernel, per format.
-# Measured on the development machine (AMD EPYC Zen 4, AVX-512 VNNI, 2 threads, loaded;
-# bfloat16 x, ms per call, packed kernel / dequantized tiles + GEMM): Q4_1 1536 x 576 M=32
-# 0.23/0.98, M=64 0.40/1.07, M=128 1.20/-; Q6_K 576 x 1536 M=128 0.83/1.24 (the stored-row
-# kernel it replaces lost to the GEMM from 32-128 rows).
-DEQUANT_GEMM_MIN_ROWS: dict[gguf.GGMLQuantizationType, int] = {qt: 256 for qt in SUPPORTED_QTYPES}
+# The tiles cost a fixed expansion of the whole weight per call, which a prompt chunk of a few
+# hundred rows does not earn back: Qwen2.5-Coder-0.5B (Q5_0/Q8_0/Q6_K/Q4_K) prefill on the
+# development machine (AMD EPYC Zen 4, 2 threads, quiet, 2026-12-03), tokens/s at 256 / 512 /
+# 1024 prompt tokens, tiles from 256 rows against the packed kernel throughout: AVX-512 VNNI
+# 183 / 239 / 294 against 461 / 452 / 409; with the AVX2 build and oneDNN capped at AVX2
+# 96 / 103 / 123 against 144 / 153 / 121. The tiles are kept for chunks of 4096 rows and more,
+# past the default step budget (max_num_batched_tokens 2048); that range was not measured.
+DEQUANT_GEMM_MIN_ROWS: dict[gguf.GGMLQuantizationType, int] = {qt: 4096 for qt in SUPPORTED_QTYPES}
 DEQUANT_TILE_ELEMENTS = 1 << 22  # weights per dequantized tile of that path (16 MB in float32)
 
 

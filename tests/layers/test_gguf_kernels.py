@@ -110,11 +110,11 @@ def test_kernel_dequantize_is_exact(qt):
 
 
 # M: decode (1), speculative verification / batched decode (2..64, groups of four rows and
-# their remainders), prefill (512); from DEQUANT_GEMM_MIN_ROWS rows the kernel hands over to
-# dequantized tiles + PyTorch's GEMM. Shapes: N not a multiple of the packed layout's 16-row
+# their remainders), prefill (512); from DEQUANT_GEMM_MIN_ROWS rows (4100) the kernel hands over
+# to dequantized tiles + PyTorch's GEMM. Shapes: N not a multiple of the packed layout's 16-row
 # group (13: one partial group; 49; 333: 21 groups, several chunks of the shared work counter
 # for the threads); K a multiple of 32 but not of 256 for the 32-element formats.
-CASES = [(1, 13), (2, 13), (3, 49), (4, 13), (5, 49), (17, 13), (64, 49), (512, 13), (1, 333), (6, 333)]
+CASES = [(1, 13), (2, 13), (3, 49), (4, 13), (5, 49), (17, 13), (64, 49), (512, 13), (1, 333), (6, 333), (4100, 13)]
 
 
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)

@@ -17,6 +17,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.engine.arg_utils import EngineArgs
+from kvflow.layers import gguf_kernels as gk
 from kvflow.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.gguf_kernels import GGUFWeight, kernel_available
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -197,7 +198,7 @@ def _run(llm: LLM):
 
 @pytest.mark.integration
 @requires_smollm2
-def test_native_smollm2_matches_the_dequantized_model(smollm2_dir: Path) -> None:
+def test_native_smollm2_matches_the_dequantized_model(smollm2_dir: Path, monkeypatch) -> None:
     """Against the float32 dequantized model: perplexity within 2.5 % on a 79-token text, which the
     packed integer kernel computes (int8 activations, as llama.cpp's: they move each token's
     logprob by up to ~0.3 nat, the mean over 79 tokens by ~0.01; measured 27.35 vs 27.27, +0.3 %
@@ -209,6 +210,8 @@ def test_native_smollm2_matches_the_dequantized_model(smollm2_dir: Path) -> None
     # One step per prompt whatever the machine's speed (no step-time budget): the 316-token
     # text must reach the linears as one chunk of >= DEQUANT_GEMM_MIN_ROWS rows.
     fixed = {"num_kv_blocks": 128, "max_num_batched_tokens": 512, "max_step_seconds": 0}
+    # The tiles path from 256 rows here (by default from 4096, past the default step budget).
+    monkeypatch.setattr(gk, "DEQUANT_GEMM_MIN_ROWS", {qt: 256 for qt in gk.DEQUANT_GEMM_MIN_ROWS})
     ref_ppl, ref_long, ref = _run(LLM(model=str(smollm2_dir), dtype="float32", quantization="none", **fixed))
     native = LLM(model=str(smollm2_dir), dtype="float32", quantization="gguf", **fixed)
     ppl, long_ppl, got = _run(native)
