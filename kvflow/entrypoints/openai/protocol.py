@@ -125,14 +125,6 @@ class _SamplingRequest(_Body):
     priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     # vLLM extras kvflow does not implement (refused when set; see unsupported_field)
     use_beam_search: Any = None
-
-    @field_validator("stream_options")
-    @classmethod
-    def _stream_options_need_stream(cls, value, info: ValidationInfo):
-        # as OpenAI and vLLM: without a stream they would be silently dropped
-        if value is not None and not info.data.get("stream"):
-            raise ValueError("stream_options can only be set when stream is true")
-        return value
     length_penalty: Any = None
     allowed_token_ids: Any = None
     prompt_logprobs: Any = None
@@ -144,6 +136,14 @@ class _SamplingRequest(_Body):
         "length_penalty": (1, 1.0), "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
         "return_tokens_as_token_ids": (False,),
     }  # fmt: skip
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value, info: ValidationInfo):
+        # as OpenAI and vLLM: without a stream they would be silently dropped
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set when stream is true")
+        return value
 
     def sampling_params(
         self,
