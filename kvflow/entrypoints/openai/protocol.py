@@ -36,6 +36,15 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
+
+def _needs_flag(value: Any, info: ValidationInfo, flag: str, message: str) -> Any:
+    """A field that only means something with ``flag`` set (as OpenAI and vLLM refuse it, rather
+    than drop it silently): ``value`` unchanged, or ValueError(``message``) when ``flag`` is unset.
+    ``flag`` must be declared before the field (pydantic validates in declaration order)."""
+    if value is not None and not info.data.get(flag):
+        raise ValueError(message)
+    return value
+
 class _Body(BaseModel):
     """Strict types, finite floats; unknown fields are kept (``model_extra``) to be logged."""
 
@@ -140,10 +149,7 @@ class _SamplingRequest(_Body):
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, value, info: ValidationInfo):
-        # as OpenAI and vLLM: without a stream they would be silently dropped
-        if value is not None and not info.data.get("stream"):
-            raise ValueError("stream_options can only be set when stream is true")
-        return value
+        return _needs_flag(value, info, "stream", "stream_options can only be set when stream is true")
 
     def sampling_params(
         self,
@@ -407,10 +413,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_need_logprobs(cls, value, info: ValidationInfo):
-        # as OpenAI and vLLM: without logprobs: true they would be silently dropped
-        if value is not None and not info.data.get("logprobs"):
-            raise ValueError("top_logprobs needs logprobs: true")
-        return value
+        return _needs_flag(value, info, "logprobs", "top_logprobs needs logprobs: true")
 
     @field_validator("chat_template_kwargs")
     @classmethod
