@@ -36,7 +36,6 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
-
 def _needs_flag(value: Any, info: ValidationInfo, flag: str, message: str) -> Any:
     """A field that only means something with ``flag`` set (as OpenAI and vLLM refuse it, rather
     than drop it silently): ``value`` unchanged, or ValueError(``message``) when ``flag`` is unset.
@@ -44,6 +43,7 @@ def _needs_flag(value: Any, info: ValidationInfo, flag: str, message: str) -> An
     if value is not None and not info.data.get(flag):
         raise ValueError(message)
     return value
+
 
 class _Body(BaseModel):
     """Strict types, finite floats; unknown fields are kept (``model_extra``) to be logged."""
