@@ -154,7 +154,7 @@ class SamplingParams:
             with it.
         max_tokens: maximum number of generated tokens (>= 1).
         stop_token_ids: generation stops after emitting any of these token ids (the token
-            is kept in ``token_ids``).
+            is kept in ``token_ids``). At most ``MAX_STOP_TOKEN_IDS`` (1024).
         ignore_eos: keep generating past the model's end-of-sequence token.
         skip_special_tokens: drop special tokens when detokenizing the output text.
         logprobs: report, for every generated token, the log-probability of the sampled
@@ -174,10 +174,12 @@ class SamplingParams:
             vocabulary), values numbers in [-100, 100].
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens exist.
         bad_words: words never to generate: the last token of a word's token sequence is
-            masked whenever the output ends with the rest of it.
+            masked whenever the output ends with the rest of it. At most ``MAX_BAD_WORDS``
+            (1024) words of at most ``MAX_STRING_CHARS`` (1024) characters.
         stop: strings that end generation when they appear in the output text, also across
             token boundaries. The stop string is cut from the text unless
-            ``include_stop_str_in_output``.
+            ``include_stop_str_in_output``. At most ``MAX_STOP_STRINGS`` (64) strings of at
+            most ``MAX_STRING_CHARS`` (1024) characters.
         include_stop_str_in_output: keep the matched stop string in the text.
         guided_json: a JSON schema (dict or JSON string); the output is constrained to
             JSON that validates against it (llguidance grammar engine).
@@ -325,6 +327,16 @@ class SamplingParams:
             raise ValueError("bad_words must be a list of non-empty strings")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
+        # Bounds: every stop string is searched in the new text at each step and every bad word
+        # is a token sequence matched at each step, so their number and length are capped.
+        for name, limit in (("stop", MAX_STOP_STRINGS), ("bad_words", MAX_BAD_WORDS),
+                            ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
+            if len(getattr(self, name)) > limit:
+                raise ValueError(f"{name} holds {len(getattr(self, name))} entries; at most {limit}")
+        for name in ("stop", "bad_words"):
+            longest = max((len(s) for s in getattr(self, name)), default=0)
+            if longest > MAX_STRING_CHARS:
+                raise ValueError(f"{name}: an entry of {longest} characters; at most {MAX_STRING_CHARS}")
         guided = [f"guided_{k}" for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None]
         if len(guided) > 1:
             raise ValueError(f"{' and '.join(guided)} are mutually exclusive")
@@ -358,6 +370,13 @@ class SamplingParams:
         """True when the request takes the argmax token at every step."""
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
+
+#: Bounds on the list fields (a request past one is a ValueError naming the field).
+MAX_STOP_STRINGS = 64
+MAX_BAD_WORDS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+#: The longest ``stop`` string or ``bad_words`` entry, in characters.
+MAX_STRING_CHARS = 1024
 
 _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_TINY = 1.1754943508222875e-38

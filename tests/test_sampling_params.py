@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from kvflow import sampling_params as sp
 from kvflow.sampling_params import SamplingParams
 
 NAN = math.nan
@@ -171,3 +172,24 @@ def test_greedy_property(kwargs, greedy):
 def test_logit_bias_keys_become_ints():
     p = SamplingParams(logit_bias={"5": 1, 7: -2.5, "0": 100})
     assert p.logit_bias == {5: 1.0, 7: -2.5, 0: 100.0}
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("stop", ["s"] * (sp.MAX_STOP_STRINGS + 1), "stop holds"),
+        ("bad_words", ["w"] * (sp.MAX_BAD_WORDS + 1), "bad_words holds"),
+        ("stop_token_ids", [1] * (sp.MAX_STOP_TOKEN_IDS + 1), "stop_token_ids holds"),
+        ("stop", "x" * (sp.MAX_STRING_CHARS + 1), "stop: an entry of"),
+        ("bad_words", ["x" * (sp.MAX_STRING_CHARS + 1)], "bad_words: an entry of"),
+    ],
+)
+def test_list_fields_are_bounded(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_list_fields_at_their_bounds_are_accepted():
+    p = SamplingParams(stop=["s" * sp.MAX_STRING_CHARS] * sp.MAX_STOP_STRINGS, bad_words=["w"] * sp.MAX_BAD_WORDS,
+                       stop_token_ids=[1] * sp.MAX_STOP_TOKEN_IDS)
+    assert len(p.stop) == sp.MAX_STOP_STRINGS and len(p.bad_words) == sp.MAX_BAD_WORDS

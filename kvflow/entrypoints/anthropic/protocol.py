@@ -54,7 +54,7 @@ class MessagesRequest(_Body):
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # Anthropic's range
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False

@@ -110,8 +110,10 @@ def test_sampling_fields_and_output_format(client, script):
     r = _create(client, output_config={"format": {"type": "json_schema", "schema": schema}},
                 extra_body={"temperature": 0, "top_p": 0.9, "top_k": 5})  # not in this client's signature
     assert json.loads(r.content[0].text) == {"ok": True}
-    with pytest.raises(anthropic.BadRequestError, match="temperature"):
-        _create(client, extra_body={"temperature": -1})
+    for temperature in (-1, 1.5):  # Anthropic's range is [0, 1]
+        with pytest.raises(anthropic.BadRequestError, match="temperature"):
+            _create(client, extra_body={"temperature": temperature})
+    assert _create(client, extra_body={"temperature": 1}).content[0].text == '{"ok": true}'
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
