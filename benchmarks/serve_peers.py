@@ -83,6 +83,13 @@ A baseline in the same run (``--baseline DIR``): every kvflow engine E also runs
 ``E@base`` from the kvflow checkout DIR (its ``kvflow`` package first on ``PYTHONPATH``), just
 before E, e.g. ``git worktree add ../kvflow-base main`` and ``--baseline ../kvflow-base``.
 
+Served against offline (``--offline``): before each kvflow engine's server starts, the same
+engine (the server command's own engine arguments, from the same checkout) runs the
+``single`` scenario's stream offline (``benchmarks/peers/offline_single.py``: 32 random prompt
+tokens, 128 greedy tokens through ``LLM.generate_stream``, median of 3 after a warm-up), and a
+table puts its decode rate next to the served one (1000 / mean TPOT: both leave the first
+token out) with their ratio.
+
 Contention (``--background-load N``): N processes that each keep one core busy (a pure
 Python loop at normal priority) run from the moment an engine's server is ready until its
 last scenario ends, so every engine meets the same fixed load; ``other_load_cores`` then
