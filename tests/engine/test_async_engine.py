@@ -362,3 +362,24 @@ def test_outputs_wake_the_loop_through_a_pipe_not_call_soon_threadsafe(monkeypat
     finally:
         engine.shutdown()
         loop.close()
+
+
+def test_gauges_are_refreshed_at_scheduling_only_when_requests_start_or_are_preempted(monkeypatch):
+    """``_on_scheduled`` runs before every forward: ``get_stats`` (which walks every running
+    request's block table) is called there only when the step starts requests or preempts
+    some; after the step the gauges are refreshed as always."""
+    from kvflow.core.sched_output import SchedulerOutput
+
+    engine = AsyncLLMEngine(tiny_engine(), "tiny")
+    calls = []
+    real = engine.engine.get_stats
+    monkeypatch.setattr(engine.engine, "get_stats", lambda: (calls.append(1), real())[1])
+    batch = SchedulerOutput()
+    monkeypatch.setattr(type(engine.engine), "last_scheduler_output", property(lambda self: batch))
+    engine._on_scheduled([])  # a step of running requests only
+    assert calls == []
+    engine._on_scheduled(["a"])  # a request starts: the waiting and running gauges change
+    assert len(calls) == 1
+    batch.preempted_req_ids.append("b")  # a preemption changes them too
+    engine._on_scheduled([])
+    assert len(calls) == 2
