@@ -17,8 +17,9 @@ The event loop never waits on a model step, as in vLLM's engine-core client:
   uvloop's ``call_soon_threadsafe`` makes it holding the GIL, and on a busy CPU the kernel
   often switches to the woken loop thread inside that call, so the engine thread sat
   descheduled with the GIL while the loop thread waited for it (measured: 16 % of the engine
-  thread's GIL time in a served single stream on 2 loaded cores). The thread publishes the engine's stats (the gauges) after scheduling each step and
-  after it, so that they are right during a long step. It also takes the dashboard's
+  thread's GIL time in a served single stream on 2 loaded cores). The thread publishes the
+  engine's stats (the gauges) after each step, and after scheduling when requests started or
+  were preempted, so that they are right during a long step. It also takes the dashboard's
   snapshots of the engine's state between steps (``kvflow/engine/snapshot.py``).
 
 A request that fails inside the engine (``LLMEngine.step``) raises ``RequestFailedError`` in

@@ -60,7 +60,8 @@ def test_text_chunk_is_byte_identical_to_the_whole_chunk_serialized():
              "\u2028\u2029", "}]}", '""']
     for index in (0, 3):
         completion = _TextChunk({**base, "choices": [{"index": index, "text": ""}]})
-        chat = _TextChunk({**base, "object": "chat.completion.chunk", "choices": [{"index": index, "delta": {"content": ""}}]})
+        chat = _TextChunk({**base, "object": "chat.completion.chunk",
+                           "choices": [{"index": index, "delta": {"content": ""}}]})
         for text in texts:
             assert completion(text) == _sse({**base, "choices": [{"index": index, "text": text}]})
             assert chat(text) == _sse({**base, "object": "chat.completion.chunk",
