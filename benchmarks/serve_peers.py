@@ -531,15 +531,21 @@ def offline_single(engine: str, args: argparse.Namespace, cmd: list[str], workdi
               "--prompt-len", str(s["input_len"]), "--new-tokens", str(s["output_len"]),
               "--", *cmd[cmd.index("serve") + 1:]]  # fmt: skip
     print(f"[{engine}] offline single stream ...", flush=True)
-    busy0, wall0 = _all_busy_seconds(), time.monotonic()
+    import resource
+
+    def children_cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    busy0, child0, wall0 = _all_busy_seconds(), children_cpu(), time.monotonic()
     proc = subprocess.run(helper, env=server_env(engine, args), cwd=server_cwd(engine, args), capture_output=True,
                           text=True, timeout=args.startup_timeout + 600)  # fmt: skip
     wall = time.monotonic() - wall0
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-3000:]}
     result = json.loads(out.read_text())
-    # the helper ran 2 threads for the whole wall time: what else ran is the rest
-    result["other_load_cores"] = max(0.0, (_all_busy_seconds() - busy0) / wall - args.threads)
+    # every CPU's busy time less the helper's own (a waited-for child: in RUSAGE_CHILDREN)
+    result["other_load_cores"] = max(0.0, (_all_busy_seconds() - busy0 - (children_cpu() - child0)) / wall)
     return result
 
 
