@@ -82,6 +82,9 @@ per scenario (and the ratios of each engine to the first one) and writes every n
 A baseline in the same run (``--baseline DIR``): every kvflow engine E also runs as
 ``E@base`` from the kvflow checkout DIR (its ``kvflow`` package first on ``PYTHONPATH``), just
 before E, e.g. ``git worktree add ../kvflow-base main`` and ``--baseline ../kvflow-base``.
+Its server starts in that checkout (``python -m`` puts the working directory first on the
+path), and each checkout's C++ kernels are built before its engine is measured
+(``build_kernels``: their build names hash the checkout's include paths).
 
 Served against offline (``--offline``): before each kvflow engine's server starts, the same
 engine (the server command's own engine arguments, from the same checkout) runs the
@@ -514,6 +517,17 @@ def _save_metrics(url: str, path: Path) -> None:
         path.write_text(r.text)
 
 
+def build_kernels(engine: str, args: argparse.Namespace) -> None:
+    """Build (or find cached) the C++ kernels of the checkout ``engine`` runs from
+    (``python -m kvflow.ops`` there), so that its server does not compile them in the
+    background while it is measured: a kernel's build name hashes its include paths, so a
+    ``--baseline`` checkout has builds of its own (a first run of main's server spent its
+    whole ``concurrent16`` scenario on its PyTorch paths next to a compiler)."""
+    print(f"[{engine}] C++ kernels ...", flush=True)
+    subprocess.run([sys.executable, "-m", "kvflow.ops"], env=server_env(engine, args),
+                   cwd=server_cwd(engine, args) or REPO_ROOT, capture_output=True, check=False)  # fmt: skip
+
+
 def offline_single(engine: str, args: argparse.Namespace, cmd: list[str], workdir: Path) -> dict[str, Any]:
     """The ``single`` scenario's stream (its prompt length and output tokens) run offline
     (``benchmarks/peers/offline_single.py``: ``LLM.generate_stream``, no server) with the
@@ -553,6 +567,8 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
     """Measure ``engine``'s cold and warm starts (unless ``--no-starts``), then start its server,
     run every scenario against it, stop it."""
     args.model_cache_dir = None
+    if _is_kvflow(engine.removesuffix("@base"), args.variants):
+        build_kernels(engine, args)
     starts = measure_starts(engine, args, hf_dir, gguf, workdir) if args.starts else None
     idle = wait_for_idle(args.wait_idle)
     port = _free_port()

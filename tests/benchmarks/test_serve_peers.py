@@ -218,3 +218,20 @@ def test_offline_single_gets_the_server_engine_arguments() -> None:
                             "--port", "1", "--served-model-name", "model"])  # fmt: skip
     assert kwargs["model"] == "/m.gguf" and kwargs["num_kv_blocks"] == 64 and kwargs["num_threads"] == 2
     assert "host" not in kwargs and "port" not in kwargs
+
+
+def test_each_checkout_builds_its_own_kernels_before_it_is_measured(tmp_path: Path, monkeypatch) -> None:
+    """A baseline checkout's kernel builds are its own (the build name hashes include paths):
+    ``python -m kvflow.ops`` runs from each engine's checkout, with its ``PYTHONPATH``."""
+    base = tmp_path / "base"
+    (base / "kvflow").mkdir(parents=True)
+    (base / "kvflow" / "__init__.py").write_text("")
+    args = serve_peers.parse_args(["--engines", "kvflow-default", "--baseline", str(base)])
+    runs = []
+    monkeypatch.setattr(serve_peers.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
+    serve_peers.build_kernels("kvflow-default@base", args)
+    serve_peers.build_kernels("kvflow-default", args)
+    (cmd, kw), (_, kw2) = runs
+    assert cmd[1:] == ["-m", "kvflow.ops"]
+    assert kw["cwd"] == base and kw["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(base)
+    assert kw2["cwd"] == serve_peers.REPO_ROOT
