@@ -262,6 +262,8 @@ class AsyncLLMEngine:
             if self._thread.is_alive():
                 logger.warning("the engine thread is still in its step after %.0f s of shutdown", timeout_s)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._thread.is_alive():  # it may still write to the pipes: keep their descriptors
+            return
         for loop, waker in list(self._wakers.items()):
             if loop.is_closed() or not loop.is_running():
                 waker.close()
