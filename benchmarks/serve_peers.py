@@ -82,6 +82,16 @@ per scenario (and the ratios of each engine to the first one) and writes every n
 A baseline in the same run (``--baseline DIR``): every kvflow engine E also runs as
 ``E@base`` from the kvflow checkout DIR (its ``kvflow`` package first on ``PYTHONPATH``), just
 before E, e.g. ``git worktree add ../kvflow-base main`` and ``--baseline ../kvflow-base``.
+Its server starts in that checkout (``python -m`` puts the working directory first on the
+path), and each checkout's C++ kernels are built before its engine is measured
+(``build_kernels``: their build names hash the checkout's include paths).
+
+Served against offline (``--offline``): before each kvflow engine's server starts, the same
+engine (the server command's own engine arguments, from the same checkout) runs the
+``single`` scenario's stream offline (``benchmarks/peers/offline_single.py``: 32 random prompt
+tokens, 128 greedy tokens through ``LLM.generate_stream``, median of 3 after a warm-up), and a
+table puts its decode rate next to the served one (1000 / mean TPOT: both leave the first
+token out) with their ratio.
 
 Contention (``--background-load N``): N processes that each keep one core busy (a pure
 Python loop at normal priority) run from the moment an engine's server is ready until its
@@ -149,6 +159,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "concurrency x 1024, at least 4096)")
     p.add_argument("--baseline", type=Path, default=None, metavar="DIR",
                    help="a kvflow checkout: each kvflow engine E also runs from it, as E@base (before E)")
+    p.add_argument("--offline", action="store_true",
+                   help="before each kvflow engine's server starts, time the same engine offline on the single "
+                        "scenario's stream (benchmarks/peers/offline_single.py) and print served against offline")
     p.add_argument("--no-starts", dest="starts", action="store_false",
                    help="skip the cold and warm start measurements")
     p.add_argument("--step-trace", type=Path, default=None, metavar="DIR",
@@ -189,10 +202,23 @@ def _is_kvflow(engine: str, variants: dict[str, tuple[str, list[str]]]) -> bool:
     return (variants[engine][0] if engine in variants else engine).startswith("kvflow")
 
 
+def server_root(engine: str, args: argparse.Namespace) -> Path:
+    """The kvflow checkout ``engine`` runs from: ``--baseline`` for an ``@base`` engine, else this one."""
+    return args.baseline if engine.endswith("@base") else REPO_ROOT
+
+
+def server_cwd(engine: str, args: argparse.Namespace) -> Path | None:
+    """The working directory of ``engine``'s processes: ``--baseline`` for an ``@base`` engine,
+    else the caller's (None)."""
+    return args.baseline if engine.endswith("@base") else None
+
+
 def server_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
     """The server's environment: this checkout (an ``@base`` engine: ``--baseline``'s) first
-    on ``PYTHONPATH``."""
-    root = args.baseline if engine.endswith("@base") else REPO_ROOT
+    on ``PYTHONPATH``. An ``@base`` server also starts in that checkout (``server_cwd``): ``python -m``
+    puts the working directory before ``PYTHONPATH``, so started from this checkout an
+    ``@base`` server would import this checkout's ``kvflow``."""
+    root = server_root(engine, args)
     return dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
@@ -303,7 +329,8 @@ def measure_start(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Pat
     peak = [0.0]
     with open(log_path, "wb") as log:
         t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                cwd=server_cwd(engine, args))
     done = threading.Event()
 
     def sample() -> None:
@@ -490,15 +517,66 @@ def _save_metrics(url: str, path: Path) -> None:
         path.write_text(r.text)
 
 
+def build_kernels(engine: str, args: argparse.Namespace) -> None:
+    """Build (or find cached) the C++ kernels of the checkout ``engine`` runs from
+    (``python -m kvflow.ops`` there), so that its server does not compile them in the
+    background while it is measured: a kernel's build name hashes its include paths, so a
+    ``--baseline`` checkout has builds of its own (a first run of main's server spent its
+    whole ``concurrent16`` scenario on its PyTorch paths next to a compiler)."""
+    print(f"[{engine}] C++ kernels ...", flush=True)
+    subprocess.run([sys.executable, "-m", "kvflow.ops"], env=server_env(engine, args),
+                   cwd=server_cwd(engine, args) or REPO_ROOT, capture_output=True, check=False)  # fmt: skip
+
+
+def offline_single(engine: str, args: argparse.Namespace, cmd: list[str], workdir: Path) -> dict[str, Any]:
+    """The ``single`` scenario's stream (its prompt length and output tokens) run offline
+    (``benchmarks/peers/offline_single.py``: ``LLM.generate_stream``, no server) with the
+    engine arguments of ``engine``'s server command ``cmd``, from the same checkout.
+
+    Returns:
+        ``ttft_ms``, ``decode_tok_per_s`` (median of 3 runs), ``runs``, ``other_load_cores``;
+        or ``error`` with the output's tail.
+    """
+    s = SCENARIOS["single"]
+    out = workdir / f"{engine}-offline.json"
+    # Run as a file, not ``-m``: its folder, not the working directory, goes first on sys.path,
+    # so ``kvflow`` is the engine's checkout's (``server_env``).
+    helper = [sys.executable, str(REPO_ROOT / "benchmarks" / "peers" / "offline_single.py"), "--out", str(out),
+              "--prompt-len", str(s["input_len"]), "--new-tokens", str(s["output_len"]),
+              "--", *cmd[cmd.index("serve") + 1:]]  # fmt: skip
+    print(f"[{engine}] offline single stream ...", flush=True)
+    import resource
+
+    def children_cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    busy0, child0, wall0 = _all_busy_seconds(), children_cpu(), time.monotonic()
+    proc = subprocess.run(helper, env=server_env(engine, args), cwd=server_cwd(engine, args), capture_output=True,
+                          text=True, timeout=args.startup_timeout + 600)  # fmt: skip
+    wall = time.monotonic() - wall0
+    if proc.returncode != 0:
+        return {"error": (proc.stdout + proc.stderr)[-3000:]}
+    result = json.loads(out.read_text())
+    # every CPU's busy time less the helper's own (a waited-for child: in RUSAGE_CHILDREN)
+    result["other_load_cores"] = max(0.0, (_all_busy_seconds() - busy0 - (children_cpu() - child0)) / wall)
+    return result
+
+
 def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path | None, workdir: Path) -> dict[str, Any]:
     """Measure ``engine``'s cold and warm starts (unless ``--no-starts``), then start its server,
     run every scenario against it, stop it."""
     args.model_cache_dir = None
+    if _is_kvflow(engine.removesuffix("@base"), args.variants):
+        build_kernels(engine, args)
     starts = measure_starts(engine, args, hf_dir, gguf, workdir) if args.starts else None
     idle = wait_for_idle(args.wait_idle)
     port = _free_port()
     max_concurrency = max(SCENARIOS[s]["concurrency"] for s in args.scenarios)
     cmd = server_command(engine, args, hf_dir, gguf, port, max_concurrency)
+    offline = None
+    if args.offline and _is_kvflow(engine.removesuffix("@base"), args.variants):
+        offline = offline_single(engine, args, cmd, workdir)
     log_path = workdir / f"{engine}.log"
     env = server_env(engine, args)
     if args.step_trace is not None:  # the tracer's sitecustomize first on the path (kvflow and vLLM)
@@ -506,12 +584,15 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
         env.update(STEP_TRACE=str(args.step_trace.resolve() / engine),
                    PYTHONPATH=str(REPO_ROOT / "benchmarks" / "peers" / "step_trace") + os.pathsep + env["PYTHONPATH"])
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                cwd=server_cwd(engine, args))
     record: dict[str, Any] = {"engine": engine, "server_command": shlex.join(cmd), "cpu_busy_before": idle,
                               "background_load": args.background_load,
                               "kv_tokens": kv_tokens(args, max_concurrency)}  # fmt: skip
     if starts is not None:
         record["starts"] = starts
+    if offline is not None:
+        record["offline_single"] = offline
     load = None
     try:
         record["startup_s"] = wait_ready(proc, f"http://127.0.0.1:{port}", args.startup_timeout, log_path)
@@ -568,6 +649,30 @@ def tables(records: list[dict[str, Any]], scenarios: list[str]) -> str:
                    "tok/s vs 1st", "TTFT vs 1st", "peak RSS MiB", "other load"]  # fmt: skip
         out.append(f"{scenario} ({SCENARIOS[scenario.partition('#')[0]]})\n" + format_table(headers, rows))
     return "\n\n".join(out)
+
+
+def offline_table(records: list[dict[str, Any]]) -> str | None:
+    """Served single stream against the same engine offline (``--offline``): decode tokens/s
+    both ways (served: 1000 / mean TPOT of the ``single`` scenario, which like the offline
+    rate leaves the first token out), their ratio, and each side's TTFT. None without
+    ``--offline`` numbers."""
+    rows = []
+    for rec in records:
+        off, served = rec.get("offline_single"), rec.get("scenarios", {}).get("single")
+        if off is None or served is None:
+            continue
+        if "error" in off:
+            rows.append([rec["engine"], None, None, None, None, None, None, None])
+            continue
+        served_rate = 1000.0 / served["mean_tpot_ms"] if served.get("mean_tpot_ms") else None
+        ratio = served_rate / off["decode_tok_per_s"] if served_rate else None
+        rows.append([rec["engine"], off["decode_tok_per_s"], served_rate, ratio, off["ttft_ms"], served["mean_ttft_ms"],
+                     served["output_throughput"], off.get("other_load_cores")])  # fmt: skip
+    if not rows:
+        return None
+    headers = ["engine", "offline decode tok/s", "served decode tok/s", "served / offline", "offline TTFT ms",
+               "served TTFT ms", "served out tok/s", "other load (offline)"]  # fmt: skip
+    return "single stream, served against offline (decode rate: first to last token)\n" + format_table(headers, rows)
 
 
 def summary(records: list[dict[str, Any]]) -> str:
@@ -660,6 +765,10 @@ def main(argv: list[str] | None = None) -> int:
     keys = run_keys(args.scenarios)
     print(tables(records, keys))
     print()
+    served_offline = offline_table(records)
+    if served_offline is not None:
+        print(served_offline)
+        print()
     print(summary(records))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"machine": machine_info(), "model": args.model, "dtype": args.dtype, "threads": args.threads,

@@ -34,8 +34,10 @@ step), fits its duration as a fixed part plus a part per token
 (``kvflow/core/step_time.py``), and cuts the next step's budget to the tokens predicted to
 fit in that time, so that on a slow or loaded CPU a long
 prompt prefills in smaller chunks and an abort or a new request waits for at most about one
-step, while the chunks stay as large as the bound allows. Chunking does not change a
-request's tokens.
+step, while the chunks stay as large as the bound allows. Where the fixed part is large
+against the bound, the bound stretches so that the fixed part is at most a quarter of a step
+(``MAX_FIXED_SHARE``): chunks of a few tokens that each pay the fixed part again would
+lengthen every prompt's prefill. Chunking does not change a request's tokens.
 
 Admission does not block on the head of the queue: a request that does not fit yet may be
 passed by later ones at most ``max_head_skips`` times; after that nothing passes it, so it is
@@ -59,6 +61,10 @@ __all__ = ["CachedRequestData", "NewRequestData", "Scheduler", "SchedulerOutput"
 
 # A step's budget is never cut below this many tokens (progress on any machine).
 MIN_STEP_TOKENS = 32
+# The time bound never makes a step's fixed part (``StepTimeModel.fixed_seconds``) more than
+# this share of the step: when the fixed part exceeds this share of ``max_step_seconds``, the
+# bound stretches to ``fixed_seconds / MAX_FIXED_SHARE``.
+MAX_FIXED_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -264,10 +270,19 @@ class Scheduler:
     def step_budget(self) -> int:
         """This step's token budget: ``max_num_batched_tokens``, cut (to no less than
         ``MIN_STEP_TOKENS``) to the tokens ``step_time`` predicts to fit in
-        ``max_step_seconds`` once a step was measured."""
+        ``max_step_seconds`` once a step was measured, or in ``fixed_seconds /
+        MAX_FIXED_SHARE`` when that is longer.
+
+        The stretch matters where a step's fixed part is large against the bound (measured on
+        a loaded 2-core machine with a GGUF model: 0.47 s fixed + 2.5 ms a token in steps
+        holding prompt tokens, so a 1 s step held ~210 tokens and spent half its time on the
+        fixed part; the 16 prompts arriving at once then took 17 steps to prefill, and the
+        last one's first token waited for 17 fixed parts). Steps of 4x the fixed part spend at
+        most a quarter on it: fewer, larger prompt chunks and an earlier last first token."""
         budget = self.config.max_num_batched_tokens
         if self.config.max_step_seconds > 0:
-            fits = self.step_time.tokens_within(self.config.max_step_seconds)
+            seconds = max(self.config.max_step_seconds, self.step_time.fixed_seconds / MAX_FIXED_SHARE)
+            fits = self.step_time.tokens_within(seconds)
             if fits is not None:
                 budget = min(budget, max(MIN_STEP_TOKENS, fits))
         return budget

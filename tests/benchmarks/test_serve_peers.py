@@ -4,6 +4,8 @@ themselves need the peers installed and an idle machine; see docs/benchmarks.md)
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +175,63 @@ def test_baseline_runs_each_kvflow_engine_from_the_other_checkout(tmp_path: Path
             == serve_peers.server_command("kvflow-default", args, Path("/m"), None, 1, 1))
     with pytest.raises(SystemExit):
         serve_peers.parse_args(["--baseline", str(tmp_path)])
+
+
+def test_a_baseline_server_imports_the_baseline_kvflow(tmp_path: Path) -> None:
+    """``python -m`` puts the working directory before ``PYTHONPATH``: an ``@base`` process
+    started from this checkout imported this checkout's ``kvflow``. It starts in the
+    baseline checkout (``server_cwd``) and imports that one."""
+    base = tmp_path / "base"
+    (base / "kvflow").mkdir(parents=True)
+    (base / "kvflow" / "__init__.py").write_text("")
+    (base / "kvflow" / "__main__.py").write_text("import kvflow; print(kvflow.__file__)\n")
+    args = serve_peers.parse_args(["--engines", "kvflow-default", "--baseline", str(base)])
+    engine = "kvflow-default@base"
+    # started as serve_peers starts it, while the caller sits in this checkout
+    out = subprocess.run([sys.executable, "-m", "kvflow"], env=serve_peers.server_env(engine, args),
+                         cwd=serve_peers.server_cwd(engine, args) or serve_peers.REPO_ROOT, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    assert Path(out.strip()).parent == base / "kvflow"
+    assert serve_peers.server_cwd("kvflow-default", args) is None  # this checkout's: where the caller is
+
+
+def test_offline_table_sets_the_served_decode_rate_against_the_offline_one() -> None:
+    """``--offline``: served decode tokens/s is 1000 / mean TPOT (the first token left out, as
+    offline), divided by the offline rate."""
+    served = {"mean_tpot_ms": 10.0, "mean_ttft_ms": 50.0, "output_throughput": 90.0}
+    records = [{"engine": "kvflow-default", "offline_single": {"decode_tok_per_s": 105.0, "ttft_ms": 30.0,
+                                                               "other_load_cores": 0.1},
+                "scenarios": {"single": served}},
+               {"engine": "vllm", "scenarios": {"single": served}}]  # fmt: skip
+    table = serve_peers.offline_table(records)
+    row = next(line for line in table.splitlines() if line.startswith("kvflow-default"))
+    assert row.split()[1:5] == ["105.0", "100.0", "0.952", "30.0"]
+    assert "vllm" not in table
+    assert serve_peers.offline_table([{"engine": "vllm", "scenarios": {"single": served}}]) is None
+
+
+def test_offline_single_gets_the_server_engine_arguments() -> None:
+    """The offline reference parses the server's own command line with kvflow's parser."""
+    from benchmarks.peers.offline_single import engine_kwargs
+
+    kwargs = engine_kwargs(["--model", "/m.gguf", "--num-threads", "2", "--num-kv-blocks", "64", "--host", "127.0.0.1",
+                            "--port", "1", "--served-model-name", "model"])  # fmt: skip
+    assert kwargs["model"] == "/m.gguf" and kwargs["num_kv_blocks"] == 64 and kwargs["num_threads"] == 2
+    assert "host" not in kwargs and "port" not in kwargs
+
+
+def test_each_checkout_builds_its_own_kernels_before_it_is_measured(tmp_path: Path, monkeypatch) -> None:
+    """A baseline checkout's kernel builds are its own (the build name hashes include paths):
+    ``python -m kvflow.ops`` runs from each engine's checkout, with its ``PYTHONPATH``."""
+    base = tmp_path / "base"
+    (base / "kvflow").mkdir(parents=True)
+    (base / "kvflow" / "__init__.py").write_text("")
+    args = serve_peers.parse_args(["--engines", "kvflow-default", "--baseline", str(base)])
+    runs = []
+    monkeypatch.setattr(serve_peers.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
+    serve_peers.build_kernels("kvflow-default@base", args)
+    serve_peers.build_kernels("kvflow-default", args)
+    (cmd, kw), (_, kw2) = runs
+    assert cmd[1:] == ["-m", "kvflow.ops"]
+    assert kw["cwd"] == base and kw["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(base)
+    assert kw2["cwd"] == serve_peers.REPO_ROOT

@@ -745,6 +745,34 @@ def test_small_request_passes_a_large_one_a_bounded_number_of_times():
 
 
 # ---------------------------------------------------------------------------- step duration
+def test_a_large_fixed_part_stretches_the_step_bound():
+    """When the fitted fixed part of a step is more than MAX_FIXED_SHARE of
+    max_step_seconds, the bound stretches to fixed / MAX_FIXED_SHARE: measured on a loaded
+    2-core machine with the GGUF SmolLM2, steps holding prompt tokens took 0.47 s + 2.5 ms a
+    token, so a 1 s bound held ~210 tokens (half of every step the fixed part) and 16 prompts
+    arriving at once took 17 steps to prefill."""
+    from kvflow.core.scheduler import MAX_FIXED_SHARE
+    from kvflow.core.step_time import StepTimeModel
+
+    config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=8, max_model_len=8192, max_step_seconds=1.0)
+    sched = Scheduler(config, KVCacheManager(1024, 4, enable_prefix_caching=False))
+    sched.step_time = StepTimeModel.fixed(0.47, 0.0025)
+    seconds = 0.47 / MAX_FIXED_SHARE  # 1.88 s
+    assert sched.step_budget() == int((seconds - 0.47) / 0.0025 + 1e-6) == 564  # not (1.0 - 0.47) / 0.0025 = 212
+    assert sched.step_time.predict(sched.step_budget()) == pytest.approx(seconds, abs=0.003)
+    # a small fixed part: the bound as configured
+    sched.step_time = StepTimeModel.fixed(0.1, 0.001)
+    assert sched.step_budget() == 900
+    # a fixed part above the bound: still a quarter of the step at most, within the token budget
+    sched.step_time = StepTimeModel.fixed(2.0, 0.001)
+    assert sched.step_budget() == 2048
+    # the prompts of a burst then go in fewer, larger chunks
+    sched.step_time = StepTimeModel.fixed(0.47, 0.0025)
+    for i in range(4):
+        sched.add_request(make_request(f"p{i}", i, max_tokens=2, prompt=[(7 * j + i) % 100 for j in range(256)]))
+    assert sched.schedule().total_num_scheduled_tokens == 564
+
+
 def test_a_step_is_bounded_in_time_by_the_measured_step_time():
     """Issue #31: a 2,209-token prefill step took 97 s on a loaded CPU and a request behind
     it timed out. With max_step_seconds the budget follows the measured step time, fitted as a
@@ -791,8 +819,8 @@ def test_a_step_is_bounded_in_time_by_the_measured_step_time():
     cost["fixed"], cost["per_token"] = 0.1, 0.001
     sched.add_request(make_request("next", 6, max_tokens=2, prompt=list(range(2000))))
     assert timed_step().num_scheduled_tokens["next"] == 900 - len(sched.running) + 1
-    # a fixed cost above the bound: the budget never falls below MIN_STEP_TOKENS
-    sched.step_time = StepTimeModel.fixed(2.0, 0.001)
+    # a slow machine: the budget never falls below MIN_STEP_TOKENS
+    sched.step_time = StepTimeModel.fixed(0.2, 0.1)
     assert sched.step_budget() == MIN_STEP_TOKENS
     # off: the token budget alone
     unbounded = make_scheduler(max_num_batched_tokens=512)

@@ -6,6 +6,7 @@ coalesced."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -292,6 +293,9 @@ class _RecordingLoop:
     def call_soon_threadsafe(self, fn, *args):
         self.calls.append((fn, args))
 
+    def add_reader(self, fd, callback):  # as Windows' proactor loop: wake-ups by call_soon_threadsafe
+        raise NotImplementedError
+
     def run_pending(self) -> None:
         calls, self.calls = self.calls, []
         for fn, args in calls:
@@ -305,6 +309,7 @@ def test_steps_delivered_while_the_loop_lags_share_one_wakeup(monkeypatch):
     loop = _RecordingLoop()
     dispatched = []
     monkeypatch.setattr(engine, "_dispatch", lambda outs, now: dispatched.append(([o.outputs[0].token_ids for o in outs], now)))
+    engine._register(loop)
     engine._request_loops = {"a": loop, "b": loop}
     times = iter([10.0, 11.0, 12.0, 13.0])
     monkeypatch.setattr(time, "monotonic", lambda: next(times))
@@ -318,3 +323,63 @@ def test_steps_delivered_while_the_loop_lags_share_one_wakeup(monkeypatch):
     assert len(loop.calls) == 1
     loop.run_pending()
     assert dispatched[-1] == ([[5, 6, 9]], 13.0) and "a" not in engine._request_loops
+
+
+def test_outputs_wake_the_loop_through_a_pipe_not_call_soon_threadsafe(monkeypatch):
+    """The engine thread wakes a selector loop by writing to a pipe the loop watches
+    (``os.write`` releases the GIL for the system call), never with
+    ``call_soon_threadsafe``; several steps before the loop runs share one wake-up, and the
+    loop dispatches them all."""
+    engine = AsyncLLMEngine(tiny_engine(), "tiny")
+    loop = asyncio.new_event_loop()
+    posted, dispatched = [], []
+    real_post = loop.call_soon_threadsafe
+    monkeypatch.setattr(loop, "call_soon_threadsafe", lambda fn, *args: (posted.append(fn), real_post(fn, *args)))
+    monkeypatch.setattr(engine, "_dispatch", lambda outs, now: dispatched.append([o.request_id for o in outs]))
+    writes = []
+    real_write = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: (writes.append(fd), real_write(fd, data))[1])
+    try:
+        engine._register(loop)
+        waker_fd = engine._wakers[loop]._write_fd
+        assert waker_fd is not None
+        engine._request_loops = {"a": loop, "b": loop}
+
+        def engine_thread() -> None:
+            engine._deliver([_output("a", [5])])
+            engine._deliver([_output("b", [7])])
+
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        thread.join()
+        assert writes.count(waker_fd) == 1 and not dispatched  # one wake-up for two steps, none run yet
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert dispatched == [["a"], ["b"]]
+        assert not posted
+        engine._deliver([_output("a", [5, 6], finished=True)])  # drained: the next step wakes again
+        loop.run_until_complete(asyncio.sleep(0.05))
+        assert dispatched[-1] == ["a"] and writes.count(waker_fd) == 2 and not posted
+    finally:
+        engine.shutdown()
+        loop.close()
+
+
+def test_gauges_are_refreshed_at_scheduling_only_when_requests_start_or_are_preempted(monkeypatch):
+    """``_on_scheduled`` runs before every forward: ``get_stats`` (which walks every running
+    request's block table) is called there only when the step starts requests or preempts
+    some; after the step the gauges are refreshed as always."""
+    from kvflow.core.sched_output import SchedulerOutput
+
+    engine = AsyncLLMEngine(tiny_engine(), "tiny")
+    calls = []
+    real = engine.engine.get_stats
+    monkeypatch.setattr(engine.engine, "get_stats", lambda: (calls.append(1), real())[1])
+    batch = SchedulerOutput()
+    monkeypatch.setattr(type(engine.engine), "last_scheduler_output", property(lambda self: batch))
+    engine._on_scheduled([])  # a step of running requests only
+    assert calls == []
+    engine._on_scheduled(["a"])  # a request starts: the waiting and running gauges change
+    assert len(calls) == 1
+    batch.preempted_req_ids.append("b")  # a preemption changes them too
+    engine._on_scheduled([])
+    assert len(calls) == 2

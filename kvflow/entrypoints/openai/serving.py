@@ -121,6 +121,31 @@ def _sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+class _TextChunk:
+    """The SSE event of a streamed chunk whose only varying part is one string field, from
+    ``payload`` serialized once: ``chunk(text)`` is byte for byte ``_sse(payload with that
+    field = text)`` (``json.dumps``' default separators, ``ensure_ascii=False``), for the cost
+    of one string's ``json.dumps``, not the whole chunk's.
+
+    Args:
+        payload: the chunk with the varying field set to ``""`` as the last key of the last
+            object in it (e.g. ``{..., "choices": [{"index": 0, "text": ""}]}``).
+
+    Raises:
+        ValueError: when the serialized payload does not end with that empty field.
+    """
+
+    def __init__(self, payload: dict[str, Any]) -> None:
+        data = json.dumps(payload, ensure_ascii=False)
+        head, sep, tail = data.rpartition('""')
+        if not sep or tail.strip("]}") != "":
+            raise ValueError(f"the payload does not end with an empty string field: {data[-40:]!r}")
+        self.head, self.tail = f"data: {head}", f"{tail}\n\n"
+
+    def __call__(self, text: str) -> str:
+        return self.head + json.dumps(text, ensure_ascii=False) + self.tail
+
+
 async def _guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """Forward an SSE stream; a fault ends it with an error event and ``[DONE]``."""
     try:
@@ -431,6 +456,7 @@ class OpenAIServing:
         completion_tokens = 0
         cached: dict[int, int] = {}  # prompt index -> its prefix-cache hits
         base = {"id": cid, "object": "text_completion", "created": created, "model": self.served_name(req.model)}
+        text_chunks: dict[int, _TextChunk] = {}  # index -> its text-only chunk, serialized once
         async for p_idx, out in _merge(iterators):
             cached[p_idx] = out.num_cached_tokens
             for c in out.outputs:
@@ -457,7 +483,13 @@ class OpenAIServing:
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                 if c.finish_reason is not None:
                     completion_tokens += len(c.token_ids)
-                yield _sse({**base, "choices": [choice]})
+                if len(choice) == 2:  # index and text only: most chunks of a stream
+                    chunk = text_chunks.get(index)
+                    if chunk is None:
+                        chunk = text_chunks[index] = _TextChunk({**base, "choices": [{"index": index, "text": ""}]})
+                    yield chunk(delta)
+                else:
+                    yield _sse({**base, "choices": [choice]})
         if req.stream_options is not None and req.stream_options.include_usage:
             prompt_tokens = sum(len(ids) for ids, _ in prompts)
             yield _sse({**base, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, sum(cached.values()))})
@@ -667,6 +699,7 @@ class OpenAIServing:
     async def _stream_chat(self, run: ChatRun, req: ChatCompletionRequest, cid: str, created: int):
         base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": self.served_name(req.model)}
         parsers: dict[int, ChatOutputParser] = {}
+        content_chunks: dict[int, _TextChunk] = {}  # index -> its content-only chunk, serialized once
         sent_tokens: dict[int, int] = {}
         completion_tokens = cached_tokens = 0
         for i in range(req.n):
@@ -681,7 +714,16 @@ class OpenAIServing:
                 want_logprobs = req.logprobs and new_tokens
                 if not delta and not want_logprobs and c.finish_reason is None:
                     continue
-                choice: dict[str, Any] = {"index": c.index, "delta": _chat_delta(delta)}
+                chat_delta = _chat_delta(delta)
+                if not want_logprobs and c.finish_reason is None and chat_delta.keys() == {"content"}:
+                    sent_tokens[c.index] = len(c.token_ids)  # content only: most chunks of a stream
+                    chunk = content_chunks.get(c.index)
+                    if chunk is None:
+                        chunk = content_chunks[c.index] = _TextChunk(
+                            {**base, "choices": [{"index": c.index, "delta": {"content": ""}}]})
+                    yield chunk(chat_delta["content"])
+                    continue
+                choice: dict[str, Any] = {"index": c.index, "delta": chat_delta}
                 if want_logprobs:
                     choice["logprobs"] = self._chat_logprobs(new_tokens, (c.logprobs or [])[start_tok:], req.top_logprobs or 0)
                 if c.finish_reason is not None:

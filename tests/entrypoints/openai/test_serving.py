@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kvflow.entrypoints.openai.serving import _merge
 
 
@@ -45,3 +47,24 @@ def test_several_streams_are_interleaved_and_all_closed():
         assert sorted(closed) == ["a", "b"]
 
     asyncio.run(main())
+
+
+def test_text_chunk_is_byte_identical_to_the_whole_chunk_serialized():
+    """The streamed chunks whose only varying part is the text (completions) or the content
+    (chat) are built from a payload serialized once; every event must be byte for byte the
+    one ``json.dumps`` of the whole chunk gives."""
+    from kvflow.entrypoints.openai.serving import _sse, _TextChunk
+
+    base = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": 'a "quoted"\\ model ""'}
+    texts = ["", "hello", ' "quotes" and \\ backslash', "line\nbreak\ttab\r", "\x00\x1f control", "é 漢字 🙂",
+             "\u2028\u2029", "}]}", '""']
+    for index in (0, 3):
+        completion = _TextChunk({**base, "choices": [{"index": index, "text": ""}]})
+        chat = _TextChunk({**base, "object": "chat.completion.chunk",
+                           "choices": [{"index": index, "delta": {"content": ""}}]})
+        for text in texts:
+            assert completion(text) == _sse({**base, "choices": [{"index": index, "text": text}]})
+            assert chat(text) == _sse({**base, "object": "chat.completion.chunk",
+                                       "choices": [{"index": index, "delta": {"content": text}}]})
+    with pytest.raises(ValueError, match="empty string field"):
+        _TextChunk({**base, "choices": [{"index": 0, "text": "x"}]})
