@@ -44,9 +44,10 @@ products per instruction, no shuffle; AVX2: ``vpmaddubsw`` + ``vpmaddwd`` agains
 instructions per block and row), the scales of 16 rows converted together. A
 format's constant offset (Q4_0's 8, Q5_0's 16, Q6_K's 32; Q8_0's 128 on the VNNI path, which
 reads it as unsigned w + 128) is subtracted in integers from the block's product (its
-activation sums kept as integers), exactly. The work is handed to the threads in chunks of
->= 32 KB of weight from a shared counter, so a thread that starts late (descheduled on a busy
-machine) finds the chunks done by the others instead of a fixed share still waiting for it. The packed weight has the stored size (Q4_K /
+activation sums kept as integers), exactly. Each thread of the intra-op pool owns one contiguous
+range of the row groups and reads it front to back in chunks of >= 32 KB of weight (one stream
+for the hardware prefetchers); a thread done with its range takes the next chunks of the
+others', so a thread that starts late (descheduled on a busy machine) does not hold the call. The packed weight has the stored size (Q4_K /
 Q5_K: + 4 bytes per 256 elements) and computes exactly the stored blocks' fields; the decoder
 linears drop their stored rows once packed (``pack(release_raw=True)``: ``raw`` then
 rebuilds them, byte-exact, from the packed layout where asked for: ``dequantize``,
