@@ -57,7 +57,16 @@ def select_attention_backend(
             backend without sliding-window attention for a model with windowed layers.
     """
     from kvflow.attention.cpu_attention import cpu_kernel_available, cpu_kernel_pending, wait_for_cpu_kernel
-    from kvflow.attention.triton_attention import interpreter_enabled, triton_available
+
+    def triton_available() -> bool:  # imported only where asked: triton is ~64 MiB of RSS
+        from kvflow.attention.triton_attention import triton_available
+
+        return triton_available()
+
+    def interpreter_enabled() -> bool:
+        from kvflow.attention.triton_attention import interpreter_enabled
+
+        return interpreter_enabled()
 
     check_attention_backend_name(requested)
     on_cuda = device.type == "cuda"

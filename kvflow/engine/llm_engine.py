@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +87,8 @@ class LLMEngine:
         config: everything the engine is built from (``EngineArgs.create_config()``).
         model: the decoder with loaded weights; None loads it from ``config.load`` (this
             rank's shard, with the tensor-parallel workers started first).
-        tokenizer: a transformers tokenizer, or None to work on token ids only (no text).
+        tokenizer: a transformers tokenizer (or a ``Future`` of one, awaited once the worker
+            is built), or None to work on token ids only (no text).
         generation_defaults: ``SamplingParams`` field -> value, the model's own sampling
             defaults (its ``generation_config.json``; see ``load_generation_defaults``), for
             requests that leave a field unset.
@@ -136,6 +138,8 @@ class LLMEngine:
         self.worker = Worker(config, self.platform, model=model, proposer=proposer)
         try:
             self.engine_core = EngineCore(config, self.worker, self.platform)
+            if isinstance(tokenizer, Future):  # loaded on a thread while the weights loaded
+                tokenizer = tokenizer.result()
         except BaseException:
             self.worker.shutdown()
             raise
@@ -170,12 +174,16 @@ class LLMEngine:
         """
         config = args.create_config()
         model_dir = config.load.model_dir
-        return cls(
-            config,
-            tokenizer=load_tokenizer(model_dir) if _has_tokenizer(model_dir) else None,
-            generation_defaults=load_generation_defaults(model_dir),
-            default_pooling=args.pooling,
-        )
+        # The tokenizer (~1-2 s of parsing for a 151k-token vocabulary) loads on a second
+        # thread while the model builds: most of the weight loading is C++ that releases the GIL.
+        with ThreadPoolExecutor(1, thread_name_prefix="kvflow-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, model_dir) if _has_tokenizer(model_dir) else None
+            return cls(
+                config,
+                tokenizer=tokenizer,
+                generation_defaults=load_generation_defaults(model_dir),
+                default_pooling=args.pooling,
+            )
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """``SamplingParams`` with the model's ``generation_defaults`` (then ``overrides``)

@@ -34,7 +34,7 @@ stored row-major blocks directly: the benchmark's baseline.)
 
 Repacked at load (llama.cpp's ``ggml-cpu`` ``repack.cpp`` interleaves rows the same way for
 ``block_q4_0x8`` / ``block_q4_Kx8``; the layout here is kvflow's own, one for all formats):
-:meth:`GGUFWeight.pack` (C++ ``gguf_pack``) regroups the rows 16 at a time (``gguf_pack_rows()``)
+:meth:`GGUFWeight.pack` (C++ ``gguf_pack_fast``) regroups the rows 16 at a time (``gguf_pack_rows()``)
 so that, per 32-element block, one 64-byte vector holds 4 consecutive quantized values of each
 of the 16 rows (eight such vectors per block), and the rows' fp16 scales (and sub-block scales)
 sit side by side. Each vector meets one 4-byte group of the activation block broadcast to all
@@ -284,7 +284,7 @@ class GGUFWeight:
             RuntimeError: when the C++ kernel is not available.
         """
         if self.packed is None:
-            self.packed = _EXTENSION.require().gguf_pack(self._raw, int(self.qtype), self.n, self.k)
+            self.packed = _EXTENSION.require().gguf_pack_fast(self._raw, int(self.qtype), self.n, self.k)
         if release_raw:
             self._raw = None
         return self.packed

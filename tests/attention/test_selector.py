@@ -122,3 +122,20 @@ def test_a_kernel_building_in_the_background(monkeypatch):
     quantized = select_attention_backend("auto", CPU, F32, torch.int8)
     assert type(quantized).__name__ == "CpuQuantizedAttentionBackend" and not fake.pending()
     assert ca.cpu_kernel_available()
+
+
+def test_choosing_a_cpu_backend_does_not_import_triton():
+    """On the CPU ("auto", "torch") the selector never imports triton (~64 MiB of resident
+    shared libraries and ~0.3 s of a start), only where the Triton backend is asked about."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from kvflow.attention.selector import select_attention_backend\n"
+            "for name in ('auto', 'torch'):\n"
+            "    select_attention_backend(name, torch.device('cpu'), torch.float32, torch.float32)\n"
+            "print('triton' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "KVFLOW_CPU_KERNEL_BUILD": "background"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"

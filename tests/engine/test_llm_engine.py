@@ -625,6 +625,38 @@ def test_offline_defaults_come_from_the_model_folders_generation_config(tmp_path
     assert LLM(model=str(folder), dtype="float32", num_kv_blocks=32).get_default_sampling_params() == SamplingParams()
 
 
+def test_the_tokenizer_loads_on_a_thread_while_the_model_builds_and_its_error_is_raised(tmp_path, monkeypatch):
+    """from_engine_args loads the tokenizer on its own thread (kvflow-tokenizer) while the
+    worker builds the model, and the engine holds that tokenizer; a tokenizer that fails to
+    load fails the engine's construction with its own error."""
+    import threading
+
+    from conftest import tiny_hf_model_dir
+    from kvflow.engine import llm_engine
+    from kvflow.engine.arg_utils import EngineArgs
+
+    folder = tiny_hf_model_dir(tmp_path / "m")
+    loaded = {}
+    real = llm_engine.load_tokenizer
+
+    def load(model_dir):
+        loaded["thread"] = threading.current_thread().name
+        loaded["tokenizer"] = real(model_dir)
+        return loaded["tokenizer"]
+
+    monkeypatch.setattr(llm_engine, "load_tokenizer", load)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype="float32", num_kv_blocks=32))
+    assert loaded["thread"].startswith("kvflow-tokenizer") and engine.tokenizer is loaded["tokenizer"]
+    assert engine.output_processor.tokenizer is loaded["tokenizer"]
+
+    def broken(model_dir):
+        raise OSError("injected: no usable tokenizer files")
+
+    monkeypatch.setattr(llm_engine, "load_tokenizer", broken)
+    with pytest.raises(OSError, match="injected"):
+        LLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype="float32", num_kv_blocks=32))
+
+
 # ------------------------------------------------------------- quantized KV cache exactness
 def _kernels_or_skip():
     from kvflow.attention.cpu_attention import cpu_kernel_available

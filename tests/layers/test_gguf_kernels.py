@@ -252,6 +252,28 @@ def test_packed_layout_round_trips_and_computes_as_stored(qt):
         torch.testing.assert_close(gguf_linear(x, w), stored, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
+def test_fast_pack_is_byte_exact_with_reference_pack(qt):
+    """gguf_pack_fast (the load-time repack: whole words, each packed byte written once) gives
+    exactly gguf_pack's bytes (one element at a time, the layout's reference): arbitrary
+    bytes (every bit moved), N a multiple of 16 or not (zero padding rows), one row, and rows
+    with a stride (a column slice of a wider weight)."""
+    if not gk.kernel_available():
+        pytest.skip("the GGUF kernel is not built here (KVFLOW_CPU_KERNELS=0 or no compiler)")
+    from kvflow import ops
+
+    module = ops.GGUF_MATMUL.load()
+    size = gguf.GGML_QUANT_SIZES[qt][0]
+    gen = torch.Generator().manual_seed(int(qt))
+    for n, blocks in ((1, 1), (21, 3), (48, 2)):
+        k = blocks * size
+        wide = torch.randint(0, 256, (n, gk.row_bytes(qt, k + size)), dtype=torch.uint8, generator=gen)
+        for raw in (wide[:, : gk.row_bytes(qt, k)].contiguous(), wide[:, gk.row_bytes(qt, size):]):
+            fast = module.gguf_pack_fast(raw, int(qt), n, k)
+            assert torch.equal(fast, module.gguf_pack(raw, int(qt), n, k)), (qt.name, n, k, raw.stride())
+            assert torch.equal(module.gguf_unpack(fast, int(qt), n, k), raw)
+
+
 def test_linear_packs_once_at_first_use():
     """gguf_linear packs a weight at its first kernel call and reuses the packed layout; the
     stored rows are dropped (held once) unless the owner keeps them (release_raw_on_pack)."""

@@ -1216,6 +1216,183 @@ torch::Tensor gguf_unpack(torch::Tensor packed, int64_t qtype, int64_t N, int64_
   return raw;
 }
 
+// gguf_pack's layout, built at load in one pass: for each group of 16 rows and each
+// super-block, the 16 rows' stored blocks are decoded (decode_fields) and every byte of the
+// group's packed super-block is written once, in order (gguf_pack places one element at a time
+// with a read-modify-write of its byte: ~0.1 GB/s; this writes whole vectors: several GB/s).
+// Byte-exact with gguf_pack (tests/layers/test_gguf_kernels.py compares them for each format);
+// rows past N (padding of the last group) are zero. The result is not zero-filled first.
+void pack_group_sb(const PFmt& pf, const Fields* f, uint8_t* g) {
+  for (int r = 0; r < G; ++r) wr16(g + 2 * r, f[r].D);
+  if (pf.has_m)
+    for (int r = 0; r < G; ++r) wr16(g + 32 + 2 * r, f[r].M);
+  uint8_t* sub = g + pf.head_bytes();
+  for (int j = 0; j < pf.sb / 32; ++j, sub += pf.sub_bytes()) {
+    uint8_t* q = sub;
+    if (pf.scales == 1) {
+      for (int r = 0; r < G; ++r) {
+        q[r] = f[r].sc[j];
+        q[16 + r] = f[r].mn[j];
+      }
+      q += 32;
+    } else if (pf.scales == 2) {
+      for (int r = 0; r < G; ++r) {
+        q[r] = f[r].sc[2 * j];
+        q[16 + r] = f[r].sc[2 * j + 1];
+      }
+      q += 32;
+    }
+    if (pf.bits == 8) {
+      for (int t = 0; t < 8; ++t)
+        for (int r = 0; r < G; ++r) std::memcpy(q + 64 * t + 4 * r, f[r].u + 32 * j + 4 * t, 4);
+      continue;
+    }
+    // N_t = U_t | U_t+4 << 4 (t = 0..3): four bytes of row r per vector
+    for (int t = 0; t < 4; ++t)
+      for (int r = 0; r < G; ++r) {
+        const uint8_t* u = f[r].u + 32 * j + 4 * t;
+        uint32_t lo, hi;
+        std::memcpy(&lo, u, 4);
+        std::memcpy(&hi, u + 16, 4);
+        const uint32_t v = (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4);
+        std::memcpy(q + 64 * t + 4 * r, &v, 4);
+      }
+    if (pf.bits == 5) {
+      for (int t = 0; t < 8; ++t) {  // bit p = 4 r + e of word t: the 5th bit of element 4 t + e of row r
+        uint64_t w = 0;
+        for (int r = 0; r < G; ++r) {
+          const uint8_t* u = f[r].u + 32 * j + 4 * t;
+          for (int e = 0; e < 4; ++e) w |= static_cast<uint64_t>((u[e] >> 4) & 1) << (4 * r + e);
+        }
+        std::memcpy(q + 256 + 8 * t, &w, 8);
+      }
+    } else if (pf.bits == 6) {
+      for (int k = 0; k < 2; ++k)  // byte p of H_k, bits 2i, 2i+1: the two high bits of U_4k+i
+        for (int r = 0; r < G; ++r) {
+          const uint8_t* u = f[r].u + 32 * j + 16 * k;
+          for (int e = 0; e < 4; ++e) {
+            uint8_t h = 0;
+            for (int i = 0; i < 4; ++i) h |= static_cast<uint8_t>(((u[4 * i + e] >> 4) & 3) << (2 * i));
+            q[256 + 64 * k + 4 * r + e] = h;
+          }
+        }
+    }
+  }
+}
+
+inline uint32_t ld32u(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline void st32u(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+
+// The 16 rows' stored super-blocks b[r] straight into the packed super-block g, for the
+// formats whose quantized bytes map to the packed vectors with whole-word operations (Q4_0,
+// Q4_1, Q8_0, Q4_K, Q6_K; the others go through Fields): returns false for the others.
+bool pack_group_sb_direct(int qt, const PFmt& pf, const uint8_t* const* b, uint8_t* g) {
+  switch (qt) {
+    case Q4_0: case Q4_1: {  // N_t of row r = the stored nibble bytes 4t..4t+3 as they are
+      const int off = qt == Q4_0 ? 2 : 4;
+      for (int r = 0; r < G; ++r) {
+        std::memcpy(g + 2 * r, b[r], 2);
+        if (qt == Q4_1) std::memcpy(g + 32 + 2 * r, b[r] + 2, 2);
+        for (int t = 0; t < 4; ++t) std::memcpy(g + pf.head_bytes() + 64 * t + 4 * r, b[r] + off + 4 * t, 4);
+      }
+      return true;
+    }
+    case Q8_0:
+      for (int r = 0; r < G; ++r) {
+        std::memcpy(g + 2 * r, b[r], 2);
+        for (int t = 0; t < 8; ++t) st32u(g + 32 + 64 * t + 4 * r, ld32u(b[r] + 2 + 4 * t) ^ 0x80808080u);
+      }
+      return true;
+    case Q4_K:
+      for (int r = 0; r < G; ++r) {
+        std::memcpy(g + 2 * r, b[r], 2);
+        std::memcpy(g + 32 + 2 * r, b[r] + 2, 2);
+        for (int j = 0; j < 8; ++j) {
+          uint8_t* sub = g + 64 + j * pf.sub_bytes();
+          int sc, mn;
+          scale_min_k4(j, b[r] + 4, sc, mn);
+          sub[r] = static_cast<uint8_t>(sc);
+          sub[16 + r] = static_cast<uint8_t>(mn);
+          const uint8_t* q = b[r] + 16 + 32 * (j >> 1);
+          for (int t = 0; t < 4; ++t) {
+            const uint32_t lo = ld32u(q + 4 * t), hi = ld32u(q + 16 + 4 * t);
+            const uint32_t v = (j & 1) ? ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u)
+                                       : (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4);
+            st32u(sub + 32 + 64 * t + 4 * r, v);
+          }
+        }
+      }
+      return true;
+    case Q6_K:
+      for (int r = 0; r < G; ++r) {
+        std::memcpy(g + 2 * r, b[r] + 208, 2);
+        for (int j = 0; j < 8; ++j) {
+          uint8_t* sub = g + 32 + j * pf.sub_bytes();
+          sub[r] = b[r][192 + 2 * j];
+          sub[16 + r] = b[r][192 + 2 * j + 1];
+          const int h = j >> 2, jj = j & 3;
+          const uint8_t* ql = b[r] + 64 * h + 32 * (jj & 1);
+          const uint8_t* qh = b[r] + 128 + 32 * h;
+          for (int t = 0; t < 4; ++t) {
+            const uint32_t lo = ld32u(ql + 4 * t), hi = ld32u(ql + 16 + 4 * t);
+            const uint32_t v = jj >= 2 ? ((lo >> 4) & 0x0F0F0F0Fu) | (hi & 0xF0F0F0F0u)
+                                       : (lo & 0x0F0F0F0Fu) | ((hi & 0x0F0F0F0Fu) << 4);
+            st32u(sub + 32 + 64 * t + 4 * r, v);
+          }
+          for (int k = 0; k < 2; ++k) {  // H_k, bits 2i: the high bits of element 16 k + 4 i + e
+            uint32_t hv = 0;
+            for (int i = 0; i < 4; ++i) hv |= ((ld32u(qh + 16 * k + 4 * i) >> (2 * jj)) & 0x03030303u) << (2 * i);
+            st32u(sub + 32 + 256 + 64 * k + 4 * r, hv);
+          }
+        }
+      }
+      return true;
+    default:
+      return false;
+  }
+}
+
+// gguf_pack's result (same arguments, same bytes), written in one pass (pack_group_sb_direct,
+// else pack_group_sb); a missing row of the last group reads a stored block that decodes to
+// zero fields (encode_fields of zeros), so its packed bytes are the zeros gguf_pack leaves.
+torch::Tensor gguf_pack_fast(torch::Tensor raw, int64_t qtype, int64_t N, int64_t K) {
+  const int qt = static_cast<int>(qtype);
+  TORCH_CHECK(block_bytes(qt) > 0, "qtype: GGML type ", qtype, " is not supported");
+  TORCH_CHECK(N > 0 && K > 0 && K % block_elems(qt) == 0, "K: a positive multiple of ", block_elems(qt));
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.size(0) == N &&
+                  raw.size(1) == K / block_elems(qt) * block_bytes(qt) && raw.stride(1) == 1,
+              "raw: uint8 [N, row bytes], contiguous rows");
+  const PFmt pf = pfmt(qt);
+  const int64_t groups = (N + G - 1) / G, nsb = K / pf.sb, ldg = nsb * pf.sb_bytes();
+  torch::Tensor packed = torch::empty({groups, ldg}, torch::kUInt8);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = packed.data_ptr<uint8_t>();
+  const int64_t ldr = raw.stride(0), bb = block_bytes(qt);
+  // One stored super-block (sb / block elements blocks) that decodes to zero fields.
+  std::vector<uint8_t> zero(static_cast<size_t>(pf.sb / block_elems(qt) * bb));
+  for (int64_t i = 0; i < pf.sb / block_elems(qt); ++i) encode_fields(qt, Fields(), zero.data() + i * bb);
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    Fields f[G];
+    const uint8_t* rows[G];
+    for (int64_t gi = begin; gi < end; ++gi) {
+      const int n = static_cast<int>(std::min<int64_t>(G, N - gi * G));
+      for (int64_t s = 0; s < nsb; ++s) {
+        // (the stored row's super-block: its sb / block elements blocks, contiguous)
+        for (int r = 0; r < G; ++r) rows[r] = r < n ? src + (gi * G + r) * ldr + s * pf.sb / block_elems(qt) * bb : zero.data();
+        uint8_t* g = dst + gi * ldg + s * pf.sb_bytes();
+        if (pack_group_sb_direct(qt, pf, rows, g)) continue;
+        for (int r = 0; r < G; ++r) decode_fields(qt, rows[r], f[r]);
+        pack_group_sb(pf, f, g);
+      }
+    }
+  });
+  return packed;
+}
+
 // out[M, N] (row stride out.stride(0), x's dtype) = x[M, K] W^T + bias with W packed by gguf_pack.
 void gguf_linear_packed(torch::Tensor x, torch::Tensor packed, int64_t qtype, int64_t N, int64_t K,
                         c10::optional<torch::Tensor> bias, torch::Tensor out) {
@@ -1264,6 +1441,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "gguf_linear", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_pack_rows", []() { return static_cast<int64_t>(G); }, "rows per group of the packed layout");
   m.def("gguf_pack", &gguf_pack, "gguf_pack", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_pack_fast", &gguf_pack_fast, "gguf_pack_fast", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_unpack", &gguf_unpack, "gguf_unpack", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_linear_packed", &gguf_linear_packed, "gguf_linear_packed", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_dequantize", &gguf_dequantize, "gguf_dequantize", pybind11::call_guard<pybind11::gil_scoped_release>());
