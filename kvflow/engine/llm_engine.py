@@ -34,12 +34,10 @@ from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.core import EngineCore
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.model.resolve import load_generation_defaults, load_tokenizer
-from kvflow.platforms import resolve_platform
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, make_parallel_samples
 from kvflow.sampling_params import SamplingParams
-from kvflow.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -130,15 +128,11 @@ class LLMEngine:
         self.model_config = config.model
         self.cache_config = config.cache
         self.scheduler_config = config.scheduler
-        # Downhill: the platform (resolved once), then the whole worker side, then the core
-        # that schedules over it.
-        self.platform = resolve_platform(config)
-        self.worker = Worker(config, self.platform, model=model, proposer=proposer)
-        try:
-            self.engine_core = EngineCore(config, self.worker, self.platform)
-        except BaseException:
-            self.worker.shutdown()
-            raise
+        # Downhill: the core builds the worker side (platform, model, cache, runner, proposer,
+        # tensor-parallel workers), then its scheduler.
+        self.engine_core = EngineCore(config, model=model, proposer=proposer)
+        self.worker = self.engine_core.worker
+        self.platform = self.engine_core.platform
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         self._grammar_compiler = None

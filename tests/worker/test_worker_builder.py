@@ -1,5 +1,6 @@
-"""kvflow.worker.worker: the one builder of the worker side (runner, proposer) and the
-loader's LoadConfig resolved before loading."""
+"""The one builder of the worker side (``ModelRunner.from_config``: model, LoRA slots, KV
+cache, runner, drafter; ``kvflow.worker.worker.Worker`` over it) and the loader's LoadConfig
+resolved before loading."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ import torch
 
 from conftest import tiny_hf_model_dir, tiny_model, tiny_model_config
 from kvflow.attention.torch_backend import TorchAttentionBackend
-from kvflow.config import CacheConfig
+from kvflow.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.model.loader import resolve_load_config
 from kvflow.spec_decode.draft_model import DraftModelProposer
-from kvflow.worker import worker
+from kvflow.worker import model_runner
+from kvflow.worker.model_runner import ModelRunner
 
 CPU = torch.device("cpu")
 
@@ -27,18 +29,20 @@ class _InvariantTorchBackend(TorchAttentionBackend):
 
 
 def test_every_runner_gets_batch_invariant_linears_when_its_backend_asks(monkeypatch):
-    """``build_runner`` (the driver's, a rank's and a draft's runner) switches the model's
-    linears before the runner is made, only for a backend that asks for it."""
+    """``ModelRunner.from_config`` (the driver's, a rank's and a draft's runner) switches the
+    model's linears before the runner is made, only for a backend that asks for it."""
     switched = []
-    monkeypatch.setattr(worker, "make_batch_invariant", lambda model: switched.append(model) or 0)
-    model = tiny_model(tiny_model_config())
+    monkeypatch.setattr(model_runner, "make_batch_invariant", lambda model: switched.append(model) or 0)
+    model_config = tiny_model_config()
+    model = tiny_model(model_config)
     cache = CacheConfig(4, 16, torch.float32, enable_prefix_caching=False)
-    plain = worker.build_runner(model, cache, CPU, TorchAttentionBackend(), seed=5)
-    assert switched == [] and plain.model is model
-    runner = worker.build_runner(model, cache, CPU, _InvariantTorchBackend(), seed=5, is_driver=False)
+    config = EngineConfig(model_config, cache, SchedulerConfig(64, 4, 64), seed=5)
+    plain = ModelRunner.from_config(config, TorchAttentionBackend(), model=model)
+    assert switched == [] and plain.model is model and plain.drafter is None
+    runner = ModelRunner.from_config(config, _InvariantTorchBackend(), model=model, is_driver=False)
     assert switched == [model] and runner.is_driver is False
     assert runner.cache_engine.kv_caches[0][0].shape[0] == 16  # its own cache of the given blocks
-    # the sampler's generator is seeded with the given seed
+    # the sampler's generator is seeded with the config's seed
     expected = torch.Generator().manual_seed(5).initial_seed()
     assert runner.sampler.generator.initial_seed() == expected
 
