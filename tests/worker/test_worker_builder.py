@@ -91,3 +91,72 @@ def test_tensor_parallelism_refuses_a_saved_checkpoint_before_building(tmp_path)
     load = LoadConfig("x", str(tmp_path), "int8", 32, serialized=True)
     with pytest.raises(ValueError, match="saved quantized checkpoint cannot be sharded"):
         build_model(tiny_model_config(), load, torch.float32, CPU, TensorParallel(0, 2))
+
+
+def _engine_config(**fields) -> EngineConfig:
+    from kvflow.config import DeviceConfig, KernelConfig
+
+    return EngineConfig(tiny_model_config(), CacheConfig(4, 16, torch.float32), SchedulerConfig(64, 4, 64),
+                        device=DeviceConfig(CPU, torch.float32), kernels=KernelConfig("torch", True), **fields)
+
+
+def test_the_draft_engine_config_is_the_targets_with_the_drafts_model_and_its_own_pool():
+    """``EngineConfig.draft_config()``: what the draft's runner is built from (its model and
+    load settings, a pool of the target's block count without prefix caching, one rank, no
+    speculation or LoRA, the target's device and seed); None without a draft model."""
+    from kvflow.config import LoadConfig, LoRAConfig, ParallelConfig, SpeculativeConfig
+
+    assert _engine_config().draft_config() is None
+    draft_model = tiny_model_config(num_hidden_layers=1)
+    draft_load = LoadConfig("d", "/nowhere", None, 32)
+    config = _engine_config(
+        speculative=SpeculativeConfig("draft_model", 3, model="d"), draft=draft_load, draft_model=draft_model,
+        parallel=ParallelConfig(tensor_parallel_size=2), lora=LoRAConfig(1, 8, 1), seed=11,
+    )
+    draft = config.draft_config()
+    assert draft.model is draft_model and draft.load is draft_load
+    assert draft.cache == CacheConfig(4, 16, torch.float32, enable_prefix_caching=False)
+    assert draft.parallel.tensor_parallel_size == 1
+    assert draft.speculative is None and draft.lora is None and draft.draft_config() is None
+    assert draft.device == config.device and draft.seed == 11 and draft.scheduler == config.scheduler
+
+
+def test_a_failed_build_stops_the_workers_it_started(monkeypatch):
+    """A runner that fails to build after the tensor-parallel workers started stops them (the
+    ``Worker``); a core that fails after its worker was built stops the worker (the
+    ``EngineCore``); the error reaches the caller."""
+    from kvflow.config import ParallelConfig
+    from kvflow.engine import core
+    from kvflow.worker import worker
+
+    stopped = []
+
+    class FakeTPWorkers:
+        def __init__(self, config, spawn, build_rank):
+            assert build_rank is worker.build_rank
+
+        broadcast = None
+
+        def shutdown(self):
+            stopped.append("tp")
+
+    def fail(*args, **kwargs):
+        raise ValueError("the model cannot be loaded")
+
+    monkeypatch.setattr(worker, "TPWorkers", FakeTPWorkers)
+    monkeypatch.setattr(ModelRunner, "from_config", fail)
+    config = _engine_config(parallel=ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        worker.Worker(config)
+    assert stopped == ["tp"]
+
+    monkeypatch.undo()
+    monkeypatch.setattr(worker.Worker, "shutdown", lambda self: stopped.append("worker"))
+
+    def bad_scheduler(*args, **kwargs):
+        raise ValueError("bad scheduler")
+
+    monkeypatch.setattr(core, "Scheduler", bad_scheduler)
+    with pytest.raises(ValueError, match="bad scheduler"):
+        core.EngineCore(_engine_config(), model=tiny_model(tiny_model_config()))
+    assert stopped == ["tp", "worker"]
