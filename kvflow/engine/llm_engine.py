@@ -1,15 +1,17 @@
 """The engine's public facade: add requests, step, read outputs (vLLM's ``LLMEngine``).
 
 ``LLMEngine`` joins four parts (see docs/architecture.md, "Engine joints"), built downhill
-from the one ``EngineConfig``:
+from the one ``EngineConfig`` (the engine builds the core, the core the worker, the worker
+the platform and its runner):
 
 - the ``Platform`` (``kvflow/platforms/``): dtype "auto", the attention backend's
   eligibility, C++ kernel builds and their publishing, the thread governor, CUDA-graph
-  eligibility; resolved once, its chores run once between steps;
-- the ``Worker`` (``kvflow/worker/worker.py``): model, KV cache, runner, CUDA graphs,
-  speculative proposer, tensor-parallel workers, built from the ``EngineConfig`` in one place;
-- the ``EngineCore`` (``kvflow/engine/core.py``): scheduler + KV cache manager over the
-  worker, at the token level (no tokenizer);
+  eligibility; resolved once by the worker, its chores run once between steps;
+- the ``Worker`` (``kvflow/worker/worker.py``): the platform, tensor-parallel workers, and
+  a ``ModelRunner`` built by ``ModelRunner.from_config`` (model, KV cache, CUDA graphs,
+  speculative proposer);
+- the ``EngineCore`` (``kvflow/engine/core.py``): builds the worker, then the scheduler +
+  KV cache manager over it, at the token level (no tokenizer);
 - the ``OutputProcessor`` (``kvflow/engine/output_processor.py``): text, stop strings,
   logprob decoding and ``RequestOutput``s.
 
