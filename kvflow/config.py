@@ -9,7 +9,7 @@ the ``EngineConfig`` the engine and its workers receive.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -592,6 +592,19 @@ class EngineConfig:
     kernels: KernelConfig = field(default_factory=KernelConfig)
     seed: int = 0
     lora: LoRAConfig | None = None
+
+    def draft_config(self) -> "EngineConfig | None":
+        """The draft model's own ``EngineConfig`` (``speculative.method == "draft_model"``;
+        None otherwise), what its runner is built from the same way as the target's: the
+        draft's architecture and load settings, a KV block pool of as many blocks as the
+        target's (same block size and dtype; prefix caching off, no swap space, one KV
+        cache group), on one rank, without speculation or LoRA; device and seed as the
+        target's."""
+        if self.draft_model is None or self.draft is None:
+            return None
+        cache = CacheConfig(self.cache.block_size, self.cache.num_blocks, self.cache.dtype, enable_prefix_caching=False)
+        return replace(self, model=self.draft_model, load=self.draft, cache=cache, parallel=ParallelConfig(),
+                       speculative=None, draft=None, draft_model=None, lora=None)
 
 
 def _positive_int(name: str, value: object) -> None:

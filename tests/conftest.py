@@ -159,6 +159,18 @@ def make_engine(
     return LLMEngine(config, model=model, tokenizer=tokenizer, generation_defaults=generation_defaults, proposer=proposer)
 
 
+def draft_runner(model, model_config: ModelConfig, cache_config: CacheConfig, seed: int = 0, backend=TORCH_BACKEND,
+                 device: torch.device = torch.device("cpu")):
+    """A draft model's runner over an already built ``model``, made as the engine makes it
+    (``ModelRunner.from_config`` of the draft's ``EngineConfig``)."""
+    from kvflow.config import DeviceConfig, EngineConfig
+    from kvflow.worker.model_runner import ModelRunner
+
+    config = EngineConfig(model=model_config, cache=cache_config, scheduler=SchedulerConfig(256, 16, 256),
+                          device=DeviceConfig(torch.device(device), model.embed_tokens.weight.dtype), seed=seed)
+    return ModelRunner.from_config(config, backend, model=model)
+
+
 def tiny_engine(
     num_blocks: int = 64,
     block_size: int = 4,

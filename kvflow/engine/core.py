@@ -19,6 +19,7 @@ engine's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from kvflow.logprobs import Logprob
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.metrics import SpecDecodeStats
+from kvflow.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -94,27 +96,42 @@ class EngineCore:
     the prompt's blocks); the core runs samples and answers by sample id, and keeps which
     user request each belongs to, so that a fault fails all of one user request's samples.
 
+    Built downhill from the config (vLLM v1's ``EngineCore``): first the ``Worker``
+    (``kvflow.worker.worker``: the platform, then model, KV cache, runner, CUDA graphs,
+    speculative proposer, tensor-parallel workers), then, from the config alone and
+    independent of the worker, the KV cache manager and the scheduler.
+
     Args:
         config: the engine's ``EngineConfig``.
-        worker: the ``kvflow.worker.worker.Worker`` (model, KV cache, runner, and the
-            speculative proposer ``worker.proposer``, or None).
-        platform: the engine's ``kvflow.platforms.Platform``; ``between_steps()`` is called
-            before each step's schedule.
+        model: a loaded model to run instead of loading ``config.load`` (tests).
+        proposer: a speculative proposer instead of ``config.speculative``'s (tests).
+
+    Attributes:
+        worker: the ``Worker``; platform: its ``kvflow.platforms.Platform``
+        (``between_steps()`` is called before each step's schedule); proposer: the
+        worker's speculative proposer, or None; kv_cache_manager, scheduler.
+
+    Raises:
+        ValueError: as ``Worker`` (a model that cannot be loaded as configured, a backend
+            that cannot run here).
     """
 
-    def __init__(self, config: EngineConfig, worker, platform) -> None:
+    def __init__(self, config: EngineConfig, model=None, proposer=None) -> None:
         self.config = config
-        self.worker = worker
-        self.platform = platform
-        self.proposer = worker.proposer
-        spec = config.speculative
-        self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
-        self.spec_stats = SpecDecodeStats(self.proposer.k if self.proposer is not None else 0)
-        # The scheduler-side owner of the block tables: one table per KV cache group
-        # (kvflow.core.kv_cache_coordinator; one group, windowed when every layer is, for
-        # most models).
-        self.kv_cache_manager = KVCacheManager.from_cache_config(config.cache, config.model.kv_free_window)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.worker = Worker(config, model=model, proposer=proposer)
+        with contextlib.ExitStack() as on_failure:  # a failed build stops the worker's processes
+            on_failure.callback(self.worker.shutdown)
+            self.platform = self.worker.platform
+            self.proposer = self.worker.proposer
+            spec = config.speculative
+            self.spec_disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
+            self.spec_stats = SpecDecodeStats(self.proposer.k if self.proposer is not None else 0)
+            # The scheduler-side owner of the block tables: one table per KV cache group
+            # (kvflow.core.kv_cache_coordinator; one group, windowed when every layer is, for
+            # most models).
+            self.kv_cache_manager = KVCacheManager.from_cache_config(config.cache, config.model.kv_free_window)
+            self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+            on_failure.pop_all()
         self.last_scheduler_output: SchedulerOutput | None = None
         self._to_propose: SchedulerOutput | None = None  # the batch run since the last propose()
         self._samples: dict[str, list[Request]] = {}  # user request id -> its samples

@@ -1,15 +1,17 @@
 """The engine's public facade: add requests, step, read outputs (vLLM's ``LLMEngine``).
 
 ``LLMEngine`` joins four parts (see docs/architecture.md, "Engine joints"), built downhill
-from the one ``EngineConfig``:
+from the one ``EngineConfig`` (the engine builds the core, the core the worker, the worker
+the platform and its runner):
 
 - the ``Platform`` (``kvflow/platforms/``): dtype "auto", the attention backend's
   eligibility, C++ kernel builds and their publishing, the thread governor, CUDA-graph
-  eligibility; resolved once, its chores run once between steps;
-- the ``Worker`` (``kvflow/worker/worker.py``): model, KV cache, runner, CUDA graphs,
-  speculative proposer, tensor-parallel workers, built from the ``EngineConfig`` in one place;
-- the ``EngineCore`` (``kvflow/engine/core.py``): scheduler + KV cache manager over the
-  worker, at the token level (no tokenizer);
+  eligibility; resolved once by the worker, its chores run once between steps;
+- the ``Worker`` (``kvflow/worker/worker.py``): the platform, tensor-parallel workers, and
+  a ``ModelRunner`` built by ``ModelRunner.from_config`` (model, KV cache, CUDA graphs,
+  speculative proposer);
+- the ``EngineCore`` (``kvflow/engine/core.py``): builds the worker, then the scheduler +
+  KV cache manager over it, at the token level (no tokenizer);
 - the ``OutputProcessor`` (``kvflow/engine/output_processor.py``): text, stop strings,
   logprob decoding and ``RequestOutput``s.
 
@@ -35,12 +37,10 @@ from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.core import EngineCore
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.model.resolve import load_generation_defaults, load_tokenizer
-from kvflow.platforms import resolve_platform
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, make_parallel_samples
 from kvflow.sampling_params import SamplingParams
-from kvflow.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -132,17 +132,17 @@ class LLMEngine:
         self.model_config = config.model
         self.cache_config = config.cache
         self.scheduler_config = config.scheduler
-        # Downhill: the platform (resolved once), then the whole worker side, then the core
-        # that schedules over it.
-        self.platform = resolve_platform(config)
-        self.worker = Worker(config, self.platform, model=model, proposer=proposer)
-        try:
-            self.engine_core = EngineCore(config, self.worker, self.platform)
-            if isinstance(tokenizer, Future):  # loaded on a thread while the weights loaded
+        # Downhill: the core builds the worker side (platform, model, cache, runner, proposer,
+        # tensor-parallel workers), then its scheduler.
+        self.engine_core = EngineCore(config, model=model, proposer=proposer)
+        self.worker = self.engine_core.worker
+        self.platform = self.engine_core.platform
+        if isinstance(tokenizer, Future):  # loaded on a thread while the weights loaded
+            try:
                 tokenizer = tokenizer.result()
-        except BaseException:
-            self.worker.shutdown()
-            raise
+            except BaseException:
+                self.worker.shutdown()
+                raise
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         self._grammar_compiler = None

@@ -9,7 +9,7 @@ top-p, min-p), the same function as the target's p, and the draft token is sampl
 target accepted: its block table and computed count are rolled back to the common prefix.
 
 The proposer drives its own ``ModelRunner`` (built by the worker's builder,
-``kvflow.worker.worker.build_proposer``) through the public data contract
+``kvflow.worker.model_runner.ModelRunner.from_config``) through the public data contract
 (``kvflow/core/sched_output.py``): its own block pool (``KVCacheManager``) holds a
 ``_DraftSequence`` per request, a ``RunnerStateTracker`` sends the runner each request's data
 once and then per-step diffs (the last draft token, new blocks), and a request whose drafts
@@ -63,7 +63,7 @@ class DraftModelProposer:
         runner: the draft model's ``ModelRunner`` (``kvflow.worker.model_runner``; duck-typed:
             this package stands below the worker's) over its own KV cache of
             ``cache_config``'s blocks; its sampler's generator draws the drafts of requests
-            without a seed. Built by ``kvflow.worker.worker.build_proposer``.
+            without a seed. Built by ``ModelRunner.from_config``.
         vocab_size: the draft's vocabulary size (the target's).
         cache_config: its own KV block pool (prefix caching off).
         k: draft tokens per step.

@@ -25,13 +25,19 @@ import torch
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout, HybridMetadata
 from kvflow.attention.torch_backend import TORCH_BACKEND
+from kvflow.config import EngineConfig
 from kvflow.core.sched_output import NewRequestData, SchedulerOutput
+from kvflow.distributed.parallel_state import TensorParallel
+from kvflow.layers.invariant_linear import make_batch_invariant
 from kvflow.logprobs import Logprob
 from kvflow.model.base import CausalLM
+from kvflow.model.loader import build_model
 from kvflow.sampling_params import SamplingParams
 from kvflow.sample.logits_processor import apply_logits_processors
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingTensors
+from kvflow.spec_decode.draft_model import DraftModelProposer
+from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.worker.cache_engine import CacheEngine
 from kvflow.worker.input_batch import InputBatch
 
@@ -150,7 +156,7 @@ class ModelRunner:
         broadcast: on a tensor-parallel driver, sends each step's batch to the workers.
         attention_backend: the paged-attention backend (``kvflow.attention.selector``); one
             that asks for batch-invariant linears (over a quantized cache) needs a model whose
-            dense CPU linears were switched (``kvflow.worker.worker.build_runner`` does it).
+            dense CPU linears were switched (``ModelRunner.from_config`` does it).
         lora_manager: the model's LoRA adapters (``kvflow.lora.manager.LoRAManager``), or
             None without ``enable_lora``.
         max_num_seqs, max_model_len: the ``InputBatch``'s first allocation (rows, token
@@ -190,6 +196,87 @@ class ModelRunner:
         self.num_kv_cache_groups = groups.num_groups if groups is not None else 1
         self._layer_group = _layer_group(groups) if self.num_kv_cache_groups > 1 else None
         self.input_batch = InputBatch(self.num_kv_cache_groups, max_num_seqs, max_model_len, block_size)
+        self.drafter = None  # the speculative proposer (driver only), set by from_config
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, attention_backend: AttentionBackend, *, rank: int = 0,
+                    is_driver: bool = True, broadcast=None, use_cuda_graphs: bool = False, model=None,
+                    proposer=None) -> "ModelRunner":
+        """A runner built from the whole ``EngineConfig``, the one way every runner of an
+        engine is made (the driver's, a tensor-parallel rank's, a draft model's; after vLLM
+        v1's ``GPUModelRunner``, which loads its own model, KV cache and drafter). In order:
+
+        1. ``load_model``: this rank's shard (``kvflow.model.loader.build_model``, loaded as
+           ``config.load`` resolved it; the whole model without tensor parallelism), its LoRA
+           slots (``config.lora``), and, when the backend asks for batch-invariant linears
+           (over a quantized KV cache), the model's dense CPU linears switched in place
+           (``kvflow.layers.invariant_linear.make_batch_invariant``) so that a token's stored
+           K/V never depends on how its step was batched or chunked;
+        2. its KV cache: ``config.cache``'s blocks for this rank's KV heads (``CacheEngine``);
+        3. the runner, its sampler's generator seeded with ``config.seed``;
+        4. the decode CUDA graphs (``use_cuda_graphs``);
+        5. on the driver, its drafter (``config.speculative``): n-gram prompt lookup, or a
+           draft model with a runner of its own built by this method from
+           ``config.draft_config()``.
+
+        Args:
+            config: the engine's ``EngineConfig`` (or the draft's).
+            attention_backend: the backend (``Platform.select_attention_backend``).
+            rank: this tensor-parallel rank (0: the driver).
+            is_driver, broadcast: as ``ModelRunner``; a worker rank has no drafter.
+            use_cuda_graphs: capture decode graphs (``Platform.use_cuda_graphs``).
+            model: a loaded model to run instead of loading ``config.load`` (tests).
+            proposer: a speculative proposer instead of ``config.speculative``'s (tests).
+
+        Raises:
+            ValueError: a model or draft that cannot be loaded as configured (``build_model``).
+        """
+        device = config.device.device
+        lora_manager = None
+        if model is None:
+            model = cls.load_model(config, rank)
+        if config.lora is not None:
+            from kvflow.lora.manager import LoRAManager
+
+            lora = config.lora
+            lora_manager = LoRAManager(model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
+        if attention_backend.needs_batch_invariant_linears:
+            make_batch_invariant(model)  # (CUDA linears stay; idempotent)
+        cache = CacheEngine(model.kv_cache_spec, config.cache, device)  # this rank's shard of heads
+        generator = torch.Generator(device=device)
+        generator.manual_seed(config.seed)
+        runner = cls(model, cache, config.cache.block_size, Sampler(generator), device, is_driver=is_driver,
+                     broadcast=broadcast, attention_backend=attention_backend, lora_manager=lora_manager)
+        if use_cuda_graphs:
+            from kvflow.worker.cuda_graph import DecodeGraphRunner, default_batch_sizes
+
+            runner.graph_runner = DecodeGraphRunner(
+                model, cache.kv_caches, -(-config.scheduler.max_model_len // config.cache.block_size),
+                default_batch_sizes(config.scheduler.max_num_seqs), device, attention_backend,
+            )
+        if proposer is None and is_driver and config.speculative is not None:
+            spec, max_len = config.speculative, config.scheduler.max_model_len
+            k = spec.num_speculative_tokens
+            if spec.method == "ngram":
+                proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
+            else:
+                draft = config.draft_config()
+                draft_runner = cls.from_config(draft, attention_backend)
+                proposer = DraftModelProposer(draft_runner, draft.model.vocab_size, draft.cache, k, max_len)
+        runner.drafter = proposer
+        return runner
+
+    @staticmethod
+    def load_model(config: EngineConfig, rank: int = 0) -> CausalLM:
+        """Rank ``rank``'s model shard (the whole model without tensor parallelism), loaded as
+        ``config.load`` resolved it.
+
+        Raises:
+            ValueError: see ``kvflow.model.loader.build_model``.
+        """
+        world = config.parallel.tensor_parallel_size
+        tp = TensorParallel(rank, world) if world > 1 else None
+        return build_model(config.model, config.load, config.device.dtype, config.device.device, tp)
 
     @property
     def requests(self) -> Mapping[str, CachedRequestState]:

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from conftest import make_engine, tiny_model, tiny_model_config
+from conftest import draft_runner, make_engine, tiny_model, tiny_model_config
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.attention.torch_backend import TORCH_BACKEND, AttentionGroup, GroupedMetadata
@@ -27,7 +27,6 @@ from kvflow.sample.rejection_sampler import RejectionSampler, processed_probs
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_model import DraftModelProposer
 from kvflow.worker.cache_engine import CacheEngine
-from kvflow.worker.worker import build_runner
 
 try:
     from scipy import stats as scipy_stats
@@ -359,7 +358,7 @@ def test_speculative_sampling_preserves_target_distribution():
 
     batch, bs = 512, 8
     draft_cache = CacheConfig(bs, 2 * batch, torch.float32, enable_prefix_caching=False)
-    proposer = DraftModelProposer(build_runner(draft, draft_cache, CPU, TORCH_BACKEND, seed=1), cfg.vocab_size,
+    proposer = DraftModelProposer(draft_runner(draft, cfg, draft_cache, seed=1), cfg.vocab_size,
                                   draft_cache, 3, 64)
     engine = make_engine(
         target, cfg, CacheConfig(bs, 2 * batch, torch.float32), SchedulerConfig(1 << 20, batch, 64), None, CPU,

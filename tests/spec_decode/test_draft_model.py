@@ -17,7 +17,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import make_engine as conftest_make_engine, tiny_model, tiny_model_config
+from conftest import draft_runner, make_engine as conftest_make_engine, tiny_model, tiny_model_config
 from kvflow.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.core.block_pool import hash_block_tokens
@@ -28,7 +28,6 @@ from kvflow.spec_decode.draft_model import DraftModelProposer
 from kvflow.spec_decode.metrics import SpecDecodeStats
 from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.attention.torch_backend import TORCH_BACKEND
-from kvflow.worker.worker import build_runner
 
 CPU = torch.device("cpu")
 VOCAB = 32
@@ -62,7 +61,7 @@ def draft_model(noise: float | None, seed: int = 7):
 def draft_proposer(model, cache: CacheConfig, k: int, max_model_len: int = 256, seed: int = 0,
                    backend=TORCH_BACKEND) -> DraftModelProposer:
     """A draft proposer over ``model`` with its runner made as the worker's builder makes it."""
-    return DraftModelProposer(build_runner(model, cache, CPU, backend, seed), CONFIG.vocab_size, cache, k, max_model_len)
+    return DraftModelProposer(draft_runner(model, CONFIG, cache, seed, backend), CONFIG.vocab_size, cache, k, max_model_len)
 
 
 def make_proposer(kind: str, k: int, max_model_len: int = 256, block_size: int = 4, num_blocks: int = 128,
