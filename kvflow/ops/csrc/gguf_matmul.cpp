@@ -1164,15 +1164,21 @@ void gguf_dequantize(torch::Tensor raw, int64_t qtype, int64_t N, int64_t K, tor
     dequantize_dispatch(qt, raw.data_ptr<uint8_t>(), raw.stride(0), N, K, out.data_ptr<c10::BFloat16>());
 }
 
-// packed uint8 [ceil(N / 8), K / SB * group super-block bytes]: raw uint8 [N, row bytes] of
-// GGML type qtype (rows contiguous, row stride raw.stride(0)) in the interleaved layout above.
-torch::Tensor gguf_pack(torch::Tensor raw, int64_t qtype, int64_t N, int64_t K) {
+// The arguments of gguf_pack / gguf_pack_fast checked; returns the GGML type.
+int check_pack_args(const torch::Tensor& raw, int64_t qtype, int64_t N, int64_t K) {
   const int qt = static_cast<int>(qtype);
   TORCH_CHECK(block_bytes(qt) > 0, "qtype: GGML type ", qtype, " is not supported");
   TORCH_CHECK(N > 0 && K > 0 && K % block_elems(qt) == 0, "K: a positive multiple of ", block_elems(qt));
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.size(0) == N &&
                   raw.size(1) == K / block_elems(qt) * block_bytes(qt) && raw.stride(1) == 1,
               "raw: uint8 [N, row bytes], contiguous rows");
+  return qt;
+}
+
+// packed uint8 [ceil(N / 16), K / SB * group super-block bytes]: raw uint8 [N, row bytes] of
+// GGML type qtype (rows contiguous, row stride raw.stride(0)) in the interleaved layout above.
+torch::Tensor gguf_pack(torch::Tensor raw, int64_t qtype, int64_t N, int64_t K) {
+  const int qt = check_pack_args(raw, qtype, N, K);
   const PFmt pf = pfmt(qt);
   const int64_t groups = (N + G - 1) / G, nsb = K / pf.sb, ldg = nsb * pf.sb_bytes();
   torch::Tensor packed = torch::zeros({groups, ldg}, torch::kUInt8);
@@ -1360,12 +1366,7 @@ bool pack_group_sb_direct(int qt, const PFmt& pf, const uint8_t* const* b, uint8
 // else pack_group_sb); a missing row of the last group reads a stored block that decodes to
 // zero fields (encode_fields of zeros), so its packed bytes are the zeros gguf_pack leaves.
 torch::Tensor gguf_pack_fast(torch::Tensor raw, int64_t qtype, int64_t N, int64_t K) {
-  const int qt = static_cast<int>(qtype);
-  TORCH_CHECK(block_bytes(qt) > 0, "qtype: GGML type ", qtype, " is not supported");
-  TORCH_CHECK(N > 0 && K > 0 && K % block_elems(qt) == 0, "K: a positive multiple of ", block_elems(qt));
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.size(0) == N &&
-                  raw.size(1) == K / block_elems(qt) * block_bytes(qt) && raw.stride(1) == 1,
-              "raw: uint8 [N, row bytes], contiguous rows");
+  const int qt = check_pack_args(raw, qtype, N, K);
   const PFmt pf = pfmt(qt);
   const int64_t groups = (N + G - 1) / G, nsb = K / pf.sb, ldg = nsb * pf.sb_bytes();
   torch::Tensor packed = torch::empty({groups, ldg}, torch::kUInt8);
