@@ -33,7 +33,7 @@ from kvflow.core.scheduler import NewRequestData, Scheduler, SchedulerOutput, St
 from kvflow.logprobs import Logprob
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
-from kvflow.spec_decode.metrics import SpecDecodeStats
+from kvflow.core.spec_decode_stats import SpecDecodeStats
 from kvflow.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
