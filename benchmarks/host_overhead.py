@@ -18,9 +18,11 @@ for the functions named in ``PROFILE_FUNCTIONS`` and the top functions by own ti
 With ``--baseline-repo PATH`` (a checkout of an older commit, e.g. ``git worktree add
 ../kvflow-base 8311660``) the same measurement runs first in a subprocess with
 ``PYTHONPATH=PATH`` (that checkout's ``kvflow``), then on this checkout, in the same
-invocation; the table gives each size's steps/s of both and their ratio. ``--rounds R``
-alternates the two R times and keeps each size's best round (a shared machine's load hits
-both alike).
+invocation; the table gives each size's steps/s of both and their ratio. ``--compare-repo
+LABEL=PATH`` (repeatable) measures further checkouts in the same rounds (e.g. ``main=`` a
+checkout of the branch point, to see that a change slows no size down). ``--rounds R``
+alternates the checkouts R times and keeps each size's best round (a shared machine's load
+hits them alike).
 
 How to run
 ----------
@@ -68,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=1, help="alternations baseline/current; best kept (default: %(default)s)")
     p.add_argument("--baseline-repo", default=None, help="a checkout of the baseline commit (its kvflow is measured too)")
+    p.add_argument("--compare-repo", action="append", default=[], metavar="LABEL=PATH",
+                   help="another checkout measured in the same rounds, in rows labelled LABEL (repeatable), "
+                        "e.g. main=../kvflow-main")
     p.add_argument("--out", default="benchmarks/results/host_overhead.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: model folder; run and print JSON
     args = p.parse_args(argv)
@@ -84,6 +89,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--warmup and --profile-steps must be >= 0")
     if args.baseline_repo is not None and not (Path(args.baseline_repo) / "kvflow" / "__init__.py").is_file():
         p.error(f"--baseline-repo {args.baseline_repo!r} holds no kvflow package")
+    args.compare = {}
+    for entry in args.compare_repo:
+        label, sep, path = entry.partition("=")
+        if not sep or not label or label in ("baseline", "current") or label in args.compare:
+            p.error(f"--compare-repo takes LABEL=PATH with a new label other than baseline/current, got {entry!r}")
+        if not (Path(path) / "kvflow" / "__init__.py").is_file():
+            p.error(f"--compare-repo {entry!r}: {path!r} holds no kvflow package")
+        args.compare[label] = Path(path).resolve()
     return args
 
 
@@ -301,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = cpu_facts()
     print(f"CPU: {facts['cpu_model']} ({facts['cpu_count']} logical CPUs); ISA: {' '.join(facts['isa']) or 'none'}; "
           f"torch threads per run: {args.threads}", flush=True)
-    checkouts = {"current": REPO}
+    checkouts = {**args.compare, "current": REPO}
     if args.baseline_repo is not None:
         checkouts = {"baseline": Path(args.baseline_repo).resolve(), **checkouts}
     runs: dict[str, list[dict]] = {name: [] for name in checkouts}
@@ -340,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{name}, {size} sequences: cumulative ms per step (cProfile, {prof['steps']} steps)")
             print(format_table(["function", "ms/step", "calls/step"],
                                [[k, v["cum_ms_per_step"], v["calls_per_step"]] for k, v in prof["named"].items()]))
-    record = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "size_list")},
+    record = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "size_list", "compare")},
               "machine": {**machine_info(), **facts}, "best": best, "rounds": runs}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
