@@ -8,8 +8,10 @@ see real row widths), loaded through ``LLM(model=<folder>)`` in float32. For eac
 (default 1, 64, 128, 256 concurrent sequences, ``--prompt-len`` random prompt tokens each,
 greedy, ``ignore_eos``) the engine prefills every request, runs ``--warmup`` decode steps,
 then times ``--steps`` decode steps of ``engine.step()``. Per size: steps/s, the step's wall
-time, the model forward's time (a forward pre/post hook on the runner's model), the LM
-head's (``compute_logits``), and the share of the step outside the model forward (the
+time, steps per second of the process's CPU time (``CPU steps/s``, all its threads: on a
+shared machine the time other processes held the core is not in it; with ``--threads 1`` it
+is the step's own work), the model forward's time (a forward pre/post hook on the runner's
+model), the LM head's (``compute_logits``), and the share of the step outside the model forward (the
 engine's host work with the sampler: scheduling, input preparation, sampling, outputs) and
 "host ms", the step less the forward and the LM head. Then a cProfile pass
 of ``--profile-steps`` steps splits the host work by function (ms per step, cumulative),
@@ -249,16 +251,21 @@ def run_child(args: argparse.Namespace) -> dict:
         for _ in range(args.warmup):
             engine.step()
         timer.reset()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             engine.step()
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         step_ms = 1000 * wall / args.steps
         forward_ms = 1000 * timer.forward_s / args.steps
         lm_head_ms = 1000 * timer.lm_head_s / args.steps
         entry = {
             "steps": args.steps,
             "steps_per_s": args.steps / wall,
+            # the process's CPU time (all its threads): on a shared machine, the time others
+            # took the core away is not in it (with --threads 1 it is the step's own work)
+            "cpu_steps_per_s": args.steps / cpu if cpu > 0 else None,
+            "cpu_step_ms": 1000 * cpu / args.steps,
             "step_ms": step_ms,
             "forward_ms": forward_ms,
             "lm_head_ms": lm_head_ms,
@@ -327,21 +334,28 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1}/{args.rounds}: {name} ({repo}) measured in {time.perf_counter() - t0:.0f} s",
                       flush=True)
     best = {name: _best(rs) for name, rs in runs.items()}
+    # each size's best CPU-time rate over the rounds (its own best round, not the wall-time one's)
+    best_cpu = {name: {size: max((r["sizes"][size].get("cpu_steps_per_s") or 0.0 for r in rs), default=0.0) or None
+                       for size in rs[0]["sizes"]} for name, rs in runs.items()}
     headers = ["checkout", "seqs", "steps/s", "step ms", "forward ms", "LM head ms", "outside fwd ms",
-               "outside share", "host ms", "x baseline", "host x"]
+               "outside share", "host ms", "x baseline", "host x", "CPU steps/s", "CPU x"]
     rows = []
     for size in (str(n) for n in args.size_list):
         for name in checkouts:
             e = best[name]["sizes"][size]
-            ratio = host_ratio = None
+            ratio = host_ratio = cpu_ratio = None
+            cpu_rate = best_cpu[name][size]
             if "baseline" in best and name != "baseline":
                 base = best["baseline"]["sizes"][size]
                 ratio = e["steps_per_s"] / base["steps_per_s"]
                 host_ratio = base["host_ms"] / e["host_ms"] if e["host_ms"] > 0 else None
+                base_cpu = best_cpu["baseline"][size]
+                cpu_ratio = cpu_rate / base_cpu if cpu_rate and base_cpu else None
             rows.append([name, int(size), e["steps_per_s"], e["step_ms"], e["forward_ms"], e["lm_head_ms"],
                          e["outside_forward_ms"], f"{100 * e['outside_forward_share']:.0f} %", e["host_ms"],
                          f"{ratio:.2f}x" if ratio is not None else None,
-                         f"{host_ratio:.2f}x" if host_ratio is not None else None])
+                         f"{host_ratio:.2f}x" if host_ratio is not None else None,
+                         cpu_rate, f"{cpu_ratio:.2f}x" if cpu_ratio is not None else None])
     print()
     print(format_table(headers, rows))
     if args.profile_steps:
@@ -354,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(["function", "ms/step", "calls/step"],
                                [[k, v["cum_ms_per_step"], v["calls_per_step"]] for k, v in prof["named"].items()]))
     record = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "size_list", "compare")},
-              "machine": {**machine_info(), **facts}, "best": best, "rounds": runs}
+              "machine": {**machine_info(), **facts}, "best": best, "best_cpu_steps_per_s": best_cpu, "rounds": runs}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
