@@ -8,8 +8,10 @@ see real row widths), loaded through ``LLM(model=<folder>)`` in float32. For eac
 (default 1, 64, 128, 256 concurrent sequences, ``--prompt-len`` random prompt tokens each,
 greedy, ``ignore_eos``) the engine prefills every request, runs ``--warmup`` decode steps,
 then times ``--steps`` decode steps of ``engine.step()``. Per size: steps/s, the step's wall
-time, the model forward's time (a forward pre/post hook on the runner's model), the LM
-head's (``compute_logits``), and the share of the step outside the model forward (the
+time, steps per second of the process's CPU time (``CPU steps/s``, all its threads: on a
+shared machine the time other processes held the core is not in it; with ``--threads 1`` it
+is the step's own work), the model forward's time (a forward pre/post hook on the runner's
+model), the LM head's (``compute_logits``), and the share of the step outside the model forward (the
 engine's host work with the sampler: scheduling, input preparation, sampling, outputs) and
 "host ms", the step less the forward and the LM head. Then a cProfile pass
 of ``--profile-steps`` steps splits the host work by function (ms per step, cumulative),
@@ -18,9 +20,11 @@ for the functions named in ``PROFILE_FUNCTIONS`` and the top functions by own ti
 With ``--baseline-repo PATH`` (a checkout of an older commit, e.g. ``git worktree add
 ../kvflow-base 8311660``) the same measurement runs first in a subprocess with
 ``PYTHONPATH=PATH`` (that checkout's ``kvflow``), then on this checkout, in the same
-invocation; the table gives each size's steps/s of both and their ratio. ``--rounds R``
-alternates the two R times and keeps each size's best round (a shared machine's load hits
-both alike).
+invocation; the table gives each size's steps/s of both and their ratio. ``--compare-repo
+LABEL=PATH`` (repeatable) measures further checkouts in the same rounds (e.g. ``main=`` a
+checkout of the branch point, to see that a change slows no size down). ``--rounds R``
+alternates the checkouts R times and keeps each size's best round (a shared machine's load
+hits them alike).
 
 How to run
 ----------
@@ -35,6 +39,7 @@ Prints a table, the CPU model and its vector ISA, and writes every number to ``-
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -68,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=1, help="alternations baseline/current; best kept (default: %(default)s)")
     p.add_argument("--baseline-repo", default=None, help="a checkout of the baseline commit (its kvflow is measured too)")
+    p.add_argument("--compare-repo", action="append", default=[], metavar="LABEL=PATH",
+                   help="another checkout measured in the same rounds, in rows labelled LABEL (repeatable), "
+                        "e.g. main=../kvflow-main")
     p.add_argument("--out", default="benchmarks/results/host_overhead.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: model folder; run and print JSON
     args = p.parse_args(argv)
@@ -84,6 +92,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--warmup and --profile-steps must be >= 0")
     if args.baseline_repo is not None and not (Path(args.baseline_repo) / "kvflow" / "__init__.py").is_file():
         p.error(f"--baseline-repo {args.baseline_repo!r} holds no kvflow package")
+    args.compare = {}
+    for entry in args.compare_repo:
+        label, sep, path = entry.partition("=")
+        if not sep or not label or label in ("baseline", "current") or label in args.compare:
+            p.error(f"--compare-repo takes LABEL=PATH with a new label other than baseline/current, got {entry!r}")
+        if not (Path(path) / "kvflow" / "__init__.py").is_file():
+            p.error(f"--compare-repo {entry!r}: {path!r} holds no kvflow package")
+        args.compare[label] = Path(path).resolve()
     return args
 
 
@@ -236,16 +252,21 @@ def run_child(args: argparse.Namespace) -> dict:
         for _ in range(args.warmup):
             engine.step()
         timer.reset()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             engine.step()
         wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         step_ms = 1000 * wall / args.steps
         forward_ms = 1000 * timer.forward_s / args.steps
         lm_head_ms = 1000 * timer.lm_head_s / args.steps
         entry = {
             "steps": args.steps,
             "steps_per_s": args.steps / wall,
+            # the process's CPU time (all its threads): on a shared machine, the time others
+            # took the core away is not in it (with --threads 1 it is the step's own work)
+            "cpu_steps_per_s": args.steps / cpu if cpu > 0 else None,
+            "cpu_step_ms": 1000 * cpu / args.steps,
             "step_ms": step_ms,
             "forward_ms": forward_ms,
             "lm_head_ms": lm_head_ms,
@@ -260,7 +281,11 @@ def run_child(args: argparse.Namespace) -> dict:
             entry["profile"] = _profile(engine, args.profile_steps)
         results["sizes"][str(n)] = entry
         engine.shutdown() if hasattr(engine, "shutdown") else None
-        del llm, engine, runner
+        del llm, engine, runner, timer
+        # The timer's wrapper and hooks hold the model in reference cycles: collect them now.
+        # Left to the collector, the previous size's engine slowed the next size's steps
+        # (256 sequences after 128 in one process: 33 ms of CPU a step instead of 15-20).
+        gc.collect()
     return results
 
 
@@ -301,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     facts = cpu_facts()
     print(f"CPU: {facts['cpu_model']} ({facts['cpu_count']} logical CPUs); ISA: {' '.join(facts['isa']) or 'none'}; "
           f"torch threads per run: {args.threads}", flush=True)
-    checkouts = {"current": REPO}
+    checkouts = {**args.compare, "current": REPO}
     if args.baseline_repo is not None:
         checkouts = {"baseline": Path(args.baseline_repo).resolve(), **checkouts}
     runs: dict[str, list[dict]] = {name: [] for name in checkouts}
@@ -314,21 +339,28 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {r + 1}/{args.rounds}: {name} ({repo}) measured in {time.perf_counter() - t0:.0f} s",
                       flush=True)
     best = {name: _best(rs) for name, rs in runs.items()}
+    # each size's best CPU-time rate over the rounds (its own best round, not the wall-time one's)
+    best_cpu = {name: {size: max((r["sizes"][size].get("cpu_steps_per_s") or 0.0 for r in rs), default=0.0) or None
+                       for size in rs[0]["sizes"]} for name, rs in runs.items()}
     headers = ["checkout", "seqs", "steps/s", "step ms", "forward ms", "LM head ms", "outside fwd ms",
-               "outside share", "host ms", "x baseline", "host x"]
+               "outside share", "host ms", "x baseline", "host x", "CPU steps/s", "CPU x"]
     rows = []
     for size in (str(n) for n in args.size_list):
         for name in checkouts:
             e = best[name]["sizes"][size]
-            ratio = host_ratio = None
+            ratio = host_ratio = cpu_ratio = None
+            cpu_rate = best_cpu[name][size]
             if "baseline" in best and name != "baseline":
                 base = best["baseline"]["sizes"][size]
                 ratio = e["steps_per_s"] / base["steps_per_s"]
                 host_ratio = base["host_ms"] / e["host_ms"] if e["host_ms"] > 0 else None
+                base_cpu = best_cpu["baseline"][size]
+                cpu_ratio = cpu_rate / base_cpu if cpu_rate and base_cpu else None
             rows.append([name, int(size), e["steps_per_s"], e["step_ms"], e["forward_ms"], e["lm_head_ms"],
                          e["outside_forward_ms"], f"{100 * e['outside_forward_share']:.0f} %", e["host_ms"],
                          f"{ratio:.2f}x" if ratio is not None else None,
-                         f"{host_ratio:.2f}x" if host_ratio is not None else None])
+                         f"{host_ratio:.2f}x" if host_ratio is not None else None,
+                         cpu_rate, f"{cpu_ratio:.2f}x" if cpu_ratio is not None else None])
     print()
     print(format_table(headers, rows))
     if args.profile_steps:
@@ -340,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{name}, {size} sequences: cumulative ms per step (cProfile, {prof['steps']} steps)")
             print(format_table(["function", "ms/step", "calls/step"],
                                [[k, v["cum_ms_per_step"], v["calls_per_step"]] for k, v in prof["named"].items()]))
-    record = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "size_list")},
-              "machine": {**machine_info(), **facts}, "best": best, "rounds": runs}
+    record = {"args": {k: v for k, v in vars(args).items() if k not in ("child", "size_list", "compare")},
+              "machine": {**machine_info(), **facts}, "best": best, "best_cpu_steps_per_s": best_cpu, "rounds": runs}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))

@@ -217,7 +217,7 @@ class RunCounter:
     runner's results) and the engine's speculative counters."""
 
     def __init__(self, engine: Any) -> None:
-        from kvflow.spec_decode.metrics import SpecDecodeStats
+        from kvflow.core.spec_decode_stats import SpecDecodeStats
 
         self.engine = engine
         self.plain_decodes = 0

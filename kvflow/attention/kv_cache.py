@@ -18,6 +18,21 @@ cache dtype; for int8 / fp8 caches also k_scale, v_scale float16
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
+def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device, pin_memory: bool = False) -> KVCache:
+    """One layer's paged cache, zeroed: k, v [num_blocks, block_size, num_kv_heads, head_dim]
+    in ``dtype``, plus float16 k_scale, v_scale [num_blocks, block_size, num_kv_heads] for an
+    int8 / fp8 ``dtype`` (the ``KVCache`` layout). ``pin_memory`` pins host tensors (a
+    swap space's). What ``kvflow.worker.cache_engine.CacheEngine`` allocates per layer, and
+    ``CausalLM.forward_prompt`` for its throwaway cache."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    tensors = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory) for _ in range(2)]
+    if dtype in _QMAX:
+        tensors += [torch.zeros(shape[:-1], dtype=torch.float16, device=device, pin_memory=pin_memory)
+                    for _ in range(2)]
+    return tuple(tensors)
+
+
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token, per-head symmetric quantization of x [T, heads, head_dim].
 

@@ -194,16 +194,20 @@ class Scheduler:
         # after it in the running list, and, while a waiting request could be admitted, half
         # of the rest for the waiting ones: a long prompt neither stalls the decodes admitted
         # after it nor holds new prompts back for its whole prefill.
-        decodes_after = [0] * (len(self.running) + 1)
-        for i in range(len(self.running) - 1, -1, -1):
-            r = self.running[i]
-            decodes_after[i] = decodes_after[i + 1] + (r.num_tokens - r.num_computed_tokens <= 1)
+        running = self.running
+        decodes_after = [0] * (len(running) + 1)
+        count = 0
+        for i in range(len(running) - 1, -1, -1):
+            r = running[i]
+            count += len(r.all_token_ids) - r.num_computed_tokens <= 1
+            decodes_after[i] = count
         share = self._waiting_could_run()
         decode_tokens = 0  # of decodes (with their drafts): a step of nothing else is not timed
         index = 0
+        allocate_slots, add = kv.allocate_slots, out._add
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            remaining = request.num_tokens - request.num_computed_tokens
+            remaining = len(request.all_token_ids) - request.num_computed_tokens
             if remaining > 1:  # a prompt chunk (or a preempted request's recompute)
                 limit = budget - min(decodes_after[index + 1], budget - 1)
                 if share and self._queue_key(self.waiting[0])[0] <= self._queue_key(request)[0]:
@@ -211,7 +215,7 @@ class Scheduler:
                 num_new = min(remaining, limit)
             else:
                 num_new = min(remaining + len(request.spec_token_ids), budget)
-            while not kv.allocate_slots(request, num_new):
+            while not allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
                 self.running.pop(victim_index)
@@ -227,12 +231,12 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is request:
                     break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not RequestStatus.RUNNING:
                 continue
-            out._add(request.request_id, num_new)
+            add(request.request_id, num_new)
             if remaining <= 1:
                 decode_tokens += num_new
-            num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
+            num_spec = num_new - remaining
             if num_spec > 0:  # a decode verifying draft tokens (the budget may trim them)
                 out.scheduled_spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
                 if request.spec_draft_probs is not None:
@@ -249,8 +253,9 @@ class Scheduler:
             self._maybe_fork(self.requests[request_id], num_new, out)
         out.blocks_to_copy = kv.take_pending_copies()
         # The runner's view: new-request data or diffs of the batch, then the forked samples.
+        record, requests = self._runner_state.record, self.requests
         for request_id in (*out.num_scheduled_tokens, *(child for child, _ in out.forked)):
-            self._runner_state.record(out, self.requests[request_id])
+            record(out, requests[request_id])
         out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         # Only steps holding prompt tokens are timed: the budget bounds those, and a decode-only
         # step may run another path (a GGUF model's fused decode step) at another cost.
@@ -417,10 +422,11 @@ class Scheduler:
             self.requests[child_id].num_computed_tokens = (self.requests[parent_id].num_computed_tokens
                                                            + out.num_scheduled_tokens[parent_id])
         finished = []
+        requests, advance = self.requests, self._advance
         for request_id in [*out.num_scheduled_tokens, *(child for child, _ in out.forked)]:
-            request = self.requests[request_id]
+            request = requests[request_id]
             try:
-                if self._advance(request, out, sampled_token_ids.get(request.request_id)):
+                if advance(request, out, sampled_token_ids.get(request_id)):
                     finished.append(request)
             except Exception as exc:  # noqa: BLE001 - recorded for the caller, or re-raised
                 if errors is None:
@@ -485,31 +491,37 @@ class Scheduler:
 
     def _advance(self, request: Request, out: SchedulerOutput, tokens: list[int] | None) -> bool:
         """``update`` for one request; True when it finished."""
-        request.num_computed_tokens += out.num_scheduled_tokens.get(request.request_id, 0)
+        request_id = request.request_id
+        request.num_computed_tokens += out.num_scheduled_tokens.get(request_id, 0)
         if request.pooling_params is not None:  # an embedding: done once its prompt is computed
             if request.num_computed_tokens >= request.num_tokens:
                 request.status = RequestStatus.FINISHED_STOPPED
             self.kv_cache_manager.cache_full_blocks(request)
             return request.is_finished
-        num_drafts = len(out.scheduled_spec_tokens.get(request.request_id, ()))
+        num_drafts = len(out.scheduled_spec_tokens[request_id]) if request_id in out.scheduled_spec_tokens else 0
         if num_drafts:
             num_rejected = num_drafts - (len(tokens) - 1)
             request.num_computed_tokens -= num_rejected
             request.spec_token_ids = []
             self.kv_cache_manager.trim(request)
-        for i, token in enumerate(tokens or ()):
-            request.append_output_token(token)
-            request.check_stop(self.config.max_model_len)
-            if request.is_finished:
-                del tokens[i + 1 :]  # tokens past a stop are dropped (callers see the cut list)
-                # accepted drafts past the stop were computed but are not the request's
-                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-                break
+        finished = False
+        if tokens:
+            max_model_len = self.config.max_model_len
+            for i, token in enumerate(tokens):
+                request.append_output_token(token)
+                if request.check_stop(max_model_len):
+                    del tokens[i + 1 :]  # tokens past a stop are dropped (callers see the cut list)
+                    # accepted drafts past the stop were computed but are not the request's
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                    finished = True
+                    break
+        else:  # (nothing sampled: a prompt chunk; or a request the step finished otherwise)
+            finished = request.is_finished
         # Publish after appending (and cutting): the computed tokens include accepted drafts,
         # which are only in all_token_ids now (the block hashes are taken from all_token_ids).
         # A running request waits for this step's stop strings (``finish_requests``).
-        if request.is_finished:
+        if finished:
             self.kv_cache_manager.cache_full_blocks(request)
         else:
             self._to_publish.append(request)
-        return request.is_finished
+        return finished

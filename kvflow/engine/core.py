@@ -33,7 +33,7 @@ from kvflow.core.scheduler import NewRequestData, Scheduler, SchedulerOutput, St
 from kvflow.logprobs import Logprob
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
-from kvflow.spec_decode.metrics import SpecDecodeStats
+from kvflow.core.spec_decode_stats import SpecDecodeStats
 from kvflow.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -197,10 +197,11 @@ class EngineCore:
             return result
         self.last_scheduler_output = self._to_propose = sched_out
         result.scheduled_time = time.monotonic()
+        owners, started = self._owner, self._started
         for sample_id in sched_out.num_scheduled_tokens:
-            owner = self._owner[sample_id]
-            if owner not in self._started:
-                self._started.add(owner)
+            owner = owners[sample_id]
+            if owner not in started:
+                started.add(owner)
                 result.started.append(owner)
         if on_scheduled is not None:
             on_scheduled(result.started)
@@ -232,18 +233,20 @@ class EngineCore:
             if sample_id in self._owner:
                 self._fail(result, self._owner[sample_id], exc)
         done = []
+        requests, all_logprobs, outputs = self.scheduler.requests, run.logprobs, result.outputs
         for sample_id, tokens in run.sampled_token_ids.items():
-            request_id = self._owner.get(sample_id)
+            request_id = owners.get(sample_id)
             if request_id is None:  # failed above
                 continue
-            sample = self.scheduler.requests.get(sample_id) or next(
+            sample = requests.get(sample_id) or next(
                 s for s in self._samples[request_id] if s.request_id == sample_id)  # (finished: gone from there)
-            logprobs = run.logprobs.get(sample_id)
-            result.outputs.append(EngineCoreOutput(
+            logprobs = all_logprobs.get(sample_id) if all_logprobs else None
+            status = sample.status
+            outputs.append(EngineCoreOutput(
                 sample_id, tokens, logprobs[: len(tokens)] if logprobs is not None else None,
-                sample.status.finish_reason, sample.stop_reason, max(sample.num_cached_tokens, 0),
+                status.finish_reason, sample.stop_reason, max(sample.num_cached_tokens, 0),
             ))
-            if sample.is_finished:
+            if status.is_finished:
                 done.append(request_id)
         for request_id in done:  # after every sample's output: n samples may finish in one step
             self._forget_finished(request_id)

@@ -86,14 +86,19 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
     embedding: list[float] | None = None
+    is_pooling: bool = field(init=False)  # an embedding request (``PoolingParams``)
 
-    @property
-    def is_pooling(self) -> bool:
-        return isinstance(self.params, PoolingParams)
+    def __post_init__(self) -> None:
+        self.is_pooling = isinstance(self.params, PoolingParams)
 
     @property
     def finished(self) -> bool:
-        return self.embedding is not None if self.is_pooling else all(s.finished for s in self.samples)
+        if self.is_pooling:
+            return self.embedding is not None
+        for sample in self.samples:
+            if sample.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -177,13 +182,15 @@ class OutputProcessor:
             vector = torch.nn.functional.normalize(vector, dim=0) if state.params.l2_normalize else vector
             state.embedding = vector.tolist()
             touched[request_id] = state
+        owners = self._sample_owner
+        append = self._append
         for out in core_outputs.outputs:
-            owner = self._sample_owner.get(out.request_id)
+            owner = owners.get(out.request_id)
             if owner is None:
                 continue
             state, sample = owner
             try:
-                hit = self._append(state, sample, out)
+                hit = append(state, sample, out)
             except Exception as exc:  # noqa: BLE001 - this request's fault
                 failures.setdefault(state.request_id, exc)
                 continue
@@ -191,20 +198,24 @@ class OutputProcessor:
                 stops[out.request_id] = hit
             touched[state.request_id] = state
         outputs = []
-        for state in touched.values():
-            if state.request_id in failures:
+        make_output = self._make_output
+        for request_id, state in touched.items():
+            if failures and request_id in failures:
                 continue
             if state.first_token_time is None and not state.is_pooling:
                 state.first_token_time = now
             try:
-                output = self._make_output(state, now)
+                output = make_output(state, now)
             except Exception as exc:  # noqa: BLE001 - this request's fault
-                failures[state.request_id] = exc
+                failures[request_id] = exc
                 continue
             if output is not None:
                 outputs.append(output)
-            if state.finished:
-                self.abort_request(state.request_id)
+                finished = output.finished
+            else:
+                finished = state.finished
+            if finished:
+                self.abort_request(request_id)
         return outputs, stops, failures
 
     def _append(self, state: RequestState, sample: _SampleState, out) -> StopHit | None:
@@ -216,13 +227,18 @@ class OutputProcessor:
         hit = None
         detok = sample.detokenizer
         if detok is not None:
-            last = len(tokens) - 1
-            for i, token in enumerate(tokens):
-                stop = detok.update([token], finished=out.finish_reason is not None and i == last)
+            if len(tokens) == 1:  # (a decode step's one token)
+                stop = detok.update(tokens, finished=out.finish_reason is not None)
                 if stop is not None:
-                    tokens = tokens[: i + 1]
-                    hit = StopHit(len(sample.token_ids) + i + 1, stop)
-                    break
+                    hit = StopHit(len(sample.token_ids) + 1, stop)
+            else:
+                last = len(tokens) - 1
+                for i, token in enumerate(tokens):
+                    stop = detok.update([token], finished=out.finish_reason is not None and i == last)
+                    if stop is not None:
+                        tokens = tokens[: i + 1]
+                        hit = StopHit(len(sample.token_ids) + i + 1, stop)
+                        break
         sample.token_ids.extend(tokens)
         if out.new_logprobs is not None:
             for entry, token in zip(out.new_logprobs, tokens):
@@ -267,7 +283,14 @@ class OutputProcessor:
                                  now if finished else None)
         delta = kind is RequestOutputKind.DELTA
         completions = []
-        for index, sample in enumerate(state.samples):
+        samples = state.samples
+        if not delta and not wants_logprobs and len(samples) == 1:  # the common case, without the loop
+            sample = samples[0]
+            detok = sample.detokenizer
+            completions.append(CompletionOutput(0, detok.text if detok is not None else "", list(sample.token_ids),
+                                                sample.finish_reason, sample.stop_reason))
+            samples = ()
+        for index, sample in enumerate(samples):
             if delta:
                 text = sample.detokenizer.text_since(sample.num_sent_chars) if sample.detokenizer is not None else ""
                 sample.num_sent_chars += len(text)

@@ -21,10 +21,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kvflow.attention.kv_cache import allocate_kv_cache
 from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
-from kvflow.config import CacheConfig, KVCacheSpec, ModelConfig
+from kvflow.config import KVCacheSpec, ModelConfig
 from kvflow.distributed.parallel_state import TensorParallel
-from kvflow.worker.cache_engine import CacheEngine
 
 
 class CausalLM(nn.Module):
@@ -87,10 +87,12 @@ class CausalLM(nn.Module):
         param = next(self.parameters())
         n = len(token_ids)
         num_blocks = -(-n // block_size)
-        cache = CacheEngine(self.kv_cache_spec, CacheConfig(block_size, num_blocks, param.dtype), param.device)
+        spec = self.kv_cache_spec
+        kv_caches = [allocate_kv_cache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, param.dtype,
+                                       param.device) for _ in range(spec.num_layers)]
         positions = torch.arange(n, device=param.device)
         group = AttentionGroup.build(0, [n], [n], [list(range(num_blocks))], block_size, param.device)
-        return self(torch.tensor(token_ids, device=param.device), positions, cache.kv_caches,
+        return self(torch.tensor(token_ids, device=param.device), positions, kv_caches,
                     GroupedMetadata(positions.clone(), [group]))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from kvflow.config import LoadConfig, ModelConfig
@@ -34,7 +36,7 @@ from kvflow.layers.linear import UnquantizedLinearMethod, linear_layers
 from kvflow.layers.moe import moe_layers
 from kvflow.model import registry
 from kvflow.model.resolve import gguf_source, iter_weights, load_config, load_tokenizer
-from kvflow.quantization.checkpoint import load_quantized, quantization_of
+from kvflow.quantization.checkpoint import quantization_of
 from kvflow.quantization.registry import get_quantization_config
 
 
@@ -219,6 +221,19 @@ def build_model(
     if device.type == "cpu":
         pack_for_cpu(model)
     return model
+
+
+def load_quantized(model: nn.Module, model_dir: str | os.PathLike) -> None:
+    """Fill a model built with its scheme in serialized mode (``get_quantization_config(...,
+    serialized=True)``) from a saved checkpoint folder's ``model.safetensors``.
+
+    Raises:
+        ValueError: when the checkpoint's tensors do not match the model.
+    """
+    missing, unexpected = model.load_state_dict(load_file(str(Path(model_dir) / "model.safetensors")), strict=False)
+    missing = [m for m in missing if not m.startswith("rotary")]
+    if missing or unexpected:
+        raise ValueError(f"quantized checkpoint does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
 def _load_weights(model: nn.Module, model_dir: str | os.PathLike, native: bool) -> None:

@@ -5,7 +5,7 @@ model's ``config.json`` plus a ``kvflow_quantization`` entry ({"method", "group_
 and ``model.safetensors`` holding kvflow's own parameter names (fused ``qkv_proj`` and
 ``gate_up_proj``) and quantized buffers. ``LLM(model=DIR)`` loads it directly: the loader
 builds the model with the scheme's methods in serialized mode (they create the quantized
-buffers) and fills them from the state dict (``kvflow.model.loader``).
+buffers) and fills them from the state dict (``kvflow.model.loader.load_quantized``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 CONFIG_KEY = "kvflow_quantization"
@@ -50,19 +50,6 @@ def quantization_of(model_dir: str | os.PathLike) -> dict | None:
     if not path.exists():
         return None
     return json.loads(path.read_text()).get(CONFIG_KEY)
-
-
-def load_quantized(model: nn.Module, model_dir: str | os.PathLike) -> None:
-    """Fill a model built with its scheme in serialized mode (``get_quantization_config(...,
-    serialized=True)``) from a saved checkpoint folder's ``model.safetensors``.
-
-    Raises:
-        ValueError: when the checkpoint's tensors do not match the model.
-    """
-    missing, unexpected = model.load_state_dict(load_file(str(Path(model_dir) / "model.safetensors")), strict=False)
-    missing = [m for m in missing if not m.startswith("rotary")]
-    if missing or unexpected:
-        raise ValueError(f"quantized checkpoint does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 
 def weight_bytes(model: nn.Module) -> int:

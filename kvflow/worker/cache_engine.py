@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.config import CacheConfig, KVCacheSpec
-from kvflow.attention.kv_cache import KVCache
+from kvflow.attention.kv_cache import KVCache, allocate_kv_cache
 
 
 class CacheEngine:
@@ -30,15 +30,9 @@ class CacheEngine:
     """
 
     def __init__(self, spec: KVCacheSpec, cache_config: CacheConfig, device: torch.device) -> None:
-        shape = (cache_config.num_blocks, cache_config.block_size, spec.num_kv_heads, spec.head_dim)
-        quantized = cache_config.dtype in (torch.int8, torch.float8_e4m3fn)
-
         def layer(num_blocks: int, device: torch.device, pin: bool = False) -> KVCache:
-            kv_shape = (num_blocks, *shape[1:])
-            tensors = [torch.zeros(kv_shape, dtype=cache_config.dtype, device=device, pin_memory=pin) for _ in range(2)]
-            if quantized:
-                tensors += [torch.zeros(kv_shape[:-1], dtype=torch.float16, device=device, pin_memory=pin) for _ in range(2)]
-            return tuple(tensors)
+            return allocate_kv_cache(num_blocks, cache_config.block_size, spec.num_kv_heads, spec.head_dim,
+                                     cache_config.dtype, device, pin)
 
         self.groups = cache_config.kv_cache_groups
         num_tensors = self.groups.group_size if self.groups is not None else spec.num_layers

@@ -14,7 +14,8 @@ whole batch each step (``ModelRunner.prepare_inputs``):
   order, ``num_blocks[g]`` int64 [rows] of them (appended by the diffs, replaced on a
   copy-on-write or a roll-back);
 - the sampling parameters as arrays (``temperature`` float32, 0 for greedy; ``top_k`` int64,
-  0 where off; ``top_p``, ``min_p`` float32), written once when a request joins.
+  0 where off; ``top_p``, ``min_p`` float32; ``needs_logits_processing`` bool: a grammar,
+  bad words, ``min_tokens``, ``logit_bias`` or a penalty), written once when a request joins.
 
 Rows are kept dense: removing a request moves the last row into its place (vLLM's
 ``condense``), so rows ``0 .. num_reqs - 1`` are the held requests. The batch grows (rows
@@ -67,17 +68,28 @@ class InputBatch:
         self.top_k = np.zeros(rows, dtype=np.int64)
         self.top_p = np.ones(rows, dtype=np.float32)
         self.min_p = np.zeros(rows, dtype=np.float32)
+        # rows with a logits processor (``kvflow.sample.logits_processor``: a grammar, bad
+        # words, min_tokens, logit_bias or a penalty): only those go through it
+        self.needs_logits_processing = np.zeros(rows, dtype=bool)
         self.req_ids: list[str] = []
         self.states: list[Any] = []  # CachedRequestState per row
         self.req_id_to_index: dict[str, int] = {}
         # rows whose inputs need the per-request path of ``prepare_inputs`` (prompt
         # logprobs, pooling): while there are none the step takes the vectorized one
         self.num_special_reqs = 0
+        # rows with their own seeded generator (the sampler saves and restores those)
+        self.num_generator_reqs = 0
 
     @staticmethod
     def _is_special(state: Any) -> bool:
         return (getattr(state, "pooling_params", None) is not None
                 or state.sampling_params.prompt_logprobs is not None)
+
+    @staticmethod
+    def _needs_logits_processing(state: Any) -> bool:
+        p = state.sampling_params
+        return bool(getattr(state, "grammar", None) is not None or getattr(state, "bad_words_token_ids", None)
+                    or p.min_tokens > 0 or p.logit_bias or p.has_penalties)
 
     # --- capacity --------------------------------------------------------------------------
 
@@ -100,6 +112,7 @@ class InputBatch:
         self.num_blocks = grow(self.num_blocks, axis=1)
         self.temperature, self.top_k = grow(self.temperature), grow(self.top_k)
         self.top_p, self.min_p = grow(self.top_p, fill=1), grow(self.min_p)
+        self.needs_logits_processing = grow(self.needs_logits_processing)
 
     def _ensure_tokens(self, cols: int) -> None:
         if cols > self.token_ids.shape[1]:
@@ -154,10 +167,12 @@ class InputBatch:
         self.top_k[row] = min(p.top_k, 2**62) if p.top_k > 0 else 0
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
+        self.needs_logits_processing[row] = self._needs_logits_processing(state)
         self.req_ids.append(state.request_id)
         self.states.append(state)
         self.req_id_to_index[state.request_id] = row
         self.num_special_reqs += self._is_special(state)
+        self.num_generator_reqs += getattr(state, "generator", None) is not None
         return row
 
     def remove_request(self, request_id: str) -> bool:
@@ -167,6 +182,7 @@ class InputBatch:
         if row is None:
             return False
         self.num_special_reqs -= self._is_special(self.states[row])
+        self.num_generator_reqs -= getattr(self.states[row], "generator", None) is not None
         last = self.num_reqs - 1
         if row != last:
             moved = self.req_ids[last]
@@ -175,7 +191,7 @@ class InputBatch:
             n = int(self.num_tokens[last])
             self.token_ids[row, :n] = self.token_ids[last, :n]
             for a in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.temperature,
-                      self.top_k, self.top_p, self.min_p):
+                      self.top_k, self.top_p, self.min_p, self.needs_logits_processing):
                 a[row] = a[last]
             for g, table in enumerate(self.block_tables):
                 nb = int(self.num_blocks[g, last])

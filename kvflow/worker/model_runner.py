@@ -35,7 +35,7 @@ from kvflow.model.loader import build_model
 from kvflow.sampling_params import SamplingParams
 from kvflow.sample.logits_processor import apply_logits_processors
 from kvflow.sample.rejection_sampler import RejectionSampler
-from kvflow.sample.sampler import Sampler, SamplingTensors
+from kvflow.sample.sampler import Sampler, SamplingTensors, row_argmax
 from kvflow.spec_decode.draft_model import DraftModelProposer
 from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.worker.cache_engine import CacheEngine
@@ -476,9 +476,9 @@ class ModelRunner:
         if out.blocks_to_copy:
             self.cache_engine.copy_blocks(out.blocks_to_copy)
         # (a tensor-parallel worker samples nothing: no generator to restore)
-        rng = self._generator_states([self.requests[request_id] for request_id in
-                                      (*out.num_scheduled_tokens, *(child for child, _ in out.forked))]) \
-            if self.is_driver else []
+        rng = (self._generator_states([self.requests[request_id] for request_id in
+                                       (*out.num_scheduled_tokens, *(child for child, _ in out.forked))])
+               if self.input_batch.num_generator_reqs else self._generator_states([])) if self.is_driver else []
         try:
             result = self._run(out, rng)
         except Exception as exc:  # noqa: BLE001 - isolated below, or re-raised
@@ -589,16 +589,29 @@ class ModelRunner:
         return result
 
     def _sample(self, logits: torch.Tensor, requests: list[CachedRequestState]) -> list[int]:
-        """One token per row of ``logits`` (float32 [N, vocab_size]) for the N ``requests``."""
-        st = self._sampling_tensors(requests, logits.shape[-1])
-        return self.sampler(apply_logits_processors(logits, requests), st).tolist()
+        """One token per row of ``logits`` (float32 [N, vocab_size]) for the N ``requests``.
 
-    def _sampling_tensors(self, requests: list[CachedRequestState], vocab_size: int) -> SamplingTensors:
-        """The rows' sampling settings, gathered from the ``InputBatch``'s parameter arrays
-        (written once when each request joined) instead of rebuilt from its parameters."""
+        The rows' settings come from the ``InputBatch``'s arrays: only a batch holding a row
+        with a logits processor goes through ``apply_logits_processors``, and a batch of
+        greedy rows takes ``row_argmax`` directly (what ``Sampler`` returns for it)."""
         batch = self.input_batch
         index = batch.req_id_to_index
         rows = np.fromiter((index[r.request_id] for r in requests), dtype=np.int64, count=len(requests))
+        if batch.needs_logits_processing[rows].any():
+            logits = apply_logits_processors(logits, requests)
+        if not batch.temperature[rows].any():
+            return row_argmax(logits).tolist()
+        return self.sampler(logits, self._sampling_tensors(requests, logits.shape[-1], rows)).tolist()
+
+    def _sampling_tensors(self, requests: list[CachedRequestState], vocab_size: int,
+                          rows: np.ndarray | None = None) -> SamplingTensors:
+        """The rows' sampling settings, gathered from the ``InputBatch``'s parameter arrays
+        (written once when each request joined) instead of rebuilt from its parameters;
+        ``rows``: the requests' rows in the batch, when the caller has them."""
+        batch = self.input_batch
+        if rows is None:
+            index = batch.req_id_to_index
+            rows = np.fromiter((index[r.request_id] for r in requests), dtype=np.int64, count=len(requests))
         top_k = torch.from_numpy(batch.top_k[rows])
         dev = self.device
         return SamplingTensors(
@@ -611,6 +624,9 @@ class ModelRunner:
 
     def _generator_states(self, requests: list[CachedRequestState]) -> list[tuple[torch.Generator, torch.Tensor]]:
         """The state of every generator the batch may draw from (engine and seeded requests)."""
+        if not self.input_batch.num_generator_reqs:  # (no request of the batch has its own)
+            g = self.sampler.generator
+            return [(g, g.get_state())] if g is not None else []
         generators = {id(g): g for g in (self.sampler.generator, *(r.generator for r in requests)) if g is not None}
         return [(g, g.get_state()) for g in generators.values()]
 

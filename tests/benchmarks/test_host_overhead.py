@@ -23,3 +23,14 @@ def test_best_round_is_kept_per_size():
               {"kvflow": "x", "sizes": {"1": {"steps_per_s": 4.0}, "64": {"steps_per_s": 2.0}}}]
     best = _best(rounds)
     assert best["sizes"]["1"]["steps_per_s"] == 5.0 and best["sizes"]["64"]["steps_per_s"] == 2.0
+
+
+def test_compare_repos_are_labelled_and_checked(tmp_path):
+    (tmp_path / "kvflow").mkdir()
+    (tmp_path / "kvflow" / "__init__.py").write_text("")
+    args = parse_args(["--compare-repo", f"main={tmp_path}"])
+    assert args.compare == {"main": tmp_path.resolve()}
+    for bad in ([f"{tmp_path}"], [f"current={tmp_path}"], [f"main={tmp_path / 'nothing'}"],
+                [f"main={tmp_path}", f"main={tmp_path}"]):
+        with pytest.raises(SystemExit):
+            parse_args([a for entry in bad for a in ("--compare-repo", entry)])

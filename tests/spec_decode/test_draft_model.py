@@ -25,7 +25,7 @@ from kvflow.core.kv_cache_manager import cdiv
 from kvflow.engine.llm_engine import LLMEngine
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_model import DraftModelProposer
-from kvflow.spec_decode.metrics import SpecDecodeStats
+from kvflow.core.spec_decode_stats import SpecDecodeStats
 from kvflow.spec_decode.ngram import NgramProposer
 from kvflow.attention.torch_backend import TORCH_BACKEND
 

@@ -108,6 +108,34 @@ def test_sampling_parameters_move_with_their_row():
     assert not batch.remove_request("a")
 
 
+def test_logits_processing_flags_and_seeded_rows_move_with_their_row():
+    """Only rows flagged ``needs_logits_processing`` go through the logits processors and
+    ``num_generator_reqs`` says whether any row has its own generator (the runner skips
+    both paths otherwise): each processor's parameter flags its row, the flag moves with
+    the row when another leaves, and the count follows adds and removals."""
+    batch = InputBatch(max_num_reqs=2)
+    flagged = {"pen": dict(repetition_penalty=1.2), "freq": dict(frequency_penalty=0.5),
+               "pres": dict(presence_penalty=0.5), "bias": dict(logit_bias={5: 1.0}), "min": dict(min_tokens=2)}
+    batch.add_request(_state("plain", [1, 2, 3, 4], 3, temperature=0), ([0],))
+    for rid, params in flagged.items():
+        batch.add_request(_state(rid, [1, 2, 3, 4], 3, **params), ([1],))
+    bad = _state("bad", [1, 2, 3, 4], 3)
+    bad.bad_words_token_ids = [[7]]
+    batch.add_request(bad, ([2],))
+    seeded = _state("seeded", [1, 2, 3, 4], 3, temperature=1.0, seed=3)
+    seeded.generator = torch.Generator().manual_seed(3)
+    batch.add_request(seeded, ([3],))
+    flags = {rid: bool(batch.needs_logits_processing[row]) for rid, row in batch.req_id_to_index.items()}
+    assert flags == {"plain": False, "seeded": False, **{rid: True for rid in (*flagged, "bad")}}
+    assert batch.num_generator_reqs == 1
+    batch.remove_request("pen")  # the last row (seeded, unflagged) moves into pen's (flagged)
+    assert batch.req_id_to_index["seeded"] == 1 and not batch.needs_logits_processing[1]
+    batch.remove_request("plain")  # the last row now (bad, flagged) moves into plain's
+    assert batch.req_id_to_index["bad"] == 0 and batch.needs_logits_processing[0]
+    batch.remove_request("seeded")
+    assert batch.num_generator_reqs == 0
+
+
 def test_vectorized_decode_grouping_equals_the_dynamic_program():
     rng = random.Random(1)
     for _ in range(500):

@@ -1,4 +1,7 @@
-"""Counters of speculative decoding."""
+"""Counters of speculative decoding (vLLM v1's ``SpecDecodingStats``): plain counts at the
+token level, next to the scheduler whose steps verify the drafts; ``EngineCore`` records
+each step's (drafted, accepted) pairs.
+"""
 
 from __future__ import annotations
 
