@@ -14,7 +14,10 @@ the layers keep it:
   the rows repacked 16 at a time, ``GGUFWeight.pack``, which then replace the stored rows;
   PyTorch's dequantize + matmul where the kernel is not built);
 - the token embedding (rows dequantized at lookup) and the LM head (tied: the embedding's
-  blocks; else ``output.weight``) in ``kvflow.layers.embed_head``.
+  blocks; else ``output.weight``) in ``kvflow.layers.embed_head``; the loader packs the
+  head's blocks when the kernel is built (``pack_lm_head``), in row chunks whose mapped
+  stored pages go back to the system as they are packed (``pack_in_chunks``), so that the
+  largest matrix of a small model is not held twice for the length of its pack.
 
 No float copy of a quantized matrix is made or written anywhere. Tensors the file stores as
 float (norms, biases, F32 / F16 / BF16 matrices) load as float tensors in the serving dtype
