@@ -414,7 +414,8 @@ def convert_gguf(
     engine then reads the weights from the GGUF file itself).
 
     Returns:
-        The tokenizer it built and saved (a transformers fast tokenizer).
+        The tokenizer it built and saved, where that is the tokenizer served (its class takes
+        ``tokenizer.json`` as it is); None where the class rebuilds it (``load_tokenizer``).
 
     Raises:
         NotImplementedError: unsupported architecture, tensor name, partial rotary embedding
@@ -607,9 +608,10 @@ def _write_weights(reader: gguf.GGUFReader, config: transformers.PretrainedConfi
 
 
 def _write_tokenizer(meta: GGUFMetadata, source: Path, out: Path, config: transformers.PretrainedConfig) -> Any:
-    """Build the file's tokenizer with transformers' GGUF tokenizer conversion, save it
-    (``tokenizer.json`` and its config, with the added tokens listed) into ``out`` and return
-    it; the chat template and EOS token come from the GGUF metadata.
+    """Build the file's tokenizer with transformers' GGUF tokenizer conversion and save it
+    (``tokenizer.json`` and its config) into ``out``; the chat template and EOS token come
+    from the GGUF metadata. Where its class serves ``tokenizer.json`` as it is, the config
+    also lists the added tokens and the tokenizer is returned; else None (see below).
 
     ``AutoTokenizer.from_pretrained(gguf_file=...)`` would first build a transformers config
     from the file, for most architectures with ``gguf.GGUFReader`` over every metadata value
@@ -664,7 +666,8 @@ def _save_added_tokens(tokenizer: Any, folder: Path) -> None:
     written to a temporary file and renamed, so that a reader sees the old or the new file."""
     config_path = folder / "tokenizer_config.json"
     saved = json.loads(config_path.read_text())
-    saved[_ADDED_TOKENS_KEY] = {str(i): token.__getstate__() for i, token in sorted(tokenizer.added_tokens_decoder.items())}
+    added = sorted(tokenizer.added_tokens_decoder.items())
+    saved[_ADDED_TOKENS_KEY] = {str(i): token.__getstate__() for i, token in added}
     staging = folder / f".tokenizer_config.json.tmp-{os.getpid()}-{threading.get_ident()}"
     staging.write_text(json.dumps(saved, indent=2, ensure_ascii=False) + "\n")
     os.replace(staging, config_path)
