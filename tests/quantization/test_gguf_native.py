@@ -370,3 +370,25 @@ def test_packing_in_chunks_is_byte_identical_and_releases_the_stored_rows(qt, mo
     assert torch.equal(chunked.dequantize(), whole.dequantize())
     with pytest.raises(ValueError, match="chunk_rows"):
         gguf_quant.pack_in_chunks(other, chunk_rows=24)
+
+
+def test_the_lm_head_is_packed_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader packs the blocks the LM head computes with (here the tied Q8_0 embedding) at
+    load, through ``pack_in_chunks``, not at the first forward; the model then holds them once."""
+    if not kernel_available():
+        pytest.skip("the GGUF kernel is not built here (KVFLOW_CPU_KERNELS=0 or no compiler)")
+    from model.test_resolve import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama")
+    chunked: list[GGUFWeight] = []
+    pack = gguf_quant.pack_in_chunks
+    monkeypatch.setattr(gguf_quant, "pack_in_chunks",
+                        lambda weight, *args, **kwargs: chunked.append(weight) or pack(weight, *args, **kwargs))
+    llm = LLM(model=str(path), model_cache_dir=str(tmp_path / "cache"), num_kv_blocks=16, device="cpu")
+    model = llm.engine.model_runner.model
+    stored = model.lm_head.stored_gguf
+    assert stored is model.embed_tokens.gguf and chunked == [stored]
+    assert stored.packed is not None and stored.nbytes == stored.packed.numel()  # the stored rows released
+    ids = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    assert len(ids) == 4
