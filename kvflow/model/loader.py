@@ -210,6 +210,10 @@ def build_model(
         }
         quant_config.prepare_model(model, context)
     process_weights_after_loading(model)
+    if getattr(quant_config, "native_gguf", False) and device.type == "cpu":
+        from kvflow.quantization.gguf import pack_lm_head
+
+        pack_lm_head(model)  # chunk by chunk: the stored head and its packed copy never both resident
     if quantize_lm_head:
         if quant_config is None:
             raise ValueError(f"quantize_lm_head needs a quantized model (quantization int8, int4, int4-awq, fp8 "

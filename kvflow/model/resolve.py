@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -297,12 +298,61 @@ def _permuted_rows(rows: np.ndarray, gguf_name: str, config: transformers.Pretra
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str]) -> transformers.PreTrainedTokenizerBase:
-    """The tokenizer of an HF model directory, via `transformers.AutoTokenizer.from_pretrained`.
+    """The tokenizer of an HF model directory.
+
+    A folder made from a GGUF file (``resolve_model``) keeps the served tokenizer's own
+    ``tokenizer.json``, and its ``tokenizer_config.json`` lists the added tokens: it loads as
+    transformers' ``TokenizersBackend`` with one parse of ``tokenizer.json`` in Rust.
+    ``AutoTokenizer`` would pick the model type's class (``Qwen2Tokenizer``), which parses
+    the 11 MB file twice in Python and rebuilds the vocabulary and merges from it (2.2 s
+    against 0.9 s for Qwen2.5's 151k tokens on a loaded 2-core machine); the backend, the
+    special tokens and the chat template are the same (``tests/model/test_resolve.py``
+    compares them). Where the tokenizer's class rebuilds its backend its own way (Qwen2's
+    adds an NFC normalizer that transformers' GGUF conversion lacks), the folder's first load
+    does so with ``AutoTokenizer`` and saves the result for the later ones; where it does
+    not, the tokenizer that this process's conversion of the folder built is handed out
+    (once) instead of being built again. Any other folder:
+    ``transformers.AutoTokenizer.from_pretrained``.
 
     Raises:
         OSError / ValueError: (from transformers) the directory has no usable tokenizer files.
     """
-    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    folder = Path(model_dir)
+    built = _take_built_tokenizer(folder)
+    if built is not None:
+        return built
+    if (folder / SOURCE_MARKER).is_file() and (folder / "tokenizer.json").is_file():
+        if _ADDED_TOKENS_KEY in json.loads((folder / "tokenizer_config.json").read_text()):
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(str(folder))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))  # the first start's
+        _save_served_tokenizer(tokenizer, folder)
+        return tokenizer
+    return transformers.AutoTokenizer.from_pretrained(str(folder))
+
+
+# The tokenizer the last GGUF conversion of this process built, with the folder it was saved
+# into: ``load_tokenizer`` of that folder takes it (one slot, so at most one is kept unused).
+_built_tokenizer: tuple[Path, Any] | None = None
+_built_tokenizer_lock = threading.Lock()
+
+
+def _keep_built_tokenizer(folder: Path, tokenizer: Any) -> None:
+    global _built_tokenizer
+    tokenizer.name_or_path = str(folder)  # as loaded from the folder
+    with _built_tokenizer_lock:
+        _built_tokenizer = (folder.resolve(), tokenizer)
+
+
+def _take_built_tokenizer(folder: Path) -> Any | None:
+    global _built_tokenizer
+    with _built_tokenizer_lock:
+        if _built_tokenizer is None or _built_tokenizer[0] != folder.resolve():
+            return None
+        tokenizer = _built_tokenizer[1]
+        _built_tokenizer = None
+        return tokenizer
 
 
 # generation_config.json field -> SamplingParams field: the fields vLLM takes as sampling
@@ -349,7 +399,7 @@ def load_generation_defaults(model_dir: str | os.PathLike[str]) -> dict[str, Any
 def convert_gguf(
     gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], shard_bytes: int = SHARD_BYTES,
     weights: bool = True,
-) -> None:
+) -> Any:
     """Write the HF-format equivalent of a GGUF file into `out_dir`; the file's architecture
     is read by its registered ``ArchSpec`` (``kvflow.model.registry.gguf_arch_spec``).
 
@@ -362,6 +412,10 @@ def convert_gguf(
     `out_dir` is created if needed; existing files of the same names are overwritten.
     `weights=False` writes the config and tokenizer only (what `resolve_model` caches: the
     engine then reads the weights from the GGUF file itself).
+
+    Returns:
+        The tokenizer it built and saved, where that is the tokenizer served (its class takes
+        ``tokenizer.json`` as it is); None where the class rebuilds it (``load_tokenizer``).
 
     Raises:
         NotImplementedError: unsupported architecture, tensor name, partial rotary embedding
@@ -382,7 +436,7 @@ def convert_gguf(
     config.save_pretrained(out)
     if weights:
         _write_weights(_open_gguf(source), config, out, shard_bytes)
-    _write_tokenizer(meta, source, out, config)
+    return _write_tokenizer(meta, source, out, config)
 
 
 _float32 = float32_value
@@ -553,10 +607,11 @@ def _write_weights(reader: gguf.GGUFReader, config: transformers.PretrainedConfi
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _write_tokenizer(meta: GGUFMetadata, source: Path, out: Path, config: transformers.PretrainedConfig) -> None:
+def _write_tokenizer(meta: GGUFMetadata, source: Path, out: Path, config: transformers.PretrainedConfig) -> Any:
     """Build the file's tokenizer with transformers' GGUF tokenizer conversion and save it
     (``tokenizer.json`` and its config) into ``out``; the chat template and EOS token come
-    from the GGUF metadata.
+    from the GGUF metadata. Where its class serves ``tokenizer.json`` as it is, the config
+    also lists the added tokens and the tokenizer is returned; else None (see below).
 
     ``AutoTokenizer.from_pretrained(gguf_file=...)`` would first build a transformers config
     from the file, for most architectures with ``gguf.GGUFReader`` over every metadata value
@@ -581,6 +636,56 @@ def _write_tokenizer(meta: GGUFMetadata, source: Path, out: Path, config: transf
     if eos_id is not None:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos_id))
     tokenizer.save_pretrained(str(out))
+    if _rebuilds_backend(tokenizer):
+        # Its class rebuilds the backend in its own way when it loads the saved files (Qwen2's
+        # adds an NFC normalizer that the GGUF conversion lacks): the tokenizer kvflow serves
+        # is that rebuilt one, made and saved by the first ``load_tokenizer``.
+        return None
+    _save_added_tokens(tokenizer, out)
+    return tokenizer
+
+
+# Written into a GGUF folder's tokenizer_config.json once its tokenizer.json is the served
+# tokenizer's own serialization (``load_tokenizer`` then parses it in Rust alone).
+_ADDED_TOKENS_KEY = "added_tokens_decoder"
+
+
+def _rebuilds_backend(tokenizer: Any) -> bool:
+    """Whether ``type(tokenizer)`` builds its backend from the vocabulary in its own
+    ``__init__`` when loaded from files, rather than parsing ``tokenizer.json`` as it is
+    (transformers' own test in ``TokenizersBackend.convert_to_native_format``)."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    cls = type(tokenizer)
+    return isinstance(tokenizer, TokenizersBackend) and cls is not TokenizersBackend and "__init__" in cls.__dict__
+
+
+def _save_added_tokens(tokenizer: Any, folder: Path) -> None:
+    """List the added tokens in ``folder``'s tokenizer_config.json (as transformers 4 wrote
+    them; without them a load parses the whole tokenizer.json in Python to find these few);
+    written to a temporary file and renamed, so that a reader sees the old or the new file."""
+    config_path = folder / "tokenizer_config.json"
+    saved = json.loads(config_path.read_text())
+    added = sorted(tokenizer.added_tokens_decoder.items())
+    saved[_ADDED_TOKENS_KEY] = {str(i): token.__getstate__() for i, token in added}
+    staging = folder / f".tokenizer_config.json.tmp-{os.getpid()}-{threading.get_ident()}"
+    staging.write_text(json.dumps(saved, indent=2, ensure_ascii=False) + "\n")
+    os.replace(staging, config_path)
+
+
+def _save_served_tokenizer(tokenizer: Any, folder: Path) -> None:
+    """Replace ``folder``'s tokenizer.json by ``tokenizer``'s serialization, then list its
+    added tokens in the config (the marker that the file is the served tokenizer's: the
+    config changes last, each file by an atomic rename). A folder that cannot be written
+    (read-only cache) keeps loading the slow way."""
+    staging = folder / f".tokenizer.json.tmp-{os.getpid()}-{threading.get_ident()}"
+    try:
+        tokenizer.backend_tokenizer.save(str(staging))
+        os.replace(staging, folder / "tokenizer.json")
+        _save_added_tokens(tokenizer, folder)
+    except OSError as exc:
+        staging.unlink(missing_ok=True)
+        logger.warning("could not save the tokenizer into %s (%s); it is rebuilt at each start", folder, exc)
 
 
 def _cache_key(path: Path) -> str:
@@ -655,9 +760,11 @@ def _convert_cached(source: Path, root: Path, weights: bool = False) -> Path:
             logger.info("reading the config and tokenizer of %s into %s (once; the weights stay in the file)", source, target)
         staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}.tmp-"))
         try:
-            convert_gguf(source, staging, weights=weights)
+            tokenizer = convert_gguf(source, staging, weights=weights)
             _write_marker(staging, source)
             os.rename(staging, target)
+            if tokenizer is not None:
+                _keep_built_tokenizer(target, tokenizer)  # load_tokenizer takes it: built once
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

@@ -692,12 +692,92 @@ def test_the_cached_folder_is_read_from_the_header_alone(arch: str, tmp_path: Pa
     made.eos_token = made.convert_ids_to_tokens(int(gguf_package.GGUFReader(path).fields[
         "tokenizer.ggml.eos_token_id"].contents()))
     made.save_pretrained(str(tmp_path / "reference"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (folder / name).read_text() == (tmp_path / "reference" / name).read_text(), name
+    assert (folder / "tokenizer.json").read_text() == (tmp_path / "reference" / "tokenizer.json").read_text()
+    saved = json.loads((folder / "tokenizer_config.json").read_text())
+    # the same config, plus the added tokens listed where the conversion's tokenizer is the one
+    # served (llama; qwen2's class rebuilds it at the first load, which then lists them)
+    listed = saved.pop("added_tokens_decoder", None)
+    assert listed == ({str(i): t.__getstate__() for i, t in made.added_tokens_decoder.items()}
+                      if arch == "llama" else None)
+    assert saved == json.loads((tmp_path / "reference" / "tokenizer_config.json").read_text())
     reference, ours = resolve.load_tokenizer(tmp_path / "reference"), resolve.load_tokenizer(folder)
     assert ours.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
-    assert type(ours) is type(reference) and ours.chat_template == CHAT_TEMPLATE
+    assert ours.chat_template == CHAT_TEMPLATE
     assert ours("hello world").input_ids == reference("hello world").input_ids
+
+
+def _same_tokenizer(ours: transformers.PreTrainedTokenizerBase, reference: transformers.PreTrainedTokenizerBase) -> None:
+    """Asserts that two tokenizers encode, decode and render the chat template byte-identically."""
+    assert ours.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    texts = ["hello world", "  two  spaces\n\n\tand a tab", "<|im_start|>user\nhi<|im_end|>", "caf\u00e9 \U0001f600 \u65e5\u672c",
+             "'s 're ABC 123", " leading space", ""]
+    for text in texts:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == reference.encode(text, add_special_tokens=special)
+    ids = list(range(len(reference)))
+    assert len(ours) == len(reference) and ours.convert_ids_to_tokens(ids) == reference.convert_ids_to_tokens(ids)
+    for skip in (False, True):
+        assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+        assert ([ours.decode([i], skip_special_tokens=skip) for i in ids]
+                == [reference.decode([i], skip_special_tokens=skip) for i in ids])
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again"}]
+    for generation_prompt in (False, True):
+        assert (ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+                == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
+    for attribute in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id", "all_special_ids",
+                      "all_special_tokens", "chat_template", "model_max_length", "padding_side",
+                      "clean_up_tokenization_spaces", "vocab_size", "added_tokens_decoder"):
+        assert getattr(ours, attribute) == getattr(reference, attribute), attribute
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_folders_tokenizer_is_converted_once_and_parsed_in_rust(
+        arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold start converts the GGUF vocabulary once and then builds the served tokenizer once:
+    the conversion's own (llama: ``TokenizersBackend`` takes ``tokenizer.json`` as it is),
+    handed to ``load_tokenizer`` without reading the files back; or (qwen2, whose class
+    rebuilds the backend from the vocabulary, adding NFC) the first load's, saved. Every later
+    load reads ``tokenizer.json`` in Rust only (Python never opens it) and equals what
+    transformers' ``AutoTokenizer`` makes of the folder."""
+    import builtins
+
+    from transformers.integrations import gguf as transformers_gguf
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(path, arch)
+    conversions: list[str] = []
+    convert = transformers_gguf.get_gguf_tokenizer
+
+    def counting_convert(gguf_path, *args, **kwargs):
+        conversions.append(str(gguf_path))
+        return convert(gguf_path, *args, **kwargs)
+
+    opened: list[str] = []
+    python_open = builtins.open
+
+    def watching_open(file, *args, **kwargs):
+        opened.append(os.path.basename(str(file)))
+        return python_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(transformers_gguf, "get_gguf_tokenizer", counting_convert)
+    folder = resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert len(conversions) == 1
+    with monkeypatch.context() as patch:
+        patch.setattr(builtins, "open", watching_open)
+        first = resolve.load_tokenizer(folder)  # the cold start's
+        assert ("tokenizer.json" in opened) == (arch == "qwen2")  # llama: the conversion's, not read back
+        assert (opened == []) == (arch == "llama")
+        opened.clear()
+        second = resolve.load_tokenizer(folder)  # a warm start's: tokenizer.json parsed in Rust
+        third = resolve.load_tokenizer(folder)
+    assert second is not first and third is not second and len(conversions) == 1
+    assert "tokenizer.json" not in opened and "tokenizer_config.json" in opened
+    assert resolve.resolve_model(str(path), cache_dir=tmp_path / "cache") == folder and len(conversions) == 1
+    reference = transformers.AutoTokenizer.from_pretrained(str(folder))
+    _same_tokenizer(first, reference)
+    _same_tokenizer(second, reference)
+    _same_tokenizer(third, reference)
 
 
 def test_native_weights_are_the_files_pages_until_repacked(tiny_llama: Tiny) -> None:

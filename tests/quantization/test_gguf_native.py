@@ -298,3 +298,97 @@ def test_a_tensor_the_config_disagrees_with_is_one_error_and_nothing_stays_mappe
     assert mapped() == []
     assert sorted(p.name for p in next((tmp_path / "cache").glob("disagrees-*")).iterdir()) == [
         "chat_template.jinja", "config.json", resolve.SOURCE_MARKER, "tokenizer.json", "tokenizer_config.json"]
+
+
+def _mapping_rss_kib(address: int) -> int:
+    """Resident KiB of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(v, 16) for v in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="needs Linux's /proc/self/smaps")
+def test_the_page_releaser_hands_back_file_pages_only(tmp_path: Path) -> None:
+    """``_page_releaser`` drops the read pages of a private file mapping (what
+    ``GGUFTensorInfo.map`` makes: the data stays readable, from the file) and never touches
+    anonymous memory, whose pages ``MADV_DONTNEED`` would zero."""
+    import mmap
+
+    rows, row_bytes = 512, 16384  # 8 MiB
+    data = np.random.default_rng(0).integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+    path = tmp_path / "blocks.bin"
+    data.tofile(path)
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), data.nbytes, access=mmap.ACCESS_COPY)
+    raw = torch.from_numpy(np.frombuffer(mapping, np.uint8).reshape(rows, row_bytes))
+    assert int(raw.sum()) == int(data.sum())  # every page read: resident
+    assert _mapping_rss_kib(raw.data_ptr()) >= 8 * 1024 - 64
+    release = gguf_quant._page_releaser(raw)
+    release(rows // 2)
+    assert _mapping_rss_kib(raw.data_ptr()) <= 4 * 1024 + 64
+    assert torch.equal(raw, torch.from_numpy(data))  # read again from the file
+    anonymous = torch.from_numpy(data.copy())
+    gguf_quant._page_releaser(anonymous)(rows)
+    assert torch.equal(anonymous, torch.from_numpy(data))
+    del raw
+
+
+@pytest.mark.parametrize("qt", [QT.Q8_0, QT.Q6_K, QT.Q4_K, QT.Q4_0], ids=lambda t: t.name)
+def test_packing_in_chunks_is_byte_identical_and_releases_the_stored_rows(qt, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pack_in_chunks`` builds the same packed bytes as one ``pack`` of all rows (row count
+    not a multiple of the 16-row group), hands each chunk's stored pages back as it goes, and
+    keeps the weight once (packed only)."""
+    if not kernel_available():
+        pytest.skip("the GGUF kernel is not built here (KVFLOW_CPU_KERNELS=0 or no compiler)")
+    from tests.layers.test_gguf_kernels import _random_raw
+
+    n, k = 16 * 7 + 5, 512
+    raw = _random_raw(qt, n, k, seed=3)
+    whole, chunked, other = (GGUFWeight(torch.from_numpy(raw.copy()), qt, n, k) for _ in range(3))
+    released: list[int] = []
+    releaser = gguf_quant._page_releaser
+
+    def recording(raw: torch.Tensor):
+        release = releaser(raw)
+
+        def wrapped(row: int) -> None:
+            released.append(row)
+            release(row)
+        return wrapped
+
+    monkeypatch.setattr(gguf_quant, "_page_releaser", recording)
+    packed = gguf_quant.pack_in_chunks(chunked, chunk_rows=32)
+    assert torch.equal(packed, whole.pack())
+    assert released == [32, 64, 96, 117]
+    assert chunked.nbytes == packed.numel()  # the stored rows released
+    assert torch.equal(chunked.dequantize(), whole.dequantize())
+    with pytest.raises(ValueError, match="chunk_rows"):
+        gguf_quant.pack_in_chunks(other, chunk_rows=24)
+
+
+def test_the_lm_head_is_packed_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader packs the blocks the LM head computes with (here the tied Q8_0 embedding) at
+    load, through ``pack_in_chunks``, not at the first forward; the model then holds them once."""
+    if not kernel_available():
+        pytest.skip("the GGUF kernel is not built here (KVFLOW_CPU_KERNELS=0 or no compiler)")
+    from model.test_resolve import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama")
+    chunked: list[GGUFWeight] = []
+    pack = gguf_quant.pack_in_chunks
+    monkeypatch.setattr(gguf_quant, "pack_in_chunks",
+                        lambda weight, *args, **kwargs: chunked.append(weight) or pack(weight, *args, **kwargs))
+    llm = LLM(model=str(path), model_cache_dir=str(tmp_path / "cache"), num_kv_blocks=16, device="cpu")
+    model = llm.engine.model_runner.model
+    stored = model.lm_head.stored_gguf
+    assert stored is model.embed_tokens.gguf and chunked == [stored]
+    assert stored.packed is not None and stored.nbytes == stored.packed.numel()  # the stored rows released
+    ids = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    assert len(ids) == 4
