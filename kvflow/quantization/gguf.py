@@ -252,7 +252,10 @@ def _page_releaser(raw: torch.Tensor):
         return lambda row: None
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     page = mmap.PAGESIZE
-    done = [base - base % page]  # the first page may hold the bytes before the tensor: file data too
+    # Whole pages inside the tensor only: a page it shares with the tensor before it could
+    # hold that tensor's bytes written in place (a private mapping's copied page), which
+    # MADV_DONTNEED would revert to the file's.
+    done = [base + (-base) % page]
 
     def release(row: int) -> None:
         end = base + row * row_bytes
