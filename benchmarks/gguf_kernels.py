@@ -150,7 +150,7 @@ def prefill(model: str, tokens: int, rounds: int, baseline, out: Path) -> dict:
 
     from kvflow import LLM, SamplingParams
 
-    llm = LLM(model=model)
+    llm = LLM(model=model, enable_prefix_caching=False)  # (every request a fresh prompt besides)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     ours = gk._EXTENSION.load()
     if ours is None:
@@ -178,7 +178,7 @@ def prefill(model: str, tokens: int, rounds: int, baseline, out: Path) -> dict:
             linear_s[0] += time.perf_counter() - t
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 20000) for _ in range(tokens)] for _ in range(rounds + 1)]
+    prompts = [[rng.randrange(100, 20000) for _ in range(tokens)] for _ in range(2 * (rounds + 1))]
     times: dict[str, list[float]] = {"packed": [], "packed-baseline": []}
     linear: dict[str, list[float]] = {"packed": [], "packed-baseline": []}
     gk._EXTENSION, gk.gguf_linear = swap, timed_linear
@@ -188,9 +188,10 @@ def prefill(model: str, tokens: int, rounds: int, baseline, out: Path) -> dict:
     for m in patched:
         m.gguf_linear = timed_linear
     try:
-        for r, ids in enumerate(prompts):
-            for name, module in (("packed", ours), ("packed-baseline", baseline)) if r % 2 else \
-                    (("packed-baseline", baseline), ("packed", ours)):
+        for r in range(rounds + 1):
+            for i, (name, module) in enumerate((("packed", ours), ("packed-baseline", baseline)) if r % 2 else
+                                               (("packed-baseline", baseline), ("packed", ours))):
+                ids = prompts[2 * r + i]
                 swap.module = module
                 linear_s[0] = 0.0
                 t = time.perf_counter()
