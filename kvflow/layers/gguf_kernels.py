@@ -55,7 +55,7 @@ rebuilds them, byte-exact, from the packed layout where asked for: ``dequantize`
 with the kernel, or at load when the kernel is built already, so tensor-parallel narrowing (at
 load) happens before packing.
 
-Prefill (from 16 rows, ``GEMM_MIN_ROWS`` in the C++ source) runs the same packed weights
+Prefill (from 32 rows, ``GEMM_MIN_ROWS`` in the C++ source) runs the same packed weights
 through a register-blocked GEMM (the oneDNN / llama.cpp ``repack.cpp`` GEMM method: a micro-kernel
 keeps an MR x NR tile of accumulators in registers, decodes each weight block once per MR
 activation rows and streams the activation tile from cache). AVX-512 VNNI: two 16-row groups

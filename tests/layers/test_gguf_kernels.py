@@ -297,13 +297,14 @@ def test_linear_packs_once_at_first_use():
     assert kept._raw is not None and kept.packed is not None
 
 
-# The prefill GEMM (from GEMM_MIN_ROWS = 16 rows: pairs of 16-row groups against 4 activation
+# The prefill GEMM (from GEMM_MIN_ROWS = 32 rows: pairs of 16-row groups against 4 activation
 # rows on AVX-512 VNNI, one group against 8 for an odd group; 8-row halves against 4 on AVX2;
-# work items of 128 rows) against the small-M path (under 16 rows: one group against 4 rows),
+# work items of 128 rows) against the small-M path (under 32 rows: one group against 4 rows),
 # which computes each output with the same operations in the same order: equal bit for bit.
-# M: 16 (the switch), 23 / 37 (remainders of 3 and 1 after the 4- and 8-row tiles), 130 (two
-# work items of rows, the second of 2); N: 13 (one partial group), 49 (a pair and a partial
-# odd group), 333 (21 groups: chunks of a pair count, an odd group at a chunk's end).
+# M: 32 (the switch), 39 / 45 (remainders of 3 and 1 after the 4-row tiles, 7 and 5 after the
+# 8-row ones), 130 (two work items of rows, the second of 2); N: 13 (one partial group), 49 (a
+# pair and a partial odd group), 333 (21 groups: chunks of a pair count, an odd group at a
+# chunk's end).
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
 def test_prefill_gemm_equals_small_m_path(qt):
     if not gk.kernel_available():
@@ -313,7 +314,7 @@ def test_prefill_gemm_equals_small_m_path(qt):
     module = ops.GGUF_MATMUL.load()
     k = 512 if qt in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 96 * 3
     gen = torch.Generator().manual_seed(int(qt))
-    for m, n, dtype in ((16, 13, torch.float32), (23, 49, torch.bfloat16), (37, 333, torch.float32),
+    for m, n, dtype in ((32, 13, torch.float32), (39, 49, torch.bfloat16), (45, 333, torch.float32),
                         (130, 49, torch.float32)):
         w, ref_w = _weight(qt, n, k, seed=m + n)
         packed = w.pack()

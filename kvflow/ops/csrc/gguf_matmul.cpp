@@ -1296,7 +1296,10 @@ void for_each_chunk(int64_t groups, int64_t chunk, const F& body) {
 template <int QT, typename OutT>
 void run_packed_gemm(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, int64_t M, int64_t N,
                      const float* bias, OutT* y, int64_t ldy);
-constexpr int64_t GEMM_MIN_ROWS = 16;  // rows from which run_packed takes the prefill GEMM (run_packed_gemm)
+// Rows from which run_packed takes the prefill GEMM (run_packed_gemm): at 16 rows it measured
+// 0.86-1.33x the small-M path (Q6_K / Q8_0 slower), from 64 rows 0.98-1.68x (one thread, Qwen
+// 0.5B's shapes); speculative verification and batched decode stay on the small-M path.
+constexpr int64_t GEMM_MIN_ROWS = 32;
 
 // The GEMV and small-M GEMM: per 16-row group all M rows in tiles of 4 (group_dot).
 template <int QT, typename OutT>
