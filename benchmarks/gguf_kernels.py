@@ -11,7 +11,13 @@ batches; 512: prefill), per call in microseconds, and the effective bandwidth of
   ``GGUFWeight.pack``; from ``DEQUANT_GEMM_MIN_ROWS`` rows, dequantized tiles + GEMM);
 * ``stored``: the kernel on the stored row-major blocks (``gguf_linear`` before the packed
   layout: the baseline);
-* ``dense-bf16`` / ``dense-f32``: ``F.linear`` on a dense bfloat16 / float32 weight of the shape.
+* ``dense-bf16`` / ``dense-f32``: ``F.linear`` on a dense bfloat16 / float32 weight of the shape;
+* ``packed-baseline`` (with ``--baseline-repo PATH``): the packed kernel of another checkout
+  (say main's, before a kernel change): its ``kvflow/ops/csrc/gguf_matmul.cpp`` built as a
+  second extension (its own name, the same compiler flags) and loaded into this process, its
+  weights packed by its own ``gguf_pack_fast``, called as ``gguf_linear`` calls the packed
+  kernel. Its cells and ``packed``'s are timed interleaved, sweep by sweep, so the load of a
+  shared machine falls on both alike; the table then gives ``packed``'s speedup over it.
 
 Shapes: SmolLM2-135M (K=576: N=576, 192, 1536; K=1536: N=576), Qwen2.5-0.5B (K=896: N=896,
 128, 4864; K=4864: N=896) and Qwen2.5-1.5B (K=1536: N=8960; K=8960: N=1536); a format whose
@@ -36,6 +42,14 @@ How to run
     python -m benchmarks.gguf_kernels                          # everything (a few minutes)
     python -m benchmarks.gguf_kernels --formats Q4_0 Q6_K --m 1 --shapes qwen1.5b
     python -m benchmarks.gguf_kernels --profile-matrices qwen2.5-coder-1.5b --out /tmp/m.json
+    # the prefill GEMM against main's kernel, same run (GOPS = 2 M N K / time):
+    python -m benchmarks.gguf_kernels --baseline-repo ../main --paths packed --dense \
+        --formats Q4_1 Q4_K Q6_K Q5_0 Q8_0 --m 1 4 16 64 256 512 2048
+
+``--prefill MODEL`` (with ``--baseline-repo``) instead times the end-to-end prefill of one
+``--prefill-tokens``-token prompt (``LLM(model=MODEL)``, one output token) with this
+checkout's kernel and the baseline's, alternated request by request in one process (the
+linears' module swapped between requests), and the share of ``gguf_linear`` in it.
 
 Prints a table and writes ``--out`` (default ``benchmarks/results/gguf_kernels.json``).
 
@@ -83,6 +97,128 @@ def _random_raw(qt, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
     for off in offsets:
         b[:, off:off + 2] = rng.uniform(1e-4, 1e-2, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
     return torch.from_numpy(b.reshape(n, -1))
+
+
+def _time_interleaved(cases: list[list], x: torch.Tensor, repeats: int) -> list[float]:
+    """Seconds per call of each case (a list of callables): like :func:`_time`, but the cases'
+    sweeps alternate (case 0, case 1, ..., case 0, ...), so a change in the machine's load
+    falls on all of them alike."""
+    for fns in cases:
+        for f in fns:
+            f(x)
+    best = [float("inf")] * len(cases)
+    for _ in range(repeats):
+        for i, fns in enumerate(cases):
+            t = time.perf_counter()
+            for f in fns:
+                f(x)
+            best[i] = min(best[i], (time.perf_counter() - t) / len(fns))
+    return best
+
+
+def load_baseline(repo: Path):
+    """The GGUF kernel of another checkout ``repo`` (its ``kvflow/ops/csrc/gguf_matmul.cpp``),
+    built as a separate extension with this checkout's compiler flags and loaded here.
+
+    Raises:
+        ValueError: when repo has no such source, or the build fails.
+    """
+    from kvflow.ops.build import CppKernel
+
+    source = Path(repo).resolve() / "kvflow" / "ops" / "csrc" / "gguf_matmul.cpp"
+    if not source.is_file():
+        raise ValueError(f"--baseline-repo: {source} does not exist")
+    module = CppKernel("kvflow_cpu_gguf_matmul_baseline", source, "KVFLOW_CPU_GGUF", "baseline GGUF kernel").load()
+    if module is None:
+        raise ValueError(f"--baseline-repo: the kernel {source} could not be built (see the log)")
+    return module
+
+
+def _packed_call(module, qt, n: int, k: int):
+    """gguf_linear's packed-kernel call on ``module``: f(x, packed) -> y [M, n]."""
+    def call(x, packed):
+        y = torch.empty(x.shape[0], n, dtype=x.dtype)
+        module.gguf_linear_packed(x, packed, int(qt), n, k, None, y)
+        return y
+    return call
+
+
+def prefill(model: str, tokens: int, rounds: int, baseline, out: Path) -> dict:
+    """End-to-end prefill of one ``tokens``-token prompt (one output token) with this
+    checkout's GGUF kernel and ``baseline``'s, alternated per request (see the docstring)."""
+    import random
+
+    from kvflow import LLM, SamplingParams
+
+    llm = LLM(model=model, enable_prefix_caching=False)  # (every request a fresh prompt besides)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ours = gk._EXTENSION.load()
+    if ours is None:
+        raise ValueError("the GGUF kernel is not available here (KVFLOW_CPU_KERNELS=0?)")
+    real = gk._EXTENSION
+
+    class Swap:  # gk._EXTENSION's stand-in: load() returns the module under test
+        module = ours
+
+        def load(self):
+            return self.module
+
+        def require(self):
+            return self.module
+
+    swap = Swap()
+    linear_s = [0.0]
+    inner = gk.gguf_linear
+
+    def timed_linear(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            linear_s[0] += time.perf_counter() - t
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 20000) for _ in range(tokens)] for _ in range(2 * (rounds + 1))]
+    times: dict[str, list[float]] = {"packed": [], "packed-baseline": []}
+    linear: dict[str, list[float]] = {"packed": [], "packed-baseline": []}
+    gk._EXTENSION, gk.gguf_linear = swap, timed_linear
+    import kvflow.layers.embed_head as embed_head
+    import kvflow.quantization.gguf as gguf_method
+    patched = [m for m in (gguf_method, embed_head) if getattr(m, "gguf_linear", None) is inner]
+    for m in patched:
+        m.gguf_linear = timed_linear
+    try:
+        for r in range(rounds + 1):
+            for i, (name, module) in enumerate((("packed", ours), ("packed-baseline", baseline)) if r % 2 else
+                                               (("packed-baseline", baseline), ("packed", ours))):
+                ids = prompts[2 * r + i]
+                swap.module = module
+                linear_s[0] = 0.0
+                t = time.perf_counter()
+                llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+                if r:  # the first round warms up
+                    times[name].append(time.perf_counter() - t)
+                    linear[name].append(linear_s[0])
+    finally:
+        gk._EXTENSION, gk.gguf_linear = real, inner
+        for m in patched:
+            m.gguf_linear = inner
+    rec = {"model": model, "tokens": tokens, "rounds": rounds, "isa": gk.kernel_isa()}
+    rows = []
+    for name in times:
+        med, lin = statistics.median(times[name]), statistics.median(linear[name])
+        rec[name] = {"prefill_ms": med * 1e3, "gguf_linear_ms": lin * 1e3, "all_ms": [t * 1e3 for t in times[name]]}
+        rows.append([name, med * 1e3, lin * 1e3, 100 * lin / med])
+    rec["speedup"] = rec["packed-baseline"]["prefill_ms"] / rec["packed"]["prefill_ms"]
+    print(f"# {model}: prefill of one {tokens}-token prompt, medians of {rounds} alternated requests each; "
+          f"kernel ISA {gk.kernel_isa()}")
+    print(format_table(["kernel", "prefill ms", "gguf_linear ms", "gguf_linear %"], rows))
+    print(f"speedup (baseline / this): {rec['speedup']:.2f}x")
+    record = {"machine": {**machine_info(), "isa": gk.kernel_isa()}, "prefill": rec}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    print(f"\nwrote {out}")
+    return record
 
 
 def _time(fns: list, x: torch.Tensor, repeats: int) -> float:
@@ -252,7 +388,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile-steps", type=int, default=32)
     ap.add_argument("--profile-matrices", metavar="MODEL", default=None,
                     help="time each GGUF matrix of one decode step of this model instead (see above)")
+    ap.add_argument("--baseline-repo", type=Path, default=None,
+                    help="also time the packed kernel of this checkout (e.g. main's), interleaved (see above)")
+    ap.add_argument("--prefill", metavar="MODEL", default=None,
+                    help="with --baseline-repo: time the end-to-end prefill of this model instead (see above)")
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--prefill-rounds", type=int, default=5)
     args = ap.parse_args(argv)
+    baseline = load_baseline(args.baseline_repo) if args.baseline_repo else None
+    if args.prefill:
+        if baseline is None:
+            ap.error("--prefill needs --baseline-repo")
+        return prefill(args.prefill, args.prefill_tokens, args.prefill_rounds, baseline, args.out)
     if args.profile_decode:
         return profile_decode(args.profile_decode, args.profile_steps, args.out)
     if args.profile_matrices:
@@ -282,6 +429,11 @@ def main(argv: list[str] | None = None) -> dict:
                         for w in ws:
                             w.pack(release_raw=True)  # as a model's linears hold it
                     fns = [lambda x, w=w: gk.gguf_linear(x, w) for w in ws]
+                    if baseline is not None:
+                        call = _packed_call(baseline, qt, n, k)
+                        base = [baseline.gguf_pack_fast(w.raw, int(qt), n, k) for w in ws]
+                        cases.append((f"{name} packed-baseline", nbytes,
+                                      [lambda x, p=p, f=call: f(x, p) for p in base]))
                 elif module is None:
                     continue
                 else:  # the kernel on the stored row-major blocks (the baseline)
@@ -304,18 +456,31 @@ def main(argv: list[str] | None = None) -> dict:
             x = torch.randn(m, k)
             big = m * n * k >= 2e9  # a prefill-sized product: compute-bound, two copies and two sweeps do
             reps = 2 if big else args.repeats
-            for name, nbytes, fns in cases:
-                fns_m = fns[:2] if big else fns
-                s = _time(fns_m, x, reps)
+            if big and baseline is not None:
+                reps = 3
+            # (with a baseline all cases alternate sweep by sweep; else each case's sweeps run together)
+            secs = (_time_interleaved([fns[:2] if big else fns for _, _, fns in cases], x, reps) if baseline is not None
+                    else [_time(fns[:2] if big else fns, x, reps) for _, _, fns in cases])
+            by_case = {}
+            for (name, nbytes, fns), s in zip(cases, secs):
                 rec = {"n": n, "k": k, "m": m, "case": name, "us": s * 1e6, "weight_bytes": nbytes,
                        "gb_per_s": nbytes / s / 1e9, "gflop_per_s": 2 * m * n * k / s / 1e9}
+                by_case[name] = rec
                 results.append(rec)
-                rows.append([f"{n}x{k}", m, name, rec["us"], rec["gb_per_s"], rec["gflop_per_s"]])
-                print(f"{n}x{k} M={m:<4d} {name:<12s} {rec['us']:10.1f} us  {rec['gb_per_s']:7.1f} GB/s  "
-                      f"{rec['gflop_per_s']:7.1f} GFLOP/s", flush=True)
+            for name, rec in by_case.items():  # packed's speedup over the baseline in this cell
+                if name.endswith(" packed-baseline") and name[:-len("-baseline")] in by_case:
+                    ours = by_case[name[:-len("-baseline")]]
+                    ours["speedup_vs_baseline"] = rec["us"] / ours["us"]
+            for name, rec in by_case.items():
+                speedup = rec.get("speedup_vs_baseline")
+                rows.append([f"{n}x{k}", m, name, rec["us"], rec["gb_per_s"], rec["gflop_per_s"],
+                             "" if speedup is None else f"{speedup:.2f}x"])
+                print(f"{n}x{k} M={m:<4d} {name:<22s} {rec['us']:10.1f} us  {rec['gb_per_s']:7.1f} GB/s  "
+                      f"{rec['gflop_per_s']:7.1f} GFLOP/s" + ("" if speedup is None else f"  {speedup:.2f}x"), flush=True)
     print()
-    print(format_table(["N x K", "M", "case", "us/call", "weight GB/s", "GFLOP/s"], rows))
+    print(format_table(["N x K", "M", "case", "us/call", "weight GB/s", "GFLOP/s (GOPS)", "vs baseline"], rows))
     record = {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "baseline_repo": str(args.baseline_repo.resolve()) if args.baseline_repo else None,
               "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))

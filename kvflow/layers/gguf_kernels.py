@@ -55,8 +55,26 @@ rebuilds them, byte-exact, from the packed layout where asked for: ``dequantize`
 with the kernel, or at load when the kernel is built already, so tensor-parallel narrowing (at
 load) happens before packing.
 
+Prefill (from 32 rows, ``GEMM_MIN_ROWS`` in the C++ source) runs the same packed weights
+through a register-blocked GEMM (the oneDNN / llama.cpp ``repack.cpp`` GEMM method: a micro-kernel
+keeps an MR x NR tile of accumulators in registers, decodes each weight block once per MR
+activation rows and streams the activation tile from cache). AVX-512 VNNI: two 16-row groups
+(32 weight rows) against 4 activation rows, 8 zmm integer chains advanced together and 8 zmm
+float accumulators; each 4-byte activation broadcast feeds two ``vpdpbusd`` (on Zen 4 a
+broadcast costs a vector-pipe slot like a ``vpdpbusd``, so the one-group loop was bound by its
+broadcasts: one per product; an odd last group runs 8 rows at a time). AVX2: each 8-row half
+of a group against 4 activation rows, the 8 rows' scales converted together (F16C), and
+``vpmaddubsw``'s 16-bit pair sums added in 16 bits before one ``vpmaddwd`` where they cannot
+overflow (``|a| <= 127``: eight for 4-bit values, four for 5-bit, two for Q6_K's 6-bit; Q8_0
+keeps the small-M loop). The threads split (weight chunk of >= 32 KB x 128 activation rows)
+work items, N-major, with the same contiguous ranges and stealing as the GEMV. Every output
+element goes through the same float operations in the same order as in the small-M path, so
+the GEMM equals it bit for bit (tests/layers/test_gguf_kernels.py checks that for every
+format, both ISAs, M remainders, N not a multiple of 16, bias, bfloat16, strided ``out``).
+
 Speed: ``python -m benchmarks.gguf_kernels`` (packed against stored rows and dense bfloat16 in
-one run; docs/benchmarks.md).
+one run; ``--baseline-repo PATH`` adds another checkout's packed kernel, interleaved, and
+``--prefill MODEL --baseline-repo PATH`` the end-to-end prefill with each; docs/benchmarks.md).
 
 For many rows (prefill; from ``DEQUANT_GEMM_MIN_ROWS`` rows, measured) the kernel instead
 expands tiles of the weight exactly (``gguf_dequantize``, in x's dtype) and PyTorch's GEMM

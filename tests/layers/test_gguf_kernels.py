@@ -114,7 +114,8 @@ def test_kernel_dequantize_is_exact(qt):
 # to dequantized tiles + PyTorch's GEMM. Shapes: N not a multiple of the packed layout's 16-row
 # group (13: one partial group; 49; 333: 21 groups, several chunks of the shared work counter
 # for the threads); K a multiple of 32 but not of 256 for the 32-element formats.
-CASES = [(1, 13), (2, 13), (3, 49), (4, 13), (5, 49), (17, 13), (64, 49), (512, 13), (1, 333), (6, 333), (4100, 13)]
+CASES = [(1, 13), (2, 13), (3, 49), (4, 13), (5, 49), (17, 13), (64, 49), (512, 13), (1, 333), (6, 333), (37, 333),
+         (130, 21), (4100, 13)]
 
 
 @pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
@@ -294,3 +295,41 @@ def test_linear_packs_once_at_first_use():
     kept.release_raw_on_pack = False
     gguf_linear(x, kept)
     assert kept._raw is not None and kept.packed is not None
+
+
+# The prefill GEMM (from GEMM_MIN_ROWS = 32 rows: pairs of 16-row groups against 4 activation
+# rows on AVX-512 VNNI, one group against 8 for an odd group; 8-row halves against 4 on AVX2;
+# work items of 128 rows) against the small-M path (under 32 rows: one group against 4 rows),
+# which computes each output with the same operations in the same order: equal bit for bit.
+# M: 32 (the switch), 39 / 45 (remainders of 3 and 1 after the 4-row tiles, 7 and 5 after the
+# 8-row ones), 130 (two work items of rows, the second of 2); N: 13 (one partial group), 49 (a
+# pair and a partial odd group), 333 (21 groups: chunks of a pair count, an odd group at a
+# chunk's end).
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
+def test_prefill_gemm_equals_small_m_path(qt):
+    if not gk.kernel_available():
+        pytest.skip("the GGUF kernel is not built here (KVFLOW_CPU_KERNELS=0 or no compiler)")
+    from kvflow import ops
+
+    module = ops.GGUF_MATMUL.load()
+    k = 512 if qt in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 96 * 3
+    gen = torch.Generator().manual_seed(int(qt))
+    for m, n, dtype in ((32, 13, torch.float32), (39, 49, torch.bfloat16), (45, 333, torch.float32),
+                        (130, 49, torch.float32)):
+        w, ref_w = _weight(qt, n, k, seed=m + n)
+        packed = w.pack()
+        x = (torch.randn(m, k, generator=gen) * torch.rand(m, k, generator=gen) * 3).to(dtype)
+        bias = torch.randn(n, generator=gen)
+        buf = torch.full((m, n + 7), 5.0, dtype=dtype)
+        out = buf[:, 3:3 + n]  # a column slice: row stride n + 7
+        module.gguf_linear_packed(x, packed, int(qt), n, k, bias, out)
+        small = torch.empty(m, n, dtype=dtype)
+        for i in range(0, m, 4):  # under GEMM_MIN_ROWS rows a call: the small-M path
+            module.gguf_linear_packed(x[i:i + 4], packed, int(qt), n, k, bias, small[i:i + 4])
+        assert torch.equal(out, small), (qt.name, m, n, dtype, (out.float() - small.float()).abs().max())
+        assert bool((buf[:, :3] == 5).all() and (buf[:, 3 + n:] == 5).all())
+        ref = x.double() @ ref_w.t() + bias.double()
+        bound = _bound(x.float(), ref_w)
+        if dtype == torch.bfloat16:
+            bound = bound + ref.abs() * 2**-8 + 1e-30
+        assert bool(((out.double() - ref).abs() <= bound).all()), qt.name

@@ -814,9 +814,17 @@ inline __m512 i8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// acc[m] (16 rows) += the group's rows . activation row m0 + m, m < MR.
+// acc[m] (16 rows) = the group's rows . activation row m0 + m, m < MR. The register-blocked
+// micro-kernel of both the GEMV / small-M path (MR <= 4) and the prefill GEMM (MR = GEMM_MR):
+// a sub-block's 16 x 32 weight values are decoded once into eight zmm registers and meet the
+// MR activation rows' blocks there (8 MR vpdpbusd), the MR accumulators stay in registers.
+// With MR <= 4 each row's block product runs as two 4-deep chains (their latency would
+// otherwise show with so few rows); with more rows one 8-deep chain per row, the rows' chains
+// interleaved (the rows are the independent chains), saves an add per row and block. Integer
+// sums: the same value either way; the float operations per row are the same, in order.
 template <int QT, int MR>
 inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, __m512* acc) {
+  constexpr bool TWO_CHAINS = MR <= 4;
   constexpr int K0 = packed_k0<QT>();
   constexpr bool HAS_M = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
   const int64_t nsb = a.K / pf.sb, nb = a.K / 32;
@@ -843,10 +851,49 @@ inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m
       for (int o = 0; o < subb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(sub + PREFETCH + o), _MM_HINT_T0);
       __m512i u[8];
       unpack16<QT>(q, u);
-#pragma GCC unroll 4
+      if constexpr (!TWO_CHAINS) {
+        // t outer, rows inner: the MR rows' chains interleave in program order (each row's
+        // chain alone is 8 dependent vpdpbusd); Q6_K's two halves (their own scales) one
+        // after the other, as below.
+        constexpr int HALVES = QT == Q6_K ? 2 : 1, T = 8 / HALVES;
+        const int8_t* ap = a.q + m0 * a.K + b * 32;
+#pragma GCC unroll 2
+        for (int h = 0; h < HALVES; ++h) {
+          __m512i iv[MR];
+#pragma GCC unroll 16
+          for (int m = 0; m < MR; ++m)
+            iv[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[T * h], _mm512_set1_epi32(ld32(ap + m * a.K + 4 * T * h)));
+#pragma GCC unroll 8
+          for (int t = T * h + 1; t < T * h + T; ++t)
+#pragma GCC unroll 16
+            for (int m = 0; m < MR; ++m) iv[m] = _mm512_dpbusd_epi32(iv[m], u[t], _mm512_set1_epi32(ld32(ap + m * a.K + 4 * t)));
+#pragma GCC unroll 16
+          for (int m = 0; m < MR; ++m) {
+            const int64_t row = m0 + m;
+            const int32_t* is = a.i16 + (row * nb + b) * 2;
+            const __m512 da = _mm512_set1_ps(a.d[row * nb + b]);
+            __m512i i = iv[m];
+            if constexpr (QT == Q6_K) {
+              i = _mm512_sub_epi32(i, _mm512_set1_epi32(K0 * is[h]));
+              acc[m] = _mm512_fmadd_ps(h ? sv1 : sv, _mm512_mul_ps(_mm512_cvtepi32_ps(i), da), acc[m]);
+              continue;
+            }
+            if constexpr (K0 != 0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(K0 * (is[0] + is[1])));
+            acc[m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(_mm512_cvtepi32_ps(i), da), acc[m]);
+            if constexpr (QT == Q4_1 || QT == Q5_1)
+              acc[m] = _mm512_fmadd_ps(cv, _mm512_set1_ps(a.s32[row * nb + b]), acc[m]);
+            else if constexpr (QT == Q4_K || QT == Q5_K)
+              acc[m] = _mm512_fnmadd_ps(cv, _mm512_set1_ps(a.s32[row * nb + b]), acc[m]);
+          }
+        }
+        continue;
+      }
+#pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
         const int64_t row = m0 + m;
         const int8_t* ap = a.q + row * a.K + b * 32;
+        const int32_t* is = a.i16 + (row * nb + b) * 2;
+        const __m512 da = _mm512_set1_ps(a.d[row * nb + b]);
         __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_set1_epi32(ld32(ap)));
         __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[4], _mm512_set1_epi32(ld32(ap + 16)));
         i0 = _mm512_dpbusd_epi32(i0, u[1], _mm512_set1_epi32(ld32(ap + 4)));
@@ -855,8 +902,6 @@ inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m
         i1 = _mm512_dpbusd_epi32(i1, u[6], _mm512_set1_epi32(ld32(ap + 24)));
         i0 = _mm512_dpbusd_epi32(i0, u[3], _mm512_set1_epi32(ld32(ap + 12)));
         i1 = _mm512_dpbusd_epi32(i1, u[7], _mm512_set1_epi32(ld32(ap + 28)));
-        const int32_t* is = a.i16 + (row * nb + b) * 2;
-        const __m512 da = _mm512_set1_ps(a.d[row * nb + b]);
         if constexpr (QT == Q6_K) {
           i0 = _mm512_sub_epi32(i0, _mm512_set1_epi32(K0 * is[0]));
           i1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(K0 * is[1]));
@@ -870,6 +915,113 @@ inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m
             acc[m] = _mm512_fmadd_ps(cv, _mm512_set1_ps(a.s32[row * nb + b]), acc[m]);
           else if constexpr (QT == Q4_K || QT == Q5_K)
             acc[m] = _mm512_fnmadd_ps(cv, _mm512_set1_ps(a.s32[row * nb + b]), acc[m]);
+        }
+      }
+    }
+    g += pf.sb_bytes();
+  }
+}
+
+// Vector t (0..7) of one sub-block's 16 rows (q: its quants), as unpack16 makes it.
+template <int QT>
+inline __m512i unpack16_t(const uint8_t* q, int t) {
+  if constexpr (QT == Q8_0) {
+    return _mm512_loadu_si512(q + 64 * t);
+  } else {
+    const __m512i n = _mm512_loadu_si512(q + 64 * (t & 3));
+    __m512i u = _mm512_and_si512(t >= 4 ? _mm512_srli_epi16(n, 4) : n, _mm512_set1_epi8(0x0F));
+    if constexpr (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) {
+      uint64_t w;
+      std::memcpy(&w, q + 256 + 8 * t, 8);
+      u = _mm512_mask_add_epi8(u, static_cast<__mmask64>(w), u, _mm512_set1_epi8(16));
+    } else if constexpr (QT == Q6_K) {
+      const __m512i h = _mm512_loadu_si512(q + 256 + 64 * (t >> 2));
+      const int tt = t & 3;
+      const __m512i sh = tt == 0 ? _mm512_slli_epi16(h, 4) : tt == 1 ? _mm512_slli_epi16(h, 2) : tt == 2 ? h : _mm512_srli_epi16(h, 2);
+      u = _mm512_or_si512(u, _mm512_and_si512(sh, _mm512_set1_epi8(0x30)));
+    }
+    return u;
+  }
+}
+
+// The prefill GEMM's micro-kernel (VNNI): two groups (32 weight rows: g and g + ldg) against
+// MR activation rows, acc[0][m] / acc[1][m] = group 0 / 1 . activation row m0 + m. Each
+// broadcast activation dword feeds two vpdpbusd (one per group): the broadcasts, not the
+// products, bound group_dot's one-group loop (a broadcast costs a vector-pipe slot here, as a
+// vpdpbusd does). Per sub-block and vector t the two groups' values are decoded (once per MR
+// rows) and the 2 MR integer chains advance, interleaved; then each row's float operations
+// are group_dot's, in the same order: the results equal group_dot's bit for bit.
+template <int QT, int MR>
+inline void group_dot2(const PFmt& pf, const uint8_t* g, int64_t ldg, const PAct& a, int64_t m0, __m512 (*acc)[MR]) {
+  constexpr int K0 = packed_k0<QT>();
+  constexpr bool HAS_M = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
+  constexpr int HALVES = QT == Q6_K ? 2 : 1, T = 8 / HALVES;
+  const int64_t nsb = a.K / pf.sb, nb = a.K / 32;
+  const int nsub = pf.sb / 32, subb = pf.sub_bytes();
+  for (int m = 0; m < MR; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    __m512 Dv[2], Mv[2];
+    for (int k = 0; k < 2; ++k) {
+      Dv[k] = ph16(g + k * ldg);
+      Mv[k] = HAS_M ? ph16(g + k * ldg + 32) : _mm512_setzero_ps();
+    }
+    const uint8_t* sub = g + pf.head_bytes();
+    for (int j = 0; j < nsub; ++j, sub += subb) {
+      const int64_t b = s * nsub + j;
+      const uint8_t* q[2] = {sub, sub + ldg};
+      __m512 sv[2], sv1[2], cv[2];
+      for (int k = 0; k < 2; ++k) {
+        sv[k] = sv1[k] = Dv[k];
+        cv[k] = Mv[k];
+        if constexpr (QT == Q4_K || QT == Q5_K) {
+          sv[k] = _mm512_mul_ps(Dv[k], u8x16(q[k]));
+          cv[k] = _mm512_mul_ps(Mv[k], u8x16(q[k] + 16));
+          q[k] += 32;
+        } else if constexpr (QT == Q6_K) {
+          sv[k] = _mm512_mul_ps(Dv[k], i8x16(q[k]));
+          sv1[k] = _mm512_mul_ps(Dv[k], i8x16(q[k] + 16));
+          q[k] += 32;
+        }
+      }
+      const int8_t* ap = a.q + m0 * a.K + b * 32;
+#pragma GCC unroll 2
+      for (int h = 0; h < HALVES; ++h) {
+        __m512i iv[2][MR];
+#pragma GCC unroll 8
+        for (int t = T * h; t < T * h + T; ++t) {
+          const __m512i u0 = unpack16_t<QT>(q[0], t), u1 = unpack16_t<QT>(q[1], t);
+#pragma GCC unroll 8
+          for (int m = 0; m < MR; ++m) {
+            const __m512i bc = _mm512_set1_epi32(ld32(ap + m * a.K + 4 * t));
+            if (t == T * h) {
+              iv[0][m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, bc);
+              iv[1][m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, bc);
+            } else {
+              iv[0][m] = _mm512_dpbusd_epi32(iv[0][m], u0, bc);
+              iv[1][m] = _mm512_dpbusd_epi32(iv[1][m], u1, bc);
+            }
+          }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const int64_t row = m0 + m;
+          const int32_t* is = a.i16 + (row * nb + b) * 2;
+          const __m512 da = _mm512_set1_ps(a.d[row * nb + b]);
+#pragma GCC unroll 2
+          for (int k = 0; k < 2; ++k) {
+            __m512i i = iv[k][m];
+            if constexpr (QT == Q6_K) {
+              i = _mm512_sub_epi32(i, _mm512_set1_epi32(K0 * is[h]));
+              acc[k][m] = _mm512_fmadd_ps(h ? sv1[k] : sv[k], _mm512_mul_ps(_mm512_cvtepi32_ps(i), da), acc[k][m]);
+              continue;
+            }
+            if constexpr (K0 != 0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(K0 * (is[0] + is[1])));
+            acc[k][m] = _mm512_fmadd_ps(sv[k], _mm512_mul_ps(_mm512_cvtepi32_ps(i), da), acc[k][m]);
+            if constexpr (QT == Q4_1 || QT == Q5_1)
+              acc[k][m] = _mm512_fmadd_ps(cv[k], _mm512_set1_ps(a.s32[row * nb + b]), acc[k][m]);
+            else if constexpr (QT == Q4_K || QT == Q5_K)
+              acc[k][m] = _mm512_fnmadd_ps(cv[k], _mm512_set1_ps(a.s32[row * nb + b]), acc[k][m]);
+          }
         }
       }
     }
@@ -1007,6 +1159,107 @@ inline void group_dot_generic(const PFmt& pf, const uint8_t* g, const PAct& a, i
 #endif
 }
 
+#if defined(GG_AVX2) && !defined(GG_VNNI)
+// The AVX2 micro-kernel of the prefill GEMM: acc[m] (8 rows: 8 R .. 8 R + 7 of the group) =
+// those rows . activation row m0 + m, m < MR. Per sub-block the 8 rows' 32 values are decoded
+// once into eight ymm registers (u[t]: 4 values of each row) and meet the MR activation rows
+// (vpmaddubsw against the broadcast dword t, then vpmaddwd to 32 bits). vpmaddubsw's 16-bit
+// pair sums are added in 16 bits before the one vpmaddwd where they cannot overflow (|a| <=
+// 127: a pair is at most 2 * 15 * 127 = 3810 for 4-bit values, so all eight; 5-bit values four
+// (4 * 7874), 6-bit two (2 * 16002); Q8_0's signed values one): the integer sum is the same.
+// The scales of the 8 rows are converted together (F16C). The float operations per row and
+// block are group_dot_generic's, in its order: the results are the same bits.
+template <int QT, int MR>
+inline void group_dot_avx2(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, int R, __m256* acc) {
+  constexpr int K0 = packed_k0<QT>();
+  constexpr bool HAS_M = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
+  constexpr bool FIVE = QT == Q5_0 || QT == Q5_1 || QT == Q5_K;
+  const int64_t nsb = a.K / pf.sb, nb = a.K / 32;
+  const int nsub = pf.sb / 32, subb = pf.sub_bytes();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const __m256 Dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16 * R)));
+    __m256 Mv = _mm256_setzero_ps();
+    if constexpr (HAS_M) Mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 32 + 16 * R)));
+    const uint8_t* sub = g + pf.head_bytes();
+    for (int j = 0; j < nsub; ++j, sub += subb) {
+      const int64_t b = s * nsub + j;
+      const uint8_t* q = sub;
+      __m256 sv = Dv, sv1 = Dv, cv = Mv;
+      if constexpr (QT == Q4_K || QT == Q5_K) {
+        sv = _mm256_mul_ps(Dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * R)))));
+        cv = _mm256_mul_ps(Mv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 + 8 * R)))));
+        q += 32;
+      } else if constexpr (QT == Q6_K) {
+        sv = _mm256_mul_ps(Dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * R)))));
+        sv1 = _mm256_mul_ps(Dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 + 8 * R)))));
+        q += 32;
+      }
+      __m256i u[8];
+      for (int t = 0; t < 8; ++t) {
+        if constexpr (QT == Q8_0) {
+          u[t] = _mm256_xor_si256(GG_LOAD(q + 64 * t + 32 * R), _mm256_set1_epi8(static_cast<char>(0x80)));  // w = u - 128
+        } else {
+          const __m256i p = GG_LOAD(q + 64 * (t & 3) + 32 * R);
+          u[t] = _mm256_and_si256(t >= 4 ? _mm256_srli_epi16(p, 4) : p, _mm256_set1_epi8(0x0F));
+          if constexpr (FIVE) u[t] = _mm256_or_si256(u[t], bits32(q + 256 + 8 * t + 4 * R));
+          if constexpr (QT == Q6_K) {
+            const __m256i hb = GG_LOAD(q + 256 + 64 * (t >> 2) + 32 * R);
+            const int tt = t & 3;
+            const __m256i sh = tt == 3 ? _mm256_srli_epi16(hb, 2) : tt == 2 ? hb : _mm256_slli_epi16(hb, 4 - 2 * tt);
+            u[t] = _mm256_or_si256(u[t], _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
+          }
+        }
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const int64_t row = m0 + m;
+        const int8_t* ap = a.q + row * a.K + b * 32;
+        const int32_t* is = a.i16 + (row * nb + b) * 2;
+        const __m256 dav = _mm256_set1_ps(a.d[row * nb + b]);
+#define GG_P(t) _mm256_maddubs_epi16(u[t], _mm256_set1_epi32(ld32(ap + 4 * (t))))
+        if constexpr (QT == Q6_K) {
+          // per half h: two 16-bit sums of two pairs each
+          for (int h = 0; h < 2; ++h) {
+            const __m256i lo = _mm256_add_epi16(GG_P(4 * h), GG_P(4 * h + 1));
+            const __m256i hi = _mm256_add_epi16(GG_P(4 * h + 2), GG_P(4 * h + 3));
+            __m256i i = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+            i = _mm256_sub_epi32(i, _mm256_set1_epi32(K0 * is[h]));
+            acc[m] = _mm256_fmadd_ps(h ? sv1 : sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), acc[m]);
+          }
+          continue;
+        }
+        __m256i i;
+        if constexpr (QT == Q8_0) {
+          i = _mm256_setzero_si256();
+          for (int t = 0; t < 8; ++t) {
+            const __m256i av = _mm256_set1_epi32(ld32(ap + 4 * t));
+            i = _mm256_add_epi32(i, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(u[t], u[t]), _mm256_sign_epi8(av, u[t])), ones));
+          }
+        } else if constexpr (FIVE) {
+          const __m256i h0 = _mm256_add_epi16(_mm256_add_epi16(GG_P(0), GG_P(1)), _mm256_add_epi16(GG_P(2), GG_P(3)));
+          const __m256i h1 = _mm256_add_epi16(_mm256_add_epi16(GG_P(4), GG_P(5)), _mm256_add_epi16(GG_P(6), GG_P(7)));
+          i = _mm256_add_epi32(_mm256_madd_epi16(h0, ones), _mm256_madd_epi16(h1, ones));
+        } else {
+          const __m256i h0 = _mm256_add_epi16(_mm256_add_epi16(GG_P(0), GG_P(1)), _mm256_add_epi16(GG_P(2), GG_P(3)));
+          const __m256i h1 = _mm256_add_epi16(_mm256_add_epi16(GG_P(4), GG_P(5)), _mm256_add_epi16(GG_P(6), GG_P(7)));
+          i = _mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones);
+        }
+#undef GG_P
+        if constexpr (K0 != 0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(K0 * (is[0] + is[1])));
+        acc[m] = _mm256_fmadd_ps(sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), acc[m]);
+        if constexpr (QT == Q4_1 || QT == Q5_1)
+          acc[m] = _mm256_fmadd_ps(cv, _mm256_set1_ps(a.s32[row * nb + b]), acc[m]);
+        else if constexpr (QT == Q4_K || QT == Q5_K)
+          acc[m] = _mm256_fnmadd_ps(cv, _mm256_set1_ps(a.s32[row * nb + b]), acc[m]);
+      }
+    }
+    g += pf.sb_bytes();
+  }
+}
+#endif
+
 // Work split: each thread of the intra-op pool owns one contiguous range of the groups and
 // walks it front to back in chunks of >= ~32 KB of weight, so every thread streams its weights
 // in one run (the hardware prefetchers follow it; chunks dealt round-robin from one shared
@@ -1041,8 +1294,18 @@ void for_each_chunk(int64_t groups, int64_t chunk, const F& body) {
 }
 
 template <int QT, typename OutT>
+void run_packed_gemm(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, int64_t M, int64_t N,
+                     const float* bias, OutT* y, int64_t ldy);
+// Rows from which run_packed takes the prefill GEMM (run_packed_gemm): at 16 rows it measured
+// 0.86-1.33x the small-M path (Q6_K / Q8_0 slower), from 64 rows 0.98-1.68x (one thread, Qwen
+// 0.5B's shapes); speculative verification and batched decode stay on the small-M path.
+constexpr int64_t GEMM_MIN_ROWS = 32;
+
+// The GEMV and small-M GEMM: per 16-row group all M rows in tiles of 4 (group_dot).
+template <int QT, typename OutT>
 void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, int64_t M, int64_t N, const float* bias,
                 OutT* y, int64_t ldy) {
+  if (M >= GEMM_MIN_ROWS) return run_packed_gemm<QT>(pf, w, ldg, a, M, N, bias, y, ldy);
   const int64_t groups = (N + G - 1) / G;
   const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, ldg));
   for_each_chunk(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
@@ -1072,6 +1335,105 @@ void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, in
         for (int m = 0; m < mr; ++m)
           for (int r = 0; r < rows; ++r)
             y[(m0 + m) * ldy + n0 + r] = static_cast<OutT>(res[m][r] + (bias ? bias[n0 + r] : 0.f));
+      }
+    }
+  });
+}
+
+// The prefill GEMM (M >= GEMM_MIN_ROWS): work items are (chunk of >= ~32 KB of weight groups,
+// block of GEMM_MC activation rows), dealt to the threads by for_each_chunk in N-major order (a
+// thread's items share their weight chunk, which stays in L2 while the activation blocks stream
+// from L2/L3); within an item each group is decoded once per GEMM_MR activation rows (VNNI:
+// 8 rows, 8 zmm accumulators; AVX2: 4 rows per 8-row half of the group; portable: 4), the
+// remainder rows in tiles of 4 or fewer. Each output element is computed by the same
+// micro-kernel operations, in the same order, as the small-M path, so the results equal it
+// bit for bit.
+constexpr int64_t GEMM_MC = 128;       // activation rows per work item
+#if defined(GG_VNNI)
+constexpr int GEMM_MR = 8;   // one group (an odd last group of a chunk)
+constexpr int GEMM_MR2 = 4;  // a pair of groups: group_dot2
+#else
+constexpr int GEMM_MR = 4;
+#endif
+
+template <int QT, int MR, typename OutT>
+inline void gemm_tile(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, int64_t n0, int64_t rows,
+                      const float* bias, OutT* y, int64_t ldy) {
+  alignas(64) float res[MR][16];
+#if defined(GG_VNNI)
+  __m512 acc[MR];
+  group_dot<QT, MR>(pf, g, a, m0, acc);
+  for (int m = 0; m < MR; ++m) _mm512_store_ps(res[m], acc[m]);
+#elif defined(GG_AVX2)
+  if constexpr (QT == Q8_0) {  // (its sign trick per row left group_dot_avx2 no faster: measured)
+    group_dot_generic<QT, MR>(pf, g, a, m0, res);
+  } else {
+  for (int R = 0; R < 2; ++R) {
+    if (8 * R >= rows) break;
+    __m256 acc[MR];
+    group_dot_avx2<QT, MR>(pf, g, a, m0, R, acc);
+    for (int m = 0; m < MR; ++m) _mm256_store_ps(res[m] + 8 * R, acc[m]);
+  }
+  }
+#else
+  group_dot_generic<QT, MR>(pf, g, a, m0, res);
+#endif
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < rows; ++r) y[(m0 + m) * ldy + n0 + r] = static_cast<OutT>(res[m][r] + (bias ? bias[n0 + r] : 0.f));
+}
+
+template <int QT, typename OutT>
+void run_packed_gemm(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, int64_t M, int64_t N,
+                     const float* bias, OutT* y, int64_t ldy) {
+  const int64_t groups = (N + G - 1) / G;
+  const int64_t chunk = (std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, ldg)) + 1) / 2 * 2;  // even: pairs
+  const int64_t nchunks = (groups + chunk - 1) / chunk, mblocks = (M + GEMM_MC - 1) / GEMM_MC;
+  for_each_chunk(nchunks * mblocks, 1, [&](int64_t i_begin, int64_t i_end) {
+    for (int64_t item = i_begin; item < i_end; ++item) {
+      const int64_t g_begin = item / mblocks * chunk, g_end = std::min(groups, g_begin + chunk);
+      const int64_t m_begin = item % mblocks * GEMM_MC, m_end = std::min(M, m_begin + GEMM_MC);
+      int64_t gi = g_begin;
+#if defined(GG_VNNI)
+      for (; gi + 2 <= g_end; gi += 2) {  // pairs of groups: group_dot2
+        const uint8_t* g = w + gi * ldg;
+        const int64_t n0 = gi * G, rows = std::min<int64_t>(2 * G, N - n0);
+        int64_t m0 = m_begin;
+        for (; m0 + GEMM_MR2 <= m_end; m0 += GEMM_MR2) {
+          __m512 acc[2][GEMM_MR2];
+          group_dot2<QT, GEMM_MR2>(pf, g, ldg, a, m0, acc);
+          alignas(64) float res[32];
+          for (int m = 0; m < GEMM_MR2; ++m) {
+            _mm512_store_ps(res, acc[0][m]);
+            _mm512_store_ps(res + 16, acc[1][m]);
+            for (int r = 0; r < rows; ++r) y[(m0 + m) * ldy + n0 + r] = static_cast<OutT>(res[r] + (bias ? bias[n0 + r] : 0.f));
+          }
+        }
+        for (; m0 < m_end; m0 += 4) {  // the remainder rows, one group at a time
+          for (int k = 0; k < 2; ++k) {
+            const int64_t rk = std::min<int64_t>(G, N - n0 - k * G);
+            switch (std::min<int64_t>(4, m_end - m0)) {
+              case 1: gemm_tile<QT, 1>(pf, g + k * ldg, a, m0, n0 + k * G, rk, bias, y, ldy); break;
+              case 2: gemm_tile<QT, 2>(pf, g + k * ldg, a, m0, n0 + k * G, rk, bias, y, ldy); break;
+              case 3: gemm_tile<QT, 3>(pf, g + k * ldg, a, m0, n0 + k * G, rk, bias, y, ldy); break;
+              default: gemm_tile<QT, 4>(pf, g + k * ldg, a, m0, n0 + k * G, rk, bias, y, ldy); break;
+            }
+          }
+        }
+      }
+#endif
+      for (; gi < g_end; ++gi) {
+        const uint8_t* g = w + gi * ldg;
+        const int64_t n0 = gi * G, rows = std::min<int64_t>(G, N - n0);
+        int64_t m0 = m_begin;
+        for (; m0 + GEMM_MR <= m_end; m0 += GEMM_MR) gemm_tile<QT, GEMM_MR>(pf, g, a, m0, n0, rows, bias, y, ldy);
+        for (; m0 < m_end; m0 += 4) {
+          switch (std::min<int64_t>(4, m_end - m0)) {
+            case 1: gemm_tile<QT, 1>(pf, g, a, m0, n0, rows, bias, y, ldy); break;
+            case 2: gemm_tile<QT, 2>(pf, g, a, m0, n0, rows, bias, y, ldy); break;
+            case 3: gemm_tile<QT, 3>(pf, g, a, m0, n0, rows, bias, y, ldy); break;
+            default: gemm_tile<QT, 4>(pf, g, a, m0, n0, rows, bias, y, ldy); break;
+          }
+        }
       }
     }
   });
