@@ -242,13 +242,17 @@ def _script_output(monkeypatch, server) -> None:
     script = server.engine.engine.tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
     assert len(script) == 6, script
 
-    def scripted(logits, requests):
+    sample = model_runner.ModelRunner._sample
+
+    def scripted(self, logits, requests):
+        # The sampler's input is forced to one token a row (the runner skips the logits
+        # processors of a batch that has none, so the hook sits at the sampling call).
         forced = torch.full_like(logits, float("-inf"))
         for row, r in enumerate(requests):
             forced[row, script[(len(r.all_token_ids) - len(r.prompt_token_ids)) % len(script)]] = 0.0
-        return forced
+        return sample(self, forced, requests)
 
-    monkeypatch.setattr(model_runner, "apply_logits_processors", scripted)
+    monkeypatch.setattr(model_runner.ModelRunner, "_sample", scripted)
 
 
 def _streamed_and_final(http, path: str, max_tokens: int, stream: bool) -> tuple[list[str], str]:
