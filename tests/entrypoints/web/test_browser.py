@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -49,6 +51,10 @@ def artifacts(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir, artifacts):
+    # The server's C++ kernels are built (or found in the cache) first: on a fresh checkout they
+    # compile for minutes, and meanwhile the server answers on its fallback paths with the
+    # compilers holding the CPU, which a 120 s wait for one reply did not always survive.
+    subprocess.run([sys.executable, "-m", "kvflow.ops"], check=False, capture_output=True, timeout=1800)
     args = argparse.Namespace(model=str(smollm2_dir), num_threads=1, num_kv_blocks=256, max_num_seqs=4,
                               max_num_batched_tokens=None, dtype=None, startup_timeout=180)  # fmt: skip
     proc, url, log = start_server(args, artifacts / "server.log", ("--api-key", API_KEY))
