@@ -476,9 +476,7 @@ class ModelRunner:
         if out.blocks_to_copy:
             self.cache_engine.copy_blocks(out.blocks_to_copy)
         # (a tensor-parallel worker samples nothing: no generator to restore)
-        rng = (self._generator_states([self.requests[request_id] for request_id in
-                                       (*out.num_scheduled_tokens, *(child for child, _ in out.forked))])
-               if self.input_batch.num_generator_reqs else self._generator_states([])) if self.is_driver else []
+        rng = self._generator_states(out) if self.is_driver else []
         try:
             result = self._run(out, rng)
         except Exception as exc:  # noqa: BLE001 - isolated below, or re-raised
@@ -622,11 +620,14 @@ class ModelRunner:
             generators=[r.generator for r in requests],
         )
 
-    def _generator_states(self, requests: list[CachedRequestState]) -> list[tuple[torch.Generator, torch.Tensor]]:
-        """The state of every generator the batch may draw from (engine and seeded requests)."""
+    def _generator_states(self, out: SchedulerOutput) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """The state of every generator this step's batch (``out``'s scheduled and forked
+        requests) may draw from: the engine's, and the seeded requests' own."""
         if not self.input_batch.num_generator_reqs:  # (no request of the batch has its own)
             g = self.sampler.generator
             return [(g, g.get_state())] if g is not None else []
+        requests = (self.requests[request_id] for request_id in
+                    (*out.num_scheduled_tokens, *(child for child, _ in out.forked)))
         generators = {id(g): g for g in (self.sampler.generator, *(r.generator for r in requests)) if g is not None}
         return [(g, g.get_state()) for g in generators.values()]
 
