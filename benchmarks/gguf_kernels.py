@@ -33,8 +33,10 @@ the GGUF paths are PyTorch's dequantize + ``F.linear``.
 ``--profile-matrices MODEL`` replays the GGUF matrices of one single-stream decode step of a
 GGUF model (its decoder linears' stored segments in layer order, then the LM head in its
 stored format) with M = 1: per matrix (role, format, N x K) the median time of one call and
-its weight bytes per second, the step's total, and the machine's read bandwidth (a float32
-sum of 512 MB, 1 thread and all) in the same run. The step outside these matrices (norms,
+its weight bytes per second, the step's total, the machine's read bandwidth (a float32
+sum of 512 MB, 1 thread and all) in the same run, and the rate of one of its weights called
+again and again (from the caches where it fits them: the kernel's compute ceiling; far above
+the step's rate, the kernel waits on memory). The step outside these matrices (norms,
 rotary, attention, sampling, Python) is the fused step's time less this total.
 
 How to run
@@ -57,9 +59,13 @@ Prints a table and writes ``--out`` (default ``benchmarks/results/gguf_kernels.j
 as stored (``LLM(model=MODEL)``, the default ``quantization="gguf"``) with ``torch.profiler``:
 two greedy generations of one prompt, 2 and 2 + ``--profile-steps`` new tokens, whose
 difference is that many decode steps; per step, the wall time split into the GGUF kernel's C++
-calls, the other operators (self CPU time of every profiled op) and the rest (Python and the
-other C++ kernels, which the profiler does not see), and the top-level calls per step and
-per decoder layer.
+calls (the LM head, and the decoder's linears where the fused step does not apply), the fused
+decode step's one C++ call (``kvflow.layers.fused_decode``: the whole decoder, its GGUF
+matrices included: ``--profile-matrices`` splits those out), the other operators (self CPU
+time of every profiled op) and the rest (Python and the other C++ kernels, which the profiler
+does not see), and the top-level calls per step and per decoder layer. Then, unprofiled, the
+wall time of each engine step (``ModelRunner.execute``) of one ``--profile-steps``-token
+generation: median, p90, p99 and the slowest steps with their positions (stalls).
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import format_table, machine_info
+from kvflow.layers import fused_decode
 from kvflow.layers import gguf_kernels as gk
 
 Q = gguf.GGMLQuantizationType
@@ -254,6 +261,11 @@ def profile_decode(model: str, steps: int, out: Path) -> dict:
             setattr(module, name, timed)
     prompt = "The history of the printing press begins"
     llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    net = llm.engine.model_runner.model
+    step = net.__dict__.get("fused_decode")
+    fused = isinstance(step, fused_decode.FusedDecodeStep)
+    if fused:  # time the fused step's C++ call as a profiler range
+        step.decoder = _TimedDecoder(step.decoder, record_function)
 
     def run(new_tokens: int) -> tuple[float, dict]:
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -263,36 +275,93 @@ def profile_decode(model: str, steps: int, out: Path) -> dict:
             wall = time.perf_counter() - t
         events = prof.events()
         kernel = sum(e.cpu_time_total for e in events if e.name.startswith("gguf::")) / 1e6
-        ops_self = sum(e.self_cpu_time_total for e in events) / 1e6
+        fused_call = sum(e.cpu_time_total for e in events if e.name == _TimedDecoder.NAME) / 1e6
+        ops_self = sum(e.self_cpu_time_total for e in events if e.name != _TimedDecoder.NAME) / 1e6
         top = [e for e in events if e.cpu_parent is None]
         calls: dict[str, int] = {}
         for e in top:
             calls[e.name] = calls.get(e.name, 0) + 1
-        return wall, {"kernel": kernel, "ops": ops_self - kernel, "top_calls": len(top), "calls": calls}
+        return wall, {"kernel": kernel, "fused": fused_call, "ops": ops_self - kernel, "top_calls": len(top),
+                      "calls": calls}
 
     short_wall, short = run(2)
     long_wall, long = run(2 + steps)
     layers = getattr(llm.engine.model_config, "num_hidden_layers", None)
     step = (long_wall - short_wall) / steps
     kernel = (long["kernel"] - short["kernel"]) / steps
+    fused_ms = (long["fused"] - short["fused"]) / steps
     ops = (long["ops"] - short["ops"]) / steps
     dispatches = (long["top_calls"] - short["top_calls"]) / steps
     per_op = {k: (long["calls"].get(k, 0) - short["calls"].get(k, 0)) / steps for k in long["calls"]}
     per_op = dict(sorted(((k, v) for k, v in per_op.items() if v >= 1), key=lambda kv: -kv[1]))
-    rec = {"model": model, "isa": gk.kernel_isa(), "steps": steps, "step_ms": step * 1e3,
-           "gguf_kernel_ms": kernel * 1e3, "other_ops_ms": ops * 1e3, "python_and_rest_ms": (step - kernel - ops) * 1e3,
+    rec = {"model": model, "isa": gk.kernel_isa(), "fused_decode": fused, "steps": steps, "step_ms": step * 1e3,
+           "gguf_kernel_ms": kernel * 1e3, "fused_call_ms": fused_ms * 1e3, "other_ops_ms": ops * 1e3,
+           "python_and_rest_ms": (step - kernel - fused_ms - ops) * 1e3,
            "dispatches_per_step": dispatches, "layers": layers,
            "dispatches_per_layer": dispatches / layers if layers else None, "calls_per_step": per_op}
-    print(f"# {model}: one decode step {rec['step_ms']:.2f} ms = GGUF kernel {rec['gguf_kernel_ms']:.2f} ms + other "
-          f"operators {rec['other_ops_ms']:.2f} ms + the rest {rec['python_and_rest_ms']:.2f} ms (Python, and the "
-          f"other C++ kernels: attention, RMSNorm, rotary; under the profiler); {dispatches:.0f} top-level calls per step"
+    print(f"# {model}: one decode step {rec['step_ms']:.2f} ms = GGUF kernel {rec['gguf_kernel_ms']:.2f} ms + fused "
+          f"decode call {rec['fused_call_ms']:.2f} ms + other operators {rec['other_ops_ms']:.2f} ms + the rest "
+          f"{rec['python_and_rest_ms']:.2f} ms (Python, and the other C++ kernels: attention, RMSNorm, rotary; under "
+          f"the profiler); {dispatches:.0f} top-level calls per step"
           + (f", {rec['dispatches_per_layer']:.1f} per layer" if layers else ""))
     print(format_table(["top-level call", "per step"], [[k, v] for k, v in list(per_op.items())[:25]]))
+    rec["step_times"] = _step_times(llm, prompt, steps)
+    st = rec["step_times"]
+    print(f"\n# engine step wall times over one {steps}-token generation, unprofiled (ms): median {st['median_ms']:.2f}, "
+          f"p90 {st['p90_ms']:.2f}, p99 {st['p99_ms']:.2f}, max {st['max_ms']:.2f}; slowest (step, ms): "
+          + ", ".join(f"({i}, {ms:.1f})" for i, ms in st["slowest"]))
     record = {"machine": {**machine_info(), "isa": gk.kernel_isa()}, "profile": rec}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1))
     print(f"\nwrote {out}")
     return record
+
+
+class _TimedDecoder:
+    """The fused step's C++ ``FusedDecoder`` with each ``forward`` call a profiler range
+    (``NAME``); every other attribute is the decoder's own."""
+
+    NAME = "fused::FusedDecoder.forward"
+
+    def __init__(self, decoder, record_function) -> None:
+        self._decoder, self._record = decoder, record_function
+
+    def forward(self, *args):
+        with self._record(self.NAME):
+            return self._decoder.forward(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._decoder, name)
+
+
+def _step_times(llm, prompt: str, steps: int) -> dict:
+    """Wall time of each engine step (``ModelRunner.execute``) of one greedy generation of
+    ``steps`` tokens: median / p90 / p99 / max in ms and the 5 slowest (step index, ms)."""
+    from kvflow import SamplingParams
+
+    runner = llm.engine.model_runner
+    execute, times = runner.execute, []
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            times.append(time.perf_counter() - t)
+
+    runner.execute = timed
+    try:
+        llm.generate([prompt], SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        del runner.execute
+    ms = sorted(t * 1e3 for t in times)
+
+    def pct(q: float) -> float:
+        return ms[min(len(ms) - 1, int(q * len(ms)))]
+
+    slowest = sorted(enumerate(t * 1e3 for t in times), key=lambda it: -it[1])[:5]
+    return {"steps": len(ms), "median_ms": statistics.median(ms), "p90_ms": pct(0.9), "p99_ms": pct(0.99),
+            "max_ms": ms[-1], "slowest": slowest, "all_ms": [t * 1e3 for t in times]}
 
 
 def read_bandwidth(mb: int = 512, repeats: int = 5) -> dict[int, float]:
@@ -346,6 +415,9 @@ def profile_matrices(model: str, steps: int, out: Path) -> dict:
                                     "us": [], "bytes": w.n * gk.row_bytes(w.qtype, w.k)})
         g["per_step"] += 1
         g["us"].append(statistics.median(ts[1:]) * 1e6)
+        if "hot_us" not in g:  # one weight called again and again: from the caches where it fits them
+            x = torch.randn(1, w.k).to(dtype)
+            g["hot_us"] = statistics.median(_timed(lambda: gk.gguf_linear(x, w)) for _ in range(21)) * 1e6
     bw = read_bandwidth()
     rows, recs = [], []
     total_ms = total_bytes = 0.0
@@ -355,14 +427,19 @@ def profile_matrices(model: str, steps: int, out: Path) -> dict:
         total_ms += ms
         total_bytes += g["bytes"] * g["per_step"]
         rec = {k: v for k, v in g.items() if k != "us"} | {"us_per_call": us, "ms_per_step": ms,
-                                                          "gb_per_s": g["bytes"] / us / 1e3}
+                                                          "gb_per_s": g["bytes"] / us / 1e3,
+                                                          "hot_gb_per_s": g["bytes"] / g["hot_us"] / 1e3}
         recs.append(rec)
-        rows.append([g["role"], g["format"], f"{g['n']}x{g['k']}", g["per_step"], us, ms, rec["gb_per_s"]])
-    rows.append(["all", "", "", len(calls), "", total_ms, total_bytes / total_ms / 1e6])
+        rows.append([g["role"], g["format"], f"{g['n']}x{g['k']}", g["per_step"], us, ms, rec["gb_per_s"],
+                     g["bytes"] / 2**20, rec["hot_gb_per_s"]])
+    rows.append(["all", "", "", len(calls), "", total_ms, total_bytes / total_ms / 1e6, total_bytes / 2**20, ""])
     threads = torch.get_num_threads()
     print(f"# {model}: the GGUF matrices of one decode step, M = 1, {threads} threads, kernel ISA {gk.kernel_isa()}; "
           f"read bandwidth (float32 sum of 512 MB): " + ", ".join(f"{t} thread(s) {v:.1f} GB/s" for t, v in bw.items()))
-    print(format_table(["matrix", "format", "N x K", "per step", "us/call", "ms/step", "weight GB/s"], rows))
+    print(format_table(["matrix", "format", "N x K", "per step", "us/call", "ms/step", "weight GB/s", "MiB",
+                        "same weight again: GB/s"], rows))
+    print("(same weight again: one matrix called repeatedly, read from the caches where it fits them (L3): the "
+          "kernel's compute ceiling; against the step's rate, which streams every weight from memory)")
     record = {"machine": {**machine_info(), "isa": gk.kernel_isa()}, "model": model,
               "read_bandwidth_gb_s": {str(t): v for t, v in bw.items()}, "matrices": recs,
               "total_ms": total_ms, "total_bytes": total_bytes}
