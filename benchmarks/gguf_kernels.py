@@ -36,8 +36,9 @@ stored format) with M = 1: per matrix (role, format, N x K) the median time of o
 its weight bytes per second, the step's total, the machine's read bandwidth (a float32
 sum of 512 MB, 1 thread and all) in the same run, and the rate of one of its weights called
 again and again (the fastest of 21 calls in a row, from the caches where it fits them: the
-kernel's compute ceiling; far above the step's rate, the kernel waits on memory). The step outside these matrices (norms,
-rotary, attention, sampling, Python) is the fused step's time less this total.
+kernel's compute ceiling; far above the step's rate, the kernel waits on memory). The step
+outside these matrices (norms, rotary, attention, sampling, Python) is the fused step's time
+less this total.
 
 How to run
 ----------
@@ -307,8 +308,9 @@ def profile_decode(model: str, steps: int, out: Path) -> dict:
     print(format_table(["top-level call", "per step"], [[k, v] for k, v in list(per_op.items())[:25]]))
     rec["step_times"] = _step_times(llm, prompt, steps)
     st = rec["step_times"]
-    print(f"\n# engine step wall times over one {steps}-token generation, unprofiled (ms): median {st['median_ms']:.2f}, "
-          f"p90 {st['p90_ms']:.2f}, p99 {st['p99_ms']:.2f}, max {st['max_ms']:.2f}; slowest (step, ms): "
+    print(f"\n# engine step wall times over one {steps}-token generation, unprofiled (ms): "
+          f"median {st['median_ms']:.2f}, p90 {st['p90_ms']:.2f}, p99 {st['p99_ms']:.2f}, max {st['max_ms']:.2f}; "
+          "slowest (step, ms): "
           + ", ".join(f"({i}, {ms:.1f})" for i, ms in st["slowest"]))
     record = {"machine": {**machine_info(), "isa": gk.kernel_isa()}, "profile": rec}
     out.parent.mkdir(parents=True, exist_ok=True)
