@@ -47,7 +47,7 @@ from kvflow.entrypoints import memory_report as memory  # noqa: E402
 from kvflow.request import Request  # noqa: E402
 from kvflow.sampling_params import SamplingParams  # noqa: E402
 from kvflow.utils import human_bytes, parse_bytes  # noqa: E402
-from kvflow.worker.cache_engine import CacheEngine  # noqa: E402
+from kvflow.attention.cache_engine import CacheEngine  # noqa: E402
 
 
 def gemma3_1b_config():

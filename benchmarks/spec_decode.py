@@ -191,7 +191,7 @@ def baseline_like(llm: Any):
 
     src = llm.engine
     # The same configuration (backend, cache, limits) without speculation.
-    config = dataclasses.replace(src.config, speculative=None, draft=None, draft_model=None, seed=0)
+    config = dataclasses.replace(src.config, speculative=None, draft=None, seed=0)
     return LLMEngine(config, model=src.model_runner.model, tokenizer=src.tokenizer)
 
 
@@ -302,7 +302,7 @@ def time_forward(model: Any, model_config: Any, dtype: torch.dtype, batch: int, 
     rows per sequence."""
     from kvflow.config import CacheConfig
     from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
-    from kvflow.worker.cache_engine import CacheEngine
+    from kvflow.attention.cache_engine import CacheEngine
 
     bs = 16
     per_seq = -(-(context + new_tokens) // bs)

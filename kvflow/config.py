@@ -573,8 +573,10 @@ class EngineConfig:
             to the engine built, as tests do).
         parallel: tensor parallelism.
         speculative: speculative decoding, or None.
-        draft: the draft model's load settings (``speculative.method == "draft_model"``).
-        draft_model: the draft model's architecture.
+        draft: the draft model's own ``EngineConfig`` (``speculative.method ==
+            "draft_model"``; None otherwise), resolved with the target's
+            (``EngineConfig.with_draft``): what its runner is built from, the same way as
+            the target's.
         kernels: kernel choices.
         seed: seed of the engine generator for requests without their own seed.
         lora: LoRA adapters' limits, or None without ``enable_lora``.
@@ -587,24 +589,21 @@ class EngineConfig:
     load: LoadConfig | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
-    draft: LoadConfig | None = None
-    draft_model: ModelConfig | None = None
+    draft: EngineConfig | None = None
     kernels: KernelConfig = field(default_factory=KernelConfig)
     seed: int = 0
     lora: LoRAConfig | None = None
 
-    def draft_config(self) -> "EngineConfig | None":
-        """The draft model's own ``EngineConfig`` (``speculative.method == "draft_model"``;
-        None otherwise), what its runner is built from the same way as the target's: the
-        draft's architecture and load settings, a KV block pool of as many blocks as the
-        target's (same block size and dtype; prefix caching off, no swap space, one KV
-        cache group), on one rank, without speculation or LoRA; device and seed as the
-        target's."""
-        if self.draft_model is None or self.draft is None:
-            return None
+    def with_draft(self, model: ModelConfig, load: LoadConfig | None) -> EngineConfig:
+        """This config with its draft's (``draft``): the draft's architecture and load
+        settings, a KV block pool of as many blocks as the target's (same block size and
+        dtype; prefix caching off, no swap space, one KV cache group), on one rank, without
+        speculation or LoRA; device, batching limits and seed as the target's.
+        ``EngineArgs.create_config`` calls it once, after sizing the target's pool."""
         cache = CacheConfig(self.cache.block_size, self.cache.num_blocks, self.cache.dtype, enable_prefix_caching=False)
-        return replace(self, model=self.draft_model, load=self.draft, cache=cache, parallel=ParallelConfig(),
-                       speculative=None, draft=None, draft_model=None, lora=None)
+        draft = replace(self, model=model, load=load, cache=cache, parallel=ParallelConfig(), speculative=None,
+                        draft=None, lora=None)
+        return replace(self, draft=draft)
 
 
 def _positive_int(name: str, value: object) -> None:

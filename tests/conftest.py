@@ -29,7 +29,7 @@ from kvflow.attention.backend import BatchLayout, FlatMetadata
 from kvflow.attention.kv_cache import subtract_key_offset
 from kvflow.attention.torch_backend import TORCH_BACKEND, AttentionGroup, GroupedMetadata
 from kvflow.model.llama import LlamaForCausalLM
-from kvflow.worker.cache_engine import CacheEngine
+from kvflow.attention.cache_engine import CacheEngine
 
 
 def tiny_model_config(**overrides) -> ModelConfig:

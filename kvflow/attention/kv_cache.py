@@ -23,7 +23,7 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     """One layer's paged cache, zeroed: k, v [num_blocks, block_size, num_kv_heads, head_dim]
     in ``dtype``, plus float16 k_scale, v_scale [num_blocks, block_size, num_kv_heads] for an
     int8 / fp8 ``dtype`` (the ``KVCache`` layout). ``pin_memory`` pins host tensors (a
-    swap space's). What ``kvflow.worker.cache_engine.CacheEngine`` allocates per layer, and
+    swap space's). What ``kvflow.attention.cache_engine.CacheEngine`` allocates per layer, and
     ``CausalLM.forward_prompt`` for its throwaway cache."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     tensors = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory) for _ in range(2)]

@@ -320,7 +320,7 @@ class EngineArgs:
         cache = self.cache_config(kv_spec, dtype, extra_bytes_per_token=extra)
         if groups is not None:
             cache = dataclasses.replace(cache, kv_cache_groups=groups)
-        return EngineConfig(
+        config = EngineConfig(
             model=model_config,
             cache=cache,
             scheduler=scheduler,
@@ -328,13 +328,13 @@ class EngineArgs:
             load=load,
             parallel=ParallelConfig(world, self.resolved_collective_timeout_s()),
             speculative=spec,
-            draft=draft,
-            draft_model=draft_model,
             kernels=KernelConfig(self.attention_backend, self.enforce_eager),
             seed=self.seed,
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
             if self.enable_lora else None,
         )
+        # 4. The draft model's own config, from the target's (its pool has as many blocks).
+        return config.with_draft(draft_model, draft) if draft_model is not None else config
 
     def torch_device(self) -> torch.device:
         if self.device is None:

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 
 from kvflow.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout, HybridMetadata
+from kvflow.attention.cache_engine import CacheEngine
+from kvflow.attention.cuda_graph import DecodeGraphRunner, default_batch_sizes
 from kvflow.attention.torch_backend import TORCH_BACKEND
 from kvflow.config import EngineConfig
 from kvflow.core.sched_output import NewRequestData, SchedulerOutput
@@ -36,9 +38,7 @@ from kvflow.sampling_params import SamplingParams
 from kvflow.sample.logits_processor import apply_logits_processors
 from kvflow.sample.rejection_sampler import RejectionSampler
 from kvflow.sample.sampler import Sampler, SamplingTensors, row_argmax
-from kvflow.spec_decode.draft_model import DraftModelProposer
-from kvflow.spec_decode.ngram import NgramProposer
-from kvflow.worker.cache_engine import CacheEngine
+from kvflow.spec_decode.proposer import build_proposer
 from kvflow.worker.input_batch import InputBatch
 
 if TYPE_CHECKING:
@@ -182,7 +182,7 @@ class ModelRunner:
                              f"got {attention_backend!r}")
         self.attention_backend = attention_backend
         self.lora_manager = lora_manager
-        self.graph_runner = None  # a DecodeGraphRunner (kvflow.worker.cuda_graph) when set
+        self.graph_runner = None  # a DecodeGraphRunner (kvflow.attention.cuda_graph) when set
         self.is_driver = is_driver
         self.broadcast = broadcast
         self.model = model
@@ -215,9 +215,10 @@ class ModelRunner:
         2. its KV cache: ``config.cache``'s blocks for this rank's KV heads (``CacheEngine``);
         3. the runner, its sampler's generator seeded with ``config.seed``;
         4. the decode CUDA graphs (``use_cuda_graphs``);
-        5. on the driver, its drafter (``config.speculative``): n-gram prompt lookup, or a
-           draft model with a runner of its own built by this method from
-           ``config.draft_config()``.
+        5. on the driver, its drafter (``config.speculative``, chosen by
+           ``kvflow.spec_decode.proposer.build_proposer``): n-gram prompt lookup, or a draft
+           model with a runner of its own built by this method from the draft's
+           ``EngineConfig`` (``config.draft``, resolved up front with the target's).
 
         Args:
             config: the engine's ``EngineConfig`` (or the draft's).
@@ -248,21 +249,14 @@ class ModelRunner:
         runner = cls(model, cache, config.cache.block_size, Sampler(generator), device, is_driver=is_driver,
                      broadcast=broadcast, attention_backend=attention_backend, lora_manager=lora_manager)
         if use_cuda_graphs:
-            from kvflow.worker.cuda_graph import DecodeGraphRunner, default_batch_sizes
-
             runner.graph_runner = DecodeGraphRunner(
                 model, cache.kv_caches, -(-config.scheduler.max_model_len // config.cache.block_size),
                 default_batch_sizes(config.scheduler.max_num_seqs), device, attention_backend,
             )
         if proposer is None and is_driver and config.speculative is not None:
-            spec, max_len = config.speculative, config.scheduler.max_model_len
-            k = spec.num_speculative_tokens
-            if spec.method == "ngram":
-                proposer = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_len)
-            else:
-                draft = config.draft_config()
-                draft_runner = cls.from_config(draft, attention_backend)
-                proposer = DraftModelProposer(draft_runner, draft.model.vocab_size, draft.cache, k, max_len)
+            # A draft model's runner is built the same way, from the draft's own config.
+            draft_runner = cls.from_config(config.draft, attention_backend) if config.draft is not None else None
+            proposer = build_proposer(config, draft_runner)
         runner.drafter = proposer
         return runner
 

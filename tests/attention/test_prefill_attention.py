@@ -20,7 +20,7 @@ from kvflow.attention.backend import BatchLayout
 from kvflow.attention.cpu_backend import CpuAttentionBackend
 from kvflow.config import CacheConfig
 from kvflow.attention.cpu_attention import cpu_kernel_available, paged_prefill_attention
-from kvflow.worker.cache_engine import CacheEngine
+from kvflow.attention.cache_engine import CacheEngine
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel could not be built here")
 

@@ -25,7 +25,7 @@ from kvflow.layers.gguf_kernels import GGUFWeight
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.loader import process_weights_after_loading
 from kvflow.quantization.gguf import GGUFConfig
-from kvflow.worker.cache_engine import CacheEngine
+from kvflow.attention.cache_engine import CacheEngine
 from tests.conftest import requires_smollm2, tiny_model_config
 
 QT = gguf.GGMLQuantizationType

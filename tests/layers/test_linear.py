@@ -123,7 +123,7 @@ def test_float16_weight_is_refused_naming_the_missing_feature():
 @pytest.mark.parametrize("tied", [False, True])
 def test_packed_model_matches_unpacked(tied):
     from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
-    from kvflow.worker.cache_engine import CacheEngine
+    from kvflow.attention.cache_engine import CacheEngine
     from kvflow.config import CacheConfig
 
     config = tiny_model_config(tie_word_embeddings=tied, attention_bias=True)
@@ -162,7 +162,7 @@ def test_float16_model_packs_what_this_cpu_can_and_runs():
     unpacked model's up to accumulation order either way."""
     from kvflow.config import CacheConfig
     from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
-    from kvflow.worker.cache_engine import CacheEngine
+    from kvflow.attention.cache_engine import CacheEngine
 
     config = tiny_model_config(tie_word_embeddings=True)
     model, reference = tiny_model(config).to(torch.float16), tiny_model(config).to(torch.float16)

@@ -13,7 +13,7 @@ from conftest import randomize_hf_model
 from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
 from kvflow.config import CacheConfig
 from kvflow.lora.punica import LoRAMapping
-from kvflow.worker.cache_engine import CacheEngine
+from kvflow.attention.cache_engine import CacheEngine
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -9,7 +9,7 @@ import transformers
 from conftest import prefill_logits, tiny_model, tiny_model_config
 from kvflow.config import CacheConfig
 from kvflow.model.llama import LlamaForCausalLM
-from kvflow.worker.cache_engine import CacheEngine
+from kvflow.attention.cache_engine import CacheEngine
 
 
 def to_hf_state_dict(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
@@ -206,7 +206,7 @@ def test_quantize_lm_head_rejects_unknown_method():
 def _prefill_logits_with_cache(model, token_ids, cache_dtype, chunk=8, block_size=4):
     from kvflow.config import CacheConfig
     from kvflow.attention.torch_backend import AttentionGroup, GroupedMetadata
-    from kvflow.worker.cache_engine import CacheEngine
+    from kvflow.attention.cache_engine import CacheEngine
 
     n = len(token_ids)
     num_blocks = -(-n // block_size)

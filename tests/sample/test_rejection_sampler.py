@@ -26,7 +26,7 @@ from kvflow.request import Request
 from kvflow.sample.rejection_sampler import RejectionSampler, processed_probs
 from kvflow.sampling_params import SamplingParams
 from kvflow.spec_decode.draft_model import DraftModelProposer
-from kvflow.worker.cache_engine import CacheEngine
+from kvflow.attention.cache_engine import CacheEngine
 
 try:
     from scipy import stats as scipy_stats

@@ -101,23 +101,25 @@ def _engine_config(**fields) -> EngineConfig:
 
 
 def test_the_draft_engine_config_is_the_targets_with_the_drafts_model_and_its_own_pool():
-    """``EngineConfig.draft_config()``: what the draft's runner is built from (its model and
-    load settings, a pool of the target's block count without prefix caching, one rank, no
-    speculation or LoRA, the target's device and seed); None without a draft model."""
+    """``EngineConfig.with_draft``: the draft's own config, what its runner is built from (its
+    model and load settings, a pool of the target's block count without prefix caching, one
+    rank, no speculation or LoRA, the target's device and seed); None without a draft model."""
     from kvflow.config import LoadConfig, LoRAConfig, ParallelConfig, SpeculativeConfig
 
-    assert _engine_config().draft_config() is None
+    assert _engine_config().draft is None
     draft_model = tiny_model_config(num_hidden_layers=1)
     draft_load = LoadConfig("d", "/nowhere", None, 32)
-    config = _engine_config(
-        speculative=SpeculativeConfig("draft_model", 3, model="d"), draft=draft_load, draft_model=draft_model,
+    target = _engine_config(
+        speculative=SpeculativeConfig("draft_model", 3, model="d"),
         parallel=ParallelConfig(tensor_parallel_size=2), lora=LoRAConfig(1, 8, 1), seed=11,
     )
-    draft = config.draft_config()
+    config = target.with_draft(draft_model, draft_load)
+    assert config.model is target.model and config.cache == target.cache and config.lora == target.lora
+    draft = config.draft
     assert draft.model is draft_model and draft.load is draft_load
     assert draft.cache == CacheConfig(4, 16, torch.float32, enable_prefix_caching=False)
     assert draft.parallel.tensor_parallel_size == 1
-    assert draft.speculative is None and draft.lora is None and draft.draft_config() is None
+    assert draft.speculative is None and draft.lora is None and draft.draft is None
     assert draft.device == config.device and draft.seed == 11 and draft.scheduler == config.scheduler
 
 

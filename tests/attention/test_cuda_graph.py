@@ -14,8 +14,8 @@ from conftest import make_engine, run_to_completion, tiny_model, tiny_model_conf
 from kvflow.config import CacheConfig
 from kvflow.attention.backend import BatchLayout
 from kvflow.attention.triton_backend import TritonAttentionBackend
-from kvflow.worker.cache_engine import CacheEngine
-from kvflow.worker.cuda_graph import DecodeGraphRunner, default_batch_sizes
+from kvflow.attention.cache_engine import CacheEngine
+from kvflow.attention.cuda_graph import DecodeGraphRunner, default_batch_sizes
 
 pytest.importorskip("triton")
 

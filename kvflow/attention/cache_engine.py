@@ -1,10 +1,19 @@
-"""Allocation of the paged KV cache tensors."""
+"""The paged KV cache of one rank: the per-layer K/V tensors of the whole block pool (device
+and host swap space), and the block copies and swaps the scheduler asks for.
+
+It stands beside what it builds on, ``kvflow/attention/kv_cache.py`` (one layer's tensors:
+``allocate_kv_cache``; their writes and reads). It reads the engine's config by its fields
+(a ``kvflow.config.KVCacheSpec`` and ``CacheConfig``, duck-typed: ``config.py`` stands above
+this package), so that the runner's builder hands it what it needs and it imports nothing
+above the attention layer.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from kvflow.config import CacheConfig, KVCacheSpec
 from kvflow.attention.kv_cache import KVCache, allocate_kv_cache
 
 
@@ -24,12 +33,14 @@ class CacheEngine:
 
     Args:
         spec: this rank's KV layer count, KV heads and head size (the model's
-            ``kv_cache_spec``).
-        cache_config: block count, block size, dtype, groups.
+            ``kv_cache_spec``, a ``kvflow.config.KVCacheSpec``: ``num_layers``,
+            ``num_kv_heads``, ``head_dim``).
+        cache_config: the pool (a ``kvflow.config.CacheConfig``: ``num_blocks``,
+            ``num_cpu_blocks``, ``block_size``, ``dtype``, ``kv_cache_groups``).
         device: where the tensors live.
     """
 
-    def __init__(self, spec: KVCacheSpec, cache_config: CacheConfig, device: torch.device) -> None:
+    def __init__(self, spec: Any, cache_config: Any, device: torch.device) -> None:
         def layer(num_blocks: int, device: torch.device, pin: bool = False) -> KVCache:
             return allocate_kv_cache(num_blocks, cache_config.block_size, spec.num_kv_heads, spec.head_dim,
                                      cache_config.dtype, device, pin)

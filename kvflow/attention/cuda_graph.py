@@ -15,6 +15,11 @@ the graph (their row count is the real batch).
 
 On the CPU there is no CUDA graph; ``capture="eager"`` replays by calling the same function
 on the same static buffers, which is how the tests check the padding and buffer logic.
+
+It stands beside what it builds on: the backend's graph-safe metadata
+(``AttentionBackend.graph_metadata``) and the paged cache (``kvflow.attention.cache_engine``);
+the model is duck-typed. The runner's builder (``ModelRunner.from_config``) captures it right
+after allocating the cache.
 """
 
 from __future__ import annotations
