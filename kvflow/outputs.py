@@ -159,7 +159,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
 
     def __post_init__(self) -> None:
-        self.metrics = _as_metrics(self.metrics)
+        if type(self.metrics) is not RequestMetrics:  # (the engine's outputs come with one)
+            self.metrics = _as_metrics(self.metrics)
 
 
 @dataclass

@@ -89,20 +89,28 @@ class IncrementalDetokenizer:
         """
         if self.finished:
             return None
-        self.token_ids.extend(new_token_ids)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full_text = self._decode(self.token_ids[self.prefix_offset :])
+        ids = self.token_ids
+        ids.extend(new_token_ids)
+        prefix_offset, fast = self.prefix_offset, self._fast_decode
+        if fast is not None:
+            skip = self.skip_special_tokens
+            prefix_text = fast(ids[prefix_offset : self.read_offset], skip_special_tokens=skip)
+            full_text = fast(ids[prefix_offset:], skip_special_tokens=skip)
+        else:
+            prefix_text = self._decode(ids[prefix_offset : self.read_offset])
+            full_text = self._decode(ids[prefix_offset:])
         if finished and full_text.endswith(_REPLACEMENT):
             full_text = full_text[:-1]  # a character cut by the end: not text (vLLM's rule)
         if len(full_text) > len(prefix_text) and (finished or not full_text.endswith(_REPLACEMENT)):
             old_len = len(self._text)
             self._text += full_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
-            self.read_offset = len(self.token_ids)
-            matched = self._match_stop(old_len)
-            if matched is not None:
-                self.finished = True
-                return matched
+            self.read_offset = len(ids)
+            if self.stop:
+                matched = self._match_stop(old_len)
+                if matched is not None:
+                    self.finished = True
+                    return matched
         self.finished = finished
         return None
 
@@ -139,6 +147,8 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """The text so far; while unfinished, without a suffix that may become a stop string."""
+        if self.finished or not self.stop:
+            return self._text
         return self._text[: self._visible_len()]
 
     def text_since(self, offset: int) -> str:

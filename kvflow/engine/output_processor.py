@@ -273,23 +273,27 @@ class OutputProcessor:
                 {"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
                  "finished_time": now},
             )
-        finished = state.finished
+        samples = state.samples
         kind = state.output_kind
+        params = state.params
+        if len(samples) == 1:  # (a single sample: its finish is the request's)
+            finished = samples[0].finish_reason is not None
+        else:
+            finished = state.finished
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        params = state.params
         wants_logprobs = params.logprobs is not None
         metrics = RequestMetrics(state.arrival_time, state.first_scheduled_time, state.first_token_time,
                                  now if finished else None)
         delta = kind is RequestOutputKind.DELTA
-        completions = []
-        samples = state.samples
         if not delta and not wants_logprobs and len(samples) == 1:  # the common case, without the loop
             sample = samples[0]
             detok = sample.detokenizer
-            completions.append(CompletionOutput(0, detok.text if detok is not None else "", list(sample.token_ids),
-                                                sample.finish_reason, sample.stop_reason))
+            completions = [CompletionOutput(0, detok.text if detok is not None else "", list(sample.token_ids),
+                                            sample.finish_reason, sample.stop_reason)]
             samples = ()
+        else:
+            completions = []
         for index, sample in enumerate(samples):
             if delta:
                 text = sample.detokenizer.text_since(sample.num_sent_chars) if sample.detokenizer is not None else ""
@@ -308,18 +312,11 @@ class OutputProcessor:
                 cumulative_logprob=sample.cumulative_logprob if wants_logprobs else None,
             ))
         return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=metrics,
-            prompt_logprobs=(  # as vLLM: None for the first prompt token, which has no predecessor
-                [None, *(self._decoded(state.prompt_logprobs[i]) for i in range(1, len(state.prompt_token_ids)))]
-                if finished and params.prompt_logprobs is not None
-                else None
-            ),
-            num_cached_tokens=state.num_cached_tokens,
+            state.request_id, state.prompt, state.prompt_token_ids, completions, finished, metrics,
+            # as vLLM: None for the first prompt token, which has no predecessor
+            [None, *(self._decoded(state.prompt_logprobs[i]) for i in range(1, len(state.prompt_token_ids)))]
+            if finished and params.prompt_logprobs is not None else None,
+            None, state.num_cached_tokens,
         )
 
     def make_failure_output(self, request_id: str, exc: BaseException, now: float,

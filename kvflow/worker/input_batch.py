@@ -212,7 +212,10 @@ class InputBatch:
 
     def append_tokens_batch(self, rows: np.ndarray, token_ids: list[list[int]]) -> None:
         """Append ``token_ids[i]`` to row ``rows[i]`` for every i (distinct rows), in one
-        scatter."""
+        scatter (one row: ``append_tokens``, without the array bookkeeping)."""
+        if len(token_ids) == 1:
+            self.append_tokens(int(rows[0]), token_ids[0])
+            return
         counts = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
         total = int(counts.sum())
         if not total:

@@ -88,6 +88,29 @@ def test_rows_stay_dense_and_match_the_per_request_form():
             assert not table[i, len(tables[g]) :].any()  # padding: block 0
 
 
+def test_batched_token_appends_equal_the_per_row_ones():
+    """``append_tokens_batch`` over several rows (a decode step's one token each, or 0-3
+    tokens each) and over one row leaves the same tokens and counts as ``append_tokens``
+    row by row, growing the token axis past its first allocation."""
+    rng = random.Random(1)
+    batches = [InputBatch(max_num_reqs=8, max_model_len=8, block_size=4) for _ in range(2)]
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(3, 6))] for _ in range(8)]
+    for b in batches:
+        for i, prompt in enumerate(prompts):
+            b.add_request(_state(f"r{i}", prompt, 0), ([0, 1],))
+    for step in range(40):
+        rows = np.array(rng.sample(range(8), rng.choice([1, 3, 8])), dtype=np.int64)
+        one_each = rng.random() < 0.5
+        new = [[rng.randrange(1000) for _ in range(1 if one_each else rng.randint(0, 3))] for _ in rows]
+        batches[0].append_tokens_batch(rows, new)
+        for row, tokens in zip(rows.tolist(), new):
+            batches[1].append_tokens(row, tokens)
+        assert np.array_equal(batches[0].num_tokens, batches[1].num_tokens)
+        width = int(batches[0].num_tokens.max())
+        assert np.array_equal(batches[0].token_ids[:8, :width], batches[1].token_ids[:8, :width])
+    assert batches[0].token_ids.shape[1] > 8
+
+
 def test_sampling_parameters_move_with_their_row():
     batch = InputBatch(max_num_reqs=4)
     batch.add_request(_state("a", [1, 2, 3, 4], 3, temperature=0.5, top_k=7, top_p=0.9, min_p=0.1), ([0],))
