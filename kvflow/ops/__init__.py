@@ -16,7 +16,11 @@ Each is a :class:`kvflow.ops.build.CppKernel`: ``load()`` builds it once (or ret
 no compiler, a failed build, switched off) and the Python side falls back to PyTorch. The
 sources are package data (``pyproject.toml``), so an installed kvflow builds the same way
 as a checkout. ``python -m kvflow.ops`` builds all of them now (for an image or a machine
-where the first request should not pay for them).
+where the first request should not pay for them), as many at once as there are CPUs
+(``--jobs``), the largest first. The sources include ``torch/types.h`` and
+``torch/csrc/Exceptions.h`` (tensors, pybind11's casters, ``torch::wrap_pybind_function``)
+rather than ``torch/extension.h``, whose C++ frontend (``torch/all.h``) they do not use and
+which took about a third of a small kernel's compile.
 
 When they are built (issue #16; a cold build of the five costs about 234 CPU-seconds of
 compiler time, a cached load well under a second each: docs/development.md, "Kernels"):

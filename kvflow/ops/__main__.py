@@ -1,10 +1,12 @@
 """``python -m kvflow.ops [SOURCE ...]``: build (or load from the cache) kvflow's C++ CPU
 kernels now, all of them or those named by source file (``rms_norm.cpp``), and print one line
-per kernel: its name, whether it is available, and the seconds it took. Exit status 1 when
-one is unavailable (switched off, refused for the CPU, or failed to build: the log says
-which). ``--nice N`` lowers this process's priority first (the background builds of an
-engine run it so: ``kvflow.ops.build.start_background_builds``). ``--parent PID`` ends this
-process, and the compilers of its process group, when process PID is gone."""
+per kernel as it becomes available: its source, its switch, whether it is available, and the
+seconds from the start. Exit status 1 when one is unavailable (switched off, refused for the
+CPU, or failed to build: the log says which). ``--jobs N`` builds up to N kernels at once
+(default: the CPUs this process may use), the largest sources first. ``--nice N`` lowers this
+process's priority first (the background builds of an engine run it so, one source at a time:
+``kvflow.ops.build.start_background_builds``). ``--parent PID`` ends this process, and the
+compilers of its process group, when process PID is gone."""
 
 from __future__ import annotations
 
@@ -12,15 +14,20 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from kvflow.ops import KERNELS
+from kvflow.ops.build import CppKernel
 
 
 def main(argv: list[str] | None = None) -> int:
     names = {kernel.source_path.name for kernel in KERNELS}
     parser = argparse.ArgumentParser(prog="python -m kvflow.ops", description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", nargs="*", metavar="SOURCE", help=f"kernels to build (default: all): {sorted(names)}")
+    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), metavar="N",
+                        help="build up to N kernels at once (default: the CPUs this process may use)")
     parser.add_argument("--nice", type=int, default=0, help="add this to the process's niceness first")
     parser.add_argument("--parent", type=int, default=None, metavar="PID",
                         help="end (with the compilers of this process group) when process PID is gone")
@@ -35,15 +42,29 @@ def main(argv: list[str] | None = None) -> int:
 
         end_with_parent(args.parent)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    failed = 0
+    # One job per extension (kernels sharing one, same prefix and source, would build it in one
+    # job: the first builds it, the next loads it), the largest sources with what they include
+    # (the longest compiles) first, so that the small ones fill the other jobs.
+    jobs: dict[tuple[str, str], list[CppKernel]] = {}
     for kernel in KERNELS:
-        if args.sources and kernel.source_path.name not in args.sources:
-            continue
-        start = time.perf_counter()
-        ok = kernel.load() is not None
-        failed += not ok
-        print(f"{kernel.source_path.name:24s} {'ok' if ok else 'unavailable':12s} {time.perf_counter() - start:7.2f} s")
-    return 1 if failed else 0
+        if not args.sources or kernel.source_path.name in args.sources:
+            jobs.setdefault((kernel.prefix, str(kernel.source_path)), []).append(kernel)
+    order = sorted(jobs.values(), key=lambda ks: -sum(p.stat().st_size for p in (ks[0].source_path, *ks[0].include_paths)))
+    start, printing = time.perf_counter(), threading.Lock()
+
+    def build(kernels: list[CppKernel]) -> bool:
+        ok = True
+        for kernel in kernels:
+            available = kernel.load() is not None
+            ok &= available
+            with printing:
+                print(f"{kernel.source_path.name:20s} {kernel.switch:30s} {'ok' if available else 'unavailable':12s} "
+                      f"{time.perf_counter() - start:7.2f} s", flush=True)
+        return ok
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(build, order))
+    return 0 if all(results) else 1
 
 
 if __name__ == "__main__":

@@ -311,6 +311,31 @@ def test_ops_main_builds_the_named_kernels_only(monkeypatch, capsys):
         main(["nope.cpp"])
 
 
+def test_ops_main_builds_in_parallel_the_largest_first(monkeypatch, capsys):
+    """``python -m kvflow.ops --jobs 2``: two builds at once, the largest sources first (the fused
+    decode step, which includes the GGUF and attention sources, and the GGUF matmul), so that the
+    small ones fill the other job."""
+    from kvflow.ops.__main__ import main
+
+    both_running, lock, events = threading.Barrier(2, timeout=30), threading.Lock(), []
+
+    def fake_load(kernel):
+        with lock:
+            events.append((kernel, threading.get_ident()))
+        if kernel in (ops.FUSED_DECODE, ops.GGUF_MATMUL):  # the first two jobs overlap
+            both_running.wait()
+        return _FakeModule()
+
+    for kernel in ops.KERNELS:
+        monkeypatch.setattr(kernel, "load", lambda kernel=kernel: fake_load(kernel))
+    assert main(["--jobs", "2"]) == 0
+    order, thread = [k for k, _ in events], dict(events)
+    assert sorted(order, key=ops.KERNELS.index) == list(ops.KERNELS)
+    assert set(order[:2]) == {ops.FUSED_DECODE, ops.GGUF_MATMUL}
+    assert thread[ops.FUSED_DECODE] != thread[ops.GGUF_MATMUL]
+    assert len(capsys.readouterr().out.splitlines()) == len(ops.KERNELS)
+
+
 # ---------------------------------------------------------------- issue #31: shared caches
 def test_name_covers_torch_python_and_include_paths(monkeypatch, source):
     """Two venvs sharing ~/.cache/torch_extensions: the name covered the source path but not

@@ -14,7 +14,10 @@
 // minimums (Q4_1, Q5_1, Q4_K, Q5_K) multiply the activation block's sum (kept per 16 elements,
 // times its scale), so that term is one scalar multiply-add per block.
 
-#include <torch/extension.h>
+// torch/extension.h's tensor API and pybind11 casters without its C++ frontend (torch/all.h:
+// nn, optim, data, serialization), which took a third of a small kernel's compile time
+#include <torch/types.h>
+#include <torch/csrc/Exceptions.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>

@@ -2,7 +2,10 @@
 // Python side and documentation: kvflow/layers/cpu_linear.py.
 // Built on first use by kvflow.ops.build (torch.utils.cpp_extension.load, -O3 -march=$KVFLOW_CPU_MARCH).
 
-#include <torch/extension.h>
+// torch/extension.h's tensor API and pybind11 casters without its C++ frontend (torch/all.h:
+// nn, optim, data, serialization), which took a third of a small kernel's compile time
+#include <torch/types.h>
+#include <torch/csrc/Exceptions.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <algorithm>
