@@ -15,7 +15,7 @@ macros (``__AVX512F__``, ``__AVX512BW__``, ``__AVX512BF16__``) and compiles a po
 where they are absent, so a CPU without AVX-512 (or a non-x86 one) gets a working, slower
 kernel, not a failed build.
 
-A build that is needed logs ``building the C++ <kernel> (once, ~20 s)`` at INFO level on
+A build that is needed logs ``building the C++ <kernel> (once, 15-90 s)`` at INFO level on
 logger ``kvflow.ops.build`` first (the CLI prints it to stderr unless ``--quiet``); a load
 of a cached build that torch turns into a rebuild is logged after ``SLOW_LOAD_S``. One
 process builds a kernel in one extensions folder at a time (an ``flock`` in its build
@@ -259,10 +259,10 @@ class CppKernel:
             with self._sole_builder():
                 announce = None
                 if not self.is_built():
-                    logger.info("building the C++ %s (once, ~20 s; cached afterwards)", self.what)
+                    logger.info("building the C++ %s (once, 15-90 s; cached afterwards)", self.what)
                 else:  # torch's load may still find the cached build out of date and rebuild it
                     announce = threading.Timer(SLOW_LOAD_S, logger.info, args=(
-                        "building the C++ %s again (torch found its cached build out of date; ~20 s)", self.what))
+                        "building the C++ %s again (torch found its cached build out of date; 15-90 s)", self.what))
                     announce.daemon = True
                     announce.start()
                 try:
@@ -445,7 +445,7 @@ def _start(kernels: Sequence[CppKernel]) -> list[CppKernel]:
     fresh = [k for k in pending if not k._background.is_set() and k not in _QUEUED]  # type: ignore[union-attr]
     if fresh:
         _QUEUED.update(fresh)
-        logger.info("building kvflow's C++ %s in the background (about 20-60 s each); PyTorch's operators "
+        logger.info("building kvflow's C++ %s in the background (about 15-90 s each on 2 cores); PyTorch's operators "
                     "serve meanwhile", ", ".join(k.what for k in fresh))
         threading.Thread(target=_build_all, args=(fresh,), daemon=True, name="kvflow-kernel-build").start()
     return pending
