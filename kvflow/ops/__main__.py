@@ -22,11 +22,18 @@ from kvflow.ops import KERNELS
 from kvflow.ops.build import CppKernel
 
 
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one, e.g. not macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def main(argv: list[str] | None = None) -> int:
     names = {kernel.source_path.name for kernel in KERNELS}
     parser = argparse.ArgumentParser(prog="python -m kvflow.ops", description=__doc__.split("\n\n")[0])
     parser.add_argument("sources", nargs="*", metavar="SOURCE", help=f"kernels to build (default: all): {sorted(names)}")
-    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)), metavar="N",
+    parser.add_argument("--jobs", type=int, default=_usable_cpus(), metavar="N",
                         help="build up to N kernels at once (default: the CPUs this process may use)")
     parser.add_argument("--nice", type=int, default=0, help="add this to the process's niceness first")
     parser.add_argument("--parent", type=int, default=None, metavar="PID",
