@@ -157,3 +157,30 @@ def test_cuda_graph_engine_matches_eager_engine():
             engine.add_request(f"r{i}", [(7 * i + j) % 128 for j in range(3 + 5 * i)], SamplingParams(temperature=0, max_tokens=12))
         outputs[graphs is None] = run_to_completion(engine)
     assert outputs[True] == outputs[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_engine_matches_cpu_engine_float32(graphs):
+    """The whole GPU path (Triton attention, paged cache on the GPU, graphs or not) gives the
+    CPU engine's greedy tokens in float32: chunked prefill (chunks of 16 tokens), a shared
+    prefix served from the prefix cache, and decode batches of several sizes."""
+    from kvflow.config import SchedulerConfig
+    from kvflow.sampling_params import SamplingParams
+
+    config = tiny_model_config()
+    shared = [(11 * j) % 128 for j in range(40)]
+    prompts = [shared + [(7 * i + j) % 128 for j in range(3 + 5 * i)] for i in range(6)] + [[5, 9, 13]]
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        model = tiny_model(config)
+        engine = make_engine(
+            model=model.to(device), model_config=config,
+            cache_config=CacheConfig(16, 64, torch.float32, enable_prefix_caching=True),
+            scheduler_config=SchedulerConfig(16, 8, 256), tokenizer=None, device=torch.device(device),
+            attention_backend="torch" if device == "cpu" else "triton", enforce_eager=device == "cpu" or not graphs,
+        )
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=20))
+        outputs[device] = run_to_completion(engine)
+    assert outputs["cuda"] == outputs["cpu"]
