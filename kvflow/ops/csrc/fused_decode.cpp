@@ -33,6 +33,64 @@ namespace kvflow_fused {
 template <typename T>
 inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
 
+#if defined(GG_AVX2)
+// e^x for 8 floats (Cephes' expf: exponent split by ln 2 in two parts, a degree-6 polynomial
+// on [-ln2/2, ln2/2], then 2^n through the exponent bits), within 2 ulp of the exact value;
+// x clamped to [-87.3, 88] so 2^n stays a normal float (e^88 = 1.65e38).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// 8 floats rounded to bfloat16 and back (round to nearest even, as c10::BFloat16; NaN kept).
+inline __m256 rnd_bf16(__m256 x) {
+  const __m256i b = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))),
+                                     _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+template <typename T>
+inline __m256 rnd8(__m256 x) {
+  if constexpr (std::is_same<T, float>::value) return x;
+  else return rnd_bf16(x);
+}
+#endif
+
+// act[i] = T(T(silu(g)) u) with g = T(gu[i]), u = T(gu[n + i]) for i < n: the PyTorch path's
+// F.silu(gate) * up in T (silu(g) = g / (1 + e^-g); the vector e^x within 2 ulp, as ATen's
+// vectorized exp is within 1).
+template <typename T>
+void silu_mul(const float* gu, int64_t n, float* act) {
+  int64_t i = 0;
+#if defined(GG_AVX2)
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = rnd8<T>(_mm256_loadu_ps(gu + i)), u = rnd8<T>(_mm256_loadu_ps(gu + n + i));
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    const __m256 s = rnd8<T>(_mm256_div_ps(g, _mm256_add_ps(one, e)));
+    _mm256_storeu_ps(act + i, rnd8<T>(_mm256_mul_ps(s, u)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float g = rnd<T>(gu[i]), u = rnd<T>(gu[n + i]);
+    act[i] = rnd<T>(rnd<T>(g / (1.f + std::exp(-g))) * u);
+  }
+}
+
 // One stored part of a linear's rows: packed (gguf_pack's layout) rows [offset, offset + n).
 struct Segment {
   torch::Tensor packed;
@@ -283,13 +341,7 @@ class FusedDecoder {
       // MLP block.
       rms<T>(res_.data(), l.ln_post.data_ptr<float>(), M, h_.data());
       matmul(h_.data(), M, l.gate_up, proj_.data());
-      for (int64_t m = 0; m < M; ++m) {
-        const float* gu = proj_.data() + m * 2 * I_;
-        for (int64_t i = 0; i < I_; ++i) {
-          const float g = rnd<T>(gu[i]), u = rnd<T>(gu[I_ + i]);
-          act_[m * I_ + i] = rnd<T>(rnd<T>(g / (1.f + std::exp(-g))) * u);
-        }
-      }
+      for (int64_t m = 0; m < M; ++m) silu_mul<T>(proj_.data() + m * 2 * I_, I_, act_.data() + m * I_);
       matmul(act_.data(), M, l.down, proj_.data());
       for (int64_t i = 0; i < M * H_; ++i) res_[i] = rnd<T>(res_[i] + rnd<T>(proj_[i]));
     }
