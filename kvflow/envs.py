@@ -30,6 +30,8 @@ Switches and when they are read:
   to gather + ``scaled_dot_product_attention`` instead of the paged-attention kernel's
   flash-attention pass (``kvflow.attention.cpu_attention.paged_prefill_attention``); read at
   each call, so a test or benchmark can compare the two in one process.
+- ``KVFLOW_HUGE_PAGES`` (bool; default on): ``0`` keeps the packed GGUF weights out of the
+  huge-page arena (``kvflow.huge_pages``); read at each allocation.
 - ``KVFLOW_CPU_KERNEL_BUILD`` (str; default ``background``): how an engine on the CPU gets
   kernels that are not built yet (``kvflow.ops.build``): ``background`` builds them in a
   background thread while the PyTorch paths serve, and the engine switches to each kernel
@@ -150,6 +152,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "`0`: prefill chunks on the CPU gather K/V and run PyTorch's `scaled_dot_product_attention` instead "
            "of the paged-attention kernel's flash-attention pass (that kernel's switches still apply)",
            _on_unless_zero),
+    Switch("KVFLOW_HUGE_PAGES", "bool", "1 (on)",
+           "the packed GGUF weights are placed in memory advised for transparent huge pages (Linux "
+           "`madvise(MADV_HUGEPAGE)`; `kvflow.huge_pages`), which streams them faster; `0`: ordinary "
+           "allocations", _on_unless_zero),
     Switch("KVFLOW_CPU_KERNEL_BUILD", "str", "`background`",
            "`background`: an engine builds the C++ CPU kernels it lacks in a background thread while the "
            "PyTorch paths serve, and switches to each between two steps once built; `wait`: each is built on "

@@ -91,7 +91,7 @@ import gguf
 import torch
 import torch.nn.functional as F
 
-from kvflow import ops
+from kvflow import huge_pages, ops
 
 Q = gguf.GGMLQuantizationType
 
@@ -144,6 +144,31 @@ def row_bytes(qtype, k: int) -> int:
     if k <= 0 or k % size:
         raise ValueError(f"k: {k} is not a positive multiple of {Q(qtype).name}'s block of {size} elements")
     return k // size * nbytes
+
+
+# The packed layout's super-block per format (kvflow/ops/csrc/gguf_matmul.cpp's PFmt):
+# (elements, bits of a value, has a minimum, scale kind: 0 none, 1 K-quant u8 scale + min, 2 Q6_K int8).
+_PACKED_FORMAT = {
+    Q.Q4_0: (32, 4, False, 0), Q.Q4_1: (32, 4, True, 0), Q.Q5_0: (32, 5, False, 0), Q.Q5_1: (32, 5, True, 0),
+    Q.Q8_0: (32, 8, False, 0), Q.Q4_K: (256, 4, True, 1), Q.Q5_K: (256, 5, True, 1), Q.Q6_K: (256, 6, False, 2),
+}
+
+
+def packed_shape(qtype, n: int, k: int) -> tuple[int, int]:
+    """The shape of ``GGUFWeight.pack``'s result for an [n, k] weight of ``qtype``: (row groups
+    of 16, bytes of one group's row of super-blocks), as the C++ layout
+    (``kvflow/ops/csrc/gguf_matmul.cpp``, "The interleaved layout") makes it.
+
+    Raises:
+        ValueError: for an unsupported type, or when k is not a positive multiple of the block.
+    """
+    qt = _qtype(qtype)
+    row_bytes(qt, k)  # checks k
+    sb, bits, has_m, scales = _PACKED_FORMAT[qt]
+    if k % sb:
+        raise ValueError(f"k: {k} is not a multiple of {qt.name}'s super-block of {sb} elements")
+    sub = (32 if scales else 0) + (512 if bits == 8 else 256 + {5: 64, 6: 128}.get(bits, 0))
+    return -(-n // 16), k // sb * ((64 if has_m else 32) + sb // 32 * sub)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -289,11 +314,17 @@ class GGUFWeight:
             return self._raw
         return _EXTENSION.require().gguf_unpack(self.packed, int(self.qtype), self.n, self.k)
 
-    def pack(self, release_raw: bool = False) -> torch.Tensor:
+    def pack(self, release_raw: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         """Build ``packed`` once: the rows interleaved 16 at a time for the C++ kernel's GEMV and
         small-M GEMM (layout: ``kvflow/ops/csrc/gguf_matmul.cpp``; same bytes as stored, K-quants
-        + 4 bytes per 256 elements). ``release_raw`` drops the stored rows afterwards (``raw`` then unpacks on
-        access), so the weight is held once.
+        + 4 bytes per 256 elements), in huge-page memory (``kvflow.huge_pages``: a decode step
+        streams every weight) unless ``out`` is given. ``release_raw`` drops the stored rows
+        afterwards (``raw`` then unpacks on access), so the weight is held once.
+
+        Args:
+            release_raw: drop the stored rows once packed.
+            out: where to write the packed rows (uint8 ``packed_shape(qtype, n, k)``,
+                contiguous), e.g. a slice of a larger packed weight.
 
         Returns:
             The packed uint8 tensor [ceil(n / 16), group bytes].
@@ -302,7 +333,9 @@ class GGUFWeight:
             RuntimeError: when the C++ kernel is not available.
         """
         if self.packed is None:
-            self.packed = _EXTENSION.require().gguf_pack_fast(self._raw, int(self.qtype), self.n, self.k)
+            if out is None:
+                out = huge_pages.empty(packed_shape(self.qtype, self.n, self.k))
+            self.packed = _EXTENSION.require().gguf_pack_fast(self._raw, int(self.qtype), self.n, self.k, out)
         if release_raw:
             self._raw = None
         return self.packed

@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow import ops
-from kvflow.layers.gguf_kernels import GGUFWeight, gguf_linear, kernel_available
+from kvflow import huge_pages, ops
+from kvflow.layers.gguf_kernels import GGUFWeight, gguf_linear, kernel_available, packed_shape
 from kvflow.ops.build import join_background_builds
 from kvflow.quantization.base import LinearMethodBase, QuantizationConfig
 
@@ -195,8 +195,8 @@ _MADV_DONTNEED = 4  # Linux <sys/mman.h>
 
 def pack_in_chunks(weight: GGUFWeight, chunk_rows: int = PACK_CHUNK_ROWS) -> torch.Tensor:
     """``weight.pack(release_raw=True)`` with the stored rows read ``chunk_rows`` at a time:
-    each chunk is packed (``GGUFWeight.pack`` of those rows) into its row groups of one
-    buffer, and where the stored rows are a private mapping of the file
+    each chunk is packed (``GGUFWeight.pack`` of those rows) straight into its row groups of
+    one buffer (huge-page memory: ``kvflow.huge_pages``), and where the stored rows are a private mapping of the file
     (``GGUFTensorInfo.map``) the pages read so far are handed back to the system
     (``madvise(MADV_DONTNEED)``: unmodified private file pages, which a later read maps from
     the file again). So the stored and the packed matrix are never both resident: a whole
@@ -224,14 +224,11 @@ def pack_in_chunks(weight: GGUFWeight, chunk_rows: int = PACK_CHUNK_ROWS) -> tor
     if weight.n <= chunk_rows or not raw.is_contiguous():
         return weight.pack(release_raw=True)
     release = _page_releaser(raw)
-    packed = None
+    packed = huge_pages.empty(packed_shape(weight.qtype, weight.n, weight.k))
     for start in range(0, weight.n, chunk_rows):
         rows = min(chunk_rows, weight.n - start)
-        part = GGUFWeight(raw[start:start + rows], weight.qtype, rows, weight.k).pack()
-        if packed is None:
-            packed = torch.empty((weight.n + group - 1) // group, part.shape[1], dtype=torch.uint8)
-        packed[start // group:start // group + part.shape[0]].copy_(part)
-        del part
+        GGUFWeight(raw[start:start + rows], weight.qtype, rows, weight.k).pack(
+            out=packed[start // group:start // group + -(-rows // group)])
         release(start + rows)
     weight.packed = packed
     del raw

@@ -273,6 +273,10 @@ def test_fast_pack_is_byte_exact_with_reference_pack(qt):
             fast = module.gguf_pack_fast(raw, int(qt), n, k)
             assert torch.equal(fast, module.gguf_pack(raw, int(qt), n, k)), (qt.name, n, k, raw.stride())
             assert torch.equal(module.gguf_unpack(fast, int(qt), n, k), raw)
+            assert tuple(fast.shape) == gk.packed_shape(qt, n, k)
+            out = torch.full(gk.packed_shape(qt, n, k), 7, dtype=torch.uint8)
+            assert module.gguf_pack_fast(raw, int(qt), n, k, out).data_ptr() == out.data_ptr()
+            assert torch.equal(out, fast)
 
 
 def test_linear_packs_once_at_first_use():

@@ -796,13 +796,14 @@ inline void unpack16(const uint8_t* q, __m512i* u) {
         u[t] = _mm512_mask_add_epi8(u[t], static_cast<__mmask64>(w), u[t], sixteen);
       }
     } else if constexpr (QT == Q6_K) {
+      // u | (h' & 0x30) in one vpternlogd (truth table A | (B & C) = 0xF8)
       const __m512i m30 = _mm512_set1_epi8(0x30);
       for (int k = 0; k < 2; ++k) {
         const __m512i h = _mm512_loadu_si512(q + 256 + 64 * k);
-        u[4 * k + 0] = _mm512_or_si512(u[4 * k + 0], _mm512_and_si512(_mm512_slli_epi16(h, 4), m30));
-        u[4 * k + 1] = _mm512_or_si512(u[4 * k + 1], _mm512_and_si512(_mm512_slli_epi16(h, 2), m30));
-        u[4 * k + 2] = _mm512_or_si512(u[4 * k + 2], _mm512_and_si512(h, m30));
-        u[4 * k + 3] = _mm512_or_si512(u[4 * k + 3], _mm512_and_si512(_mm512_srli_epi16(h, 2), m30));
+        u[4 * k + 0] = _mm512_ternarylogic_epi32(u[4 * k + 0], _mm512_slli_epi16(h, 4), m30, 0xF8);
+        u[4 * k + 1] = _mm512_ternarylogic_epi32(u[4 * k + 1], _mm512_slli_epi16(h, 2), m30, 0xF8);
+        u[4 * k + 2] = _mm512_ternarylogic_epi32(u[4 * k + 2], h, m30, 0xF8);
+        u[4 * k + 3] = _mm512_ternarylogic_epi32(u[4 * k + 3], _mm512_srli_epi16(h, 2), m30, 0xF8);
       }
     }
   }
@@ -941,7 +942,7 @@ inline __m512i unpack16_t(const uint8_t* q, int t) {
       const __m512i h = _mm512_loadu_si512(q + 256 + 64 * (t >> 2));
       const int tt = t & 3;
       const __m512i sh = tt == 0 ? _mm512_slli_epi16(h, 4) : tt == 1 ? _mm512_slli_epi16(h, 2) : tt == 2 ? h : _mm512_srli_epi16(h, 2);
-      u = _mm512_or_si512(u, _mm512_and_si512(sh, _mm512_set1_epi8(0x30)));
+      u = _mm512_ternarylogic_epi32(u, sh, _mm512_set1_epi8(0x30), 0xF8);  // u | (sh & 0x30)
     }
     return u;
   }
@@ -1730,11 +1731,21 @@ bool pack_group_sb_direct(int qt, const PFmt& pf, const uint8_t* const* b, uint8
 // gguf_pack's result (same arguments, same bytes), written in one pass (pack_group_sb_direct,
 // else pack_group_sb); a missing row of the last group reads a stored block that decodes to
 // zero fields (encode_fields of zeros), so its packed bytes are the zeros gguf_pack leaves.
-torch::Tensor gguf_pack_fast(torch::Tensor raw, int64_t qtype, int64_t N, int64_t K) {
+// out: where to write it (uint8 [ceil(N / 16), group bytes], contiguous; e.g. huge-page
+// memory, kvflow/huge_pages.py), or none: a new tensor.
+torch::Tensor gguf_pack_fast(torch::Tensor raw, int64_t qtype, int64_t N, int64_t K, c10::optional<torch::Tensor> out) {
   const int qt = check_pack_args(raw, qtype, N, K);
   const PFmt pf = pfmt(qt);
   const int64_t groups = (N + G - 1) / G, nsb = K / pf.sb, ldg = nsb * pf.sb_bytes();
-  torch::Tensor packed = torch::empty({groups, ldg}, torch::kUInt8);
+  torch::Tensor packed;
+  if (out.has_value()) {
+    packed = *out;
+    TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                    packed.dim() == 2 && packed.size(0) == groups && packed.size(1) == ldg,
+                "out: contiguous uint8 [", groups, ", ", ldg, "] on the CPU");
+  } else {
+    packed = torch::empty({groups, ldg}, torch::kUInt8);
+  }
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = packed.data_ptr<uint8_t>();
   const int64_t ldr = raw.stride(0), bb = block_bytes(qt);
@@ -1807,7 +1818,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear, "gguf_linear", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_pack_rows", []() { return static_cast<int64_t>(G); }, "rows per group of the packed layout");
   m.def("gguf_pack", &gguf_pack, "gguf_pack", pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("gguf_pack_fast", &gguf_pack_fast, "gguf_pack_fast", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_pack_fast", &gguf_pack_fast, "gguf_pack_fast", pybind11::arg("raw"), pybind11::arg("qtype"),
+        pybind11::arg("N"), pybind11::arg("K"), pybind11::arg("out") = pybind11::none(),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_unpack", &gguf_unpack, "gguf_unpack", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_linear_packed", &gguf_linear_packed, "gguf_linear_packed", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_dequantize", &gguf_dequantize, "gguf_dequantize", pybind11::call_guard<pybind11::gil_scoped_release>());

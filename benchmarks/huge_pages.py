@@ -1,0 +1,190 @@
+"""The GGUF matrices of one decode step from 4 KiB pages and from transparent huge pages.
+
+What it measures
+----------------
+A GGUF model served as stored (``LLM(model=MODEL)``) packs its weights into huge-page memory
+(``kvflow.huge_pages``). This benchmark copies every packed matrix of one single-stream decode
+step (the decoder linears' stored segments in layer order, then the LM head) into ordinary
+memory as well (``torch.empty``: 4 KiB pages unless the system's transparent huge pages are
+``always``), then times the step's matrices (M = 1, the C++ kernel's ``gguf_linear``) from
+each copy, alternating copy by copy in one process, ``--rounds`` times (the first dropped). So
+the two share the machine's state; the table gives each copy's median and best step time, the
+weight bytes streamed per second, and the speedup of the huge pages. The huge-page share of
+each copy is read from ``/proc/self/smaps`` (``AnonHugePages`` of the mappings that hold it).
+
+``--engine`` instead builds two engines of the model in one process, one with
+``KVFLOW_HUGE_PAGES=0`` (ordinary memory) and one with huge pages, and alternates them
+request by request: each round generates ``--tokens`` greedy tokens after a short prompt with
+each engine; a token's decode time is (time of the whole request - time of a one-token request)
+/ (tokens - 1), both measured in the same round. The table gives the median ms per token and
+tok/s of each, and the speedup.
+
+How to run
+----------
+    python -m benchmarks.huge_pages --model qwen2.5-coder-1.5b
+    python -m benchmarks.huge_pages --model smollm2 --rounds 41 --out /tmp/hp.json
+    python -m benchmarks.huge_pages --model qwen2.5-coder-1.5b --engine --rounds 5 --tokens 65
+
+Prints one table and writes ``--out`` (JSON) with every step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import format_table, machine_info
+
+
+def _transparent_huge_pages() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
+
+
+def huge_page_bytes(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """(bytes of the mappings holding ``tensors`` that are huge pages, resident bytes of those
+    mappings), from ``/proc/self/smaps`` (0, 0 where it cannot be read)."""
+    spans = sorted({(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors})
+    huge = rss = 0
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return 0, 0
+    hit = False
+    for line in lines:
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            hit = any(a < hi and b > lo for a, b in spans)
+        elif hit and line.startswith("AnonHugePages:"):
+            huge += int(line.split()[1]) * 1024
+        elif hit and line.startswith("Rss:"):
+            rss += int(line.split()[1]) * 1024
+    return huge, rss
+
+
+def engine_ab(args: argparse.Namespace) -> int:
+    """``--engine``: two engines of one model, ordinary memory and huge pages, alternated."""
+    import os
+
+    from kvflow import LLM, SamplingParams
+    import kvflow.layers.gguf_kernels as gk
+
+    engines = {}
+    for name, switch in (("4 KiB pages", "0"), ("huge pages", "1")):
+        os.environ["KVFLOW_HUGE_PAGES"] = switch  # read at each allocation, so while this engine loads
+        engines[name] = LLM(model=args.model, max_model_len=1024, num_kv_blocks=64)
+    os.environ.pop("KVFLOW_HUGE_PAGES")
+    prompt = "Write a short story about a lighthouse keeper."
+
+    def timed(llm, n: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == n
+        return time.perf_counter() - t
+
+    per_token: dict[str, list[float]] = {name: [] for name in engines}
+    for r in range(args.rounds + 1):
+        for name, llm in engines.items():
+            ms = (timed(llm, args.tokens) - timed(llm, 1)) / (args.tokens - 1) * 1e3
+            if r:  # the first round warms up
+                per_token[name].append(ms)
+    base = statistics.median(per_token["4 KiB pages"])
+    rows, record = [], {}
+    for name, ts in per_token.items():
+        med = statistics.median(ts)
+        rows.append([name, f"{med:.2f}", f"{min(ts):.2f}", f"{1e3 / med:.1f}", f"{base / med:.2f}x"])
+        record[name] = {"ms_per_token": ts, "median_ms": med, "tok_per_s": 1e3 / med}
+    print(f"# {args.model}: decode, one sequence, {args.tokens} greedy tokens a request, {args.rounds} rounds, "
+          f"the two engines alternated; {torch.get_num_threads()} threads, kernel ISA {gk.kernel_isa()}, "
+          f"transparent huge pages: {_transparent_huge_pages()}")
+    print(format_table(["weights in", "median ms/token", "best ms/token", "tok/s", "vs 4 KiB"], rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": {**machine_info(), "isa": gk.kernel_isa()}, "model": args.model,
+                                    "mode": "engine", "tokens": args.tokens,
+                                    "transparent_hugepage": _transparent_huge_pages(), "results": record}, indent=1))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.huge_pages", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="a GGUF model (path or packaged short name)")
+    ap.add_argument("--rounds", type=int, default=15, help="timed steps per copy (the first is dropped)")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/huge_pages.json"))
+    ap.add_argument("--engine", action="store_true", help="alternate two engines (see above) instead")
+    ap.add_argument("--tokens", type=int, default=65, help="--engine: tokens generated per request")
+    args = ap.parse_args(argv)
+    if args.engine:
+        return engine_ab(args)
+
+    from kvflow import LLM
+    import kvflow.layers.gguf_kernels as gk
+
+    llm = LLM(model=args.model)
+    net = llm.engine.model_runner.model
+    weights = [seg.weight for layer in net.layers
+               for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+               for seg in getattr(lin, "gguf_segments", []) if isinstance(seg.weight, gk.GGUFWeight)]
+    if net.lm_head.stored_gguf is not None:
+        weights.append(net.lm_head.stored_gguf)
+    if not weights or not gk.kernel_available():
+        raise SystemExit(f"{args.model}: no packed GGUF matrices (not a GGUF model, or the GGUF kernel is off)")
+    dtype = net.norm.weight.dtype
+    for w in weights:
+        w.pack()
+    ordinary = []
+    for w in weights:  # the same bytes in torch.empty's memory
+        c = copy.copy(w)
+        c.packed = torch.empty(w.packed.shape, dtype=torch.uint8)
+        c.packed.copy_(w.packed)
+        ordinary.append(c)
+    copies = {"4 KiB pages": ordinary, "huge pages": weights}
+    xs = {w.k: torch.randn(1, w.k).to(dtype) for w in weights}
+
+    def step(ws) -> float:
+        t = time.perf_counter()
+        for w in ws:
+            gk.gguf_linear(xs[w.k], w)
+        return (time.perf_counter() - t) * 1e3
+
+    times: dict[str, list[float]] = {name: [] for name in copies}
+    for _ in range(args.rounds + 1):
+        for name, ws in copies.items():
+            times[name].append(step(ws))
+    nbytes = sum(w.packed.numel() for w in weights)
+    rows, record = [], {}
+    base = statistics.median(times["4 KiB pages"][1:])
+    for name, ws in copies.items():
+        ts = times[name][1:]
+        med = statistics.median(ts)
+        huge, rss = huge_page_bytes([w.packed for w in ws])
+        rows.append([name, f"{med:.2f}", f"{min(ts):.2f}", f"{nbytes / med / 1e6:.1f}", f"{base / med:.2f}x",
+                     f"{huge / 2**20:.0f} / {rss / 2**20:.0f}"])
+        record[name] = {"step_ms": ts, "median_ms": med, "best_ms": min(ts), "gb_per_s": nbytes / med / 1e6,
+                        "anon_huge_bytes": huge, "rss_bytes": rss}
+    threads = torch.get_num_threads()
+    print(f"# {args.model}: {len(weights)} packed matrices of one decode step ({nbytes / 2**20:.1f} MiB), M = 1, "
+          f"{threads} threads, kernel ISA {gk.kernel_isa()}, transparent huge pages: {_transparent_huge_pages()}; "
+          f"{args.rounds} steps per copy, alternated")
+    print(format_table(["weights in", "median ms", "best ms", "GB/s", "vs 4 KiB", "huge / resident MiB"], rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": {**machine_info(), "isa": gk.kernel_isa()}, "model": args.model,
+                                    "weight_bytes": nbytes, "threads": threads,
+                                    "transparent_hugepage": _transparent_huge_pages(), "results": record}, indent=1))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
