@@ -34,24 +34,9 @@ template <typename T>
 inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
 
 #if defined(GG_AVX2)
-// e^x for 8 floats (Cephes' expf: exponent split by ln 2 in two parts, a degree-6 polynomial
-// on [-ln2/2, ln2/2], then 2^n through the exponent bits), within 2 ulp of the exact value;
-// x clamped to [-87.3, 88] so 2^n stays a normal float (e^88 = 1.65e38).
+// e^x for 8 floats, x clamped to [-87.3, 88] (e^88 = 1.65e38): paged_attention.cpp's exp8_cephes.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return exp8_cephes(_mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f)));
 }
 
 // 8 floats rounded to bfloat16 and back (round to nearest even, as c10::BFloat16; NaN kept).

@@ -595,6 +595,25 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
 // ---------------------------------------------------------------------------------------------
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+// e^c on 8 lanes for -87.3 <= c <= 88 (Cephes expf: the exponent split by ln 2 in two parts, a
+// degree-6 polynomial on [-ln2/2, ln2/2], 2^n through the exponent bits; within 2 ulp); the
+// callers clamp or mask outside that range. Also the fused decode step's SiLU (fused_decode.cpp).
+static inline __m256 exp8_cephes(__m256 c) {
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
 #endif
 #include <atomic>
 
@@ -635,20 +654,7 @@ struct VecF {  // 8 float32 lanes
   static inline VecF exp_neg(VecF xv) {
     const __m256 x = xv.v;
     const __m256 lo = _mm256_set1_ps(-87.3f);
-    const __m256 c = _mm256_max_ps(lo, x);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    const __m256 y = exp8_cephes(_mm256_max_ps(lo, x));
     return {_mm256_and_ps(y, _mm256_cmp_ps(x, lo, _CMP_NLT_UQ))};  // a NaN stays NaN
   }
   static inline VecF finite_or_zero(VecF x) {
