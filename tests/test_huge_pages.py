@@ -34,16 +34,29 @@ def test_large_tensors_are_advised_small_ones_are_not(monkeypatch):
     assert big.shape == (300, 1000) and big.dtype == torch.bfloat16 and big.is_contiguous()
     assert big.data_ptr() % 64 == 0
     assert "hg" in _vm_flags(big.data_ptr())  # advised MADV_HUGEPAGE
-    small = huge_pages.empty((16,), torch.float32)
-    assert "hg" not in _vm_flags(small.data_ptr())
+    chunk = huge_pages._chunk
+    small = huge_pages.empty((16,), torch.float32)  # below MIN_BYTES: torch.empty
+    lo, hi = chunk.data_ptr(), chunk.data_ptr() + chunk.numel()
+    assert huge_pages._chunk is chunk and not lo <= small.data_ptr() < hi
 
 
 @needs_linux
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv("KVFLOW_HUGE_PAGES", "0")
     assert not huge_pages.enabled()
+    mapped = []
+
+    def record(nbytes):
+        mapped.append(nbytes)
+        raise OSError("recorded")  # empty() then falls back to torch.empty
+
+    monkeypatch.setattr(huge_pages, "_mapping", record)
+    monkeypatch.setattr(huge_pages, "_chunk", None)
     t = huge_pages.empty((1 << 20,), torch.uint8)
-    assert "hg" not in _vm_flags(t.data_ptr())
+    assert t.numel() == 1 << 20 and mapped == []  # torch.empty's memory: no arena mapping asked for
+    monkeypatch.setenv("KVFLOW_HUGE_PAGES", "1")
+    huge_pages.empty((1 << 20,), torch.uint8)
+    assert mapped == [huge_pages.CHUNK_BYTES]  # on again: the arena maps
 
 
 @needs_linux
