@@ -5,8 +5,9 @@ how fast the CPU streams them from memory. With the ordinary 4 KiB pages, each 4
 weight needs its own TLB entry (a page walk, two-dimensional in a virtual machine) and the
 hardware prefetchers stop at each page boundary; a 2 MiB transparent huge page covers 512 of
 them. Measured in one process on a 2-core AMD EPYC (Zen 4) VM, the same packed
-Qwen2.5-Coder-1.5B matrices of one decode step (934 MiB, M = 1, 2 threads): 30.3 ms from
-4 KiB pages, 22.6 ms from huge pages (``benchmarks/huge_pages.py``).
+Qwen2.5-Coder-1.5B matrices of one decode step (951 MiB, M = 1, 2 threads), alternated: 32.2 ms
+from 4 KiB pages, 22.9 ms from huge pages; the whole decode step 43.1 -> 29.1 ms
+(``benchmarks/huge_pages.py``, docs/benchmarks.md).
 
 ``empty(shape, dtype)`` places a tensor in an arena of large anonymous mappings advised
 ``madvise(MADV_HUGEPAGE)`` (Linux; the kernel then backs their 2 MiB-aligned parts with huge
