@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvflow import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]
     rows, record = [], {}
     for model in args.models:
         path = gguf_path(model)
@@ -105,11 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         del llm
         gc.collect()
     print(f"# single stream, offline, {args.threads} threads; decode: {args.tokens} tokens a request; prefill: one "
-          f"{args.prefill}-token prompt; medians of {args.rounds} alternated rounds (after a warm-up)")
+          f"{args.prefill}-token prompt; medians of {args.rounds} alternated rounds (after a warm-up); CPU "
+          f"{machine_info()['cpu_model']}; 1-minute load average {load_start:.2f} at the start, "
+          f"{os.getloadavg()[0]:.2f} at the end (this run's threads included)")
     print(format_table(["model", "kvflow decode tok/s", "llama.cpp tg tok/s", "ratio",
                         f"kvflow pp{args.prefill} tok/s", f"llama.cpp pp{args.prefill} tok/s", "ratio"], rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
+                                    "load_average_1min": [load_start, os.getloadavg()[0]],
                                     "results": record}, indent=1))
     print(f"\nwrote {args.out}")
     return 0

@@ -33,13 +33,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import format_table, machine_info
+from benchmarks.common import cpu_model, format_table, machine_info
 
 
 def _transparent_huge_pages() -> str | None:
@@ -48,6 +49,11 @@ def _transparent_huge_pages() -> str | None:
     except OSError:
         return None
     return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
+
+
+def _load(start: float) -> str:
+    """The 1-minute load average at the start and now (this run's own threads count in it)."""
+    return f"CPU {cpu_model()}; load average {start:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (this run's threads included)"
 
 
 def huge_page_bytes(tensors: list[torch.Tensor]) -> tuple[int, int]:
@@ -74,11 +80,10 @@ def huge_page_bytes(tensors: list[torch.Tensor]) -> tuple[int, int]:
 
 def engine_ab(args: argparse.Namespace) -> int:
     """``--engine``: two engines of one model, ordinary memory and huge pages, alternated."""
-    import os
-
     from kvflow import LLM, SamplingParams
     import kvflow.layers.gguf_kernels as gk
 
+    load_start = os.getloadavg()[0]
     engines = {}
     for name, switch in (("4 KiB pages", "0"), ("huge pages", "1")):
         os.environ["KVFLOW_HUGE_PAGES"] = switch  # read at each allocation, so while this engine loads
@@ -107,11 +112,12 @@ def engine_ab(args: argparse.Namespace) -> int:
         record[name] = {"ms_per_token": ts, "median_ms": med, "tok_per_s": 1e3 / med}
     print(f"# {args.model}: decode, one sequence, {args.tokens} greedy tokens a request, {args.rounds} rounds, "
           f"the two engines alternated; {torch.get_num_threads()} threads, kernel ISA {gk.kernel_isa()}, "
-          f"transparent huge pages: {_transparent_huge_pages()}")
+          f"transparent huge pages: {_transparent_huge_pages()}; {_load(load_start)}")
     print(format_table(["weights in", "median ms/token", "best ms/token", "tok/s", "vs 4 KiB"], rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": {**machine_info(), "isa": gk.kernel_isa()}, "model": args.model,
                                     "mode": "engine", "tokens": args.tokens,
+                                    "load_average_1min": [load_start, os.getloadavg()[0]],
                                     "transparent_hugepage": _transparent_huge_pages(), "results": record}, indent=1))
     print(f"\nwrote {args.out}")
     return 0
@@ -131,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvflow import LLM
     import kvflow.layers.gguf_kernels as gk
 
+    load_start = os.getloadavg()[0]
     llm = LLM(model=args.model)
     net = llm.engine.model_runner.model
     weights = [seg.weight for layer in net.layers
@@ -176,11 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     print(f"# {args.model}: {len(weights)} packed matrices of one decode step ({nbytes / 2**20:.1f} MiB), M = 1, "
           f"{threads} threads, kernel ISA {gk.kernel_isa()}, transparent huge pages: {_transparent_huge_pages()}; "
-          f"{args.rounds} steps per copy, alternated")
+          f"{args.rounds} steps per copy, alternated; {_load(load_start)}")
     print(format_table(["weights in", "median ms", "best ms", "GB/s", "vs 4 KiB", "huge / resident MiB"], rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"machine": {**machine_info(), "isa": gk.kernel_isa()}, "model": args.model,
                                     "weight_bytes": nbytes, "threads": threads,
+                                    "load_average_1min": [load_start, os.getloadavg()[0]],
                                     "transparent_hugepage": _transparent_huge_pages(), "results": record}, indent=1))
     print(f"\nwrote {args.out}")
     return 0

@@ -79,8 +79,7 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.uint8) 
     """
     global _chunk, _used
     shape = tuple(int(s) for s in shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = math.prod(shape) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or not enabled():
         return torch.empty(shape, dtype=dtype)
     try:

@@ -277,6 +277,8 @@ def test_fast_pack_is_byte_exact_with_reference_pack(qt):
             out = torch.full(gk.packed_shape(qt, n, k), 7, dtype=torch.uint8)
             assert module.gguf_pack_fast(raw, int(qt), n, k, out).data_ptr() == out.data_ptr()
             assert torch.equal(out, fast)
+            with pytest.raises(RuntimeError, match="out: contiguous uint8"):  # a buffer of the wrong shape
+                module.gguf_pack_fast(raw, int(qt), n, k, out[:, 1:])
 
 
 def test_linear_packs_once_at_first_use():
