@@ -1,8 +1,13 @@
-"""Small helpers shared across kvflow: byte sizes as users write them."""
+"""Small helpers shared across kvflow: byte sizes as users write them, and handing the C
+heap's free memory back to the OS."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import re
+import sys
 
 _UNITS = {
     "": 1, "b": 1,
@@ -48,3 +53,37 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" or float(n).is_integer() else f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+@functools.cache
+def _glibc_malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim  # glibc only (musl has no malloc_trim)
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+def release_free_heap() -> bool:
+    """Hand the C heap's free pages back to the OS: glibc's ``malloc_trim(0)``, which walks
+    every malloc arena (each thread's too) and releases the free pages inside them, not only
+    at their tops.
+
+    What it is for: a one-off load leaves freed memory behind that glibc keeps for reuse, so
+    it stays in the process's RSS. Parsing Qwen2.5's 11 MB ``tokenizer.json`` (Rust
+    ``tokenizers``) allocates ~100 MB and keeps ~40 MB; the other ~60 MB stay resident until
+    trimmed (measured: peak RSS of ``LLM("qwen2.5-coder-0.5b")`` + 8 tokens 799 -> 763 MiB).
+    Safe from any thread at any time (glibc locks each arena); it costs a walk of the heap
+    (milliseconds), so call it after a load, not per step.
+
+    Returns:
+        True where ``malloc_trim`` ran (Linux with glibc) and released memory; False where it
+        is not available or found nothing to release.
+    """
+    trim = _glibc_malloc_trim()
+    return bool(trim(0)) if trim is not None else False

@@ -1,10 +1,11 @@
-"""kvflow.utils: byte sizes as users write them."""
+"""kvflow.utils: byte sizes as users write them, handing the C heap's free memory back."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvflow.utils import human_bytes, parse_bytes
+from kvflow import utils
+from kvflow.utils import human_bytes, parse_bytes, release_free_heap
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -46,3 +47,36 @@ def test_human_bytes():
 def test_parse_bytes_names_the_field():
     with pytest.raises(ValueError, match="swap_space_bytes"):
         parse_bytes("much", "swap_space_bytes")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+@pytest.mark.skipif(utils._glibc_malloc_trim() is None, reason="malloc_trim: Linux with glibc")
+def test_release_free_heap_returns_freed_memory_inside_the_heap():
+    """64 MiB of small malloc'd blocks, all freed but the last (which pins the heap's top, so
+    free() cannot give it back): resident until release_free_heap, then returned."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = [libc.malloc(4000) for _ in range(16384)]  # below the mmap threshold: the heap
+    for b in blocks:
+        ctypes.memset(b, 1, 4000)
+    for b in blocks[:-1]:
+        libc.free(b)
+    try:
+        before = _rss_mib()
+        assert release_free_heap()
+        assert before - _rss_mib() > 40
+    finally:
+        libc.free(blocks[-1])
+
+
+def test_release_free_heap_without_glibc_is_a_no_op(monkeypatch):
+    monkeypatch.setattr(utils, "_glibc_malloc_trim", lambda: None)
+    assert release_free_heap() is False

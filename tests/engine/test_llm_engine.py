@@ -644,9 +644,15 @@ def test_the_tokenizer_loads_on_a_thread_while_the_model_builds_and_its_error_is
         loaded["tokenizer"] = real(model_dir)
         return loaded["tokenizer"]
 
+    def trim():  # the parse's freed heap handed back, on the same thread, after the load
+        loaded["trimmed on"] = threading.current_thread().name if "tokenizer" in loaded else "before the load"
+        return True
+
     monkeypatch.setattr(llm_engine, "load_tokenizer", load)
+    monkeypatch.setattr(llm_engine, "release_free_heap", trim)
     engine = LLMEngine.from_engine_args(EngineArgs(model=str(folder), dtype="float32", num_kv_blocks=32))
     assert loaded["thread"].startswith("kvflow-tokenizer") and engine.tokenizer is loaded["tokenizer"]
+    assert loaded["trimmed on"] == loaded["thread"]
     assert engine.output_processor.tokenizer is loaded["tokenizer"]
 
     def broken(model_dir):
