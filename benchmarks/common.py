@@ -120,6 +120,30 @@ def cpu_model() -> str | None:
     return None
 
 
+ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+             "amx_tile", "amx_int8", "amx_bf16")
+ISA_CAPS = ("KVFLOW_CPU_MARCH", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "KVFLOW_CPU_KERNELS")
+
+
+def cpu_isa() -> list[str]:
+    """The vector-ISA flags of /proc/cpuinfo that kvflow's kernels and its peers' pick from
+    (``ISA_FLAGS``, in that order), or [] where the file is not there."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in ISA_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
+def isa_caps() -> dict[str, str]:
+    """The environment variables that cap the ISA below the CPU's (the test command's AVX2
+    pass sets the first three), as set for this process."""
+    return {k: os.environ[k] for k in ISA_CAPS if k in os.environ}
+
+
 def machine_info() -> dict[str, Any]:
     """Versions, thread counts and the date, for the JSON record of a run."""
     try:
@@ -139,6 +163,8 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "sched_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "cpu_model": cpu_model(),
+        "cpu_isa": cpu_isa(),
+        "isa_caps": isa_caps(),
         "cuda_available": torch.cuda.is_available(),
     }
 

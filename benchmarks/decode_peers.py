@@ -106,14 +106,18 @@ def main(argv: list[str] | None = None) -> int:
         record[model] = {"gguf": path, "rounds": runs, "medians": med}
         del llm
         gc.collect()
+    from kvflow.layers.gguf_kernels import kernel_isa
+
+    info = machine_info()
     print(f"# single stream, offline, {args.threads} threads; decode: {args.tokens} tokens a request; prefill: one "
           f"{args.prefill}-token prompt; medians of {args.rounds} alternated rounds (after a warm-up); CPU "
-          f"{machine_info()['cpu_model']}; 1-minute load average {load_start:.2f} at the start, "
-          f"{os.getloadavg()[0]:.2f} at the end (this run's threads included)")
+          f"{info['cpu_model']} ({' '.join(info['cpu_isa'])}); kvflow's GGUF kernel: {kernel_isa()}, ISA caps "
+          f"{info['isa_caps'] or 'none'}; llama-bench {args.llama_bench}; 1-minute load average {load_start:.2f} at the "
+          f"start, {os.getloadavg()[0]:.2f} at the end (this run's threads included)")
     print(format_table(["model", "kvflow decode tok/s", "llama.cpp tg tok/s", "ratio",
                         f"kvflow pp{args.prefill} tok/s", f"llama.cpp pp{args.prefill} tok/s", "ratio"], rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()},
+    args.out.write_text(json.dumps({"machine": info, "kvflow_gguf_kernel_isa": kernel_isa(), "args": {k: str(v) for k, v in vars(args).items()},
                                     "load_average_1min": [load_start, os.getloadavg()[0]],
                                     "results": record}, indent=1))
     print(f"\nwrote {args.out}")
