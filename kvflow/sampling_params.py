@@ -184,7 +184,8 @@ class SamplingParams:
         guided_json: a JSON schema (dict or JSON string); the output is constrained to
             JSON that validates against it (llguidance grammar engine).
         guided_regex: a regular expression the whole output must match.
-        guided_choice: a non-empty list of strings; the output is exactly one of them.
+        guided_choice: a non-empty list of strings; the output is exactly one of them. At
+            most ``MAX_GUIDED_CHOICES`` (1024) choices of at most ``MAX_STRING_CHARS`` characters.
         guided_grammar: a context-free grammar (Lark syntax, or llama.cpp's GBNF) the output
             belongs to.
         structured_outputs: vLLM's form of the four above (``StructuredOutputsParams``); it
@@ -347,6 +348,11 @@ class SamplingParams:
             raise ValueError("guided_choice must be a non-empty list of strings")
         if self.guided_choice is not None:
             self.guided_choice = list(self.guided_choice)
+            if len(self.guided_choice) > MAX_GUIDED_CHOICES:
+                raise ValueError(f"guided_choice: {len(self.guided_choice)} choices; at most {MAX_GUIDED_CHOICES}")
+            longest = max(len(c) for c in self.guided_choice)
+            if longest > MAX_STRING_CHARS:
+                raise ValueError(f"guided_choice: a choice of {longest} characters; at most {MAX_STRING_CHARS}")
         if self.guided_grammar is not None and (not isinstance(self.guided_grammar, str) or not self.guided_grammar.strip()):
             raise ValueError("guided_grammar must be a non-empty string")
         if self.structural_tag is not None and guided:
@@ -375,8 +381,11 @@ class SamplingParams:
 MAX_STOP_STRINGS = 64
 MAX_BAD_WORDS = 1024
 MAX_STOP_TOKEN_IDS = 1024
-#: The longest ``stop`` string or ``bad_words`` entry, in characters.
+#: The longest ``stop`` string, ``bad_words`` entry or ``guided_choice`` choice, in characters.
 MAX_STRING_CHARS = 1024
+#: The most ``guided_choice`` choices (the grammar engine, llguidance, gives up on a rule of
+#: 2,000 alternatives and more: the output would not be one of them).
+MAX_GUIDED_CHOICES = 1024
 
 _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_TINY = 1.1754943508222875e-38

@@ -193,3 +193,11 @@ def test_list_fields_at_their_bounds_are_accepted():
     p = SamplingParams(stop=["s" * sp.MAX_STRING_CHARS] * sp.MAX_STOP_STRINGS, bad_words=["w"] * sp.MAX_BAD_WORDS,
                        stop_token_ids=[1] * sp.MAX_STOP_TOKEN_IDS)
     assert len(p.stop) == sp.MAX_STOP_STRINGS and len(p.bad_words) == sp.MAX_BAD_WORDS
+
+
+def test_guided_choice_is_bounded():
+    with pytest.raises(ValueError, match="guided_choice: 1025 choices; at most 1024"):
+        SamplingParams(guided_choice=[f"o{i}" for i in range(sp.MAX_GUIDED_CHOICES + 1)])
+    with pytest.raises(ValueError, match="guided_choice: a choice of 1025 characters"):
+        SamplingParams(guided_choice=["a", "x" * (sp.MAX_STRING_CHARS + 1)])
+    assert len(SamplingParams(guided_choice=[f"o{i}" for i in range(sp.MAX_GUIDED_CHOICES)]).guided_choice) == 1024

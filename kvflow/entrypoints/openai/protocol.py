@@ -10,8 +10,10 @@ guided_json, guided_regex, guided_choice, guided_grammar, structured_outputs) an
 Validation is strict: a number field takes a JSON number (not ``true``, not ``"0.5"``), an
 integer field an integer (not ``2.0``), and no float may be NaN or infinite. Fields of the
 OpenAI API (or well-known vLLM extras) that kvflow does not implement and that would change
-the result are declared here so that ``unsupported_field`` can refuse them by name; any other
-unknown field is accepted and logged once as a warning.
+the result are declared here, and other servers' and APIs' such fields (llama.cpp's
+``mirostat``, vLLM's ``cache_salt``, Chat's ``seed`` sent to Responses ...) are named in
+``FOREIGN_FIELDS``, so that ``unsupported_field`` refuses them by name; any other unknown field
+(one that changes nothing here, such as a client's bookkeeping) is accepted and logged once.
 """
 
 from __future__ import annotations
@@ -68,12 +70,49 @@ class _Body(BaseModel):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        """(field, message) for the first field set to a value kvflow does not implement."""
+        """(field, message) for the first field set to a value kvflow does not implement: a
+        declared field of ``UNSUPPORTED``, or an undeclared one named in ``FOREIGN_FIELDS``
+        (another API's or server's field that would change the output here)."""
         for name, harmless in self.UNSUPPORTED.items():
             value = getattr(self, name)
             if value is not None and value not in harmless:
                 return name, f"{name} is not supported by kvflow (set to {_short(value)}); leave it unset"
+        for name, value in (self.model_extra or {}).items():
+            harmless = FOREIGN_FIELDS.get(name)
+            if harmless is not None and value is not None and not _same(value, harmless):
+                return name, (f"{name} is not supported by kvflow on this endpoint (set to {_short(value)}); "
+                              "leave it unset")
         return None
+
+
+def _same(value: Any, harmless: tuple[Any, ...]) -> bool:
+    """``value`` is one of ``harmless`` (a bool is not taken for 0 or 1)."""
+    return any(type(value) is type(h) and value == h or (type(value) in (int, float) and type(h) in (int, float)
+                                                          and value == h) for h in harmless)
+
+
+# Fields of other APIs and servers (vLLM, llama.cpp, OpenAI's other endpoints, Anthropic's) that
+# a body here does not declare but that would change the output if honoured: refused by name
+# when set to anything but their neutral values (the tuples), rather than logged and dropped.
+# A body that declares one of these names handles it itself.
+FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
+    # sampling of other servers (llama.cpp, text-generation-webui, vLLM)
+    "typical_p": (1, 1.0), "tfs_z": (1, 1.0), "top_a": (0, 0.0), "top_n_sigma": (-1, -1.0),
+    "mirostat": (0,), "mirostat_mode": (0,), "dry_multiplier": (0, 0.0), "xtc_probability": (0, 0.0),
+    "epsilon_cutoff": (0, 0.0), "eta_cutoff": (0, 0.0), "no_repeat_ngram_size": (0,),
+    "penalty_alpha": (0, 0.0), "dynatemp_range": (0, 0.0), "repeat_penalty": (1, 1.0),
+    "n_probs": (0,), "n_predict": (), "num_predict": (), "grammar": (), "json_schema": (),
+    # vLLM request fields kvflow does not implement
+    "add_special_tokens": (), "spaces_between_special_tokens": (True,), "cache_salt": (),
+    "kv_transfer_params": (), "vllm_xargs": ({},), "logits_processors": (), "mm_processor_kwargs": (),
+    "min_p_tokens": (), "guided_whitespace_pattern": (), "structural_tag": (),
+    # sampling fields of one API sent to an endpoint of another (OpenAI Chat's on Responses or
+    # Anthropic's Messages, and the like)
+    "n": (1,), "best_of": (1,), "seed": (), "stop": ([],), "suffix": ("",), "logit_bias": ({},),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "min_tokens": (0,), "ignore_eos": (False,), "logprobs": (False, 0), "stop_token_ids": ([],),
+    "top_k": (-1, 0), "min_p": (0, 0.0), "response_format": ({"type": "text"},), "stop_sequences": ([],),
+}  # fmt: skip
 
 
 def unsupported_message_field(messages: list[Any]) -> tuple[str, str] | None:
@@ -93,6 +132,21 @@ def _short(value: Any) -> str:
 class StreamOptions(_Body):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # no effect on the content
+    continuous_usage_stats: bool | None = None  # vLLM's usage in every chunk: not implemented
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {"continuous_usage_stats": (False,)}
+
+
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(_Body):
@@ -130,6 +184,10 @@ class _SamplingRequest(_Body):
     guided_grammar: str | None = None
     # vLLM >= 0.11's form of the four above: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     structured_outputs: dict[str, Any] | None = None
+    # OpenAI chat's output format; vLLM takes it on completions too (json_object / json_schema)
+    response_format: ResponseFormat | None = None
+    # vLLM: add the tokenizer's special tokens (BOS) to the prompt; only its default is served
+    add_special_tokens: bool | None = None
     # scheduling priority (lower first); other than 0 it needs --scheduling-policy priority
     priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     # vLLM extras kvflow does not implement (refused when set; see unsupported_field)
@@ -145,6 +203,15 @@ class _SamplingRequest(_Body):
         "length_penalty": (1, 1.0), "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
         "return_tokens_as_token_ids": (False,),
     }  # fmt: skip
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """See ``_Body.unsupported_field``; also looks into ``stream_options``."""
+        found = super().unsupported_field()
+        if found is None and self.stream_options is not None:
+            inner = self.stream_options.unsupported_field()
+            if inner is not None:
+                return "stream_options", f"stream_options.{inner[1]}"
+        return found
 
     @field_validator("stream_options")
     @classmethod
@@ -213,8 +280,22 @@ class _SamplingRequest(_Body):
             raise ValueError(f"structured_outputs is invalid: {exc}") from None
 
     def guided_schema(self) -> dict[str, Any] | str | None:
-        """The JSON schema that constrains the output, if any."""
-        return self.guided_json
+        """The JSON schema that constrains the output, if any: ``guided_json``, else
+        ``response_format``'s (json_object: any JSON object).
+
+        Raises:
+            ValueError: naming response_format, for type json_schema without a schema.
+        """
+        if self.guided_json is not None or self.response_format is None:
+            return self.guided_json
+        if self.response_format.type == "json_object":
+            return {"type": "object"}
+        if self.response_format.type == "json_schema":
+            spec = self.response_format.json_schema
+            if spec is None or spec.schema_ is None:
+                raise ValueError("response_format.json_schema.schema is required for type json_schema")
+            return spec.schema_
+        return None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -228,7 +309,9 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {**_SamplingRequest.UNSUPPORTED, "best_of": (1,), "suffix": ("",)}
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **_SamplingRequest.UNSUPPORTED, "best_of": (1,), "suffix": ("",), "add_special_tokens": (True,),
+    }  # fmt: skip
 
 
 class FunctionDefinition(_Body):
@@ -354,18 +437,6 @@ class ChatMessage(_Body):
         return message
 
 
-class JsonSchemaFormat(_Body):
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"] = "text"
-    json_schema: JsonSchemaFormat | None = None
-
-
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -374,7 +445,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     # tool calling (kvflow/entrypoints/openai/tools.py)
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
@@ -390,7 +460,9 @@ class ChatCompletionRequest(_SamplingRequest):
     web_search_options: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
-    # vLLM chat extras kvflow does not implement
+    # vLLM / completions fields kvflow does not implement on chat
+    best_of: int | None = None
+    suffix: str | None = None
     echo: Any = None
     add_generation_prompt: Any = None
     continue_final_message: Any = None
@@ -402,6 +474,7 @@ class ChatCompletionRequest(_SamplingRequest):
         "functions": ([],), "function_call": ("none", "auto"),
         "prediction": (),
         "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
+        "best_of": (1,), "suffix": ("",), "add_special_tokens": (False,),
         "echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
         "documents": (),
     }  # fmt: skip
@@ -444,16 +517,7 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise ValueError("tool_choice (a forced tool call) cannot be combined with response_format, "
                                  "guided_json, guided_regex, guided_choice, guided_grammar or structured_outputs")
             return tool_choice_schema(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
-        if self.guided_json is not None or self.response_format is None:
-            return self.guided_json
-        if self.response_format.type == "json_object":
-            return {"type": "object"}
-        if self.response_format.type == "json_schema":
-            spec = self.response_format.json_schema
-            if spec is None or spec.schema_ is None:
-                raise ValueError("response_format.json_schema.schema is required for type json_schema")
-            return spec.schema_
-        return None
+        return super().guided_schema()
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -92,3 +92,59 @@ def test_json_schema_response_format_is_the_guided_schema():
         ChatCompletionRequest.model_validate(
             {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}
         ).sampling_params(4, None)
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [({"best_of": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"add_special_tokens": True}, "add_special_tokens"),
+     ({"typical_p": 0.5}, "typical_p"), ({"mirostat": 2}, "mirostat"), ({"dry_multiplier": 0.8}, "dry_multiplier"),
+     ({"top_a": 0.1}, "top_a"), ({"cache_salt": "s"}, "cache_salt"), ({"vllm_xargs": {"k": 1}}, "vllm_xargs"),
+     ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options")],
+)  # fmt: skip
+def test_other_servers_fields_that_change_the_output_are_refused_on_chat(body, field):
+    name, message = ChatCompletionRequest.model_validate({"messages": MSG, **body}).unsupported_field()
+    assert name == field and "not supported" in message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"typical_p": 1.0}, {"mirostat": 0}, {"dry_multiplier": 0}, {"best_of": 1}, {"add_special_tokens": False},
+     {"spaces_between_special_tokens": True}, {"request_id": "r1"}, {"guided_decoding_backend": "auto"},
+     {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}],
+)  # fmt: skip
+def test_their_neutral_values_and_bookkeeping_fields_pass(body):
+    assert ChatCompletionRequest.model_validate({"messages": MSG, **body}).unsupported_field() is None
+
+
+def test_add_special_tokens_is_served_at_each_endpoints_vllm_default():
+    assert CompletionRequest.model_validate({"prompt": "x", "add_special_tokens": True}).unsupported_field() is None
+    assert CompletionRequest.model_validate({"prompt": "x", "add_special_tokens": False}).unsupported_field()[0] == (
+        "add_special_tokens")
+
+
+def test_a_bool_is_not_taken_for_a_neutral_number():
+    assert ChatCompletionRequest.model_validate({"messages": MSG, "mirostat": False}).unsupported_field()[0] == "mirostat"
+
+
+def test_completions_take_response_format_like_chat():
+    assert CompletionRequest.model_validate(
+        {"prompt": "x", "response_format": {"type": "json_object"}}).sampling_params(4, None).guided_json == {
+        "type": "object"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = CompletionRequest.model_validate(
+        {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert req.sampling_params(4, None).guided_json == schema
+    assert CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "text"}}).sampling_params(
+        4, None).guided_json is None
+
+
+@pytest.mark.parametrize("body,field", [({"n": 2}, "n"), ({"seed": 3}, "seed"), ({"stop": ["x"]}, "stop")])
+def test_chat_sampling_fields_sent_to_responses_or_messages_are_refused(body, field):
+    from kvflow.entrypoints.anthropic.protocol import MessagesRequest
+    from kvflow.entrypoints.openai.serving_responses import ResponsesRequest
+
+    assert ResponsesRequest.model_validate({"input": "hi", **body}).unsupported_field()[0] == field
+    messages = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": MSG, **body})
+    assert messages.unsupported_field()[0] == field
+    assert ResponsesRequest.model_validate({"input": "hi", "n": 1}).unsupported_field() is None
