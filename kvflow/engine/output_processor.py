@@ -114,6 +114,8 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[RequestState, _SampleState]] = {}  # by sample id
         self._token_texts: dict[int, str] = {}  # token id -> decode([id]), for Logprob.decoded_token
+        # skip_special_tokens -> {token id: its text decoded alone}, the detokenizers' cache
+        self._detok_texts: dict[bool, dict[int, str]] = {True: {}, False: {}}
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, sample_ids: list[str], prompt: str | None, prompt_token_ids: list[int],
@@ -133,8 +135,9 @@ class OutputProcessor:
         for sample_id in sample_ids:
             detok = None
             if self.tokenizer is not None and isinstance(params, SamplingParams):
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
-                                               params.stop, params.include_stop_str_in_output)
+                skip = bool(params.skip_special_tokens)
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip, params.stop,
+                                               params.include_stop_str_in_output, self._detok_texts[skip])
             samples.append(_SampleState(sample_id, detok))
         state = RequestState(request_id, prompt, list(prompt_token_ids), params, output_kind, samples, arrival_time)
         self.request_states[request_id] = state
