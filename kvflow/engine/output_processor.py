@@ -167,7 +167,7 @@ class OutputProcessor:
             exception for the requests whose output processing failed (still tracked: the
             caller aborts them in the core and makes their failure output).
         """
-        touched: dict[str, RequestState] = {}
+        outputs: list = []  # RequestOutputs, and the RequestStates of n > 1 requests made below
         stops: dict[str, StopHit] = {}
         failures: dict[str, BaseException] = {}
         for request_id in core_outputs.started:
@@ -184,9 +184,13 @@ class OutputProcessor:
             state.num_cached_tokens = num_cached_tokens
             vector = torch.nn.functional.normalize(vector, dim=0) if state.params.l2_normalize else vector
             state.embedding = vector.tolist()
-            touched[request_id] = state
+            self._emit(state, now, outputs, failures)
+        # A request of one sample (the common case) has its output made as soon as its tokens
+        # are appended; one of n samples once all of them are (a placeholder keeps its place:
+        # the outputs come in the order of each request's first sample in the step).
         owners = self._sample_owner
-        append = self._append
+        append, emit = self._append, self._emit
+        pending: dict[str, RequestState] = {}  # n > 1 samples, by user request id
         for out in core_outputs.outputs:
             owner = owners.get(out.request_id)
             if owner is None:
@@ -199,27 +203,39 @@ class OutputProcessor:
                 continue
             if hit is not None:
                 stops[out.request_id] = hit
-            touched[state.request_id] = state
-        outputs = []
-        make_output = self._make_output
-        for request_id, state in touched.items():
-            if failures and request_id in failures:
-                continue
-            if state.first_token_time is None and not state.is_pooling:
-                state.first_token_time = now
-            try:
-                output = make_output(state, now)
-            except Exception as exc:  # noqa: BLE001 - this request's fault
-                failures[request_id] = exc
-                continue
-            if output is not None:
-                outputs.append(output)
-                finished = output.finished
-            else:
-                finished = state.finished
-            if finished:
-                self.abort_request(request_id)
+            if len(state.samples) == 1:
+                if state.request_id not in failures:
+                    emit(state, now, outputs, failures)
+            elif state.request_id not in pending:
+                pending[state.request_id] = state
+                outputs.append(state)
+        if pending:
+            made = []
+            for item in outputs:
+                if type(item) is not RequestState:
+                    made.append(item)
+                elif item.request_id not in failures:
+                    emit(item, now, made, failures)
+            outputs = made
         return outputs, stops, failures
+
+    def _emit(self, state: RequestState, now: float, outputs: list, failures: dict[str, BaseException]) -> None:
+        """Make ``state``'s output for this step into ``outputs`` (none for a FINAL_ONLY
+        request still running; a fault goes to ``failures``); stop tracking it once finished."""
+        if state.first_token_time is None and not state.is_pooling:
+            state.first_token_time = now
+        try:
+            output = self._make_output(state, now)
+        except Exception as exc:  # noqa: BLE001 - this request's fault
+            failures[state.request_id] = exc
+            return
+        if output is not None:
+            outputs.append(output)
+            finished = output.finished
+        else:
+            finished = state.finished
+        if finished:
+            self.abort_request(state.request_id)
 
     def _append(self, state: RequestState, sample: _SampleState, out) -> StopHit | None:
         """Record a sample's new tokens: text (token by token, so that a stop string ends it
