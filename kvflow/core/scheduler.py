@@ -204,7 +204,7 @@ class Scheduler:
         share = self._waiting_could_run()
         decode_tokens = 0  # of decodes (with their drafts): a step of nothing else is not timed
         index = 0
-        allocate_slots, add = kv.allocate_slots, out._add
+        allocate_slots, add, running_status = kv.allocate_slots, out._add, RequestStatus.RUNNING
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             remaining = len(request.all_token_ids) - request.num_computed_tokens
@@ -231,7 +231,7 @@ class Scheduler:
                 self._preempt(victim, out)
                 if victim is request:
                     break
-            if request.status is not RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue
             add(request.request_id, num_new)
             if remaining <= 1:

@@ -51,6 +51,12 @@ class IncrementalDetokenizer:
         skip_special_tokens: drop special tokens from the text.
         stop: stop strings (may be empty).
         include_stop_str_in_output: keep a matched stop string in the text.
+        token_texts: a cache of one-token decodes (token id -> its text decoded alone, with
+            this ``skip_special_tokens``), shared by the detokenizers of one tokenizer and
+            setting (``OutputProcessor`` keeps one per setting); None: no cache. A decode
+            step's first window is usually the one token emitted at the previous step,
+            so the cache saves one of the step's two decodes (a token id's text is a pure
+            function of the id).
     """
 
     def __init__(
@@ -60,9 +66,11 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
+        token_texts: dict[int, str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self._fast_decode = fast_decode(tokenizer)
+        self._token_texts = token_texts
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop or [])
         self.include_stop_str_in_output = include_stop_str_in_output
@@ -93,8 +101,14 @@ class IncrementalDetokenizer:
         ids.extend(new_token_ids)
         prefix_offset, fast = self.prefix_offset, self._fast_decode
         if fast is not None:
-            skip = self.skip_special_tokens
-            prefix_text = fast(ids[prefix_offset : self.read_offset], skip_special_tokens=skip)
+            skip, cache = self.skip_special_tokens, self._token_texts
+            if cache is not None and self.read_offset - prefix_offset == 1:  # (a decode step)
+                token = ids[prefix_offset]
+                prefix_text = cache.get(token)
+                if prefix_text is None:
+                    prefix_text = cache[token] = fast([token], skip_special_tokens=skip)
+            else:
+                prefix_text = fast(ids[prefix_offset : self.read_offset], skip_special_tokens=skip)
             full_text = fast(ids[prefix_offset:], skip_special_tokens=skip)
         else:
             prefix_text = self._decode(ids[prefix_offset : self.read_offset])

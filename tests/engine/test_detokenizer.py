@@ -126,10 +126,11 @@ def random_token_ids(draw, tok: _Tok, min_size: int, max_size: int) -> list[int]
 
 
 # ------------------------------------------------------------------ helpers
-def run_detokenizer(tok: _Tok, prompt, output, skip_special_tokens=True, stop=None, include=False):
+def run_detokenizer(tok: _Tok, prompt, output, skip_special_tokens=True, stop=None, include=False,
+                    token_texts=None):
     """Feed ``output`` one token at a time; the visible texts after each token, the stop
     string that fired (if any) and the index of the token that fired it."""
-    detok = IncrementalDetokenizer(tok.tokenizer, prompt, skip_special_tokens, stop, include)
+    detok = IncrementalDetokenizer(tok.tokenizer, prompt, skip_special_tokens, stop, include, token_texts)
     visible: list[str] = []
     fired, fired_at = None, None
     for i, token in enumerate(output):
@@ -182,6 +183,40 @@ def test_random_tokens_deltas_concatenate_to_one_shot_decode(tok, data, skip):
     assert fired is None
     assert visible[-1] == final
     assert_monotonic(visible, final)
+
+
+@SETTINGS
+@given(data=st.data(), skip=st.booleans())
+def test_token_text_cache_changes_nothing(tok, data, skip):
+    """With a one-token decode cache shared across requests (``OutputProcessor``'s), every
+    step's visible text is the one without it, and the cache is used."""
+    caches = {True: {}, False: {}}
+    for _ in range(2):  # the second request reads what the first one cached
+        prompt = data.draw(random_token_ids(tok, 1, 8), label="prompt")
+        output = data.draw(random_token_ids(tok, 2, 16), label="output")
+        stop = data.draw(st.lists(st.sampled_from(["e", " the", "。", "🚀", "ab"]), max_size=2), label="stop")
+        plain = run_detokenizer(tok, prompt, output, skip, stop)
+        cached = run_detokenizer(tok, prompt, output, skip, stop, token_texts=caches[skip])
+        assert cached == plain
+    for token, text in caches[skip].items():
+        assert text == tok.decode([token], skip_special_tokens=skip)
+
+
+def test_token_text_cache_is_read(smollm2_dir):
+    """A decode step takes its first window's text from the cache (a planted wrong entry
+    shows in the text, so the test fails if the cache is not consulted)."""
+    from kvflow.model.resolve import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    a, b, c = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("Hello", " world", " again"))
+    cache: dict[int, str] = {}
+    detok = IncrementalDetokenizer(tokenizer, [a], True, [], False, cache)
+    detok.update([b])
+    detok.update([c])
+    assert detok.text == " world again" and cache == {a: "Hello", b: " world"}
+    cache[c] = "X"  # a wrong text for c: the next step's first window is [c]
+    detok.update([a])
+    assert detok.text == " world again" + "againHello"  # (decode([c, a]) less the planted "X")
 
 
 @SETTINGS

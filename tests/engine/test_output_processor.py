@@ -128,3 +128,43 @@ def test_output_kind_is_checked(tokenizer):
     with pytest.raises(ValueError, match="output_kind"):
         engine.add_request("a", PROMPT, SamplingParams(max_tokens=2), output_kind="delta")
     assert not engine.has_unfinished_requests()
+
+
+def test_outputs_come_in_first_sample_order_and_a_failed_request_gives_none(tokenizer, monkeypatch):
+    """A request of one sample has its output made as soon as its token is appended, one of
+    n samples after all of them: the step's outputs still come in the order of each request's
+    first sample, and a request one of whose samples failed gives no output."""
+    from kvflow.engine.core import EngineCoreOutput, EngineCoreOutputs
+    from kvflow.engine.output_processor import OutputProcessor
+
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    processor.add_request("a", ["a#0", "a#1"], None, PROMPT, params, 0.0)
+    processor.add_request("b", ["b"], None, PROMPT, params, 0.0)
+    processor.add_request("c", ["c"], None, PROMPT, params, 0.0)
+    processor.add_request("d", ["d#0", "d#1"], None, PROMPT, params, 0.0)
+
+    def step(order: list[str], finish: str | None = None):
+        core = EngineCoreOutputs()
+        core.outputs = [EngineCoreOutput(s, [ord("x")], finish_reason=finish) for s in order]
+        return processor.process_outputs(core, 1.0)
+
+    outputs, stops, failures = step(["b", "a#0", "c", "d#0", "a#1", "d#1"])
+    assert [o.request_id for o in outputs] == ["b", "a", "c", "d"] and not stops and not failures
+    assert [len(o.outputs) for o in outputs] == [1, 2, 1, 2]
+    assert all(c.token_ids == [ord("x")] for o in outputs for c in o.outputs)
+
+    original = OutputProcessor._append
+
+    def append(self, state, sample, out):
+        if out.request_id == "a#1":
+            raise ValueError("bad token")
+        return original(self, state, sample, out)
+
+    monkeypatch.setattr(OutputProcessor, "_append", append)
+    outputs, _, failures = step(["a#0", "b", "a#1", "c"])
+    assert [o.request_id for o in outputs] == ["b", "c"] and list(failures) == ["a"]
+    monkeypatch.undo()
+    outputs, _, failures = step(["d#0", "d#1", "c"], finish="length")
+    assert [(o.request_id, o.finished) for o in outputs] == [("d", True), ("c", True)] and not failures
+    assert set(processor.request_states) == {"a", "b"}  # the finished ones are no longer tracked
