@@ -219,6 +219,21 @@ def test_token_text_cache_is_read(smollm2_dir):
     assert detok.text == " world again" + "againHello"  # (decode([c, a]) less the planted "X")
 
 
+def test_token_text_cache_is_bounded(smollm2_dir, monkeypatch):
+    """A full cache is read but not grown: the text stays right, the memory bounded."""
+    from kvflow.engine import detokenizer as detokenizer_module
+    from kvflow.model.resolve import load_tokenizer
+
+    monkeypatch.setattr(detokenizer_module, "MAX_CACHED_TOKEN_TEXTS", 2)
+    tokenizer = load_tokenizer(smollm2_dir)
+    ids = [tokenizer.encode(w, add_special_tokens=False)[0] for w in ("Hello", " world", " again", " and")]
+    cache: dict[int, str] = {}
+    detok = IncrementalDetokenizer(tokenizer, ids[:1], True, [], False, cache)
+    for t in ids[1:]:
+        detok.update([t])
+    assert detok.text == " world again and" and len(cache) == 2
+
+
 @SETTINGS
 @given(data=st.data())
 def test_random_prompt_and_output_tokens(tok, data):
