@@ -44,9 +44,9 @@ RETRY_AFTER_S = 1
 
 def _bad_request(exc: ValueError) -> APIError:
     message = str(exc)
-    # the message's first word names the field; "response_format.json_schema.schema ..." names
-    # the top-level field response_format
-    head = re.split(r"[.\[]", message.split(" ", 1)[0], maxsplit=1)[0] if message else ""
+    # the message's first word names the field: "response_format.json_schema.schema ..." the
+    # top-level field response_format, "stop: an entry of ..." the field stop
+    head = re.split(r"[.\[:]", message.split(" ", 1)[0], maxsplit=1)[0] if message else ""
     param = head if head.isidentifier() else None
     return APIError(400, message, "BadRequestError", param)
 

@@ -148,3 +148,16 @@ def test_chat_sampling_fields_sent_to_responses_or_messages_are_refused(body, fi
     messages = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": MSG, **body})
     assert messages.unsupported_field()[0] == field
     assert ResponsesRequest.model_validate({"input": "hi", "n": 1}).unsupported_field() is None
+
+
+@pytest.mark.parametrize(
+    "message,param",
+    [("stop: an entry of 2000 characters; at most 1024", "stop"), ("guided_choice: 2000 choices; at most 1024",
+     "guided_choice"), ("response_format.json_schema.schema is required", "response_format"),
+     ("messages[0].content is empty", "messages"), ("2 is not a field", None)],
+)  # fmt: skip
+def test_a_value_error_names_its_field_in_param(message, param):
+    from kvflow.entrypoints.openai.serving import _bad_request
+
+    error = _bad_request(ValueError(message))
+    assert (error.status, error.param) == (400, param)
