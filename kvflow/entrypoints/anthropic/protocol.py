@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvflow.entrypoints.openai.protocol import _Body
 
@@ -34,6 +34,15 @@ class AnthropicTool(_Body):
     type: str | None = None  # "custom" (a client tool); Anthropic's server tools have other types
     cache_control: Any = None  # prompt caching hints: no effect on the output
 
+    @model_validator(mode="before")
+    @classmethod
+    def _client_tools_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind not in (None, "custom"):
+            raise ValueError(f"server tools (type {kind!r}) are not supported by kvflow: only client tools "
+                             "(a name and an input_schema)")
+        return data
+
 
 class AnthropicToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
@@ -44,6 +53,14 @@ class AnthropicToolChoice(_Body):
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
+
+    @model_validator(mode="after")
+    def _user_content_not_empty(self):
+        # (Anthropic's rule: every message has content but a final assistant message, the
+        # reply's prefill)
+        if self.role == "user" and isinstance(self.content, list) and not self.content:
+            raise ValueError("a user message's content must hold at least one content block")
+        return self
 
 
 class MessagesRequest(_Body):

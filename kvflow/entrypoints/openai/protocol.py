@@ -284,8 +284,14 @@ class _SamplingRequest(_Body):
         ``response_format``'s (json_object: any JSON object).
 
         Raises:
-            ValueError: naming response_format, for type json_schema without a schema.
+            ValueError: naming response_format, for type json_schema without a schema or a
+                response_format together with another output constraint.
         """
+        if self.response_format is not None and self.response_format.type != "text":
+            other = next((name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                            "structured_outputs") if getattr(self, name) is not None), None)
+            if other is not None:
+                raise ValueError(f"response_format cannot be combined with {other}: send one output constraint")
         if self.guided_json is not None or self.response_format is None:
             return self.guided_json
         if self.response_format.type == "json_object":
@@ -409,6 +415,8 @@ class ChatMessage(_Body):
             raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
         if self.tool_call_id is not None and self.role != "tool":
             raise ValueError(f"tool_call_id is for tool messages, not {self.role}")
+        if self.content is None and self.role != "assistant":  # (OpenAI: content is required but there)
+            raise ValueError(f"a {self.role} message needs content")
         return self
 
     def text(self) -> str:

@@ -59,7 +59,10 @@ class TokenizeChatRequest(_Body):
     }  # fmt: skip
 
     def unsupported_field(self) -> tuple[str, str] | None:
-        """See ``_Body.unsupported_field``; also looks into the messages."""
+        """See ``_Body.unsupported_field``; also looks into the messages, and refuses a
+        ``prompt`` sent with them (one or the other is tokenized, never both)."""
+        if "prompt" in (self.model_extra or {}):
+            return "prompt", "prompt and messages are exclusive: send one of them"
         return super().unsupported_field() or unsupported_message_field(self.messages)
 
 

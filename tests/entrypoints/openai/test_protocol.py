@@ -161,3 +161,40 @@ def test_a_value_error_names_its_field_in_param(message, param):
 
     error = _bad_request(ValueError(message))
     assert (error.status, error.param) == (400, param)
+
+
+def test_a_message_without_content_is_refused_but_an_assistants_tool_call_turn():
+    with pytest.raises(ValidationError, match="a user message needs content"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user"}]})
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    ChatCompletionRequest.model_validate({"messages": [*MSG, {"role": "assistant", "tool_calls": [call]}]})
+
+
+def test_anthropic_server_tools_and_empty_user_content_are_refused():
+    from kvflow.entrypoints.anthropic.protocol import MessagesRequest
+
+    base = {"model": "m", "max_tokens": 5, "messages": MSG}
+    with pytest.raises(ValidationError, match="server tools \\(type 'web_search_20250305'\\) are not supported"):
+        MessagesRequest.model_validate({**base, "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
+    with pytest.raises(ValidationError, match="at least one content block"):
+        MessagesRequest.model_validate({**base, "messages": [{"role": "user", "content": []}]})
+    tool = {"type": "custom", "name": "f", "input_schema": {"type": "object"}}
+    prefill = [*MSG, {"role": "assistant", "content": []}]  # a final assistant turn may be empty
+    MessagesRequest.model_validate({**base, "messages": prefill, "tools": [tool]})
+
+
+def test_tokenize_refuses_a_prompt_sent_with_messages():
+    from kvflow.entrypoints.openai.serving_tokenization import TokenizeChatRequest
+
+    req = TokenizeChatRequest.model_validate({"messages": MSG, "prompt": "ignored?"})
+    assert req.unsupported_field() == ("prompt", "prompt and messages are exclusive: send one of them")
+    assert TokenizeChatRequest.model_validate({"messages": MSG}).unsupported_field() is None
+
+
+@pytest.mark.parametrize("other", [{"guided_choice": ["a", "b"]}, {"guided_json": {"type": "object"}},
+                                   {"structured_outputs": {"regex": "a+"}}])
+def test_response_format_with_another_constraint_is_refused_naming_response_format(other):
+    for req in (CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "json_object"}, **other}),
+                ChatCompletionRequest.model_validate({"messages": MSG, "response_format": {"type": "json_object"}, **other})):
+        with pytest.raises(ValueError, match="^response_format cannot be combined with"):
+            req.sampling_params(4, None)
