@@ -417,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None,
                        help="model id in the API (default: the --model short name, file stem or folder name)")
     serve.add_argument("--max-queue-len", type=int, default=None,
-                       help="at most this many requests accepted and not yet running; more get 429 (default: no limit)")
+                       help="at most this many requests accepted and not yet running; more get 429 (a request with more "
+                       "prompts than this gets 400: it could never fit) (default: no limit)")
     serve.add_argument("--max-request-bytes", type=_byte_size("max_request_bytes"), default="10MiB", metavar="BYTES",
                        help="larger request bodies get 413 (default: 10MiB)")
     serve.add_argument("--timeout-keep-alive", type=float, default=5.0,

@@ -847,6 +847,21 @@ def test_a_multi_prompt_request_refused_with_429_runs_none_of_its_prompts():
         s.stop()
 
 
+def test_more_prompts_than_the_queue_holds_is_400_not_429():
+    # 4 prompts can never fit a queue of 3: retrying (429 + Retry-After) would loop forever
+    s = TinyServer(max_queue_len=3)
+    try:
+        r = httpx.post(s.url + C, json={"prompt": ["a", "b", "c", "d"], "max_tokens": 2}, timeout=60)
+        err = _assert_error(r, 400, "prompt")
+        assert "retry-after" not in r.headers
+        assert "4 prompts" in err["message"] and "at most 3" in err["message"], err
+        assert not s.engine._unstarted and not s.engine._streams  # none queued
+        r = httpx.post(s.url + C, json={"prompt": ["a", "b", "c"], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text  # exactly the limit fits
+    finally:
+        s.stop()
+
+
 # ---------------------------------------------------------------------------- api key, names
 @pytest.fixture(scope="module")
 def key_servers():
