@@ -36,7 +36,7 @@ NAN = math.nan
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -5}, "max_tokens"),
         ({"max_tokens": 3.0}, "max_tokens"),
-        ({"max_tokens": None}, "max_tokens"),
+        ({"max_tokens": "8"}, "max_tokens"),
         ({"seed": 1.5}, "seed"),
         ({"seed": "7"}, "seed"),
         ({"seed": True}, "seed"),
@@ -193,3 +193,10 @@ def test_list_fields_at_their_bounds_are_accepted():
     p = SamplingParams(stop=["s" * sp.MAX_STRING_CHARS] * sp.MAX_STOP_STRINGS, bad_words=["w"] * sp.MAX_BAD_WORDS,
                        stop_token_ids=[1] * sp.MAX_STOP_TOKEN_IDS)
     assert len(p.stop) == sp.MAX_STOP_STRINGS and len(p.bad_words) == sp.MAX_BAD_WORDS
+
+
+def test_max_tokens_none_means_until_the_context_is_full():
+    # vLLM's SamplingParams(max_tokens=None): the engine turns it into the request's room
+    p = SamplingParams(max_tokens=None)
+    assert p.max_tokens is None
+    assert SamplingParams(max_tokens=None, min_tokens=5).min_tokens == 5
