@@ -433,6 +433,13 @@ def build_app(
                      *({"id": name, **entry, "parent": model_name} for name in serving.lora_modules)],
         }
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:  # the OpenAI SDK's client.models.retrieve(id)
+        for card in (await models())["data"]:
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"The model `{model_id}` does not exist.", "NotFoundError", "model")
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
         await serving.load_lora_adapter(req.lora_name, req.lora_path)

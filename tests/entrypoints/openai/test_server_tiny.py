@@ -892,6 +892,19 @@ def test_model_names(http):
     _assert_error(http.post(C, json={"prompt": "x", "model": "other"}), 404, "model")
 
 
+def test_a_model_is_retrieved_by_its_id(http):
+    # the OpenAI SDK's client.models.retrieve("tiny") is GET /v1/models/tiny
+    listed = http.get("/v1/models").json()["data"][0]
+    r = http.get("/v1/models/tiny")
+    assert r.status_code == 200, r.text
+    card = r.json()
+    assert {k: v for k, v in card.items() if k != "created"} == {k: v for k, v in listed.items() if k != "created"}
+    assert card["object"] == "model" and card["id"] == "tiny"
+    err = _assert_error(http.get("/v1/models/other"), 404, "model")
+    assert err["type"] == "NotFoundError" and "other" in err["message"]
+    _assert_error(http.get("/v1/models/org/other"), 404, "model")  # ids may hold a slash
+
+
 @pytest.mark.parametrize(
     "model,name",
     [("smollm2-135m", "smollm2-135m"), ("/data/models/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
