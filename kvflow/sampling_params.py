@@ -152,7 +152,9 @@ class SamplingParams:
         seed: per-request random seed. A seeded request samples from its own
             ``torch.Generator``, so it produces the same tokens whatever else is batched
             with it.
-        max_tokens: maximum number of generated tokens (>= 1).
+        max_tokens: maximum number of generated tokens (>= 1); None (as vLLM): until the
+            context is full, i.e. ``max_model_len`` minus the prompt's length (the engine
+            sets it per request).
         stop_token_ids: generation stops after emitting any of these token ids (the token
             is kept in ``token_ids``). At most ``MAX_STOP_TOKEN_IDS`` (1024).
         ignore_eos: keep generating past the model's end-of-sequence token.
@@ -208,7 +210,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -298,9 +300,9 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             # torch.Generator.manual_seed would fail later with an unclear "Overflow" error.
             raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)):
+            raise ValueError(f"max_tokens must be an integer or None, got {self.max_tokens!r}")
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and (
             not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool) or self.logprobs < 0

@@ -36,7 +36,7 @@ NAN = math.nan
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": -5}, "max_tokens"),
         ({"max_tokens": 3.0}, "max_tokens"),
-        ({"max_tokens": None}, "max_tokens"),
+        ({"max_tokens": "8"}, "max_tokens"),
         ({"seed": 1.5}, "seed"),
         ({"seed": "7"}, "seed"),
         ({"seed": True}, "seed"),
@@ -201,3 +201,10 @@ def test_guided_choice_is_bounded():
     with pytest.raises(ValueError, match="guided_choice: a choice of 1025 characters"):
         SamplingParams(guided_choice=["a", "x" * (sp.MAX_STRING_CHARS + 1)])
     assert len(SamplingParams(guided_choice=[f"o{i}" for i in range(sp.MAX_GUIDED_CHOICES)]).guided_choice) == 1024
+
+
+def test_max_tokens_none_means_until_the_context_is_full():
+    # vLLM's SamplingParams(max_tokens=None): the engine turns it into the request's room
+    p = SamplingParams(max_tokens=None)
+    assert p.max_tokens is None
+    assert SamplingParams(max_tokens=None, min_tokens=5).min_tokens == 5

@@ -58,6 +58,11 @@ class QueueFullError(RuntimeError):
     """Raised when admitting the requests would exceed ``max_queue_len``."""
 
 
+class QueueTooSmallError(ValueError):
+    """Raised when one call brings more requests than ``max_queue_len`` holds at all: it
+    can never be admitted, so retrying is pointless (unlike ``QueueFullError``)."""
+
+
 class EngineDeadError(RuntimeError):
     """Raised for requests once the engine thread has failed."""
 
@@ -347,12 +352,19 @@ class AsyncLLMEngine:
         request's whole output so far, grown from the deltas on the event loop.
 
         Raises:
+            QueueTooSmallError: when there are more of them than ``max_queue_len`` (they
+                could never all be admitted); none of them is queued then.
             QueueFullError: when they would take the accepted-but-not-started requests past
                 ``max_queue_len``; none of them is queued then.
             EngineDeadError: when the engine thread has failed (``EngineShutdownError``
                 once it was shut down).
         """
         self._check_running()
+        if self.max_queue_len is not None and len(requests) > self.max_queue_len:
+            raise QueueTooSmallError(
+                f"this request has {len(requests)} prompts but the queue holds at most {self.max_queue_len} "
+                "(--max-queue-len): it can never be admitted; send at most that many prompts per request"
+            )
         if self.max_queue_len is not None and len(self._unstarted) + len(requests) > self.max_queue_len:
             raise QueueFullError(
                 f"{len(self._unstarted)} requests are waiting and the queue holds {self.max_queue_len}"

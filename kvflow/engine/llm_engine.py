@@ -24,6 +24,7 @@ words, LoRA checks) stays here. ``LLM`` (offline) and the server drive this loop
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -244,7 +245,8 @@ class LLMEngine:
             )
         if params.n > self.scheduler_config.max_num_seqs:
             raise ValueError(f"n must be at most max_num_seqs={self.scheduler_config.max_num_seqs}, got {params.n}")
-        needed_tokens = min(len(prompt_token_ids) + params.max_tokens, max_len)
+        needed_tokens = (max_len if params.max_tokens is None  # None: until the context is full
+                         else min(len(prompt_token_ids) + params.max_tokens, max_len))
         # (behind a sliding window a request holds only its window's blocks)
         needed_blocks = self.kv_cache_manager.max_blocks_held(needed_tokens,
                                                               self.scheduler_config.max_num_batched_tokens)
@@ -337,6 +339,7 @@ class LLMEngine:
         if isinstance(params, PoolingParams):
             return PreparedRequest(list(prompt_token_ids), params.resolved(self.default_pooling), [], [None],
                                    lora_request)
+        params = self._resolve_max_tokens(prompt_token_ids, params)
         self._check_tokenizer_features(params)
         grammars = [self._compile_grammar(params) for _ in range(params.n)]  # the first one validates
         bad_words = self._bad_words_token_ids(params.bad_words)
@@ -382,6 +385,7 @@ class LLMEngine:
         if isinstance(prepared.params, PoolingParams):
             self._add_pooling_request(request_id, prompt_token_ids, prepared.params, prompt, priority, lora_request)
             return
+        params = self._resolve_max_tokens(prompt_token_ids, params)
         samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority,
                                         lora_request)
         for sample, grammar in zip(samples, prepared.grammars):
@@ -390,6 +394,15 @@ class LLMEngine:
         self.engine_core.add_request(request_id, samples)
         self.output_processor.add_request(request_id, [s.request_id for s in samples], prompt, prompt_token_ids,
                                           params, samples[0].arrival_time, output_kind)
+
+    def _resolve_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """``params``, or with ``max_tokens=None`` (vLLM's "until the context is full") a
+        copy whose ``max_tokens`` is the room the prompt leaves in ``max_model_len``."""
+        if params.max_tokens is not None:
+            return params
+        params = copy.copy(params)
+        params.max_tokens = self.scheduler_config.max_model_len - len(prompt_token_ids)
+        return params
 
     def _add_pooling_request(self, request_id: str, prompt_token_ids: list[int], params: PoolingParams,
                              prompt: str | None, priority: int, lora_request=None) -> None:

@@ -7,7 +7,8 @@ hand. ``--help`` shows each flag's default.
 Exit status: 0 on success; 2 for a usage or configuration error (an unknown flag, a bad
 value, a model that does not exist or whose package is not installed, ``--device cuda``
 without CUDA), printed as one line ``kvflow: error: ...``; 1 for a failure while running
-(printed the same way; ``KVFLOW_TRACEBACK=1`` shows the traceback instead); 130 after
+(printed the same way; ``KVFLOW_TRACEBACK=1`` shows the traceback instead), among them
+``serve`` on an address it cannot listen on (checked before the model loads); 130 after
 Ctrl-C.
 
 Progress messages of a cold start (converting a GGUF file, building a C++ kernel) go to
@@ -18,6 +19,7 @@ them on the ``kvflow`` logger at INFO level, and the CLI prints that logger.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -97,6 +99,49 @@ def _byte_size(name: str):
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
+
+
+def _port(text: str) -> int:
+    """``--port``: a TCP port, 1-65535 (refused at parse time, before a model loads)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1-65535, got {port}")
+    return port
+
+
+class ListenError(OSError):
+    """``kvflow serve`` cannot listen on its ``--host``/``--port``."""
+
+
+def check_bindable(host: str, port: int) -> None:
+    """Bind (and close) a socket on every address of ``host``:``port`` the way the server
+    will (asyncio's ``create_server``, which uvicorn calls: SO_REUSEADDR, IPv6 sockets
+    v6-only), so that an address in use is reported before the model loads.
+
+    Raises:
+        ListenError: naming the address and the OS's reason (e.g. address already in
+            use, or a host that does not resolve or is not this machine's).
+    """
+    import socket
+
+    where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {where}: --host does not resolve ({exc.strerror or exc})") from None
+    for family, kind, proto, _, address in dict.fromkeys((i[0], i[1], i[2], None, i[4]) for i in infos):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                hint = "; stop the process using it or choose another --port" if exc.errno == errno.EADDRINUSE else ""
+                raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from None
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -314,6 +359,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--lora-modules needs --enable-lora")
     if len(lora_modules) != len(args.lora_modules or []):
         raise ValueError("--lora-modules names an adapter twice")
+    check_bindable(args.host, args.port)  # before the model loads (seconds to minutes)
     if args.data_parallel_size != 1:  # N replicas behind a router (kvflow/entrypoints/data_parallel.py)
         from kvflow.entrypoints.data_parallel import DataParallelArgs, serve_data_parallel
 
@@ -335,7 +381,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         reasoning_parser=args.reasoning_parser, lora_modules=lora_modules,
     )  # fmt: skip
     server = make_server(app, args.host, args.port, args.log_level, args.timeout_keep_alive, args.request_read_timeout)
-    server.run()
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn's STARTUP_FAILURE (3): e.g. the port was taken meanwhile
+        if exc.code in (0, None):
+            raise
+        check_bindable(args.host, args.port)  # names the address and the reason, if that is it
+        raise RuntimeError(f"the HTTP server did not start on {args.host}:{args.port} (uvicorn exit status "
+                           f"{exc.code}; its log above says why)") from None
     if async_engine.error is not None:
         print(f"kvflow: error: the engine stopped ({async_engine.error!r}); exiting so that a supervisor restarts "
               "the server", file=sys.stderr)
@@ -410,14 +463,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="the model, as --model (vLLM's `vllm serve MODEL`)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port")
+    serve.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535; checked free before the model loads")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth)")
     serve.add_argument("--metrics-no-auth", action="store_true", help="with --api-key, leave /metrics open too")
     serve.add_argument("--served-model-name", default=None,
                        help="model id in the API (default: the --model short name, file stem or folder name)")
     serve.add_argument("--max-queue-len", type=int, default=None,
-                       help="at most this many requests accepted and not yet running; more get 429 (default: no limit)")
+                       help="at most this many requests accepted and not yet running; more get 429 (a request with more "
+                       "prompts than this gets 400: it could never fit) (default: no limit)")
     serve.add_argument("--max-request-bytes", type=_byte_size("max_request_bytes"), default="10MiB", metavar="BYTES",
                        help="larger request bodies get 413 (default: 10MiB)")
     serve.add_argument("--timeout-keep-alive", type=float, default=5.0,

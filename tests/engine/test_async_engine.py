@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from conftest import tiny_engine
-from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
+from kvflow.engine.async_engine import (
+    AsyncLLMEngine, EngineDeadError, QueueFullError, QueueTooSmallError, RequestFailedError,
+)  # fmt: skip
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.outputs import CompletionOutput, RequestFailure, RequestOutput, RequestOutputKind
 from kvflow.sampling_params import SamplingParams
@@ -131,6 +133,20 @@ def test_queue_bound_is_hard_and_all_or_nothing():
                 assert outs[-1].finished
         finally:
             engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_more_requests_than_the_queue_holds_can_never_fit():
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny", max_queue_len=3)  # not started
+        prepared = [await engine.prepare([1 + i, 2, 3], GREEDY) for i in range(4)]
+        with pytest.raises(QueueTooSmallError, match="4 prompts but the queue holds at most 3") as info:
+            engine.add_requests([(f"r{i}", p, None) for i, p in enumerate(prepared)])
+        assert not isinstance(info.value, QueueFullError)  # not "full, retry later"
+        assert not engine._streams and not engine._commands
+        engine.add_requests([(f"r{i}", p, None) for i, p in enumerate(prepared[:3])])  # the limit fits
+        engine.shutdown()
 
     asyncio.run(main())
 

@@ -942,3 +942,23 @@ def test_engines_on_the_cpu_share_one_governor_unless_switched_off(monkeypatch):
     monkeypatch.setenv("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
     off = tiny_engine()
     assert off.thread_governor is None and "num_cpu_threads" not in off.get_stats()
+
+
+def test_max_tokens_none_runs_until_the_context_is_full():
+    engine = tiny_engine(max_model_len=32)
+    prompt = [1, 2, 3, 4, 5]
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True, n=2)
+    engine.add_request("a", prompt, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert [len(o.token_ids) for o in outs["a"].outputs] == [32 - len(prompt)] * 2
+    assert {o.finish_reason for o in outs["a"].outputs} == {"length"}
+    assert params.max_tokens is None  # the caller's params are not changed
+    # the server's path: prepare off the engine thread, then add the prepared request
+    prepared = engine.prepare_request(list(range(1, 11)), params)
+    assert prepared.params.max_tokens == 22 and params.max_tokens is None
+    engine.add_request("b", prepared.prompt_token_ids, prepared.params, prepared=prepared)
+    assert len(run_to_completion(engine)["b"]) == 22

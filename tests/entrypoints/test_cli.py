@@ -94,7 +94,7 @@ def test_help_shows_the_defaults():
                    "(default: 512MiB)", "per-step token budget (prefill chunks plus decodes) (default: 2048)"):
         assert wanted in text, wanted
     assert "max new tokens per reply (default: 256)" in _help(["chat"])
-    assert "TCP port (default: 8000)" in _help(["serve"])
+    assert "TCP port, 1-65535; checked free before the model loads (default: 8000)" in _help(["serve"])
 
 
 def test_version(capsys):
@@ -484,3 +484,61 @@ def test_serve_refuses_the_model_given_twice(capsys):
         main(["serve", "smollm2-135m", "--model", "qwen2.5-coder-0.5b"])
     assert info.value.code == 2
     assert "the model is given twice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "-5", "0", "http"])
+def test_serve_bad_port_is_a_usage_error_before_anything_loads(capsys, monkeypatch, port):
+    from kvflow.engine.llm_engine import LLMEngine
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before --port was checked")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", never)
+    line = _one_line_error(capsys, ["serve", "--port", port], 2)
+    assert line.startswith("kvflow: error: argument --port: ") and ("1-65535" in line or "not an integer" in line), line
+
+
+def _taken_port():
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s, s.getsockname()[1]
+
+
+def test_serve_on_a_port_in_use_fails_before_the_model_loads(capsys, monkeypatch):
+    from kvflow.engine.llm_engine import LLMEngine
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before the port was checked")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", never)
+    sock, port = _taken_port()
+    with sock:
+        line = _one_line_error(capsys, ["serve", "--port", str(port)], 1)
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in line, line
+
+
+def test_serve_port_taken_while_the_model_loads_is_one_line_and_exit_1(capsys, monkeypatch):
+    # uvicorn's own bind failure (its exit status 3) becomes the CLI's one line and exit 1
+    from conftest import TINY_TEXT_VOCAB, tiny_engine, tiny_model_config, tiny_tokenizer
+    from kvflow.engine.llm_engine import LLMEngine
+
+    taken = []
+
+    def load_while_someone_takes_the_port(*args, **kwargs):
+        sock, _ = taken[0]
+        sock.listen()
+        return tiny_engine(tokenizer=tiny_tokenizer(), config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+
+    import socket
+
+    free = socket.socket()
+    free.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    free.bind(("127.0.0.1", 0))  # bound, not listening: the pre-check (SO_REUSEADDR) can still bind it
+    taken.append((free, free.getsockname()[1]))
+    monkeypatch.setattr(LLMEngine, "from_engine_args", load_while_someone_takes_the_port)
+    with free:
+        line = _one_line_error(capsys, ["serve", "--port", str(taken[0][1])], 1)
+    assert f"cannot listen on 127.0.0.1:{taken[0][1]}" in line, line

@@ -287,7 +287,62 @@ def test_failed_conversion_leaves_nothing(tiny_llama: Tiny, tmp_path: Path, monk
     monkeypatch.setattr(resolve, "_write_tokenizer", crash)
     with pytest.raises(RuntimeError, match="crash midway"):
         resolve.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path)
-    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+    assert [p.name for p in tmp_path.iterdir()] == []  # no .NAME.lock left either
+
+
+def test_a_resolve_leaves_no_lock_file(tiny_llama: Tiny, tmp_path: Path) -> None:
+    folder = resolve.resolve_model(str(tiny_llama[0]), cache_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]
+
+
+def test_the_removed_lock_file_still_excludes(tmp_path: Path) -> None:
+    # The holder removes the lock file on the way out; a waiter that then gets the lock on
+    # the removed file must not run beside a newcomer that locked the path's new file.
+    import threading
+    import time
+
+    lock = tmp_path / ".model.lock"
+    inside: list[int] = []
+    overlaps: list[list[int]] = []
+    guard = threading.Lock()
+
+    def work(i: int) -> None:
+        for _ in range(40):
+            with resolve._locked(lock):
+                with guard:
+                    inside.append(i)
+                    if len(inside) > 1:
+                        overlaps.append(list(inside))
+                time.sleep(0.0005)
+                with guard:
+                    inside.remove(i)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(work, range(4)))
+    assert overlaps == [] and not lock.exists()
+
+
+def _vocab_only_gguf(path: Path) -> Path:
+    """A GGUF like llama.cpp's ggml-vocab-*.gguf: tokenizer metadata, no tensors."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _tiny_tokenizer(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_vocabulary_only_gguf_says_it_has_no_weights(tmp_path: Path) -> None:
+    path = _vocab_only_gguf(tmp_path / "ggml-vocab-tiny.gguf")
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match=r"ggml-vocab-tiny\.gguf has no model weights"):
+        resolve.resolve_model(str(path), cache_dir=cache)
+    assert list(cache.iterdir()) == []  # nothing cached, no lock file left
+    with pytest.raises(ValueError, match="has no model weights"):
+        resolve.convert_gguf(path, tmp_path / "out", weights=False)
+    with pytest.raises(ValueError, match=r"ggml-vocab-tiny\.gguf has no model weights"):  # the loader's path
+        next(resolve.iter_gguf_weights(path, transformers.LlamaConfig()))
 
 
 def test_default_cache_dir_from_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -423,7 +478,7 @@ def test_split_package_checks_size_and_hash(
     _fake_split_model(path, tmp_path / "site", monkeypatch, size, prefix)
     with pytest.raises(ValueError, match=bad):
         resolve.resolve_model("fake-split", cache_dir=tmp_path / "cache")
-    assert [p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")] == []
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == []  # no .NAME.lock left either
 
 
 def test_missing_fake_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,7 +14,8 @@ error, of every endpoint and middleware, is an OpenAI-shaped JSON body
   (lone surrogates), hold non-finite numbers or nest deeper than ``MAX_JSON_DEPTH``.
 - 401 for a wrong API key, 404 for an unknown model, 413 for a body over
   ``max_request_bytes`` (from its Content-Length, before reading it), 429 (with
-  ``Retry-After``) when the waiting queue cannot take all of a request's prompts.
+  ``Retry-After``) when the waiting queue cannot take all of a request's prompts now (400
+  when they outnumber ``max_queue_len``: they never could).
 - 400 or 500 for a request the engine failed alone (its fault, or an internal one); 503
   once the engine has stopped; 500 for any other fault.
 
@@ -431,6 +432,13 @@ def build_app(
             "data": [{"id": model_name, **entry, "parent": None},
                      *({"id": name, **entry, "parent": model_name} for name in serving.lora_modules)],
         }
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:  # the OpenAI SDK's client.models.retrieve(id)
+        for card in (await models())["data"]:
+            if card["id"] == model_id:
+                return card
+        raise APIError(404, f"The model `{model_id}` does not exist.", "NotFoundError", "model")
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:

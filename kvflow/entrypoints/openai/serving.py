@@ -23,7 +23,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from kvflow.engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
+from kvflow.engine.async_engine import (
+    AsyncLLMEngine, EngineDeadError, QueueFullError, QueueTooSmallError, RequestFailedError,
+)  # fmt: skip
 from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun
 from kvflow.entrypoints.openai.errors import APIError
 from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
@@ -368,6 +370,8 @@ class OpenAIServing:
                 [(f"{request_id}-{i}", p, text) for i, (p, (_, text)) in enumerate(zip(prepared, prompts))],
                 priority=priority or 0,
             )
+        except QueueTooSmallError as exc:  # can never fit: not a 429 to retry
+            raise APIError(400, str(exc), "BadRequestError", prompt_field) from None
         except QueueFullError as exc:
             raise APIError(429, str(exc), "RateLimitError", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineDeadError as exc:

@@ -847,6 +847,21 @@ def test_a_multi_prompt_request_refused_with_429_runs_none_of_its_prompts():
         s.stop()
 
 
+def test_more_prompts_than_the_queue_holds_is_400_not_429():
+    # 4 prompts can never fit a queue of 3: retrying (429 + Retry-After) would loop forever
+    s = TinyServer(max_queue_len=3)
+    try:
+        r = httpx.post(s.url + C, json={"prompt": ["a", "b", "c", "d"], "max_tokens": 2}, timeout=60)
+        err = _assert_error(r, 400, "prompt")
+        assert "retry-after" not in r.headers
+        assert "4 prompts" in err["message"] and "at most 3" in err["message"], err
+        assert not s.engine._unstarted and not s.engine._streams  # none queued
+        r = httpx.post(s.url + C, json={"prompt": ["a", "b", "c"], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text  # exactly the limit fits
+    finally:
+        s.stop()
+
+
 # ---------------------------------------------------------------------------- api key, names
 @pytest.fixture(scope="module")
 def key_servers():
@@ -875,6 +890,19 @@ def test_model_names(http):
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny"]
     assert _completion(http, model="/models/tiny")["model"] == "tiny"  # the --model value is an alias
     _assert_error(http.post(C, json={"prompt": "x", "model": "other"}), 404, "model")
+
+
+def test_a_model_is_retrieved_by_its_id(http):
+    # the OpenAI SDK's client.models.retrieve("tiny") is GET /v1/models/tiny
+    listed = http.get("/v1/models").json()["data"][0]
+    r = http.get("/v1/models/tiny")
+    assert r.status_code == 200, r.text
+    card = r.json()
+    assert {k: v for k, v in card.items() if k != "created"} == {k: v for k, v in listed.items() if k != "created"}
+    assert card["object"] == "model" and card["id"] == "tiny"
+    err = _assert_error(http.get("/v1/models/other"), 404, "model")
+    assert err["type"] == "NotFoundError" and "other" in err["message"]
+    _assert_error(http.get("/v1/models/org/other"), 404, "model")  # ids may hold a slash
 
 
 @pytest.mark.parametrize(
