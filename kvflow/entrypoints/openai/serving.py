@@ -97,8 +97,8 @@ def _chat_finish_reason(finish_reason: str | None, parser: ChatOutputParser) -> 
 
 
 def _chat_delta(delta) -> dict[str, Any]:
-    """A ``ChatDelta`` as a chat.completion.chunk delta (OpenAI's shape: a tool call's
-    first piece has its id, type and name, the next ones argument fragments)."""
+    """A ``ChatDelta`` as a chat.completion.chunk delta (OpenAI's shape: a tool call has its
+    index, id, type, name and arguments; kvflow sends each call whole, once complete)."""
     out: dict[str, Any] = {}
     if delta.reasoning:
         out["reasoning_content"] = delta.reasoning
@@ -107,11 +107,8 @@ def _chat_delta(delta) -> dict[str, Any]:
     if delta.tool_calls:
         calls = []
         for t in delta.tool_calls:
-            if t.id is not None:
-                calls.append({"index": t.index, "id": t.id, "type": "function",
-                              "function": {"name": t.name, "arguments": t.arguments}})
-            else:
-                calls.append({"index": t.index, "function": {"arguments": t.arguments}})
+            calls.append({"index": t.index, "id": t.id, "type": "function",
+                          "function": {"name": t.name, "arguments": t.arguments}})
         out["tool_calls"] = calls
     return out
 
