@@ -4,10 +4,9 @@ calls, read whole (non-streaming) or step by step as deltas (streaming).
 The text goes through the reasoning parser (``reasoning.py``: ``<think>...</think>`` out of
 the answer), then the tool parser (``tool_parsers``) on the answer. Both read the whole text
 so far and return results that only grow, so a stream sends differences: new reasoning,
-new content, and per tool call an id and name once, then fragments of its arguments (the
-concatenated fragments are the call's arguments). The same output parsed whole gives the
-same message, except where a tool call was cut short (``max_tokens``): a stream has sent
-its first fragments, the whole parse makes it content.
+new content, and each tool call whole (id, name and arguments) once it is complete. A call
+is never sent before: one cut short (``max_tokens``) is no call but content (the raw text),
+so the same output parsed whole gives the same message as the concatenated deltas.
 
 Every API (chat completions, responses, Anthropic messages) renders these parts in its own
 shape.
@@ -39,7 +38,8 @@ class ToolCall:
 
 @dataclass
 class ToolCallDelta:
-    """A streamed piece of tool call ``index``: its first one has ``id`` and ``name``."""
+    """A streamed tool call ``index``, sent whole once complete: ``id``, ``name`` and its
+    ``arguments`` (the JSON text of an object)."""
 
     index: int
     id: str | None = None
@@ -105,18 +105,12 @@ class ChatOutputParser:
         self.reasoning += delta.reasoning
         self.content += delta.content
         for index, call in enumerate(calls):
-            if call.name is None:
-                break  # calls are announced in order, each once its name is complete
+            if call.name is None or not call.complete:
+                break  # calls are sent in order, each whole once complete (a call cut short is content)
             if index == len(self._calls):
                 call_id = new_call_id(self.id_prefix)
                 self._calls.append((call_id, call.name, call.arguments))
                 delta.tool_calls.append(ToolCallDelta(index, call_id, call.name, call.arguments))
-                continue
-            call_id, name, sent = self._calls[index]
-            more = _grown(sent, call.arguments)
-            if more:
-                self._calls[index] = (call_id, name, sent + more)
-                delta.tool_calls.append(ToolCallDelta(index, arguments=more))
         if final:
             self.tool_calls = [
                 ToolCall(call_id, name, call.arguments) for (call_id, name, _), call in zip(self._calls, calls) if call.complete
@@ -146,7 +140,7 @@ class PartEvent:
 
     Attributes:
         kind: "start" (``call`` set for a tool call: its id and name), "delta" (``text``:
-            reasoning or content text, or a tool call's argument fragment) or "stop".
+            reasoning or content text, or a tool call's arguments) or "stop".
         part: "reasoning", "text" or "tool_call".
         index: the part's position in the output (0, 1, ...).
     """

@@ -99,8 +99,8 @@ def _chat_finish_reason(finish_reason: str | None, parser: ChatOutputParser) -> 
 
 
 def _chat_delta(delta) -> dict[str, Any]:
-    """A ``ChatDelta`` as a chat.completion.chunk delta (OpenAI's shape: a tool call's
-    first piece has its id, type and name, the next ones argument fragments)."""
+    """A ``ChatDelta`` as a chat.completion.chunk delta (OpenAI's shape: a tool call has its
+    index, id, type, name and arguments; kvflow sends each call whole, once complete)."""
     out: dict[str, Any] = {}
     if delta.reasoning:
         out["reasoning_content"] = delta.reasoning
@@ -109,11 +109,8 @@ def _chat_delta(delta) -> dict[str, Any]:
     if delta.tool_calls:
         calls = []
         for t in delta.tool_calls:
-            if t.id is not None:
-                calls.append({"index": t.index, "id": t.id, "type": "function",
-                              "function": {"name": t.name, "arguments": t.arguments}})
-            else:
-                calls.append({"index": t.index, "function": {"arguments": t.arguments}})
+            calls.append({"index": t.index, "id": t.id, "type": "function",
+                          "function": {"name": t.name, "arguments": t.arguments}})
         out["tool_calls"] = calls
     return out
 
@@ -457,6 +454,9 @@ class OpenAIServing:
     async def _stream_completion(self, iterators, prompts, req: CompletionRequest, cid: str, created: int, n: int):
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
+        # index -> text_offset of its next logprobs entry: counted as the whole response
+        # counts it (the token texts' lengths, the echoed prompt's first)
+        next_offset: dict[int, int] = {}
         completion_tokens = 0
         cached: dict[int, int] = {}  # prompt index -> its prefix-cache hits
         base = {"id": cid, "object": "text_completion", "created": created, "model": self.served_name(req.model)}
@@ -469,17 +469,24 @@ class OpenAIServing:
                 delta = c.text[start_text:]
                 new_tokens = c.token_ids[start_tok:]
                 echo_now = req.echo and index not in sent_tokens
+                if echo_now and req.logprobs is not None and out.prompt_logprobs is None and not out.finished:
+                    # the first chunk carries the prompt's logprobs, which the engine gives
+                    # with the finished output only: wait for them (the outputs are cumulative)
+                    continue
                 # tokens without text yet (part of a multi-byte character) wait for their
                 # text, unless their logprobs are asked for
                 if not delta and not echo_now and c.finish_reason is None and (req.logprobs is None or not new_tokens):
                     continue
+                tokens, entries = new_tokens, (c.logprobs or [])[start_tok:]
                 if echo_now:
                     ids, text = prompts[p_idx]
                     delta = (text if text is not None else self.tokenizer.decode(ids)) + delta
+                    # the first chunk carries the prompt's entries too, as the whole response
+                    tokens, entries = ids + tokens, list(out.prompt_logprobs or [None] * len(ids)) + entries
                 choice: dict[str, Any] = {"index": index, "text": delta}
-                if req.logprobs is not None and new_tokens:
-                    entries = (c.logprobs or [])[start_tok:]
-                    choice["logprobs"] = self._completion_logprobs(new_tokens, entries, start_text)
+                if req.logprobs is not None and tokens:
+                    choice["logprobs"] = logprobs = self._completion_logprobs(tokens, entries, next_offset.get(index, 0))
+                    next_offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 if c.finish_reason is not None:
                     choice["finish_reason"] = c.finish_reason
                     if c.stop_reason is not None:

@@ -98,7 +98,7 @@ def test_tool_use_streamed(client, script):
         final = stream.get_final_message()
     json_deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta"
                    and e.delta.type == "input_json_delta"]  # fmt: skip
-    assert len(json_deltas) > 1 and json.loads("".join(json_deltas)) == ARGS
+    assert len(json_deltas) == 1 and json.loads(json_deltas[0]) == ARGS  # sent whole, once complete
     assert [b.type for b in final.content] == ["text", "tool_use"]
     assert final.content[0].text == "Let me check." and final.content[1].input == ARGS
     assert final.stop_reason == "tool_use"
@@ -123,6 +123,22 @@ def test_forced_tool_use(client, script, tool_choice):
     (use,) = r.content
     assert use.type == "tool_use" and use.name == "get_weather" and r.stop_reason == "tool_use"
     assert use.input["city"] in ("Paris", "Tokyo") and use.input["unit"] in ("celsius", "fahrenheit")
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_tool_use_cut_by_max_tokens_streams_as_the_whole_message(client, script, tool_choice):
+    """A call cut short is a text block with the raw text (no tool_use), streamed or not;
+    the stream never started a tool_use block."""
+    script.set("Checking. " + CALL)
+    kw = {"tools": [TOOL], "tool_choice": tool_choice, "max_tokens": 30, "extra_body": {"temperature": 0}}
+    whole = _create(client, **kw)
+    with client.messages.stream(model="tiny", messages=MSG, **kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert whole.stop_reason == final.stop_reason == "max_tokens"
+    assert [b.type for b in whole.content] == [b.type for b in final.content] == ["text"]
+    assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["text"]
+    assert final.content[0].text == whole.content[0].text and len(whole.content[0].text) > 10
 
 
 def test_errors_are_anthropic_shaped(client, served):

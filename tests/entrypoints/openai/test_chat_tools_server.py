@@ -54,13 +54,32 @@ def test_auto_tool_call_streamed(client, script):
     chunks = list(_chat(client, tools=[WEATHER_TOOL], stream=True))
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
-    first, rest = pieces[0], pieces[1:]
+    (first,) = pieces  # sent whole, once complete
     assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
     assert first.function.name == "get_weather"
-    assert rest and all(p.id is None and p.function.name is None and p.index == 0 for p in rest)  # fragments
-    assert json.loads("".join(p.function.arguments for p in pieces)) == ARGS
+    assert json.loads(first.function.arguments) == ARGS
     assert content == "Checking."  # the space before the call is held back, then dropped
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_call_cut_by_max_tokens_streams_as_the_whole_answer(client, script, tool_choice):
+    """A call cut short by max_tokens is no call but content, the raw text (as vLLM), and
+    the stream says the same: no delta.tool_calls was sent, the content deltas add up to
+    the non-streamed content."""
+    script.set("Checking. " + CALL)  # under a forced tool_choice the grammar writes the call
+    kw = {"tools": [WEATHER_TOOL], "tool_choice": tool_choice, "max_tokens": 30}
+    choice = _chat(client, **kw).choices[0]
+    chunks = list(_chat(client, **kw, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    pieces = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert choice.finish_reason == chunks[-1].choices[0].finish_reason == "length"
+    assert not choice.message.tool_calls and pieces == []
+    assert content == choice.message.content
+    if tool_choice == "auto":
+        assert content == ("Checking. " + CALL)[: len(content)] and "<tool_call>" in content  # the text is not lost
+    else:
+        assert content.startswith("[{" if tool_choice == "required" else "{") and len(content) > 10
 
 
 def test_auto_without_a_call_is_content(client, script):

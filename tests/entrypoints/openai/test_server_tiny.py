@@ -230,6 +230,27 @@ def test_streamed_completion_chunks_carry_text(http):
     assert all(texts[:-1]) and len(texts) >= 2, texts
 
 
+@pytest.mark.parametrize("echo", [True, False])
+def test_streamed_completion_logprobs_add_up_to_the_whole_response(http, echo):
+    """With ``echo`` the first chunk carries the prompt tokens' entries (``token_logprobs``
+    null for the first), and every ``text_offset`` counts in the echoed text, as the
+    non-streamed response (the stream sent only the completion's entries, offsets from 0)."""
+    body = {"prompt": "The sky", "max_tokens": 4, "temperature": 0, "logprobs": 1, "echo": echo, "ignore_eos": True}
+    whole = http.post(C, json=body).json()["choices"][0]
+    with http.stream("POST", C, json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    got = {k: [x for c in choices if c.get("logprobs") for x in c["logprobs"][k]] for k in whole["logprobs"]}
+    assert got["tokens"] == whole["logprobs"]["tokens"]
+    assert got["text_offset"] == whole["logprobs"]["text_offset"]
+    assert got["token_logprobs"] == pytest.approx(whole["logprobs"]["token_logprobs"])
+    if echo:
+        n_prompt = len(whole["logprobs"]["tokens"]) - 4
+        assert n_prompt >= 1 and whole["logprobs"]["token_logprobs"][0] is None
+        assert choices[0]["text"].startswith("The sky") and len(choices[0]["logprobs"]["tokens"]) > n_prompt
+
+
 # the tiny tokenizer is byte-level: "a", then the 4 bytes of U+1F600, then "b"
 SCRIPT_TEXT = "a\U0001F600b"
 CUT = {2: "a", 3: "a", 4: "a", 5: "a\U0001F600"}  # max tokens -> the text that decodes cleanly

@@ -123,7 +123,7 @@ def test_function_call_streamed(client, script):
     assert [i.type for i in added] == ["reasoning", "function_call"]
     assert added[1].name == "get_weather" and added[1].arguments == ""
     fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
-    assert len(fragments) > 1 and json.loads("".join(fragments)) == ARGS
+    assert len(fragments) == 1 and json.loads(fragments[0]) == ARGS  # sent whole, once complete
     (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert json.loads(done.arguments) == ARGS
     reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
@@ -131,6 +131,22 @@ def test_function_call_streamed(client, script):
     final = events[-1].response
     assert [i.type for i in final.output] == ["reasoning", "function_call"]
     assert final.output[1].call_id == added[1].call_id
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "name": "get_weather"}])
+def test_call_cut_by_max_output_tokens_streams_as_the_whole_response(client, script, tool_choice):
+    """A call cut short is a message with the raw text (no function_call item), streamed or
+    not; the stream never added a function_call item."""
+    script.set("Checking. " + CALL)
+    kw = {"tools": [TOOL], "tool_choice": tool_choice, "max_output_tokens": 30}
+    whole = _create(client, **kw)
+    events = list(_create(client, **kw, stream=True))
+    final = events[-1].response
+    assert whole.status == final.status == "incomplete"
+    assert [i.type for i in whole.output] == [i.type for i in final.output] == ["message"]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output[0].content[0].text == final.output[0].content[0].text and len(text) > 10
+    assert not [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
 
 
 def test_forced_function_call(client, script):

@@ -40,7 +40,10 @@ HERMES_CASES = [
     ("Just text, no calls.", "Just text, no calls.", []),
     ('{"name": "Ann", "age": 3}', '{"name": "Ann", "age": 3}', []),  # JSON, but no arguments: not a call
     ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
-    ('Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1', "Sure.", []),  # cut short: dropped, never content
+    # cut short (max_tokens): no call, the raw text is content (vLLM)
+    ('Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1', 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1', []),
+    (f'<tool_call>{TIME}</tool_call>\n<tool_call>{{"name": "f", "argu', '<tool_call>{"name": "f", "argu',
+     [("get_time", {})]),  # the complete call before stays a call
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
     ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
     (f"<tool_call>{TIME}</tool_call><tool_call>oops", "<tool_call>oops", [("get_time", {})]),  # the good call stays
@@ -63,8 +66,10 @@ GENERIC_CASES = [
     ("```python\nx = {1: 2}\n```", "```python\nx = {1: 2}\n```", []),
     ("int f() {\n  return [x];\n}", "int f() {\n  return [x];\n}", []),
     ("See [the docs](http://x).", "See [the docs](http://x).", []),
-    ('Sure.\n```json\n{"name": "convert", "arguments": {"value": 1', "Sure.", []),  # cut short: dropped
-    ('{"name": "convert", "argu', "", []),
+    ('Sure.\n```json\n{"name": "convert", "arguments": {"value": 1', 'Sure.\n```json\n{"name": "convert", "arguments": {"value": 1',
+     []),  # cut short: the raw text
+    ('{"name": "convert", "argu', '{"name": "convert", "argu', []),
+    ('[{"name": "convert", "arguments": {}}, {"name": "f"', '[{"name": "convert", "arguments": {}}, {"name": "f"', []),
 ]  # fmt: skip
 
 LLAMA_CASES = [
@@ -81,6 +86,8 @@ MISTRAL_CASES = [
     ('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{}', "", [("f", {"x": 1}), ("g", {})]),  # v11 tokenizers
     ("No tools needed.", "No tools needed.", []),
     ("[TOOL_CALLS][{broken", "[TOOL_CALLS][{broken", []),
+    ('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{"y', '[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{"y', []),  # cut
+    (f"[TOOL_CALLS][{WEATHER}, {{\"name", f"[TOOL_CALLS][{WEATHER}, {{\"name", []),  # cut
 ]  # fmt: skip
 
 
@@ -182,16 +189,59 @@ def test_stream_never_leaks_a_call_into_the_content(text):
         assert '{"name"' not in sent and '"arguments"' not in sent, (text[:i], sent)
 
 
-def test_stream_token_by_token_sends_arguments_in_fragments():
+def test_stream_sends_a_call_whole_once_complete():
+    """A call is sent in one piece once its object is complete, never before: until then it
+    may still be cut short by max_tokens (then it is content, not a call)."""
     text = f"<tool_call>\n{WEATHER}\n</tool_call>"
+    complete_at = text.index(WEATHER) + len(WEATHER)
     parser = ChatOutputParser(tool_parser=TOOL_PARSERS["hermes"]())
     deltas = [parser.update(text[:i], final=i == len(text)) for i in range(1, len(text) + 1)]
-    pieces = [d for delta in deltas for d in delta.tool_calls]
-    assert pieces[0].id and pieces[0].name == "get_weather"
-    assert all(p.id is None and p.name is None for p in pieces[1:])
-    assert len(pieces) > 10  # the arguments came as they were generated, not in one piece
-    assert "".join(p.arguments for p in pieces) == WEATHER_ARGS
+    sent_at = [i for i, delta in enumerate(deltas, 1) if delta.tool_calls]
+    assert sent_at == [complete_at]
+    (piece,) = deltas[complete_at - 1].tool_calls
+    assert piece.id and piece.name == "get_weather" and piece.arguments == WEATHER_ARGS
     assert not any(d.content for d in deltas)  # no tag or JSON leaked into the content
+
+
+@pytest.mark.parametrize("family", ["hermes", "generic", "mistral", "llama3_json", "json_array", "named"])
+def test_stream_of_a_call_cut_short_sends_no_call(family):
+    """A call cut by max_tokens: at every prefix no call was sent, and the final deltas
+    make the raw text the content, as the whole parse (streamed == non-streamed)."""
+    texts = {
+        "hermes": 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        "generic": '{"name": "get_weather", "arguments": {"city"',
+        "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {}}, {"name": "f", "arguments": {',
+        "llama3_json": '{"name": "get_weather", "parameters": {"city": "Pa',
+        "json_array": '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_weather", "par',
+        "named": '{"city": "Pa',
+    }
+    make = {"json_array": JSONArrayToolParser, "named": lambda: NamedFunctionParser("get_weather")}.get(
+        family, TOOL_PARSERS.get(family))
+    text = texts[family]
+    parser = ChatOutputParser(tool_parser=make())
+    content = ""
+    for i in range(1, len(text) + 1):
+        delta = parser.update(text[:i], final=i == len(text))
+        assert not delta.tool_calls, text[:i]
+        content += delta.content
+    whole = _whole(lambda: ChatOutputParser(tool_parser=make()), text)
+    assert whole.tool_calls == [] and parser.tool_calls == []
+    assert content == whole.content == text
+
+
+@pytest.mark.parametrize("text,calls", [
+    ('[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]', 2),
+    ('[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {"y', 0),
+])  # fmt: skip
+def test_stream_of_forced_calls_adds_up_to_the_whole_parse(text, calls):
+    for make in (JSONArrayToolParser, lambda: NamedFunctionParser("f")):
+        factory = lambda: ChatOutputParser(tool_parser=make())  # noqa: B023, E731
+        for step in (1, 3, 7):
+            _, got = _stream(factory, text, list(range(0, len(text), step)))
+            whole = _whole(factory, text)
+            assert got["content"] == whole.content
+            assert [(n, a) for _, n, a in got["calls"].values()] == [(t.name, t.arguments) for t in whole.tool_calls]
+    assert len(_whole(lambda: ChatOutputParser(tool_parser=JSONArrayToolParser()), text).tool_calls) == calls
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():

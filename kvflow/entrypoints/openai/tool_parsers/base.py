@@ -299,7 +299,10 @@ class ToolParser:
 
 class JSONArrayToolParser(ToolParser):
     """The output of ``tool_choice: "required"``: a JSON array ``[{"name", "parameters"}]``
-    that guided decoding made valid for the tools' schemas (not a model family: no flag)."""
+    that guided decoding made valid for the tools' schemas (not a model family: no flag).
+
+    The calls are read once the array is complete; an array cut short (``max_tokens``) is
+    content, all of it (vLLM's answer), so no call of it is given before."""
 
     name = "json_array"
 
@@ -313,13 +316,16 @@ class JSONArrayToolParser(ToolParser):
             calls, end = scan_call_array(text, start, final)
         except NotJSON:
             return ParsedToolOutput(content=text if final else "")
-        if final and end is None:  # cut short (max_tokens)
-            return ParsedToolOutput(content=text)
+        if end is None:
+            # cut short (max_tokens): the raw text is the content, the calls in it none; so
+            # while streaming no call is given before the array is complete
+            return ParsedToolOutput(content=text) if final else ParsedToolOutput()
         return ParsedToolOutput(calls=calls)
 
 
 class NamedFunctionParser(ToolParser):
-    """The output of a named ``tool_choice``: the arguments object of that one function."""
+    """The output of a named ``tool_choice``: the arguments object of that one function
+    (complete at the end only; an object cut short is content)."""
 
     name = "named_function"
 

@@ -16,10 +16,12 @@ constrains once the model starts one, so a constrained call always parses here.
 Streaming: the content never holds a piece of a call. Text that may still turn into one (a
 partial ``<tool_call>`` or fence marker, an unfinished object or list that started a line or
 is ``{"name"...``) is held back until it is told apart; trailing whitespace is held back too
-(it may separate content from a call). A tagged call streams its arguments as they are
-generated; a bare or fenced call is sent whole once its object is complete (before that it
-may still turn out not to be a call). An unfinished call at the end of the output (cut by
-``max_tokens``) is dropped: it is neither a call nor content.
+(it may separate content from a call). A tagged call is returned as far as its arguments
+go; a bare or fenced call once its object is complete (before that it may still turn out
+not to be a call). A stream sends a call only once it is complete (``chat_output``): before
+that it may still be cut short. An unfinished call at the end of
+the output (cut by ``max_tokens``) is not a call: the text from its start is content, as
+vLLM returns it.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ _LANG = re.compile(r"[A-Za-z0-9_+-]*")
 _NAME_KEY = '"name"'
 
 # What reading a candidate gives: a complete region (its calls and end), text that may still
-# become a call (its calls so far), an unfinished call at the end of the output (dropped),
-# or None (not a call: content).
-_DONE, _PENDING, _DROPPED = "done", "pending", "dropped"
+# become a call (its calls so far), an unfinished call at the end of the output (cut short:
+# content from its start, as the raw text), or None (not a call: content).
+_DONE, _PENDING, _CUT = "done", "pending", "cut"
 
 
 class GenericToolParser(ToolParser):
@@ -79,6 +81,9 @@ class GenericToolParser(ToolParser):
                 search = start + 1
                 continue
             status, calls, end = read
+            if status == _CUT:  # the rest of the text, as it is
+                out.content += self._after_calls(out, text[pos:])
+                return out
             out.content += self._after_calls(out, text[pos:start].rstrip(_WS))
             out.calls += calls
             if status != _DONE:
@@ -127,7 +132,7 @@ class GenericToolParser(ToolParser):
         except NotJSON:
             return None
         if end is None:  # streams its arguments as they come
-            return (_DROPPED, [], len(text)) if final else (_PENDING, [call], len(text))
+            return (_CUT, [], len(text)) if final else (_PENDING, [call], len(text))
         after = skip_ws(text, end)
         if text.startswith(END, after):
             return _DONE, [call], after + len(END)
@@ -183,5 +188,6 @@ class GenericToolParser(ToolParser):
             return _DONE, calls, end
         if not final:
             return _PENDING, [], len(text)
-        # cut short: a call once its name is read, else text that never became one
-        return (_DROPPED, [], len(text)) if any(c.name is not None for c in calls) else None
+        # cut short: a call once its name is read (the rest of the text is content), else
+        # text that never became one
+        return (_CUT, [], len(text)) if any(c.name is not None for c in calls) else None

@@ -17,9 +17,10 @@ class HermesToolParser(GenericToolParser):
     """``<tool_call>`` blocks anywhere in the text, and the untagged forms of
     ``GenericToolParser``; the text outside them is content.
 
-    A block's arguments stream as they are generated. At the end (``final``), a block that
-    does not parse is content from its ``<tool_call>`` on; an unfinished one (cut by
-    ``max_tokens``) is dropped; a last block without ``</tool_call>`` is accepted.
+    A block is returned as far as its arguments go (a stream sends it once complete). At the
+    end (``final``), a block that does not parse is content from its ``<tool_call>`` on; so
+    is an unfinished one (cut by ``max_tokens``: the raw text, as vLLM); a last block
+    without ``</tool_call>`` is accepted.
     """
 
     name = "hermes"

@@ -19,8 +19,8 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]*")
 
 
 class MistralToolParser(ToolParser):
-    """Content before ``[TOOL_CALLS]``, calls after it (arguments stream as generated). At the
-    end, calls that do not parse or are unfinished are content from the marker on."""
+    """Content before ``[TOOL_CALLS]``, calls after it (given once all of them are complete).
+    At the end, calls that do not parse or are unfinished are content from the marker on."""
 
     name = "mistral"
     template_markers = (MARKER,)
@@ -37,8 +37,11 @@ class MistralToolParser(ToolParser):
         except NotJSON:
             out.content += text[first:]
             return out
-        if end is None and final:
-            out.content += text[first:]
+        if end is None:
+            # unfinished: at the end (cut short) all content from the marker on, so while
+            # streaming no call is given before the calls are complete
+            if final:
+                out.content += text[first:]
             return out
         out.calls = calls
         if end is not None and text[end:].strip():
@@ -76,7 +79,7 @@ class MistralToolParser(ToolParser):
             call.complete = True
             nxt = skip_ws(text, end)
             if not text.startswith(MARKER, nxt):
-                if not final and MARKER.startswith(text[nxt:]) and nxt < len(text):
+                if not final and MARKER.startswith(text[nxt:]):  # another call may follow
                     return calls, None
                 return calls, end
             i = nxt + len(MARKER)
