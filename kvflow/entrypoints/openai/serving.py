@@ -461,10 +461,13 @@ class OpenAIServing:
         cached: dict[int, int] = {}  # prompt index -> its prefix-cache hits
         base = {"id": cid, "object": "text_completion", "created": created, "model": self.served_name(req.model)}
         text_chunks: dict[int, _TextChunk] = {}  # index -> its text-only chunk, serialized once
+        finished: set[int] = set()  # choices whose finish was sent (n > 1: later outputs repeat them)
         async for p_idx, out in _merge(iterators):
             cached[p_idx] = out.num_cached_tokens
             for c in out.outputs:
                 index = p_idx * n + c.index
+                if index in finished:
+                    continue
                 start_text, start_tok = sent_text.get(index, 0), sent_tokens.get(index, 0)
                 delta = c.text[start_text:]
                 new_tokens = c.token_ids[start_tok:]
@@ -494,6 +497,7 @@ class OpenAIServing:
                 sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
                 if c.finish_reason is not None:
                     completion_tokens += len(c.token_ids)
+                    finished.add(index)
                 if len(choice) == 2:  # index and text only: most chunks of a stream
                     chunk = text_chunks.get(index)
                     if chunk is None:
@@ -715,9 +719,12 @@ class OpenAIServing:
         completion_tokens = cached_tokens = 0
         for i in range(req.n):
             yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]})
+        finished: set[int] = set()  # choices whose finish was sent (n > 1: later outputs repeat them)
         async for _, out in _merge([run.iterator]):
             cached_tokens = out.num_cached_tokens
             for c in out.outputs:
+                if c.index in finished:
+                    continue
                 parser = parsers.setdefault(c.index, run.new_parser())
                 start_tok = sent_tokens.get(c.index, 0)
                 new_tokens = c.token_ids[start_tok:]
@@ -742,6 +749,7 @@ class OpenAIServing:
                     if c.stop_reason is not None:
                         choice["stop_reason"] = c.stop_reason
                     completion_tokens += len(c.token_ids)
+                    finished.add(c.index)
                 sent_tokens[c.index] = len(c.token_ids)
                 yield _sse({**base, "choices": [choice]})
         if req.stream_options is not None and req.stream_options.include_usage:

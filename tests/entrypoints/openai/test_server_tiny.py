@@ -953,3 +953,27 @@ def test_generation_config_defaults_apply_to_unset_fields():
             assert explicit["usage"]["completion_tokens"] == 7
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                       ("/v1/completions", {"prompt": "hi"})])
+def test_a_stream_of_n_choices_finishes_each_once(http, path, body):
+    """n > 1 with stop strings, so the choices finish at different steps: the engine's later
+    outputs still carry a finished choice, and the stream must not finish it again (nor count
+    its tokens twice in usage); the usage equals the whole response's."""
+    lengths_differ = False
+    for seed in range(4):
+        req = {**body, "n": 3, "max_tokens": 12, "temperature": 1.0, "seed": seed, "stop": ["a", "e"]}
+        finishes: dict[int, int] = {}
+        with http.stream("POST", path, json={**req, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                if choice.get("finish_reason"):
+                    finishes[choice["index"]] = finishes.get(choice["index"], 0) + 1
+        whole = http.post(path, json=req).json()
+        assert finishes == {0: 1, 1: 1, 2: 1}, (seed, finishes)
+        assert chunks[-1]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"], seed
+        lengths = {len(c.get("text") or c.get("message", {}).get("content") or "") for c in whole["choices"]}
+        lengths_differ |= len(lengths) > 1
+    assert lengths_differ  # some choice finished before the others
