@@ -16,7 +16,7 @@
 #include <utility>
 
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -132,6 +132,57 @@ static inline __m512 exp_neg16(__m512 x) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ);
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 (x86-64-v3) counterparts of the vector passes: 8 float32 lanes, 16 registers.
+
+// Eight dot-product accumulators in, one vector out whose lane i is the sum of v[i]'s lanes
+// (two rounds of pairwise adds within 128-bit lanes, then the two halves added).
+static inline __m256 reduce8(const __m256* v) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // ab: [v0..v3 lanes 0-3 | v0..v3 lanes 4-7], cd: the same of v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+static inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// out[t] = qf . k_t for t < n <= 8 (qf: the query in float32, already scaled).
+template <typename T, int HD>
+static inline void scores8(const float* qf, const T* k, int64_t stride, int64_t n, float* out) {
+  __m256 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+  if (n == 8) {
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t)
+#pragma GCC unroll 8
+      for (int j = 0; j < HD / 8; ++j)
+        acc[t] = _mm256_fmadd_ps(load8(k + t * stride + 8 * j), _mm256_loadu_ps(qf + 8 * j), acc[t]);
+    _mm256_storeu_ps(out, reduce8(acc));
+    return;
+  }
+  for (int64_t t = 0; t < n; ++t)
+    for (int j = 0; j < HD / 8; ++j)
+      acc[t] = _mm256_fmadd_ps(load8(k + t * stride + 8 * j), _mm256_loadu_ps(qf + 8 * j), acc[t]);
+  float r[8];
+  _mm256_storeu_ps(r, reduce8(acc));
+  for (int64_t t = 0; t < n; ++t) out[t] = r[t];
+}
+
+// scores16's contract (up to 16 tokens, out[t] = scale * q . k_t) as two scores8 (q and scale
+// enter through qf).
+template <typename T, int HD>
+static inline void scores16(const T* q, const float* qf, const T* k, int64_t stride, int64_t n, float scale,
+                            float* out) {
+  (void)q;
+  (void)scale;
+  scores8<T, HD>(qf, k, stride, std::min<int64_t>(n, 8), out);
+  if (n > 8) scores8<T, HD>(qf, k + 8 * stride, stride, n - 8, out + 8);
+}
+#define KVFLOW_HAS_SCORES16 1
 #endif
 
 // s[t] = exp(s[t] - max(s)) for t < n; returns their sum (float32).
@@ -195,6 +246,39 @@ static inline void values_head(const T* v_cache, const int64_t* table, int64_t b
     }
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < DC / 16; ++j) _mm512_storeu_ps(acc + g * HD + dc + 16 * j, a[g][j]);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// values_head above with 8-lane vectors and 16 registers: HD in chunks of DC so that the
+// G * DC / 8 accumulators, DC / 8 value vectors and a broadcast fit (spilling a little at G = 7).
+template <typename T, int HD, int G>
+static inline void values_head(const T* v_cache, const int64_t* table, int64_t bs, int64_t ctx, int64_t stride,
+                               int64_t off, const float* p, int64_t p_stride, float* acc, int64_t prefetch_bytes) {
+  static_assert(HD % 16 == 0 && G > 0, "values_head: HD a multiple of 16, G > 0");
+  constexpr int DC = G >= 5 ? 8 : G >= 3 ? 16 : HD % 32 == 0 ? 32 : 16;  // divides HD
+  for (int dc = 0; dc < HD; dc += DC) {
+    __m256 a[G][DC / 8];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_setzero_ps();
+    for (int64_t b = 0, t = 0; t < ctx; ++b) {
+      const T* base = v_cache + table[b] * bs * stride + off + dc;
+      const int64_t n = std::min(bs, ctx - t);
+      if (prefetch_bytes > 0 && t + n < ctx) {  // the next block's rows, prefetch_bytes from off
+        const char* next = reinterpret_cast<const char*>(v_cache + table[b + 1] * bs * stride + off);
+        for (int64_t o = 0; o < std::min(bs, ctx - t - n); ++o)
+          for (int64_t x = 0; x < prefetch_bytes; x += 64) __builtin_prefetch(next + o * stride * sizeof(T) + x, 0, 3);
+      }
+      for (int64_t o = 0; o < n; ++o, ++t) {
+        __m256 v[DC / 8];
+        for (int j = 0; j < DC / 8; ++j) v[j] = load8(base + o * stride + 8 * j);
+        for (int g = 0; g < G; ++g) {
+          const __m256 pg = _mm256_set1_ps(p[g * p_stride + t]);
+          for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_fmadd_ps(pg, v[j], a[g][j]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < DC / 8; ++j) _mm256_storeu_ps(acc + g * HD + dc + 8 * j, a[g][j]);
   }
 }
 #endif
@@ -333,7 +417,7 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
   // Pass 2: out_i = sum_t p[i, t] v_t. With the head dim fixed at compile time the group's
   // accumulators live in registers (one KV head at a time; the request's values are in the L2
   // cache after the first head). A group read at run time goes in chunks of 4, 2 and 1 query
-  // heads, each a compile-time group (values_head / values_fixed).
+  // heads, each a compile-time group (values_head; the portable loop where there is no vector pass).
   constexpr int HDc = HD > 0 ? HD : 16;
   auto by_group = [&](auto call) {  // call(integral_constant GC, h, first query head g0 of h)
     for (int64_t h = 0; h < nh; ++h) {
@@ -350,7 +434,7 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
     }
   };
   if constexpr (vector_pass1) {
-#if defined(__AVX512F__)
+#if defined(KVFLOW_HAS_SCORES16)
     by_group([&](auto gc, int64_t h, int64_t g0) {
       constexpr int GC = decltype(gc)::value;
       values_head<T, HDc, GC>(v_cache, table, block_size, ctx, slot_stride, head_off + h * D,
