@@ -17,6 +17,13 @@ What it measures (every comparison in the same process, the two paths alternatin
   KV-cache write and the model forward; "rest of forward" is the forward's time outside them
   (embedding, SiLU x mul, residual adds, views, Python), "engine" the step outside the forward
   (scheduling, inputs, sampling).
+* ``--decode-head-dims 16 256``: the decode kernel (``paged_decode_attention``) at those head
+  dims against the same kernel built from ``--decode-baseline`` (a git revision's
+  ``paged_attention.cpp``, built under another name and loaded into the same process; the two
+  alternate), for ``--decode-seqs`` sequences of 64-300 tokens of context (block size 16):
+  head dim 16 as kvflow's host-overhead tiny model (4 query heads, 2 KV heads, float32), 256 as
+  Gemma 3 270M (4 / 1, bfloat16 and float32), any other as 8 / 2 in float32 and bfloat16;
+  milliseconds per call (median), at ``--decode-threads`` torch threads.
 * ``--gemm``: ``torch.mm`` at the prefill shapes of SmolLM2's linears (M = prompt tokens), float32
   and bfloat16, in GFLOP/s against a large square product of the same dtype (the measured peak).
 
@@ -25,6 +32,7 @@ How to run
     python -m benchmarks.prefill                     # attention + ttft, all configs
     python -m benchmarks.prefill --profile --gemm    # plus the profile and the GEMM table
     python -m benchmarks.prefill --skip-ttft --lengths 512
+    python -m benchmarks.prefill --skip-attention --skip-ttft --decode-head-dims 16 256 --decode-baseline main
 
 Prints tables and writes ``--out`` (default ``benchmarks/results/prefill.json``) with the CPU,
 its ISA flags and torch's threads. On a machine other processes load, prefer the ratios (the
@@ -128,6 +136,78 @@ def run_attention(lengths: list[int], repeats: int) -> list[dict[str, Any]]:
                 r = attention_case(heads, tokens, dtype, repeats if tokens < 2048 else max(2, repeats // 2))
                 rows.append({"shape": name, "heads": list(heads), "dtype": str(dtype).removeprefix("torch."),
                              "tokens": tokens, **r})
+    return rows
+
+
+# --- decode attention, against a baseline build of the kernel --------------------------------
+
+DECODE_SHAPES = {16: [((4, 2), torch.float32)], 256: [((4, 1), torch.bfloat16), ((4, 1), torch.float32)]}
+
+
+def baseline_decode_kernel(rev: str):
+    """The paged-attention kernel built from ``rev``'s source (git show), as another module."""
+    import subprocess
+    import tempfile
+
+    from kvflow.ops.build import CSRC, CppKernel
+
+    src = subprocess.run(["git", "show", f"{rev}:kvflow/ops/csrc/paged_attention.cpp"], capture_output=True,
+                         text=True, check=True, cwd=CSRC).stdout
+    folder = Path(tempfile.gettempdir()) / "kvflow_decode_baseline"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"paged_attention_{rev.replace('/', '_')}.cpp"
+    if not path.exists() or path.read_text() != src:
+        path.write_text(src)
+    return CppKernel("kvflow_cpu_paged_attention_baseline", path, "KVFLOW_CPU_ATTENTION",
+                     f"paged attention at {rev}").require()
+
+
+def run_decode(head_dims: list[int], seqs: int, repeats: int, baseline: str | None, threads: int,
+               block_size: int = 16) -> list[dict[str, Any]]:
+    from kvflow.ops import PAGED_ATTENTION
+
+    new = PAGED_ATTENTION.require()
+    old = baseline_decode_kernel(baseline) if baseline else None
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rows = []
+    try:
+        for hd in head_dims:
+            for (nh, nkv), dtype in DECODE_SHAPES.get(hd, [((8, 2), torch.float32), ((8, 2), torch.bfloat16)]):
+                gen = torch.Generator().manual_seed(0)
+                ctx = torch.randint(64, 301, (seqs,), generator=gen)
+                blocks = [-(-int(c) // block_size) for c in ctx]
+                total = sum(blocks) + 8
+                k = torch.randn(total, block_size, nkv, hd, generator=gen).to(dtype)
+                v = torch.randn(total, block_size, nkv, hd, generator=gen).to(dtype)
+                perm = torch.randperm(total, generator=gen)
+                tables = torch.zeros(seqs, max(blocks), dtype=torch.int64)
+                at = 0
+                for i, b in enumerate(blocks):
+                    tables[i, :b] = perm[at:at + b]
+                    at += b
+                q = torch.randn(seqs, nh, hd, generator=gen).to(dtype)
+                lens = ctx.to(torch.int32)
+                args = (q, k, v, tables, lens, hd ** -0.5)
+                kernels = {"new": new, **({"baseline": old} if old else {})}
+                times: dict[str, list[float]] = {name: [] for name in kernels}
+                for i in range(repeats + 1):
+                    for name, mod in kernels.items():
+                        start = time.perf_counter()
+                        mod.paged_decode_attention(*args)
+                        if i:
+                            times[name].append((time.perf_counter() - start) * 1e3)
+                row: dict[str, Any] = {"head_dim": hd, "heads": [nh, nkv], "dtype": str(dtype).removeprefix("torch."),
+                                       "seqs": seqs, "tokens": int(ctx.sum()),
+                                       "new_ms": statistics.median(times["new"])}
+                if old:
+                    row["baseline_ms"] = statistics.median(times["baseline"])
+                    row["speedup"] = row["baseline_ms"] / row["new_ms"]
+                    row["max_abs_diff"] = (new.paged_decode_attention(*args).float()
+                                           - old.paged_decode_attention(*args).float()).abs().max().item()
+                rows.append(row)
+    finally:
+        torch.set_num_threads(saved)
     return rows
 
 
@@ -309,6 +389,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also profile 512- and 2,048-token prefills")
     parser.add_argument("--gemm", action="store_true", help="also measure torch.mm at the prefill shapes")
+    parser.add_argument("--decode-head-dims", type=int, nargs="+", default=[],
+                        help="also time the decode kernel at these head dims (16 and 256 have fixed shapes)")
+    parser.add_argument("--decode-baseline", default=None,
+                        help="git revision whose paged_attention.cpp the decode timing compares against")
+    parser.add_argument("--decode-seqs", type=int, default=256, help="sequences per decode call")
+    parser.add_argument("--decode-threads", type=int, default=1, help="torch threads for the decode timing")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefill.json"))
     args = parser.parse_args(argv)
 
@@ -338,6 +424,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(format_table(["config", "tokens", "path", "total", *CATEGORIES],
                            [[r["config"], r["tokens"], r["path"], r["total"], *[r[c] for c in CATEGORIES]]
                             for r in rows]) + "\n")
+    if args.decode_head_dims:
+        rows = result["decode"] = run_decode(args.decode_head_dims, args.decode_seqs, 4 * args.repeats,
+                                             args.decode_baseline, args.decode_threads)
+        print(f"Decode attention, {args.decode_seqs} sequences of 64-300 tokens (ms per call; median; "
+              f"{args.decode_threads} thread(s)); baseline: {args.decode_baseline}")
+        print(format_table(["head_dim", "heads", "dtype", "new", "baseline", "speedup", "max |diff|"],
+                           [[r["head_dim"], f"{r['heads'][0]}/{r['heads'][1]}", r["dtype"], r["new_ms"],
+                             r.get("baseline_ms", "-"), r.get("speedup", "-"),
+                             f"{r['max_abs_diff']:.1e}" if "max_abs_diff" in r else "-"] for r in rows]) + "\n")
     if args.gemm:
         rows = result["gemm"] = run_gemm(args.lengths)
         print("torch.mm at SmolLM2's prefill shapes (GFLOP/s; peak = a 2048^3 product of the same dtype)")

@@ -36,8 +36,18 @@ def _reference(q, k, v, group, scale):
         (14, 2, 128, 16),  # group 7, head dim 128 (Qwen2.5-7B)
         (32, 4, 64, 16),  # group 8
         (12, 2, 128, 1),  # Qwen2.5-1.5B's group 6, one-token blocks
-        (6, 3, 32, 8),  # generic head dim and group
+        (6, 3, 32, 8),  # head dim 32, group 3 read at run time
+        (6, 3, 48, 8),  # a head dim not compiled in: the portable loops
+        (3, 1, 40, 4),  # nor a multiple of 16
         (4, 1, 80, 16),  # MQA, head dim not a power of two
+        (4, 2, 16, 16),  # head dim 16 (the host-overhead benchmark's tiny model), group 2
+        (8, 1, 16, 16),  # head dim 16, group 8 (two chunks of 4 in the value pass)
+        (6, 2, 32, 16),  # head dim 32, group 3 (chunks of 2 and 1)
+        (7, 1, 96, 16),  # Phi-3's head dim, group 7 (4 + 2 + 1)
+        (32, 32, 96, 16),  # Phi-3 MHA
+        (4, 1, 256, 16),  # Gemma 3 270M / 1B: head dim 256, MQA group 4
+        (8, 4, 256, 8),  # Gemma 3 4B: group 2
+        (10, 2, 64, 16),  # compiled-in head dim, a group read at run time (5: 4 + 1)
     ],
 )
 @pytest.mark.parametrize("num_reqs", [1, 7])  # per-(request, head) items, then whole requests
@@ -51,11 +61,13 @@ def test_matches_torch_path_float32(num_heads, num_kv_heads, head_dim, block_siz
 @pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, block_size",
-    [(9, 3, 64, 16), (14, 2, 64, 32), (14, 2, 128, 32), (12, 2, 128, 1), (32, 4, 64, 16), (8, 8, 64, 4), (6, 3, 32, 8)],
+    [(9, 3, 64, 16), (14, 2, 64, 32), (14, 2, 128, 32), (12, 2, 128, 1), (32, 4, 64, 16), (8, 8, 64, 4), (6, 3, 32, 8),
+     (4, 2, 16, 16), (8, 1, 16, 16), (7, 1, 96, 16), (4, 1, 256, 16), (8, 4, 256, 8), (4, 1, 80, 16), (6, 3, 48, 8)],
 )
 def test_matches_torch_path_half_precision(dtype, tol, num_heads, num_kv_heads, head_dim, block_size):
-    """bfloat16 takes the vectorized passes (AVX512-BF16 dot products where the CPU has them)
-    for the compiled-in shapes; float16 and the generic shape take the portable loops."""
+    """bfloat16 takes the vectorized passes (AVX512-BF16 dot products where the CPU has them and
+    the head dim is a multiple of 32) for the compiled-in head dims; float16 and a head dim
+    that is not compiled in take the portable loops."""
     q, k, v, group = _decode_step(num_heads, num_kv_heads, head_dim, block_size, [5, 700, 64, 65, 16, 33], dtype)
     scale = head_dim**-0.5
     out = paged_decode_attention(q, k, v, group.block_tables, group.context_lens, scale)
@@ -135,7 +147,8 @@ def _flat(q_lens, ctx_lens, tables):
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim, block_size",
-    [(9, 3, 64, 16), (8, 8, 64, 1), (12, 2, 128, 16), (6, 3, 32, 4), (4, 1, 80, 16)],
+    [(9, 3, 64, 16), (8, 8, 64, 1), (12, 2, 128, 16), (6, 3, 32, 4), (4, 1, 80, 16), (4, 2, 16, 16),
+     (4, 1, 256, 16)],
 )
 def test_quantized_every_token_matches_torch_path_and_is_batch_invariant(kv_dtype, num_heads, num_kv_heads,
                                                                           head_dim, block_size):

@@ -16,7 +16,7 @@
 #include <utility>
 
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -71,14 +71,15 @@ static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 // Scores of up to 16 consecutive tokens of one block against one query head:
 // out[t] = scale * (q . k_t) for t < n, with k_t = k + t * stride (HD values each).
 // bfloat16 with AVX512-BF16: q and k stay bfloat16 and vdpbf16ps multiplies pairs exactly
-// into float32 sums; otherwise k is widened to float32 and q is qf (float32).
+// into float32 sums (HD a multiple of 32); otherwise k is widened to float32 and q is qf
+// (float32). HD: a multiple of 16.
 template <typename T, int HD>
 static inline void scores16(const T* q, const float* qf, const T* k, int64_t stride, int64_t n, float scale,
                             float* out) {
   __m512 acc[16];
   for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
 #if defined(__AVX512BF16__)
-  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+  if constexpr (std::is_same<T, c10::BFloat16>::value && HD % 32 == 0) {  // else: widened, as float32
     __m512bh qv[HD / 32];
     for (int j = 0; j < HD / 32; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
     if (n == 16) {  // constant trip counts: the accumulators stay in registers
@@ -131,6 +132,57 @@ static inline __m512 exp_neg16(__m512 x) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ);
   return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 (x86-64-v3) counterparts of the vector passes: 8 float32 lanes, 16 registers.
+
+// Eight dot-product accumulators in, one vector out whose lane i is the sum of v[i]'s lanes
+// (two rounds of pairwise adds within 128-bit lanes, then the two halves added).
+static inline __m256 reduce8(const __m256* v) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // ab: [v0..v3 lanes 0-3 | v0..v3 lanes 4-7], cd: the same of v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+static inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+// out[t] = qf . k_t for t < n <= 8 (qf: the query in float32, already scaled).
+template <typename T, int HD>
+static inline void scores8(const float* qf, const T* k, int64_t stride, int64_t n, float* out) {
+  __m256 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+  if (n == 8) {
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t)
+#pragma GCC unroll 8
+      for (int j = 0; j < HD / 8; ++j)
+        acc[t] = _mm256_fmadd_ps(load8(k + t * stride + 8 * j), _mm256_loadu_ps(qf + 8 * j), acc[t]);
+    _mm256_storeu_ps(out, reduce8(acc));
+    return;
+  }
+  for (int64_t t = 0; t < n; ++t)
+    for (int j = 0; j < HD / 8; ++j)
+      acc[t] = _mm256_fmadd_ps(load8(k + t * stride + 8 * j), _mm256_loadu_ps(qf + 8 * j), acc[t]);
+  float r[8];
+  _mm256_storeu_ps(r, reduce8(acc));
+  for (int64_t t = 0; t < n; ++t) out[t] = r[t];
+}
+
+// scores16's contract (up to 16 tokens, out[t] = scale * q . k_t) as two scores8 (q and scale
+// enter through qf).
+template <typename T, int HD>
+static inline void scores16(const T* q, const float* qf, const T* k, int64_t stride, int64_t n, float scale,
+                            float* out) {
+  (void)q;
+  (void)scale;
+  scores8<T, HD>(qf, k, stride, std::min<int64_t>(n, 8), out);
+  if (n > 8) scores8<T, HD>(qf, k + 8 * stride, stride, n - 8, out + 8);
+}
+#define KVFLOW_HAS_SCORES16 1
 #endif
 
 // s[t] = exp(s[t] - max(s)) for t < n; returns their sum (float32).
@@ -168,7 +220,9 @@ static inline float exp_shifted(float* s, int64_t n) {
 template <typename T, int HD, int G>
 static inline void values_head(const T* v_cache, const int64_t* table, int64_t bs, int64_t ctx, int64_t stride,
                                int64_t off, const float* p, int64_t p_stride, float* acc, int64_t prefetch_bytes) {
-  constexpr int DC = (HD % 64 == 0 && G <= 6) ? 64 : 32;  // G * DC / 16 <= 24 accumulators
+  static_assert(HD % 16 == 0 && G > 0, "values_head: HD a multiple of 16, G > 0");
+  // G * DC / 16 <= 24 accumulators; DC divides HD
+  constexpr int DC = (HD % 64 == 0 && G <= 6) ? 64 : HD % 32 == 0 ? 32 : 16;
   for (int dc = 0; dc < HD; dc += DC) {
     __m512 a[G][DC / 16];
     for (int g = 0; g < G; ++g)
@@ -192,6 +246,39 @@ static inline void values_head(const T* v_cache, const int64_t* table, int64_t b
     }
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < DC / 16; ++j) _mm512_storeu_ps(acc + g * HD + dc + 16 * j, a[g][j]);
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// values_head above with 8-lane vectors and 16 registers: HD in chunks of DC so that the
+// G * DC / 8 accumulators, DC / 8 value vectors and a broadcast fit (spilling a little at G = 7).
+template <typename T, int HD, int G>
+static inline void values_head(const T* v_cache, const int64_t* table, int64_t bs, int64_t ctx, int64_t stride,
+                               int64_t off, const float* p, int64_t p_stride, float* acc, int64_t prefetch_bytes) {
+  static_assert(HD % 16 == 0 && G > 0, "values_head: HD a multiple of 16, G > 0");
+  constexpr int DC = G >= 5 ? 8 : G >= 3 ? 16 : HD % 32 == 0 ? 32 : 16;  // divides HD
+  for (int dc = 0; dc < HD; dc += DC) {
+    __m256 a[G][DC / 8];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_setzero_ps();
+    for (int64_t b = 0, t = 0; t < ctx; ++b) {
+      const T* base = v_cache + table[b] * bs * stride + off + dc;
+      const int64_t n = std::min(bs, ctx - t);
+      if (prefetch_bytes > 0 && t + n < ctx) {  // the next block's rows, prefetch_bytes from off
+        const char* next = reinterpret_cast<const char*>(v_cache + table[b + 1] * bs * stride + off);
+        for (int64_t o = 0; o < std::min(bs, ctx - t - n); ++o)
+          for (int64_t x = 0; x < prefetch_bytes; x += 64) __builtin_prefetch(next + o * stride * sizeof(T) + x, 0, 3);
+      }
+      for (int64_t o = 0; o < n; ++o, ++t) {
+        __m256 v[DC / 8];
+        for (int j = 0; j < DC / 8; ++j) v[j] = load8(base + o * stride + 8 * j);
+        for (int g = 0; g < G; ++g) {
+          const __m256 pg = _mm256_set1_ps(p[g * p_stride + t]);
+          for (int j = 0; j < DC / 8; ++j) a[g][j] = _mm256_fmadd_ps(pg, v[j], a[g][j]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < DC / 8; ++j) _mm256_storeu_ps(acc + g * HD + dc + 8 * j, a[g][j]);
   }
 }
 #endif
@@ -253,8 +340,9 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
   const int64_t width = nh * D;
   row.resize(2 * width);
 #if defined(KVFLOW_HAS_SCORES16)
-  // Vectorized: 16 tokens of a block per call, their 16 sums reduced together.
-  constexpr bool vector_pass1 = HD > 0 && G > 0 && HD % 32 == 0 &&
+  // Vectorized: 16 tokens of a block per call, their 16 sums reduced together (any head dim
+  // that is a multiple of 16 and compiled in; the group may be read at run time).
+  constexpr bool vector_pass1 = HD > 0 && HD % 16 == 0 &&
                                 (std::is_same<T, c10::BFloat16>::value || std::is_same<T, float>::value);
 #else
   constexpr bool vector_pass1 = false;
@@ -326,37 +414,55 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
   // Softmax over the context, per query head (float32); the 1 / sum is applied to the output.
   inv_sum.resize(rows);
   for (int64_t i = 0; i < rows; ++i) inv_sum[i] = 1.f / exp_shifted(scores.data() + i * ctx, ctx);
-  // Pass 2: out_i = sum_t p[i, t] v_t. With the head dim and group fixed at compile time
-  // the group's accumulators live in registers (one KV head at a time; the request's values
-  // are in the L2 cache after the first head).
-  if constexpr (vector_pass1) {
-#if defined(__AVX512F__)
-    constexpr int HDc = HD > 0 ? HD : 32, Gc = G > 0 ? G : 1;
-    for (int64_t h = 0; h < nh; ++h)
-      values_head<T, HDc, Gc>(v_cache, table, block_size, ctx, slot_stride, head_off + h * D,
-                              scores.data() + h * g_n * ctx, ctx, acc.data() + h * g_n * D,
-                              h == 0 ? row_bytes : 0);  // the first head's pass brings in the item's rows
-#endif
-  } else if (HD > 0 && G > 0) {
+  // Pass 2: out_i = sum_t p[i, t] v_t. With the head dim fixed at compile time the group's
+  // accumulators live in registers (one KV head at a time; the request's values are in the L2
+  // cache after the first head). A group read at run time goes in chunks of 4, 2 and 1 query
+  // heads, each a compile-time group (values_head; the portable loop where there is no vector pass).
+  constexpr int HDc = HD > 0 ? HD : 16;
+  auto by_group = [&](auto call) {  // call(integral_constant GC, h, first query head g0 of h)
     for (int64_t h = 0; h < nh; ++h) {
-      float a[G > 0 ? G : 1][HD > 0 ? HD : 1] = {};
-      const float* ph = scores.data() + h * g_n * ctx;
+      if constexpr (G > 0) {
+        call(std::integral_constant<int, G>(), h, int64_t{0});
+      } else {
+        for (int64_t g0 = 0; g0 < g_n;) {
+          const int64_t rem = g_n - g0;
+          if (rem >= 4) { call(std::integral_constant<int, 4>(), h, g0); g0 += 4; }
+          else if (rem >= 2) { call(std::integral_constant<int, 2>(), h, g0); g0 += 2; }
+          else { call(std::integral_constant<int, 1>(), h, g0); g0 += 1; }
+        }
+      }
+    }
+  };
+  if constexpr (vector_pass1) {
+#if defined(KVFLOW_HAS_SCORES16)
+    by_group([&](auto gc, int64_t h, int64_t g0) {
+      constexpr int GC = decltype(gc)::value;
+      values_head<T, HDc, GC>(v_cache, table, block_size, ctx, slot_stride, head_off + h * D,
+                              scores.data() + (h * g_n + g0) * ctx, ctx, acc.data() + (h * g_n + g0) * D,
+                              h == 0 && g0 == 0 ? row_bytes : 0);  // the first pass brings in the item's rows
+    });
+#endif
+  } else if constexpr (HD > 0) {
+    by_group([&](auto gc, int64_t h, int64_t g0) {
+      constexpr int GC = decltype(gc)::value;
+      float a[GC][HDc] = {};
+      const float* ph = scores.data() + (h * g_n + g0) * ctx;
       for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
         const int64_t base = table[b] * block_size;
         const int64_t n = std::min(block_size, ctx - b * block_size);
         for (int64_t o = 0; o < n; ++o, ++t) {
-          float vr[HD > 0 ? HD : 1];
-          load_row(v_cache + (base + o) * slot_stride + head_off + h * D, vr, HD);
-          for (int g = 0; g < G; ++g) {
+          float vr[HDc];
+          load_row(v_cache + (base + o) * slot_stride + head_off + h * D, vr, HDc);
+          for (int g = 0; g < GC; ++g) {
             const float p = ph[g * ctx + t];
 #pragma omp simd
-            for (int d = 0; d < HD; ++d) a[g][d] += p * vr[d];
+            for (int d = 0; d < HDc; ++d) a[g][d] += p * vr[d];
           }
         }
       }
-      for (int g = 0; g < G; ++g)
-        for (int d = 0; d < HD; ++d) acc[(h * G + g) * HD + d] = a[g][d];
-    }
+      for (int g = 0; g < GC; ++g)
+        for (int d = 0; d < HDc; ++d) acc[(h * g_n + g0 + g) * HDc + d] = a[g][d];
+    });
   } else {
     for (int64_t b = 0, t = 0; b < num_blocks; ++b) {
       const int64_t base = table[b] * block_size;
@@ -405,6 +511,32 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
   });
 }
 
+// Dispatch on the head dim / group size compiled in (0: read at run time). decode_item takes
+// the vectorized passes for every compiled-in head dim (a multiple of 16), the portable loops
+// for the rest (HD = 0).
+template <typename T, typename F>
+static void with_shape(int64_t head_dim, int64_t group, F&& f) {
+  if (head_dim == 64 && group == 1) f(std::integral_constant<int, 64>(), std::integral_constant<int, 1>());
+  else if (head_dim == 64 && group == 3) f(std::integral_constant<int, 64>(), std::integral_constant<int, 3>());
+  else if (head_dim == 64 && group == 4) f(std::integral_constant<int, 64>(), std::integral_constant<int, 4>());
+  else if (head_dim == 64 && group == 7) f(std::integral_constant<int, 64>(), std::integral_constant<int, 7>());
+  else if (head_dim == 64 && group == 8) f(std::integral_constant<int, 64>(), std::integral_constant<int, 8>());
+  else if (head_dim == 64) f(std::integral_constant<int, 64>(), std::integral_constant<int, 0>());
+  else if (head_dim == 128 && group == 1) f(std::integral_constant<int, 128>(), std::integral_constant<int, 1>());
+  else if (head_dim == 128 && group == 4) f(std::integral_constant<int, 128>(), std::integral_constant<int, 4>());
+  else if (head_dim == 128 && group == 6) f(std::integral_constant<int, 128>(), std::integral_constant<int, 6>());
+  else if (head_dim == 128 && group == 7) f(std::integral_constant<int, 128>(), std::integral_constant<int, 7>());
+  else if (head_dim == 128) f(std::integral_constant<int, 128>(), std::integral_constant<int, 0>());
+  // other head dims with the group read at run time: Gemma 3 (256), Phi-3 (96), Phi-2 (80),
+  // small models (16, 32)
+  else if (head_dim == 256) f(std::integral_constant<int, 256>(), std::integral_constant<int, 0>());
+  else if (head_dim == 96) f(std::integral_constant<int, 96>(), std::integral_constant<int, 0>());
+  else if (head_dim == 80) f(std::integral_constant<int, 80>(), std::integral_constant<int, 0>());
+  else if (head_dim == 32) f(std::integral_constant<int, 32>(), std::integral_constant<int, 0>());
+  else if (head_dim == 16) f(std::integral_constant<int, 16>(), std::integral_constant<int, 0>());
+  else f(std::integral_constant<int, 0>(), std::integral_constant<int, 0>());
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
@@ -439,38 +571,11 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
              num_reqs, num_heads, num_kv_heads, head_dim, block_size, tables.size(1),
              static_cast<float>(scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1));
     };
-    const int64_t group = num_heads / num_kv_heads;
-    if (head_dim == 64 && group == 1) run(decode_kernel<scalar_t, 64, 1>);
-    else if (head_dim == 64 && group == 3) run(decode_kernel<scalar_t, 64, 3>);
-    else if (head_dim == 64 && group == 4) run(decode_kernel<scalar_t, 64, 4>);
-    else if (head_dim == 64 && group == 7) run(decode_kernel<scalar_t, 64, 7>);  // Qwen2.5-0.5B
-    else if (head_dim == 64 && group == 8) run(decode_kernel<scalar_t, 64, 8>);
-    else if (head_dim == 64) run(decode_kernel<scalar_t, 64, 0>);
-    else if (head_dim == 128 && group == 1) run(decode_kernel<scalar_t, 128, 1>);
-    else if (head_dim == 128 && group == 4) run(decode_kernel<scalar_t, 128, 4>);
-    else if (head_dim == 128 && group == 6) run(decode_kernel<scalar_t, 128, 6>);
-    else if (head_dim == 128 && group == 7) run(decode_kernel<scalar_t, 128, 7>);
-    else if (head_dim == 128) run(decode_kernel<scalar_t, 128, 0>);
-    else run(decode_kernel<scalar_t, 0, 0>);
+    with_shape<scalar_t>(head_dim, num_heads / num_kv_heads, [&](auto hd, auto g) {
+      run(decode_kernel<scalar_t, decltype(hd)::value, decltype(g)::value>);
+    });
   });
   return out;
-}
-
-// Dispatch on the head dim / group size instantiated above (0: read at run time).
-template <typename T, typename F>
-static void with_shape(int64_t head_dim, int64_t group, F&& f) {
-  if (head_dim == 64 && group == 1) f(std::integral_constant<int, 64>(), std::integral_constant<int, 1>());
-  else if (head_dim == 64 && group == 3) f(std::integral_constant<int, 64>(), std::integral_constant<int, 3>());
-  else if (head_dim == 64 && group == 4) f(std::integral_constant<int, 64>(), std::integral_constant<int, 4>());
-  else if (head_dim == 64 && group == 7) f(std::integral_constant<int, 64>(), std::integral_constant<int, 7>());
-  else if (head_dim == 64 && group == 8) f(std::integral_constant<int, 64>(), std::integral_constant<int, 8>());
-  else if (head_dim == 64) f(std::integral_constant<int, 64>(), std::integral_constant<int, 0>());
-  else if (head_dim == 128 && group == 1) f(std::integral_constant<int, 128>(), std::integral_constant<int, 1>());
-  else if (head_dim == 128 && group == 4) f(std::integral_constant<int, 128>(), std::integral_constant<int, 4>());
-  else if (head_dim == 128 && group == 6) f(std::integral_constant<int, 128>(), std::integral_constant<int, 6>());
-  else if (head_dim == 128 && group == 7) f(std::integral_constant<int, 128>(), std::integral_constant<int, 7>());
-  else if (head_dim == 128) f(std::integral_constant<int, 128>(), std::integral_constant<int, 0>());
-  else f(std::integral_constant<int, 0>(), std::integral_constant<int, 0>());
 }
 
 // Rows t < n of one KV head, dequantized: dst[t * D + d] = lut[code] * scale (float32), the
