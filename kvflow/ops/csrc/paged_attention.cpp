@@ -44,6 +44,15 @@ static inline float exp_neg(float x) {
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
 
+// Prefetch the first `bytes` of each of `rows` cache rows `stride` elements apart from `p` (the
+// next block's rows of a head while the value pass reads the current block).
+template <typename T>
+static inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < rows; ++o)
+    for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + o * stride * sizeof(T) + x, 0, 3);
+}
+
 #if defined(__AVX512F__)
 // Sixteen dot-product accumulators in, one vector out whose lane i is the sum of v[i]'s
 // lanes: a transpose-and-add tree (45 shuffles and adds for 16 sums, against about 8
@@ -230,11 +239,8 @@ static inline void values_head(const T* v_cache, const int64_t* table, int64_t b
     for (int64_t b = 0, t = 0; t < ctx; ++b) {
       const T* base = v_cache + table[b] * bs * stride + off + dc;
       const int64_t n = std::min(bs, ctx - t);
-      if (prefetch_bytes > 0 && t + n < ctx) {  // the next block's rows, prefetch_bytes from off
-        const char* next = reinterpret_cast<const char*>(v_cache + table[b + 1] * bs * stride + off);
-        for (int64_t o = 0; o < std::min(bs, ctx - t - n); ++o)
-          for (int64_t x = 0; x < prefetch_bytes; x += 64) __builtin_prefetch(next + o * stride * sizeof(T) + x, 0, 3);
-      }
+      if (prefetch_bytes > 0 && t + n < ctx)
+        prefetch_rows(v_cache + table[b + 1] * bs * stride + off, std::min(bs, ctx - t - n), stride, prefetch_bytes);
       for (int64_t o = 0; o < n; ++o, ++t) {
         __m512 v[DC / 16];
         for (int j = 0; j < DC / 16; ++j) v[j] = load16(base + o * stride + 16 * j);
@@ -263,11 +269,8 @@ static inline void values_head(const T* v_cache, const int64_t* table, int64_t b
     for (int64_t b = 0, t = 0; t < ctx; ++b) {
       const T* base = v_cache + table[b] * bs * stride + off + dc;
       const int64_t n = std::min(bs, ctx - t);
-      if (prefetch_bytes > 0 && t + n < ctx) {  // the next block's rows, prefetch_bytes from off
-        const char* next = reinterpret_cast<const char*>(v_cache + table[b + 1] * bs * stride + off);
-        for (int64_t o = 0; o < std::min(bs, ctx - t - n); ++o)
-          for (int64_t x = 0; x < prefetch_bytes; x += 64) __builtin_prefetch(next + o * stride * sizeof(T) + x, 0, 3);
-      }
+      if (prefetch_bytes > 0 && t + n < ctx)
+        prefetch_rows(v_cache + table[b + 1] * bs * stride + off, std::min(bs, ctx - t - n), stride, prefetch_bytes);
       for (int64_t o = 0; o < n; ++o, ++t) {
         __m256 v[DC / 8];
         for (int j = 0; j < DC / 8; ++j) v[j] = load8(base + o * stride + 8 * j);
