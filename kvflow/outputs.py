@@ -13,9 +13,9 @@ class RequestOutputKind(enum.Enum):
 
     CUMULATIVE: all the text, token ids and logprobs so far, every step (the default of
     ``LLMEngine.add_request``). DELTA: only what is new since the request's previous output
-    (``cumulative_logprob`` stays the running total; ``prompt_logprobs`` come with the final
-    output); the server's streams. FINAL_ONLY: one output, when the request finishes
-    (``LLM.generate``).
+    (``cumulative_logprob`` stays the running total; ``prompt_logprobs`` come once, with the
+    first output, as vLLM's); the server's streams. FINAL_ONLY: one output, when the request
+    finishes (``LLM.generate``).
     """
 
     CUMULATIVE = 0
@@ -141,7 +141,11 @@ class RequestOutput:
             those is converted.
         prompt_logprobs: when requested, one entry per prompt token, as vLLM: None for the
             first (nothing predicts it), then {token id: ``Logprob``} holding the actual
-            token and the top ``prompt_logprobs`` (set on the finished output).
+            token and the top ``prompt_logprobs``. As vLLM's: set from the first output
+            after the prompt's last chunk is computed (its first token's) on, on every
+            CUMULATIVE output, on the first DELTA output only (None on the others; given
+            again, once, if a recomputation after a preemption changed the values, which
+            CUMULATIVE and FINAL_ONLY outputs then carry).
         error: set (with ``finished`` True and every finish_reason "error") when the engine
             failed this request; its blocks are freed and the other requests go on.
         num_cached_tokens: prompt tokens that were prefix-cache hits when the request was

@@ -10,6 +10,8 @@ their logprobs and a token-level finish reason. This module owns everything text
   the same way, as requests to abort);
 - logprob decoding (``Logprob.decoded_token``, ``tokenizer.decode([id])`` cached by id) and
   ``cumulative_logprob``, summed as tokens arrive;
+- prompt logprobs, gathered position by position as the prompt's chunks are computed and
+  given from the first output after its last chunk (its first token's) on, as vLLM's;
 - ``RequestOutput`` making, in one of vLLM's ``RequestOutputKind``s per request: CUMULATIVE
   (everything so far, each step), DELTA (only what is new since the previous output: the
   server's streams) or FINAL_ONLY (one output when the request finishes: ``LLM.generate``).
@@ -88,7 +90,15 @@ class RequestState:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_cached_tokens: int = 0
-    prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)  # by position, as computed
+    # the prompt's logprobs in vLLM's shape, made from ``prompt_logprobs`` once all positions are in
+    prompt_logprobs_list: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_complete: bool = False  # all positions computed once (the list made once)
+    prompt_logprobs_sent: bool = False  # DELTA: ``prompt_logprobs`` given on an output already
+    prompt_logprobs_given: dict[int, dict[int, Logprob]] | None = None  # DELTA: the values given last
+    # positions computed again after ``prompt_logprobs_list`` was made (a preempted sample's
+    # recomputation), applied once all of them are in
+    prompt_logprobs_again: dict[int, dict[int, Logprob]] = field(default_factory=dict)
     embedding: list[float] | None = None
     is_pooling: bool = field(init=False)  # an embedding request (``PoolingParams``)
 
@@ -179,8 +189,23 @@ class OutputProcessor:
             if state is not None and state.first_scheduled_time is None:
                 state.first_scheduled_time = core_outputs.scheduled_time
         for request_id, positions in core_outputs.prompt_logprobs.items():
-            if request_id in self.request_states:
-                self.request_states[request_id].prompt_logprobs.update(positions)
+            state = self.request_states.get(request_id)
+            if state is None:
+                continue
+            if not state.prompt_logprobs_complete:
+                state.prompt_logprobs.update(positions)
+                continue
+            # A prompt recomputed after its logprobs were made (a preemption): once all of
+            # its positions are in again, the newest values count, as they did when the
+            # list was made with the finished output only; a DELTA output gives them again
+            # when they differ from those it gave.
+            again = state.prompt_logprobs_again
+            again.update(positions)
+            if len(again) >= len(state.prompt_token_ids) - 1:
+                state.prompt_logprobs_again = {}
+                if again != state.prompt_logprobs:
+                    state.prompt_logprobs, state.prompt_logprobs_list = again, None
+                    state.prompt_logprobs_sent = state.prompt_logprobs_given == again
         for request_id, (vector, num_cached_tokens) in core_outputs.pooled.items():
             state = self.request_states.get(request_id)
             if state is None:
@@ -336,11 +361,30 @@ class OutputProcessor:
             ))
         return RequestOutput(
             state.request_id, state.prompt, state.prompt_token_ids, completions, finished, metrics,
-            # as vLLM: None for the first prompt token, which has no predecessor
-            [None, *(self._decoded(state.prompt_logprobs[i]) for i in range(1, len(state.prompt_token_ids)))]
-            if finished and params.prompt_logprobs is not None else None,
+            self._prompt_logprobs(state, finished) if params.prompt_logprobs is not None else None,
             None, state.num_cached_tokens,
         )
+
+    def _prompt_logprobs(self, state: RequestState, finished: bool) -> list[dict[int, Logprob] | None] | None:
+        """The prompt logprobs an output of ``state`` carries, as vLLM's: from the first
+        output after the prompt's last position is computed (its first token's), the whole
+        list on every CUMULATIVE / FINAL_ONLY output, on the first DELTA output only (None
+        before, and on the DELTA outputs after; again once if a recomputation after a
+        preemption changed them)."""
+        plp = state.prompt_logprobs_list
+        if plp is None:
+            positions = state.prompt_logprobs
+            n = len(state.prompt_token_ids)
+            if len(positions) < n - 1 and not finished:  # (a position p >= 1 each)
+                return None
+            # as vLLM: None for the first prompt token, which has no predecessor
+            plp = state.prompt_logprobs_list = [None, *(self._decoded(positions[i]) for i in range(1, n))]
+            state.prompt_logprobs_complete = True
+        if state.output_kind is _DELTA:
+            if state.prompt_logprobs_sent:
+                return None
+            state.prompt_logprobs_sent, state.prompt_logprobs_given = True, state.prompt_logprobs
+        return plp
 
     def make_failure_output(self, request_id: str, exc: BaseException, now: float,
                             token_ids: list[list[int]] | None = None) -> RequestOutput | EmbeddingRequestOutput | None:

@@ -168,3 +168,164 @@ def test_outputs_come_in_first_sample_order_and_a_failed_request_gives_none(toke
     outputs, _, failures = step(["d#0", "d#1", "c"], finish="length")
     assert [(o.request_id, o.finished) for o in outputs] == [("d", True), ("c", True)] and not failures
     assert set(processor.request_states) == {"a", "b"}  # the finished ones are no longer tracked
+
+
+# ------------------------------------------------------------------ prompt logprobs
+PLP = SamplingParams(temperature=0, max_tokens=6, logprobs=1, prompt_logprobs=2, ignore_eos=True)
+PLP_PROMPTS = [PROMPT, list(b"Pack my box with five dozen liquor jugs"), list(b"Sphinx of black quartz"), list(b"Hi")]
+
+
+def _plp(entries):
+    """Prompt logprobs as plain values (a ``Logprob`` is a float: its rank and text too)."""
+    if entries is None:
+        return None
+    return [None if e is None else {t: (float(lp), lp.rank, lp.decoded_token) for t, lp in e.items()} for e in entries]
+
+
+def _steps(engine):
+    while engine.has_unfinished_requests():
+        yield from engine.step()
+
+
+def _runs(tokenizer, prompts, params, **engine_kwargs):
+    """The prompts on one engine per output kind (the same batches step by step: the kind
+    changes no schedule): {kind: {request id: its outputs}}, and the FINAL_ONLY engine's stats."""
+    got = {}
+    for kind in RequestOutputKind:
+        engine = text_engine(tokenizer, **engine_kwargs)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params, output_kind=kind)
+        seen: dict[str, list[RequestOutput]] = {}
+        for out in _steps(engine):
+            seen.setdefault(out.request_id, []).append(out)
+        got[kind] = seen
+    return got, engine.get_stats()
+
+
+@pytest.fixture(scope="module")
+def alone(tokenizer):
+    """Each prompt alone on a roomy engine (one prefill chunk): its prompt logprobs."""
+    got = {}
+    for prompt in PLP_PROMPTS:
+        engine = text_engine(tokenizer)
+        engine.add_request("r", prompt, PLP, output_kind=RequestOutputKind.FINAL_ONLY)
+        (final,) = [o for o in _steps(engine) if o.finished]
+        got[bytes(prompt)] = _plp(final.prompt_logprobs)
+    return got
+
+
+def _check_prompt_logprobs(got, prompts, alone, preempted=False):
+    """Every request: the prompt logprobs come with its first output (its first token's),
+    on every CUMULATIVE output, on the first DELTA output only, and are the FINAL_ONLY
+    output's (the list the finished output alone used to carry), exactly."""
+    for i, prompt in enumerate(prompts):
+        (f,) = got[RequestOutputKind.FINAL_ONLY][str(i)]
+        c, d = got[RequestOutputKind.CUMULATIVE][str(i)], got[RequestOutputKind.DELTA][str(i)]
+        want = _plp(f.prompt_logprobs)
+        assert len(want) == len(prompt) and want[0] is None and all(want[1:])
+        assert len(c[0].outputs[0].token_ids) == len(d[0].outputs[0].token_ids) >= 1 and not c[0].finished
+        first = _plp(c[0].prompt_logprobs)
+        assert _plp(d[0].prompt_logprobs) == first and _plp(c[-1].prompt_logprobs) == want
+        given = [_plp(o.prompt_logprobs) for o in d if o.prompt_logprobs is not None]
+        if not preempted:
+            assert first == want and given == [want]
+            assert all(_plp(o.prompt_logprobs) == want for o in c)
+        else:  # a prompt recomputed after a preemption: given again when it changed
+            assert given[0] == first and given[-1] == want
+            assert all(a != b for a, b in zip(given, given[1:]))
+            assert all(_plp(o.prompt_logprobs) in given for o in c)
+        for entry, ref in zip(want[1:], alone[bytes(prompt)][1:]):  # (other batches: float noise)
+            assert entry.keys() == ref.keys()
+            assert [v[0] for v in entry.values()] == pytest.approx([v[0] for v in ref.values()], abs=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [5, 7, 64])
+def test_prompt_logprobs_come_with_the_first_output_after_the_prompt(tokenizer, alone, chunk):
+    """As vLLM's output processor: once the prompt's last chunk is computed, its first
+    token's output carries the prompt logprobs (the finished output only, before)."""
+    got, _ = _runs(tokenizer, PLP_PROMPTS, PLP, max_num_batched_tokens=chunk)
+    _check_prompt_logprobs(got, PLP_PROMPTS, alone)
+
+
+@pytest.mark.parametrize(("num_blocks", "chunk"), [(14, 16), (14, 5)])
+def test_prompt_logprobs_with_preemption_are_the_newest_computation(tokenizer, alone, num_blocks, chunk):
+    """A preempted request recomputes its prompt: a CUMULATIVE / FINAL_ONLY output has the
+    newest values (as the finished output had them before), a DELTA output gives them again
+    when the recomputation changed them (float noise of another batch)."""
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=1, prompt_logprobs=2, ignore_eos=True)
+    got, stats = _runs(tokenizer, PLP_PROMPTS, params, num_blocks=num_blocks, block_size=4,
+                       max_num_batched_tokens=chunk)
+    assert stats["num_preemptions"] > 0
+    _check_prompt_logprobs(got, PLP_PROMPTS, alone, preempted=True)
+
+
+def test_a_recomputed_prompt_gives_its_logprobs_again_only_when_they_changed():
+    """The processor fed by hand: the prompt logprobs of a prompt computed in two chunks come
+    with the first token's output; a recomputation (a preemption) that ends with the values
+    a DELTA output gave is not given again, one that ends with others is, once; a CUMULATIVE
+    output has the newest (as the finished output's list had them)."""
+    from kvflow.engine.core import EngineCoreOutput, EngineCoreOutputs
+    from kvflow.engine.output_processor import OutputProcessor
+    from kvflow.logprobs import Logprob
+
+    processor = OutputProcessor(None)
+    params = SamplingParams(temperature=0, max_tokens=9, prompt_logprobs=0, ignore_eos=True)
+    processor.add_request("d", ["d"], None, [1, 2, 3], params, 0.0, RequestOutputKind.DELTA)
+    processor.add_request("c", ["c"], None, [1, 2, 3], params, 0.0, RequestOutputKind.CUMULATIVE)
+    a, b = {2: Logprob(-1.0, 1)}, {3: Logprob(-2.0, 1)}
+    b2 = {3: Logprob(-2.0000002, 1)}
+
+    def step(positions: dict[int, dict], token: int | None = None):
+        core = EngineCoreOutputs()
+        core.prompt_logprobs = {r: dict(positions) for r in ("d", "c")} if positions else {}
+        core.outputs = [EngineCoreOutput(r, [token]) for r in ("d", "c")] if token is not None else []
+        outputs, _, _ = processor.process_outputs(core, 1.0)
+        return {o.request_id: o.prompt_logprobs for o in outputs}
+
+    assert step({1: a}) == {}  # the first chunk: no token, no output
+    assert step({2: b}, 7) == {"d": [None, a, b], "c": [None, a, b]}  # the last chunk, the first token
+    assert step({}, 8) == {"d": None, "c": [None, a, b]}
+    # preempted, recomputed with other values, preempted again before a token, recomputed
+    # with the values given: not given again
+    assert step({1: {2: Logprob(-9.0, 5)}}) == {} and step({2: b}) == {}
+    assert step({1: a}) == {} and step({2: b}) == {}
+    assert step({}, 9) == {"d": None, "c": [None, a, b]}
+    step({1: a})
+    step({2: b2})
+    assert step({}, 10) == {"d": [None, a, b2], "c": [None, a, b2]}  # other values: given again
+    assert step({}, 11) == {"d": None, "c": [None, a, b2]}
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_prompt_logprobs_of_parallel_samples_come_with_the_first_output(tokenizer, alone, chunk):
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=1, prompt_logprobs=2, ignore_eos=True, n=3)
+    got, _ = _runs(tokenizer, PLP_PROMPTS[:2], params, max_num_batched_tokens=chunk)
+    _check_prompt_logprobs(got, PLP_PROMPTS[:2], alone)
+    (f,) = got[RequestOutputKind.FINAL_ONLY]["0"]
+    assert len(f.outputs) == 3 and len({tuple(s.token_ids) for s in f.outputs}) == 1
+
+
+def test_prompt_logprobs_of_a_one_token_prompt_come_first_too(tokenizer):
+    engine = text_engine(tokenizer)
+    engine.add_request("a", [72], PLP, output_kind=RequestOutputKind.DELTA)
+    outs = list(_steps(engine))
+    assert outs[0].prompt_logprobs == [None] and all(o.prompt_logprobs is None for o in outs[1:])
+
+
+def test_prompt_logprobs_next_to_a_cached_prefix_are_the_same(tokenizer, alone):
+    """A prompt whose blocks are in the prefix cache still has every position computed (no
+    hits for a prompt_logprobs request): the same first output as the prompt alone."""
+    engine = text_engine(tokenizer, block_size=4)
+    run(engine, {"warm": RequestOutputKind.FINAL_ONLY}, SamplingParams(temperature=0, max_tokens=3))
+    first = run(engine, {"a": RequestOutputKind.DELTA}, PLP)["a"]
+    again = run(engine, {"b": RequestOutputKind.DELTA}, PLP)["b"]
+    assert _plp(first[0].prompt_logprobs) == _plp(again[0].prompt_logprobs) == alone[bytes(PROMPT)]
+    assert first[0].num_cached_tokens == again[0].num_cached_tokens == 0
+    assert all(o.prompt_logprobs is None for o in first[1:] + again[1:])
+
+
+def test_merged_deltas_keep_the_prompt_logprobs_of_the_first():
+    plp = [None, {2: -0.5}]
+    first = RequestOutput("r", None, [1, 2], [CompletionOutput(0, "a", [3])], False, prompt_logprobs=plp)
+    merged = merge_delta(first, RequestOutput("r", None, [1, 2], [CompletionOutput(0, "b", [4], "length")], True))
+    assert merged.prompt_logprobs is plp and merged.outputs[0].token_ids == [3, 4]
