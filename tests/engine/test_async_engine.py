@@ -399,3 +399,50 @@ def test_gauges_are_refreshed_at_scheduling_only_when_requests_start_or_are_pree
     batch.preempted_req_ids.append("b")  # a preemption changes them too
     engine._on_scheduled([])
     assert len(calls) == 2
+
+
+def test_prompt_logprobs_come_with_the_first_output_of_a_stream():
+    """As vLLM's: a CUMULATIVE stream has the prompt logprobs on every output from the first
+    on (the first token's, after the prompt's last chunk), a DELTA stream on its first
+    output only, merged deltas keep them; the values of the final output before."""
+
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(max_num_batched_tokens=4), "tiny")
+        engine.start()
+        try:
+            prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # three prefill chunks
+            params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, prompt_logprobs=1)
+            cumulative = await _drain(await engine.add_request("a", prompt, params))
+            want = cumulative[-1].prompt_logprobs
+            assert len(want) == len(prompt) and want[0] is None and all(want[1:])
+            assert len(cumulative[0].outputs[0].token_ids) < 32 and not cumulative[0].finished
+            assert all(o.prompt_logprobs == want for o in cumulative)
+            prepared = await engine.prepare(prompt, params)
+            (it,) = engine.add_requests([("b", prepared, None)], output_kind=RequestOutputKind.DELTA)
+            deltas = await _drain(it)
+            assert deltas[0].prompt_logprobs == want and all(o.prompt_logprobs is None for o in deltas[1:])
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_lagging_consumer_keeps_the_prompt_logprobs_of_the_first_output():
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny")  # not started: the test feeds the stream
+        plp = [None, {2: -0.5}]
+        for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+            prepared = await engine.prepare([1, 2], GREEDY)
+            (it,) = engine.add_requests([(kind.name, prepared, None)], output_kind=kind)
+            queue = engine._streams[kind.name].queue
+            first = _output(kind.name, [5])
+            first.prompt_logprobs = plp
+            for item in (first, _output(kind.name, [6])):
+                queue.put_nowait(item)
+            out = await anext(it)  # the two, merged
+            assert out.outputs[0].token_ids == [5, 6] and out.prompt_logprobs == plp
+            queue.put_nowait(_output(kind.name, [7], finished=True))
+            (last,) = await _drain(it)
+            assert last.prompt_logprobs == (plp if kind is RequestOutputKind.CUMULATIVE else None)
+
+    asyncio.run(main())
