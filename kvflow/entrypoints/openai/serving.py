@@ -474,7 +474,8 @@ class OpenAIServing:
                 echo_now = req.echo and index not in sent_tokens
                 if echo_now and req.logprobs is not None and out.prompt_logprobs is None and not out.finished:
                     # the first chunk carries the prompt's logprobs, which the engine gives
-                    # with the finished output only: wait for them (the outputs are cumulative)
+                    # from the first output on (once the prompt's last chunk is computed, as
+                    # vLLM): never hit then, a guard (the outputs are cumulative)
                     continue
                 # tokens without text yet (part of a multi-byte character) wait for their
                 # text, unless their logprobs are asked for

@@ -251,6 +251,39 @@ def test_streamed_completion_logprobs_add_up_to_the_whole_response(http, echo):
         assert choices[0]["text"].startswith("The sky") and len(choices[0]["logprobs"]["tokens"]) > n_prompt
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_streamed_echo_sends_the_prompt_first(http, n):
+    """A streamed completion with ``echo`` and ``logprobs`` starts with the prompt: each
+    choice's first chunk has the prompt's text and entries first, before any generated
+    text, and the stream goes on with the generated tokens (the prompt's logprobs come with
+    the engine's first output, as vLLM's; the stream used to come in one chunk at the end,
+    after all the tokens were generated)."""
+    max_tokens = 32
+    body = {"prompt": "The sky", "max_tokens": max_tokens, "temperature": 0, "logprobs": 2, "echo": True,
+            "ignore_eos": True, "n": n}
+    whole = http.post(C, json=body).json()["choices"]
+    with http.stream("POST", C, json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    for index in range(n):
+        want = whole[index]["logprobs"]
+        n_prompt = len(want["tokens"]) - max_tokens
+        assert n_prompt >= 1 and want["token_logprobs"][0] is None
+        choices = [c for chunk in chunks for c in chunk["choices"] if c["index"] == index]
+        first = choices[0]
+        assert first["text"].startswith("The sky") and first.get("finish_reason") is None
+        got = first["logprobs"]
+        assert got["tokens"][:n_prompt] == want["tokens"][:n_prompt]
+        assert got["text_offset"][:n_prompt] == want["text_offset"][:n_prompt] and got["text_offset"][0] == 0
+        assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None
+        assert got["token_logprobs"][1:n_prompt] == pytest.approx(want["token_logprobs"][1:n_prompt])
+        # the generated tokens follow, in later chunks, none of them echoing the prompt again
+        assert len(choices) >= 2 and len(got["tokens"]) < len(want["tokens"])
+        assert not any(c["text"].startswith("The sky") for c in choices[1:])
+        assert "".join(c["text"] for c in choices) == whole[index]["text"]
+        assert [t for c in choices for t in c["logprobs"]["tokens"]] == want["tokens"]
+        assert choices[-1]["finish_reason"] == "length"
+
+
 # the tiny tokenizer is byte-level: "a", then the 4 bytes of U+1F600, then "b"
 SCRIPT_TEXT = "a\U0001F600b"
 CUT = {2: "a", 3: "a", 4: "a", 5: "a\U0001F600"}  # max tokens -> the text that decodes cleanly
