@@ -95,7 +95,7 @@ class _Stream:
     texts: dict[int, list[str]] = field(default_factory=dict)
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
-    prompt_logprobs: list | None = None  # the newest a DELTA output gave
+    prompt_logprobs: list | None = None  # those a DELTA output gave
 
 
 class _Waker:
@@ -180,8 +180,8 @@ def merge_delta(into: RequestOutput, newer: RequestOutput) -> RequestOutput:
         old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
     into.finished = newer.finished
     into.metrics = newer.metrics
-    if newer.prompt_logprobs is not None:  # (the first DELTA output has them, or one after a
-        into.prompt_logprobs = newer.prompt_logprobs  # recomputation that changed them)
+    if newer.prompt_logprobs is not None:  # (the first DELTA output has them)
+        into.prompt_logprobs = newer.prompt_logprobs
     into.num_cached_tokens = newer.num_cached_tokens
     return into
 
@@ -452,8 +452,8 @@ class AsyncLLMEngine:
                 texts[:] = ["".join(texts)]
             outputs.append(CompletionOutput(c.index, texts[0], list(token_ids), c.finish_reason, c.stop_reason,
                                             list(logprobs) if logprobs is not None else None, c.cumulative_logprob))
-        if delta.prompt_logprobs is not None:  # (a DELTA output gives them once, or again after
-            stream.prompt_logprobs = delta.prompt_logprobs  # a preemption: kept from then on)
+        if delta.prompt_logprobs is not None:  # (a DELTA output gives them once: kept from then on)
+            stream.prompt_logprobs = delta.prompt_logprobs
         return RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, outputs, delta.finished,
                              delta.metrics, stream.prompt_logprobs, delta.error, delta.num_cached_tokens)
 

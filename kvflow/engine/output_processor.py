@@ -95,10 +95,6 @@ class RequestState:
     prompt_logprobs_list: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_complete: bool = False  # all positions computed once (the list made once)
     prompt_logprobs_sent: bool = False  # DELTA: ``prompt_logprobs`` given on an output already
-    prompt_logprobs_given: dict[int, dict[int, Logprob]] | None = None  # DELTA: the values given last
-    # positions computed again after ``prompt_logprobs_list`` was made (a preempted sample's
-    # recomputation), applied once all of them are in
-    prompt_logprobs_again: dict[int, dict[int, Logprob]] = field(default_factory=dict)
     embedding: list[float] | None = None
     is_pooling: bool = field(init=False)  # an embedding request (``PoolingParams``)
 
@@ -193,19 +189,9 @@ class OutputProcessor:
             if state is None:
                 continue
             if not state.prompt_logprobs_complete:
+                # (once given, they stay: a preempted sample's recomputation of its prompt,
+                # which may differ in the last bits, is not given again)
                 state.prompt_logprobs.update(positions)
-                continue
-            # A prompt recomputed after its logprobs were made (a preemption): once all of
-            # its positions are in again, the newest values count, as they did when the
-            # list was made with the finished output only; a DELTA output gives them again
-            # when they differ from those it gave.
-            again = state.prompt_logprobs_again
-            again.update(positions)
-            if len(again) >= len(state.prompt_token_ids) - 1:
-                state.prompt_logprobs_again = {}
-                if again != state.prompt_logprobs:
-                    state.prompt_logprobs, state.prompt_logprobs_list = again, None
-                    state.prompt_logprobs_sent = state.prompt_logprobs_given == again
         for request_id, (vector, num_cached_tokens) in core_outputs.pooled.items():
             state = self.request_states.get(request_id)
             if state is None:
@@ -369,8 +355,7 @@ class OutputProcessor:
         """The prompt logprobs an output of ``state`` carries, as vLLM's: from the first
         output after the prompt's last position is computed (its first token's), the whole
         list on every CUMULATIVE / FINAL_ONLY output, on the first DELTA output only (None
-        before, and on the DELTA outputs after; again once if a recomputation after a
-        preemption changed them)."""
+        before, and on the DELTA outputs after)."""
         plp = state.prompt_logprobs_list
         if plp is None:
             positions = state.prompt_logprobs
@@ -383,7 +368,7 @@ class OutputProcessor:
         if state.output_kind is _DELTA:
             if state.prompt_logprobs_sent:
                 return None
-            state.prompt_logprobs_sent, state.prompt_logprobs_given = True, state.prompt_logprobs
+            state.prompt_logprobs_sent = True
         return plp
 
     def make_failure_output(self, request_id: str, exc: BaseException, now: float,
