@@ -360,6 +360,76 @@ def test_guided_choice_and_grammar_constrain_the_output(http, path, extra, patte
         assert re.fullmatch(pattern, text), (extra, text)
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CONSTRAINED = [
+    (C, {"guided_json": {"type": "object"}}, "guided_json"),
+    (C, {"guided_regex": "[a-z]+"}, "guided_regex"),
+    (CH, {"guided_choice": ["yes", "no"]}, "guided_choice"),
+    (CH, {"guided_grammar": 'start: "a"+'}, "guided_grammar"),
+    (C, {"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+    (CH, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CH, {"tools": [_TOOL], "tool_choice": "required"}, "tool_choice"),
+    (CH, {"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("field,value", [("ignore_eos", True), ("min_tokens", 2)])
+@pytest.mark.parametrize("path,extra,constraint", CONSTRAINED, ids=[f"{c}{i}" for i, (_, _, c) in enumerate(CONSTRAINED)])
+def test_ignore_eos_and_min_tokens_with_an_output_constraint_are_400(server, http, path, extra, constraint, field,
+                                                                     value):
+    """The constraint's grammar ends the output once it is complete: both were ignored
+    silently (200) before."""
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    err = _assert_error(http.post(path, json={**body, "max_tokens": 8, **extra, field: value}), 400, field)
+    assert f"{field} cannot be combined with {constraint}" in err["message"], err
+    assert server.engine.is_healthy
+
+
+def test_ignore_eos_with_tools_under_auto_is_served(http):
+    """tool_choice "auto" leaves the text free (a structural tag): ignore_eos holds (the
+    grammar took the first EOS as its end before), and so does min_tokens."""
+    eos = str(TINY_TEXT_VOCAB - 1)
+    for extra in ({"ignore_eos": True, "logit_bias": {eos: 100}}, {"min_tokens": 3}):
+        r = http.post(CH, json={"messages": MSG, "max_tokens": 3, "tools": [_TOOL], "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3, (extra, r.json())
+
+
+UNSATISFIABLE = [
+    (C, {"guided_regex": "a[^\\s\\S]"}, "guided_regex"),
+    (CH, {"guided_grammar": "start: /[^\\s\\S]/"}, "guided_grammar"),
+    (C, {"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs"),
+    (CH, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "integer", "minimum": 5, "maximum": 2}}}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path,extra,param", UNSATISFIABLE, ids=[f"{p}{i}" for i, (_, _, p) in enumerate(UNSATISFIABLE)])
+def test_an_unsatisfiable_constraint_is_400_naming_it(server, http, path, extra, param, stream):
+    """It answered 200 with empty text before (llguidance let only EOS through)."""
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    err = _assert_error(http.post(path, json={**body, "max_tokens": 8, "stream": stream, **extra}), 400, param)
+    assert "unsatisfiable" in err["message"] or "Unsatisfiable" in err["message"], err
+    assert server.engine.is_healthy
+
+
+@pytest.mark.parametrize("path", [C, CH])
+def test_a_grammar_that_dead_ends_during_generation_fails_the_request_visibly(server, http, path):
+    """After "a" no token fits: the request fails (400 naming the field; an error event in
+    a stream) instead of ending with "stop" and a cut output; the engine goes on."""
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    body = {**body, "max_tokens": 8, "guided_grammar": 'start: "a" b\nb: b "x"'}
+    err = _assert_error(http.post(path, json=body), 400)
+    assert "guided_grammar: no output satisfies the constraint" in err["message"], err
+    r = http.post(path, json={**body, "stream": True})
+    assert r.status_code == 200
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "guided_grammar: no output satisfies" in json.loads(events[-2])["error"]["message"]
+    assert server.engine.is_healthy
+    _wait_idle(server)
+
+
 def test_huge_top_k_samples_as_top_k_off(server, http):
     """top_k = 2**63 used to crash the sampler's tensor build and stop the engine."""
     base = {"prompt": "Hello", "max_tokens": 6, "temperature": 1.0, "seed": 3, "ignore_eos": True}
