@@ -258,3 +258,15 @@ def test_a_tool_result_without_its_tool_use_is_400_naming_the_id(served, message
     bad = messages[-1]["content"][0]["tool_use_id"]
     assert f"unexpected tool_use_id found in tool_result blocks: {bad!r}" in body["error"]["message"], body
     assert f"messages[{len(messages) - 1}].content[0]" in body["error"]["message"], body
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", None])
+def test_a_body_not_sent_as_json_is_an_anthropic_shaped_400(served, content_type):
+    """As on the OpenAI paths (tests/entrypoints/openai/test_server_tiny.py), in Anthropic's shape."""
+    headers = {"x-api-key": API_KEY, **({} if content_type is None else {"content-type": content_type})}
+    body = json.dumps({"model": "tiny", "max_tokens": 5, "messages": MSG}).encode()
+    r = httpx.post(served[0].url + "/v1/messages", content=body, headers=headers)
+    assert r.status_code == 400, r.text
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": r.json()["error"][
+        "message"]}}
+    assert "must be JSON sent with Content-Type: application/json" in r.json()["error"]["message"], r.json()

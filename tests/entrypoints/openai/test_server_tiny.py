@@ -211,6 +211,32 @@ def test_bodies_that_are_not_a_request_are_400(http, body):
     _assert_error(http.post(C, content=body, headers={"content-type": "application/json"}), 400)
 
 
+_JSON_BODIES = {C: {"prompt": "x", "max_tokens": 1}, CH: {"messages": MSG, "max_tokens": 1},
+                "/v1/embeddings": {"input": "x"}, "/tokenize": {"prompt": "x"}}
+
+
+@pytest.mark.parametrize("path", list(_JSON_BODIES))
+@pytest.mark.parametrize("content_type", ["text/plain", None, "application/x-www-form-urlencoded", "multipart/form-data"],
+                         ids=["text-plain", "none", "form", "multipart"])
+def test_a_body_not_sent_as_json_is_a_clear_400(http, path, content_type):
+    """Valid JSON sent as text/plain, a form or without a Content-Type got pydantic's "Input
+    should be a valid dictionary or object to extract fields from"; it is refused (as vLLM
+    and FastAPI do: a browser sends those cross-origin without a preflight) by a message
+    that says what to send."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = http.post(path, content=json.dumps(_JSON_BODIES[path]).encode(), headers=headers)
+    assert "content-type" not in {k.lower() for k in r.request.headers} or content_type is not None
+    err = _assert_error(r, 400)
+    assert err["param"] is None and "must be JSON sent with Content-Type: application/json" in err["message"], err
+    assert (content_type or "no Content-Type") in err["message"], err
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", "application/vnd.x+json"])
+def test_json_content_types_with_parameters_are_served(http, content_type):
+    r = http.post(C, content=json.dumps(_JSON_BODIES[C]).encode(), headers={"content-type": content_type})
+    assert r.status_code == 200, r.text
+
+
 def test_a_trailing_slash_is_the_same_path(http):
     """``/v1/completions/`` answered 307 (a redirect a POST client does not follow)."""
     for path, body in ((C + "/", {"prompt": "Hello"}), (CH + "/", {"messages": MSG}), ("/tokenize/", {"prompt": "a"})):
