@@ -172,7 +172,9 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
-        if self.grammar is not None:
+        # under ignore_eos an EOS is not the end, so the grammar (a structural tag's: free
+        # text; a guided_* constraint refuses ignore_eos) does not see it and stays open
+        if self.grammar is not None and not (token_id == self.eos_token_id and self.sampling_params.ignore_eos):
             self.grammar.accept(token_id)
 
     def check_stop(self, max_model_len: int) -> bool:

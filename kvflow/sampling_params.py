@@ -157,7 +157,9 @@ class SamplingParams:
             sets it per request).
         stop_token_ids: generation stops after emitting any of these token ids (the token
             is kept in ``token_ids``). At most ``MAX_STOP_TOKEN_IDS`` (1024).
-        ignore_eos: keep generating past the model's end-of-sequence token.
+        ignore_eos: keep generating past the model's end-of-sequence token. Not with a
+            ``guided_*`` constraint (its grammar ends the output: a ``ValueError``); with a
+            ``structural_tag`` the text stays free past EOS.
         skip_special_tokens: drop special tokens when detokenizing the output text.
         logprobs: report, for every generated token, the log-probability of the sampled
             token and of the ``logprobs`` most likely tokens under the raw model
@@ -175,6 +177,8 @@ class SamplingParams:
             integers or integer strings >= 0 (the engine refuses ids outside the
             vocabulary), values numbers in [-100, 100].
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens exist.
+            Not with a ``guided_*`` constraint (the grammar decides where the output ends:
+            a ``ValueError``).
         bad_words: words never to generate: the last token of a word's token sequence is
             masked whenever the output ends with the rest of it. At most ``MAX_BAD_WORDS``
             (1024) words of at most ``MAX_STRING_CHARS`` (1024) characters.
@@ -359,6 +363,15 @@ class SamplingParams:
             raise ValueError("guided_grammar must be a non-empty string")
         if self.structural_tag is not None and guided:
             raise ValueError(f"structural_tag cannot be combined with {guided[0]}")
+        if guided and self.ignore_eos:
+            # the constraint's grammar ends the output once it is complete: EOS is then the
+            # only token it allows, so ignoring EOS cannot be honoured
+            raise ValueError(f"ignore_eos cannot be combined with {guided[0]}: the constraint ends the output "
+                             "once it is complete")
+        if guided and self.min_tokens > 0:
+            # a complete output allows only EOS, which min_tokens would mask: no token left
+            raise ValueError(f"min_tokens cannot be combined with {guided[0]}: the constraint decides where the "
+                             "output ends")
         if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
             raise ValueError("structural_tag must be a dict or a JSON string")
         if self.guided_json is not None and not isinstance(self.guided_json, (dict, str)):

@@ -208,3 +208,29 @@ def test_max_tokens_none_means_until_the_context_is_full():
     p = SamplingParams(max_tokens=None)
     assert p.max_tokens is None
     assert SamplingParams(max_tokens=None, min_tokens=5).min_tokens == 5
+
+
+CONSTRAINTS = [
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"guided_regex": "[a-z]+"}, "guided_regex"),
+    ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+    ({"guided_grammar": 'start: "a"+'}, "guided_grammar"),
+    ({"structured_outputs": sp.StructuredOutputsParams(json_object=True)}, "guided_json"),
+]
+
+
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 3}], ids=["ignore_eos", "min_tokens"])
+@pytest.mark.parametrize("constraint,name", CONSTRAINTS, ids=[c[1] + str(i) for i, c in enumerate(CONSTRAINTS)])
+def test_an_output_constraint_refuses_ignore_eos_and_min_tokens(constraint, name, extra):
+    """The constraint's grammar ends the output once it is complete (it ignored both
+    silently before): the combination is a ValueError naming the field and the constraint."""
+    (field,) = extra
+    with pytest.raises(ValueError) as exc:
+        SamplingParams(max_tokens=8, **constraint, **extra)
+    assert str(exc.value).startswith(f"{field} cannot be combined with {name}"), exc.value
+
+
+def test_a_structural_tag_takes_ignore_eos_and_min_tokens():
+    """A structural tag leaves the text free (tool calls under tool_choice "auto")."""
+    tag = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}
+    SamplingParams(max_tokens=8, structural_tag=tag, ignore_eos=True, min_tokens=3)

@@ -40,28 +40,60 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (((bitmask.unsqueeze(1) >> _BIT) & 1) != 0).flatten()[:vocab_size]
 
 
+def _llg_error(matcher: Any) -> str:
+    """The first line of llguidance's error (the rest is a dump of the parser's state)."""
+    return (matcher.get_error() or "").strip().split("\n", 1)[0] or "no reason given"
+
+
 class GrammarMatcher:
     """The grammar state of one request.
 
     Args:
         matcher: an ``llguidance.LLMatcher`` compiled for the request.
         vocab_size: the model's vocabulary size (rows of the logits).
+        field: the request field the grammar comes from (``guided_json``, ...), for errors.
     """
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, field: str = "guided decoding") -> None:
         self._lt = _llguidance().torch
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.field = field
         self._bitmask = self._lt.allocate_token_bitmask(1, vocab_size)
 
-    def mask_logits(self, row: torch.Tensor) -> None:
-        """Set the logits of tokens the grammar forbids to -inf. row: float32 [vocab_size]."""
+    def fill_bitmask(self) -> torch.Tensor:
+        """The int32 bitmask of the tokens the grammar allows next.
+
+        Raises:
+            ValueError: naming the field, when the grammar allows no token at all (no
+                string continues the output: llguidance stops with an error, where it
+                would otherwise let only EOS through and end the output silently).
+        """
         self._lt.fill_next_token_bitmask(self.matcher, self._bitmask, 0)
-        row.masked_fill_(~unpack_bitmask(self._bitmask[0], row.shape[0]).to(row.device), float("-inf"))
+        if self.matcher.is_error():
+            raise ValueError(f"{self.field}: no output satisfies the constraint from here on "
+                             f"(llguidance: {_llg_error(self.matcher)})")
+        return self._bitmask[0]
+
+    def mask_logits(self, row: torch.Tensor) -> None:
+        """Set the logits of tokens the grammar forbids to -inf. row: float32 [vocab_size].
+
+        Raises:
+            ValueError: see ``fill_bitmask`` (the engine fails this request alone).
+        """
+        bitmask = self.fill_bitmask()
+        row.masked_fill_(~unpack_bitmask(bitmask, row.shape[0]).to(row.device), float("-inf"))
 
     def accept(self, token_id: int) -> None:
-        """Advance the grammar by the sampled token."""
-        self.matcher.consume_token(token_id)
+        """Advance the grammar by the sampled token.
+
+        Raises:
+            ValueError: naming the field, for a token the grammar does not allow (e.g. when
+                other masks, such as ``bad_words``, left none of its tokens to sample).
+        """
+        if not self.matcher.consume_token(token_id) or self.matcher.is_error():
+            raise ValueError(f"{self.field}: token {token_id} does not satisfy the constraint "
+                             f"(llguidance: {_llg_error(self.matcher)})")
 
     @property
     def is_terminated(self) -> bool:
@@ -92,8 +124,11 @@ class GrammarCompiler:
         ``guided_grammar`` / ``structural_tag``, or None.
 
         Raises:
-            ValueError: naming the field, for a schema or regex llguidance rejects, or a
-                schema nested too deeply for Python's JSON codec.
+            ValueError: naming the field, for a schema or regex llguidance rejects, a
+                schema nested too deeply for Python's JSON codec, or a constraint no output
+                can satisfy from its start (an empty language, such as ``a[^\\s\\S]``).
+                One that only dead-ends later (a grammar whose every path recurses forever)
+                fails its request during generation (``GrammarMatcher.fill_bitmask``).
         """
         matcher_cls = self._llg.LLMatcher
         if params.guided_json is not None:
@@ -126,7 +161,12 @@ class GrammarCompiler:
         matcher = matcher_cls(self._lltokenizer, grammar)
         if matcher.is_error():
             raise ValueError(f"{field} is not a usable grammar: {matcher.get_error()}")
-        return GrammarMatcher(matcher, self.vocab_size)
+        guided = GrammarMatcher(matcher, self.vocab_size, field)
+        try:  # an empty language (a regex or schema nothing matches) allows no first token
+            guided.fill_bitmask()
+        except ValueError:
+            raise ValueError(f"{field} is unsatisfiable: no output matches it (llguidance: {_llg_error(matcher)})") from None
+        return guided
 
 
 def _tag_structures(spec: dict[str, Any] | str) -> tuple[list[dict[str, Any]], list[str]]:

@@ -7,7 +7,8 @@ logged once); fields kvflow does not implement are refused by name (``UNSUPPORTE
 
 The mapping to a chat request (``to_chat_fields``): ``system`` is the system message; a
 user message's ``text`` blocks are its content and each ``tool_result`` block a tool message
-(``tool_call_id`` = ``tool_use_id``; an ``is_error`` result's text is prefixed ``Error: ``);
+(``tool_call_id`` = ``tool_use_id``, which must be the id of a ``tool_use`` block of the
+previous message, as Anthropic requires; an ``is_error`` result's text is prefixed ``Error: ``);
 an assistant message's ``text`` blocks are its content and its ``tool_use`` blocks its tool
 calls; ``thinking`` blocks of earlier turns are not rendered (the chat templates of thinking
 models leave earlier reasoning out of the prompt). A last assistant message (Anthropic's
@@ -160,13 +161,17 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
     """The chat messages of ``system`` and ``messages``.
 
     Raises:
-        ValueError: naming the block, for a block kvflow does not read.
+        ValueError: naming the block, for a block kvflow does not read, or a ``tool_result``
+            whose ``tool_use_id`` is not the id of a ``tool_use`` block of the previous
+            message (Anthropic's 400).
     """
     if req.messages[-1].role == "assistant":
         raise ValueError(f"messages[{len(req.messages) - 1}]: a final assistant message (a prefill the reply "
                          "continues) is not supported by kvflow; end with a user message")
     out = _system(req.system)
+    tool_use_ids: set[str] = set()  # those of the previous message (a tool_result answers one of them)
     for i, message in enumerate(req.messages):
+        previous_ids, tool_use_ids = tool_use_ids, set()
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue
@@ -180,6 +185,10 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
             elif kind == "tool_result" and message.role == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise ValueError(f"{where}.tool_use_id must be a string")
+                if block["tool_use_id"] not in previous_ids:  # (Anthropic's rule and message)
+                    raise ValueError(f"{where}: unexpected tool_use_id found in tool_result blocks: "
+                                     f"{block['tool_use_id']!r}. Each tool_result block must have a corresponding "
+                                     "tool_use block in the previous message.")
                 if texts:  # text before the result: its own user message, in order
                     out.append({"role": "user", "content": "".join(texts)})
                     texts = []
@@ -189,6 +198,7 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
                     raise ValueError(f"{where} needs a string id and name (a tool_use block)")
                 if not isinstance(block.get("input"), dict):
                     raise ValueError(f"{where}.input must be an object")
+                tool_use_ids.add(block["id"])
                 calls.append({"id": block["id"], "type": "function",
                               "function": {"name": block["name"], "arguments": json.dumps(block["input"])}})  # fmt: skip
             elif kind in ("thinking", "redacted_thinking") and message.role == "assistant":

@@ -229,8 +229,16 @@ class _SamplingRequest(_Body):
         generation-config default (``defaults``), else ``BUILTIN_DEFAULTS``.
 
         Raises:
-            ValueError: naming the field, for an invalid value.
+            ValueError: naming the field, for an invalid value; ``ignore_eos`` or
+                ``min_tokens`` together with an output constraint (``output_constraint``),
+                which ends the output where its grammar is complete.
         """
+        constraint = self.output_constraint()
+        if constraint is not None:
+            for name, unset in (("ignore_eos", False), ("min_tokens", 0)):
+                if getattr(self, name) != unset:
+                    raise ValueError(f"{name} cannot be combined with {constraint}: the output constraint ends the "
+                                     "output once it is complete")
         chosen = {**BUILTIN_DEFAULTS, **(defaults or {})}
 
         def pick(name: str):
@@ -264,6 +272,16 @@ class _SamplingRequest(_Body):
             guided_grammar=self.guided_grammar,
             structured_outputs=self._structured_outputs(),
         )
+
+    def output_constraint(self) -> str | None:
+        """The field that constrains the whole output (``guided_*``, ``structured_outputs``,
+        ``response_format`` other than text), or None."""
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                return name
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return None
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """``structured_outputs`` as vLLM's ``StructuredOutputsParams``.
@@ -503,6 +521,12 @@ class ChatCompletionRequest(_SamplingRequest):
             if key in RESERVED_TEMPLATE_KWARGS:
                 raise ValueError(f"chat_template_kwargs may not set {key!r} (the server sets it)")
         return kwargs
+
+    def output_constraint(self) -> str | None:
+        """As the base class's; also ``tool_choice`` when it forces a tool call."""
+        if self.tools and self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"
+        return super().output_constraint()
 
     def guided_schema(self) -> dict[str, Any] | str | None:
         """The schema of ``tool_choice`` "required" / a named function

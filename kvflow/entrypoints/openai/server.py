@@ -11,7 +11,8 @@ error, of every endpoint and middleware, is an OpenAI-shaped JSON body
 
 - 400 for invalid parameters, fields kvflow does not implement, and prompts that cannot fit
   (all decided before any byte of a stream is sent); bodies that are not valid Unicode
-  (lone surrogates), hold non-finite numbers or nest deeper than ``MAX_JSON_DEPTH``.
+  (lone surrogates), hold non-finite numbers or nest deeper than ``MAX_JSON_DEPTH``, or are
+  not sent as JSON (``check_json_content_type``).
 - 401 for a wrong API key, 404 for an unknown model, 413 for a body over
   ``max_request_bytes`` (from its Content-Length, before reading it), 429 (with
   ``Retry-After``) when the waiting queue cannot take all of a request's prompts now (400
@@ -139,14 +140,42 @@ class _CheckedBodyRequest(Request):
         return self._json
 
 
+def is_json_content_type(value: str | None) -> bool:
+    """True for ``application/json`` (with any parameters, e.g. ``; charset=utf-8``) and
+    ``application/*+json``."""
+    media = (value or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def check_json_content_type(value: str | None) -> None:
+    """Refuse a request body not declared as JSON.
+
+    A body sent as ``text/plain``, a form or with no Content-Type is refused even when it
+    holds valid JSON, as vLLM and FastAPI do: those are what a web page of another origin
+    can send to a server on this machine without the browser asking first (CORS
+    preflight), so taking them would let any page drive the API.
+
+    Raises:
+        APIError: 400 saying that the body must be JSON sent as ``application/json``.
+    """
+    if not is_json_content_type(value):
+        got = f"Content-Type: {value}" if value else "no Content-Type"
+        raise APIError(400, f"the request body must be JSON sent with Content-Type: application/json (got {got})",
+                       "BadRequestError")
+
+
 class _CheckedBodyRoute(APIRoute):
-    """Routes whose bodies go through ``parse_body``, and whose faults become API errors
-    here (answered by the exception handlers, not re-raised to the server)."""
+    """Routes whose bodies go through ``parse_body`` (after ``check_json_content_type``),
+    and whose faults become API errors here (answered by the exception handlers, not
+    re-raised to the server)."""
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
+        takes_body = self.body_field is not None
 
         async def route(request: Request) -> Response:
+            if takes_body:
+                check_json_content_type(request.headers.get("content-type"))
             try:
                 return await handler(_CheckedBodyRequest(request.scope, request.receive))
             except (StarletteHTTPException, RequestValidationError):

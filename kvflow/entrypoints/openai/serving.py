@@ -66,6 +66,17 @@ def _renamed(renames: dict[str, str]) -> Iterator[None]:
         raise
 
 
+def _name_constraint(exc: APIError, req: Any) -> APIError:
+    """``exc``, naming the field the request set when it is about the ``guided_*`` field
+    that field became (``response_format`` and ``structured_outputs`` are compiled as
+    ``guided_json`` etc.)."""
+    if exc.param and exc.param.startswith("guided_") and getattr(req, exc.param, None) is None:
+        field = req.output_constraint()
+        if field is not None:
+            exc.message, exc.param = f"{field}: {exc.message}", field
+    return exc
+
+
 def _as_api_error(exc: BaseException) -> APIError:
     """The API error for a fault after admission (or any other)."""
     if isinstance(exc, APIError):
@@ -411,7 +422,10 @@ class OpenAIServing:
         max_tokens = max(self._max_tokens(requested, len(ids), "max_tokens") for ids, _ in prompts)
         prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = self._params(req, max_tokens, req.logprobs, prompt_logprobs)
-        iterators = await self._add(prompts, params, "prompt", req.priority, self.lora_for(req.model))
+        try:
+            iterators = await self._add(prompts, params, "prompt", req.priority, self.lora_for(req.model))
+        except APIError as exc:
+            raise _name_constraint(exc, req) from None
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
         n = params.n
         if req.stream:
@@ -580,10 +594,11 @@ class OpenAIServing:
         try:
             (iterator,) = await self._add([(ids, None)], params, "messages", req.priority, self.lora_for(req.model))
         except APIError as exc:
-            if exc.param in ("guided_json", "structural_tag") and req.guided_json is None and req.tools:
+            if exc.param in ("guided_json", "structural_tag") and req.tools and (
+                    req.output_constraint() in (None, "tool_choice")):
                 raise APIError(400, f"tools: a parameter schema cannot be enforced for tool_choice ({exc.message})",
                                "BadRequestError", "tools") from None
-            raise
+            raise _name_constraint(exc, req) from None
         return ChatRun(ids, iterator, make_parser)
 
     def translate_chat(self, req: Any, to_chat_fields: Callable[[Any], dict[str, Any]]) -> ChatCompletionRequest:

@@ -168,8 +168,10 @@ def test_errors_are_anthropic_shaped(client, served):
     ({"tools": [{"type": "web_search_20250305", "name": "web_search", "input_schema": {}}]}, "'web_search_20250305'"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "'document'"),
     ({"system": [{"type": "image", "source": {}}]}, "'image'"),
-    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
-        {"type": "image", "source": {}}]}]}]}, "'image'"),
+    ({"messages": [*MSG, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather",
+                                                            "input": {}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+                       {"type": "image", "source": {}}]}]}]}, "'image'"),
     ({"tool_choice": {"type": "tool"}, "tools": [TOOL]}, "tool_choice.name"),
     ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
     ({"messages": [*MSG, {"role": "assistant", "content": "It is"}]}, "prefill"),
@@ -230,3 +232,41 @@ def test_untagged_call_is_a_tool_use_block_and_never_text(client, script, writte
     assert [b.type for b in final.content] == (["text", "tool_use"] if written.startswith("Sure") else ["tool_use"])
     assert final.content[-1].name == "get_weather" and final.content[-1].input == ARGS
     assert final.stop_reason == "tool_use"
+
+
+_USE = {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]}
+
+
+def _result(tool_use_id: str) -> dict:
+    return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use_id, "content": "18 C"}]}
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("messages", [
+    [_result("toolu_nope")],
+    [*MSG, _USE, _result("toolu_nope")],
+    [*MSG, _USE, _result("toolu_1"), {"role": "assistant", "content": "It is 18 C."}, _result("toolu_1")],
+], ids=["no-tool-use", "another-id", "not-the-previous-message"])  # fmt: skip
+def test_a_tool_result_without_its_tool_use_is_400_naming_the_id(served, messages, path):
+    """Anthropic answers 400 when a tool_result's tool_use_id is not a tool_use of the
+    previous message; kvflow took it (and rendered an answer to no call)."""
+    r = httpx.post(served[0].url + path, json={"model": "tiny", "max_tokens": 5, "messages": messages},
+                   headers={"x-api-key": API_KEY})  # fmt: skip
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    bad = messages[-1]["content"][0]["tool_use_id"]
+    assert f"unexpected tool_use_id found in tool_result blocks: {bad!r}" in body["error"]["message"], body
+    assert f"messages[{len(messages) - 1}].content[0]" in body["error"]["message"], body
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", None])
+def test_a_body_not_sent_as_json_is_an_anthropic_shaped_400(served, content_type):
+    """As on the OpenAI paths (tests/entrypoints/openai/test_server_tiny.py), in Anthropic's shape."""
+    headers = {"x-api-key": API_KEY, **({} if content_type is None else {"content-type": content_type})}
+    body = json.dumps({"model": "tiny", "max_tokens": 5, "messages": MSG}).encode()
+    r = httpx.post(served[0].url + "/v1/messages", content=body, headers=headers)
+    assert r.status_code == 400, r.text
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": r.json()["error"][
+        "message"]}}
+    assert "must be JSON sent with Content-Type: application/json" in r.json()["error"]["message"], r.json()

@@ -211,6 +211,32 @@ def test_bodies_that_are_not_a_request_are_400(http, body):
     _assert_error(http.post(C, content=body, headers={"content-type": "application/json"}), 400)
 
 
+_JSON_BODIES = {C: {"prompt": "x", "max_tokens": 1}, CH: {"messages": MSG, "max_tokens": 1},
+                "/v1/embeddings": {"input": "x"}, "/tokenize": {"prompt": "x"}}
+
+
+@pytest.mark.parametrize("path", list(_JSON_BODIES))
+@pytest.mark.parametrize("content_type", ["text/plain", None, "application/x-www-form-urlencoded", "multipart/form-data"],
+                         ids=["text-plain", "none", "form", "multipart"])
+def test_a_body_not_sent_as_json_is_a_clear_400(http, path, content_type):
+    """Valid JSON sent as text/plain, a form or without a Content-Type got pydantic's "Input
+    should be a valid dictionary or object to extract fields from"; it is refused (as vLLM
+    and FastAPI do: a browser sends those cross-origin without a preflight) by a message
+    that says what to send."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    r = http.post(path, content=json.dumps(_JSON_BODIES[path]).encode(), headers=headers)
+    assert "content-type" not in {k.lower() for k in r.request.headers} or content_type is not None
+    err = _assert_error(r, 400)
+    assert err["param"] is None and "must be JSON sent with Content-Type: application/json" in err["message"], err
+    assert (content_type or "no Content-Type") in err["message"], err
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", "application/vnd.x+json"])
+def test_json_content_types_with_parameters_are_served(http, content_type):
+    r = http.post(C, content=json.dumps(_JSON_BODIES[C]).encode(), headers={"content-type": content_type})
+    assert r.status_code == 200, r.text
+
+
 def test_a_trailing_slash_is_the_same_path(http):
     """``/v1/completions/`` answered 307 (a redirect a POST client does not follow)."""
     for path, body in ((C + "/", {"prompt": "Hello"}), (CH + "/", {"messages": MSG}), ("/tokenize/", {"prompt": "a"})):
@@ -391,6 +417,76 @@ def test_guided_choice_and_grammar_constrain_the_output(http, path, extra, patte
         choice = r.json()["choices"][0]
         text = choice["text"] if path == C else choice["message"]["content"]
         assert re.fullmatch(pattern, text), (extra, text)
+
+
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+CONSTRAINED = [
+    (C, {"guided_json": {"type": "object"}}, "guided_json"),
+    (C, {"guided_regex": "[a-z]+"}, "guided_regex"),
+    (CH, {"guided_choice": ["yes", "no"]}, "guided_choice"),
+    (CH, {"guided_grammar": 'start: "a"+'}, "guided_grammar"),
+    (C, {"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
+    (CH, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CH, {"tools": [_TOOL], "tool_choice": "required"}, "tool_choice"),
+    (CH, {"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("field,value", [("ignore_eos", True), ("min_tokens", 2)])
+@pytest.mark.parametrize("path,extra,constraint", CONSTRAINED, ids=[f"{c}{i}" for i, (_, _, c) in enumerate(CONSTRAINED)])
+def test_ignore_eos_and_min_tokens_with_an_output_constraint_are_400(server, http, path, extra, constraint, field,
+                                                                     value):
+    """The constraint's grammar ends the output once it is complete: both were ignored
+    silently (200) before."""
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    err = _assert_error(http.post(path, json={**body, "max_tokens": 8, **extra, field: value}), 400, field)
+    assert f"{field} cannot be combined with {constraint}" in err["message"], err
+    assert server.engine.is_healthy
+
+
+def test_ignore_eos_with_tools_under_auto_is_served(http):
+    """tool_choice "auto" leaves the text free (a structural tag): ignore_eos holds (the
+    grammar took the first EOS as its end before), and so does min_tokens."""
+    eos = str(TINY_TEXT_VOCAB - 1)
+    for extra in ({"ignore_eos": True, "logit_bias": {eos: 100}}, {"min_tokens": 3}):
+        r = http.post(CH, json={"messages": MSG, "max_tokens": 3, "tools": [_TOOL], "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3, (extra, r.json())
+
+
+UNSATISFIABLE = [
+    (C, {"guided_regex": "a[^\\s\\S]"}, "guided_regex"),
+    (CH, {"guided_grammar": "start: /[^\\s\\S]/"}, "guided_grammar"),
+    (C, {"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs"),
+    (CH, {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "integer", "minimum": 5, "maximum": 2}}}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path,extra,param", UNSATISFIABLE, ids=[f"{p}{i}" for i, (_, _, p) in enumerate(UNSATISFIABLE)])
+def test_an_unsatisfiable_constraint_is_400_naming_it(server, http, path, extra, param, stream):
+    """It answered 200 with empty text before (llguidance let only EOS through)."""
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    err = _assert_error(http.post(path, json={**body, "max_tokens": 8, "stream": stream, **extra}), 400, param)
+    assert "unsatisfiable" in err["message"] or "Unsatisfiable" in err["message"], err
+    assert server.engine.is_healthy
+
+
+@pytest.mark.parametrize("path", [C, CH])
+def test_a_grammar_that_dead_ends_during_generation_fails_the_request_visibly(server, http, path):
+    """After "a" no token fits: the request fails (400 naming the field; an error event in
+    a stream) instead of ending with "stop" and a cut output; the engine goes on."""
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    body = {**body, "max_tokens": 8, "guided_grammar": 'start: "a" b\nb: b "x"'}
+    err = _assert_error(http.post(path, json=body), 400)
+    assert "guided_grammar: no output satisfies the constraint" in err["message"], err
+    r = http.post(path, json={**body, "stream": True})
+    assert r.status_code == 200
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "guided_grammar: no output satisfies" in json.loads(events[-2])["error"]["message"]
+    assert server.engine.is_healthy
+    _wait_idle(server)
 
 
 def test_huge_top_k_samples_as_top_k_off(server, http):

@@ -1,0 +1,104 @@
+"""The grammar engine's faults are visible: a constraint no output can satisfy is a
+ValueError naming its field when it is compiled, and one that dead-ends during generation
+(or is handed a token it forbids) raises rather than letting EOS end the output silently
+(it answered 200 with empty text before)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY_TEXT_VOCAB, tiny_engine, tiny_model_config, tiny_tokenizer
+from kvflow.sample.guided import GrammarCompiler
+from kvflow.sampling_params import SamplingParams
+
+EOS = TINY_TEXT_VOCAB - 1
+TOKENIZER = tiny_tokenizer()
+
+
+def _id(char: str) -> int:
+    (token,) = TOKENIZER.encode(char, add_special_tokens=False)
+    return token
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    return GrammarCompiler(TOKENIZER, TINY_TEXT_VOCAB, EOS)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"guided_regex": "a[^\\s\\S]"}, "guided_regex"),
+        ({"guided_regex": "[^\\s\\S]"}, "guided_regex"),
+        ({"guided_grammar": 'start: /[^\\s\\S]/'}, "guided_grammar"),
+        ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 2}}, "guided_json"),
+    ],
+    ids=["regex-after-a", "regex-empty-class", "lark-empty", "json-min-over-max"],
+)
+def test_an_unsatisfiable_constraint_is_refused_at_compile_naming_its_field(compiler, kwargs, field):
+    with pytest.raises(ValueError) as exc:
+        compiler.compile(SamplingParams(**kwargs))
+    assert str(exc.value).startswith(f"{field} "), exc.value
+
+
+def test_a_satisfiable_constraint_compiles_and_allows_its_first_token(compiler):
+    matcher = compiler.compile(SamplingParams(guided_regex="ab"))
+    row = torch.zeros(TINY_TEXT_VOCAB)
+    matcher.mask_logits(row)
+    assert torch.isfinite(row).nonzero().flatten().tolist() == [_id("a")]
+
+
+def test_a_grammar_that_dead_ends_after_a_token_raises_naming_its_field(compiler):
+    # "a" then a rule that only recurses: llguidance compiles it, and after "a" no token fits
+    matcher = compiler.compile(SamplingParams(guided_grammar='start: "a" b\nb: b "x"'))
+    matcher.accept(_id("a"))
+    with pytest.raises(ValueError, match=r"^guided_grammar: no output satisfies"):
+        matcher.mask_logits(torch.zeros(TINY_TEXT_VOCAB))
+
+
+def test_a_token_the_grammar_forbids_raises_naming_its_field(compiler):
+    matcher = compiler.compile(SamplingParams(guided_choice=["red", "green"]))
+    with pytest.raises(ValueError, match=r"^guided_choice: token \d+ does not satisfy"):
+        matcher.accept(_id("x"))
+
+
+def test_an_unsatisfiable_constraint_queues_nothing_offline():
+    engine = tiny_engine(tokenizer=tiny_tokenizer(), config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    with pytest.raises(ValueError, match=r"^guided_regex is unsatisfiable"):
+        engine.add_request("r", [_id("x")], SamplingParams(guided_regex="a[^\\s\\S]", max_tokens=4))
+    assert not engine.has_unfinished_requests()
+
+
+def _run(engine) -> dict[str, object]:
+    """Step until idle: request_id -> its final RequestOutput."""
+    done: dict[str, object] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+def test_a_grammar_that_dead_ends_fails_its_request_alone_with_an_error():
+    """It ended with "stop" and a cut output before (llguidance let only EOS through)."""
+    engine = tiny_engine(tokenizer=TOKENIZER, config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    engine.add_request("dead", [_id("x")], SamplingParams(guided_grammar='start: "a" b\nb: b "x"', max_tokens=4))
+    engine.add_request("plain", [_id("y")], SamplingParams(temperature=0, max_tokens=4))
+    done = _run(engine)
+    assert done["dead"].error is not None and done["dead"].error.is_invalid_request, done["dead"]
+    assert "guided_grammar: no output satisfies" in done["dead"].error.message
+    assert done["plain"].error is None and len(done["plain"].outputs[0].token_ids) == 4
+    stats = engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_ignore_eos_keeps_a_structural_tag_generating_past_eos():
+    """A structural tag (tool calls under tool_choice "auto") leaves the text free, so
+    ignore_eos holds: EOS no longer ends the grammar (and with it the output)."""
+    engine = tiny_engine(tokenizer=TOKENIZER, config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    tag = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}
+    params = SamplingParams(structural_tag=tag, ignore_eos=True, logit_bias={EOS: 100}, max_tokens=6)
+    engine.add_request("r", [_id("x")], params)
+    out = _run(engine)["r"].outputs[0]
+    assert out.token_ids == [EOS] * 6 and out.finish_reason == "length", out
