@@ -256,6 +256,24 @@ def test_streamed_completion_chunks_carry_text(http):
     assert all(texts[:-1]) and len(texts) >= 2, texts
 
 
+def test_chat_logprobs_bytes_are_each_token_s_own_bytes(http):
+    """OpenAI's ``bytes`` lets a client rebuild a character split over tokens: a token holding
+    part of a character (each token is one byte here) has its own byte, not U+FFFD's three."""
+    tok = tiny_tokenizer()
+    emoji = "\U0001F600"
+    ids = tok.encode(emoji, add_special_tokens=False)
+    assert len(ids) == 4 and tok.decode([ids[0]]) == "\ufffd"
+    r = http.post(CH, json={"messages": MSG, "max_tokens": 1, "temperature": 0, "logprobs": True, "top_logprobs": 20,
+                            "logit_bias": {str(ids[0]): 100}})
+    assert r.status_code == 200, r.text
+    (entry,) = r.json()["choices"][0]["logprobs"]["content"]
+    assert entry["token"] == "\ufffd" and entry["bytes"] == [emoji.encode("utf-8")[0]], entry  # 0xF0
+    for e in entry["top_logprobs"]:
+        assert len(e["bytes"]) == 1, e  # one byte per token in this tokenizer
+        if e["token"] != "\ufffd":
+            assert bytes(e["bytes"]) == e["token"].encode("utf-8"), e
+
+
 @pytest.mark.parametrize("echo", [True, False])
 def test_streamed_completion_logprobs_add_up_to_the_whole_response(http, echo):
     """With ``echo`` the first chunk carries the prompt tokens' entries (``token_logprobs``
