@@ -567,6 +567,28 @@ def test_fields_that_change_nothing_are_accepted(http, path, extra):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        (C, {"stream": None, "n": None, "echo": None, "presence_penalty": None, "frequency_penalty": None,
+             "min_tokens": None, "ignore_eos": None, "skip_special_tokens": None}),
+        (CH, {"stream": None, "n": None, "logprobs": None, "presence_penalty": None, "frequency_penalty": None,
+              "include_stop_str_in_output": None}),
+    ],
+    ids=["completions", "chat"],
+)
+def test_an_explicit_null_is_the_field_left_unset(http, path, extra):
+    # OpenAI's API declares these nullable (and vLLM takes null): null is the default.
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    r = http.post(path, json={**body, "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json") and len(r.json()["choices"]) == 1, r.text
+
+
+def test_a_null_for_a_required_field_is_still_refused(http):
+    _assert_error(http.post(CH, json={"messages": None, "max_tokens": 2}), 400, "messages")
+
+
 def test_unknown_fields_are_accepted_and_logged_once(http, caplog):
     with caplog.at_level(logging.WARNING, logger="kvflow.entrypoints.openai.protocol"):
         for _ in range(3):
