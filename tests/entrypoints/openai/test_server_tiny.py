@@ -589,6 +589,17 @@ def test_a_null_for_a_required_field_is_still_refused(http):
     _assert_error(http.post(CH, json={"messages": None, "max_tokens": 2}), 400, "messages")
 
 
+@pytest.mark.parametrize("key", ["", " "])
+def test_an_empty_api_key_is_refused(key):
+    # An empty key would let "Authorization: Bearer " and a request without x-api-key through.
+    from kvflow.engine.async_engine import AsyncLLMEngine
+    from kvflow.entrypoints.openai.server import build_app
+
+    engine = tiny_engine(tokenizer=tiny_tokenizer(), config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    with pytest.raises(ValueError, match="api_key"):
+        build_app(AsyncLLMEngine(engine, "tiny"), "tiny", engine.scheduler_config.max_model_len, api_key=key)
+
+
 def test_unknown_fields_are_accepted_and_logged_once(http, caplog):
     with caplog.at_level(logging.WARNING, logger="kvflow.entrypoints.openai.protocol"):
         for _ in range(3):
