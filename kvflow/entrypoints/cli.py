@@ -112,6 +112,14 @@ def _port(text: str) -> int:
     return port
 
 
+def _api_key(text: str) -> str:
+    """``--api-key``: not empty or blank (``--api-key "$KEY"`` with KEY unset would otherwise
+    guard the server with a key every client already sends)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the API key must not be empty or blank")
+    return text
+
+
 class ListenError(OSError):
     """``kvflow serve`` cannot listen on its ``--host``/``--port``."""
 
@@ -464,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model, as --model (vLLM's `vllm serve MODEL`)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535; checked free before the model loads")
-    serve.add_argument("--api-key", default=None,
+    serve.add_argument("--api-key", type=_api_key, default=None,
                        help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth)")
     serve.add_argument("--metrics-no-auth", action="store_true", help="with --api-key, leave /metrics open too")
     serve.add_argument("--served-model-name", default=None,

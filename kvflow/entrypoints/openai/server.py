@@ -383,11 +383,14 @@ def build_app(
             (``--lora-modules``; the engine needs ``enable_lora``).
 
     Raises:
-        ValueError: for a bad ``max_request_bytes``, tool parser or reasoning parser, or a
+        ValueError: for a bad ``max_request_bytes``, an empty or blank ``api_key``, tool parser or reasoning parser, or a
             LoRA adapter the engine refuses (naming it).
     """
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
+    if api_key is not None and not api_key.strip():
+        # "Bearer " and an absent x-api-key header would match an empty key.
+        raise ValueError("api_key must not be empty or blank (None: no key)")
     serving = OpenAIServing(engine, model_name, max_model_len, model_aliases, chat_template, tool_parser, reasoning_parser)
     for name, path in (lora_modules or {}).items():
         serving.register_lora(name, path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -212,6 +213,20 @@ async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator
                 await it.aclose()
 
 
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (``bytes_to_unicode``) inverted: character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
 class OpenAIServing:
     """Request handling shared by the endpoints.
 
@@ -387,6 +402,24 @@ class OpenAIServing:
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def _token_bytes(self, token_id: int, text: str) -> list[int]:
+        """A token's own UTF-8 bytes (chat logprobs' ``bytes``, which OpenAI gives so that a
+        character split over tokens can be put together again): a token holding part of a
+        character decodes alone to U+FFFD, whose bytes are not the token's; its piece is read
+        as a byte-level BPE piece (GPT-2's byte-to-character map) or a ``<0xNN>`` byte token."""
+        if "\ufffd" in text:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and piece:
+                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    try:
+                        return [int(piece[3:5], 16)]
+                    except ValueError:
+                        pass
+                decoder = _byte_level_decoder()
+                if all(ch in decoder for ch in piece):
+                    return [decoder[ch] for ch in piece]
+        return list(text.encode("utf-8"))
 
     # ------------------------------------------------------------------ completions
     def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
@@ -676,9 +709,9 @@ class OpenAIServing:
                 {
                     "token": text,
                     "logprob": entry[tok],
-                    "bytes": list(text.encode("utf-8")),
+                    "bytes": self._token_bytes(tok, text),
                     "top_logprobs": [
-                        {"token": self._token_text(t), "logprob": lp, "bytes": list(self._token_text(t).encode("utf-8"))}
+                        {"token": (t_text := self._token_text(t)), "logprob": lp, "bytes": self._token_bytes(t, t_text)}
                         for t, lp in top
                     ],
                 }

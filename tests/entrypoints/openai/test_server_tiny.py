@@ -256,6 +256,24 @@ def test_streamed_completion_chunks_carry_text(http):
     assert all(texts[:-1]) and len(texts) >= 2, texts
 
 
+def test_chat_logprobs_bytes_are_each_token_s_own_bytes(http):
+    """OpenAI's ``bytes`` lets a client rebuild a character split over tokens: a token holding
+    part of a character (each token is one byte here) has its own byte, not U+FFFD's three."""
+    tok = tiny_tokenizer()
+    emoji = "\U0001F600"
+    ids = tok.encode(emoji, add_special_tokens=False)
+    assert len(ids) == 4 and tok.decode([ids[0]]) == "\ufffd"
+    r = http.post(CH, json={"messages": MSG, "max_tokens": 1, "temperature": 0, "logprobs": True, "top_logprobs": 20,
+                            "logit_bias": {str(ids[0]): 100}})
+    assert r.status_code == 200, r.text
+    (entry,) = r.json()["choices"][0]["logprobs"]["content"]
+    assert entry["token"] == "\ufffd" and entry["bytes"] == [emoji.encode("utf-8")[0]], entry  # 0xF0
+    for e in entry["top_logprobs"]:
+        assert len(e["bytes"]) == 1, e  # one byte per token in this tokenizer
+        if e["token"] != "\ufffd":
+            assert bytes(e["bytes"]) == e["token"].encode("utf-8"), e
+
+
 @pytest.mark.parametrize("echo", [True, False])
 def test_streamed_completion_logprobs_add_up_to_the_whole_response(http, echo):
     """With ``echo`` the first chunk carries the prompt tokens' entries (``token_logprobs``
@@ -547,6 +565,39 @@ def test_fields_that_change_nothing_are_accepted(http, path, extra):
     body = {"prompt": "x"} if path == C else {"messages": MSG}
     r = http.post(path, json={**body, "max_tokens": 2, **extra})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        (C, {"stream": None, "n": None, "echo": None, "presence_penalty": None, "frequency_penalty": None,
+             "min_tokens": None, "ignore_eos": None, "skip_special_tokens": None}),
+        (CH, {"stream": None, "n": None, "logprobs": None, "presence_penalty": None, "frequency_penalty": None,
+              "include_stop_str_in_output": None}),
+    ],
+    ids=["completions", "chat"],
+)
+def test_an_explicit_null_is_the_field_left_unset(http, path, extra):
+    # OpenAI's API declares these nullable (and vLLM takes null): null is the default.
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    r = http.post(path, json={**body, "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json") and len(r.json()["choices"]) == 1, r.text
+
+
+def test_a_null_for_a_required_field_is_still_refused(http):
+    _assert_error(http.post(CH, json={"messages": None, "max_tokens": 2}), 400, "messages")
+
+
+@pytest.mark.parametrize("key", ["", " "])
+def test_an_empty_api_key_is_refused(key):
+    # An empty key would let "Authorization: Bearer " and a request without x-api-key through.
+    from kvflow.engine.async_engine import AsyncLLMEngine
+    from kvflow.entrypoints.openai.server import build_app
+
+    engine = tiny_engine(tokenizer=tiny_tokenizer(), config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    with pytest.raises(ValueError, match="api_key"):
+        build_app(AsyncLLMEngine(engine, "tiny"), "tiny", engine.scheduler_config.max_model_len, api_key=key)
 
 
 def test_unknown_fields_are_accepted_and_logged_once(http, caplog):
