@@ -213,7 +213,6 @@ async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator
                 await it.aclose()
 
 
-
 @functools.cache
 def _byte_level_decoder() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet (``bytes_to_unicode``) inverted: character -> byte."""
@@ -226,6 +225,7 @@ def _byte_level_decoder() -> dict[str, int]:
             chars[chr(256 + extra)] = b
             extra += 1
     return chars
+
 
 class OpenAIServing:
     """Request handling shared by the endpoints.
