@@ -1315,7 +1315,9 @@ constexpr int64_t GEMM_MIN_ROWS = 32;
 // The GEMV and small-M GEMM: per 16-row group all M rows in tiles of 4 (group_dot; on AVX2
 // group_dot_avx2 per 8-row half, as the prefill GEMM: its scales converted 8 rows at a time
 // and its 16-bit partial sums made the GEMV 1.1-2.2x group_dot_generic's speed with the
-// weight in cache, Q4_K 2.2x, one thread; Q8_0 keeps group_dot_generic).
+// weight in cache, Q4_K 2.2x, one thread; streamed from memory, 2 threads, K-quants 1.05-1.24x
+// at one row and all but Q8_0 1.1-1.56x at four, but the legacy formats' one row 0.81-1.01x:
+// those and Q8_0 keep group_dot_generic, whose two 8-row halves share one pass).
 template <int QT, typename OutT>
 void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, int64_t M, int64_t N, const float* bias,
                 OutT* y, int64_t ldy) {
@@ -1339,7 +1341,8 @@ void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, in
         }
         for (int m = 0; m < mr; ++m) _mm512_store_ps(res[m], acc[m]);
 #elif defined(GG_AVX2)
-        if constexpr (QT != Q8_0) {
+        constexpr bool KQ = QT == Q4_K || QT == Q5_K || QT == Q6_K;
+        if (QT != Q8_0 && (KQ || mr > 1)) {
           for (int R = 0; R < 2; ++R) {
             if (8 * R >= rows) break;
             __m256 acc[4];
