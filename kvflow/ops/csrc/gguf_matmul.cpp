@@ -1165,8 +1165,8 @@ inline void group_dot_generic(const PFmt& pf, const uint8_t* g, const PAct& a, i
 }
 
 #if defined(GG_AVX2) && !defined(GG_VNNI)
-// The AVX2 micro-kernel of the GEMV and the prefill GEMM: acc[m] (8 rows: 8 R .. 8 R + 7 of the group) =
-// those rows . activation row m0 + m, m < MR. Per sub-block the 8 rows' 32 values are decoded
+// The AVX2 micro-kernel of the small-M path and the prefill GEMM: acc[m] (8 rows: 8 R ..
+// 8 R + 7 of the group) = those rows . activation row m0 + m, m < MR. Per sub-block the 8 rows' 32 values are decoded
 // once into eight ymm registers (u[t]: 4 values of each row) and meet the MR activation rows
 // (vpmaddubsw against the broadcast dword t, then vpmaddwd to 32 bits). vpmaddubsw's 16-bit
 // pair sums are added in 16 bits before the one vpmaddwd where they cannot overflow (|a| <=
