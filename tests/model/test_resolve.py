@@ -863,3 +863,12 @@ def test_native_weights_are_the_files_pages_until_repacked(tiny_llama: Tiny) -> 
         address = weight.raw.data_ptr()
         where = next(p for lo, hi, p in regions if lo <= address < hi)
         assert where == str(path), name
+
+
+def test_a_path_object_is_taken_as_its_string(tmp_path) -> None:
+    """``resolve_model(Path(...))`` resolves as ``resolve_model(str(...))`` (a path object is not
+    refused as a non-string model name)."""
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    with pytest.raises(ValueError, match="config.json"):
+        resolve.resolve_model(folder, cache_dir=tmp_path / "cache")
