@@ -91,9 +91,9 @@ class RequestState:
     first_token_time: float | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)  # by position, as computed
-    # the prompt's logprobs in vLLM's shape, made from ``prompt_logprobs`` once all positions are in
+    # the prompt's logprobs in vLLM's shape, made once from ``prompt_logprobs`` when all
+    # positions are in (positions a preempted sample computes again after that are not taken)
     prompt_logprobs_list: list[dict[int, Logprob] | None] | None = None
-    prompt_logprobs_complete: bool = False  # all positions computed once (the list made once)
     prompt_logprobs_sent: bool = False  # DELTA: ``prompt_logprobs`` given on an output already
     embedding: list[float] | None = None
     is_pooling: bool = field(init=False)  # an embedding request (``PoolingParams``)
@@ -188,7 +188,7 @@ class OutputProcessor:
             state = self.request_states.get(request_id)
             if state is None:
                 continue
-            if not state.prompt_logprobs_complete:
+            if state.prompt_logprobs_list is None:
                 # (once given, they stay: a preempted sample's recomputation of its prompt,
                 # which may differ in the last bits, is not given again)
                 state.prompt_logprobs.update(positions)
@@ -364,7 +364,6 @@ class OutputProcessor:
                 return None
             # as vLLM: None for the first prompt token, which has no predecessor
             plp = state.prompt_logprobs_list = [None, *(self._decoded(positions[i]) for i in range(1, n))]
-            state.prompt_logprobs_complete = True
         if state.output_kind is _DELTA:
             if state.prompt_logprobs_sent:
                 return None
