@@ -177,8 +177,9 @@ class SamplingParams:
             integers or integer strings >= 0 (the engine refuses ids outside the
             vocabulary), values numbers in [-100, 100].
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens exist.
-            Not with a ``guided_*`` constraint (the grammar decides where the output ends:
-            a ``ValueError``).
+            With a ``guided_*`` constraint (as vLLM): masked while its grammar allows
+            another token; a grammar that allows only them (or is complete) ends the
+            output earlier.
         bad_words: words never to generate: the last token of a word's token sequence is
             masked whenever the output ends with the rest of it. At most ``MAX_BAD_WORDS``
             (1024) words of at most ``MAX_STRING_CHARS`` (1024) characters.
@@ -368,10 +369,9 @@ class SamplingParams:
             # only token it allows, so ignoring EOS cannot be honoured
             raise ValueError(f"ignore_eos cannot be combined with {guided[0]}: the constraint ends the output "
                              "once it is complete")
-        if guided and self.min_tokens > 0:
-            # a complete output allows only EOS, which min_tokens would mask: no token left
-            raise ValueError(f"min_tokens cannot be combined with {guided[0]}: the constraint decides where the "
-                             "output ends")
+        # min_tokens is honoured with one, as vLLM does (vllm-project/vllm#54218): EOS and the
+        # stop tokens stay masked while the grammar allows another token; once it allows
+        # only those, the grammar wins and ends the output (sample/logits_processor.py)
         if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
             raise ValueError("structural_tag must be a dict or a JSON string")
         if self.guided_json is not None and not isinstance(self.guided_json, (dict, str)):

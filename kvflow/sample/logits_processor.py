@@ -1,6 +1,7 @@
 """Request-dependent logits processing before temperature and filtering.
 
-Order (as vLLM): grammar mask (structured output), bad words, ``min_tokens``, logit bias,
+Order (as vLLM): grammar mask (structured output), bad words, ``min_tokens`` (which leaves
+EOS and the stop tokens to a grammar that allows nothing else), logit bias,
 then the penalties — repetition (Keskar et al. 2019, "CTRL", section 4.1: positive logits
 divided, negative multiplied, for tokens seen in prompt or output), frequency and presence
 (OpenAI: ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over the
@@ -57,18 +58,36 @@ def _apply_masks(row: torch.Tensor, request: Request) -> None:
         if len(output) >= len(prefix) and (not prefix or output[len(output) - len(prefix) :] == prefix):
             row[word[-1]] = float("-inf")
     if request.num_output_tokens < p.min_tokens:
-        banned = list(p.stop_token_ids)
-        if request.eos_token_id is not None:
-            banned.append(request.eos_token_id)
-        vocab = row.shape[0]
-        banned = [t for t in banned if t < vocab]
-        if banned:
-            row[banned] = float("-inf")
+        _mask_stop_tokens(row, request)
     if p.logit_bias:
         vocab = row.shape[0]
         for token, bias in p.logit_bias.items():
             if token < vocab:
                 row[token] += bias
+
+
+def _mask_stop_tokens(row: torch.Tensor, request: Request) -> None:
+    """``min_tokens``: mask EOS and the ``stop_token_ids`` (the output is still short).
+
+    With a grammar, as vLLM (vllm-project/vllm#54218): when the grammar (and bad words)
+    leave no token but these, masking them would leave no token at all, so they stay and
+    the grammar ends the output before ``min_tokens``. A grammar that allows any other
+    token keeps them masked.
+    """
+    p = request.sampling_params
+    banned = list(p.stop_token_ids)
+    if request.eos_token_id is not None:
+        banned.append(request.eos_token_id)
+    vocab = row.shape[0]
+    banned = [t for t in banned if t < vocab]
+    if not banned:
+        return
+    if request.grammar is not None:
+        others = row != float("-inf")
+        others[banned] = False
+        if not bool(others.any()):
+            return  # the grammar allows only stop tokens: it wins
+    row[banned] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -102,3 +102,52 @@ def test_ignore_eos_keeps_a_structural_tag_generating_past_eos():
     engine.add_request("r", [_id("x")], params)
     out = _run(engine)["r"].outputs[0]
     assert out.token_ids == [EOS] * 6 and out.finish_reason == "length", out
+
+
+# ------------------------------------------------------------------ min_tokens (vLLM #54218)
+def _text(out) -> str:
+    return TOKENIZER.decode([t for t in out.token_ids if t != EOS])
+
+
+def test_min_tokens_holds_with_a_regex_while_the_grammar_allows_more():
+    """EOS is masked until min_tokens although the model wants it (logit_bias), and the
+    output still matches the regex (a ValueError before)."""
+    engine = tiny_engine(tokenizer=TOKENIZER, config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    params = SamplingParams(guided_regex="[a-z]+", min_tokens=6, max_tokens=10, temperature=0, logit_bias={EOS: 100})
+    engine.add_request("r", [_id("x")], params)
+    out = _run(engine)["r"].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == EOS, out
+    assert len(out.token_ids) - 1 >= 6, out
+    text = _text(out)
+    assert text.isascii() and text.isalpha() and text.islower(), out
+
+
+@pytest.mark.parametrize("params", [
+    dict(guided_choice=["yes", "no"]),
+    dict(guided_json={"type": "boolean"}),
+], ids=["choice", "json-boolean"])
+def test_a_grammar_that_completes_before_min_tokens_ends_the_output(params):
+    """The grammar wins: the complete value ends the output with "stop", no error."""
+    engine = tiny_engine(tokenizer=TOKENIZER, config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    engine.add_request("r", [_id("x")], SamplingParams(**params, min_tokens=8, max_tokens=12, temperature=0))
+    done = _run(engine)["r"]
+    assert done.error is None, done
+    out = done.outputs[0]
+    assert out.finish_reason == "stop", out
+    assert _text(out) in ("yes", "no", "true", "false"), out
+    assert len(out.token_ids) < 8, out
+
+
+def test_a_grammar_that_allows_only_stop_tokens_under_min_tokens_ends_on_one():
+    """After "a" the regex allows only "b" or "c", both stop tokens that min_tokens masks: the
+    row would be all -inf (the grammar then refused the token sampled, an error); the
+    grammar wins and the stop token ends the output."""
+    engine = tiny_engine(tokenizer=TOKENIZER, config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    stops = [_id("b"), _id("c")]
+    params = SamplingParams(guided_regex="a[bc]", stop_token_ids=stops, min_tokens=5, max_tokens=8, temperature=0)
+    engine.add_request("r", [_id("x")], params)
+    done = _run(engine)["r"]
+    assert done.error is None, done
+    out = done.outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[0] == _id("a") and out.token_ids[1] in stops, out
+    assert len(out.token_ids) == 2, out

@@ -197,6 +197,36 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
             assert torch.equal(out, logits[0])
 
 
+class _OnlyGrammar:
+    """A grammar stand-in that allows only ``allowed``."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed = allowed
+
+    def mask_logits(self, row: torch.Tensor) -> None:
+        keep = torch.zeros_like(row, dtype=torch.bool)
+        keep[self.allowed] = True
+        row.masked_fill_(~keep, NEG_INF)
+
+
+@pytest.mark.parametrize("allowed", [[EOS], [13], [EOS, 13, 17]], ids=["eos", "stop-id", "eos-and-stop-ids"])
+def test_min_tokens_leaves_the_stop_tokens_to_a_grammar_that_allows_nothing_else(allowed):
+    """As vLLM (vllm-project/vllm#54218): when the grammar allows only EOS / stop tokens,
+    min_tokens does not mask them (the row was all -inf before: no token to sample), so the
+    grammar ends the output before min_tokens; with any other token allowed they stay
+    masked."""
+    logits = random_logits()
+    params = dict(min_tokens=5, max_tokens=8, stop_token_ids=[13, 17])
+    req = make_request([1, 4], [20], **params)
+    req.grammar = _OnlyGrammar(allowed)
+    out = apply_logits_processors(logits, [req])[0]
+    assert torch.isfinite(out).nonzero().flatten().tolist() == allowed
+    assert torch.equal(out[allowed], logits[0, allowed])
+    req.grammar = _OnlyGrammar(sorted(allowed + [20]))
+    out = apply_logits_processors(logits, [req])[0]
+    assert torch.isfinite(out).nonzero().flatten().tolist() == [20]
+
+
 def test_min_tokens_without_eos_masks_only_stop_ids():
     logits = random_logits()
     out = apply_logits_processors(logits, [make_request([1], [], eos=None, min_tokens=2, stop_token_ids=[13])])[0]

@@ -257,16 +257,15 @@ class _SamplingRequest(_Body):
         generation-config default (``defaults``), else ``BUILTIN_DEFAULTS``.
 
         Raises:
-            ValueError: naming the field, for an invalid value; ``ignore_eos`` or
-                ``min_tokens`` together with an output constraint (``output_constraint``),
-                which ends the output where its grammar is complete.
+            ValueError: naming the field, for an invalid value; ``ignore_eos`` together
+                with an output constraint (``output_constraint``), which ends the output
+                where its grammar is complete. (``min_tokens`` is honoured with one, as
+                vLLM does: until the grammar allows only EOS, which then ends the output.)
         """
         constraint = self.output_constraint()
-        if constraint is not None:
-            for name, unset in (("ignore_eos", False), ("min_tokens", 0)):
-                if getattr(self, name) != unset:
-                    raise ValueError(f"{name} cannot be combined with {constraint}: the output constraint ends the "
-                                     "output once it is complete")
+        if constraint is not None and self.ignore_eos:
+            raise ValueError(f"ignore_eos cannot be combined with {constraint}: the output constraint ends the "
+                             "output once it is complete")
         chosen = {**BUILTIN_DEFAULTS, **(defaults or {})}
 
         def pick(name: str):

@@ -450,16 +450,50 @@ CONSTRAINED = [
 ]
 
 
-@pytest.mark.parametrize("field,value", [("ignore_eos", True), ("min_tokens", 2)])
 @pytest.mark.parametrize("path,extra,constraint", CONSTRAINED, ids=[f"{c}{i}" for i, (_, _, c) in enumerate(CONSTRAINED)])
-def test_ignore_eos_and_min_tokens_with_an_output_constraint_are_400(server, http, path, extra, constraint, field,
-                                                                     value):
-    """The constraint's grammar ends the output once it is complete: both were ignored
+def test_ignore_eos_with_an_output_constraint_is_400(server, http, path, extra, constraint):
+    """The constraint's grammar ends the output once it is complete: it was ignored
     silently (200) before."""
     body = {"prompt": "x"} if path == C else {"messages": MSG}
-    err = _assert_error(http.post(path, json={**body, "max_tokens": 8, **extra, field: value}), 400, field)
-    assert f"{field} cannot be combined with {constraint}" in err["message"], err
+    err = _assert_error(http.post(path, json={**body, "max_tokens": 8, **extra, "ignore_eos": True}), 400, "ignore_eos")
+    assert f"ignore_eos cannot be combined with {constraint}" in err["message"], err
     assert server.engine.is_healthy
+
+
+@pytest.mark.parametrize("path,extra,constraint", CONSTRAINED, ids=[f"{c}{i}" for i, (_, _, c) in enumerate(CONSTRAINED)])
+def test_min_tokens_with_an_output_constraint_is_served(server, http, path, extra, constraint):
+    """As vLLM (vllm-project/vllm#54218): min_tokens holds until the grammar allows only EOS
+    (a 400 before)."""
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    r = http.post(path, json={**body, "max_tokens": 8, "temperature": 0, **extra, "min_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert server.engine.is_healthy
+
+
+_BOOL_SCHEMA = {"type": "json_schema", "json_schema": {"name": "b", "schema": {"type": "boolean"}}}
+
+
+def test_min_tokens_with_a_json_schema_is_200_and_the_schema_ends_the_output(http):
+    """A vLLM script's min_tokens + response_format json_schema: a boolean is complete within
+    5 tokens, before min_tokens = 8, and ends the output (the grammar wins), valid JSON."""
+    r = http.post(CH, json={"messages": MSG, "max_tokens": 16, "min_tokens": 8, "temperature": 0,
+                            "response_format": _BOOL_SCHEMA})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert isinstance(json.loads(choice["message"]["content"]), bool), choice
+    assert r.json()["usage"]["completion_tokens"] < 8, r.json()
+
+
+def test_min_tokens_with_a_regex_holds_until_reached(http):
+    """min_tokens masks EOS while the grammar allows more, even when the model wants EOS."""
+    eos = str(TINY_TEXT_VOCAB - 1)
+    r = http.post(C, json={"prompt": "x", "max_tokens": 10, "min_tokens": 6, "temperature": 0,
+                           "logit_bias": {eos: 100}, "structured_outputs": {"regex": "[a-z]+"}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert len(choice["text"]) >= 6 and choice["text"].isalpha(), choice
 
 
 def test_ignore_eos_with_tools_under_auto_is_served(http):
