@@ -19,11 +19,20 @@ each engine; a token's decode time is (time of the whole request - time of a one
 / (tokens - 1), both measured in the same round. The table gives the median ms per token and
 tok/s of each, and the speedup.
 
+``--kv-cache`` instead times the paged decode attention of one decode step (every layer's
+``paged_decode_attention`` for ``--batch`` sequences of ``--context`` tokens, the model's head
+shape, the bfloat16 cache) over two KV pools of the same blocks, one from ordinary memory and
+one as the engine allocates it (``allocate_kv_cache(..., huge_pages=True)``), alternated step by
+step. The block tables are a random permutation of the pool, as in a pool after requests of
+different lengths came and went. The table gives each pool's median ms per step and the K/V
+bytes read per second.
+
 How to run
 ----------
     python -m benchmarks.huge_pages --model qwen2.5-coder-1.5b
     python -m benchmarks.huge_pages --model smollm2 --rounds 41 --out /tmp/hp.json
     python -m benchmarks.huge_pages --model qwen2.5-coder-1.5b --engine --rounds 5 --tokens 65
+    python -m benchmarks.huge_pages --kv-cache --model smollm2 --batch 32 --context 1024
 
 Prints one table and writes ``--out`` (JSON) with every step time.
 """
@@ -123,6 +132,76 @@ def engine_ab(args: argparse.Namespace) -> int:
     return 0
 
 
+def kv_cache_ab(args: argparse.Namespace) -> int:
+    """``--kv-cache``: one decode step's attention over a pool from 4 KiB pages and one from huge
+    pages (the engine's), alternated."""
+    from transformers import AutoConfig
+
+    from kvflow.attention.cpu_attention import cpu_kernel_available, paged_decode_attention
+    from kvflow.attention.kv_cache import allocate_kv_cache
+    from kvflow.model.resolve import resolve_model
+
+    if not cpu_kernel_available():
+        raise SystemExit("the C++ paged attention kernel is not built (KVFLOW_CPU_KERNELS=0?)")
+    cfg = AutoConfig.from_pretrained(resolve_model(args.model))
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layers, block_size, dtype = cfg.num_hidden_layers, 16, torch.bfloat16
+    per_seq = -(-args.context // block_size)
+    num_blocks = 2 * args.batch * per_seq  # the sequences hold half the pool
+    g = torch.Generator().manual_seed(0)
+    tables = torch.randperm(num_blocks, generator=g)[:args.batch * per_seq].view(args.batch, per_seq).to(torch.int64)
+    ctx = torch.full((args.batch,), args.context, dtype=torch.int32)
+    q = torch.randn(args.batch, heads, head_dim, generator=g).to(dtype)
+    load_start = os.getloadavg()[0]
+    pools = {}
+    for name, huge in (("4 KiB pages", False), ("huge pages", True)):
+        os.environ["KVFLOW_HUGE_PAGES"] = "1"
+        pools[name] = [allocate_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype, torch.device("cpu"),
+                                         huge_pages=huge) for _ in range(layers)]
+    os.environ.pop("KVFLOW_HUGE_PAGES")
+    for a, b in zip(*pools.values()):  # the same bytes in both
+        for x, y in zip(a, b):
+            x.normal_(generator=g)
+            y.copy_(x)
+    scale = head_dim ** -0.5
+
+    def step(pool) -> float:
+        t = time.perf_counter()
+        for k, v in pool:
+            paged_decode_attention(q, k, v, tables, ctx, scale)
+        return (time.perf_counter() - t) * 1e3
+
+    times: dict[str, list[float]] = {name: [] for name in pools}
+    for _ in range(args.rounds + 1):
+        for name, pool in pools.items():
+            times[name].append(step(pool))
+    nbytes = 2 * layers * args.batch * args.context * kv_heads * head_dim * dtype.itemsize
+    base = statistics.median(times["4 KiB pages"][1:])
+    rows, record = [], {}
+    for name, pool in pools.items():
+        ts = times[name][1:]
+        med = statistics.median(ts)
+        huge, rss = huge_page_bytes([t for layer in pool for t in layer])
+        rows.append([name, f"{med:.2f}", f"{min(ts):.2f}", f"{nbytes / med / 1e6:.1f}", f"{base / med:.2f}x",
+                     f"{huge / 2**20:.0f} / {rss / 2**20:.0f}"])
+        record[name] = {"step_ms": ts, "median_ms": med, "best_ms": min(ts), "gb_per_s": nbytes / med / 1e6,
+                        "anon_huge_bytes": huge, "rss_bytes": rss}
+    print(f"# {args.model} shape ({layers} layers, {heads}/{kv_heads} heads of {head_dim}): decode attention of "
+          f"{args.batch} sequences x {args.context} tokens, bfloat16 cache of {num_blocks} blocks, random block "
+          f"tables; {torch.get_num_threads()} threads, transparent huge pages: {_transparent_huge_pages()}; "
+          f"{args.rounds} steps per pool, alternated; {_load(load_start)}")
+    print(format_table(["KV cache in", "median ms", "best ms", "K/V GB/s", "vs 4 KiB", "huge / resident MiB"], rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine_info(), "model": args.model, "mode": "kv_cache",
+                                    "batch": args.batch, "context": args.context, "kv_bytes_per_step": nbytes,
+                                    "threads": torch.get_num_threads(),
+                                    "load_average_1min": [load_start, os.getloadavg()[0]],
+                                    "transparent_hugepage": _transparent_huge_pages(), "results": record}, indent=1))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.huge_pages", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="a GGUF model (path or packaged short name)")
@@ -130,9 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/huge_pages.json"))
     ap.add_argument("--engine", action="store_true", help="alternate two engines (see above) instead")
     ap.add_argument("--tokens", type=int, default=65, help="--engine: tokens generated per request")
+    ap.add_argument("--kv-cache", action="store_true", help="time the decode attention's KV pool instead (see above)")
+    ap.add_argument("--batch", type=int, default=32, help="--kv-cache: sequences in the step")
+    ap.add_argument("--context", type=int, default=1024, help="--kv-cache: tokens of each sequence")
     args = ap.parse_args(argv)
     if args.engine:
         return engine_ab(args)
+    if args.kv_cache:
+        return kv_cache_ab(args)
 
     from kvflow import LLM
     import kvflow.layers.gguf_kernels as gk

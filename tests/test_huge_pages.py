@@ -1,4 +1,4 @@
-"""kvflow.huge_pages: the arena of huge-page-advised mappings for packed weights."""
+"""kvflow.huge_pages: the arena of huge-page-advised mappings for packed weights and the KV cache."""
 
 from __future__ import annotations
 
@@ -9,20 +9,7 @@ import pytest
 import torch
 
 from kvflow import huge_pages
-
-
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds ``address`` (Linux)."""
-    current = None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                current = lo <= address < hi
-            elif current and line.startswith("VmFlags:"):
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+from tests.conftest import vm_flags
 
 
 # (a kernel built without transparent huge pages refuses the advice: nothing to see in VmFlags)
@@ -36,7 +23,7 @@ def test_large_tensors_are_advised_small_ones_are_not(monkeypatch):
     big = huge_pages.empty((300, 1000), torch.bfloat16)
     assert big.shape == (300, 1000) and big.dtype == torch.bfloat16 and big.is_contiguous()
     assert big.data_ptr() % 64 == 0
-    assert "hg" in _vm_flags(big.data_ptr())  # advised MADV_HUGEPAGE
+    assert "hg" in vm_flags(big.data_ptr())  # advised MADV_HUGEPAGE
     chunk = huge_pages._chunk
     small = huge_pages.empty((16,), torch.float32)  # below MIN_BYTES: torch.empty
     lo, hi = chunk.data_ptr(), chunk.data_ptr() + chunk.numel()
@@ -76,7 +63,7 @@ def test_tensors_share_a_mapping_and_keep_it_alive(monkeypatch):
     gc.collect()
     assert b.sum().item() == 0.5 * 999 * 100
     big = huge_pages.empty((huge_pages.CHUNK_BYTES // 2,), torch.uint8)  # a mapping of its own
-    assert big.data_ptr() != b.data_ptr() + b.numel() * 4 and "hg" in _vm_flags(big.data_ptr())
+    assert big.data_ptr() != b.data_ptr() + b.numel() * 4 and "hg" in vm_flags(big.data_ptr())
 
 
 def test_off_linux_it_is_torch_empty(monkeypatch):
@@ -111,4 +98,4 @@ def test_a_refused_mapping_or_advice_falls_back(monkeypatch):
     monkeypatch.setattr(huge_pages.mmap, "MADV_HUGEPAGE", 12345)
     u = huge_pages.empty((1 << 20,), torch.uint8)
     u.fill_(1)
-    assert u.sum().item() == 1 << 20 and "hg" not in _vm_flags(u.data_ptr())
+    assert u.sum().item() == 1 << 20 and "hg" not in vm_flags(u.data_ptr())

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kvflow import huge_pages as _huge_pages
+
 KVCache = tuple  # (k, v) or, for a quantized cache, (k, v, k_scale, v_scale)
 """One layer's paged cache: k, v [num_blocks, block_size, num_kv_heads, head_dim] in the
 cache dtype; for int8 / fp8 caches also k_scale, v_scale float16
@@ -19,17 +21,29 @@ _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                      device: torch.device, pin_memory: bool = False) -> KVCache:
+                      device: torch.device, pin_memory: bool = False, huge_pages: bool = False) -> KVCache:
     """One layer's paged cache, zeroed: k, v [num_blocks, block_size, num_kv_heads, head_dim]
     in ``dtype``, plus float16 k_scale, v_scale [num_blocks, block_size, num_kv_heads] for an
     int8 / fp8 ``dtype`` (the ``KVCache`` layout). ``pin_memory`` pins host tensors (a
     swap space's). What ``kvflow.attention.cache_engine.CacheEngine`` allocates per layer, and
-    ``CausalLM.forward_prompt`` for its throwaway cache."""
+    ``CausalLM.forward_prompt`` for its throwaway cache.
+
+    ``huge_pages`` (host tensors, not pinned): place them on transparent huge pages
+    (``kvflow.huge_pages.empty``; for a cache that lives as long as the engine: its arena
+    never reuses memory). A decode step reads each running request's blocks, scattered over
+    the pool, so with 4 KiB pages nearly every block costs TLB misses; 2 MiB pages cover 512
+    of them. The tensors are still zeroed here, so the whole pool is resident from the start,
+    as with ``torch.zeros``."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    tensors = [torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory) for _ in range(2)]
+
+    def zeros(size: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+        if huge_pages and device.type == "cpu" and not pin_memory:
+            return _huge_pages.empty(size, dt).zero_()
+        return torch.zeros(size, dtype=dt, device=device, pin_memory=pin_memory)
+
+    tensors = [zeros(shape, dtype) for _ in range(2)]
     if dtype in _QMAX:
-        tensors += [torch.zeros(shape[:-1], dtype=torch.float16, device=device, pin_memory=pin_memory)
-                    for _ in range(2)]
+        tensors += [zeros(shape[:-1], torch.float16) for _ in range(2)]
     return tuple(tensors)
 
 
