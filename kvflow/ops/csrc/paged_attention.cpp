@@ -46,11 +46,16 @@ static inline float to_f(T x) { return static_cast<float>(x); }
 
 // Prefetch the first `bytes` of each of `rows` cache rows `stride` elements apart from `p` (the
 // next block's rows of a head while the value pass reads the current block).
+// Every prefetch of a cache block here asks for L2, not L1 (locality 2: prefetcht1): a block's
+// 96 lines requested into L1 at once wait on L1's few miss buffers and hold up the demand
+// loads behind them; into L2 they stream. Measured on Zen 4, 2 threads, 32 sequences x 1,024
+// tokens of SmolLM2's shape from a scattered pool: 67-79 -> 52-55 ms a step (bf16, AVX-512;
+// 1.25-1.4x under the AVX2 build, float32 1.2x, one sequence of 2,000 tokens 1.65x).
 template <typename T>
 static inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t o = 0; o < rows; ++o)
-    for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + o * stride * sizeof(T) + x, 0, 3);
+    for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + o * stride * sizeof(T) + x, 0, 2);
 }
 
 #if defined(__AVX512F__)
@@ -336,7 +341,7 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
   auto prefetch_next = [&](const T* cache, int64_t b, int64_t o) {
     if (b + 1 < num_blocks) {
       const char* p = reinterpret_cast<const char*>(cache + (table[b + 1] * block_size + o) * slot_stride + head_off);
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
     }
   };
   // Pass 1: scores[i, t] = q_i . k_t.
@@ -359,7 +364,7 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
       if (b + 1 < num_blocks) {  // the next block's rows of these heads, while this one is scored
         for (int64_t o = 0; o < std::min(block_size, ctx - (b + 1) * block_size); ++o) {
           const char* p = reinterpret_cast<const char*>(k_cache + (table[b + 1] * block_size + o) * slot_stride + head_off);
-          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
         }
       }
       for (int64_t o = 0; o < n; o += 16) {
