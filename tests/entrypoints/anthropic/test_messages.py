@@ -5,6 +5,7 @@ tool use, stop reasons, Anthropic-shaped errors and the ``x-api-key`` header."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import httpx
@@ -270,3 +271,15 @@ def test_a_body_not_sent_as_json_is_an_anthropic_shaped_400(served, content_type
     assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": r.json()["error"][
         "message"]}}
     assert "must be JSON sent with Content-Type: application/json" in r.json()["error"]["message"], r.json()
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_gzip_body_is_an_anthropic_shaped_415_naming_the_content_encoding(served, path):
+    """A gzip body was read as if it were plain JSON; it is refused by name, in Anthropic's shape."""
+    body = gzip.compress(json.dumps({"model": "tiny", "max_tokens": 5, "messages": MSG}).encode())
+    r = httpx.post(served[0].url + path, content=body,
+                   headers={"x-api-key": API_KEY, "content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 415, r.text
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": r.json()["error"][
+        "message"]}}
+    assert "Content-Encoding: gzip is not supported" in r.json()["error"]["message"], r.json()
