@@ -12,9 +12,10 @@ previous message, as Anthropic requires; an ``is_error`` result's text is prefix
 an assistant message's ``text`` blocks are its content and its ``tool_use`` blocks its tool
 calls; ``thinking`` blocks of earlier turns are not rendered (the chat templates of thinking
 models leave earlier reasoning out of the prompt). A last assistant message (Anthropic's
-prefill, which the reply continues) is refused. ``tool_choice`` ``auto`` / ``any`` /
-``tool`` / ``none`` are chat's ``auto`` / ``required`` / a named function / ``none``, and
-``disable_parallel_tool_use`` is ``parallel_tool_calls: false``; ``output_config.format``
+prefill, which the reply continues) is refused, and so, as by Anthropic, are a message with
+empty content and an empty ``text`` block (in ``messages``, ``system`` or a ``tool_result``).
+``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` are chat's ``auto`` / ``required`` /
+a named function / ``none``, and ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``; ``output_config.format``
 (a JSON schema) is the chat ``response_format``, enforced by guided decoding.
 """
 
@@ -53,15 +54,7 @@ class AnthropicToolChoice(_Body):
 
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
-
-    @model_validator(mode="after")
-    def _user_content_not_empty(self):
-        # (Anthropic's rule: every message has content but a final assistant message, the
-        # reply's prefill)
-        if self.role == "user" and isinstance(self.content, list) and not self.content:
-            raise ValueError("a user message's content must hold at least one content block")
-        return self
+    content: str | list[dict[str, Any]]  # non-empty: checked by ``to_chat_fields`` (it knows the last message)
 
 
 class MessagesRequest(_Body):
@@ -124,8 +117,11 @@ _UNREAD_BLOCK = "content blocks of type {kind!r} are not supported by kvflow ({a
 
 
 def _text(block: dict[str, Any], where: str) -> str:
+    """The text of a ``text`` block: a non-empty string (Anthropic's rule and message)."""
     if not isinstance(block.get("text"), str):
         raise ValueError(f"{where}.text must be a string")
+    if not block["text"]:
+        raise ValueError(f"{where}: text content blocks must be non-empty")
     return block["text"]
 
 
@@ -161,9 +157,9 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
     """The chat messages of ``system`` and ``messages``.
 
     Raises:
-        ValueError: naming the block, for a block kvflow does not read, or a ``tool_result``
-            whose ``tool_use_id`` is not the id of a ``tool_use`` block of the previous
-            message (Anthropic's 400).
+        ValueError: naming the block, for a block kvflow does not read, an empty ``text``
+            block, a message with empty content, or a ``tool_result`` whose ``tool_use_id``
+            is not the id of a ``tool_use`` block of the previous message (Anthropic's 400s).
     """
     if req.messages[-1].role == "assistant":
         raise ValueError(f"messages[{len(req.messages) - 1}]: a final assistant message (a prefill the reply "
@@ -172,6 +168,9 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
     tool_use_ids: set[str] = set()  # those of the previous message (a tool_result answers one of them)
     for i, message in enumerate(req.messages):
         previous_ids, tool_use_ids = tool_use_ids, set()
+        if not message.content:  # "" or [] (the final assistant message, refused above, may be empty)
+            raise ValueError(f"messages[{i}]: all messages must have non-empty content except for the optional "
+                             "final assistant message")
         if isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
             continue

@@ -13,7 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _ERROR_TYPES = {
     400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-    413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+    413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
 }  # fmt: skip
 
 

@@ -13,6 +13,9 @@ error, of every endpoint and middleware, is an OpenAI-shaped JSON body
   (all decided before any byte of a stream is sent); bodies that are not valid Unicode
   (lone surrogates), hold non-finite numbers or nest deeper than ``MAX_JSON_DEPTH``, or are
   not sent as JSON (``check_json_content_type``).
+- 415 for a body sent with a ``Content-Encoding`` other than ``identity`` (gzip, ...): it is
+  not decoded, and is refused rather than read as if it were plain JSON
+  (``check_content_encoding``).
 - 401 for a wrong API key, 404 for an unknown model, 413 for a body over
   ``max_request_bytes`` (from its Content-Length, before reading it), 429 (with
   ``Retry-After``) when the waiting queue cannot take all of a request's prompts now (400
@@ -164,8 +167,26 @@ def check_json_content_type(value: str | None) -> None:
                        "BadRequestError")
 
 
+def check_content_encoding(values: list[str]) -> None:
+    """Refuse a request body sent compressed (or otherwise encoded).
+
+    ``values`` are the request's Content-Encoding headers; none, or only ``identity``, is a
+    plain body. kvflow does not decode request bodies, so an encoded one would otherwise be
+    read as if it were the JSON text.
+
+    Raises:
+        APIError: 415 naming the Content-Encoding.
+    """
+    codings = [c.strip() for value in values for c in value.split(",") if c.strip()]
+    refused = [c for c in codings if c.lower() != "identity"]
+    if refused:
+        raise APIError(415, f"Content-Encoding: {', '.join(refused)} is not supported: send the request body "
+                       "uncompressed (no Content-Encoding, or identity)", "UnsupportedMediaTypeError")
+
+
 class _CheckedBodyRoute(APIRoute):
-    """Routes whose bodies go through ``parse_body`` (after ``check_json_content_type``),
+    """Routes whose bodies go through ``parse_body`` (after ``check_content_encoding`` and
+    ``check_json_content_type``),
     and whose faults become API errors here (answered by the exception handlers, not
     re-raised to the server)."""
 
@@ -175,6 +196,7 @@ class _CheckedBodyRoute(APIRoute):
 
         async def route(request: Request) -> Response:
             if takes_body:
+                check_content_encoding(request.headers.getlist("content-encoding"))
                 check_json_content_type(request.headers.get("content-type"))
             try:
                 return await handler(_CheckedBodyRequest(request.scope, request.receive))
@@ -273,6 +295,36 @@ class _TrailingSlashMiddleware:
             if stripped.startswith("/v1/") or stripped in self._ROOT_PATHS:
                 scope = {**scope, "path": stripped, "raw_path": stripped.encode()}
         await self.app(scope, receive, send)
+
+
+class _HeadMiddleware:
+    """``HEAD`` answers as ``GET`` does, without the body (RFC 9110, 9.3.2): the request runs
+    as a GET and its status and headers (Content-Length included) are sent, then the
+    response ends. A streamed response (the dashboard's event stream) is told that the
+    client has gone (``http.disconnect``), which ends it. (FastAPI's GET routes take no
+    HEAD, which Starlette's own routes do.)"""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+        sent = False
+
+        async def head_receive():
+            return {"type": "http.disconnect"} if sent else await receive()
+
+        async def head_send(message) -> None:
+            nonlocal sent
+            if sent or message["type"] != "http.response.start":
+                return  # the body (a HEAD response has none)
+            await send(message)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            sent = True
+
+        await self.app({**scope, "method": "GET"}, head_receive, head_send)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -416,7 +468,8 @@ def build_app(
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
     app.add_middleware(_TrailingSlashMiddleware)  # before the API key check sees the path
-    app.add_middleware(AnthropicErrorMiddleware)  # outermost: sees the errors of the two above
+    app.add_middleware(AnthropicErrorMiddleware)  # sees the errors of the two above
+    app.add_middleware(_HeadMiddleware)  # outermost: HEAD runs as GET through all of them
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError):

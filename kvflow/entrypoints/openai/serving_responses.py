@@ -8,8 +8,9 @@ Responses streaming events (``response.created``, ``response.output_item.added``
 ``response.output_text.delta``, ``response.function_call_arguments.delta``, ...,
 ``response.completed``), following the OpenAI API reference.
 
-Input: a string (one user message), or items: messages (``{"role", "content"}`` with
-``input_text`` / ``output_text`` parts or a string), ``function_call`` (an earlier call of
+Input: a non-empty string (one user message), or a non-empty list of items: messages
+(``{"role", "content"}`` with ``input_text`` / ``output_text`` parts or a string; a user,
+system or developer message's text must not be empty), ``function_call`` (an earlier call of
 the model: an assistant message with tool calls) and ``function_call_output`` (its result:
 a tool message). ``instructions`` becomes the system message.
 
@@ -107,11 +108,15 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The chat messages of ``instructions`` and ``input``.
 
     Raises:
-        ValueError: naming the item, for an item or part kvflow does not read.
+        ValueError: naming the item, for an item or part kvflow does not read, an empty
+            ``input``, or a user, system or developer message without text.
     """
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
+    if not req.input:  # (an empty user turn: nothing for the model to answer)
+        got = "an empty string" if isinstance(req.input, str) else "an empty list"
+        raise ValueError(f"input must be a non-empty string or a non-empty list of input items, got {got}")
     if isinstance(req.input, str):
         return [*messages, {"role": "user", "content": req.input}]
     for i, item in enumerate(req.input):
@@ -123,6 +128,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 raise ValueError(f"{where}.role must be user, system, developer or assistant, got {role!r}")
             allowed = ("output_text", "input_text") if role == "assistant" else ("input_text",)
             text = _text_parts(item.get("content"), f"{where}.content", allowed)
+            if not text and role != "assistant":  # (an assistant turn of earlier output may be empty)
+                raise ValueError(f"{where}.content must not be empty (a {role} message needs text)")
             messages.append({"role": role, "content": text})
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):

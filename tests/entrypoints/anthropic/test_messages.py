@@ -5,6 +5,7 @@ tool use, stop reasons, Anthropic-shaped errors and the ``x-api-key`` header."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import httpx
@@ -270,3 +271,52 @@ def test_a_body_not_sent_as_json_is_an_anthropic_shaped_400(served, content_type
     assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": r.json()["error"][
         "message"]}}
     assert "must be JSON sent with Content-Type: application/json" in r.json()["error"]["message"], r.json()
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_gzip_body_is_an_anthropic_shaped_415_naming_the_content_encoding(served, path):
+    """A gzip body was read as if it were plain JSON; it is refused by name, in Anthropic's shape."""
+    body = gzip.compress(json.dumps({"model": "tiny", "max_tokens": 5, "messages": MSG}).encode())
+    r = httpx.post(served[0].url + path, content=body,
+                   headers={"x-api-key": API_KEY, "content-type": "application/json", "content-encoding": "gzip"})
+    assert r.status_code == 415, r.text
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": r.json()["error"][
+        "message"]}}
+    assert "Content-Encoding: gzip is not supported" in r.json()["error"]["message"], r.json()
+
+
+@pytest.mark.parametrize("body, where", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": ""}]}]},
+     "messages[0].content[1]"),
+    ({"system": [{"type": "text", "text": ""}]}, "system[0]"),
+    ({"messages": [*MSG, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "get_weather",
+                                                            "input": {}}]},
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+                       {"type": "text", "text": ""}]}]}]}, "messages[2].content[0].content[0]"),
+    ({"messages": [*MSG, {"role": "assistant", "content": [{"type": "text", "text": ""}]}, *MSG]},
+     "messages[1].content[0]"),
+])  # fmt: skip
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_an_empty_text_block_is_400_naming_it(served, body, where, path):
+    """``{"type": "text", "text": ""}`` was served; it is Anthropic's 400 "text content blocks
+    must be non-empty", naming the block."""
+    r = httpx.post(served[0].url + path, json={"model": "tiny", "max_tokens": 5, "messages": MSG, **body},
+                   headers={"x-api-key": API_KEY})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error", r.json()
+    assert f"{where}: text content blocks must be non-empty" in r.json()["error"]["message"], r.json()
+
+
+@pytest.mark.parametrize("messages, where", [
+    ([{"role": "user", "content": ""}], "messages[0]"),
+    ([{"role": "user", "content": []}], "messages[0]"),
+    ([*MSG, {"role": "assistant", "content": ""}, *MSG], "messages[1]"),
+    ([*MSG, {"role": "assistant", "content": []}, *MSG], "messages[1]"),
+])  # fmt: skip
+def test_a_message_with_empty_content_is_400_naming_it(served, messages, where):
+    r = httpx.post(served[0].url + "/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": messages},
+                   headers={"x-api-key": API_KEY})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert (f"{where}: all messages must have non-empty content except for the optional final assistant message"
+            in r.json()["error"]["message"]), r.json()

@@ -171,13 +171,13 @@ def test_a_message_without_content_is_refused_but_an_assistants_tool_call_turn()
 
 
 def test_anthropic_server_tools_and_empty_user_content_are_refused():
-    from kvflow.entrypoints.anthropic.protocol import MessagesRequest
+    from kvflow.entrypoints.anthropic.protocol import MessagesRequest, to_chat_fields
 
     base = {"model": "m", "max_tokens": 5, "messages": MSG}
     with pytest.raises(ValidationError, match="server tools \\(type 'web_search_20250305'\\) are not supported"):
         MessagesRequest.model_validate({**base, "tools": [{"type": "web_search_20250305", "name": "web_search"}]})
-    with pytest.raises(ValidationError, match="at least one content block"):
-        MessagesRequest.model_validate({**base, "messages": [{"role": "user", "content": []}]})
+    with pytest.raises(ValueError, match=r"messages\[0\]: all messages must have non-empty content"):
+        to_chat_fields(MessagesRequest.model_validate({**base, "messages": [{"role": "user", "content": []}]}))
     tool = {"type": "custom", "name": "f", "input_schema": {"type": "object"}}
     prefill = [*MSG, {"role": "assistant", "content": []}]  # a final assistant turn may be empty
     MessagesRequest.model_validate({**base, "messages": prefill, "tools": [tool]})

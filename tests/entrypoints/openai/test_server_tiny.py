@@ -9,6 +9,7 @@ engine thread. One server per module where the tests can share it.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import logging
 import socket
@@ -21,6 +22,7 @@ import torch
 
 from conftest import TINY_TEXT_VOCAB, InProcessServer, tiny_engine, tiny_model_config, tiny_tokenizer
 from kvflow.entrypoints.openai.server import default_served_name
+from kvflow.entrypoints.web.routes import STREAM_PATH
 
 MAX_REQUEST_BYTES = 64 * 1024
 READ_TIMEOUT_S = 1.0
@@ -235,6 +237,60 @@ def test_a_body_not_sent_as_json_is_a_clear_400(http, path, content_type):
 def test_json_content_types_with_parameters_are_served(http, content_type):
     r = http.post(C, content=json.dumps(_JSON_BODIES[C]).encode(), headers={"content-type": content_type})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", list(_JSON_BODIES))
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, identity", "x-unknown"])
+def test_an_encoded_body_is_415_naming_the_content_encoding(http, path, encoding):
+    """A gzip body was read as if it were plain JSON (a confusing 400 on its bytes); any
+    Content-Encoding but identity is refused by name, before the body is read."""
+    body = gzip.compress(json.dumps(_JSON_BODIES[path]).encode())
+    r = http.post(path, content=body, headers={"content-type": "application/json", "content-encoding": encoding})
+    err = _assert_error(r, 415)
+    assert err["type"] == "UnsupportedMediaTypeError" and err["param"] is None, err
+    assert f"Content-Encoding: {encoding.split(',')[0]} is not supported" in err["message"], err
+
+
+@pytest.mark.parametrize("encoding", ["identity", "Identity"])
+def test_an_identity_content_encoding_is_a_plain_body(http, encoding):
+    r = http.post(C, content=json.dumps({"prompt": "Hi", "max_tokens": 2}).encode(),
+                  headers={"content-type": "application/json", "content-encoding": encoding})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/models/tiny", "/metrics", "/version", "/", "/dashboard",
+                                  "/dashboard/api/metrics", "/openapi.json"])
+def test_head_answers_as_get_without_a_body(server, path):
+    """HEAD on a GET endpoint answered 405 (FastAPI's GET routes take no HEAD); it has GET's
+    status and headers and no body (RFC 9110, 9.3.2). Checked on the raw socket: an HTTP
+    client would drop a body that a HEAD response wrongly carried."""
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        get = c.get(path)
+    assert get.status_code == 200, (path, get.status_code)
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"HEAD {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in header_lines)
+    assert status_line.split(" ")[1] == "200", (path, status_line)
+    assert body == b"", (path, body[:200])
+    assert headers["content-type"] == get.headers["content-type"].lower(), (path, headers)
+    if path not in ("/v1/models", "/v1/models/tiny", "/metrics", "/dashboard/api/metrics"):  # (their bodies hold the time)
+        assert headers.get("content-length") == get.headers.get("content-length"), (path, headers)
+
+
+def test_head_of_the_dashboard_stream_ends_and_of_a_post_route_is_405(server, http):
+    """The endless event stream answers HEAD with its headers and ends (the stream is told
+    the client left); a POST-only route answers HEAD as it answers GET: 405."""
+    r = http.head(STREAM_PATH)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream") and r.content == b""
+    r = http.head(C)
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.content == b""
+    assert http.get("/health").text == "ok"  # the server goes on
 
 
 def test_a_trailing_slash_is_the_same_path(http):

@@ -235,3 +235,29 @@ def test_openai_agents_responses_model_finishes_a_turn_of_parallel_calls(served,
     assert result.final_output == answer, [i.type for i in result.new_items]
     prompt = script.tokenizer.decode(script.seq)
     assert prompt.count("<|im_start|>assistant") == 2 and prompt.count("<tool_response>") == 2, prompt
+
+
+@pytest.mark.parametrize("body, match", [
+    ({"input": ""}, "input must be a non-empty string or a non-empty list of input items, got an empty string"),
+    ({"input": [], "instructions": "Be brief."}, "got an empty list"),
+    ({"input": [{"role": "user", "content": ""}]}, "input[0].content must not be empty"),
+    ({"input": [{"role": "user", "content": []}]}, "input[0].content must not be empty"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": ""}]}]}, "input[0].content must not be empty"),
+    ({"input": [{"role": "developer", "content": "Be brief."}, {"type": "message", "role": "user", "content": ""}]},
+     "input[1].content must not be empty"),
+])  # fmt: skip
+def test_empty_input_is_400_naming_the_field(served, body, match):
+    """``input: ""`` (and an empty list, or a user message without text) ran the model on an
+    empty user turn; it is a 400 naming the field, and the server goes on serving."""
+    r = httpx.post(served[0].url + "/v1/responses", json={"model": "tiny", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "input" and match in error["message"], error
+
+
+def test_an_empty_assistant_message_of_earlier_output_is_served(served, script):
+    script.set("It is sunny.")
+    r = httpx.post(served[0].url + "/v1/responses", timeout=60, json={"model": "tiny", "max_output_tokens": 20, "input": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "output_text", "text": ""}]},
+        {"role": "user", "content": "Weather in Paris?"}]})  # fmt: skip
+    assert r.status_code == 200, r.text

@@ -270,3 +270,31 @@ def test_detection_from_the_chat_template():
 def test_unknown_parser_names_the_flag():
     with pytest.raises(ValueError, match="--tool-call-parser"):
         get_tool_parser("nope")
+
+
+GENERIC_MARKED_CASES = [  # Mistral's [TOOL_CALLS] marker written by a model of no detected family
+    (f"[TOOL_CALLS][{WEATHER}]", "", [("get_weather", json.loads(WEATHER_ARGS))]),
+    (f"Sure. [TOOL_CALLS][{TIME}, {CONVERT}]", "Sure.", [("get_time", {}), ("convert", {"value": 18, "to": "F"})]),
+    (f"[TOOL_CALLS]{TIME}", "", [("get_time", {})]),
+    ('[TOOL_CALLS]f[ARGS]{"x": 1}[TOOL_CALLS]g[ARGS]{}', "", [("f", {"x": 1}), ("g", {})]),
+    ("[TOOL_CALLS] no call here", "[TOOL_CALLS] no call here", []),  # not a call: the raw text
+    ('[TOOL_CALLS][{"name": "f", "argu', '[TOOL_CALLS][{"name": "f", "argu', []),  # cut short: the raw text
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text,content,calls", GENERIC_MARKED_CASES)
+def test_generic_parser_keeps_the_tool_calls_marker_out_of_the_content(text, content, calls):
+    """``[TOOL_CALLS][{...}]`` under the generic parser: the calls, and neither the marker
+    nor a residue of it (``[TOOL_CALLS][]``) in the content, whole or streamed character by
+    character (as vLLM's Mistral parser treats the marker)."""
+    parsed = TOOL_PARSERS["generic"]().parse(text, final=True)
+    assert (parsed.content, _calls(parsed)) == (content, calls)
+    parser = ChatOutputParser(tool_parser=TOOL_PARSERS["generic"]())
+    sent, streamed_calls = "", []
+    for i in range(1, len(text) + 1):
+        delta = parser.update(text[:i], final=i == len(text))
+        sent += delta.content
+        streamed_calls += [(d.name, d.arguments) for d in delta.tool_calls]
+        assert content.startswith(sent), (text[:i], sent)
+    assert sent == content
+    assert [(n, json.loads(a)) for n, a in streamed_calls] == calls

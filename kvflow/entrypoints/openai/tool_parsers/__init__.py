@@ -3,7 +3,7 @@ detected from the chat template.
 
 | name | format | families |
 |---|---|---|
-| ``generic`` | any of: ``<tool_call>`` blocks, bare ``{"name", "arguments"}`` objects or lists, ```` ```json ```` fences | the default when the chat template is of no family below |
+| ``generic`` | any of: ``<tool_call>`` blocks, bare ``{"name", "arguments"}`` objects or lists, ```` ```json ```` fences, ``[TOOL_CALLS]`` calls | the default when the chat template is of no family below |
 | ``hermes`` | ``<tool_call>{"name", "arguments"}</tool_call>`` (and the generic forms) | Qwen2.5 / Qwen3, Hermes 2 Pro / 3 |
 | ``llama3_json`` | ``{"name", "parameters"}`` (``;``-separated) | Llama 3.1-3.3 |
 | ``mistral`` | ``[TOOL_CALLS][{"name", "arguments"}]`` | Mistral / Mixtral instruct |

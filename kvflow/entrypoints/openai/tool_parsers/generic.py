@@ -6,7 +6,10 @@ call in, read wherever they occur in the text.
 - bare call objects ``{"name": ..., "arguments"/"parameters": {...}}``, one per line or
   anywhere the text writes ``{"name"``;
 - lists of calls ``[{"name": ...}, {...}]`` starting a line;
-- Markdown fences ```` ```json ```` (or a bare ```` ``` ````) holding call objects or a list.
+- Markdown fences ```` ```json ```` (or a bare ```` ``` ````) holding call objects or a list;
+- Mistral's ``[TOOL_CALLS]`` marker and the calls after it (``[TOOL_CALLS][{"name": ...,
+  "arguments": {...}}]``, the forms ``tool_parsers.mistral`` reads): neither the marker nor
+  the calls are content, as in vLLM's Mistral parser.
 
 Everything else is content. Measured on Qwen2.5-Coder-0.5B-Instruct, which writes its calls
 as bare JSON lines or in a ```` ```json ```` block about as often as in ``<tool_call>``
@@ -14,9 +17,9 @@ tags. The same forms are what ``structural_tag`` (``tools.tool_call_structural_t
 constrains once the model starts one, so a constrained call always parses here.
 
 Streaming: the content never holds a piece of a call. Text that may still turn into one (a
-partial ``<tool_call>`` or fence marker, an unfinished object or list that started a line or
-is ``{"name"...``) is held back until it is told apart; trailing whitespace is held back too
-(it may separate content from a call). A tagged call is returned as far as its arguments
+partial ``<tool_call>``, ``[TOOL_CALLS]`` or fence marker, an unfinished object or list that
+started a line or is ``{"name"...``) is held back until it is told apart; trailing whitespace
+is held back too (it may separate content from a call). A tagged call is returned as far as its arguments
 go; a bare or fenced call once its object is complete (before that it may still turn out
 not to be a call). A stream sends a call only once it is complete (``chat_output``): before
 that it may still be cut short. An unfinished call at the end of
@@ -33,11 +36,12 @@ from kvflow.entrypoints.openai.tool_parsers.base import (
     NotJSON, ParsedToolOutput, ToolCallPart, ToolParser, partial_marker_suffix, scan_call_array, scan_call_object,
     skip_ws,
 )  # fmt: skip
+from kvflow.entrypoints.openai.tool_parsers.mistral import MARKER, scan_marked_calls
 
 START, END = "<tool_call>", "</tool_call>"
 FENCE = "```"
 _WS = " \t\n\r"
-_CANDIDATE = re.compile(r"<tool_call>|```|[{\[]")
+_CANDIDATE = re.compile(r"<tool_call>|\[TOOL_CALLS\]|```|[{\[]")
 _LANG = re.compile(r"[A-Za-z0-9_+-]*")
 _NAME_KEY = '"name"'
 
@@ -70,7 +74,7 @@ class GenericToolParser(ToolParser):
             if found is None:
                 tail = text[pos:]
                 if not final:
-                    tail = tail[: len(tail) - partial_marker_suffix(tail, (START, FENCE))].rstrip(_WS)
+                    tail = tail[: len(tail) - partial_marker_suffix(tail, (START, FENCE, MARKER))].rstrip(_WS)
                 elif out.calls:
                     tail = tail.rstrip(_WS)
                 out.content += self._after_calls(out, tail)
@@ -99,11 +103,13 @@ class GenericToolParser(ToolParser):
     # ------------------------------------------------------------------ candidates
     def _next_candidate(self, text: str, search: int, final: bool) -> tuple[int, str] | None:
         """The next place at or after ``search`` where a call may start, and its kind
-        ("tag", "fence", "object", "list")."""
+        ("tag", "fence", "marked", "object", "list")."""
         for match in _CANDIDATE.finditer(text, search):
             at, token = match.start(), match.group()
             if token == START:
                 return at, "tag"
+            if token == MARKER:
+                return at, "marked"
             if token == FENCE:
                 return at, "fence"
             line_start = not text[text.rfind("\n", 0, at) + 1 : at].strip()
@@ -123,6 +129,8 @@ class GenericToolParser(ToolParser):
             return self._read_tag(text, start, final)
         if kind == "fence":
             return self._read_fence(text, start, final)
+        if kind == "marked":
+            return self._read_marked(text, start, final)
         return self._read_json(text, start, final, require_args=True)
 
     def _read_tag(self, text: str, start: int, final: bool) -> tuple[str, list[ToolCallPart], int] | None:
@@ -139,6 +147,17 @@ class GenericToolParser(ToolParser):
         if END.startswith(text[after:]):  # the closing tag is on its way (or was cut short)
             return (_DONE, [call], len(text)) if final else (_PENDING, [call], len(text))
         return _DONE, [call], end  # no closing tag, text follows
+
+    @staticmethod
+    def _read_marked(text: str, start: int, final: bool) -> tuple[str, list[ToolCallPart], int] | None:
+        """``[TOOL_CALLS]`` at ``start`` and the calls after it; sent once all are complete."""
+        try:
+            calls, end = scan_marked_calls(text, start + len(MARKER), final)
+        except NotJSON:
+            return None
+        if end is not None:
+            return _DONE, calls, end
+        return (_CUT, [], len(text)) if final else (_PENDING, [], len(text))
 
     def _read_fence(self, text: str, start: int, final: bool) -> tuple[str, list[ToolCallPart], int] | None:
         i = _LANG.match(text, start + len(FENCE)).end()

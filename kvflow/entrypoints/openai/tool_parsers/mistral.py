@@ -33,7 +33,7 @@ class MistralToolParser(ToolParser):
             return ParsedToolOutput(content=text[: len(text) - hold])
         out = ParsedToolOutput(content=text[:first])
         try:
-            calls, end = self._calls(text, first + len(MARKER), final)
+            calls, end = scan_marked_calls(text, first + len(MARKER), final)
         except NotJSON:
             out.content += text[first:]
             return out
@@ -48,38 +48,46 @@ class MistralToolParser(ToolParser):
             out.content += text[end:]
         return out
 
-    def _calls(self, text: str, pos: int, final: bool) -> tuple[list[ToolCallPart], int | None]:
-        i = skip_ws(text, pos)
-        if i >= len(text):
-            return [], None
-        if text[i] == "[":
-            return scan_call_array(text, i, final)
-        if text[i] == "{":
-            call, end = scan_call_object(text, i, final)
-            return [call], end
-        calls: list[ToolCallPart] = []
-        while True:  # name[ARGS]{...}, repeated after another [TOOL_CALLS]
-            name = _NAME.match(text, i)
-            j = name.end()
-            if not text.startswith(ARGS, j):
-                if j == len(text) or ARGS.startswith(text[j:]):
-                    return calls, None
-                raise NotJSON(f"expected {ARGS} after the tool name")
-            call = ToolCallPart(name=name.group())
-            calls.append(call)
-            start = skip_ws(text, j + len(ARGS))
-            if start < len(text) and text[start] != "{":
-                raise NotJSON("tool arguments must be a JSON object")
-            try:
-                end = scan_value(text, start, final)
-            except Incomplete:
-                call.arguments = text[start:]
+
+def scan_marked_calls(text: str, pos: int, final: bool) -> tuple[list[ToolCallPart], int | None]:
+    """The calls written after a ``[TOOL_CALLS]`` marker that ends at ``pos``: a list of
+    call objects, one call object, or ``name[ARGS]{...}`` calls (each after its own marker),
+    and the end of the last one (None while they are unfinished).
+
+    Raises:
+        NotJSON: the text after the marker is none of these forms.
+    """
+    i = skip_ws(text, pos)
+    if i >= len(text):
+        return [], None
+    if text[i] == "[":
+        return scan_call_array(text, i, final)
+    if text[i] == "{":
+        call, end = scan_call_object(text, i, final)
+        return [call], end
+    calls: list[ToolCallPart] = []
+    while True:  # name[ARGS]{...}, repeated after another [TOOL_CALLS]
+        name = _NAME.match(text, i)
+        j = name.end()
+        if not text.startswith(ARGS, j):
+            if j == len(text) or ARGS.startswith(text[j:]):
                 return calls, None
-            call.arguments = text[start:end]
-            call.complete = True
-            nxt = skip_ws(text, end)
-            if not text.startswith(MARKER, nxt):
-                if not final and MARKER.startswith(text[nxt:]):  # another call may follow
-                    return calls, None
-                return calls, end
-            i = nxt + len(MARKER)
+            raise NotJSON(f"expected {ARGS} after the tool name")
+        call = ToolCallPart(name=name.group())
+        calls.append(call)
+        start = skip_ws(text, j + len(ARGS))
+        if start < len(text) and text[start] != "{":
+            raise NotJSON("tool arguments must be a JSON object")
+        try:
+            end = scan_value(text, start, final)
+        except Incomplete:
+            call.arguments = text[start:]
+            return calls, None
+        call.arguments = text[start:end]
+        call.complete = True
+        nxt = skip_ws(text, end)
+        if not text.startswith(MARKER, nxt):
+            if not final and MARKER.startswith(text[nxt:]):  # another call may follow
+                return calls, None
+            return calls, end
+        i = nxt + len(MARKER)
