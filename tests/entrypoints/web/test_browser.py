@@ -113,7 +113,10 @@ def test_chat_streams_stop_aborts_and_the_engine_view_follows(server, browser, a
     assert dialog.get_attribute("open") is not None
     driver.find_element("id", "key-input").send_keys(API_KEY)
     driver.find_element("id", "key-save").click()
-    assert driver.execute_script("return localStorage.getItem('kvflow.apiKey')") == API_KEY
+    # (the dialog's submit handler runs after the click returns: under load, poll for it)
+    stored = wait_until(lambda: driver.execute_script("return localStorage.getItem('kvflow.apiKey')"), TIMEOUT_S,
+                        "the key in localStorage")
+    assert stored == API_KEY
     model = wait_until(lambda: driver.find_element("id", "model-name").text, TIMEOUT_S, "the model name")
     assert "context" in model
     driver.refresh()  # the key survives a reload: no dialog this time
