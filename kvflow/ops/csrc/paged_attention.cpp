@@ -96,16 +96,14 @@ static inline void scores16(const T* q, const float* qf, const T* k, int64_t str
   if constexpr (std::is_same<T, c10::BFloat16>::value && HD % 32 == 0) {  // else: widened, as float32
     __m512bh qv[HD / 32];
     for (int j = 0; j < HD / 32; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + 32 * j);
-    if (n == 16) {  // constant trip counts: the accumulators stay in registers
+    // constant trip counts (the accumulators stay in registers): rows t >= n read row 0
+    // again and their sums are not stored
 #pragma GCC unroll 16
-      for (int t = 0; t < 16; ++t)
+    for (int t = 0; t < 16; ++t) {
+      const T* kt = k + (t < n ? t : 0) * stride;
 #pragma GCC unroll 4
-        for (int j = 0; j < HD / 32; ++j)
-          acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(k + t * stride + 32 * j), qv[j]);
-    } else {
-      for (int64_t t = 0; t < n; ++t)
-        for (int j = 0; j < HD / 32; ++j)
-          acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(k + t * stride + 32 * j), qv[j]);
+      for (int j = 0; j < HD / 32; ++j)
+        acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(kt + 32 * j), qv[j]);
     }
     const __m512 r = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));
     _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), r);
@@ -113,16 +111,12 @@ static inline void scores16(const T* q, const float* qf, const T* k, int64_t str
   }
 #endif
   (void)q;
-  if (n == 16) {
 #pragma GCC unroll 16
-    for (int t = 0; t < 16; ++t)
+  for (int t = 0; t < 16; ++t) {  // as above: rows t >= n read row 0 again, not stored
+    const T* kt = k + (t < n ? t : 0) * stride;
 #pragma GCC unroll 8
-      for (int j = 0; j < HD / 16; ++j)
-        acc[t] = _mm512_fmadd_ps(load16(k + t * stride + 16 * j), _mm512_loadu_ps(qf + 16 * j), acc[t]);
-  } else {
-    for (int64_t t = 0; t < n; ++t)
-      for (int j = 0; j < HD / 16; ++j)
-        acc[t] = _mm512_fmadd_ps(load16(k + t * stride + 16 * j), _mm512_loadu_ps(qf + 16 * j), acc[t]);
+    for (int j = 0; j < HD / 16; ++j)
+      acc[t] = _mm512_fmadd_ps(load16(kt + 16 * j), _mm512_loadu_ps(qf + 16 * j), acc[t]);
   }
   _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), reduce16(acc));
 }
