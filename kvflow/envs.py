@@ -30,8 +30,9 @@ Switches and when they are read:
   to gather + ``scaled_dot_product_attention`` instead of the paged-attention kernel's
   flash-attention pass (``kvflow.attention.cpu_attention.paged_prefill_attention``); read at
   each call, so a test or benchmark can compare the two in one process.
-- ``KVFLOW_HUGE_PAGES`` (bool; default on): ``0`` keeps the packed GGUF weights out of the
-  huge-page arena (``kvflow.huge_pages``); read at each allocation.
+- ``KVFLOW_HUGE_PAGES`` (bool; default on): ``0`` keeps the packed GGUF weights and the
+  CPU's paged KV pool out of the huge-page arena (``kvflow.huge_pages``); read at each
+  allocation.
 - ``KVFLOW_CPU_KERNEL_BUILD`` (str; default ``background``): how an engine on the CPU gets
   kernels that are not built yet (``kvflow.ops.build``): ``background`` builds them in a
   background thread while the PyTorch paths serve, and the engine switches to each kernel
@@ -153,9 +154,9 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "of the paged-attention kernel's flash-attention pass (that kernel's switches still apply)",
            _on_unless_zero),
     Switch("KVFLOW_HUGE_PAGES", "bool", "1 (on)",
-           "the packed GGUF weights are placed in memory advised for transparent huge pages (Linux "
-           "`madvise(MADV_HUGEPAGE)`; `kvflow.huge_pages`), which streams them faster; `0`: ordinary "
-           "allocations", _on_unless_zero),
+           "the packed GGUF weights and the CPU's paged KV pool are placed in memory advised for transparent "
+           "huge pages (Linux `madvise(MADV_HUGEPAGE)`; `kvflow.huge_pages`), which streams them faster; `0`: "
+           "ordinary allocations", _on_unless_zero),
     Switch("KVFLOW_CPU_KERNEL_BUILD", "str", "`background`",
            "`background`: an engine builds the C++ CPU kernels it lacks in a background thread while the "
            "PyTorch paths serve, and switches to each between two steps once built; `wait`: each is built on "
