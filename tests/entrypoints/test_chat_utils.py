@@ -1,0 +1,31 @@
+"""kvflow.entrypoints.chat_utils: the messages LLM.chat renders (vLLM's LLM.chat takes them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.entrypoints.chat_utils import normalize_conversation
+
+
+def test_transformers_format_tool_use_is_rendered_as_given():
+    # transformers' documented tool-use messages: calls without ids, arguments as an object,
+    # the tool's answer named by the function; Llama 3.1 templates read an "ipython" role
+    conversation = [
+        {"role": "user", "content": "What is f(1)?"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "tool", "name": "f", "content": "42"},
+        {"role": "ipython", "content": "42"},
+    ]
+    out = normalize_conversation(conversation)
+    assert [m["role"] for m in out] == ["user", "assistant", "tool", "ipython"]
+    assert out[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1} and out[1]["content"] == ""
+    assert out[2]["name"] == "f" and out[2]["content"] == "42"
+
+
+@pytest.mark.parametrize("message, where", [
+    ({"content": "hi"}, r"messages\[0\] must be a dict with a string .role."),
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, r"messages\[0\].content\[0\]"),
+])
+def test_a_message_without_a_role_or_with_a_non_text_part_is_refused_naming_it(message, where):
+    with pytest.raises(ValueError, match=where):
+        normalize_conversation([message])
