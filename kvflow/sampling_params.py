@@ -176,7 +176,8 @@ class SamplingParams:
         logit_bias: token id -> value added to its logit (OpenAI semantics): keys are
             integers or integer strings >= 0 (the engine refuses ids outside the
             vocabulary), values numbers in [-100, 100].
-        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens exist.
+        min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens exist,
+            and ``stop`` strings are not matched in their text (as vLLM).
             With a ``guided_*`` constraint (as vLLM): masked while its grammar allows
             another token; a grammar that allows only them (or is complete) ends the
             output earlier.

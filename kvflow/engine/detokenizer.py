@@ -62,6 +62,9 @@ class IncrementalDetokenizer:
             step's first window is usually the one token emitted at the previous step,
             so the cache saves one of the step's two decodes (a token id's text is a pure
             function of the id). It holds at most ``MAX_CACHED_TOKEN_TEXTS`` entries (~3 MB).
+        min_tokens: the sampling ``min_tokens``: no stop string is matched in the text of
+            the first ``min_tokens`` output tokens (vLLM's rule, vllm-project/vllm#22014);
+            a stop string that the later text completes is.
     """
 
     def __init__(
@@ -72,8 +75,11 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         include_stop_str_in_output: bool = False,
         token_texts: dict[int, str] | None = None,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens  # stop strings are not matched before this many output tokens (vLLM's rule)
+        self._num_output = 0
         self._fast_decode = fast_decode(tokenizer)
         self._token_texts = token_texts
         self.skip_special_tokens = skip_special_tokens
@@ -104,6 +110,7 @@ class IncrementalDetokenizer:
             return None
         ids = self.token_ids
         ids.extend(new_token_ids)
+        self._num_output += len(new_token_ids)
         prefix_offset, fast = self.prefix_offset, self._fast_decode
         if fast is not None:
             skip, cache = self.skip_special_tokens, self._token_texts
@@ -127,7 +134,7 @@ class IncrementalDetokenizer:
             self._text += full_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(ids)
-            if self.stop:
+            if self.stop and self._num_output > self.min_tokens:
                 matched = self._match_stop(old_len)
                 if matched is not None:
                     self.finished = True

@@ -147,7 +147,8 @@ class OutputProcessor:
             if self.tokenizer is not None and isinstance(params, SamplingParams):
                 skip = bool(params.skip_special_tokens)
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip, params.stop,
-                                               params.include_stop_str_in_output, self._detok_texts[skip])
+                                               params.include_stop_str_in_output, self._detok_texts[skip],
+                                               params.min_tokens)
             samples.append(_SampleState(sample_id, detok))
         state = RequestState(request_id, prompt, list(prompt_token_ids), params, output_kind, samples, arrival_time)
         self.request_states[request_id] = state

@@ -1,19 +1,15 @@
 """Rendering a conversation with the tokenizer's chat template (transformers'
 ``apply_chat_template``), for ``LLM.chat`` and the server's ``POST /tokenize``.
 
-A message is a dict with ``role`` and ``content``, validated as the server's chat endpoint
-validates it (``kvflow.entrypoints.openai.protocol.check_chat_message``: a role of OpenAI's
-chat API; a string, None or a list of ``{"type": "text", "text": ...}`` parts as content,
-kvflow's models taking text only; content but on assistant messages; the tool fields on
-their roles), plus whatever else the template reads (``name``, ``tool_calls``,
-``tool_call_id``, ``reasoning_content``...), passed through as given.
+A message is a dict with ``role`` and ``content`` (a string, None, or a list of OpenAI
+content parts of which only ``{"type": "text", "text": ...}`` is accepted: kvflow's models
+take text only), plus whatever else the template reads (``name``, ``tool_calls``,
+``tool_call_id``...), passed through as given.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from kvflow.entrypoints.openai.protocol import check_chat_message
 
 # apply_chat_template's own parameters: not settable through chat_template_kwargs.
 _RESERVED_KWARGS = frozenset({
@@ -23,16 +19,40 @@ _RESERVED_KWARGS = frozenset({
 })  # fmt: skip
 
 
-def normalize_conversation(conversation: Any, content_format: str = "string") -> list[dict[str, Any]]:
-    """The messages as the template sees them: "developer" rendered as "system" (as
-    OpenAI's servers do), content flattened to a string (list content joins its text parts
-    in order; None is ""), or with ``content_format="openai"`` as one text part
-    ``[{"type": "text", "text": ...}]`` (for templates that iterate over parts; vLLM's two
-    formats).
+def text_content(content: Any, where: str) -> str:
+    """A message's content as one string: list content joins its text parts in order.
 
     Raises:
-        ValueError: for a message the server's chat endpoint refuses (``check_chat_message``,
-            naming the field: ``messages[1].role``...), or an unknown ``content_format``.
+        ValueError: naming ``where`` and the part type, for a non-text part (image, audio,
+            file...) or a content that is neither a string, None nor a list of parts.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"{where}.content must be a string or a list of content parts, got {type(content).__name__}")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise ValueError(f"{where}.content[{i}]: content parts of type {kind!r} are not supported by kvflow "
+                             "(text parts only; no multimodal model is served)")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}.content[{i}].text must be a string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def normalize_conversation(conversation: Any, content_format: str = "string") -> list[dict[str, Any]]:
+    """The messages as the template sees them: "developer" rendered as "system" (as
+    OpenAI's servers do), content flattened to a string (``text_content``), or with
+    ``content_format="openai"`` as one text part ``[{"type": "text", "text": ...}]`` (for
+    templates that iterate over parts; vLLM's two formats).
+
+    Raises:
+        ValueError: for a message that is not a dict with a string ``role``, bad content, or
+            an unknown ``content_format``.
     """
     if content_format not in ("string", "openai"):
         raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {content_format!r}")
@@ -40,8 +60,10 @@ def normalize_conversation(conversation: Any, content_format: str = "string") ->
         raise ValueError("messages must be a non-empty list of message dicts")
     out = []
     for i, message in enumerate(conversation):
-        text = check_chat_message(message, f"messages[{i}]").text()
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(f"messages[{i}] must be a dict with a string 'role'")
         rendered = dict(message)
+        text = text_content(message.get("content"), f"messages[{i}]")
         rendered["content"] = text if content_format == "string" else [{"type": "text", "text": text}]
         if rendered["role"] == "developer":
             rendered["role"] = "system"

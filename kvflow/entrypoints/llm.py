@@ -327,11 +327,9 @@ class LLM:
         defaults to the one given to ``LLM(chat_template=...)``, else the tokenizer's).
 
         Raises:
-            ValueError: naming the field (``messages[1].role``...), for a message the
-                server's chat endpoint refuses (``chat_utils.normalize_conversation``: a role
-                not of OpenAI's chat API, missing or non-text content...); for both
-                ``add_generation_prompt`` and ``continue_final_message``, or a template that
-                fails on the messages.
+            ValueError: for a message that is not a dict with a ``role``, a non-text content
+                part, both ``add_generation_prompt`` and ``continue_final_message``, or a
+                template that fails on the messages.
         """
         content_format = "string" if chat_template_content_format == "auto" else chat_template_content_format
         return render_chat(

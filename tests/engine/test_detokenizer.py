@@ -429,3 +429,23 @@ def test_fast_decode_is_the_transformers_decode(tok):
     other = copy.copy(tok.tokenizer)
     other.__class__ = Overriding
     assert fast_decode(other) is None
+
+
+def test_min_tokens_holds_stop_strings_back(tok):
+    """``min_tokens`` with ``stop``: a stop string in the first ``min_tokens`` output tokens
+    ended the output (stop=["b"], min_tokens=12 gave ""); as in vLLM (#22014), stop strings
+    are matched only once the output has more than ``min_tokens`` tokens."""
+    output = tok.encode(" the model and the model and the model")
+    assert len(output) > 4
+    stops = [" model"]
+    detok = IncrementalDetokenizer(tok.tokenizer, tok.encode("Answer:"), True, stops, False, None, 4)
+    fired_at = None
+    for i, token in enumerate(output):
+        if detok.update([token], finished=i == len(output) - 1) is not None:
+            fired_at = i
+            break
+    assert fired_at is not None and fired_at >= 4, fired_at
+    assert detok.text.endswith("and the"), detok.text
+    assert detok.text.count(" model") >= 1  # the ones before min_tokens stay text
+    plain = IncrementalDetokenizer(tok.tokenizer, tok.encode("Answer:"), True, stops, False)
+    assert next(i for i, t in enumerate(output) if plain.update([t]) is not None) < 4  # (what min_tokens changes)

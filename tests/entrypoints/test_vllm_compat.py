@@ -160,7 +160,7 @@ def test_offline_chat_takes_vllms_arguments(llm):
                           ({"tokenization_kwargs": {"truncation": True}}, "tokenization_kwargs")]:
         with pytest.raises(ValueError, match=match):
             llm.chat(msgs, params, use_tqdm=False, **kwargs)
-    with pytest.raises(ValueError, match=r"messages\[0\]\.content: content parts of type 'image_url'"):
+    with pytest.raises(ValueError, match=r"messages\[0\].content\[0\]: content parts of type 'image_url'"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}], params)
     with pytest.raises(ValueError, match="multi_modal_data"):
         llm.generate({"prompt": "x", "multi_modal_data": {"image": 1}}, params)

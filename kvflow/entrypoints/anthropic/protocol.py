@@ -12,7 +12,8 @@ previous message, as Anthropic requires; an ``is_error`` result's text is prefix
 an assistant message's ``text`` blocks are its content and its ``tool_use`` blocks its tool
 calls; ``thinking`` blocks of earlier turns are not rendered (the chat templates of thinking
 models leave earlier reasoning out of the prompt). A last assistant message (Anthropic's
-prefill, which the reply continues) is refused, and so, as by Anthropic, are a message with
+prefill, which the reply continues) is refused (an empty one, which Anthropic allows, is
+no prefill and is dropped), and so, as by Anthropic, are a message with
 empty content and an empty ``text`` block (in ``messages``, ``system`` or a ``tool_result``).
 ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` are chat's ``auto`` / ``required`` /
 a named function / ``none``, and ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``; ``output_config.format``
@@ -161,12 +162,15 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
             block, a message with empty content, or a ``tool_result`` whose ``tool_use_id``
             is not the id of a ``tool_use`` block of the previous message (Anthropic's 400s).
     """
-    if req.messages[-1].role == "assistant":
-        raise ValueError(f"messages[{len(req.messages) - 1}]: a final assistant message (a prefill the reply "
+    messages = req.messages
+    if len(messages) > 1 and messages[-1].role == "assistant" and not messages[-1].content:
+        messages = messages[:-1]  # an empty final assistant message (Anthropic allows it): no prefill
+    if messages[-1].role == "assistant":
+        raise ValueError(f"messages[{len(messages) - 1}]: a final assistant message (a prefill the reply "
                          "continues) is not supported by kvflow; end with a user message")
     out = _system(req.system)
     tool_use_ids: set[str] = set()  # those of the previous message (a tool_result answers one of them)
-    for i, message in enumerate(req.messages):
+    for i, message in enumerate(messages):
         previous_ids, tool_use_ids = tool_use_ids, set()
         if not message.content:  # "" or [] (the final assistant message, refused above, may be empty)
             raise ValueError(f"messages[{i}]: all messages must have non-empty content except for the optional "

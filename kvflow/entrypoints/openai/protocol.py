@@ -24,7 +24,7 @@ import logging
 import typing
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -488,47 +488,6 @@ class ChatMessage(_Body):
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
-
-
-_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list"})
-
-
-def check_chat_message(message: Any, where: str) -> ChatMessage:
-    """``message`` (a dict) as the chat endpoint validates it: the one check of a message's
-    role, content and tool fields, for the server's bodies and ``LLM.chat`` alike.
-
-    Fields ChatMessage does not declare are not checked (the template may read them);
-    an assistant tool call's ``arguments`` may be an object (what the templates read, and
-    what vLLM's ``LLM.chat`` also takes) as well as its JSON text.
-
-    Raises:
-        ValueError: naming the field under ``where`` (``messages[1].role: Input should be
-            ...``), for what the chat endpoint refuses with 400.
-    """
-    if not isinstance(message, dict):
-        raise ValueError(f"{where} must be a message dict with a role and content, got {type(message).__name__}")
-    fields = {k: v for k, v in message.items() if k in ChatMessage.model_fields}
-    if isinstance(fields.get("tool_calls"), list):
-        fields["tool_calls"] = [_arguments_as_text(call) for call in fields["tool_calls"]]
-    try:
-        checked = ChatMessage.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        # (a union's member tags, as in content.str, are not fields)
-        path = "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in first["loc"]
-                       if isinstance(key, int) or not (key in _UNION_TAGS or "[" in key))
-        raise ValueError(f"{where}{path}: {first['msg'].removeprefix('Value error, ')}") from None
-    unsupported = checked.unsupported_field()
-    if unsupported is not None:
-        raise ValueError(f"{where}.{unsupported[1]}")
-    return checked
-
-
-def _arguments_as_text(call: Any) -> Any:
-    function = call.get("function") if isinstance(call, dict) else None
-    if isinstance(function, dict) and isinstance(function.get("arguments"), dict):
-        return {**call, "function": {**function, "arguments": json.dumps(function["arguments"])}}
-    return call
 
 
 class ChatCompletionRequest(_SamplingRequest):

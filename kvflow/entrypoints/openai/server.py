@@ -491,7 +491,13 @@ def build_app(
         if exc.status_code == 413:
             return _too_large(max_request_bytes)
         err_type = _ERROR_TYPES.get(exc.status_code, "BadRequestError")
-        return error_response(exc.status_code, str(exc.detail), err_type, headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405 and headers and "Allow" in headers:
+            # a GET route takes HEAD too (_HeadMiddleware): the Allow of its 405 says so
+            allow = [m.strip() for m in headers["Allow"].split(",") if m.strip()]
+            if "GET" in allow and "HEAD" not in allow:
+                headers = {**headers, "Allow": ", ".join([*allow, "HEAD"])}
+        return error_response(exc.status_code, str(exc.detail), err_type, headers=headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception):

@@ -293,6 +293,15 @@ def test_head_of_the_dashboard_stream_ends_and_of_a_post_route_is_405(server, ht
     assert http.get("/health").text == "ok"  # the server goes on
 
 
+def test_the_allow_of_a_get_routes_405_lists_head(http):
+    """A GET endpoint answers HEAD too, but its 405 (POST /health) said ``Allow: GET``; the
+    Allow of a 405 lists the methods the resource supports (RFC 9110, 15.5.6)."""
+    for path in ("/health", "/v1/models", "/metrics"):
+        r = http.post(path, json={})
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD", (path, r.status_code, r.headers)
+    assert http.put(C, json={}).headers["allow"] == "POST"  # a POST route takes no HEAD
+
+
 def test_a_trailing_slash_is_the_same_path(http):
     """``/v1/completions/`` answered 307 (a redirect a POST client does not follow)."""
     for path, body in ((C + "/", {"prompt": "Hello"}), (CH + "/", {"messages": MSG}), ("/tokenize/", {"prompt": "a"})):

@@ -1,0 +1,30 @@
+"""kvflow.entrypoints.anthropic.protocol: the chat fields of a Messages body."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvflow.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, to_chat_fields
+
+USER = {"role": "user", "content": "Hi"}
+
+
+@pytest.mark.parametrize("model", [MessagesRequest, CountTokensRequest])
+@pytest.mark.parametrize("content", ["", []])
+def test_an_empty_final_assistant_message_is_no_prefill(model, content):
+    """Anthropic allows the final assistant message to be empty (its 400 says "all messages
+    must have non-empty content except for the optional final assistant message"); kvflow
+    refused it as a prefill it does not support. An empty one prefills nothing: dropped."""
+    req = model.model_validate({"model": "m", "max_tokens": 5,
+                                "messages": [USER, {"role": "assistant", "content": content}]})
+    assert to_chat_fields(req)["messages"] == [{"role": "user", "content": "Hi"}]
+
+
+def test_a_non_empty_final_assistant_message_is_still_refused_naming_it():
+    for messages, where in (([USER, {"role": "assistant", "content": "Sure"}], "messages[1]"),
+                            ([USER, {"role": "assistant", "content": "Sure"}, {"role": "assistant", "content": ""}],
+                             "messages[1]"),
+                            ([{"role": "assistant", "content": ""}], "messages[0]")):
+        req = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": messages})
+        with pytest.raises(ValueError, match=rf"^{where.replace('[', '.').replace(']', '.')}"):
+            to_chat_fields(req)
