@@ -42,9 +42,10 @@ class CacheEngine:
 
     def __init__(self, spec: Any, cache_config: Any, device: torch.device) -> None:
         def layer(num_blocks: int, device: torch.device, pin: bool = False) -> KVCache:
-            # the device pool on huge pages (a CPU's), as long-lived as the engine
+            # on huge pages where they are host tensors, not pinned (allocate_kv_cache decides):
+            # as long-lived as the engine
             return allocate_kv_cache(num_blocks, cache_config.block_size, spec.num_kv_heads, spec.head_dim,
-                                     cache_config.dtype, device, pin, huge_pages=not pin and device.type == "cpu")
+                                     cache_config.dtype, device, pin, huge_pages=True)
 
         self.groups = cache_config.kv_cache_groups
         num_tensors = self.groups.group_size if self.groups is not None else spec.num_layers
