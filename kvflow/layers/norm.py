@@ -37,6 +37,21 @@ def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return _EXTENSION.require().rms_norm(x, weight, eps)
 
 
+def cpu_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add before a norm, fused into the norm's pass (vLLM's
+    ``fused_add_rms_norm``, out of place): s = x + residual rounded to x's dtype (as the
+    separate add rounds it), then RMSNorm(s) as ``cpu_rms_norm`` computes it.
+
+    Shapes: x and residual [rows, hidden] (float32 or bfloat16, same dtype, rows contiguous),
+    weight [hidden] of that dtype. Returns (s, RMSNorm(s)), both new [rows, hidden] tensors.
+
+    Raises:
+        RuntimeError: if the kernel is unavailable or the inputs break the layout above.
+    """
+    return _EXTENSION.require().add_rms_norm(x, residual, weight, eps)
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32.
 
@@ -59,3 +74,23 @@ class RMSNorm(nn.Module):
             return cpu_rms_norm(x, w, self.eps)
         # One dispatch (PyTorch's composite computes in float32 and casts back).
         return F.rms_norm(x, w.shape, w, self.eps)
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(s, RMSNorm(s)) with s = residual + x: a pre-norm block's residual add and the next
+        norm in one pass where the C++ kernel applies (``cpu_add_rms_norm``), else the add
+        and ``forward``. Same values either way (s rounded to x's dtype, then normed).
+
+        Shapes: x and residual [..., hidden_size], same dtype -> two tensors of that shape.
+        """
+        w = self.weight
+        if (
+            takes_kernel_input(x, 2)
+            and takes_kernel_input(residual, 2)
+            and residual.dtype == x.dtype == w.dtype
+            and residual.shape == x.shape
+            and not (torch.is_grad_enabled() and w.requires_grad)
+            and cpu_rms_norm_available()
+        ):
+            return cpu_add_rms_norm(x, residual, w, self.eps)
+        s = residual + x
+        return s, self(s)

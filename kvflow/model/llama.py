@@ -142,8 +142,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, cos_sin, kv_cache, metadata, lora: LoRAMapping | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata, lora)
-        h = self.post_attention_layernorm(x)
+        # x + attention and the second norm in one pass (RMSNorm.forward_with_residual)
+        x, h = self.post_attention_layernorm.forward_with_residual(
+            self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, metadata, lora), x)
         # A mixture-of-experts block (Qwen3-MoE's SparseMoeBlock) takes no adapters.
         return x + (self.mlp(h, lora) if lora is not None else self.mlp(h))
 

@@ -60,3 +60,50 @@ def test_module_uses_the_kernel_only_where_it_applies(monkeypatch):
         layer(torch.randn(3, 16).half())  # float16: composite
     layer(torch.randn(3, 16, requires_grad=True))  # autograd: composite
     assert calls == [(3, 16)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [576, 40, 33])
+def test_add_rms_norm_is_the_add_then_the_norm(dtype, hidden):
+    """The fused residual add writes x + residual rounded to the dtype (the separate add's
+    value, bit for bit) and norms that rounded sum exactly as rms_norm does."""
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(300, hidden, generator=g) * 4).to(dtype)
+    r = (torch.randn(300, hidden, generator=g) * 4).to(dtype)
+    w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    s, y = norm.cpu_add_rms_norm(x, r, w, 1e-6)
+    assert s.dtype == y.dtype == dtype
+    assert torch.equal(s, x + r)
+    assert torch.equal(y, cpu_rms_norm(x + r, w, 1e-6))
+    want = F.rms_norm((x + r).float(), (hidden,), w.float(), 1e-6)
+    torch.testing.assert_close(y.float(), want, rtol=2.0**-7 if dtype == torch.bfloat16 else 2e-6, atol=1e-5)
+
+
+@needs_kernel
+def test_add_rms_norm_strided_rows_and_bad_inputs():
+    x, r = torch.randn(4, 128), torch.randn(4, 96)
+    w = torch.rand(64) + 0.5
+    s, y = norm.cpu_add_rms_norm(x[:, 32:96], r[:, :64], w, 1e-6)
+    assert torch.equal(s, x[:, 32:96] + r[:, :64])
+    assert torch.equal(y, cpu_rms_norm(s, w, 1e-6))
+    with pytest.raises(RuntimeError, match="residual"):
+        norm.cpu_add_rms_norm(x[:, :64], r[:3, :64], w, 1e-6)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        norm.cpu_add_rms_norm(x[:, :64], r[:, :64].bfloat16(), w, 1e-6)
+
+
+def test_forward_with_residual_uses_the_fused_kernel_only_where_it_applies(monkeypatch):
+    calls = []
+    monkeypatch.setattr(norm, "cpu_rms_norm_available", lambda: True)
+    monkeypatch.setattr(norm, "cpu_add_rms_norm",
+                        lambda x, r, w, eps: calls.append(x.shape) or (r + x, F.rms_norm(r + x, w.shape, w, eps)))
+    monkeypatch.setattr(norm, "cpu_rms_norm", lambda x, w, eps: F.rms_norm(x, w.shape, w, eps))
+    layer = RMSNorm(16, 1e-6)
+    with torch.no_grad():
+        x, r = torch.randn(3, 16), torch.randn(3, 16)
+        s, y = layer.forward_with_residual(x, r)  # 2-D float32 inference: the fused kernel
+        assert torch.equal(s, r + x) and torch.equal(y, F.rms_norm(r + x, (16,), layer.weight, 1e-6))
+        layer.forward_with_residual(torch.randn(2, 3, 16), torch.randn(2, 3, 16))  # 3-D: add, then forward
+        layer.forward_with_residual(x, r.bfloat16())  # mixed dtypes: add, then forward
+    assert calls == [(3, 16)]
