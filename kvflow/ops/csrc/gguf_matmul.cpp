@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -36,6 +37,12 @@
 #endif
 
 namespace {
+
+// n elements, not initialized (new T[n] default-initializes: no zero fill).
+template <typename T>
+std::unique_ptr<T[]> uninit(int64_t n) {
+  return std::unique_ptr<T[]>(new T[static_cast<size_t>(n)]);
+}
 
 // GGML type ids (ggml.h's enum ggml_type).
 enum QType : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
@@ -72,27 +79,52 @@ struct Act {
   int64_t K;
 };
 
+#if defined(GG_AVX2)
+// Eight consecutive values as float32 (bfloat16: the upper half of a float32, exact).
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const c10::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+#endif
+
+// One activation row per task of 8 rows; per 32-block the largest magnitude, the scale
+// amax / 127 and round(x 127 / amax) (round to nearest even), vectorized where the CPU has
+// AVX2 (the same values as the scalar loop: a maximum and the same float operations).
 template <typename T>
 void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, float* d, float* s16, float* s32,
                    int32_t* i16 = nullptr) {
   const int64_t nb = K / 32;
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-    float buf[32];
+    [[maybe_unused]] float buf[32];  // the scalar loop's copy of a block
     for (int64_t m = begin; m < end; ++m) {
       const T* xr = x + m * ldx;
       for (int64_t b = 0; b < nb; ++b) {
+#if defined(GG_AVX2)
+        // The block's 32 values in four vectors, their largest magnitude (exact: a maximum).
+        __m256 xv[4];
+        for (int c = 0; c < 4; ++c) xv[c] = load8f(xr + b * 32 + 8 * c);
+        const __m256 nosign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(xv[0], nosign), _mm256_and_ps(xv[1], nosign)),
+                                  _mm256_max_ps(_mm256_and_ps(xv[2], nosign), _mm256_and_ps(xv[3], nosign)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+#else
         float amax = 0.f;
         for (int i = 0; i < 32; ++i) {
           buf[i] = static_cast<float>(xr[b * 32 + i]);
           amax = std::max(amax, std::fabs(buf[i]));
         }
+#endif
         const float db = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
         int8_t* qb = q + m * K + b * 32;
         int sum[2] = {0, 0};
 #if defined(GG_AVX2)
         __m256i iv[4];
         for (int c = 0; c < 4; ++c)
-          iv[c] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(buf + 8 * c), _mm256_set1_ps(id)),
+          iv[c] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(xv[c], _mm256_set1_ps(id)),
                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         for (int h = 0; h < 2; ++h) {
           const __m256i s = _mm256_add_epi32(iv[2 * h], iv[2 * h + 1]);
@@ -1165,9 +1197,10 @@ inline void group_dot_generic(const PFmt& pf, const uint8_t* g, const PAct& a, i
 }
 
 #if defined(GG_AVX2) && !defined(GG_VNNI)
-// The AVX2 micro-kernel of the small-M path and the prefill GEMM: acc[m] (8 rows: 8 R ..
-// 8 R + 7 of the group) = those rows . activation row m0 + m, m < MR. Per sub-block the 8 rows' 32 values are decoded
-// once into eight ymm registers (u[t]: 4 values of each row) and meet the MR activation rows
+// The AVX2 micro-kernel of the small-M path and the prefill GEMM: acc[h MR + m] (8 rows:
+// 8 R .. 8 R + 7 of the group, R = R0 + h, h < NH) = those rows . activation row m0 + m, m < MR;
+// NH = 2 does both halves of each sub-block before the next (one pass over the group). Per
+// sub-block the 8 rows' 32 values are decoded once into eight ymm registers (u[t]: 4 values of each row) and meet the MR activation rows
 // (vpmaddubsw against the broadcast dword t, then vpmaddwd to 32 bits). vpmaddubsw's 16-bit
 // pair sums are added in 16 bits before the one vpmaddwd where they cannot overflow (|a| <=
 // 127: a pair is at most 2 * 15 * 127 = 3810 for 4-bit values, so all eight; 5-bit values four
@@ -1178,25 +1211,32 @@ inline void group_dot_generic(const PFmt& pf, const uint8_t* g, const PAct& a, i
 // are large (SmolLM2's outlier features) the two cancel block by block; summed in a chain of
 // their own and subtracted at the end, SmolLM2's 79-token perplexity moved from +0.3 % to
 // +2.7 % of the float32 model's (tests/quantization/test_gguf_native.py), for no speed.
-template <int QT, int MR>
-inline void group_dot_avx2(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, int R, __m256* acc) {
+template <int QT, int MR, int NH = 1>
+inline void group_dot_avx2(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, int R0, __m256* acc) {
   constexpr int K0 = packed_k0<QT>();
   constexpr bool HAS_M = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
   constexpr bool FIVE = QT == Q5_0 || QT == Q5_1 || QT == Q5_K;
   const int64_t nsb = a.K / pf.sb, nb = a.K / 32;
   const int nsub = pf.sb / 32, subb = pf.sub_bytes();
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int m = 0; m < NH * MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
-    const __m256 Dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16 * R)));
-    __m256 Mv = _mm256_setzero_ps();
-    if constexpr (HAS_M) Mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 32 + 16 * R)));
+    __m256 Dvh[NH], Mvh[NH];
+    for (int h = 0; h < NH; ++h) {
+      Dvh[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16 * (R0 + h))));
+      Mvh[h] = HAS_M ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 32 + 16 * (R0 + h))))
+                     : _mm256_setzero_ps();
+    }
     const uint8_t* sub = g + pf.head_bytes();
     for (int j = 0; j < nsub; ++j, sub += subb) {
       const int64_t b = s * nsub + j;
-      const uint8_t* q = sub;
-      if (R == 0)  // the pass over the first 8 rows brings the whole lines in (as group_dot)
+      if (R0 == 0)  // the pass over the first 8 rows brings the whole lines in (as group_dot)
         for (int o = 0; o < subb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(sub + PREFETCH + o), _MM_HINT_T0);
+      for (int hh = 0; hh < NH; ++hh) {
+      const int R = R0 + hh;
+      const __m256 Dv = Dvh[hh], Mv = Mvh[hh];
+      __m256* acch = acc + hh * MR;
+      const uint8_t* q = sub;
       __m256 sv = Dv, sv1 = Dv, cv = Mv;
       if constexpr (QT == Q4_K || QT == Q5_K) {
         sv = _mm256_mul_ps(Dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * R)))));
@@ -1237,7 +1277,7 @@ inline void group_dot_avx2(const PFmt& pf, const uint8_t* g, const PAct& a, int6
             const __m256i hi = _mm256_add_epi16(GG_P(4 * h + 2), GG_P(4 * h + 3));
             __m256i i = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
             i = _mm256_sub_epi32(i, _mm256_set1_epi32(K0 * is[h]));
-            acc[m] = _mm256_fmadd_ps(h ? sv1 : sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), acc[m]);
+            acch[m] = _mm256_fmadd_ps(h ? sv1 : sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), acch[m]);
           }
           continue;
         }
@@ -1259,11 +1299,12 @@ inline void group_dot_avx2(const PFmt& pf, const uint8_t* g, const PAct& a, int6
         }
 #undef GG_P
         if constexpr (K0 != 0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(K0 * (is[0] + is[1])));
-        acc[m] = _mm256_fmadd_ps(sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), acc[m]);
+        acch[m] = _mm256_fmadd_ps(sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), acch[m]);
         if constexpr (QT == Q4_1 || QT == Q5_1)
-          acc[m] = _mm256_fmadd_ps(cv, _mm256_set1_ps(a.s32[row * nb + b]), acc[m]);
+          acch[m] = _mm256_fmadd_ps(cv, _mm256_set1_ps(a.s32[row * nb + b]), acch[m]);
         else if constexpr (QT == Q4_K || QT == Q5_K)
-          acc[m] = _mm256_fnmadd_ps(cv, _mm256_set1_ps(a.s32[row * nb + b]), acc[m]);
+          acch[m] = _mm256_fnmadd_ps(cv, _mm256_set1_ps(a.s32[row * nb + b]), acch[m]);
+      }
       }
     }
     g += pf.sb_bytes();
@@ -1313,11 +1354,13 @@ void run_packed_gemm(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& 
 constexpr int64_t GEMM_MIN_ROWS = 32;
 
 // The GEMV and small-M GEMM: per 16-row group all M rows in tiles of 4 (group_dot; on AVX2
-// group_dot_avx2 per 8-row half, as the prefill GEMM: its scales converted 8 rows at a time
+// group_dot_avx2 over both 8-row halves in one pass: its scales converted 8 rows at a time
 // and its 16-bit partial sums made the GEMV 1.1-2.2x group_dot_generic's speed with the
-// weight in cache, Q4_K 2.2x, one thread; streamed from memory, 2 threads, K-quants 1.05-1.24x
-// at one row and all but Q8_0 1.1-1.56x at four, but the legacy formats' one row 0.81-1.01x:
-// those and Q8_0 keep group_dot_generic, whose two 8-row halves share one pass).
+// weight in cache, Q4_K 2.2x, one thread. A pass per half had left the DRAM stream idle while
+// the second half re-read the group from L2; one pass, streamed from memory, 2 threads, the
+// AVX2 caps, against the pass per half: M = 1 1.2-1.5x on the 1.5B's and 0.5B's large shapes
+// (Q4_K 35.9 against 24.6 GB/s), M = 4 1.03-1.3x (benchmarks/gguf_kernels.py --baseline-repo).
+// Q8_0 keeps group_dot_generic: its sign trick per row left group_dot_avx2 no faster.
 template <int QT, typename OutT>
 void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, int64_t M, int64_t N, const float* bias,
                 OutT* y, int64_t ldy) {
@@ -1341,19 +1384,28 @@ void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, in
         }
         for (int m = 0; m < mr; ++m) _mm512_store_ps(res[m], acc[m]);
 #elif defined(GG_AVX2)
-        constexpr bool KQ = QT == Q4_K || QT == Q5_K || QT == Q6_K;
-        if (QT != Q8_0 && (KQ || mr > 1)) {
-          for (int R = 0; R < 2; ++R) {
-            if (8 * R >= rows) break;
-            __m256 acc[4];
+        if (QT != Q8_0) {
+          // Both 8-row halves in one pass over the group (two passes, the second from L2,
+          // left the DRAM stream idle during the second: Q4_K streamed at 25 GB/s, 45 from cache)
+          __m256 acc[8];
+          const int nh = rows > 8 ? 2 : 1;
+          if (nh == 2) {
             switch (mr) {
-              case 1: group_dot_avx2<QT, 1>(pf, g, a, m0, R, acc); break;
-              case 2: group_dot_avx2<QT, 2>(pf, g, a, m0, R, acc); break;
-              case 3: group_dot_avx2<QT, 3>(pf, g, a, m0, R, acc); break;
-              default: group_dot_avx2<QT, 4>(pf, g, a, m0, R, acc); break;
+              case 1: group_dot_avx2<QT, 1, 2>(pf, g, a, m0, 0, acc); break;
+              case 2: group_dot_avx2<QT, 2, 2>(pf, g, a, m0, 0, acc); break;
+              case 3: group_dot_avx2<QT, 3, 2>(pf, g, a, m0, 0, acc); break;
+              default: group_dot_avx2<QT, 4, 2>(pf, g, a, m0, 0, acc); break;
             }
-            for (int m = 0; m < mr; ++m) _mm256_store_ps(res[m] + 8 * R, acc[m]);
+          } else {
+            switch (mr) {
+              case 1: group_dot_avx2<QT, 1>(pf, g, a, m0, 0, acc); break;
+              case 2: group_dot_avx2<QT, 2>(pf, g, a, m0, 0, acc); break;
+              case 3: group_dot_avx2<QT, 3>(pf, g, a, m0, 0, acc); break;
+              default: group_dot_avx2<QT, 4>(pf, g, a, m0, 0, acc); break;
+            }
           }
+          for (int h = 0; h < nh; ++h)
+            for (int m = 0; m < mr; ++m) _mm256_store_ps(res[m] + 8 * h, acc[h * mr + m]);
         } else {
           switch (mr) {
             case 1: group_dot_generic<QT, 1>(pf, g, a, m0, res); break;
@@ -1531,13 +1583,13 @@ void gguf_linear(torch::Tensor x, torch::Tensor raw, int64_t qtype, int64_t N, i
   }
   if (M == 0) return;
   const int64_t nb = K / 32;
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * nb), s16(M * 2 * nb), s32(M * nb);
+  const auto q = uninit<int8_t>(M * K);
+  const auto d = uninit<float>(M * nb), s16 = uninit<float>(M * 2 * nb), s32 = uninit<float>(M * nb);
   if (x.scalar_type() == torch::kFloat32)
-    quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, q.data(), d.data(), s16.data(), s32.data());
+    quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, q.get(), d.get(), s16.get(), s32.get());
   else
-    quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, q.data(), d.data(), s16.data(), s32.data());
-  const Act a{q.data(), d.data(), s16.data(), s32.data(), K};
+    quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, q.get(), d.get(), s16.get(), s32.get());
+  const Act a{q.get(), d.get(), s16.get(), s32.get(), K};
   const int64_t ldy = M > 1 ? out.stride(0) : N;
   if (x.scalar_type() == torch::kFloat32)
     dispatch(qt, raw.data_ptr<uint8_t>(), raw.stride(0), a, M, N, bp, out.data_ptr<float>(), ldy);
@@ -1829,14 +1881,15 @@ void gguf_linear_packed(torch::Tensor x, torch::Tensor packed, int64_t qtype, in
   }
   if (M == 0) return;
   const int64_t nb = K / 32;
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * nb), s16(M * 2 * nb), s32(M * nb);
-  std::vector<int32_t> i16(M * 2 * nb);
+  // uninitialized (quantize_rows writes every element): a zero-filled M x K buffer was ~2 % of a prefill
+  const auto q = uninit<int8_t>(M * K);
+  const auto d = uninit<float>(M * nb), s16 = uninit<float>(M * 2 * nb), s32 = uninit<float>(M * nb);
+  const auto i16 = uninit<int32_t>(M * 2 * nb);
   if (x.scalar_type() == torch::kFloat32)
-    quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, q.data(), d.data(), s16.data(), s32.data(), i16.data());
+    quantize_rows(x.data_ptr<float>(), x.stride(0), M, K, q.get(), d.get(), s16.get(), s32.get(), i16.get());
   else
-    quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, q.data(), d.data(), s16.data(), s32.data(), i16.data());
-  const PAct a{q.data(), d.data(), s32.data(), i16.data(), K};
+    quantize_rows(x.data_ptr<c10::BFloat16>(), x.stride(0), M, K, q.get(), d.get(), s16.get(), s32.get(), i16.get());
+  const PAct a{q.get(), d.get(), s32.get(), i16.get(), K};
   const int64_t ldy = M > 1 ? out.stride(0) : N;
   if (x.scalar_type() == torch::kFloat32)
     dispatch_packed(qt, packed.data_ptr<uint8_t>(), ldg, a, M, N, bp, out.data_ptr<float>(), ldy);
