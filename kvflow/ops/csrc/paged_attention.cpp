@@ -821,6 +821,46 @@ static inline void score_block(const float* Qt, int64_t R, int64_t r0, const flo
     for (int v = 0; v < NVc; ++v) acc[j][v].store(St + (j0 + j) * R + r0 + v * L);
 }
 
+#if defined(__AVX512BF16__)
+// score_block for bfloat16 q and k with AVX512-BF16: Qp [D / 2, R] the query rows' bfloat16
+// pairs (q[2p], q[2p + 1]) as dwords, unscaled; kp the keys' bfloat16 rows in the cache (no
+// widened copy); vdpbf16ps multiplies the pairs exactly into float32 sums, scaled at the end.
+// St[j, r] = scale * (q_r . k_j): the products as the float32 path's, added in another order.
+template <int NVc>
+static inline void score_block_bf16(const uint32_t* Qp, int64_t R, int64_t r0, const uint16_t* const* kp, int64_t j0,
+                                    int64_t D, float scale, float* St) {
+  __m512 acc[JB][NVc];
+  for (int j = 0; j < JB; ++j)
+    for (int v = 0; v < NVc; ++v) acc[j][v] = _mm512_setzero_ps();
+  const uint16_t* k0 = kp[j0];
+  const uint16_t* k1 = kp[j0 + 1];
+  const uint16_t* k2 = kp[j0 + 2];
+  const uint16_t* k3 = kp[j0 + 3];
+  for (int64_t p = 0; p < D / 2; ++p) {
+    __m512bh qv[NVc];
+    for (int v = 0; v < NVc; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(Qp + p * R + r0 + v * L);
+    uint32_t w0, w1, w2, w3;
+    std::memcpy(&w0, k0 + 2 * p, 4);
+    std::memcpy(&w1, k1 + 2 * p, 4);
+    std::memcpy(&w2, k2 + 2 * p, 4);
+    std::memcpy(&w3, k3 + 2 * p, 4);
+    const __m512bh b0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w0));
+    const __m512bh b1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w1));
+    const __m512bh b2 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w2));
+    const __m512bh b3 = (__m512bh)_mm512_set1_epi32(static_cast<int>(w3));
+    for (int v = 0; v < NVc; ++v) {
+      acc[0][v] = _mm512_dpbf16_ps(acc[0][v], qv[v], b0);
+      acc[1][v] = _mm512_dpbf16_ps(acc[1][v], qv[v], b1);
+      acc[2][v] = _mm512_dpbf16_ps(acc[2][v], qv[v], b2);
+      acc[3][v] = _mm512_dpbf16_ps(acc[3][v], qv[v], b3);
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int j = 0; j < JB; ++j)
+    for (int v = 0; v < NVc; ++v) _mm512_storeu_ps(St + (j0 + j) * R + r0 + v * L, _mm512_mul_ps(acc[j][v], sc));
+}
+#endif
+
 // O[r0 .. r0 + RB - 1, d0 .. d0 + DVc * L - 1] += sum_j St[j, r] * v_j[d].
 template <int DVc>
 static inline void value_block(const float* St, int64_t R, int64_t r0, const float* const* vp, int64_t n,
@@ -853,6 +893,8 @@ static inline void widen_row(const c10::BFloat16* src, float* dst, int64_t D) {
 struct Scratch {
   std::vector<float> qt, o, st, m, l, alpha, kbuf, vbuf;
   std::vector<const float*> kp, vp;
+  std::vector<uint32_t> qp;         // bfloat16 query pairs (score_block_bf16)
+  std::vector<const uint16_t*> kb;  // bfloat16 key rows in the cache (score_block_bf16)
 };
 
 struct Item {
@@ -867,7 +909,23 @@ static void prefill_item(const T* q, int64_t q_stride_t, int64_t q_stride_h, con
                          float scale, T* out, int64_t o_stride_t, int64_t o_stride_h, Scratch& s) {
   const int64_t rows = (t1 - t0) * group;
   const int64_t R = (rows + L - 1) / L * L;
-  s.qt.assign(D * R, 0.f);
+#if defined(__AVX512BF16__)
+  // bfloat16 scores by vdpbf16ps (score_block_bf16): the keys read from the cache as stored
+  constexpr bool BF = std::is_same<T, c10::BFloat16>::value;
+#else
+  constexpr bool BF = false;
+#endif
+  if constexpr (BF) {
+    s.qp.assign(D / 2 * R, 0u);
+    s.kb.resize(KT);
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint16_t* qr = reinterpret_cast<const uint16_t*>(q + (t0 + r / group) * q_stride_t + (h * group + r % group) * q_stride_h);
+      for (int64_t p = 0; p < D / 2; ++p)
+        s.qp[p * R + r] = static_cast<uint32_t>(qr[2 * p]) | static_cast<uint32_t>(qr[2 * p + 1]) << 16;
+    }
+  } else {
+    s.qt.assign(D * R, 0.f);
+  }
   s.o.assign(R * D, 0.f);
   s.st.resize(KT * R);
   s.m.assign(R, -INFINITY);
@@ -880,7 +938,7 @@ static void prefill_item(const T* q, int64_t q_stride_t, int64_t q_stride_h, con
     s.kbuf.resize(KT * D);
     s.vbuf.resize(KT * D);
   }
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < rows && !BF; ++r) {
     const T* qr = q + (t0 + r / group) * q_stride_t + (h * group + r % group) * q_stride_h;
     for (int64_t d = 0; d < D; ++d) s.qt[d * R + r] = static_cast<float>(qr[d]) * scale;
   }
@@ -896,7 +954,11 @@ static void prefill_item(const T* q, int64_t q_stride_t, int64_t q_stride_h, con
     for (int64_t j = 0; j < npad; ++j) {
       const int64_t key = kt + std::min(j, n - 1);  // padding keys repeat the last one (masked)
       const int64_t offset = (table[key / block_size] * block_size + key % block_size) * slot_stride + h * D;
-      if constexpr (widen) {
+      if constexpr (BF) {
+        if (j < n) widen_row(v_cache + offset, s.vbuf.data() + j * D, D);
+        s.kb[j] = reinterpret_cast<const uint16_t*>(k_cache + offset);
+        s.vp[j] = s.vbuf.data() + std::min(j, n - 1) * D;
+      } else if constexpr (widen) {
         if (j < n) {
           widen_row(k_cache + offset, s.kbuf.data() + j * D, D);
           widen_row(v_cache + offset, s.vbuf.data() + j * D, D);
@@ -911,6 +973,13 @@ static void prefill_item(const T* q, int64_t q_stride_t, int64_t q_stride_h, con
     // Scores of the tile.
     for (int64_t j0 = 0; j0 < npad; j0 += JB) {
       int64_t r0 = 0;
+#if defined(__AVX512BF16__)
+      if constexpr (BF) {
+        for (; r0 + NV * L <= R; r0 += NV * L) score_block_bf16<NV>(s.qp.data(), R, r0, s.kb.data(), j0, D, scale, St);
+        for (; r0 < R; r0 += L) score_block_bf16<1>(s.qp.data(), R, r0, s.kb.data(), j0, D, scale, St);
+        continue;
+      }
+#endif
       for (; r0 + NV * L <= R; r0 += NV * L) score_block<NV>(s.qt.data(), R, r0, s.kp.data(), j0, D, St);
       for (; r0 < R; r0 += L) score_block<1>(s.qt.data(), R, r0, s.kp.data(), j0, D, St);
     }
