@@ -135,3 +135,25 @@ def test_onednn_bf16_native(monkeypatch, packs, avx512_bf16, amx, cap, native):
     else:
         monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
     assert linear.onednn_bf16_native() is native
+
+
+def test_a_kv_cache_larger_than_the_memory_is_refused_by_name(tmp_path, monkeypatch):
+    """On the CPU the pool is resident from the start: one that cannot fit the available
+    memory is a ValueError naming the field that sized it, not the OOM killer."""
+    import collections
+
+    import psutil
+    from conftest import tiny_hf_model_dir
+
+    folder = tiny_hf_model_dir(tmp_path / "m")
+    mem = collections.namedtuple("mem", "available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(available=2**20))  # 1 MiB left
+    kw = dict(model=str(folder), device="cpu", dtype="float32", block_size=8, attention_backend="torch")
+    with pytest.raises(ValueError, match=r"num_kv_blocks=200000: the KV cache needs .* GiB \(200000 blocks\)"):
+        EngineArgs(num_kv_blocks=200000, **kw).create_config()
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes=2097152: .* available on this machine"):
+        EngineArgs(kv_cache_memory_bytes="2MiB", **kw).create_config()
+    with pytest.raises(ValueError, match="swap space"):
+        EngineArgs(num_kv_blocks=2, preemption_mode="swap", swap_space_bytes="4MiB", **kw).create_config()
+    config = EngineArgs(num_kv_blocks=2, **kw).create_config()  # a pool that fits is built as before
+    assert config.cache.num_blocks == 2

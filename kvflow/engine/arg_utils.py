@@ -353,7 +353,8 @@ class EngineArgs:
                 paid from the same budget (a draft model's), 0 for none.
 
         Raises:
-            ValueError: if the budget does not hold a single block.
+            ValueError: if the budget does not hold a single block, or (on the CPU) if the
+                pool does not fit the machine's available memory (``_check_host_memory``).
         """
         dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
         bytes_per_block = kv_spec.bytes_per_token(dtype) * self.block_size
@@ -370,12 +371,41 @@ class EngineArgs:
         swap_space = self.swap_space_bytes
         if swap_space is None:
             swap_space = DEFAULT_SWAP_SPACE_BYTES if self.preemption_mode == "swap" else 0
+        if self.torch_device().type == "cpu":
+            self._check_host_memory(num_blocks * (bytes_per_block + extra_bytes_per_token * self.block_size),
+                                    num_blocks, swap_space)
         return CacheConfig(
             block_size=self.block_size,
             num_blocks=num_blocks,
             dtype=dtype,
             enable_prefix_caching=self.enable_prefix_caching,
             num_cpu_blocks=swap_space // bytes_per_block,
+        )
+
+    def _check_host_memory(self, pool_bytes: int, num_blocks: int, swap_space: int) -> None:
+        """On the CPU the KV pool is allocated and zeroed at start (resident, not lazily
+        mapped): one larger than the memory the machine has available would only end in the
+        kernel's OOM killer. Every tensor-parallel rank holds its own pool; the swap space is
+        host memory too.
+
+        Raises:
+            ValueError: naming ``num_kv_blocks`` or ``kv_cache_memory_bytes`` (whichever sized
+                the pool) when the pools and the swap space exceed the available memory.
+        """
+        import psutil
+
+        world = max(1, self.tensor_parallel_size)
+        need = pool_bytes * world + swap_space
+        available = psutil.virtual_memory().available
+        if need <= available:
+            return
+        field = ("num_kv_blocks", self.num_kv_blocks) if self.num_kv_blocks is not None else (
+            "kv_cache_memory_bytes", self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES)
+        ranks = f" on each of {world} ranks" if world > 1 else ""
+        swap = f" plus {swap_space / 2**30:.2f} GiB of swap space" if swap_space else ""
+        raise ValueError(
+            f"{field[0]}={field[1]}: the KV cache needs {pool_bytes / 2**30:.2f} GiB ({num_blocks} blocks){ranks}"
+            f"{swap}, more than the {available / 2**30:.2f} GiB of memory available on this machine; lower it"
         )
 
     def scheduler_config(self, model_config: ModelConfig) -> SchedulerConfig:
