@@ -27,18 +27,18 @@ def ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 @needs_kernel
 @pytest.mark.parametrize("tokens", [1, 7, 300])
-@pytest.mark.parametrize("width", [1536, 33, 1])
+@pytest.mark.parametrize("width", [1536, 56, 33, 1])
 def test_float32_matches_pytorch(tokens, width):
     g = torch.Generator().manual_seed(tokens * 1000 + width)
     x = torch.randn(tokens, 2 * width, generator=g) * 4
     got, want = cpu_silu_and_mul(x), reference(x)
     assert got.shape == (tokens, width) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
-    assert ulps(got, want) <= 4  # observed: 2 (AVX-512 and AVX2 builds)
+    assert ulps(got, want) <= 6  # observed: at most 5 over 6M values (vs the exact value: kernel 4.1, ATen 3.0)
 
 
 @needs_kernel
-@pytest.mark.parametrize("width", [1536, 33])
+@pytest.mark.parametrize("width", [1536, 56, 33])
 def test_bfloat16_within_one_rounding_of_pytorch(width):
     """PyTorch's roundings (silu(gate) to bfloat16, then the product): a result differs from
     F.silu(gate) * up only where the two e^x (kernel: within 2 ulp, ATen's within 1) round

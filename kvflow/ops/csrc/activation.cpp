@@ -19,6 +19,7 @@
 #include <c10/util/BFloat16.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define ACT_AVX512 1
@@ -78,9 +79,15 @@ inline __m512i bf16_bits16(__m512 v) {
 inline void st16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits16(v)));
 }
-// v rounded to T and back (the value a stored T holds)
+// v rounded to T and back (the value a stored T holds; bfloat16: to nearest even by the same
+// bias, in place; a NaN is not made 0x7FC0 here, its product with up is NaN and st16 stores that)
 inline __m512 rnd16(__m512 v, float) { return v; }
-inline __m512 rnd16(__m512 v, c10::BFloat16) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
+inline __m512 rnd16(__m512 v, c10::BFloat16) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(-65536)));
+}
 #elif defined(ACT_AVX2)
 // e^x on 8 lanes for x <= 0: 0 below -87.3 (ordered), NaN stays NaN (paged_attention.cpp's
 // exp8_cephes behind VecF::exp_neg; 2^n through the exponent bits, n >= -126 here).
@@ -123,7 +130,12 @@ inline __m256i bf16_bits8(__m256 v) {
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 inline __m256 rnd8(__m256 v, float) { return v; }
-inline __m256 rnd8(__m256 v, c10::BFloat16) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
+inline __m256 rnd8(__m256 v, c10::BFloat16) {  // as rnd16
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(u, bias), _mm256_set1_epi32(-65536)));
+}
 inline void st8(c10::BFloat16* p, __m256 v) {
   const __m256i b = bf16_bits8(v);
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
@@ -141,6 +153,22 @@ inline void silu_mul_row(const T* x, T* y, int64_t n) {
   const T* u = x + n;
   int64_t i = 0;
 #if defined(ACT_AVX512)
+  if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    // 32 at a time: the 16-bit values interleaved with zeros within each 128-bit lane (unpacklo /
+    // unpackhi: float32s in a permuted order, the same for gate and up) and packed back by packus,
+    // which undoes that permutation: one shuffle per 16 values each way instead of two.
+    const __m512i zero = _mm512_setzero_si512();
+    for (; i + 32 <= n; i += 32) {
+      const __m512i gv = _mm512_loadu_si512(g + i), uv = _mm512_loadu_si512(u + i);
+      const __m512 g0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, gv));
+      const __m512 g1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, gv));
+      const __m512 u0 = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, uv));
+      const __m512 u1 = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, uv));
+      const __m512i y0 = bf16_bits16(_mm512_mul_ps(rnd16(silu16(g0), T()), u0));
+      const __m512i y1 = bf16_bits16(_mm512_mul_ps(rnd16(silu16(g1), T()), u1));
+      _mm512_storeu_si512(y + i, _mm512_packus_epi32(y0, y1));
+    }
+  }
   for (; i + 16 <= n; i += 16) st16(y + i, _mm512_mul_ps(rnd16(silu16(ld16(g + i)), T()), ld16(u + i)));
 #elif defined(ACT_AVX2)
   for (; i + 8 <= n; i += 8) st8(y + i, _mm256_mul_ps(rnd8(silu8(ld8(g + i)), T()), ld8(u + i)));
