@@ -64,7 +64,9 @@ def test_extreme_inputs(dtype):
     finite = ~torch.isnan(want)
     torch.testing.assert_close(got[finite], want[finite], rtol=2e-6 if dtype == torch.float32 else 2.0**-7, atol=1e-30)
     g = x[0, :17].float()
-    assert got[0] == 100.0 and got[2] == 2 * g[2] and got[1] == 0.0 and got[3] == 0.0  # -0 for g << 0
+    assert got[0] == 100.0 and got[2] == 2 * g[2]
+    # -0 for g << 0 (the vector passes; the portable loop's std::exp keeps -100 e^-100's denormal)
+    assert got[1].abs() < 1e-36 and got[3] == 0.0
     assert torch.isnan(got[6]) and torch.isnan(got[7])
 
 
