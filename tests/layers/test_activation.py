@@ -56,7 +56,8 @@ def test_bfloat16_within_one_rounding_of_pytorch(width):
 def test_extreme_inputs(dtype):
     """silu(g) -> g for g >> 0, -> 0 (not NaN) for g << 0, NaN stays NaN; ±inf up."""
     nan, inf = float("nan"), float("inf")
-    gate = torch.tensor([100.0, -100.0, 1e4, -1e4, 88.0, -88.0, nan, 2.0, 0.0, -0.0, 30.0, -30.0, 1e-30, -1e-30, 1.0, -1.0, 3.0])
+    gate = torch.tensor([100.0, -100.0, 1e4, -1e4, 88.0, -88.0, nan, 2.0, 0.0, -0.0, 30.0, -30.0, 1e-30, -1e-30,
+                         1.0, -1.0, 3.0])
     up = torch.tensor([1.0, 1.0, 2.0, 3.0, 1.0, 1.0, 1.0, nan, 5.0, 5.0, -1.0, -1.0, 1.0, 1.0, inf, -inf, 1.0])
     x = torch.cat([gate, up]).unsqueeze(0).to(dtype)
     got, want = cpu_silu_and_mul(x)[0].float(), reference(x)[0].float()

@@ -8,9 +8,16 @@
 // silu(g) = g * sigmoid(g) (Elfwing et al. 2018), computed with t = e^-|g| in (0, 1] (never
 // overflows): g / (1 + t) for g >= 0 (PyTorch's formula), g * t / (1 + t) for g < 0; so
 // silu(g) -> g for g >> 0, -> -0 for g << 0, NaN stays NaN. e^x: Cephes expf (range reduction
-// by ln 2 in two parts, degree-6 polynomial, 2^n by exponent bits / vscalefps), within 2 ulp.
+// by ln 2 in two parts, degree-6 polynomial, 2^n by exponent bits / vscalefps), within 2 ulp;
+// float32 results within 5 ulp of PyTorch's for |g| < 80 (vector passes: -0 below g = -87.3), bfloat16 ones equal
+// to PyTorch's but where the two e^x round silu(g) differently (about one in a million).
 //
-// Measured: MEASUREMENT PENDING
+// Measured (2026-12-05, this shared 2-core AMD EPYC with AVX-512; x = randn(4096, 3072), I = 1536;
+// torch.set_num_threads(1), time.process_time over 50 calls, best of 3; a new [4096, 1536]
+// output each call, whose page faults alone cost ~2.2 ms in float32):
+//   -march=native (AVX-512):  bfloat16 4.92 ms vs F.silu(g) * u 8.94 ms; float32 4.97 vs 9.34 ms
+//   x86-64-v3 (AVX2; ATen avx2): bfloat16 7.32 ms vs 10.70 ms;         float32 5.94 vs 11.13 ms
+// In L2 (64 rows) the AVX-512 pass takes 0.33 ns a value in float32, 0.53 in bfloat16.
 
 // torch/extension.h's tensor API and pybind11 casters without its C++ frontend (torch/all.h)
 #include <torch/types.h>
