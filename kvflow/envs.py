@@ -22,6 +22,7 @@ Switches and when they are read:
 - ``KVFLOW_CPU_KERNELS`` (bool; default on): ``0`` keeps every C++ CPU kernel unbuilt (the
   PyTorch paths run); each kernel also has its own switch:
   ``KVFLOW_CPU_ATTENTION`` (paged attention), ``KVFLOW_CPU_NORM`` (RMSNorm),
+  ``KVFLOW_CPU_ACTIVATION`` (SiLU-and-mul, the SwiGLU activation),
   ``KVFLOW_CPU_ROTARY`` (rotary embedding), ``KVFLOW_CPU_LINEAR`` (weight-only INT8),
   ``KVFLOW_CPU_INVARIANT_LINEAR`` (batch-invariant linears), ``KVFLOW_CPU_GGUF`` (GGUF
   quantized matmuls), ``KVFLOW_CPU_FUSED_DECODE`` (GGUF decode steps in one call), read when the kernel is
@@ -144,6 +145,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "`0`: never build any of kvflow's C++ CPU kernels (all the PyTorch paths run)", _on_unless_zero),
     _kernel_switch("KVFLOW_CPU_ATTENTION", "paged-attention"),
     _kernel_switch("KVFLOW_CPU_NORM", "RMSNorm"),
+    _kernel_switch("KVFLOW_CPU_ACTIVATION", "SiLU-and-mul (SwiGLU activation)"),
     _kernel_switch("KVFLOW_CPU_ROTARY", "rotary-embedding"),
     _kernel_switch("KVFLOW_CPU_LINEAR", "weight-only INT8 linear"),
     _kernel_switch("KVFLOW_CPU_INVARIANT_LINEAR", "batch-invariant linear"),

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel, even_partition
+from kvflow.layers.activation import silu_and_mul
 from kvflow.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kvflow.quantization.base import FusedMoEMethodBase, keep_storage_dtypes
 
@@ -428,7 +429,7 @@ class SharedExpertMLP(nn.Module):
                                            prefix=f"{prefix}.down_proj", tp=tp, reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # the C++ kernel where it applies
 
 
 _EXPERT_NAME = re.compile(r"(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight")

@@ -10,6 +10,7 @@ kernel                 source                      switch (``kvflow.envs``)     
 ``INVARIANT_LINEAR``   ``invariant_linear.cpp``    ``KVFLOW_CPU_INVARIANT_LINEAR``  ``layers/invariant_linear.py``
 ``GGUF_MATMUL``        ``gguf_matmul.cpp``         ``KVFLOW_CPU_GGUF``              ``layers/gguf_kernels.py``
 ``FUSED_DECODE``       ``fused_decode.cpp``        ``KVFLOW_CPU_FUSED_DECODE``      ``layers/fused_decode.py``
+``ACTIVATION``         ``activation.cpp``          ``KVFLOW_CPU_ACTIVATION``        ``layers/activation.py``
 =====================  ==========================  ===============================  ============================
 
 Each is a :class:`kvflow.ops.build.CppKernel`: ``load()`` builds it once (or returns None:
@@ -55,6 +56,7 @@ PAGED_ATTENTION = CppKernel("kvflow_cpu_paged_attention", "paged_attention.cpp",
                             "CPU paged-attention kernel")
 INT8_LINEAR = CppKernel("kvflow_cpu_linear", "int8_linear.cpp", "KVFLOW_CPU_LINEAR", "CPU weight-only INT8 kernel")
 RMS_NORM = CppKernel("kvflow_cpu_rms_norm", "rms_norm.cpp", "KVFLOW_CPU_NORM", "CPU RMSNorm kernel")
+ACTIVATION = CppKernel("kvflow_cpu_activation", "activation.cpp", "KVFLOW_CPU_ACTIVATION", "CPU SiLU-and-mul kernel")
 ROTARY = CppKernel("kvflow_cpu_rotary", "rotary.cpp", "KVFLOW_CPU_ROTARY", "CPU rotary kernel")
 INVARIANT_LINEAR = CppKernel("kvflow_cpu_invariant_linear", "invariant_linear.cpp", "KVFLOW_CPU_INVARIANT_LINEAR",
                              "batch-invariant linear kernel")
@@ -64,7 +66,7 @@ FUSED_DECODE = CppKernel("kvflow_cpu_fused_decode", "fused_decode.cpp", "KVFLOW_
                          "CPU fused GGUF decode-step kernel", includes=("gguf_matmul.cpp", "paged_attention.cpp"))
 
 KERNELS: tuple[CppKernel, ...] = (PAGED_ATTENTION, INT8_LINEAR, RMS_NORM, ROTARY, INVARIANT_LINEAR, GGUF_MATMUL,
-                                  FUSED_DECODE)
+                                  FUSED_DECODE, ACTIVATION)
 """Every kernel of the package."""
 
-__all__ = ["CppKernel", "KERNELS", "publish_background_builds", "start_background_builds", "PAGED_ATTENTION", "INT8_LINEAR", "RMS_NORM", "ROTARY", "INVARIANT_LINEAR", "GGUF_MATMUL", "FUSED_DECODE"]
+__all__ = ["CppKernel", "KERNELS", "publish_background_builds", "start_background_builds", "PAGED_ATTENTION", "INT8_LINEAR", "RMS_NORM", "ROTARY", "INVARIANT_LINEAR", "GGUF_MATMUL", "FUSED_DECODE", "ACTIVATION"]

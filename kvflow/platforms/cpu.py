@@ -99,8 +99,9 @@ class CpuPlatform(Platform):
 def start_kernel_builds(config: Any) -> list[CppKernel]:
     """Start building, in the background, the C++ CPU kernels this engine would use that are
     not built yet (``kvflow.ops.build.start_background_builds``): the GGUF matmul for a model
-    computed as stored, paged attention, RMSNorm, rotary, the INT8 linear for an
-    INT8-quantized model and the fused decode step of a GGUF model, in that order. Only on the
+    computed as stored, paged attention, RMSNorm, rotary, SiLU-and-mul, the INT8 linear for
+    an INT8-quantized model and the fused decode step of a GGUF model, in that order (a
+    kernel left out would build on its first use, in the middle of a step). Only on the
     CPU, without tensor parallelism (ranks must switch at the same step) and with
     ``KVFLOW_CPU_KERNEL_BUILD=background`` (the default); elsewhere nothing starts and each
     kernel is built on its first use.
@@ -116,7 +117,7 @@ def start_kernel_builds(config: Any) -> list[CppKernel]:
             or envs.KVFLOW_CPU_KERNEL_BUILD != "background"):
         return []
     load = config.load
-    kernels = [ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY]
+    kernels = [ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY, ops.ACTIVATION]
     if load is not None and load.quantization == "gguf":
         kernels.insert(0, ops.GGUF_MATMUL)  # a GGUF model's linears: most of its step
     if load is not None and "int8" in (load.quantization, load.quantize_lm_head):

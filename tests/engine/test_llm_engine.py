@@ -866,7 +866,7 @@ def test_a_kernel_built_in_the_background_is_switched_to_between_steps_only(monk
     monkeypatch.setattr(fake, "_compile_in_subprocess", lambda: None)
     monkeypatch.setattr(norm, "_EXTENSION", fake)
     monkeypatch.setattr(ops, "RMS_NORM", fake)
-    for name in ("PAGED_ATTENTION", "ROTARY"):  # no real compiler runs in this test
+    for name in ("PAGED_ATTENTION", "ROTARY", "ACTIVATION"):  # no real compiler runs in this test
         off = CppKernel(f"kvflow_test_off_{name}", ops.RMS_NORM.source_path, "KVFLOW_CPU_NORM", name)
         monkeypatch.setattr(off, "disabled", lambda: True)
         monkeypatch.setattr(ops, name, off)

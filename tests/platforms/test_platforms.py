@@ -89,9 +89,8 @@ def test_a_gguf_model_builds_its_matmul_kernel_first_in_the_background(monkeypat
     start_kernel_builds(_config("gguf"))
     start_kernel_builds(_config(None))
     start_kernel_builds(_config("int8"))
-    assert started == [[ops.GGUF_MATMUL, ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY, ops.FUSED_DECODE],
-                       [ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY],
-                       [ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY, ops.INT8_LINEAR]]
+    common = [ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY, ops.ACTIVATION]
+    assert started == [[ops.GGUF_MATMUL, *common, ops.FUSED_DECODE], common, [*common, ops.INT8_LINEAR]]
     assert start_kernel_builds(_config(None, tp=2)) == [] and len(started) == 3  # ranks switch together
     monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "wait")
     assert start_kernel_builds(_config("gguf")) == [] and len(started) == 3
