@@ -16,8 +16,9 @@ for |gate| < 80 (e^x is a Cephes-style polynomial within 2 ulp, ATen's within 1;
 the exact value the kernel is within 4.1 ulp, ATen within 3.0; below gate = -87.3 the
 kernel's silu is -0 where ATen's is a tiny number down to -88.7). One thread, x [4096, 3072]: bfloat16
 4.9 ms against 8.9 ms, float32 5.0 ms against 9.3 ms (``activation.cpp``'s header).
-Where the kernel does not apply (another dtype, not 2-D, autograd, not built) and with
-``KVFLOW_CPU_ACTIVATION=0`` ``F.silu(gate) * up`` runs, the reference.
+Models take the kernel in bfloat16 only (``silu_and_mul``); float32 keeps the reference.
+Where the kernel does not apply (float32, another dtype, not 2-D, autograd, not built) and
+with ``KVFLOW_CPU_ACTIVATION=0`` ``F.silu(gate) * up`` runs, the reference.
 """
 
 from __future__ import annotations
@@ -56,10 +57,18 @@ def cpu_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of x [..., 2I] (gate the first half of the last dimension, up the
-    second) -> [..., I] of x's dtype: the C++ kernel where it applies (a 2-D float32 or
-    bfloat16 CPU tensor with contiguous rows, no autograd, the kernel built), else the
-    PyTorch reference ``F.silu(gate) * up``."""
-    if takes_kernel_input(x, 2) and x.shape[-1] % 2 == 0 and cpu_silu_and_mul_available():
+    second) -> [..., I] of x's dtype: the C++ kernel where it applies (a 2-D bfloat16 CPU
+    tensor with contiguous rows, no autograd, the kernel built), else the PyTorch reference
+    ``F.silu(gate) * up``.
+
+    float32 keeps the reference: it is the exactness dtype, and the kernel's e^x (within 2
+    ulp, ATen's within 1) moves a last bit, which the int8 activations of the next GGUF
+    product amplify (the fused decode step's float32 SiLU, ``fused_decode.cpp``, follows
+    ATen element by element for the same reason; under the AVX2 caps its test against this
+    path failed with the kernel in float32). In bfloat16 the kernel's values are PyTorch's
+    (both round silu(gate) to bfloat16 first)."""
+    if (x.dtype == torch.bfloat16 and takes_kernel_input(x, 2) and x.shape[-1] % 2 == 0
+            and cpu_silu_and_mul_available()):
         return cpu_silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

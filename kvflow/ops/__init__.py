@@ -53,17 +53,18 @@ from __future__ import annotations
 from kvflow.ops.build import CppKernel, publish_background_builds, start_background_builds
 
 PAGED_ATTENTION = CppKernel("kvflow_cpu_paged_attention", "paged_attention.cpp", "KVFLOW_CPU_ATTENTION",
-                            "CPU paged-attention kernel")
+                            "CPU paged-attention kernel", includes=("vec_exp.h",))
 INT8_LINEAR = CppKernel("kvflow_cpu_linear", "int8_linear.cpp", "KVFLOW_CPU_LINEAR", "CPU weight-only INT8 kernel")
 RMS_NORM = CppKernel("kvflow_cpu_rms_norm", "rms_norm.cpp", "KVFLOW_CPU_NORM", "CPU RMSNorm kernel")
-ACTIVATION = CppKernel("kvflow_cpu_activation", "activation.cpp", "KVFLOW_CPU_ACTIVATION", "CPU SiLU-and-mul kernel")
+ACTIVATION = CppKernel("kvflow_cpu_activation", "activation.cpp", "KVFLOW_CPU_ACTIVATION", "CPU SiLU-and-mul kernel",
+                       includes=("vec_exp.h",))
 ROTARY = CppKernel("kvflow_cpu_rotary", "rotary.cpp", "KVFLOW_CPU_ROTARY", "CPU rotary kernel")
 INVARIANT_LINEAR = CppKernel("kvflow_cpu_invariant_linear", "invariant_linear.cpp", "KVFLOW_CPU_INVARIANT_LINEAR",
                              "batch-invariant linear kernel")
 GGUF_MATMUL = CppKernel("kvflow_cpu_gguf_matmul", "gguf_matmul.cpp", "KVFLOW_CPU_GGUF", "CPU GGUF quantized matmul kernel")
 
 FUSED_DECODE = CppKernel("kvflow_cpu_fused_decode", "fused_decode.cpp", "KVFLOW_CPU_FUSED_DECODE",
-                         "CPU fused GGUF decode-step kernel", includes=("gguf_matmul.cpp", "paged_attention.cpp"))
+                         "CPU fused GGUF decode-step kernel", includes=("gguf_matmul.cpp", "paged_attention.cpp", "vec_exp.h"))
 
 KERNELS: tuple[CppKernel, ...] = (PAGED_ATTENTION, INT8_LINEAR, RMS_NORM, ROTARY, INVARIANT_LINEAR, GGUF_MATMUL,
                                   FUSED_DECODE, ACTIVATION)

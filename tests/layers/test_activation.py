@@ -108,7 +108,9 @@ def test_silu_and_mul_uses_the_kernel_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(activation, "cpu_silu_and_mul_available", lambda: True)
     monkeypatch.setattr(activation, "cpu_silu_and_mul", lambda x: calls.append(tuple(x.shape)) or reference(x))
     with torch.no_grad():
-        assert silu_and_mul(torch.randn(3, 16)).shape == (3, 8)  # 2-D float32 inference: kernel
+        assert silu_and_mul(torch.randn(3, 16).bfloat16()).shape == (3, 8)  # 2-D bfloat16 inference: kernel
+        x = torch.randn(3, 16)
+        assert torch.equal(silu_and_mul(x), reference(x))  # float32 (the exactness dtype): PyTorch's values
         silu_and_mul(torch.randn(3, 16).bfloat16())  # bfloat16: kernel
         silu_and_mul(torch.randn(2, 3, 16))  # 3-D: PyTorch
         silu_and_mul(torch.randn(3, 16).half())  # float16: PyTorch

@@ -93,7 +93,8 @@ def test_name_hashes_the_sources_it_includes(tmp_path, source):
     a = CppKernel("kvflow_x", source, SWITCH, "k", includes=("shared.cpp",)).build_name()
     (tmp_path / "shared.cpp").write_text("// shared routines, edited\n")
     assert CppKernel("kvflow_x", source, SWITCH, "k", includes=("shared.cpp",)).build_name() != a
-    assert ops.FUSED_DECODE.include_paths == (build.CSRC / "gguf_matmul.cpp", build.CSRC / "paged_attention.cpp")
+    assert ops.FUSED_DECODE.include_paths == (build.CSRC / "gguf_matmul.cpp", build.CSRC / "paged_attention.cpp",
+                                              build.CSRC / "vec_exp.h")
 
 
 def test_name_changes_with_the_cpu(monkeypatch, source):
@@ -199,15 +200,35 @@ def test_every_kernel_source_is_in_the_package_and_bound():
 
 
 def test_the_sources_are_package_data():
-    """pyproject ships kvflow/ops/csrc/*.cpp in the wheel (the kernels build from them)."""
+    """pyproject ships kvflow/ops/csrc/*.cpp and the headers they include in the wheel (the
+    kernels build from them)."""
     import tomllib
     from fnmatch import fnmatch
 
     pyproject = tomllib.loads((build.CSRC.parents[2] / "pyproject.toml").read_text())
     patterns = pyproject["tool"]["setuptools"]["package-data"]["kvflow"]
-    for path in build.CSRC.glob("*.cpp"):
+    for path in [*build.CSRC.glob("*.cpp"), *build.CSRC.glob("*.h")]:
         rel = path.relative_to(build.CSRC.parents[1]).as_posix()  # ops/csrc/x.cpp
         assert any(fnmatch(rel, p) for p in patterns), rel
+
+
+def test_every_local_include_is_in_the_build_name():
+    """A kernel's build name hashes the files it names in ``includes``: every ``#include
+    "x"`` of its source, and of those files in turn, must be among them, or an edit of x
+    would load the stale build."""
+    import re
+
+    def local_includes(path):
+        return set(re.findall(r'^#include "([^"]+)"', path.read_text(), re.MULTILINE))
+
+    for kernel in ops.KERNELS:
+        declared = {p.name for p in kernel.include_paths}
+        seen, todo = set(), [kernel.source_path]
+        while todo:
+            for name in local_includes(todo.pop()) - seen:
+                seen.add(name)
+                todo.append(build.CSRC / name)
+        assert seen <= declared, (kernel.what, seen - declared)
 
 
 class _GatedBuild:

@@ -34,6 +34,7 @@
 #include <immintrin.h>
 #define ACT_AVX2 1
 #endif
+#include "vec_exp.h"  // exp_neg16, exp_neg8 (paged_attention.cpp's softmax uses the same)
 
 namespace {
 
@@ -45,23 +46,6 @@ inline float silu1(float g) {
 }
 
 #if defined(ACT_AVX512)
-// e^x on 16 lanes for x <= 0: 0 below -87.3 (ordered), NaN stays NaN (paged_attention.cpp's exp_neg16).
-inline __m512 exp_neg16(__m512 x) {
-  const __m512 c = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);  // x second: a NaN x stays NaN
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ);
-  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
-}
 inline __m512 silu16(__m512 g) {
   const __m512 sign = _mm512_set1_ps(-0.f);
   const __m512 t = exp_neg16(_mm512_or_ps(g, sign));  // e^-|g|
@@ -96,26 +80,6 @@ inline __m512 rnd16(__m512 v, c10::BFloat16) {
   return _mm512_castsi512_ps(_mm512_and_si512(_mm512_add_epi32(u, bias), _mm512_set1_epi32(-65536)));
 }
 #elif defined(ACT_AVX2)
-// e^x on 8 lanes for x <= 0: 0 below -87.3 (ordered), NaN stays NaN (paged_attention.cpp's
-// exp8_cephes behind VecF::exp_neg; 2^n through the exponent bits, n >= -126 here).
-inline __m256 exp_neg8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
-  const __m256 c = _mm256_max_ps(lo, x);  // x second: a NaN x stays NaN
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-  return _mm256_and_ps(y, _mm256_cmp_ps(x, lo, _CMP_NLT_UQ));
-}
 inline __m256 silu8(__m256 g) {
   const __m256 t = exp_neg8(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));  // e^-|g|
   const __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
