@@ -109,8 +109,9 @@ def kv_budget_from_utilization(fraction: Any, model: str, device: str | None,
     module docstring).
 
     Raises:
-        ValueError: naming gpu_memory_utilization, for a fraction outside (0, 1] or one that
-            leaves no memory for the KV cache.
+        ValueError: naming gpu_memory_utilization, for a fraction outside (0, 1], one that
+            leaves no memory for the KV cache, or (on the CPU) one whose budget exceeds the
+            memory available on the machine.
     """
     import psutil
     import torch
@@ -135,6 +136,16 @@ def kv_budget_from_utilization(fraction: Any, model: str, device: str | None,
             f"({where}) minus {used / 2**30:.2f} GiB in use and {weights / 2**30:.2f} GiB of weights; raise it, or "
             "set kv_cache_memory_bytes"
         )
+    if dev.type != "cuda":
+        # The CPU pool is resident from the start: more than the machine has free (other
+        # processes hold some of its RAM) would end in the OOM killer.
+        available = psutil.virtual_memory().available
+        if budget > available:
+            raise ValueError(
+                f"gpu_memory_utilization={fraction} asks for a {budget / 2**30:.2f} GiB KV cache ({fraction} x "
+                f"{total / 2**30:.1f} GiB of RAM less what is in use), more than the {available / 2**30:.2f} GiB "
+                "of memory available on this machine; lower it, or set kv_cache_memory_bytes"
+            )
     return budget
 
 

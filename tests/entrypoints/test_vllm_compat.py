@@ -130,7 +130,7 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_from_ram(tiny_dir, monkeypatc
     weights = sum(f.stat().st_size for f in tiny_dir.iterdir() if f.name.endswith(".safetensors"))
     rss = psutil.Process().memory_info().rss
     total = 2 * (rss + weights + 2**30)  # half of it leaves 1 GiB, however large this process has grown
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"total": total})())
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"total": total, "available": total})())
     budget = vllm_compat.kv_budget_from_utilization(0.5, str(tiny_dir), "cpu")
     assert abs(budget - (total // 2 - rss - weights)) < 64 * 2**20  # (the resident set moves a little)
     args = vllm_compat.translate_llm_kwargs(str(tiny_dir), {"gpu_memory_utilization": 0.5, "device": "cpu"},
@@ -138,6 +138,10 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_from_ram(tiny_dir, monkeypatc
     assert abs(args["kv_cache_memory_bytes"] - budget) < 64 * 2**20
     with pytest.raises(ValueError, match="leaves no KV cache memory"):
         vllm_compat.kv_budget_from_utilization(0.01, str(tiny_dir), "cpu")
+    # Other processes hold most of the RAM: the budget would not fit what is free.
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"total": total, "available": 2**20})())
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.5 asks for a .* more than the 0.00 GiB"):
+        vllm_compat.kv_budget_from_utilization(0.5, str(tiny_dir), "cpu")
 
 
 def test_offline_chat_takes_vllms_arguments(llm):
