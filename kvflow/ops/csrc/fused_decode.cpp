@@ -53,6 +53,21 @@ inline __m256 rnd8(__m256 x) {
   if constexpr (std::is_same<T, float>::value) return x;
   else return rnd_bf16(x);
 }
+
+// Eight T values as float32 (bfloat16: the upper half of a float32, exact).
+inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 ld8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Eight floats that a T holds exactly (rounded by rnd8<T>) stored as T (bfloat16: the upper halves).
+inline void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void st8(c10::BFloat16* p, __m256 v) {
+  const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
 #endif
 
 // act[i] = T(T(silu(g)) u) with g = T(gu[i]), u = T(gu[n + i]) for i < n: the PyTorch path's
@@ -254,28 +269,111 @@ class FusedDecoder {
     }
   }
 
-  // RMSNorm of rows x [M, H] (float32) with weight w, into y, rounded to T (rms_norm.cpp's order).
+  // Rows of the residual stream x [M, H] (float32 holding T values): with p, first the residual
+  // add x = T(x + T(p)) (the PyTorch path's sum of two T tensors); then, with w, the RMSNorm
+  // y = T(x * rsqrt(mean(x^2) + eps) * w), rms_norm.cpp's arithmetic (16 partial sums of
+  // squares by index, fused multiply-adds, added in a fixed order). Rows in parallel from 16.
   template <typename T>
-  void rms(const float* x, const float* w, int64_t M, float* y) {
-    const int64_t n = H_;
-    for (int64_t r = 0; r < M; ++r) {
-      const float* xr = x + r * n;
-      float part[16] = {};
-      int64_t i = 0;
-      for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; ++j) part[j] += xr[i + j] * xr[i + j];
-      for (int j = 0; i < n; ++i, ++j) part[j] += xr[i] * xr[i];
-      float ss = 0.f;
-      for (int j = 0; j < 16; ++j) ss += part[j];
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps_));
-      for (int64_t i = 0; i < n; ++i) y[r * n + i] = rnd<T>(xr[i] * inv * w[i]);
+  void add_rms(float* x, const float* p, const float* w, int64_t M, float* y) {
+    const int64_t n = H_;  // a multiple of 32 (checked at construction)
+    const float eps = static_cast<float>(eps_);
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        float* xr = x + r * n;
+        const float* pr = p ? p + r * n : nullptr;
+        float part[16] = {};
+        int64_t i = 0;
+#if defined(GG_AVX2)
+        __m256 p0 = _mm256_setzero_ps(), p1 = _mm256_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+          __m256 a = _mm256_loadu_ps(xr + i), b = _mm256_loadu_ps(xr + i + 8);
+          if (pr) {
+            a = rnd8<T>(_mm256_add_ps(a, rnd8<T>(_mm256_loadu_ps(pr + i))));
+            b = rnd8<T>(_mm256_add_ps(b, rnd8<T>(_mm256_loadu_ps(pr + i + 8))));
+            _mm256_storeu_ps(xr + i, a);
+            _mm256_storeu_ps(xr + i + 8, b);
+          }
+          p0 = _mm256_fmadd_ps(a, a, p0);
+          p1 = _mm256_fmadd_ps(b, b, p1);
+        }
+        _mm256_storeu_ps(part, p0);
+        _mm256_storeu_ps(part + 8, p1);
+#endif
+        for (; i < n; ++i) {
+          float v = xr[i];
+          if (pr) xr[i] = v = rnd<T>(v + rnd<T>(pr[i]));
+          part[i % 16] = std::fma(v, v, part[i % 16]);
+        }
+        if (!w) continue;
+        float ss = 0.f;
+        for (int j = 0; j < 16; ++j) ss += part[j];
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+        float* yr = y + r * n;
+        i = 0;
+#if defined(GG_AVX2)
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (; i + 8 <= n; i += 8)
+          _mm256_storeu_ps(yr + i, rnd8<T>(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + i), iv), _mm256_loadu_ps(w + i))));
+#endif
+        for (; i < n; ++i) yr[i] = rnd<T>(xr[i] * inv * w[i]);
+      }
+    });
+  }
+
+  // Token row m of the QKV product: rounded to T, the query and key heads rotated (rotary.cpp's
+  // roundings: T(x cos) + x' sin, x' the other half's value, sin signed), the query heads
+  // written to q [M, qs] and the key / value heads to the cache slot (when slot >= 0).
+  template <typename T>
+  void rotate_and_store(float* row, const T* c, const T* s, int64_t R, int64_t slot, T* qm, T* kd, T* vd) {
+    const int64_t qs = nh_ * D_, kvs = nkv_ * D_, nqkv = qs + 2 * kvs, half = R / 2;
+    int64_t i = 0;
+#if defined(GG_AVX2)
+    for (; i + 8 <= nqkv; i += 8) _mm256_storeu_ps(row + i, rnd8<T>(_mm256_loadu_ps(row + i)));
+#endif
+    for (; i < nqkv; ++i) row[i] = rnd<T>(row[i]);  // the projection's output in T
+    alignas(32) float rot[512];
+    for (int64_t hd = 0; hd < nh_ + nkv_; ++hd) {
+      float* xh = row + hd * D_;
+      int64_t d = 0;
+#if defined(GG_AVX2)
+      if (half % 8 == 0)
+        for (; d < R; d += 8) {
+          const __m256 a = rnd8<T>(_mm256_mul_ps(_mm256_loadu_ps(xh + d), ld8(c + d)));
+          const __m256 r = _mm256_loadu_ps(xh + (d < half ? d + half : d - half));
+          if constexpr (std::is_same<T, float>::value) _mm256_store_ps(rot + d, _mm256_fmadd_ps(r, ld8(s + d), a));
+          else _mm256_store_ps(rot + d, rnd8<T>(_mm256_add_ps(a, _mm256_mul_ps(r, ld8(s + d)))));
+        }
+#endif
+      for (; d < R; ++d) {
+        const float a = rnd<T>(xh[d] * static_cast<float>(c[d]));
+        const float r = xh[d < half ? d + half : d - half];
+        // float32: addcmul's fused multiply-add; bfloat16: its float opmath
+        if constexpr (std::is_same<T, float>::value) rot[d] = std::fma(r, static_cast<float>(s[d]), a);
+        else rot[d] = rnd<T>(a + r * static_cast<float>(s[d]));
+      }
+      std::memcpy(xh, rot, R * sizeof(float));
     }
+    store_row(row, qs, qm);
+    if (slot >= 0) {  // (kd, vd: the slot's K / V rows)
+      store_row(row + qs, kvs, kd);
+      store_row(row + qs + kvs, kvs, vd);
+    }
+  }
+
+  // dst[i] = T(src[i]) for i < n, src holding T values.
+  template <typename T>
+  static void store_row(const float* src, int64_t n, T* dst) {
+    int64_t i = 0;
+#if defined(GG_AVX2)
+    for (; i + 8 <= n; i += 8) st8(dst + i, _mm256_loadu_ps(src + i));
+#endif
+    for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
   }
 
   template <typename T>
   void run(const T* x, const T* cos, const T* sin, int64_t R, const int64_t* slots, const int64_t* tables,
            int64_t width, const int32_t* ctx, int64_t M, int64_t first, int64_t last, T* out) {
-    const int64_t qs = nh_ * D_, kvs = nkv_ * D_, nqkv = qs + 2 * kvs, half = R / 2;
+    const int64_t qs = nh_ * D_, kvs = nkv_ * D_, nqkv = qs + 2 * kvs;
     res_.resize(M * H_);
     h_.resize(M * H_);
     qkv_.resize(M * nqkv);
@@ -284,41 +382,21 @@ class FusedDecoder {
     std::vector<T> q(M * qs), att(M * qs);
     for (int64_t i = 0; i < M * H_; ++i) res_[i] = static_cast<float>(x[i]);
     const int64_t slot_stride = kvs, bs = k_[0].size(1);
+    // The per-row parts run over the rows in parallel (from 8 rows, or 16 for the norms) and in
+    // vectors; the residual add that ends a block is fused with the norm that starts the next.
+    add_rms<T>(res_.data(), nullptr, layers_[first].ln_in.data_ptr<float>(), M, h_.data());
     for (int64_t li = first; li < last; ++li) {
       const Layer& l = layers_[li];
       T* kc = k_[li].data_ptr<T>();
       T* vc = v_[li].data_ptr<T>();
       // Attention block.
-      rms<T>(res_.data(), l.ln_in.data_ptr<float>(), M, h_.data());
       matmul(h_.data(), M, l.qkv, qkv_.data());
-      for (int64_t m = 0; m < M; ++m) {
-        float* row = qkv_.data() + m * nqkv;
-        for (int64_t i = 0; i < nqkv; ++i) row[i] = rnd<T>(row[i]);  // the projection's output in T
-        const T* c = cos + m * R;
-        const T* s = sin + m * R;
-        // Rotate the query heads, then the key heads (rotary.cpp's roundings: T(x cos) + x' sin).
-        float rot[512];
-        for (int64_t hd = 0; hd < nh_ + nkv_; ++hd) {
-          float* xh = row + hd * D_;
-          for (int64_t d = 0; d < R; ++d) {
-            const float a = rnd<T>(xh[d] * static_cast<float>(c[d]));
-            const float r = xh[d < half ? d + half : d - half];
-            // float32: addcmul's fused multiply-add; bfloat16: its float opmath
-            if constexpr (std::is_same<T, float>::value) rot[d] = std::fma(r, static_cast<float>(s[d]), a);
-            else rot[d] = rnd<T>(a + r * static_cast<float>(s[d]));
-          }
-          for (int64_t d = 0; d < R; ++d) xh[d] = rot[d];
-        }
-        for (int64_t i = 0; i < qs; ++i) q[m * qs + i] = static_cast<T>(row[i]);
-        if (slots[m] >= 0) {
-          T* kd = kc + slots[m] * slot_stride;
-          T* vd = vc + slots[m] * slot_stride;
-          for (int64_t i = 0; i < kvs; ++i) {
-            kd[i] = static_cast<T>(row[qs + i]);
-            vd[i] = static_cast<T>(row[qs + kvs + i]);
-          }
-        }
-      }
+      at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+        for (int64_t m = begin; m < end; ++m)
+          rotate_and_store<T>(qkv_.data() + m * nqkv, cos + m * R, sin + m * R, R, slots[m], q.data() + m * qs,
+                              slots[m] >= 0 ? kc + slots[m] * slot_stride : nullptr,
+                              slots[m] >= 0 ? vc + slots[m] * slot_stride : nullptr);
+      });
       const int64_t group = nh_ / nkv_;
       with_shape<T>(D_, group, [&](auto hd, auto g) {
         decode_kernel<T, decltype(hd)::value, decltype(g)::value>(
@@ -326,20 +404,22 @@ class FusedDecoder {
             qs, D_);
       });
       matmul(att.data(), M, l.o, proj_.data());
-      for (int64_t i = 0; i < M * H_; ++i) res_[i] = rnd<T>(res_[i] + rnd<T>(proj_[i]));
       // MLP block.
-      rms<T>(res_.data(), l.ln_post.data_ptr<float>(), M, h_.data());
+      add_rms<T>(res_.data(), proj_.data(), l.ln_post.data_ptr<float>(), M, h_.data());
       matmul(h_.data(), M, l.gate_up, proj_.data());
-      for (int64_t m = 0; m < M; ++m) silu_mul<T>(proj_.data() + m * 2 * I_, I_, act_.data() + m * I_);
+      at::parallel_for(0, M, 4, [&](int64_t begin, int64_t end) {
+        for (int64_t m = begin; m < end; ++m) silu_mul<T>(proj_.data() + m * 2 * I_, I_, act_.data() + m * I_);
+      });
       matmul(act_.data(), M, l.down, proj_.data());
-      for (int64_t i = 0; i < M * H_; ++i) res_[i] = rnd<T>(res_[i] + rnd<T>(proj_[i]));
+      // The residual, and the norm that follows it: the next layer's, the final one, or none
+      // when the call stops before the end.
+      const float* next_norm = li + 1 < last ? layers_[li + 1].ln_in.data_ptr<float>()
+                               : last == num_layers() ? final_norm_.data_ptr<float>()
+                                                      : nullptr;
+      add_rms<T>(res_.data(), proj_.data(), next_norm, M, h_.data());
     }
-    if (last < num_layers()) {
-      for (int64_t i = 0; i < M * H_; ++i) out[i] = static_cast<T>(res_[i]);
-      return;
-    }
-    rms<T>(res_.data(), final_norm_.data_ptr<float>(), M, h_.data());
-    for (int64_t i = 0; i < M * H_; ++i) out[i] = static_cast<T>(h_[i]);
+    const std::vector<float>& y = last < num_layers() ? res_ : h_;
+    for (int64_t i = 0; i < M * H_; ++i) out[i] = static_cast<T>(y[i]);
   }
 
   int64_t H_, nh_, nkv_, D_, I_;
