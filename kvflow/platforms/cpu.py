@@ -100,7 +100,8 @@ def start_kernel_builds(config: Any) -> list[CppKernel]:
     """Start building, in the background, the C++ CPU kernels this engine would use that are
     not built yet (``kvflow.ops.build.start_background_builds``): the GGUF matmul for a model
     computed as stored, paged attention, RMSNorm, rotary, SiLU-and-mul, the INT8 linear for
-    an INT8-quantized model and the fused decode step of a GGUF model, in that order (a
+    an INT8-quantized model and the fused decode step of a GGUF or dense bfloat16 model, in that
+    order (a
     kernel left out would build on its first use, in the middle of a step). Only on the
     CPU, without tensor parallelism (ranks must switch at the same step) and with
     ``KVFLOW_CPU_KERNEL_BUILD=background`` (the default); elsewhere nothing starts and each
@@ -122,6 +123,7 @@ def start_kernel_builds(config: Any) -> list[CppKernel]:
         kernels.insert(0, ops.GGUF_MATMUL)  # a GGUF model's linears: most of its step
     if load is not None and "int8" in (load.quantization, load.quantize_lm_head):
         kernels.append(ops.INT8_LINEAR)
-    if load is not None and load.quantization == "gguf":
-        kernels.append(ops.FUSED_DECODE)  # its decode steps in one call (kvflow.layers.fused_decode)
+    if load is not None and (load.quantization == "gguf"
+                             or (load.quantization is None and config.device.dtype == torch.bfloat16)):
+        kernels.append(ops.FUSED_DECODE)  # decode steps in one call (kvflow.layers.fused_decode)
     return ops.start_background_builds(kernels)

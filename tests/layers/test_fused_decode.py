@@ -1,10 +1,12 @@
-"""The fused GGUF decode step (kvflow.layers.fused_decode) against the PyTorch path.
+"""The fused decode step (kvflow.layers.fused_decode) against the PyTorch path.
 
 A tiny random-weight Llama is quantized to GGUF block formats with the ``gguf`` package (mixed
 types per linear, as Q4_K_M files mix them) and runs prefill + several decode steps over a
 multi-block paged cache on the CPU attention backend, once with the fused C++ decoder and
 once with the PyTorch path (the reference); both quantize the same activations to int8, so
-they agree to float32 rounding (a flipped int8 rounding at most: the tolerance below).
+they agree to float32 rounding (a flipped int8 rounding at most: the tolerance below). The
+same tiny Llama with dense bfloat16 weights prepacked for oneDNN takes the fused step too
+(the same oneDNN call per linear as the PyTorch path).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvflow.attention.cpu_backend import CpuAttentionBackend
 from kvflow.config import CacheConfig
 from kvflow.layers import fused_decode
 from kvflow.layers.gguf_kernels import GGUFWeight
+from kvflow.layers.linear import onednn_packs
 from kvflow.model.llama import LlamaForCausalLM
 from kvflow.model.loader import process_weights_after_loading
 from kvflow.quantization.gguf import GGUFConfig
@@ -166,11 +169,46 @@ def test_fused_decode_in_bfloat16_follows_the_pytorch_path() -> None:
         assert (a - b).abs().max() <= 0.01 * b.abs().max()
 
 
+def dense_tiny_model(attention_bias: bool = False) -> LlamaForCausalLM:
+    """``gguf_tiny_model``'s shape with dense bfloat16 weights, prepacked for oneDNN where this CPU
+    packs bfloat16 (``process_weights_after_loading``, as the loader does)."""
+    from tests.conftest import tiny_model
+
+    config = tiny_model_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=64, attention_bias=attention_bias)
+    model = tiny_model(config)
+    with torch.no_grad():
+        for layer in model.layers:  # weights of the size a trained layer has (k^-1/2)
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                lin.weight.mul_(5.0 * lin.weight.shape[1] ** -0.5)
+    model = model.to(torch.bfloat16)
+    process_weights_after_loading(model)
+    return model
+
+
+@needs_kernel
+@pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN does not pack bfloat16 weights on this CPU")
+@pytest.mark.parametrize("attention_bias", [False, True], ids=["llama", "qwen2-bias"])
+def test_fused_decode_over_dense_bfloat16_weights_follows_the_pytorch_path(attention_bias: bool) -> None:
+    model = dense_tiny_model(attention_bias)
+    assert fused_decode.refusal(model) is None
+    ref, ref_caches = _decode_run(model, PROMPTS, steps=4, fused=False)
+    out, caches = _decode_run(model, PROMPTS, steps=4, fused=True)
+    assert isinstance(model.__dict__["fused_decode"], fused_decode.FusedDecodeStep)  # it ran
+    for step, (a, b) in enumerate(zip(out, ref)):
+        # the same oneDNN products; norms, rotary, SiLU rounded to bfloat16 as the PyTorch path
+        # does, their float32 sums in another order (and the vector e^x): a last-bit change
+        assert (a - b).abs().max() <= 0.01 * b.abs().max(), f"step {step}"
+    for (k, v), (rk, rv) in zip(caches, ref_caches):
+        assert (k - rk).abs().max() <= 0.01 * rk.abs().max() and (v - rv).abs().max() <= 0.01 * rv.abs().max()
+
+
 def test_models_and_steps_it_does_not_cover_keep_the_pytorch_path() -> None:
     windowed = gguf_tiny_model(hf_config=types.SimpleNamespace(sliding_window=8))  # Mistral-style, every layer
     assert "sliding-window" in fused_decode.refusal(windowed)
     from tests.conftest import tiny_model
-    assert "not GGUF-stored" in fused_decode.refusal(tiny_model(tiny_model_config()))
+    # dense weights only in bfloat16 prepacked for oneDNN (float32 is the exactness reference)
+    assert "dense torch.float32 weight" in fused_decode.refusal(tiny_model(tiny_model_config()))
     model = gguf_tiny_model()
     assert fused_decode.refusal(model) is None
     if not needs_kernel.args[0]:

@@ -25,8 +25,10 @@
 #include "gguf_matmul.cpp"
 #include "paged_attention.cpp"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <mutex>
 #include <tuple>
+#include <variant>
 
 namespace kvflow_fused {
 
@@ -103,11 +105,26 @@ struct Segment {
   PFmt pf;
 };
 
+// A linear's weight: GGUF-packed segments, or one dense bfloat16 weight prepacked for oneDNN
+// (``torch.ops.mkldnn._reorder_linear_weight``, as kvflow.layers.linear's PackedLinear holds it),
+// multiplied by the same oneDNN call as the PyTorch path (mkldnn::_linear_pointwise).
 struct Linear {
   std::vector<Segment> segs;
   int64_t K = 0, N = 0;
-  torch::Tensor bias;  // float32 [N] or undefined
+  torch::Tensor bias;  // GGUF: float32 [N] or undefined
+  torch::Tensor dense;                       // the prepacked weight [N, K], or undefined (GGUF)
+  c10::optional<torch::Tensor> dense_bias;   // bfloat16 [N], as the PyTorch path passes it
 };
+
+using LinearOp = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
+
+// oneDNN's linear on a prepacked weight (registered by PyTorch under mkldnn::_linear_pointwise).
+inline const c10::TypedOperatorHandle<LinearOp>& onednn_linear() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "").typed<LinearOp>();
+  return op;
+}
 
 struct Layer {
   torch::Tensor ln_in, ln_post;  // float32 [H]
@@ -115,6 +132,8 @@ struct Layer {
 };
 
 using SegmentSpec = std::tuple<torch::Tensor, int64_t, int64_t, int64_t>;  // packed, qtype, offset, rows
+// A linear as add_layer takes it: a prepacked dense bfloat16 weight, or its GGUF segments.
+using LinearSpec = std::variant<torch::Tensor, std::vector<SegmentSpec>>;
 
 class FusedDecoder {
  public:
@@ -130,20 +149,23 @@ class FusedDecoder {
     final_norm_ = norm_weight(final_norm, "final_norm");
   }
 
-  void add_layer(torch::Tensor ln_in, const std::vector<SegmentSpec>& qkv, c10::optional<torch::Tensor> qkv_bias,
-                 const std::vector<SegmentSpec>& o, torch::Tensor ln_post, const std::vector<SegmentSpec>& gate_up,
-                 const std::vector<SegmentSpec>& down) {
+  // Each linear: its GGUF segments (packed, qtype, offset, rows) or a prepacked dense bfloat16
+  // weight (then the model dtype must be bfloat16).
+  void add_layer(torch::Tensor ln_in, const LinearSpec& qkv, c10::optional<torch::Tensor> qkv_bias,
+                 const LinearSpec& o, torch::Tensor ln_post, const LinearSpec& gate_up, const LinearSpec& down) {
     Layer l;
     l.ln_in = norm_weight(ln_in, "ln_in");
     l.ln_post = norm_weight(ln_post, "ln_post");
     l.qkv = linear(qkv, H_, (nh_ + 2 * nkv_) * D_, "qkv");
     if (qkv_bias.has_value()) {
       TORCH_CHECK(qkv_bias->numel() == l.qkv.N, "qkv_bias: [", l.qkv.N, "]");
-      l.qkv.bias = qkv_bias->to(torch::kFloat32).contiguous();
+      if (l.qkv.dense.defined()) l.qkv.dense_bias = qkv_bias->to(torch::kBFloat16).contiguous();
+      else l.qkv.bias = qkv_bias->to(torch::kFloat32).contiguous();
     }
     l.o = linear(o, nh_ * D_, H_, "o");
     l.gate_up = linear(gate_up, H_, 2 * I_, "gate_up");
     l.down = linear(down, I_, H_, "down");
+    for (const Linear* x : {&l.qkv, &l.o, &l.gate_up, &l.down}) has_dense_ = has_dense_ || x->dense.defined();
     layers_.push_back(std::move(l));
   }
 
@@ -207,6 +229,7 @@ class FusedDecoder {
     }
     auto y = torch::empty({M, H_}, x.options());
     if (M == 0) return y;
+    TORCH_CHECK(!(has_dense_ && x.scalar_type() != torch::kBFloat16), "dense (oneDNN-prepacked) weights need a bfloat16 x");
     if (x.scalar_type() == torch::kFloat32)
       run<float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(2), sp, tp, width, cp, M,
                  first, last, y.data_ptr<float>());
@@ -224,10 +247,18 @@ class FusedDecoder {
     return w.to(torch::kFloat32).contiguous();
   }
 
-  static Linear linear(const std::vector<SegmentSpec>& specs, int64_t K, int64_t N, const char* name) {
+  static Linear linear(const LinearSpec& spec, int64_t K, int64_t N, const char* name) {
     Linear l;
     l.K = K;
     l.N = N;
+    if (const torch::Tensor* w = std::get_if<torch::Tensor>(&spec)) {
+      TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == torch::kBFloat16 && w->dim() == 2 && w->size(0) == N &&
+                      w->size(1) == K,
+                  name, ": a prepacked bfloat16 weight [", N, ", ", K, "] (mkldnn::_reorder_linear_weight's result)");
+      l.dense = *w;
+      return l;
+    }
+    const auto& specs = std::get<std::vector<SegmentSpec>>(spec);
     int64_t covered = 0;
     for (const auto& s : specs) {
       Segment seg;
@@ -254,6 +285,7 @@ class FusedDecoder {
   // y [M, l.N] (float32, rows of l.N) = x [M, l.K] W^T + bias: x quantized once for all segments.
   template <typename Tin>
   void matmul(const Tin* x, int64_t M, const Linear& l, float* y) {
+    if (l.dense.defined()) return matmul_dense(x, M, l, y);
     const int64_t K = l.K, nb = K / 32;
     q_.resize(M * K);
     d_.resize(M * nb);
@@ -267,6 +299,28 @@ class FusedDecoder {
       dispatch_packed<float>(s.qt, s.packed.data_ptr<uint8_t>(), s.ldg, a, M, s.n, bias ? bias + s.offset : nullptr,
                              y + s.offset, l.N);
     }
+  }
+
+  // The dense case of matmul: x (bfloat16 values) as a bfloat16 tensor, oneDNN's linear (the
+  // PyTorch path's call, so the same bfloat16 result), widened into y.
+  template <typename Tin>
+  void matmul_dense(const Tin* x, int64_t M, const Linear& l, float* y) {
+    torch::Tensor xt;
+    if constexpr (std::is_same<Tin, c10::BFloat16>::value) {
+      xt = torch::from_blob(const_cast<Tin*>(x), {M, l.K}, torch::kBFloat16);
+    } else {
+      xt = torch::empty({M, l.K}, torch::kBFloat16);
+      store_row(x, M * l.K, xt.data_ptr<c10::BFloat16>());
+    }
+    const torch::Tensor out = onednn_linear().call(xt, l.dense, l.dense_bias, "none",
+                                                   c10::List<std::optional<at::Scalar>>(), std::nullopt);
+    TORCH_CHECK(out.is_contiguous() && out.size(0) == M && out.size(1) == l.N, "oneDNN linear: unexpected output");
+    const c10::BFloat16* o = out.data_ptr<c10::BFloat16>();
+    int64_t i = 0;
+#if defined(GG_AVX2)
+    for (; i + 8 <= M * l.N; i += 8) _mm256_storeu_ps(y + i, ld8(o + i));
+#endif
+    for (; i < M * l.N; ++i) y[i] = static_cast<float>(o[i]);
   }
 
   // Rows of the residual stream x [M, H] (float32 holding T values): with p, first the residual
@@ -426,6 +480,7 @@ class FusedDecoder {
   double eps_, scale_;
   torch::Tensor final_norm_;
   std::vector<Layer> layers_;
+  bool has_dense_ = false;  // a linear with a prepacked bfloat16 weight (bfloat16 models only)
   std::vector<torch::Tensor> k_, v_;
   std::mutex mutex_;
   // Scratch, reused across steps (one forward at a time: the engine's step loop).
