@@ -259,3 +259,31 @@ def test_smollm2_greedy_tokens_equal_with_and_without_the_fused_step(smollm2_dir
         if d < len(want):  # parted: only where the reference stood at a near tie (float32 sum order)
             top = sorted((lp.logprob for lp in b.outputs[0].logprobs[d].values()), reverse=True)
             assert top[0] - top[1] < 0.25, (a.prompt, d, top)
+
+
+@pytest.mark.integration
+@requires_smollm2
+@needs_kernel
+@pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN does not pack bfloat16 weights on this CPU")
+def test_smollm2_dense_bfloat16_greedy_tokens_follow_the_pytorch_path(smollm2_dir, monkeypatch) -> None:
+    """The real SmolLM2-135M dequantized to dense bfloat16 (vLLM's precision): its decode steps
+    take the fused step (oneDNN's linears called from C++) and 16 greedy tokens of two prompts
+    equal the PyTorch path's, a split allowed only at a near tie of the reference (bfloat16
+    norms summed in another order can move a last bit)."""
+    from kvflow import LLM, SamplingParams
+
+    monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "wait")
+    llm = LLM(model=str(smollm2_dir), dtype="bfloat16", quantization="none", num_kv_blocks=64)
+    model = llm.engine.model_runner.model
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = ["The capital of France is", "def fibonacci(n):\n    "]
+    fused = llm.generate(prompts, params)
+    assert isinstance(model.__dict__["fused_decode"], fused_decode.FusedDecodeStep)
+    model.__dict__["fused_decode"] = None  # the PyTorch path, the reference
+    ref = llm.generate(prompts, params)
+    for a, b in zip(fused, ref):
+        got, want = a.outputs[0].token_ids, b.outputs[0].token_ids
+        d = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), len(want))
+        if d < len(want):
+            top = sorted((lp.logprob for lp in b.outputs[0].logprobs[d].values()), reverse=True)
+            assert top[0] - top[1] < 0.25, (a.prompt, d, top)
