@@ -203,6 +203,23 @@ def test_fused_decode_over_dense_bfloat16_weights_follows_the_pytorch_path(atten
         assert (k - rk).abs().max() <= 0.01 * rk.abs().max() and (v - rv).abs().max() <= 0.01 * rv.abs().max()
 
 
+@needs_kernel
+@pytest.mark.skipif(not onednn_packs(torch.bfloat16), reason="oneDNN does not pack bfloat16 weights on this CPU")
+def test_a_dense_weight_must_be_the_prepacked_one() -> None:
+    model = dense_tiny_model()
+    layer = model.layers[0]
+    decoder = ops.FUSED_DECODE.load().FusedDecoder(256, 4, 2, 64, 512, 1e-6, 0.125, model.norm.weight.detach())
+    packed = {n: getattr(layer.self_attn if n != "gate_up_proj" and n != "down_proj" else layer.mlp, n).__dict__["packed"]
+              for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
+    decoder.add_layer(norms[0], packed["qkv_proj"], None, packed["o_proj"], norms[1], packed["gate_up_proj"],
+                      packed["down_proj"])
+    assert decoder.num_layers() == 1
+    with pytest.raises(RuntimeError, match="qkv: a prepacked bfloat16 weight"):  # a plain tensor of the right shape
+        decoder.add_layer(norms[0], torch.zeros(512, 256, dtype=torch.bfloat16), None, packed["o_proj"], norms[1],
+                          packed["gate_up_proj"], packed["down_proj"])
+
+
 def test_models_and_steps_it_does_not_cover_keep_the_pytorch_path() -> None:
     windowed = gguf_tiny_model(hf_config=types.SimpleNamespace(sliding_window=8))  # Mistral-style, every layer
     assert "sliding-window" in fused_decode.refusal(windowed)

@@ -252,7 +252,7 @@ class FusedDecoder {
     l.K = K;
     l.N = N;
     if (const torch::Tensor* w = std::get_if<torch::Tensor>(&spec)) {
-      TORCH_CHECK(w->device().is_cpu() && w->scalar_type() == torch::kBFloat16 && w->dim() == 2 && w->size(0) == N &&
+      TORCH_CHECK(w->is_mkldnn() && w->scalar_type() == torch::kBFloat16 && w->dim() == 2 && w->size(0) == N &&
                       w->size(1) == K,
                   name, ": a prepacked bfloat16 weight [", N, ", ", K, "] (mkldnn::_reorder_linear_weight's result)");
       l.dense = *w;
