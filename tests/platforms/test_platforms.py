@@ -14,8 +14,8 @@ from kvflow.platforms import CpuPlatform, CudaPlatform, platform_for, resolve_pl
 from kvflow.platforms.cpu import start_kernel_builds
 
 
-def _config(quantization=None, device="cpu", tp=1, num_threads=None, **kernels):
-    return SimpleNamespace(device=SimpleNamespace(device=torch.device(device), num_threads=num_threads),
+def _config(quantization=None, device="cpu", tp=1, num_threads=None, dtype=torch.float32, **kernels):
+    return SimpleNamespace(device=SimpleNamespace(device=torch.device(device), num_threads=num_threads, dtype=dtype),
                            parallel=SimpleNamespace(tensor_parallel_size=tp),
                            load=SimpleNamespace(quantization=quantization, quantize_lm_head=False),
                            kernels=SimpleNamespace(enforce_eager=kernels.get("enforce_eager", False)),
@@ -89,11 +89,13 @@ def test_a_gguf_model_builds_its_matmul_kernel_first_in_the_background(monkeypat
     start_kernel_builds(_config("gguf"))
     start_kernel_builds(_config(None))
     start_kernel_builds(_config("int8"))
+    start_kernel_builds(_config(None, dtype=torch.bfloat16))  # a dense bfloat16 model: its fused decode step too
     common = [ops.PAGED_ATTENTION, ops.RMS_NORM, ops.ROTARY, ops.ACTIVATION]
-    assert started == [[ops.GGUF_MATMUL, *common, ops.FUSED_DECODE], common, [*common, ops.INT8_LINEAR]]
-    assert start_kernel_builds(_config(None, tp=2)) == [] and len(started) == 3  # ranks switch together
+    assert started == [[ops.GGUF_MATMUL, *common, ops.FUSED_DECODE], common, [*common, ops.INT8_LINEAR],
+                       [*common, ops.FUSED_DECODE]]
+    assert start_kernel_builds(_config(None, tp=2)) == [] and len(started) == 4  # ranks switch together
     monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "wait")
-    assert start_kernel_builds(_config("gguf")) == [] and len(started) == 3
+    assert start_kernel_builds(_config("gguf")) == [] and len(started) == 4
 
 
 def test_the_cpu_platform_starts_the_builds_and_publishes_them_between_steps(monkeypatch):
