@@ -25,7 +25,7 @@ Switches and when they are read:
   ``KVFLOW_CPU_ACTIVATION`` (SiLU-and-mul, the SwiGLU activation),
   ``KVFLOW_CPU_ROTARY`` (rotary embedding), ``KVFLOW_CPU_LINEAR`` (weight-only INT8),
   ``KVFLOW_CPU_INVARIANT_LINEAR`` (batch-invariant linears), ``KVFLOW_CPU_GGUF`` (GGUF
-  quantized matmuls), ``KVFLOW_CPU_FUSED_DECODE`` (GGUF decode steps in one call), read when the kernel is
+  quantized matmuls), ``KVFLOW_CPU_FUSED_DECODE`` (decode steps in one call), read when the kernel is
   first asked for (and decided once per process).
 - ``KVFLOW_CPU_PREFILL_ATTENTION`` (bool; default on): ``0`` sends prefill chunks on the CPU
   to gather + ``scaled_dot_product_attention`` instead of the paged-attention kernel's
@@ -150,7 +150,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     _kernel_switch("KVFLOW_CPU_LINEAR", "weight-only INT8 linear"),
     _kernel_switch("KVFLOW_CPU_INVARIANT_LINEAR", "batch-invariant linear"),
     _kernel_switch("KVFLOW_CPU_GGUF", "GGUF quantized matmul"),
-    _kernel_switch("KVFLOW_CPU_FUSED_DECODE", "fused GGUF decode-step (all decoder layers in one call)"),
+    _kernel_switch("KVFLOW_CPU_FUSED_DECODE", "fused decode-step (all decoder layers in one call; GGUF and dense bfloat16 models)"),
     Switch("KVFLOW_CPU_PREFILL_ATTENTION", "bool", "1 (on)",
            "`0`: prefill chunks on the CPU gather K/V and run PyTorch's `scaled_dot_product_attention` instead "
            "of the paged-attention kernel's flash-attention pass (that kernel's switches still apply)",
