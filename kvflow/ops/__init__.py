@@ -64,7 +64,7 @@ INVARIANT_LINEAR = CppKernel("kvflow_cpu_invariant_linear", "invariant_linear.cp
 GGUF_MATMUL = CppKernel("kvflow_cpu_gguf_matmul", "gguf_matmul.cpp", "KVFLOW_CPU_GGUF", "CPU GGUF quantized matmul kernel")
 
 FUSED_DECODE = CppKernel("kvflow_cpu_fused_decode", "fused_decode.cpp", "KVFLOW_CPU_FUSED_DECODE",
-                         "CPU fused GGUF decode-step kernel", includes=("gguf_matmul.cpp", "paged_attention.cpp", "vec_exp.h"))
+                         "CPU fused decode-step kernel", includes=("gguf_matmul.cpp", "paged_attention.cpp", "vec_exp.h"))
 
 KERNELS: tuple[CppKernel, ...] = (PAGED_ATTENTION, INT8_LINEAR, RMS_NORM, ROTARY, INVARIANT_LINEAR, GGUF_MATMUL,
                                   FUSED_DECODE, ACTIVATION)
