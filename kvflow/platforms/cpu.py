@@ -100,9 +100,8 @@ def start_kernel_builds(config: Any) -> list[CppKernel]:
     """Start building, in the background, the C++ CPU kernels this engine would use that are
     not built yet (``kvflow.ops.build.start_background_builds``): the GGUF matmul for a model
     computed as stored, paged attention, RMSNorm, rotary, SiLU-and-mul, the INT8 linear for
-    an INT8-quantized model and the fused decode step of a GGUF or dense bfloat16 model, in that
-    order (a
-    kernel left out would build on its first use, in the middle of a step). Only on the
+    an INT8-quantized model and the fused decode step of a GGUF or dense bfloat16 model, in
+    that order (a kernel left out would build on its first use, in the middle of a step). Only on the
     CPU, without tensor parallelism (ranks must switch at the same step) and with
     ``KVFLOW_CPU_KERNEL_BUILD=background`` (the default); elsewhere nothing starts and each
     kernel is built on its first use.
