@@ -209,8 +209,10 @@ def test_a_dense_weight_must_be_the_prepacked_one() -> None:
     model = dense_tiny_model()
     layer = model.layers[0]
     decoder = ops.FUSED_DECODE.load().FusedDecoder(256, 4, 2, 64, 512, 1e-6, 0.125, model.norm.weight.detach())
-    packed = {n: getattr(layer.self_attn if n != "gate_up_proj" and n != "down_proj" else layer.mlp, n).__dict__["packed"]
-              for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    attn, mlp = layer.self_attn, layer.mlp
+    packed = {name: lin.__dict__["packed"] for name, lin in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
+                                                              ("gate_up_proj", mlp.gate_up_proj),
+                                                              ("down_proj", mlp.down_proj))}
     norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach())
     decoder.add_layer(norms[0], packed["qkv_proj"], None, packed["o_proj"], norms[1], packed["gate_up_proj"],
                       packed["down_proj"])
