@@ -24,6 +24,9 @@ What it measures (every comparison in the same process, the two paths alternatin
   head dim 16 as kvflow's host-overhead tiny model (4 query heads, 2 KV heads, float32), 256 as
   Gemma 3 270M (4 / 1, bfloat16 and float32), any other as 8 / 2 in float32 and bfloat16;
   milliseconds per call (median), at ``--decode-threads`` torch threads.
+* ``--prefill-baseline REV``: the prefill kernel (``paged_prefill_attention``) against the same
+  kernel built from ``REV`` (as ``--decode-baseline``), both shapes, bfloat16 and float32, at
+  each of ``--lengths``: ~4,096 query tokens a call (whole prompts of that length).
 * ``--gemm``: ``torch.mm`` at the prefill shapes of SmolLM2's linears (M = prompt tokens), float32
   and bfloat16, in GFLOP/s against a large square product of the same dtype (the measured peak).
 
@@ -33,6 +36,7 @@ How to run
     python -m benchmarks.prefill --profile --gemm    # plus the profile and the GEMM table
     python -m benchmarks.prefill --skip-ttft --lengths 512
     python -m benchmarks.prefill --skip-attention --skip-ttft --decode-head-dims 16 256 --decode-baseline main
+    python -m benchmarks.prefill --skip-attention --skip-ttft --prefill-baseline main --lengths 256 512 2048
 
 Prints tables and writes ``--out`` (default ``benchmarks/results/prefill.json``) with the CPU,
 its ISA flags and torch's threads. On a machine other processes load, prefer the ratios (the
@@ -44,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -144,7 +149,7 @@ def run_attention(lengths: list[int], repeats: int) -> list[dict[str, Any]]:
 DECODE_SHAPES = {16: [((4, 2), torch.float32)], 256: [((4, 1), torch.bfloat16), ((4, 1), torch.float32)]}
 
 
-def baseline_decode_kernel(rev: str):
+def baseline_attention_kernel(rev: str):
     """The paged-attention kernel built from ``rev``'s source (git show), as another module."""
     import subprocess
     import tempfile
@@ -155,7 +160,14 @@ def baseline_decode_kernel(rev: str):
                          text=True, check=True, cwd=CSRC).stdout
     folder = Path(tempfile.gettempdir()) / "kvflow_decode_baseline"
     folder.mkdir(exist_ok=True)
-    path = folder / f"paged_attention_{rev.replace('/', '_')}.cpp"
+    folder = folder / rev.replace("/", "_")  # the source beside its local headers (#include "...") at rev
+    folder.mkdir(exist_ok=True)
+    for header in re.findall(r'^#include "([^"]+)"', src, flags=re.M):
+        text = subprocess.run(["git", "show", f"{rev}:kvflow/ops/csrc/{header}"], capture_output=True, text=True,
+                              check=True, cwd=CSRC).stdout
+        if not (folder / header).exists() or (folder / header).read_text() != text:
+            (folder / header).write_text(text)
+    path = folder / "paged_attention.cpp"
     if not path.exists() or path.read_text() != src:
         path.write_text(src)
     return CppKernel("kvflow_cpu_paged_attention_baseline", path, "KVFLOW_CPU_ATTENTION",
@@ -167,7 +179,7 @@ def run_decode(head_dims: list[int], seqs: int, repeats: int, baseline: str | No
     from kvflow.ops import PAGED_ATTENTION
 
     new = PAGED_ATTENTION.require()
-    old = baseline_decode_kernel(baseline) if baseline else None
+    old = baseline_attention_kernel(baseline) if baseline else None
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     rows = []
@@ -208,6 +220,46 @@ def run_decode(head_dims: list[int], seqs: int, repeats: int, baseline: str | No
                 rows.append(row)
     finally:
         torch.set_num_threads(saved)
+    return rows
+
+
+# --- prefill attention, against a baseline build of the kernel -------------------------------
+
+def run_prefill_kernel(lengths: list[int], repeats: int, baseline: str, block_size: int = 16) -> list[dict[str, Any]]:
+    """``paged_prefill_attention`` of this checkout against ``baseline``'s build, alternating: for
+    each shape, dtype and prompt length, ~4,096 query tokens a call (4,096 // length prompts of
+    that length, each its whole context, blocks scattered over the cache)."""
+    from kvflow.ops import PAGED_ATTENTION
+
+    kernels = {"new": PAGED_ATTENTION.require(), "baseline": baseline_attention_kernel(baseline)}
+    rows = []
+    for shape, (nh, nkv, hd) in SHAPES.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            for n in lengths:
+                gen = torch.Generator().manual_seed(0)
+                reqs = max(1, 4096 // n)
+                per = -(-n // block_size)
+                total = reqs * per + 8
+                k = torch.randn(total, block_size, nkv, hd, generator=gen).to(dtype)
+                v = torch.randn(total, block_size, nkv, hd, generator=gen).to(dtype)
+                tables = torch.randperm(total, generator=gen)[: reqs * per].view(reqs, per)
+                q = torch.randn(reqs * n, nh, hd, generator=gen).to(dtype)
+                starts = torch.arange(0, reqs * n + 1, n, dtype=torch.int32)
+                lens = torch.full((reqs,), n, dtype=torch.int32)
+                args = (q, k, v, tables, starts, lens, hd ** -0.5, 0, torch.empty_like(q))
+                times: dict[str, list[float]] = {name: [] for name in kernels}
+                for i in range(repeats + 1):
+                    for name, mod in kernels.items():
+                        start = time.perf_counter()
+                        mod.paged_prefill_attention(*args)
+                        if i:
+                            times[name].append((time.perf_counter() - start) * 1e3)
+                new_ms, base_ms = statistics.median(times["new"]), statistics.median(times["baseline"])
+                diff = (kernels["new"].paged_prefill_attention(*args).float()
+                        - kernels["baseline"].paged_prefill_attention(*args).float()).abs().max().item()
+                rows.append({"shape": shape, "dtype": str(dtype).removeprefix("torch."), "tokens": n, "prompts": reqs,
+                             "new_ms": new_ms, "baseline_ms": base_ms, "speedup": base_ms / new_ms,
+                             "max_abs_diff": diff})
     return rows
 
 
@@ -393,6 +445,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="also time the decode kernel at these head dims (16 and 256 have fixed shapes)")
     parser.add_argument("--decode-baseline", default=None,
                         help="git revision whose paged_attention.cpp the decode timing compares against")
+    parser.add_argument("--prefill-baseline", default=None,
+                        help="a git revision: time the prefill kernel (paged_prefill_attention) against its build")
     parser.add_argument("--decode-seqs", type=int, default=256, help="sequences per decode call")
     parser.add_argument("--decode-threads", type=int, default=1, help="torch threads for the decode timing")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefill.json"))
@@ -433,6 +487,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            [[r["head_dim"], f"{r['heads'][0]}/{r['heads'][1]}", r["dtype"], r["new_ms"],
                              r.get("baseline_ms", "-"), r.get("speedup", "-"),
                              f"{r['max_abs_diff']:.1e}" if "max_abs_diff" in r else "-"] for r in rows]) + "\n")
+    if args.prefill_baseline:
+        rows = result["prefill_kernel"] = run_prefill_kernel(args.lengths, args.repeats, args.prefill_baseline)
+        print(f"The prefill kernel, ~4,096 query tokens a call (ms per call; median); baseline: {args.prefill_baseline}")
+        print(format_table(["shape", "dtype", "tokens x prompts", "new", "baseline", "speedup", "max |diff|"],
+                           [[r["shape"], r["dtype"], f"{r['tokens']} x {r['prompts']}", r["new_ms"], r["baseline_ms"],
+                             r["speedup"], f"{r['max_abs_diff']:.1e}"] for r in rows]) + "\n")
     if args.gemm:
         rows = result["gemm"] = run_gemm(args.lengths)
         print("torch.mm at SmolLM2's prefill shapes (GFLOP/s; peak = a 2048^3 product of the same dtype)")

@@ -674,9 +674,11 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
 //   softmax  per row r, across j: vertical max / exp / sum over St's rows (no horizontal reductions)
 //   values   O[r, :] += sum_j St[j, r] * v_j[:]          (a weight broadcast, a value row loaded)
 // Keys and values are read straight from the paged cache through the block table (float32: in
-// place; bfloat16: one key tile and one value tile widened to float32 per step). Per item the
-// working set is Qt, O (R x D each), St (KT x R) and the two tiles: ~80 KB for R = 128, D = 64,
-// inside L2. All arithmetic is float32; the output is rounded to q's dtype once.
+// place; bfloat16 with AVX512-BF16: keys in place, scores by vdpbf16ps, and the value product
+// two keys per vdpbf16ps, P rounded to bfloat16 as FlashAttention-2 does; other bfloat16: one
+// key tile and one value tile widened to float32 per step). Per item the working set is Qt, O
+// (R x D each), St (KT x R) and the two tiles: ~80 KB for R = 128, D = 64, inside L2. Sums and
+// the softmax are float32; the output is rounded to q's dtype once.
 // Causal with the chunk's offset: query token i of a request with q_len new tokens and ctx cached
 // tokens (this step's included) sits at position ctx - q_len + i and sees keys j <= that position,
 // and, with a sliding window W, only keys j > position - W. Only the tiles that straddle one of
@@ -841,6 +843,51 @@ static inline void value_block(const float* St, int64_t R, int64_t r0, const flo
     for (int v = 0; v < DVc; ++v) acc[i][v].store(O + (r0 + i) * D + d0 + v * L);
 }
 
+#if defined(__AVX512BF16__)
+// value_block for bfloat16 values with AVX512-BF16, two keys per vdpbf16ps: Pp [KT / 2, R] the
+// tile's softmax weights of keys (2 i, 2 i + 1) for row r as a bfloat16 pair (rounded to nearest
+// even: FlashAttention-2's P in the value product's precision, Dao 2023, algorithm 1 line 10),
+// Vp [KT / 2, D] the values of the same two keys for dimension d as a pair (exact: the cache
+// holds bfloat16). Products exact, float32 sums. O[r0 .. r0 + RB - 1, d0 ...] += P V.
+template <int DVc>
+static inline void value_block_bf16(const uint32_t* Pp, int64_t R, int64_t r0, const uint32_t* Vp, int64_t pairs,
+                                    float* O, int64_t D, int64_t d0) {
+  __m512 acc[RB][DVc];
+  for (int i = 0; i < RB; ++i)
+    for (int v = 0; v < DVc; ++v) acc[i][v] = _mm512_loadu_ps(O + (r0 + i) * D + d0 + v * L);
+  for (int64_t jp = 0; jp < pairs; ++jp) {
+    __m512bh vv[DVc];
+    for (int v = 0; v < DVc; ++v) vv[v] = (__m512bh)_mm512_loadu_si512(Vp + jp * D + d0 + v * L);
+    const uint32_t* p = Pp + jp * R + r0;
+    for (int i = 0; i < RB; ++i) {
+      const __m512bh pi = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[i]));
+      for (int v = 0; v < DVc; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], pi, vv[v]);
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int v = 0; v < DVc; ++v) _mm512_storeu_ps(O + (r0 + i) * D + d0 + v * L, acc[i][v]);
+}
+
+// dst[d] = a[d] | b[d] << 16 for d < D (16 at a time; D a multiple of 16): two bfloat16 rows
+// as the dword pairs vdpbf16ps takes.
+static inline void pair_rows(const uint16_t* a, const uint16_t* b, uint32_t* dst, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)));
+    _mm512_storeu_si512(dst + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+
+// The same for two float32 rows of n values (n a multiple of 16), each rounded to bfloat16.
+static inline void pair_rows(const float* a, const float* b, uint32_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + i)));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b + i)));
+    _mm512_storeu_si512(dst + i, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+}
+#endif
+
 static inline void widen_row(const float* src, float* dst, int64_t D) { std::memcpy(dst, src, D * sizeof(float)); }
 static inline void widen_row(const c10::BFloat16* src, float* dst, int64_t D) {
   int64_t d = 0;
@@ -854,7 +901,8 @@ struct Scratch {
   std::vector<float> qt, o, st, m, l, alpha, kbuf, vbuf;
   std::vector<const float*> kp, vp;
   std::vector<uint32_t> qp;         // bfloat16 query pairs (score_block_bf16)
-  std::vector<const uint16_t*> kb;  // bfloat16 key rows in the cache (score_block_bf16)
+  std::vector<const uint16_t*> kb, vb;  // bfloat16 key / value rows in the cache
+  std::vector<uint32_t> pp, vpair;       // bfloat16 pairs of P and V (value_block_bf16)
 };
 
 struct Item {
@@ -878,6 +926,9 @@ static void prefill_item(const T* q, int64_t q_stride_t, int64_t q_stride_h, con
   if constexpr (BF) {
     s.qp.assign(D / 2 * R, 0u);
     s.kb.resize(KT);
+    s.vb.resize(KT);
+    s.pp.resize(KT / 2 * R);
+    s.vpair.resize(KT / 2 * D);
     for (int64_t r = 0; r < rows; ++r) {
       const uint16_t* qr = reinterpret_cast<const uint16_t*>(q + (t0 + r / group) * q_stride_t + (h * group + r % group) * q_stride_h);
       for (int64_t p = 0; p < D / 2; ++p)
@@ -893,7 +944,7 @@ static void prefill_item(const T* q, int64_t q_stride_t, int64_t q_stride_h, con
   s.alpha.resize(R);
   s.kp.resize(KT);
   s.vp.resize(KT);
-  constexpr bool widen = !std::is_same<T, float>::value;
+  constexpr bool widen = !std::is_same<T, float>::value && !BF;
   if (widen) {
     s.kbuf.resize(KT * D);
     s.vbuf.resize(KT * D);
@@ -915,9 +966,8 @@ static void prefill_item(const T* q, int64_t q_stride_t, int64_t q_stride_h, con
       const int64_t key = kt + std::min(j, n - 1);  // padding keys repeat the last one (masked)
       const int64_t offset = (table[key / block_size] * block_size + key % block_size) * slot_stride + h * D;
       if constexpr (BF) {
-        if (j < n) widen_row(v_cache + offset, s.vbuf.data() + j * D, D);
         s.kb[j] = reinterpret_cast<const uint16_t*>(k_cache + offset);
-        s.vp[j] = s.vbuf.data() + std::min(j, n - 1) * D;
+        s.vb[j] = reinterpret_cast<const uint16_t*>(v_cache + offset);
       } else if constexpr (widen) {
         if (j < n) {
           widen_row(k_cache + offset, s.kbuf.data() + j * D, D);
@@ -946,13 +996,22 @@ static void prefill_item(const T* q, int64_t q_stride_t, int64_t q_stride_h, con
     // Masks: causal (key > query position), window (key <= position - W), padding keys.
     const bool causal_edge = kt + n - 1 > first_pos;
     const bool window_edge = window > 0 && kt <= last_pos - window;
+    // Rows are token-major (row r is token t0 + r / group), so for key `key` the rows that
+    // may not see it are a prefix (causal: first_pos + r / group < key) and a suffix (window:
+    // first_pos + r / group >= key + W): two fills, no division per element.
     if (causal_edge || window_edge || npad > n) {
       for (int64_t j = 0; j < npad; ++j) {
         const int64_t key = kt + j;
         float* sj = St + j * R;
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t pos = first_pos + r / group;
-          if (j >= n || key > pos || (window > 0 && key <= pos - window)) sj[r] = -INFINITY;
+        if (j >= n) {
+          std::fill(sj, sj + rows, -INFINITY);
+          continue;
+        }
+        const int64_t causal_end = std::clamp<int64_t>((key - first_pos) * group, 0, rows);
+        std::fill(sj, sj + causal_end, -INFINITY);
+        if (window > 0) {
+          const int64_t window_begin = std::clamp<int64_t>((key + window - first_pos) * group, 0, rows);
+          std::fill(sj + window_begin, sj + rows, -INFINITY);
         }
       }
     }
@@ -981,6 +1040,21 @@ static void prefill_item(const T* q, int64_t q_stride_t, int64_t q_stride_h, con
       for (int64_t d = 0; d < D; d += L) VecF::mul(VecF::load(orow + d), a).store(orow + d);
     }
     const int64_t rows_rb = (rows + RB - 1) / RB * RB;  // <= R: R is a multiple of L, L of RB
+#if defined(__AVX512BF16__)
+    if constexpr (BF) {  // keys in pairs (npad is even; a padding key's weight is 0)
+      const int64_t pairs = npad / 2;
+      for (int64_t jp = 0; jp < pairs; ++jp) {
+        pair_rows(St + 2 * jp * R, St + (2 * jp + 1) * R, s.pp.data() + jp * R, R);
+        pair_rows(s.vb[2 * jp], s.vb[2 * jp + 1], s.vpair.data() + jp * D, D);
+      }
+      for (int64_t r0 = 0; r0 < rows_rb; r0 += RB) {
+        int64_t d0 = 0;
+        for (; d0 + DV * L <= D; d0 += DV * L) value_block_bf16<DV>(s.pp.data(), R, r0, s.vpair.data(), pairs, s.o.data(), D, d0);
+        for (; d0 < D; d0 += L) value_block_bf16<1>(s.pp.data(), R, r0, s.vpair.data(), pairs, s.o.data(), D, d0);
+      }
+      continue;
+    }
+#endif
     for (int64_t r0 = 0; r0 < rows_rb; r0 += RB) {
       int64_t d0 = 0;
       for (; d0 + DV * L <= D; d0 += DV * L) value_block<DV>(St, R, r0, s.vp.data(), npad, s.o.data(), D, d0);
