@@ -26,7 +26,9 @@ What it measures (every comparison in the same process, the two paths alternatin
   milliseconds per call (median), at ``--decode-threads`` torch threads.
 * ``--prefill-baseline REV``: the prefill kernel (``paged_prefill_attention``) against the same
   kernel built from ``REV`` (as ``--decode-baseline``), both shapes, bfloat16 and float32, at
-  each of ``--lengths``: ~4,096 query tokens a call (whole prompts of that length).
+  each of ``--lengths``: ~4,096 query tokens a call (whole prompts of that length); then
+  SmolLM2's end-to-end prefill of 4,096 prompt tokens a batch (for each length up to 512 and
+  each of ``--configs``) with the two builds swapped in between batches of one process.
 * ``--gemm``: ``torch.mm`` at the prefill shapes of SmolLM2's linears (M = prompt tokens), float32
   and bfloat16, in GFLOP/s against a large square product of the same dtype (the measured peak).
 
@@ -36,7 +38,8 @@ How to run
     python -m benchmarks.prefill --profile --gemm    # plus the profile and the GEMM table
     python -m benchmarks.prefill --skip-ttft --lengths 512
     python -m benchmarks.prefill --skip-attention --skip-ttft --decode-head-dims 16 256 --decode-baseline main
-    python -m benchmarks.prefill --skip-attention --skip-ttft --prefill-baseline main --lengths 256 512 2048
+    python -m benchmarks.prefill --skip-attention --skip-ttft --prefill-baseline main --lengths 256 512 2048 \
+        --configs gguf bf16
 
 Prints tables and writes ``--out`` (default ``benchmarks/results/prefill.json``) with the CPU,
 its ISA flags and torch's threads. On a machine other processes load, prefer the ratios (the
@@ -260,6 +263,45 @@ def run_prefill_kernel(lengths: list[int], repeats: int, baseline: str, block_si
                 rows.append({"shape": shape, "dtype": str(dtype).removeprefix("torch."), "tokens": n, "prompts": reqs,
                              "new_ms": new_ms, "baseline_ms": base_ms, "speedup": base_ms / new_ms,
                              "max_abs_diff": diff})
+    return rows
+
+
+def run_prefill_e2e(configs: list[str], prompts: int, tokens: int, rounds: int, baseline: str) -> list[dict[str, Any]]:
+    """SmolLM2's end-to-end prefill (``LLM.generate`` of ``prompts`` random prompts of ``tokens``
+    tokens, one output token, prefix caching off) with this checkout's prefill kernel and
+    ``baseline``'s build swapped in between batches of one process (the order alternating per
+    round): prompt tokens per second, median of ``rounds``."""
+    import random
+
+    from kvflow import LLM, SamplingParams
+    from kvflow.attention import cpu_attention
+
+    ext = cpu_attention._EXTENSION
+    kernels = {"new": ext.require(), "baseline": baseline_attention_kernel(baseline)}
+    rng = random.Random(0)
+    rows = []
+    for config in configs:
+        llm = LLM(model="smollm2-135m", enable_prefix_caching=False, max_num_batched_tokens=4096, max_num_seqs=64,
+                  max_step_seconds=0, **CONFIGS[config])
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        batch = lambda: [{"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(tokens)]}  # noqa: E731
+                         for _ in range(prompts)]
+        rates: dict[str, list[float]] = {name: [] for name in kernels}
+        try:
+            llm.generate(batch()[:2], params, use_tqdm=False)  # warm-up
+            for r in range(rounds):
+                for name in (list(kernels) if r % 2 == 0 else list(kernels)[::-1]):
+                    ext.require = lambda mod=kernels[name]: mod  # the instance's require, for this batch
+                    work = batch()
+                    start = time.perf_counter()
+                    llm.generate(work, params, use_tqdm=False)
+                    rates[name].append(prompts * tokens / (time.perf_counter() - start))
+        finally:
+            del ext.require  # the class's method again
+        new, old = statistics.median(rates["new"]), statistics.median(rates["baseline"])
+        rows.append({"config": config, "prompts": prompts, "tokens": tokens, "new_tok_s": new, "baseline_tok_s": old,
+                     "speedup": new / old, "rounds": {k: [round(x) for x in v] for k, v in rates.items()}})
+        del llm
     return rows
 
 
@@ -493,6 +535,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(format_table(["shape", "dtype", "tokens x prompts", "new", "baseline", "speedup", "max |diff|"],
                            [[r["shape"], r["dtype"], f"{r['tokens']} x {r['prompts']}", r["new_ms"], r["baseline_ms"],
                              r["speedup"], f"{r['max_abs_diff']:.1e}"] for r in rows]) + "\n")
+        rows = result["prefill_e2e"] = [
+            row for n in args.lengths if n <= 512
+            for row in run_prefill_e2e(args.configs, 4096 // n, n, 2 * args.repeats, args.prefill_baseline)]
+        print(f"SmolLM2-135M end-to-end prefill, {4096} prompt tokens a batch, kernels swapped between batches "
+              f"(prompt tok/s; median); baseline: {args.prefill_baseline}")
+        print(format_table(["config", "prompts x tokens", "new", "baseline", "speedup"],
+                           [[r["config"], f"{r['prompts']} x {r['tokens']}", r["new_tok_s"], r["baseline_tok_s"],
+                             r["speedup"]] for r in rows]) + "\n")
     if args.gemm:
         rows = result["gemm"] = run_gemm(args.lengths)
         print("torch.mm at SmolLM2's prefill shapes (GFLOP/s; peak = a 2048^3 product of the same dtype)")

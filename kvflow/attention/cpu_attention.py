@@ -151,7 +151,9 @@ def paged_prefill_attention(
 
     Returns:
         ``out`` (rows not covered by ``query_start_loc`` are left as they were), float32
-        accumulation, rounded to q's dtype once.
+        accumulation, rounded to q's dtype once. bfloat16 on a CPU with AVX512-BF16: the
+        value product takes the softmax weights rounded to bfloat16 (as FlashAttention-2's
+        P, algorithm 1), which moves an output by at most 2^-8 times the attention of |V|.
 
     Raises:
         RuntimeError: if the kernel is not available, or the inputs break the layout above
