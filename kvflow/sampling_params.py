@@ -282,6 +282,24 @@ class SamplingParams:
             return "structural_tag"
         return next((k for k in ("json", "regex", "choice", "grammar") if getattr(self, f"guided_{k}") is not None), None)
 
+    def verify(self) -> None:
+        """Check the fields again: a field assigned after construction (the dataclass's
+        fields can be set, ``params.temperature = -1``) skipped ``__post_init__``'s checks.
+        The engine calls it on every request's params.
+
+        Raises:
+            ValueError: naming the field, as the constructor does.
+        """
+        for name in ("stop_token_ids", "bad_words", "stop"):
+            value = getattr(self, name)
+            if not isinstance(value, list):
+                raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+        if self.logit_bias:
+            _parse_logit_bias(self.logit_bias)
+            if not all(isinstance(k, int) and not isinstance(k, bool) for k in self.logit_bias):
+                raise ValueError("logit_bias keys must be token ids (integers)")
+        self._verify()
+
     def _verify(self) -> None:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):

@@ -157,3 +157,13 @@ def test_a_kv_cache_larger_than_the_memory_is_refused_by_name(tmp_path, monkeypa
         EngineArgs(num_kv_blocks=2, preemption_mode="swap", swap_space_bytes="4MiB", **kw).create_config()
     config = EngineArgs(num_kv_blocks=2, **kw).create_config()  # a pool that fits is built as before
     assert config.cache.num_blocks == 2
+
+
+@pytest.mark.parametrize("seed", ["x", None, 1.5, True, 2**63, -(2**63) - 1])
+def test_a_seed_that_is_not_a_64_bit_integer_names_the_field(seed):
+    """LLM(seed="x") failed while loading, in torch ("manual_seed expected a long, but got
+    str"); it is a ValueError naming seed."""
+    with pytest.raises(ValueError, match="^seed must be an integer"):
+        EngineArgs(seed=seed).verify()
+    EngineArgs(seed=-1).verify()
+    EngineArgs(seed=2**63 - 1).verify()

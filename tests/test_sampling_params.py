@@ -239,3 +239,20 @@ def test_a_structural_tag_takes_ignore_eos_and_min_tokens():
     """A structural tag leaves the text free (tool calls under tool_choice "auto")."""
     tag = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f>"]}
     SamplingParams(max_tokens=8, structural_tag=tag, ignore_eos=True, min_tokens=3)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", -5.0), ("top_p", NAN), ("max_tokens", 0), ("n", 0), ("top_k", -7), ("stop", "abc"),
+     ("stop_token_ids", [-1]), ("logit_bias", {"1": 5.0}), ("logit_bias", {1: 500.0}), ("ignore_eos", "yes")],
+)
+def test_verify_refuses_a_field_set_after_construction(field, value):
+    """A dataclass field assigned after construction skipped ``__post_init__``'s checks (the
+    engine then sampled with top_p=NaN, or ran max_tokens=0 as 1 token); ``verify`` refuses
+    it naming the field."""
+    params = SamplingParams(max_tokens=3)
+    params.verify()
+    setattr(params, field, value)
+    with pytest.raises(ValueError) as exc:
+        params.verify()
+    assert str(exc.value).startswith(field), str(exc.value)

@@ -171,6 +171,9 @@ class EngineArgs:
             ValueError: naming the field that is out of range.
         """
         _positive_int("block_size", self.block_size)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63:
+            # (torch's manual_seed failed later: "manual_seed expected a long, but got str")
+            raise ValueError(f"seed must be an integer that fits in a signed 64-bit integer, got {self.seed!r}")
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive_int("max_num_seqs", self.max_num_seqs)
         if isinstance(self.max_step_seconds, bool) or not isinstance(self.max_step_seconds, (int, float)) or not (

@@ -211,7 +211,8 @@ class LLMEngine:
         """Refuse a request the engine could never serve.
 
         Raises:
-            ValueError: empty prompt, token id outside the vocabulary, prompt that leaves no
+            ValueError: empty prompt, token id outside the vocabulary, a SamplingParams field
+                set after construction to an invalid value (``SamplingParams.verify``), prompt that leaves no
                 room in the context (``max_model_len``), a request whose tokens could
                 never fit in the whole KV cache, ``logit_bias`` token ids outside the
                 vocabulary, or ``logprobs`` / ``prompt_logprobs`` above the vocabulary size.
@@ -229,6 +230,7 @@ class LLMEngine:
             return
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
+        params.verify()  # (a field set after construction was never checked)
         for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
             outside = sorted(t for t in ids if t >= vocab)
             if outside:

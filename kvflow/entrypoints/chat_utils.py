@@ -101,7 +101,7 @@ def render_chat(
         ValueError: without a tokenizer; for both ``add_generation_prompt`` and
             ``continue_final_message``; for a ``chat_template_kwargs`` key that is one of
             apply_chat_template's own parameters; when the template fails on the messages
-            (its message says why).
+            (its message says why); for rendered text with a lone surrogate (not Unicode).
     """
     if tokenizer is None:
         raise ValueError("messages: this model has no tokenizer (and no chat template); send token ids")
@@ -118,4 +118,8 @@ def render_chat(
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the template's errors are the caller's messages
         raise ValueError(f"messages could not be rendered with the chat template: {type(exc).__name__}: {exc}") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # the tokenizer's error was a TypeError naming no field
+        raise ValueError(f"messages hold a lone surrogate ({text[exc.start]!r}); the text is not valid Unicode") from None
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)

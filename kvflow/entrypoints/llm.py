@@ -88,6 +88,11 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # the tokenizer's error was a TypeError naming no field
+                raise ValueError(f"prompt holds a lone surrogate ({prompt[exc.start]!r}); the text is not valid "
+                                 "Unicode") from None
             return self.tokenizer.encode(prompt), prompt
         if isinstance(prompt, dict):
             for key, value in prompt.items():

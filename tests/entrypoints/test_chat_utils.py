@@ -29,3 +29,13 @@ def test_transformers_format_tool_use_is_rendered_as_given():
 def test_a_message_without_a_role_or_with_a_non_text_part_is_refused_naming_it(message, where):
     with pytest.raises(ValueError, match=where):
         normalize_conversation([message])
+
+
+def test_a_lone_surrogate_is_a_value_error_naming_the_messages(smollm2_llm):
+    """LLM.chat with a lone surrogate in a message raised the tokenizer's TypeError
+    ("TextEncodeInput must be Union[...]"); it is a ValueError naming the messages."""
+    from kvflow import SamplingParams
+
+    with pytest.raises(ValueError, match="messages hold a lone surrogate"):
+        smollm2_llm.chat([{"role": "user", "content": "a\ud800b"}], SamplingParams(max_tokens=2))
+    assert not smollm2_llm.engine.has_unfinished_requests()

@@ -147,6 +147,8 @@ def test_stream_yields_growing_text_and_abort_frees_blocks(smollm2_llm):
         ("", SamplingParams(), "prompt"),
         ("hello " * 9000, SamplingParams(), "max_model_len"),
         ([10**6], SamplingParams(), "prompt_token_ids"),
+        # a lone surrogate was a TypeError of the tokenizer ("TextEncodeInput must be ...")
+        ("a\ud800b", SamplingParams(), "prompt holds a lone surrogate"),
     ],
 )
 def test_bad_input_raises_and_engine_keeps_serving(smollm2_llm, prompt, params, field):
@@ -155,6 +157,17 @@ def test_bad_input_raises_and_engine_keeps_serving(smollm2_llm, prompt, params, 
     assert not smollm2_llm.engine.has_unfinished_requests()  # nothing was queued
     (out,) = smollm2_llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4))
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", -5.0), ("top_p", float("nan")), ("max_tokens", 0)])
+def test_sampling_params_changed_after_construction_are_checked(smollm2_llm, field, value):
+    """A field set after construction ran unchecked (max_tokens=0 gave 1 token, top_p=NaN
+    sampled noise); it is a ValueError naming the field, and nothing is queued."""
+    params = SamplingParams(max_tokens=3)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=f"^{field}"):
+        smollm2_llm.generate(PROMPTS[0], params)
+    assert not smollm2_llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("prompts", [5, None, 1.5])

@@ -160,7 +160,8 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
     Raises:
         ValueError: naming the block, for a block kvflow does not read, an empty ``text``
             block, a message with empty content, or a ``tool_result`` whose ``tool_use_id``
-            is not the id of a ``tool_use`` block of the previous message (Anthropic's 400s).
+            is not the id of a ``tool_use`` block of the previous message, or a ``tool_use``
+            that the next message does not answer with a ``tool_result`` (Anthropic's 400s).
     """
     messages = req.messages
     if len(messages) > 1 and messages[-1].role == "assistant" and not messages[-1].content:
@@ -176,6 +177,7 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
             raise ValueError(f"messages[{i}]: all messages must have non-empty content except for the optional "
                              "final assistant message")
         if isinstance(message.content, str):
+            _check_answered(i, previous_ids, set())
             out.append({"role": message.role, "content": message.content})
             continue
         texts: list[str] = []
@@ -208,11 +210,26 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
                 continue
             else:
                 raise ValueError(f"{where}: " + _UNREAD_BLOCK.format(kind=kind, allowed=allowed))
+        _check_answered(i, previous_ids, {b.get("tool_use_id") for b in message.content if b.get("type") == "tool_result"})
         if message.role == "assistant":
             out.append({"role": "assistant", "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})})
         elif texts or not any(m["role"] == "tool" for m in out[-1:]):
             out.append({"role": "user", "content": "".join(texts)})
     return out
+
+
+def _check_answered(i: int, tool_use_ids: set[str], answered: set[Any]) -> None:
+    """Refuse message ``i`` when it leaves a ``tool_use`` of the previous message
+    (``tool_use_ids``) without a ``tool_result`` (``answered``: the ids its results answer).
+
+    Raises:
+        ValueError: naming the message and the ids (Anthropic's rule and message).
+    """
+    unanswered = sorted(tool_use_ids - answered)
+    if unanswered:
+        raise ValueError(f"messages[{i}]: tool_use ids were found without tool_result blocks immediately after: "
+                         f"{', '.join(unanswered)}. Each tool_use block must have a corresponding tool_result block "
+                         "in the next message.")
 
 
 def _tools(req: MessagesRequest) -> list[dict[str, Any]] | None:

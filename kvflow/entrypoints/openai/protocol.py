@@ -68,6 +68,8 @@ class _Body(BaseModel):
     @model_validator(mode="after")
     def _warn_unknown_fields(self):
         for name in self.model_extra or {}:
+            if name in FOREIGN_FIELDS:  # refused by name (unsupported_field), or set to its neutral value
+                continue
             key = f"{type(self).__name__}.{name}"
             if key in _warned_fields or len(_warned_fields) > _MAX_WARNED_FIELDS:
                 continue

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun, OutputSequencer
-from kvflow.entrypoints.openai.protocol import _Body
+from kvflow.entrypoints.openai.protocol import _Body, _short
 
 if TYPE_CHECKING:
     from kvflow.entrypoints.openai.serving import OpenAIServing
@@ -82,6 +82,10 @@ class ResponsesRequest(_Body):
         found = super().unsupported_field()
         if found is not None and found[0] in ("store", "previous_response_id", "conversation", "background"):
             return found[0], f"{found[1]} (kvflow's server is stateless: it keeps no responses)"
+        if found is None and isinstance(self.text, dict) and self.text.get("verbosity") is not None:
+            # (only text.format is read; Chat Completions refuses its verbosity alike)
+            return "text", (f"text.verbosity is not supported by kvflow (set to {_short(self.text['verbosity'])}); "
+                            "leave it unset")
         return found
 
 

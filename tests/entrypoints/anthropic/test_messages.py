@@ -261,6 +261,24 @@ def test_a_tool_result_without_its_tool_use_is_400_naming_the_id(served, message
     assert f"messages[{len(messages) - 1}].content[0]" in body["error"]["message"], body
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("next_message", [
+    {"role": "user", "content": "And Tokyo?"},
+    {"role": "user", "content": [{"type": "text", "text": "And Tokyo?"}]},
+], ids=["string", "text-block"])  # fmt: skip
+def test_a_tool_use_without_its_tool_result_is_400_naming_the_id(served, next_message, path):
+    """Anthropic answers 400 when a tool_use is not answered by a tool_result in the next
+    message; kvflow took it (and rendered a call that was never answered)."""
+    messages = [*MSG, _USE, next_message]
+    r = httpx.post(served[0].url + path, json={"model": "tiny", "max_tokens": 5, "messages": messages},
+                   headers={"x-api-key": API_KEY})  # fmt: skip
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    assert "messages[2]: tool_use ids were found without tool_result blocks immediately after: toolu_1" in body[
+        "error"]["message"], body
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", None])
 def test_a_body_not_sent_as_json_is_an_anthropic_shaped_400(served, content_type):
     """As on the OpenAI paths (tests/entrypoints/openai/test_server_tiny.py), in Anthropic's shape."""

@@ -198,3 +198,18 @@ def test_response_format_with_another_constraint_is_refused_naming_response_form
                 ChatCompletionRequest.model_validate({"messages": MSG, "response_format": {"type": "json_object"}, **other})):
         with pytest.raises(ValueError, match="^response_format cannot be combined with"):
             req.sampling_params(4, None)
+
+
+def test_a_refused_foreign_field_is_not_logged_as_ignored(monkeypatch, caplog):
+    """``mirostat`` (another server's field) is refused by name; the log said "ignoring the
+    unknown field 'mirostat'" for it all the same. A truly unknown field is still logged."""
+    import logging
+
+    from kvflow.entrypoints.openai import protocol
+
+    monkeypatch.setattr(protocol, "_warned_fields", set())
+    with caplog.at_level(logging.WARNING, logger=protocol.__name__):
+        req = ChatCompletionRequest.model_validate({"messages": MSG, "mirostat": 2, "made_up_field": 1})
+    assert req.unsupported_field()[0] == "mirostat"
+    assert "'mirostat'" not in caplog.text, caplog.text
+    assert "'made_up_field'" in caplog.text, caplog.text

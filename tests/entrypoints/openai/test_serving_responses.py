@@ -176,6 +176,9 @@ def test_json_schema_text_format(client, script):
     ({"tool_choice": {"type": "file_search"}}, "tool_choice", "'file_search'"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be at least 1"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
+    # text.verbosity changes the output (was silently dropped; chat's verbosity is refused)
+    ({"text": {"verbosity": "low"}}, "text", "text.verbosity is not supported"),
+    ({"text": {"format": {"type": "text"}, "verbosity": "high"}}, "text", "text.verbosity"),
 ])  # fmt: skip
 def test_refused_by_name(served, body, param, match):
     r = httpx.post(served[0].url + "/v1/responses", json={"input": "Hi", **body}, timeout=30)
