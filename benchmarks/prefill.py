@@ -282,7 +282,7 @@ def run_prefill_e2e(configs: list[str], prompts: int, tokens: int, rounds: int, 
     rows = []
     for config in configs:
         llm = LLM(model="smollm2-135m", enable_prefix_caching=False, max_num_batched_tokens=4096, max_num_seqs=64,
-                  max_step_seconds=0, **CONFIGS[config])
+                  max_step_seconds=0, num_threads=torch.get_num_threads(), **CONFIGS[config])
         params = SamplingParams(temperature=0.0, max_tokens=1)
         batch = lambda: [{"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(tokens)]}  # noqa: E731
                          for _ in range(prompts)]
