@@ -152,6 +152,18 @@ def run_attention(lengths: list[int], repeats: int) -> list[dict[str, Any]]:
 DECODE_SHAPES = {16: [((4, 2), torch.float32)], 256: [((4, 1), torch.bfloat16), ((4, 1), torch.float32)]}
 
 
+def alternate(calls: dict[str, Any], repeats: int) -> dict[str, list[float]]:
+    """Milliseconds of each call, the calls alternating, ``repeats`` rounds after one untimed."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for i in range(repeats + 1):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            if i:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
 def baseline_attention_kernel(rev: str):
     """The paged-attention kernel built from ``rev``'s source (git show), as another module."""
     import subprocess
@@ -205,13 +217,8 @@ def run_decode(head_dims: list[int], seqs: int, repeats: int, baseline: str | No
                 lens = ctx.to(torch.int32)
                 args = (q, k, v, tables, lens, hd ** -0.5)
                 kernels = {"new": new, **({"baseline": old} if old else {})}
-                times: dict[str, list[float]] = {name: [] for name in kernels}
-                for i in range(repeats + 1):
-                    for name, mod in kernels.items():
-                        start = time.perf_counter()
-                        mod.paged_decode_attention(*args)
-                        if i:
-                            times[name].append((time.perf_counter() - start) * 1e3)
+                times = alternate({name: (lambda mod=mod: mod.paged_decode_attention(*args))
+                                   for name, mod in kernels.items()}, repeats)
                 row: dict[str, Any] = {"head_dim": hd, "heads": [nh, nkv], "dtype": str(dtype).removeprefix("torch."),
                                        "seqs": seqs, "tokens": int(ctx.sum()),
                                        "new_ms": statistics.median(times["new"])}
@@ -250,13 +257,8 @@ def run_prefill_kernel(lengths: list[int], repeats: int, baseline: str, block_si
                 starts = torch.arange(0, reqs * n + 1, n, dtype=torch.int32)
                 lens = torch.full((reqs,), n, dtype=torch.int32)
                 args = (q, k, v, tables, starts, lens, hd ** -0.5, 0, torch.empty_like(q))
-                times: dict[str, list[float]] = {name: [] for name in kernels}
-                for i in range(repeats + 1):
-                    for name, mod in kernels.items():
-                        start = time.perf_counter()
-                        mod.paged_prefill_attention(*args)
-                        if i:
-                            times[name].append((time.perf_counter() - start) * 1e3)
+                times = alternate({name: (lambda mod=mod: mod.paged_prefill_attention(*args))
+                                   for name, mod in kernels.items()}, repeats)
                 new_ms, base_ms = statistics.median(times["new"]), statistics.median(times["baseline"])
                 diff = (kernels["new"].paged_prefill_attention(*args).float()
                         - kernels["baseline"].paged_prefill_attention(*args).float()).abs().max().item()
