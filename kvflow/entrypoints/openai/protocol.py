@@ -22,9 +22,9 @@ import functools
 import json
 import logging
 import typing
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -34,6 +34,13 @@ _MAX_WARNED_FIELDS = 100  # distinct names logged; a client inventing names cann
 
 # vLLM's range of ``priority`` (a signed 64-bit integer).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# ``metadata`` within OpenAI's documented bounds (16 pairs; keys up to 64 characters, values up
+# to 512): kvflow keeps none of it, but a request may not carry an unbounded map of it either.
+Metadata = Annotated[
+    dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(max_length=512)]],
+    Field(max_length=16),
+]
 
 # Defaults of the sampling fields a request leaves unset when the model has no
 # generation_config.json (documented in docs/serving.md, "Defaults of unset fields").
@@ -194,7 +201,7 @@ class _SamplingRequest(_Body):
     # OpenAI fields that do not change the output
     user: str | None = None
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None

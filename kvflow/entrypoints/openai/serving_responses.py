@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun, OutputSequencer
-from kvflow.entrypoints.openai.protocol import _Body, _short
+from kvflow.entrypoints.openai.protocol import Metadata, _Body, _short
 
 if TYPE_CHECKING:
     from kvflow.entrypoints.openai.serving import OpenAIServing
@@ -53,7 +53,7 @@ class ResponsesRequest(_Body):
     top_p: float | None = None
     stream: bool = False
     text: dict[str, Any] | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     # fields that do not change the output
     user: str | None = None
     safety_identifier: str | None = None

@@ -22,6 +22,18 @@ def test_types_are_strict(field, value):
     assert exc.value.errors()[0]["loc"][0] == field
 
 
+@pytest.mark.parametrize(
+    "metadata",
+    [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 5}],
+)  # fmt: skip
+def test_metadata_is_bounded_as_openais(metadata):
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate({"messages": MSG, "metadata": metadata})
+    assert exc.value.errors()[0]["loc"][0] == "metadata"
+    ok = {f"k{i}": "v" * 512 for i in range(16)} | {"k" * 64: "v"}
+    assert ChatCompletionRequest.model_validate({"messages": MSG, "metadata": dict(list(ok.items())[-16:])}).metadata
+
+
 def test_json_numbers_fill_float_fields():
     req = CompletionRequest.model_validate({"prompt": "x", "temperature": 1, "top_p": 0, "presence_penalty": -2})
     assert (req.temperature, req.top_p, req.presence_penalty) == (1.0, 0.0, -2.0)

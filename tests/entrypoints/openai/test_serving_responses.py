@@ -179,6 +179,8 @@ def test_json_schema_text_format(client, script):
     # text.verbosity changes the output (was silently dropped; chat's verbosity is refused)
     ({"text": {"verbosity": "low"}}, "text", "text.verbosity is not supported"),
     ({"text": {"format": {"type": "text"}, "verbosity": "high"}}, "text", "text.verbosity"),
+    # metadata within OpenAI's bounds (16 pairs, keys <= 64 characters, values <= 512)
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
 ])  # fmt: skip
 def test_refused_by_name(served, body, param, match):
     r = httpx.post(served[0].url + "/v1/responses", json={"input": "Hi", **body}, timeout=30)
