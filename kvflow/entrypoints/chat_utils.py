@@ -118,8 +118,19 @@ def render_chat(
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the template's errors are the caller's messages
         raise ValueError(f"messages could not be rendered with the chat template: {type(exc).__name__}: {exc}") from None
+    require_unicode(text, "messages hold")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def require_unicode(text: str, subject: str) -> None:
+    """Refuse text the tokenizer cannot take: a lone surrogate (``"\\ud800"``) is not Unicode,
+    and the tokenizer's own error is a TypeError that names no field. ``subject`` opens the
+    message and names the field ("prompt holds", "messages hold").
+
+    Raises:
+        ValueError: naming the field and the first lone surrogate.
+    """
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # the tokenizer's error was a TypeError naming no field
-        raise ValueError(f"messages hold a lone surrogate ({text[exc.start]!r}); the text is not valid Unicode") from None
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{subject} a lone surrogate ({text[exc.start]!r}); the text is not valid Unicode") from None

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.entrypoints.chat_utils import normalize_conversation, render_chat
+from kvflow.entrypoints.chat_utils import normalize_conversation, render_chat, require_unicode
 from kvflow.inputs import EMPTY_ONLY, PROMPT_KEYS
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput, RequestOutputKind
@@ -88,11 +88,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as exc:  # the tokenizer's error was a TypeError naming no field
-                raise ValueError(f"prompt holds a lone surrogate ({prompt[exc.start]!r}); the text is not valid "
-                                 "Unicode") from None
+            require_unicode(prompt, "prompt holds")
             return self.tokenizer.encode(prompt), prompt
         if isinstance(prompt, dict):
             for key, value in prompt.items():
