@@ -75,6 +75,29 @@ def test_matches_torch_path_half_precision(dtype, tol, num_heads, num_kv_heads, 
     torch.testing.assert_close(out.float(), _reference(q, k, v, group, scale), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size",
+    [(9, 3, 64, 16), (14, 2, 64, 32), (14, 2, 128, 16), (12, 2, 128, 1), (32, 4, 64, 16), (8, 8, 64, 4),
+     (6, 3, 32, 8), (4, 1, 256, 16), (8, 4, 256, 8), (10, 2, 64, 16), (7, 1, 96, 16)],
+)
+def test_bfloat16_within_one_rounding(num_heads, num_kv_heads, head_dim, block_size):
+    """Sums and softmax in float32, one rounding to bfloat16 at the end (unit roundoff u = 2^-8
+    of |ref|); where the CPU has AVX512-BF16 the value pass also takes each softmax weight
+    rounded to bfloat16 (two tokens per vdpbf16ps), p_t (1 + d_t) with |d_t| <= u, which moves
+    the output by at most u sum_t p_t |v_t| / l: the attention of |v| (the prefill kernel's
+    bound). Odd contexts end in a token with no partner (its pair's weight is 0)."""
+    ctx = [1, 5, 700, 64, 65, 16, 33, 2]
+    q, k, v, group = _decode_step(num_heads, num_kv_heads, head_dim, block_size, ctx, torch.bfloat16, seed=3)
+    scale = head_dim**-0.5
+    out = paged_decode_attention(q, k, v, group.block_tables, group.context_lens, scale)
+    assert out.dtype == torch.bfloat16
+    ref = _reference(q, k, v, group, scale).double()
+    ref_abs = _reference(q, k, v.abs(), group, scale).double()
+    bound = 2**-8 * (ref.abs() + ref_abs) + 1e-5
+    excess = (out.double() - ref).abs() - bound
+    assert excess.max() <= 0, f"{(excess > 0).sum()} outputs beyond the bound, worst by {excess.max():.2e}"
+
+
 def test_long_context_softmax_is_stable():
     """Large logits (scale 1) over 3000 keys: the running max keeps exp in range."""
     q, k, v, group = _decode_step(4, 2, 64, 16, [3000], torch.float32)
