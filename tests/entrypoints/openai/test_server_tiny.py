@@ -596,7 +596,7 @@ def test_a_grammar_that_dead_ends_during_generation_fails_the_request_visibly(se
     a stream) instead of ending with "stop" and a cut output; the engine goes on."""
     body = {"prompt": "x"} if path == C else {"messages": MSG}
     body = {**body, "max_tokens": 8, "guided_grammar": 'start: "a" b\nb: b "x"'}
-    err = _assert_error(http.post(path, json=body), 400)
+    err = _assert_error(http.post(path, json=body), 400, "guided_grammar")
     assert "guided_grammar: no output satisfies the constraint" in err["message"], err
     r = http.post(path, json={**body, "stream": True})
     assert r.status_code == 200
@@ -604,6 +604,20 @@ def test_a_grammar_that_dead_ends_during_generation_fails_the_request_visibly(se
     assert events[-1] == "[DONE]" and "guided_grammar: no output satisfies" in json.loads(events[-2])["error"]["message"]
     assert server.engine.is_healthy
     _wait_idle(server)
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    (C, {"guided_regex": "a{1000000}"}, "guided_regex"),
+    (CH, {"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs"),
+], ids=["guided_regex", "structured_outputs"])
+def test_a_regex_too_complex_for_the_grammar_engine_is_400_naming_it(server, http, path, extra, param):
+    """It was accepted, then failed during generation with "token 64 does not satisfy the
+    constraint"; now it is refused before anything runs, and the engine goes on."""
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    err = _assert_error(http.post(path, json={**body, "max_tokens": 4, **extra}), 400, param)
+    assert "too complex for the grammar engine" in err["message"], err
+    assert server.engine.is_healthy
+    assert _completion(http, prompt="x", max_tokens=2)["choices"][0]["text"] is not None
 
 
 def test_huge_top_k_samples_as_top_k_off(server, http):
