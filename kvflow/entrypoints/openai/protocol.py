@@ -42,6 +42,24 @@ Metadata = Annotated[
     Field(max_length=16),
 ]
 
+#: The most tools one request may declare (OpenAI's limit, 128 functions), on Chat
+#: Completions, Responses and Anthropic Messages: each tool's schema becomes part of the
+#: grammar that constrains tool calls, and llguidance gives up on thousands of them.
+MAX_TOOLS = 128
+
+
+def check_tool_count(tools: Any) -> Any:
+    """``tools`` unchanged (a pydantic ``mode="before"`` validator: the raw list, before its
+    items are parsed).
+
+    Raises:
+        ValueError: naming ``tools``, for a list of more than ``MAX_TOOLS`` tools.
+    """
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise ValueError(f"tools holds {len(tools)} tools; at most {MAX_TOOLS} (OpenAI's limit)")
+    return tools
+
+
 # Defaults of the sampling fields a request leaves unset when the model has no
 # generation_config.json (documented in docs/serving.md, "Defaults of unset fields").
 BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -549,6 +567,8 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _top_logprobs_need_logprobs(cls, value, info: ValidationInfo):
         return _needs_flag(value, info, "logprobs", "top_logprobs needs logprobs: true")
+
+    _tools_bounded = field_validator("tools", mode="before")(check_tool_count)
 
     @field_validator("chat_template_kwargs")
     @classmethod

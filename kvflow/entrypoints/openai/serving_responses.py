@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import field_validator
 from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun, OutputSequencer
-from kvflow.entrypoints.openai.protocol import Metadata, _Body, _short
+from kvflow.entrypoints.openai.protocol import Metadata, _Body, _short, check_tool_count
 
 if TYPE_CHECKING:
     from kvflow.entrypoints.openai.serving import OpenAIServing
@@ -71,6 +72,8 @@ class ResponsesRequest(_Body):
     truncation: str | None = None
     max_tool_calls: int | None = None
     stream_options: Any = None
+
+    _tools_bounded = field_validator("tools", mode="before")(check_tool_count)
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "store": (False,), "previous_response_id": (), "conversation": (), "background": (False,), "include": ([],),

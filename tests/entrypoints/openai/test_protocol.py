@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvflow.entrypoints.openai.protocol import BUILTIN_DEFAULTS, ChatCompletionRequest, CompletionRequest
+from kvflow.entrypoints.openai.protocol import BUILTIN_DEFAULTS, MAX_TOOLS, ChatCompletionRequest, CompletionRequest
 
 MSG = [{"role": "user", "content": "Hi"}]
 
@@ -32,6 +32,21 @@ def test_metadata_is_bounded_as_openais(metadata):
     assert exc.value.errors()[0]["loc"][0] == "metadata"
     ok = {f"k{i}": "v" * 512 for i in range(16)} | {"k" * 64: "v"}
     assert ChatCompletionRequest.model_validate({"messages": MSG, "metadata": dict(list(ok.items())[-16:])}).metadata
+
+
+def _tools(n: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(n)]
+
+
+def test_tools_are_bounded_at_openais_128():
+    """2,000 tools reached llguidance, whose refusal of the grammar came back as the 400."""
+    assert MAX_TOOLS == 128
+    for n in (MAX_TOOLS + 1, 2000):
+        with pytest.raises(ValidationError) as exc:
+            ChatCompletionRequest.model_validate({"messages": MSG, "tools": _tools(n)})
+        error = exc.value.errors()[0]
+        assert error["loc"] == ("tools",) and f"tools holds {n} tools; at most 128" in error["msg"], error
+    assert len(ChatCompletionRequest.model_validate({"messages": MSG, "tools": _tools(MAX_TOOLS)}).tools) == 128
 
 
 def test_json_numbers_fill_float_fields():

@@ -561,6 +561,17 @@ def test_min_tokens_with_a_regex_holds_until_reached(http):
     assert len(choice["text"]) >= 6 and choice["text"].isalpha(), choice
 
 
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_more_than_128_tools_are_400_naming_tools_and_the_limit(server, http, tool_choice):
+    """2,000 tools came back as a 400 quoting llguidance's refusal of the tools' grammar
+    (with a listing of it); this server's 64 KiB body limit holds 300 small ones."""
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(300)]
+    err = _assert_error(http.post(CH, json={"messages": MSG, "max_tokens": 2, "tools": tools, "tool_choice": tool_choice}),
+                        400, "tools")
+    assert "tools holds 300 tools; at most 128" in err["message"] and "llguidance" not in err["message"], err
+    assert server.engine.is_healthy
+
+
 def test_ignore_eos_with_tools_under_auto_is_served(http):
     """tool_choice "auto" leaves the text free (a structural tag): ignore_eos holds (the
     grammar took the first EOS as its end before), and so does min_tokens."""

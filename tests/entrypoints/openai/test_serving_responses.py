@@ -181,6 +181,8 @@ def test_json_schema_text_format(client, script):
     ({"text": {"format": {"type": "text"}, "verbosity": "high"}}, "text", "text.verbosity"),
     # metadata within OpenAI's bounds (16 pairs, keys <= 64 characters, values <= 512)
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
+    # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
+    ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools", "tools holds 2000 tools; at most 128"),
 ])  # fmt: skip
 def test_refused_by_name(served, body, param, match):
     r = httpx.post(served[0].url + "/v1/responses", json={"input": "Hi", **body}, timeout=30)
