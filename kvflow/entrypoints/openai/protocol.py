@@ -517,6 +517,25 @@ class ChatMessage(_Body):
         return message
 
 
+def check_tool_answers(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """``messages`` unchanged when every tool message answers a call of an earlier assistant
+    message (its ``tool_call_id`` is the id of one of their ``tool_calls``), as OpenAI requires.
+
+    Raises:
+        ValueError: naming the message, its ``tool_call_id`` and the unknown id.
+    """
+    call_ids: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.role == "assistant":
+            call_ids.update(call.id for call in message.tool_calls or [])
+        elif message.role == "tool" and message.tool_call_id not in call_ids:
+            before = ("no assistant message before it has tool_calls" if not call_ids
+                      else "no tool_calls entry of an earlier assistant message has that id")
+            raise ValueError(f"messages[{i}].tool_call_id {_short(message.tool_call_id)} answers no tool call: "
+                             f"{before} (a tool message answers a call of an earlier assistant message)")
+    return messages
+
+
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -569,6 +588,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return _needs_flag(value, info, "logprobs", "top_logprobs needs logprobs: true")
 
     _tools_bounded = field_validator("tools", mode="before")(check_tool_count)
+    _tool_answers = field_validator("messages")(check_tool_answers)
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -49,6 +49,36 @@ def test_tools_are_bounded_at_openais_128():
     assert len(ChatCompletionRequest.model_validate({"messages": MSG, "tools": _tools(MAX_TOOLS)}).tools) == 128
 
 
+_CALLS = {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+def _answer(call_id: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": "18 C"}
+
+
+@pytest.mark.parametrize("messages,where,why", [
+    ([*MSG, _answer("call_1")], "messages[1]", "no assistant message before it has tool_calls"),
+    ([*MSG, _CALLS, _answer("call_nope")], "messages[2]", "no tool_calls entry of an earlier assistant message"),
+    ([*MSG, _CALLS, _answer("call_1"), _answer("call_2")], "messages[3]", "no tool_calls entry"),
+], ids=["no-assistant-call", "unknown-id", "second-answer-unknown"])  # fmt: skip
+def test_a_tool_message_that_answers_no_call_is_refused_naming_it_and_the_id(messages, where, why):
+    """OpenAI refuses a tool message whose tool_call_id is no earlier assistant call's id;
+    kvflow rendered it as an answer to no call."""
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate({"messages": messages})
+    error = exc.value.errors()[0]
+    bad = messages[int(where[9:-1])]["tool_call_id"]
+    assert error["loc"] == ("messages",) and f"{where}.tool_call_id {bad!r} answers no tool call" in error["msg"], error
+    assert why in error["msg"], error
+
+
+def test_tool_messages_answering_earlier_calls_are_taken():
+    later = {**_CALLS, "tool_calls": [{**_CALLS["tool_calls"][0], "id": "call_2"}]}
+    messages = [*MSG, _CALLS, _answer("call_1"), later, _answer("call_2"), _answer("call_1")]
+    assert len(ChatCompletionRequest.model_validate({"messages": messages}).messages) == 6
+
+
 def test_json_numbers_fill_float_fields():
     req = CompletionRequest.model_validate({"prompt": "x", "temperature": 1, "top_p": 0, "presence_penalty": -2})
     assert (req.temperature, req.top_p, req.presence_penalty) == (1.0, 0.0, -2.0)

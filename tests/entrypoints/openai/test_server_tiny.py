@@ -561,6 +561,12 @@ def test_min_tokens_with_a_regex_holds_until_reached(http):
     assert len(choice["text"]) >= 6 and choice["text"].isalpha(), choice
 
 
+def test_a_tool_message_that_answers_no_call_is_400_naming_it_and_the_id(server, http):
+    messages = [*MSG, {"role": "tool", "tool_call_id": "call_nope", "content": "18 C"}]
+    err = _assert_error(http.post(CH, json={"messages": messages, "max_tokens": 2}), 400, "messages")
+    assert "messages[1].tool_call_id 'call_nope' answers no tool call" in err["message"], err
+
+
 @pytest.mark.parametrize("tool_choice", ["auto", "required"])
 def test_more_than_128_tools_are_400_naming_tools_and_the_limit(server, http, tool_choice):
     """2,000 tools came back as a 400 quoting llguidance's refusal of the tools' grammar
