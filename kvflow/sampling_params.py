@@ -9,6 +9,7 @@ request is refused before it reaches the engine.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -206,8 +207,13 @@ class SamplingParams:
             ``end``), then it is free again. Tool calling under ``tool_choice: "auto"``
             uses it (``kvflow.entrypoints.openai.tools.tool_call_structural_tag``).
 
+    Integer fields take any ``numbers.Integral`` and float fields any ``numbers.Real``
+    (numpy scalars included), stored as Python ``int`` / ``float``; ``bool`` is not a number
+    here.
+
     Raises:
-        ValueError: naming the field, for any value outside the ranges above.
+        ValueError: naming the field, for any value outside the ranges above or of another
+            type.
     """
 
     n: int = 1
@@ -300,7 +306,25 @@ class SamplingParams:
                 raise ValueError("logit_bias keys must be token ids (integers)")
         self._verify()
 
+    def _normalise_numbers(self) -> None:
+        """Integer fields given as another ``numbers.Integral`` (``numpy.int64``, ...) become
+        Python ints, float fields given as another ``numbers.Real`` (``numpy.float32``, ...)
+        Python floats, so that nothing downstream sees numpy scalars. bool stays refused
+        where it is (``_verify``); anything else is left for ``_verify`` to refuse."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value) is not int:
+                setattr(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+                setattr(self, name, float(value))
+        if isinstance(self.stop_token_ids, list):
+            self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+                                   for t in self.stop_token_ids]
+
     def _verify(self) -> None:
+        self._normalise_numbers()
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
@@ -421,6 +445,10 @@ MAX_STRING_CHARS = 1024
 #: 2,000 alternatives and more: the output would not be one of them).
 MAX_GUIDED_CHOICES = 1024
 
+# The fields ``_normalise_numbers`` turns into Python ints / floats.
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "logprobs", "prompt_logprobs", "min_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
 _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_TINY = 1.1754943508222875e-38
 
@@ -447,12 +475,14 @@ def _parse_logit_bias(bias: object) -> dict[int, float]:
     for key, value in bias.items():
         if isinstance(key, str) and re.fullmatch(r"-?[0-9]+", key):
             token = int(key)
-        elif isinstance(key, int) and not isinstance(key, bool):
-            token = key
+        elif isinstance(key, numbers.Integral) and not isinstance(key, bool):
+            token = int(key)
         else:
             raise ValueError(f"logit_bias keys must be token ids (integers), got {key!r}")
         if token < 0:
             raise ValueError(f"logit_bias keys must be token ids >= 0, got {token}")
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+            value = float(value)
         _check_number("logit_bias", value)
         if not -100.0 <= value <= 100.0:
             raise ValueError(f"logit_bias values must be in [-100, 100], got {token}: {value}")

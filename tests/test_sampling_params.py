@@ -256,3 +256,35 @@ def test_verify_refuses_a_field_set_after_construction(field, value):
     with pytest.raises(ValueError) as exc:
         params.verify()
     assert str(exc.value).startswith(field), str(exc.value)
+
+
+def test_numpy_scalars_are_accepted_as_python_numbers():
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(temperature=np.float32(0.7), max_tokens=np.int64(16), seed=np.int64(3), n=np.int32(2),
+                            top_p=np.float64(0.9), top_k=np.int16(5), min_p=np.float16(0.0), logprobs=np.uint8(2),
+                            presence_penalty=np.float32(0.5), repetition_penalty=np.float32(1.1),
+                            min_tokens=np.int64(1), stop_token_ids=[np.int64(7)],
+                            logit_bias={np.int64(4): np.float32(1.5)})
+    for name in ("max_tokens", "seed", "n", "top_k", "logprobs", "min_tokens"):
+        assert type(getattr(params, name)) is int, name
+    for name in ("temperature", "min_p", "presence_penalty", "repetition_penalty"):
+        assert type(getattr(params, name)) is float, name
+    assert params.temperature == pytest.approx(0.7)
+    assert params.max_tokens == 16 and params.seed == 3
+    assert [type(t) for t in params.stop_token_ids] == [int]
+    assert {type(k): type(v) for k, v in params.logit_bias.items()} == {int: float}
+    params.temperature = np.float32(0.2)  # assigned after construction: verify normalises it too
+    params.verify()
+    assert type(params.temperature) is float
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 16.0}, "max_tokens"),
+    ({"seed": True}, "seed"),
+    ({"temperature": True}, "temperature"),
+    ({"temperature": "0.7"}, "temperature"),
+    ({"n": 2.5}, "n"),
+])
+def test_wrong_types_are_still_refused_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field} "):
+        SamplingParams(**kwargs)

@@ -45,6 +45,17 @@ def _llg_error(matcher: Any) -> str:
     return (matcher.get_error() or "").strip().split("\n", 1)[0] or "no reason given"
 
 
+def _llg_compile_error(text: str) -> str:
+    """llguidance's compile error, cleaned for a client: its first line and the lines that
+    say what is wrong (``error: ...``), without the listing of the grammar it appends (for a
+    structural tag of many tools, thousands of lines of generated grammar), at most 500
+    characters."""
+    lines = [line.strip() for line in (text or "").strip().split("\n")]
+    kept = [lines[0]] + [line for line in lines[1:] if line.startswith("error:")] if lines else []
+    message = " ".join(line for line in kept if line) or "no reason given"
+    return message if len(message) <= 500 else message[:497] + "..."
+
+
 class GrammarMatcher:
     """The grammar state of one request.
 
@@ -60,6 +71,7 @@ class GrammarMatcher:
         self.vocab_size = vocab_size
         self.field = field
         self._bitmask = self._lt.allocate_token_bitmask(1, vocab_size)
+        self._mask_fresh = False  # the bitmask holds the tokens allowed now (filled since the last accept)
 
     def fill_bitmask(self) -> torch.Tensor:
         """The int32 bitmask of the tokens the grammar allows next.
@@ -73,6 +85,7 @@ class GrammarMatcher:
         if self.matcher.is_error():
             raise ValueError(f"{self.field}: no output satisfies the constraint from here on "
                              f"(llguidance: {_llg_error(self.matcher)})")
+        self._mask_fresh = True
         return self._bitmask[0]
 
     def mask_logits(self, row: torch.Tensor) -> None:
@@ -89,9 +102,17 @@ class GrammarMatcher:
 
         Raises:
             ValueError: naming the field, for a token the grammar does not allow (e.g. when
-                other masks, such as ``bad_words``, left none of its tokens to sample).
+                other masks, such as ``bad_words``, left none of its tokens to sample), or
+                when the grammar engine gives up on a token its mask allowed (a constraint
+                too complex for it, such as a regex with a huge repetition count).
         """
+        allowed = self._mask_fresh and 0 <= token_id < self.vocab_size and bool(
+            (int(self._bitmask[0, token_id >> 5]) >> (token_id & 31)) & 1)
+        self._mask_fresh = False
         if not self.matcher.consume_token(token_id) or self.matcher.is_error():
+            if allowed:
+                raise ValueError(f"{self.field} is too complex for the grammar engine: it gave up during "
+                                 f"generation (llguidance: {_llg_error(self.matcher)})")
             raise ValueError(f"{self.field}: token {token_id} does not satisfy the constraint "
                              f"(llguidance: {_llg_error(self.matcher)})")
 
@@ -126,9 +147,34 @@ class GrammarCompiler:
         Raises:
             ValueError: naming the field, for a schema or regex llguidance rejects, a
                 schema nested too deeply for Python's JSON codec, or a constraint no output
-                can satisfy from its start (an empty language, such as ``a[^\\s\\S]``).
+                can satisfy from its start (an empty language, such as ``a[^\\s\\S]``), or
+                one too complex for the grammar engine (a regex such as ``a{1000000}``, which
+                it gives up on at the first token).
                 One that only dead-ends later (a grammar whose every path recurses forever)
                 fails its request during generation (``GrammarMatcher.fill_bitmask``).
+        """
+        try:
+            field, grammar = self._grammar(params)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the grammar engine's own fault, on this input
+            field = _field(params)
+            raise ValueError(f"{field} is not a usable grammar: the grammar engine failed on it "
+                             f"({type(exc).__name__}: {_llg_compile_error(str(exc))})") from None
+        except BaseException as exc:  # a Rust panic (pyo3's PanicException is a BaseException)
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            field = _field(params)
+            raise ValueError(f"{field} is not a usable grammar: the grammar engine failed on it") from None
+        if grammar is None:
+            return None
+        return self._matcher(field, grammar)
+
+    def _grammar(self, params: SamplingParams) -> tuple[str | None, str | None]:
+        """The field and the llguidance grammar of ``params``' constraint, or (None, None).
+
+        Raises:
+            ValueError: naming the field, as ``compile``.
         """
         matcher_cls = self._llg.LLMatcher
         if params.guided_json is not None:
@@ -152,21 +198,54 @@ class GrammarCompiler:
             try:
                 grammar = self._llg.grammar_from("grammar", params.guided_grammar)
             except ValueError as exc:
-                raise ValueError(f"guided_grammar is not a usable grammar: {exc}") from None
+                raise ValueError(f"guided_grammar is not a usable grammar: {_llg_compile_error(str(exc))}") from None
         elif params.structural_tag is not None:
             field = "structural_tag"
             grammar = matcher_cls.grammar_from_lark(structural_tag_lark(params.structural_tag, self._added_tokens))
         else:
-            return None
-        matcher = matcher_cls(self._lltokenizer, grammar)
+            return None, None
+        return field, grammar
+
+    def _matcher(self, field: str, grammar: str) -> GrammarMatcher:
+        """The checked matcher of ``grammar`` (see ``compile``)."""
+        try:
+            matcher = self._llg.LLMatcher(self._lltokenizer, grammar)
+        except BaseException as exc:  # documented never to raise; a Rust panic would
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise ValueError(f"{field} is not a usable grammar: the grammar engine failed on it") from None
         if matcher.is_error():
-            raise ValueError(f"{field} is not a usable grammar: {matcher.get_error()}")
+            raise ValueError(f"{field} is not a usable grammar: {_llg_compile_error(matcher.get_error())}")
         guided = GrammarMatcher(matcher, self.vocab_size, field)
         try:  # an empty language (a regex or schema nothing matches) allows no first token
-            guided.fill_bitmask()
+            bitmask = guided.fill_bitmask()
         except ValueError:
             raise ValueError(f"{field} is unsatisfiable: no output matches it (llguidance: {_llg_error(matcher)})") from None
+        self._probe(matcher, bitmask, field)
         return guided
+
+    def _probe(self, matcher: Any, bitmask: torch.Tensor, field: str) -> None:
+        """Consume the first allowed token on a copy of ``matcher``: llguidance builds a
+        regex's automaton lazily, so a constraint too complex for it (``a{1000000}``: "too
+        many expressions constructed") compiles and masks its first token, then fails on
+        the first token consumed, i.e. during generation. This makes it fail here, before
+        the request runs.
+
+        Raises:
+            ValueError: naming the field, when the grammar engine gives up on that token.
+        """
+        allowed = unpack_bitmask(bitmask, self.vocab_size).nonzero().flatten()
+        if len(allowed) == 0:
+            return
+        probe = matcher.deep_copy()
+        if not probe.consume_token(int(allowed[0])) or probe.is_error():
+            raise ValueError(f"{field} is too complex for the grammar engine (llguidance: {_llg_error(probe)})")
+
+
+def _field(params: SamplingParams) -> str:
+    """The constraint field ``params`` sets (for errors)."""
+    kind = params.guided_kind
+    return "structural_tag" if kind == "structural_tag" else f"guided_{kind}"
 
 
 def _tag_structures(spec: dict[str, Any] | str) -> tuple[list[dict[str, Any]], list[str]]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import TINY_TEXT_VOCAB, tiny_engine, tiny_model_config, tiny_tokenizer
-from kvflow.sample.guided import GrammarCompiler
+from kvflow.sample.guided import GrammarCompiler, GrammarMatcher
 from kvflow.sampling_params import SamplingParams
 
 EOS = TINY_TEXT_VOCAB - 1
@@ -68,6 +68,53 @@ def test_an_unsatisfiable_constraint_queues_nothing_offline():
     with pytest.raises(ValueError, match=r"^guided_regex is unsatisfiable"):
         engine.add_request("r", [_id("x")], SamplingParams(guided_regex="a[^\\s\\S]", max_tokens=4))
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("regex", ["a{1000000}", "(a{1000}){1000}", "ab{1000000}"])
+def test_a_regex_too_complex_for_the_grammar_engine_is_refused_at_compile_naming_it(compiler, regex):
+    """llguidance compiles it and masks its first token, then gives up on the first token
+    consumed ("too many expressions constructed"): it failed the request during generation
+    before, with "token 64 does not satisfy the constraint"."""
+    with pytest.raises(ValueError, match=r"^guided_regex is too complex for the grammar engine"):
+        compiler.compile(SamplingParams(guided_regex=regex))
+
+
+def test_a_regex_too_complex_queues_nothing_offline_and_the_engine_goes_on():
+    engine = tiny_engine(tokenizer=TOKENIZER, config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    with pytest.raises(ValueError, match=r"^guided_regex is too complex"):
+        engine.add_request("r", [_id("x")], SamplingParams(guided_regex="a{1000000}", max_tokens=4))
+    assert not engine.has_unfinished_requests()
+    engine.add_request("ok", [_id("x")], SamplingParams(guided_regex="[ab]+", max_tokens=4, temperature=0))
+    done = _run(engine)
+    assert done["ok"].error is None and done["ok"].outputs[0].token_ids, done["ok"]
+
+
+def test_the_grammar_engine_giving_up_during_generation_names_the_field(compiler):
+    """Past the compile-time probe (a matcher built without it), a token the mask allowed
+    but the engine then gave up on is reported as a constraint too complex, naming the
+    field, not as a token the grammar forbids."""
+    import llguidance
+
+    llm = llguidance.LLMatcher(compiler._lltokenizer, llguidance.LLMatcher.grammar_from_regex("a{1000000}"),
+                               log_level=0)
+    matcher = GrammarMatcher(llm, TINY_TEXT_VOCAB, "guided_regex")
+    matcher.mask_logits(torch.zeros(TINY_TEXT_VOCAB))
+    with pytest.raises(ValueError, match=r"^guided_regex is too complex for the grammar engine: it gave up"):
+        matcher.accept(_id("a"))
+
+
+def test_a_grammar_compile_error_is_one_clean_line_naming_the_field(compiler):
+    """llguidance appends a listing of the grammar to its error (thousands of lines of
+    generated grammar for a structural tag of many tools): the message keeps what is wrong."""
+    with pytest.raises(ValueError) as exc:
+        compiler.compile(SamplingParams(guided_grammar='start: a\na: "x"\n' + 'q: "y"\n' * 20))
+    message = str(exc.value)
+    assert message.startswith("guided_grammar is not a usable grammar: ") and "duplicate rule" in message, message
+    assert "\n" not in message and " | " not in message, message
+    with pytest.raises(ValueError) as exc:
+        compiler.compile(SamplingParams(guided_regex="("))
+    assert str(exc.value).startswith("guided_regex is not a usable grammar: ") and "unclosed group" in str(exc.value)
+    assert "\n" not in str(exc.value)
 
 
 def _run(engine) -> dict[str, object]:

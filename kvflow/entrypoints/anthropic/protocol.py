@@ -25,9 +25,9 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from kvflow.entrypoints.openai.protocol import _Body
+from kvflow.entrypoints.openai.protocol import _Body, check_tool_count
 
 
 class AnthropicTool(_Body):
@@ -73,6 +73,7 @@ class MessagesRequest(_Body):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     output_config: dict[str, Any] | None = None  # its "format" (a JSON schema) is read; "effort" is refused
+    _tools_bounded = field_validator("tools", mode="before")(check_tool_count)
     # fields that do not change the output
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None

@@ -42,6 +42,24 @@ Metadata = Annotated[
     Field(max_length=16),
 ]
 
+#: The most tools one request may declare (OpenAI's limit, 128 functions), on Chat
+#: Completions, Responses and Anthropic Messages: each tool's schema becomes part of the
+#: grammar that constrains tool calls, and llguidance gives up on thousands of them.
+MAX_TOOLS = 128
+
+
+def check_tool_count(tools: Any) -> Any:
+    """``tools`` unchanged (a pydantic ``mode="before"`` validator: the raw list, before its
+    items are parsed).
+
+    Raises:
+        ValueError: naming ``tools``, for a list of more than ``MAX_TOOLS`` tools.
+    """
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise ValueError(f"tools holds {len(tools)} tools; at most {MAX_TOOLS} (OpenAI's limit)")
+    return tools
+
+
 # Defaults of the sampling fields a request leaves unset when the model has no
 # generation_config.json (documented in docs/serving.md, "Defaults of unset fields").
 BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -499,6 +517,25 @@ class ChatMessage(_Body):
         return message
 
 
+def check_tool_answers(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """``messages`` unchanged when every tool message answers a call of an earlier assistant
+    message (its ``tool_call_id`` is the id of one of their ``tool_calls``), as OpenAI requires.
+
+    Raises:
+        ValueError: naming the message, its ``tool_call_id`` and the unknown id.
+    """
+    call_ids: set[str] = set()
+    for i, message in enumerate(messages):
+        if message.role == "assistant":
+            call_ids.update(call.id for call in message.tool_calls or [])
+        elif message.role == "tool" and message.tool_call_id not in call_ids:
+            before = ("no assistant message before it has tool_calls" if not call_ids
+                      else "no tool_calls entry of an earlier assistant message has that id")
+            raise ValueError(f"messages[{i}].tool_call_id {_short(message.tool_call_id)} answers no tool call: "
+                             f"{before} (a tool message answers a call of an earlier assistant message)")
+    return messages
+
+
 class ChatCompletionRequest(_SamplingRequest):
     """POST /v1/chat/completions."""
 
@@ -549,6 +586,9 @@ class ChatCompletionRequest(_SamplingRequest):
     @classmethod
     def _top_logprobs_need_logprobs(cls, value, info: ValidationInfo):
         return _needs_flag(value, info, "logprobs", "top_logprobs needs logprobs: true")
+
+    _tools_bounded = field_validator("tools", mode="before")(check_tool_count)
+    _tool_answers = field_validator("messages")(check_tool_answers)
 
     @field_validator("chat_template_kwargs")
     @classmethod

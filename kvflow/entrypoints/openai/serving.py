@@ -78,13 +78,19 @@ def _name_constraint(exc: APIError, req: Any) -> APIError:
     return exc
 
 
+_CONSTRAINT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag")
+
+
 def _as_api_error(exc: BaseException) -> APIError:
     """The API error for a fault after admission (or any other)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, RequestFailedError):
         if exc.failure.is_invalid_request:
-            return APIError(400, f"the request failed: {exc.failure.message}", "BadRequestError")
+            # a constraint that failed during generation names its field ("ValueError: guided_regex ...")
+            param = _bad_request(ValueError(exc.failure.message.removeprefix("ValueError: "))).param
+            param = param if param in _CONSTRAINT_FIELDS else None
+            return APIError(400, f"the request failed: {exc.failure.message}", "BadRequestError", param)
         return APIError(500, f"the request failed inside the engine: {exc.failure.message}", "InternalServerError")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "ServiceUnavailableError")

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import field_validator
 from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun, OutputSequencer
-from kvflow.entrypoints.openai.protocol import Metadata, _Body, _short
+from kvflow.entrypoints.openai.protocol import Metadata, _Body, _short, check_tool_count
 
 if TYPE_CHECKING:
     from kvflow.entrypoints.openai.serving import OpenAIServing
@@ -72,6 +73,8 @@ class ResponsesRequest(_Body):
     max_tool_calls: int | None = None
     stream_options: Any = None
 
+    _tools_bounded = field_validator("tools", mode="before")(check_tool_count)
+
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "store": (False,), "previous_response_id": (), "conversation": (), "background": (False,), "include": ([],),
         "reasoning": (), "prompt": (), "top_logprobs": (0,), "truncation": ("disabled",), "max_tool_calls": (),
@@ -113,9 +116,12 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
 
     Raises:
         ValueError: naming the item, for an item or part kvflow does not read, an empty
-            ``input``, or a user, system or developer message without text.
+            ``input``, a user, system or developer message without text, or a
+            ``function_call_output`` whose ``call_id`` is that of no earlier
+            ``function_call`` item (as OpenAI refuses it).
     """
     messages: list[dict[str, Any]] = []
+    call_ids: set[str] = set()  # those of the function_call items so far
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     if not req.input:  # (an empty user turn: nothing for the model to answer)
@@ -139,6 +145,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise ValueError(f"{where}.{key} must be a string (a function_call item)")
+            call_ids.add(item["call_id"])
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
             last = messages[-1] if messages else None
@@ -153,6 +160,9 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise ValueError(f"{where}.call_id must be a string (a function_call_output item)")
+            if item["call_id"] not in call_ids:
+                raise ValueError(f"{where}.call_id: no function_call item before it has call_id "
+                                 f"{_short(item['call_id'])} (a function_call_output answers an earlier call)")
             output = item.get("output")
             if not isinstance(output, str):
                 output = _text_parts(output, f"{where}.output", ("input_text",))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from kvflow.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest, to_chat_fields
 
@@ -28,3 +29,13 @@ def test_a_non_empty_final_assistant_message_is_still_refused_naming_it():
         req = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": messages})
         with pytest.raises(ValueError, match=rf"^{where.replace('[', '.').replace(']', '.')}"):
             to_chat_fields(req)
+
+
+@pytest.mark.parametrize("model", [MessagesRequest, CountTokensRequest])
+def test_tools_are_bounded_at_128(model):
+    tools = [{"name": f"f{i}", "input_schema": {"type": "object"}} for i in range(129)]
+    with pytest.raises(ValidationError) as exc:
+        model.model_validate({"model": "m", "max_tokens": 5, "messages": [USER], "tools": tools})
+    error = exc.value.errors()[0]
+    assert error["loc"] == ("tools",) and "tools holds 129 tools; at most 128" in error["msg"], error
+    assert len(model.model_validate({"model": "m", "max_tokens": 5, "messages": [USER], "tools": tools[:128]}).tools) == 128

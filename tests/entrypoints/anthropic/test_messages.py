@@ -177,6 +177,8 @@ def test_errors_are_anthropic_shaped(client, served):
     ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
     ({"messages": [*MSG, {"role": "assistant", "content": "It is"}]}, "prefill"),
     ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
+    ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools holds 2000 tools; at most 128"),
 ])  # fmt: skip
 def test_refused_by_name(served, body, match):
     r = httpx.post(served[0].url + "/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": MSG, **body},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvflow.entrypoints.openai.protocol import BUILTIN_DEFAULTS, ChatCompletionRequest, CompletionRequest
+from kvflow.entrypoints.openai.protocol import BUILTIN_DEFAULTS, MAX_TOOLS, ChatCompletionRequest, CompletionRequest
 
 MSG = [{"role": "user", "content": "Hi"}]
 
@@ -32,6 +32,51 @@ def test_metadata_is_bounded_as_openais(metadata):
     assert exc.value.errors()[0]["loc"][0] == "metadata"
     ok = {f"k{i}": "v" * 512 for i in range(16)} | {"k" * 64: "v"}
     assert ChatCompletionRequest.model_validate({"messages": MSG, "metadata": dict(list(ok.items())[-16:])}).metadata
+
+
+def _tools(n: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(n)]
+
+
+def test_tools_are_bounded_at_openais_128():
+    """2,000 tools reached llguidance, whose refusal of the grammar came back as the 400."""
+    assert MAX_TOOLS == 128
+    for n in (MAX_TOOLS + 1, 2000):
+        with pytest.raises(ValidationError) as exc:
+            ChatCompletionRequest.model_validate({"messages": MSG, "tools": _tools(n)})
+        error = exc.value.errors()[0]
+        assert error["loc"] == ("tools",) and f"tools holds {n} tools; at most 128" in error["msg"], error
+    assert len(ChatCompletionRequest.model_validate({"messages": MSG, "tools": _tools(MAX_TOOLS)}).tools) == 128
+
+
+_CALLS = {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+
+
+def _answer(call_id: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": "18 C"}
+
+
+@pytest.mark.parametrize("messages,where,why", [
+    ([*MSG, _answer("call_1")], "messages[1]", "no assistant message before it has tool_calls"),
+    ([*MSG, _CALLS, _answer("call_nope")], "messages[2]", "no tool_calls entry of an earlier assistant message"),
+    ([*MSG, _CALLS, _answer("call_1"), _answer("call_2")], "messages[3]", "no tool_calls entry"),
+], ids=["no-assistant-call", "unknown-id", "second-answer-unknown"])  # fmt: skip
+def test_a_tool_message_that_answers_no_call_is_refused_naming_it_and_the_id(messages, where, why):
+    """OpenAI refuses a tool message whose tool_call_id is no earlier assistant call's id;
+    kvflow rendered it as an answer to no call."""
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate({"messages": messages})
+    error = exc.value.errors()[0]
+    bad = messages[int(where[9:-1])]["tool_call_id"]
+    assert error["loc"] == ("messages",) and f"{where}.tool_call_id {bad!r} answers no tool call" in error["msg"], error
+    assert why in error["msg"], error
+
+
+def test_tool_messages_answering_earlier_calls_are_taken():
+    later = {**_CALLS, "tool_calls": [{**_CALLS["tool_calls"][0], "id": "call_2"}]}
+    messages = [*MSG, _CALLS, _answer("call_1"), later, _answer("call_2"), _answer("call_1")]
+    assert len(ChatCompletionRequest.model_validate({"messages": messages}).messages) == 6
 
 
 def test_json_numbers_fill_float_fields():

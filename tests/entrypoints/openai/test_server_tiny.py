@@ -561,6 +561,23 @@ def test_min_tokens_with_a_regex_holds_until_reached(http):
     assert len(choice["text"]) >= 6 and choice["text"].isalpha(), choice
 
 
+def test_a_tool_message_that_answers_no_call_is_400_naming_it_and_the_id(server, http):
+    messages = [*MSG, {"role": "tool", "tool_call_id": "call_nope", "content": "18 C"}]
+    err = _assert_error(http.post(CH, json={"messages": messages, "max_tokens": 2}), 400, "messages")
+    assert "messages[1].tool_call_id 'call_nope' answers no tool call" in err["message"], err
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_more_than_128_tools_are_400_naming_tools_and_the_limit(server, http, tool_choice):
+    """2,000 tools came back as a 400 quoting llguidance's refusal of the tools' grammar
+    (with a listing of it); this server's 64 KiB body limit holds 300 small ones."""
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(300)]
+    err = _assert_error(http.post(CH, json={"messages": MSG, "max_tokens": 2, "tools": tools, "tool_choice": tool_choice}),
+                        400, "tools")
+    assert "tools holds 300 tools; at most 128" in err["message"] and "llguidance" not in err["message"], err
+    assert server.engine.is_healthy
+
+
 def test_ignore_eos_with_tools_under_auto_is_served(http):
     """tool_choice "auto" leaves the text free (a structural tag): ignore_eos holds (the
     grammar took the first EOS as its end before), and so does min_tokens."""
@@ -596,7 +613,7 @@ def test_a_grammar_that_dead_ends_during_generation_fails_the_request_visibly(se
     a stream) instead of ending with "stop" and a cut output; the engine goes on."""
     body = {"prompt": "x"} if path == C else {"messages": MSG}
     body = {**body, "max_tokens": 8, "guided_grammar": 'start: "a" b\nb: b "x"'}
-    err = _assert_error(http.post(path, json=body), 400)
+    err = _assert_error(http.post(path, json=body), 400, "guided_grammar")
     assert "guided_grammar: no output satisfies the constraint" in err["message"], err
     r = http.post(path, json={**body, "stream": True})
     assert r.status_code == 200
@@ -604,6 +621,20 @@ def test_a_grammar_that_dead_ends_during_generation_fails_the_request_visibly(se
     assert events[-1] == "[DONE]" and "guided_grammar: no output satisfies" in json.loads(events[-2])["error"]["message"]
     assert server.engine.is_healthy
     _wait_idle(server)
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    (C, {"guided_regex": "a{1000000}"}, "guided_regex"),
+    (CH, {"structured_outputs": {"regex": "a{1000000}"}}, "structured_outputs"),
+], ids=["guided_regex", "structured_outputs"])
+def test_a_regex_too_complex_for_the_grammar_engine_is_400_naming_it(server, http, path, extra, param):
+    """It was accepted, then failed during generation with "token 64 does not satisfy the
+    constraint"; now it is refused before anything runs, and the engine goes on."""
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    err = _assert_error(http.post(path, json={**body, "max_tokens": 4, **extra}), 400, param)
+    assert "too complex for the grammar engine" in err["message"], err
+    assert server.engine.is_healthy
+    assert _completion(http, prompt="x", max_tokens=2)["choices"][0]["text"] is not None
 
 
 def test_huge_top_k_samples_as_top_k_off(server, http):

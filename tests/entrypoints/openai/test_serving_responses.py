@@ -181,6 +181,16 @@ def test_json_schema_text_format(client, script):
     ({"text": {"format": {"type": "text"}, "verbosity": "high"}}, "text", "text.verbosity"),
     # metadata within OpenAI's bounds (16 pairs, keys <= 64 characters, values <= 512)
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
+    # a function_call_output answers an earlier function_call item (OpenAI refuses it too)
+    ({"input": [{"role": "user", "content": "Hi"}, {"type": "function_call_output", "call_id": "call_nope",
+                                                     "output": "18 C"}]},
+     "input", "input[1].call_id: no function_call item before it has call_id 'call_nope'"),
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_2", "output": "18 C"}]},
+     "input", "input[2].call_id: no function_call item before it has call_id 'call_2'"),
+    # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
+    ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools", "tools holds 2000 tools; at most 128"),
 ])  # fmt: skip
 def test_refused_by_name(served, body, param, match):
     r = httpx.post(served[0].url + "/v1/responses", json={"input": "Hi", **body}, timeout=30)
