@@ -52,14 +52,11 @@ static inline float to_f(T x) { return static_cast<float>(x); }
 // loads behind them; into L2 they stream. Measured on Zen 4, 2 threads, 32 sequences x 1,024
 // tokens of SmolLM2's shape from a scattered pool: 67-79 -> 52-55 ms a step (bf16, AVX-512;
 // 1.25-1.4x under the AVX2 build, float32 1.2x, one sequence of 2,000 tokens 1.65x).
-#ifndef PF_STEP
-#define PF_STEP 64
-#endif
 template <typename T>
 static inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t o = 0; o < rows; ++o)
-    for (int64_t x = 0; x < bytes; x += PF_STEP) __builtin_prefetch(c + o * stride * sizeof(T) + x, 0, 2);
+    for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(c + o * stride * sizeof(T) + x, 0, 2);
 }
 
 #if defined(__AVX512F__)
@@ -250,7 +247,7 @@ static inline void values_head(const T* v_cache, const int64_t* table, int64_t b
 // Dao 2023, algorithm 1 line 10, as the prefill kernel's value_block_bf16). bs even, so that a
 // pair never spans two blocks; HD a multiple of 32.
 template <int HD, int G>
-static inline void values_head_bf16(const uint16_t* v_cache, const int64_t* table, int64_t bs, int64_t ctx,
+__attribute__((noinline)) static void values_head_bf16(const uint16_t* v_cache, const int64_t* table, int64_t bs, int64_t ctx,
                                     int64_t stride, int64_t off, const uint16_t* p, int64_t p_stride, float* acc,
                                     int64_t prefetch_bytes) {
   static_assert(HD % 32 == 0 && G > 0, "values_head_bf16: HD a multiple of 32, G > 0");
@@ -268,22 +265,27 @@ static inline void values_head_bf16(const uint16_t* v_cache, const int64_t* tabl
       const int64_t n = std::min(bs, ctx - t);
       if (prefetch_bytes > 0 && t + n < ctx)
         prefetch_rows(v_cache + table[b + 1] * bs * stride + off, std::min(bs, ctx - t - n), stride, prefetch_bytes);
-      for (int64_t o = 0; o < n; o += 2, t += 2) {
+      // one pair of tokens (o, o + 1), or the block's last token alone (TAIL: its partner's
+      // row and weight are 0)
+      auto pair = [&](auto tail, int64_t o, int64_t tt) {
         const uint16_t* ra = base + o * stride;
         __m512bh pv[NV];
         for (int j = 0; j < NV / 2; ++j) {
           const __m512i x = _mm512_loadu_si512(ra + 32 * j);
-          const __m512i y = o + 1 < n ? _mm512_loadu_si512(ra + stride + 32 * j) : _mm512_setzero_si512();
+          const __m512i y = decltype(tail)::value ? _mm512_setzero_si512() : _mm512_loadu_si512(ra + stride + 32 * j);
           pv[2 * j] = (__m512bh)_mm512_unpacklo_epi16(x, y);
           pv[2 * j + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
         }
         for (int g = 0; g < G; ++g) {
           uint32_t w;
-          std::memcpy(&w, p + g * p_stride + t, sizeof(w));
+          std::memcpy(&w, p + g * p_stride + tt, sizeof(w));
           const __m512bh pg = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
           for (int j = 0; j < NV; ++j) a[g][j] = _mm512_dpbf16_ps(a[g][j], pv[j], pg);
         }
-      }
+      };
+      int64_t o = 0;
+      for (; o + 1 < n; o += 2, t += 2) pair(std::false_type(), o, t);
+      if (o < n) { pair(std::true_type(), o, t); t += 2; }
     }
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < NV / 2; ++j) {
@@ -400,7 +402,7 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
       if (b + 1 < num_blocks) {  // the next block's rows of these heads, while this one is scored
         for (int64_t o = 0; o < std::min(block_size, ctx - (b + 1) * block_size); ++o) {
           const char* p = reinterpret_cast<const char*>(k_cache + (table[b + 1] * block_size + o) * slot_stride + head_off);
-          for (int64_t off = 0; off < row_bytes; off += PF_STEP) __builtin_prefetch(p + off, 0, 2);
+          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
         }
       }
       for (int64_t o = 0; o < n; o += 16) {
@@ -461,7 +463,7 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
 #if defined(KVFLOW_HAS_VALUES_BF16)
   // bfloat16 values with AVX512-BF16: the weights as bfloat16 pairs (values_head_bf16)
   constexpr bool bf16_pass2 = vector_pass1 && std::is_same<T, c10::BFloat16>::value && HD > 0 && HD % 32 == 0;
-  const bool use_bf16_pass2 = bf16_pass2 && block_size % 2 == 0;
+  const bool use_bf16_pass2 = bf16_pass2 && block_size % 2 == 0 && std::getenv("NOPAIR") == nullptr;
   const int64_t ctx2 = ctx + (ctx & 1);  // p16's row stride: ctx rounded up to even
   if (use_bf16_pass2) {
     p16.resize(rows * ctx2);
