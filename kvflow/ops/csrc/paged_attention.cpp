@@ -236,67 +236,6 @@ static inline void values_head(const T* v_cache, const int64_t* table, int64_t b
       for (int j = 0; j < DC / 16; ++j) _mm512_storeu_ps(acc + g * HD + dc + 16 * j, a[g][j]);
   }
 }
-#if defined(__AVX512BF16__)
-// values_head for a bfloat16 cache with AVX512-BF16: two tokens per vdpbf16ps. p holds the
-// softmax weights rounded to bfloat16 (nearest even), p_stride apart per query head, with a
-// zero after an odd ctx, so that the dword at token t (t even) is the pair (p_t, p_t+1); the
-// rows of tokens t and t + 1 are interleaved into dword pairs (v_t[d], v_t+1[d]) in registers
-// (vpunpcklwd / vpunpckhwd: the dimensions come out permuted within each 128-bit lane and are
-// put back in order when stored). Products exact, float32 sums: the weights' one rounding is
-// the only difference from values_head (FlashAttention-2's P in the value product's precision,
-// Dao 2023, algorithm 1 line 10, as the prefill kernel's value_block_bf16). bs even, so that a
-// pair never spans two blocks; HD a multiple of 32.
-template <int HD, int G>
-__attribute__((noinline)) static void values_head_bf16(const uint16_t* v_cache, const int64_t* table, int64_t bs, int64_t ctx,
-                                    int64_t stride, int64_t off, const uint16_t* p, int64_t p_stride, float* acc,
-                                    int64_t prefetch_bytes) {
-  static_assert(HD % 32 == 0 && G > 0, "values_head_bf16: HD a multiple of 32, G > 0");
-  // G * DC / 16 accumulators and DC / 16 pair vectors within the 32 registers; DC divides HD
-  constexpr int DC = (HD % 64 == 0 && G <= 5) ? 64 : 32;
-  constexpr int NV = DC / 16;  // pair vectors (16 dimensions each)
-  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int dc = 0; dc < HD; dc += DC) {
-    __m512 a[G][NV];
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < NV; ++j) a[g][j] = _mm512_setzero_ps();
-    for (int64_t b = 0, t = 0; t < ctx; ++b) {
-      const uint16_t* base = v_cache + table[b] * bs * stride + off + dc;
-      const int64_t n = std::min(bs, ctx - t);
-      if (prefetch_bytes > 0 && t + n < ctx)
-        prefetch_rows(v_cache + table[b + 1] * bs * stride + off, std::min(bs, ctx - t - n), stride, prefetch_bytes);
-      // one pair of tokens (o, o + 1), or the block's last token alone (TAIL: its partner's
-      // row and weight are 0)
-      auto pair = [&](auto tail, int64_t o, int64_t tt) {
-        const uint16_t* ra = base + o * stride;
-        __m512bh pv[NV];
-        for (int j = 0; j < NV / 2; ++j) {
-          const __m512i x = _mm512_loadu_si512(ra + 32 * j);
-          const __m512i y = decltype(tail)::value ? _mm512_setzero_si512() : _mm512_loadu_si512(ra + stride + 32 * j);
-          pv[2 * j] = (__m512bh)_mm512_unpacklo_epi16(x, y);
-          pv[2 * j + 1] = (__m512bh)_mm512_unpackhi_epi16(x, y);
-        }
-        for (int g = 0; g < G; ++g) {
-          uint32_t w;
-          std::memcpy(&w, p + g * p_stride + tt, sizeof(w));
-          const __m512bh pg = (__m512bh)_mm512_set1_epi32(static_cast<int>(w));
-          for (int j = 0; j < NV; ++j) a[g][j] = _mm512_dpbf16_ps(a[g][j], pv[j], pg);
-        }
-      };
-      int64_t o = 0;
-      for (; o + 1 < n; o += 2, t += 2) pair(std::false_type(), o, t);
-      if (o < n) { pair(std::true_type(), o, t); t += 2; }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < NV / 2; ++j) {
-        float* dst = acc + g * HD + dc + 32 * j;
-        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(a[g][2 * j], lo_idx, a[g][2 * j + 1]));
-        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(a[g][2 * j], hi_idx, a[g][2 * j + 1]));
-      }
-  }
-}
-#define KVFLOW_HAS_VALUES_BF16 1
-#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 // values_head above with 8-lane vectors and 16 registers: HD in chunks of DC so that the
 // G * DC / 8 accumulators, DC / 8 value vectors and a broadcast fit (spilling a little at G = 7).
@@ -359,7 +298,7 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
                         T* out, int64_t head_dim, int64_t group, int64_t block_size, int64_t slot_stride,
                         int64_t h0, int64_t nh, float scale, int64_t q_stride_h, int64_t o_stride_h,
                         std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& row,
-                        std::vector<float>& acc, std::vector<float>& inv_sum, std::vector<uint16_t>& p16) {
+                        std::vector<float>& acc, std::vector<float>& inv_sum) {
   const int64_t D = HD > 0 ? HD : head_dim;
   const int64_t g_n = G > 0 ? G : group;
   const int64_t rows = nh * g_n;
@@ -460,27 +399,6 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
   // Softmax over the context, per query head (float32); the 1 / sum is applied to the output.
   inv_sum.resize(rows);
   for (int64_t i = 0; i < rows; ++i) inv_sum[i] = 1.f / exp_shifted(scores.data() + i * ctx, ctx);
-#if defined(KVFLOW_HAS_VALUES_BF16)
-  // bfloat16 values with AVX512-BF16: the weights as bfloat16 pairs (values_head_bf16)
-  constexpr bool bf16_pass2 = vector_pass1 && std::is_same<T, c10::BFloat16>::value && HD > 0 && HD % 32 == 0;
-  const bool use_bf16_pass2 = bf16_pass2 && block_size % 2 == 0 && std::getenv("NOPAIR") == nullptr;
-  const int64_t ctx2 = ctx + (ctx & 1);  // p16's row stride: ctx rounded up to even
-  if (use_bf16_pass2) {
-    p16.resize(rows * ctx2);
-    for (int64_t i = 0; i < rows; ++i) {
-      const float* src = scores.data() + i * ctx;
-      uint16_t* dst = p16.data() + i * ctx2;
-      for (int64_t t = 0; t < ctx; t += 16) {
-        const __mmask16 k = ctx - t >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (ctx - t)) - 1u);
-        _mm256_mask_storeu_epi16(dst + t, k, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, src + t)));
-      }
-      if (ctx & 1) dst[ctx] = 0;
-    }
-  }
-#else
-  constexpr bool bf16_pass2 = false;
-  const bool use_bf16_pass2 = false;
-#endif
   // Pass 2: out_i = sum_t p[i, t] v_t. With the head dim fixed at compile time the group's
   // accumulators live in registers (one KV head at a time; the request's values are in the L2
   // cache after the first head). A group read at run time goes in chunks of 4, 2 and 1 query
@@ -500,19 +418,6 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
       }
     }
   };
-#if defined(KVFLOW_HAS_VALUES_BF16)
-  if constexpr (bf16_pass2) {
-    if (use_bf16_pass2) {
-      by_group([&](auto gc, int64_t h, int64_t g0) {
-        constexpr int GC = decltype(gc)::value;
-        values_head_bf16<HDc, GC>(reinterpret_cast<const uint16_t*>(v_cache), table, block_size, ctx, slot_stride,
-                                  head_off + h * D, p16.data() + (h * g_n + g0) * ctx2, ctx2,
-                                  acc.data() + (h * g_n + g0) * D, h == 0 && g0 == 0 ? row_bytes : 0);
-      });
-      goto normalize;
-    }
-  }
-#endif
   if constexpr (vector_pass1) {
 #if defined(KVFLOW_HAS_SCORES16)
     by_group([&](auto gc, int64_t h, int64_t g0) {
@@ -562,9 +467,6 @@ static void decode_item(const T* q, const T* k_cache, const T* v_cache, const in
       }
     }
   }
-#if defined(KVFLOW_HAS_VALUES_BF16)
-normalize:
-#endif
   for (int64_t i = 0; i < rows; ++i) {
     T* op = out + (h0 * g_n + i) * o_stride_h;
     for (int64_t d = 0; d < D; ++d) op[d] = static_cast<T>(acc[i * D + d] * inv_sum[i]);
@@ -585,12 +487,11 @@ static void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const 
   const int64_t items_per_req = num_kv_heads / heads_per_item;
   at::parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf, scores, row, acc, inv_sum;
-    std::vector<uint16_t> p16;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / items_per_req, h0 = (item % items_per_req) * heads_per_item;
       decode_item<T, HD, G>(q + r * q_stride_t, k_cache, v_cache, tables + r * max_blocks, ctx_lens[r],
                             out + r * o_stride_t, head_dim, group, block_size, slot_stride, h0, heads_per_item,
-                            scale, q_stride_h, o_stride_h, qf, scores, row, acc, inv_sum, p16);
+                            scale, q_stride_h, o_stride_h, qf, scores, row, acc, inv_sum);
     }
   });
 }
@@ -736,7 +637,6 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
     constexpr int HD = decltype(hd)::value, G = decltype(g)::value;
     at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> kbuf, vbuf, qf, scores, row, acc, inv_sum;
-      std::vector<uint16_t> p16;  // unused: float32 values
       for (int64_t item = begin; item < end; ++item) {
         const int64_t h = item % num_kv_heads;
         const auto [r, i0] = blocks[item / num_kv_heads];
@@ -752,7 +652,7 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
           const int64_t t = sp[r] + i;
           decode_item<float, HD, G>(qp + (t * num_heads + h * group) * D, kbuf.data(), vbuf.data(), &zero,
                                     first + i + 1, op + (t * num_heads + h * group) * D, D, group, n, D, 0, 1,
-                                    static_cast<float>(scale), D, D, qf, scores, row, acc, inv_sum, p16);
+                                    static_cast<float>(scale), D, D, qf, scores, row, acc, inv_sum);
         }
       }
     });
