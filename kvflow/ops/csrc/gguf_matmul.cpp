@@ -988,8 +988,11 @@ inline __m512i unpack16_t(const uint8_t* q, int t) {
 // vpdpbusd does). Per sub-block and vector t the two groups' values are decoded (once per MR
 // rows) and the 2 MR integer chains advance, interleaved; then each row's float operations
 // are group_dot's, in the same order: the results equal group_dot's bit for bit.
-template <int QT, int MR>
-inline void group_dot2(const PFmt& pf, const uint8_t* g, int64_t ldg, const PAct& a, int64_t m0, __m512 (*acc)[MR]) {
+// DECODED: the two groups' values already decoded by decode_groups at ub, ub_stride bytes
+// apart (the prefill GEMM's decoded chunk); a vector t is then one load.
+template <int QT, int MR, bool DECODED = false>
+inline void group_dot2(const PFmt& pf, const uint8_t* g, int64_t ldg, const PAct& a, int64_t m0, __m512 (*acc)[MR],
+                       const uint8_t* ub = nullptr, int64_t ub_stride = 0) {
   constexpr int K0 = packed_k0<QT>();
   constexpr bool HAS_M = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
   constexpr int HALVES = QT == Q6_K ? 2 : 1, T = 8 / HALVES;
@@ -1026,7 +1029,14 @@ inline void group_dot2(const PFmt& pf, const uint8_t* g, int64_t ldg, const PAct
         __m512i iv[2][MR];
 #pragma GCC unroll 8
         for (int t = T * h; t < T * h + T; ++t) {
-          const __m512i u0 = unpack16_t<QT>(q[0], t), u1 = unpack16_t<QT>(q[1], t);
+          __m512i u0, u1;
+          if constexpr (DECODED) {
+            u0 = _mm512_load_si512(ub + (b * 8 + t) * 64);
+            u1 = _mm512_load_si512(ub + ub_stride + (b * 8 + t) * 64);
+          } else {
+            u0 = unpack16_t<QT>(q[0], t);
+            u1 = unpack16_t<QT>(q[1], t);
+          }
 #pragma GCC unroll 8
           for (int m = 0; m < MR; ++m) {
             const __m512i bc = _mm512_set1_epi32(ld32(ap + m * a.K + 4 * t));
@@ -1430,6 +1440,30 @@ void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, in
   });
 }
 
+#if defined(GG_VNNI)
+// The unsigned values of `ngroups` consecutive groups (from w, ldg bytes apart), decoded once
+// (unpack16) into dst [ngroups][K / 32][8][64 B]: the values group_dot2 would decode from the
+// packed bytes for every GEMM_MR2 activation rows, decoded once per work item instead (the
+// B-packing step of a GEMM). The scales stay in the packed group.
+template <int QT>
+inline void decode_groups(const PFmt& pf, const uint8_t* w, int64_t ldg, int64_t ngroups, int64_t K, uint8_t* dst) {
+  const int64_t nsb = K / pf.sb, nb = K / 32;
+  const int nsub = pf.sb / 32, subb = pf.sub_bytes();
+  for (int64_t gi = 0; gi < ngroups; ++gi) {
+    const uint8_t* g = w + gi * ldg;
+    for (int64_t s = 0; s < nsb; ++s, g += pf.sb_bytes()) {
+      const uint8_t* sub = g + pf.head_bytes();
+      for (int j = 0; j < nsub; ++j, sub += subb) {
+        __m512i u[8];
+        unpack16<QT>(sub + (pf.scales ? 32 : 0), u);
+        uint8_t* d = dst + ((gi * nb + s * nsub + j) * 8) * 64;
+        for (int t = 0; t < 8; ++t) _mm512_storeu_si512(d + 64 * t, u[t]);
+      }
+    }
+  }
+}
+#endif
+
 // The prefill GEMM (M >= GEMM_MIN_ROWS): work items are (chunk of >= ~32 KB of weight groups,
 // block of GEMM_MC activation rows), dealt to the threads by for_each_chunk in N-major order (a
 // thread's items share their weight chunk, which stays in L2 while the activation blocks stream
@@ -1478,26 +1512,65 @@ void run_packed_gemm(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& 
   const int64_t groups = (N + G - 1) / G;
   const int64_t chunk = (std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, ldg)) + 1) / 2 * 2;  // even: pairs
   const int64_t nchunks = (groups + chunk - 1) / chunk, mblocks = (M + GEMM_MC - 1) / GEMM_MC;
+#if defined(GG_VNNI)
+  // The formats whose values take more than a mask and a shift to decode (Q5_*: a masked add
+  // per vector, Q6_K: a shift and a ternary-logic op) read the pairs' values decoded once per
+  // chunk (decode_groups) when the item has a full tile of rows; for Q4_* the extra stores and
+  // loads cost what the decode saves (0.92-1.09x measured), Q8_0's are stored as used.
+  constexpr bool DECODE = QT == Q5_0 || QT == Q5_1 || QT == Q5_K || QT == Q6_K;
+  const int64_t ub_stride = (a.K / 32) * 8 * 64;  // one group's decoded values
+  static std::atomic<int64_t> calls{0};
+  const int64_t call = calls.fetch_add(1, std::memory_order_relaxed);
+#endif
   for_each_chunk(nchunks * mblocks, 1, [&](int64_t i_begin, int64_t i_end) {
     for (int64_t item = i_begin; item < i_end; ++item) {
       const int64_t g_begin = item / mblocks * chunk, g_end = std::min(groups, g_begin + chunk);
       const int64_t m_begin = item % mblocks * GEMM_MC, m_end = std::min(M, m_begin + GEMM_MC);
       int64_t gi = g_begin;
 #if defined(GG_VNNI)
+      const uint8_t* ub = nullptr;
+      const int64_t pairs_end = g_begin + (g_end - g_begin) / 2 * 2;
+      if (DECODE && pairs_end > g_begin && m_end - m_begin >= GEMM_MR2) {
+        // this thread's buffer, kept while its items share the chunk (items go N-major)
+        thread_local std::vector<uint8_t> buf;
+        thread_local int64_t buf_call = -1, buf_chunk = -1;
+        const size_t need = static_cast<size_t>((pairs_end - g_begin) * ub_stride) + 64;
+        if (buf.size() < need) {
+          buf.resize(need);
+          buf_call = -1;
+        }
+        uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+        if (buf_call != call || buf_chunk != g_begin) {
+          decode_groups<QT>(pf, w + g_begin * ldg, ldg, pairs_end - g_begin, a.K, base);
+          buf_call = call;
+          buf_chunk = g_begin;
+        }
+        ub = base;
+      }
       for (; gi + 2 <= g_end; gi += 2) {  // pairs of groups: group_dot2
         const uint8_t* g = w + gi * ldg;
+        const uint8_t* ubg = ub ? ub + (gi - g_begin) * ub_stride : nullptr;
         const int64_t n0 = gi * G, rows = std::min<int64_t>(2 * G, N - n0);
         int64_t m0 = m_begin;
-        for (; m0 + GEMM_MR2 <= m_end; m0 += GEMM_MR2) {
-          __m512 acc[2][GEMM_MR2];
-          group_dot2<QT, GEMM_MR2>(pf, g, ldg, a, m0, acc);
-          alignas(64) float res[32];
-          for (int m = 0; m < GEMM_MR2; ++m) {
-            _mm512_store_ps(res, acc[0][m]);
-            _mm512_store_ps(res + 16, acc[1][m]);
-            for (int r = 0; r < rows; ++r) y[(m0 + m) * ldy + n0 + r] = static_cast<OutT>(res[r] + (bias ? bias[n0 + r] : 0.f));
+        // tiles of MRc activation rows against the pair, its values decoded once (decode_groups;
+        // 6 rows a tile measured no faster than 4) or per tile
+        auto tiles = [&](auto mr, auto decoded) {
+          constexpr int MRc = decltype(mr)::value;
+          for (; m0 + MRc <= m_end; m0 += MRc) {
+            __m512 acc[2][MRc];
+            group_dot2<QT, MRc, decltype(decoded)::value>(pf, g, ldg, a, m0, acc, ubg, ub_stride);
+            alignas(64) float res[32];
+            for (int m = 0; m < MRc; ++m) {
+              _mm512_store_ps(res, acc[0][m]);
+              _mm512_store_ps(res + 16, acc[1][m]);
+              for (int r = 0; r < rows; ++r) y[(m0 + m) * ldy + n0 + r] = static_cast<OutT>(res[r] + (bias ? bias[n0 + r] : 0.f));
+            }
           }
+        };
+        if constexpr (DECODE) {
+          if (ubg) tiles(std::integral_constant<int, GEMM_MR2>(), std::true_type());
         }
+        tiles(std::integral_constant<int, GEMM_MR2>(), std::false_type());  // (no rows left after the above)
         for (; m0 < m_end; m0 += 4) {  // the remainder rows, one group at a time
           for (int k = 0; k < 2; ++k) {
             const int64_t rk = std::min<int64_t>(G, N - n0 - k * G);
