@@ -67,7 +67,13 @@ of a group against 4 activation rows, the 8 rows' scales converted together (F16
 ``vpmaddubsw``'s 16-bit pair sums added in 16 bits before one ``vpmaddwd`` where they cannot
 overflow (``|a| <= 127``: eight for 4-bit values, four for 5-bit, two for Q6_K's 6-bit; Q8_0
 keeps the small-M loop). The threads split (weight chunk of >= 32 KB x 128 activation rows)
-work items, N-major, with the same contiguous ranges and stealing as the GEMV. Every output
+work items, N-major, with the same contiguous ranges and stealing as the GEMV. For the formats
+whose values take more than a mask and a shift to unpack (Q5_*: a masked add per vector; Q6_K:
+a shift and a ternary-logic op), a work item first decodes its chunk's values once into a
+per-thread buffer of bytes (``decode_groups``, the B-packing step of a GEMM; kept while the
+thread's next items share the chunk), and the 4-row tiles load them instead of decoding them
+again: Q5_0 1.04-1.21x, Q6_K 1.02-1.12x at 64-512 rows (Q4_* decode in about what the extra
+stores and loads cost, and keep decoding per tile). Every output
 element goes through the same float operations in the same order as in the small-M path, so
 the GEMM equals it bit for bit (tests/layers/test_gguf_kernels.py checks that for every
 format, both ISAs, M remainders, N not a multiple of 16, bias, bfloat16, strided ``out``).
