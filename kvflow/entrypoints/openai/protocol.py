@@ -489,6 +489,8 @@ class ChatMessage(_Body):
             raise ValueError(f"tool_call_id is for tool messages, not {self.role}")
         if self.content is None and self.role != "assistant":  # (OpenAI: content is required but there)
             raise ValueError(f"a {self.role} message needs content")
+        if self.content == []:  # (OpenAI: "empty array. Expected an array with minimum length 1")
+            raise ValueError("content is an empty list of parts; send at least one part (or a string)")
         return self
 
     def text(self) -> str:

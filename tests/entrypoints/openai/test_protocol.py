@@ -227,6 +227,15 @@ def test_a_message_without_content_is_refused_but_an_assistants_tool_call_turn()
     ChatCompletionRequest.model_validate({"messages": [*MSG, {"role": "assistant", "tool_calls": [call]}]})
 
 
+@pytest.mark.parametrize("role", ["user", "system", "assistant"])
+def test_a_message_with_an_empty_list_of_parts_is_refused(role):
+    """``content: []`` is no content (OpenAI answers 400: an array of at least one part); it
+    used to be rendered as an empty message."""
+    with pytest.raises(ValidationError, match="content is an empty list of parts"):
+        ChatCompletionRequest.model_validate({"messages": [*MSG, {"role": role, "content": []}]})
+    ChatCompletionRequest.model_validate({"messages": [*MSG, {"role": role, "content": ""}]})
+
+
 def test_anthropic_server_tools_and_empty_user_content_are_refused():
     from kvflow.entrypoints.anthropic.protocol import MessagesRequest, to_chat_fields
 
