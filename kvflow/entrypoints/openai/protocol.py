@@ -161,6 +161,7 @@ FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (), "spaces_between_special_tokens": (True,), "cache_salt": (),
     "kv_transfer_params": (), "vllm_xargs": ({},), "logits_processors": (), "mm_processor_kwargs": (),
     "min_p_tokens": (), "guided_whitespace_pattern": (), "structural_tag": (),
+    "return_token_ids": (False,),  # vLLM >= 0.10.2: the ids in the response; kvflow's answer has none
     # sampling fields of one API sent to an endpoint of another (OpenAI Chat's on Responses or
     # Anthropic's Messages, and the like)
     "n": (1,), "best_of": (1,), "seed": (), "stop": ([],), "suffix": ("",), "logit_bias": ({},),
