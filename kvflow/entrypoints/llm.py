@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
@@ -19,6 +21,20 @@ from kvflow.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
 Conversation = list[dict[str, Any]]
+
+
+def _as_ints(token_ids: Any) -> list[int]:
+    """``prompt_token_ids`` as a list of Python ints: integer ids of another type (numpy's,
+    a 1-D integer tensor's elements: ``operator.index`` takes them) become ints, as
+    ``SamplingParams`` takes numpy scalars; anything else is kept for ``validate_prompt`` to
+    refuse (a numpy array was refused as "must be integers in [0, vocab)" with every id in it)."""
+    ids = []
+    for t in token_ids:
+        if not isinstance(t, (int, bool)) and "bool" not in str(getattr(t, "dtype", "")):  # (a bool is no id)
+            with contextlib.suppress(TypeError):
+                t = operator.index(t)
+        ids.append(t)
+    return ids
 
 
 class LLM:
@@ -98,7 +114,7 @@ class LLM:
                     raise ValueError(f"prompt key {key!r} is not supported by kvflow (a prompt dict takes "
                                      f"{sorted(PROMPT_KEYS)})")
             if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+                return _as_ints(prompt["prompt_token_ids"]), prompt.get("prompt")
             if "prompt" in prompt:
                 return self._to_token_ids(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")

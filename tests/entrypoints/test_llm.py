@@ -170,6 +170,25 @@ def test_sampling_params_changed_after_construction_are_checked(smollm2_llm, fie
     assert not smollm2_llm.engine.has_unfinished_requests()
 
 
+def test_prompt_token_ids_as_numpy_or_a_tensor(smollm2_llm):
+    """``prompt_token_ids`` given as a numpy array or a 1-D integer tensor (what a tokenizer's
+    ``return_tensors`` gives) are the same prompt as the list; they were refused as "must be
+    integers in [0, vocab)" with every id in range. Floats and bools are still refused."""
+    import numpy as np
+
+    ids = smollm2_llm.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    (want,) = smollm2_llm.generate({"prompt_token_ids": ids}, params)
+    for given in (np.array(ids), np.array(ids, dtype=np.int32), torch.tensor(ids)):
+        (out,) = smollm2_llm.generate({"prompt_token_ids": given}, params)
+        assert out.prompt_token_ids == ids and all(type(t) is int for t in out.prompt_token_ids)
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    for bad in (np.array(ids, dtype=np.float32), torch.tensor(ids, dtype=torch.float32), torch.ones(3, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="prompt_token_ids must be integers"):
+            smollm2_llm.generate({"prompt_token_ids": bad}, params)
+    assert not smollm2_llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("prompts", [5, None, 1.5])
 def test_prompts_of_a_wrong_type_are_a_value_error(smollm2_llm, prompts):
     """generate(5) / generate(None) was a TypeError ("'int' object is not iterable")."""
