@@ -438,12 +438,20 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         beam_width, max_tokens = params.beam_width, params.max_tokens
+        vocab = self.engine.model_config.vocab_size
+        if 2 * beam_width > vocab:  # (each step asks for 2 * beam_width logprobs: named so, it said "logprobs")
+            raise ValueError(f"beam_width must be at most half the vocabulary size ({vocab // 2}), got {beam_width}")
         length_penalty, ignore_eos = params.length_penalty, params.ignore_eos
         eos = None if ignore_eos else self.engine.eos_token_id
         params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * beam_width, ignore_eos=True)
         prompt_ids = [self._to_token_ids(p)[0] for p in self._normalize_prompts(prompts)]
         for ids in prompt_ids:
             self.engine.validate_prompt(ids, SamplingParams(max_tokens=max_tokens))
+        # Per prompt: the tokens its beams may generate, at most what the context leaves (as
+        # generate stops there with "length"; a beam used to reach max_model_len and fail
+        # the search with "prompt is N tokens", N not the prompt's).
+        max_model_len = self.engine.scheduler_config.max_model_len
+        limits = [min(max_tokens, max_model_len - len(ids)) for ids in prompt_ids]
         # Per prompt: live beams (token ids, cumulative logprob) and finished ones.
         live = [[(list(ids), 0.0)] for ids in prompt_ids]
         done: list[list[tuple[list[int], float, str]]] = [[] for _ in prompt_ids]
@@ -464,12 +472,12 @@ class LLM:
                         break
                     if tokens[-1] == eos:
                         done[p].append((tokens, score, "stop"))
-                    elif step == max_tokens - 1:
+                    elif step == limits[p] - 1:
                         done[p].append((tokens, score, "length"))
                         live[p].append((tokens, score))
                     else:
                         live[p].append((tokens, score))
-                if step == max_tokens - 1:
+                if step == limits[p] - 1:
                     live[p] = []
         results = []
         for ids, finished in zip(prompt_ids, done):

@@ -327,6 +327,28 @@ def test_swap_preemption_keeps_outputs(smollm2_llm, policy):
     assert small.kv_cache_manager.cpu_pool.num_free_blocks == 64
 
 
+def test_beam_search_stops_at_the_context_end(smollm2_dir):
+    """A prompt that leaves fewer than ``max_tokens`` in ``max_model_len``: the beams end
+    there with "length", as ``generate`` does (the search failed at that step with "prompt
+    is 64 tokens", the beam's length, not the prompt's); a ``beam_width`` past half the
+    vocabulary is refused by its name (the error named ``logprobs``)."""
+    from kvflow import LLM
+    from kvflow.sampling_params import BeamSearchParams
+
+    llm = LLM(model=str(smollm2_dir), dtype="float32", max_model_len=64, num_kv_blocks=64)
+    ids = llm.get_tokenizer().encode("word " * 60)[:60]
+    (result,) = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))
+    assert len(result.sequences) == 2
+    for seq in result.sequences:
+        assert len(seq.tokens) == 64 and seq.tokens[:60] == ids and seq.finish_reason == "length"
+    (short,) = llm.beam_search([{"prompt_token_ids": ids[:40]}], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))
+    assert all(len(seq.tokens) == 50 for seq in short.sequences)  # room left: max_tokens as asked
+    with pytest.raises(ValueError, match="^beam_width must be at most half the vocabulary size"):
+        llm.beam_search(["x"], BeamSearchParams(beam_width=10**5, max_tokens=2))
+    stats = llm.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 def test_beam_search(smollm2_llm):
     (result,) = smollm2_llm.beam_search(["The capital of France is"], beam_width=3, max_tokens=6)
     seqs = result.sequences
