@@ -375,8 +375,9 @@ class LLM:
         ``LLM.chat``, same arguments in the same order).
 
         Each conversation is a list of messages (dicts with ``role`` and ``content``, which
-        may be a list of text parts; ``tool_calls``, ``tool_call_id``, ``name`` and other
-        keys reach the template as given) rendered with the chat template; see
+        may be a list of text parts; ``tool_calls`` (a call's ``arguments`` JSON string as
+        the object it holds), ``tool_call_id``, ``name`` and other keys reach the template
+        as given) rendered with the chat template; see
         ``apply_chat_template`` for the template arguments and ``generate`` for the rest.
 
         Raises:
