@@ -9,6 +9,7 @@ take text only), plus whatever else the template reads (``name``, ``tool_calls``
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 # apply_chat_template's own parameters: not settable through chat_template_kwargs.
@@ -67,8 +68,30 @@ def normalize_conversation(conversation: Any, content_format: str = "string") ->
         rendered["content"] = text if content_format == "string" else [{"type": "text", "text": text}]
         if rendered["role"] == "developer":
             rendered["role"] = "system"
+        if isinstance(message.get("tool_calls"), list):
+            rendered["tool_calls"] = [_call_with_object_arguments(call, f"messages[{i}].tool_calls[{j}]")
+                                      for j, call in enumerate(message["tool_calls"])]
         out.append(rendered)
     return out
+
+
+def _call_with_object_arguments(call: Any, where: str) -> Any:
+    """A tool call as the template takes it: OpenAI's ``function.arguments`` JSON string as
+    the object it holds (transformers' form, which templates write with ``| tojson``: the
+    string was written quoted a second time), as the server and vLLM's ``LLM.chat`` render it;
+    a copy (the caller's message is not changed). Anything else is kept as given.
+
+    Raises:
+        ValueError: naming the call, for arguments that are a string but not JSON.
+    """
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}.function.arguments is not valid JSON: {exc}") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def render_chat(

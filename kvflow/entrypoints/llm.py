@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
@@ -19,6 +21,20 @@ from kvflow.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
 Conversation = list[dict[str, Any]]
+
+
+def _as_ints(token_ids: Any) -> list[int]:
+    """``prompt_token_ids`` as a list of Python ints: integer ids of another type (numpy's,
+    a 1-D integer tensor's elements: ``operator.index`` takes them) become ints, as
+    ``SamplingParams`` takes numpy scalars; anything else is kept for ``validate_prompt`` to
+    refuse (a numpy array was refused as "must be integers in [0, vocab)" with every id in it)."""
+    ids = []
+    for t in token_ids:
+        if not isinstance(t, (int, bool)) and "bool" not in str(getattr(t, "dtype", "")):  # (a bool is no id)
+            with contextlib.suppress(TypeError):
+                t = operator.index(t)
+        ids.append(t)
+    return ids
 
 
 class LLM:
@@ -98,7 +114,7 @@ class LLM:
                     raise ValueError(f"prompt key {key!r} is not supported by kvflow (a prompt dict takes "
                                      f"{sorted(PROMPT_KEYS)})")
             if "prompt_token_ids" in prompt:
-                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+                return _as_ints(prompt["prompt_token_ids"]), prompt.get("prompt")
             if "prompt" in prompt:
                 return self._to_token_ids(prompt["prompt"])
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
@@ -359,8 +375,9 @@ class LLM:
         ``LLM.chat``, same arguments in the same order).
 
         Each conversation is a list of messages (dicts with ``role`` and ``content``, which
-        may be a list of text parts; ``tool_calls``, ``tool_call_id``, ``name`` and other
-        keys reach the template as given) rendered with the chat template; see
+        may be a list of text parts; ``tool_calls`` (a call's ``arguments`` JSON string as
+        the object it holds), ``tool_call_id``, ``name`` and other keys reach the template
+        as given) rendered with the chat template; see
         ``apply_chat_template`` for the template arguments and ``generate`` for the rest.
 
         Raises:
@@ -422,12 +439,20 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         beam_width, max_tokens = params.beam_width, params.max_tokens
+        vocab = self.engine.model_config.vocab_size
+        if 2 * beam_width > vocab:  # (each step asks for 2 * beam_width logprobs: named so, it said "logprobs")
+            raise ValueError(f"beam_width must be at most half the vocabulary size ({vocab // 2}), got {beam_width}")
         length_penalty, ignore_eos = params.length_penalty, params.ignore_eos
         eos = None if ignore_eos else self.engine.eos_token_id
         params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * beam_width, ignore_eos=True)
         prompt_ids = [self._to_token_ids(p)[0] for p in self._normalize_prompts(prompts)]
         for ids in prompt_ids:
             self.engine.validate_prompt(ids, SamplingParams(max_tokens=max_tokens))
+        # Per prompt: the tokens its beams may generate, at most what the context leaves (as
+        # generate stops there with "length"; a beam used to reach max_model_len and fail
+        # the search with "prompt is N tokens", N not the prompt's).
+        max_model_len = self.engine.scheduler_config.max_model_len
+        limits = [min(max_tokens, max_model_len - len(ids)) for ids in prompt_ids]
         # Per prompt: live beams (token ids, cumulative logprob) and finished ones.
         live = [[(list(ids), 0.0)] for ids in prompt_ids]
         done: list[list[tuple[list[int], float, str]]] = [[] for _ in prompt_ids]
@@ -448,12 +473,12 @@ class LLM:
                         break
                     if tokens[-1] == eos:
                         done[p].append((tokens, score, "stop"))
-                    elif step == max_tokens - 1:
+                    elif step == limits[p] - 1:
                         done[p].append((tokens, score, "length"))
                         live[p].append((tokens, score))
                     else:
                         live[p].append((tokens, score))
-                if step == max_tokens - 1:
+                if step == limits[p] - 1:
                     live[p] = []
         results = []
         for ids, finished in zip(prompt_ids, done):

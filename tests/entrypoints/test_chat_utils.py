@@ -22,6 +22,20 @@ def test_transformers_format_tool_use_is_rendered_as_given():
     assert out[2]["name"] == "f" and out[2]["content"] == "42"
 
 
+def test_openai_format_tool_call_arguments_reach_the_template_as_an_object():
+    """OpenAI's calls carry ``arguments`` as a JSON string: the template gets the object (as
+    the server and vLLM's LLM.chat give it), so ``| tojson`` writes it once; it was written
+    as a quoted string. The caller's messages are not changed; bad JSON is refused by name."""
+    call = {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"c": "Paris"}'}}
+    conversation = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    out = normalize_conversation(conversation)
+    assert out[1]["tool_calls"] == [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"c": "Paris"}}}]
+    assert call["function"]["arguments"] == '{"c": "Paris"}'  # the caller's dict as it was
+    bad = {**call, "function": {"name": "w", "arguments": "{not json"}}
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments is not valid JSON"):
+        normalize_conversation([conversation[0], {"role": "assistant", "tool_calls": [bad]}])
+
+
 @pytest.mark.parametrize("message, where", [
     ({"content": "hi"}, r"messages\[0\] must be a dict with a string .role."),
     ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, r"messages\[0\].content\[0\]"),

@@ -170,6 +170,25 @@ def test_sampling_params_changed_after_construction_are_checked(smollm2_llm, fie
     assert not smollm2_llm.engine.has_unfinished_requests()
 
 
+def test_prompt_token_ids_as_numpy_or_a_tensor(smollm2_llm):
+    """``prompt_token_ids`` given as a numpy array or a 1-D integer tensor (what a tokenizer's
+    ``return_tensors`` gives) are the same prompt as the list; they were refused as "must be
+    integers in [0, vocab)" with every id in range. Floats and bools are still refused."""
+    import numpy as np
+
+    ids = smollm2_llm.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    (want,) = smollm2_llm.generate({"prompt_token_ids": ids}, params)
+    for given in (np.array(ids), np.array(ids, dtype=np.int32), torch.tensor(ids)):
+        (out,) = smollm2_llm.generate({"prompt_token_ids": given}, params)
+        assert out.prompt_token_ids == ids and all(type(t) is int for t in out.prompt_token_ids)
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    for bad in (np.array(ids, dtype=np.float32), torch.tensor(ids, dtype=torch.float32), torch.ones(3, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="prompt_token_ids must be integers"):
+            smollm2_llm.generate({"prompt_token_ids": bad}, params)
+    assert not smollm2_llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("prompts", [5, None, 1.5])
 def test_prompts_of_a_wrong_type_are_a_value_error(smollm2_llm, prompts):
     """generate(5) / generate(None) was a TypeError ("'int' object is not iterable")."""
@@ -306,6 +325,28 @@ def test_swap_preemption_keeps_outputs(smollm2_llm, policy):
     stats = small.get_stats()
     assert stats["num_swapped_out"] > 0
     assert small.kv_cache_manager.cpu_pool.num_free_blocks == 64
+
+
+def test_beam_search_stops_at_the_context_end(smollm2_dir):
+    """A prompt that leaves fewer than ``max_tokens`` in ``max_model_len``: the beams end
+    there with "length", as ``generate`` does (the search failed at that step with "prompt
+    is 64 tokens", the beam's length, not the prompt's); a ``beam_width`` past half the
+    vocabulary is refused by its name (the error named ``logprobs``)."""
+    from kvflow import LLM
+    from kvflow.sampling_params import BeamSearchParams
+
+    llm = LLM(model=str(smollm2_dir), dtype="float32", max_model_len=64, num_kv_blocks=64)
+    ids = llm.get_tokenizer().encode("word " * 60)[:60]
+    (result,) = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))
+    assert len(result.sequences) == 2
+    for seq in result.sequences:
+        assert len(seq.tokens) == 64 and seq.tokens[:60] == ids and seq.finish_reason == "length"
+    (short,) = llm.beam_search([{"prompt_token_ids": ids[:40]}], BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True))
+    assert all(len(seq.tokens) == 50 for seq in short.sequences)  # room left: max_tokens as asked
+    with pytest.raises(ValueError, match="^beam_width must be at most half the vocabulary size"):
+        llm.beam_search(["x"], BeamSearchParams(beam_width=10**5, max_tokens=2))
+    stats = llm.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
 def test_beam_search(smollm2_llm):

@@ -264,6 +264,9 @@ def to_chat_fields(req: MessagesRequest) -> dict[str, Any]:
     Raises:
         ValueError: naming the field, for a block, tool or tool_choice kvflow does not read.
     """
+    if req.tool_choice is not None and req.tool_choice.type in ("any", "tool") and not req.tools:
+        # (Anthropic's own check; chat's message would name its "required")
+        raise ValueError(f"tool_choice of type {req.tool_choice.type!r} needs tools: none were given")
     parallel = None
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         parallel = False

@@ -161,6 +161,7 @@ FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (), "spaces_between_special_tokens": (True,), "cache_salt": (),
     "kv_transfer_params": (), "vllm_xargs": ({},), "logits_processors": (), "mm_processor_kwargs": (),
     "min_p_tokens": (), "guided_whitespace_pattern": (), "structural_tag": (),
+    "return_token_ids": (False,),  # vLLM >= 0.10.2: the ids in the response; kvflow's answer has none
     # sampling fields of one API sent to an endpoint of another (OpenAI Chat's on Responses or
     # Anthropic's Messages, and the like)
     "n": (1,), "best_of": (1,), "seed": (), "stop": ([],), "suffix": ("",), "logit_bias": ({},),
@@ -489,6 +490,8 @@ class ChatMessage(_Body):
             raise ValueError(f"tool_call_id is for tool messages, not {self.role}")
         if self.content is None and self.role != "assistant":  # (OpenAI: content is required but there)
             raise ValueError(f"a {self.role} message needs content")
+        if self.content == []:  # (OpenAI: "empty array. Expected an array with minimum length 1")
+            raise ValueError("content is an empty list of parts; send at least one part (or a string)")
         return self
 
     def text(self) -> str:

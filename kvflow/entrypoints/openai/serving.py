@@ -8,6 +8,7 @@ its routes and middlewares are in ``server.py``; errors in ``errors.py``.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import dataclasses
 import functools
@@ -131,6 +132,24 @@ def _chat_delta(delta) -> dict[str, Any]:
                           "function": {"name": t.name, "arguments": t.arguments}})
         out["tool_calls"] = calls
     return out
+
+
+class _TextOffsets:
+    """Completions' ``text_offset``: each token's offset, in characters, in the response's
+    text, counted from the tokens' own UTF-8 bytes. A token holding part of a character
+    decodes alone to U+FFFD (one character, while the text holds one for all its bytes): it
+    is at the offset of the character it is part of, so the offsets stay within the text
+    (counting each token's decoded text ran past it, one per byte of a multi-byte character)."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, token_bytes: list[int]) -> int:
+        """The offset of the token of ``token_bytes``, the next token of the response."""
+        offset = self.offset
+        self.offset += len(self._decoder.decode(bytes(token_bytes)))
+        return offset
 
 
 def _sse(payload: dict[str, Any] | str) -> str:
@@ -440,16 +459,16 @@ class OpenAIServing:
             return [(self.tokenizer.encode(x), x) for x in p]
         return [(list(x), None) for x in p]
 
-    def _completion_logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None], offset: int) -> dict[str, Any]:
-        tokens, token_logprobs, top, offsets = [], [], [], []
+    def _completion_logprobs(self, token_ids: list[int], entries: list[dict[int, float] | None],
+                             offsets: _TextOffsets) -> dict[str, Any]:
+        tokens, token_logprobs, top, text_offset = [], [], [], []
         for tok, entry in zip(token_ids, entries):
             text = self._token_text(tok)
             tokens.append(text)
             token_logprobs.append(None if entry is None else entry[tok])
             top.append(None if entry is None else {self._token_text(t): lp for t, lp in entry.items()})
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+            text_offset.append(offsets.next(self._token_bytes(tok, text)))
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_request(req)
@@ -490,7 +509,7 @@ class OpenAIServing:
                     tokens, entries = list(c.token_ids), list(c.logprobs or [])
                     if req.echo:
                         tokens, entries = ids + tokens, list(out.prompt_logprobs or [None] * len(ids)) + entries
-                    choice["logprobs"] = self._completion_logprobs(tokens, entries, 0)
+                    choice["logprobs"] = self._completion_logprobs(tokens, entries, _TextOffsets())
                 choices.append(choice)
         prompt_tokens = sum(len(ids) for ids, _ in prompts)
         return JSONResponse(
@@ -507,9 +526,9 @@ class OpenAIServing:
     async def _stream_completion(self, iterators, prompts, req: CompletionRequest, cid: str, created: int, n: int):
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
-        # index -> text_offset of its next logprobs entry: counted as the whole response
-        # counts it (the token texts' lengths, the echoed prompt's first)
-        next_offset: dict[int, int] = {}
+        # index -> the text_offset count of its logprobs entries so far: counted as the whole
+        # response counts it (the echoed prompt's first)
+        offsets: dict[int, _TextOffsets] = {}
         completion_tokens = 0
         cached: dict[int, int] = {}  # prompt index -> its prefix-cache hits
         base = {"id": cid, "object": "text_completion", "created": created, "model": self.served_name(req.model)}
@@ -542,8 +561,8 @@ class OpenAIServing:
                     tokens, entries = ids + tokens, list(out.prompt_logprobs or [None] * len(ids)) + entries
                 choice: dict[str, Any] = {"index": index, "text": delta}
                 if req.logprobs is not None and tokens:
-                    choice["logprobs"] = logprobs = self._completion_logprobs(tokens, entries, next_offset.get(index, 0))
-                    next_offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    choice["logprobs"] = self._completion_logprobs(
+                        tokens, entries, offsets.setdefault(index, _TextOffsets()))
                 if c.finish_reason is not None:
                     choice["finish_reason"] = c.finish_reason
                     if c.stop_reason is not None:

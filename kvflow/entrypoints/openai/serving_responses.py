@@ -262,12 +262,12 @@ class _Response:
 
 
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+    content = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
 def _reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
@@ -276,8 +276,10 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "status": status}  # fmt: skip
 
 
-def output_items(parser: ChatOutputParser) -> list[dict[str, Any]]:
-    """The output items of a finished choice: reasoning, the message, the function calls."""
+def output_items(parser: ChatOutputParser, finish_reason: str | None = None) -> list[dict[str, Any]]:
+    """The output items of a finished choice: reasoning, the message, the function calls; the
+    last one ``incomplete`` when ``max_output_tokens`` cut it (as OpenAI marks it), unless it is
+    a function call (only a whole call is one)."""
     items = []
     if parser.reasoning:
         items.append(_reasoning_item(_new_id("rs"), parser.reasoning))
@@ -285,6 +287,8 @@ def output_items(parser: ChatOutputParser) -> list[dict[str, Any]]:
         items.append(_message_item(_new_id("msg"), parser.content))
     for call in parser.tool_calls:
         items.append(_call_item(_new_id("fc"), call.id, call.name, call.arguments))
+    if items and finish_reason == "length" and items[-1]["type"] != "function_call":  # (a call is sent whole)
+        items[-1]["status"] = "incomplete"
     return items
 
 
@@ -304,7 +308,8 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest, raw: Re
     parser = run.new_parser()
     parser.update(choice.text, final=True)
     usage = _usage(len(run.prompt_ids), len(choice.token_ids), out.num_cached_tokens)
-    return JSONResponse(response.object("completed", output_items(parser), usage, choice.finish_reason))
+    return JSONResponse(response.object("completed", output_items(parser, choice.finish_reason), usage,
+                                        choice.finish_reason))
 
 
 def _event(kind: str, seq: list[int], **fields: Any) -> str:
@@ -353,16 +358,16 @@ async def _stream(run: ChatRun, response: _Response):
             return _event("response.reasoning_text.delta", seq, **ids, content_index=0, delta=ev.text)
         return _event("response.output_text.delta", seq, **ids, content_index=0, delta=ev.text, logprobs=[])
 
-    def stop(ev) -> list[str]:
+    def stop(ev, status: str = "completed") -> list[str]:
         ids = {"item_id": open_item["id"], "output_index": len(items)}
         if ev.part == "tool_call":
-            item = {**open_item, "arguments": text, "status": "completed"}
+            item = {**open_item, "arguments": text, "status": status}
             events = [_event("response.function_call_arguments.done", seq, **ids, name=item["name"], arguments=text)]
         elif ev.part == "reasoning":
-            item = _reasoning_item(open_item["id"], text)
+            item = _reasoning_item(open_item["id"], text, status)
             events = [_event("response.reasoning_text.done", seq, **ids, content_index=0, text=text)]
         else:
-            item = _message_item(open_item["id"], text)
+            item = _message_item(open_item["id"], text, status)
             events = [_event("response.output_text.done", seq, **ids, content_index=0, text=text, logprobs=[]),
                       _event("response.content_part.done", seq, **ids, content_index=0, part=item["content"][0])]
         events.append(_event("response.output_item.done", seq, output_index=len(items), item=item))
@@ -376,8 +381,13 @@ async def _stream(run: ChatRun, response: _Response):
             events = sequencer.feed(parser.update(c.text, final=c.finish_reason is not None))
             if c.finish_reason is not None:
                 events += sequencer.close()
-            for ev in events:
-                for line in handlers[ev.kind](ev):
+            # the item max_output_tokens cut (the last one stopped) is incomplete, as in output_items
+            cut = max((i for i, ev in enumerate(events) if ev.kind == "stop"), default=None) \
+                if c.finish_reason == "length" else None
+            if cut is not None and events[cut].part == "tool_call":
+                cut = None
+            for i, ev in enumerate(events):
+                for line in stop(ev, "incomplete") if i == cut else handlers[ev.kind](ev):
                     yield line
             if c.finish_reason is not None:
                 final = response.object("completed", items, _usage(len(run.prompt_ids), len(c.token_ids), out.num_cached_tokens),

@@ -3,7 +3,7 @@ vLLM's shapes).
 
 - ``/tokenize``: ``{"prompt": str, "add_special_tokens": true}`` or ``{"messages": [...],
   "add_generation_prompt": true, "continue_final_message": false, "add_special_tokens":
-  false, "tools": [...]}`` (the messages and tools rendered exactly as
+  false, "tools": [...], "chat_template_kwargs": {...}}`` (the messages and tools rendered exactly as
   ``/v1/chat/completions`` renders them), plus
   ``model`` and ``return_token_strs`` -> ``{"count", "max_model_len", "tokens"}`` and
   ``"token_strs"`` when asked for.
@@ -20,10 +20,12 @@ from typing import Any, ClassVar
 from fastapi import Body, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from kvflow.entrypoints.chat_utils import render_chat
-from kvflow.entrypoints.openai.protocol import ChatMessage, ChatTool, _Body, unsupported_message_field
+from kvflow.entrypoints.openai.protocol import (
+    RESERVED_TEMPLATE_KWARGS, ChatMessage, ChatTool, _Body, unsupported_message_field,
+)
 from kvflow.entrypoints.openai.serving import APIError, OpenAIServing, _bad_request
 from kvflow.entrypoints.openai.tools import template_tools
 
@@ -46,17 +48,24 @@ class TokenizeChatRequest(_Body):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     return_token_strs: bool = False
-    # the tools as /v1/chat/completions renders them into the prompt
+    # the tools and template variables as /v1/chat/completions renders them into the prompt
     tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # vLLM extras /v1/chat/completions does not take either (so that a count here is the
     # chat endpoint's prompt size): refused when set
     chat_template: Any = None
-    chat_template_kwargs: Any = None
     mm_processor_kwargs: Any = None
 
-    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "chat_template": (), "chat_template_kwargs": ({},), "mm_processor_kwargs": ({},),
-    }  # fmt: skip
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {"chat_template": (), "mm_processor_kwargs": ({},)}
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _free_template_kwargs(cls, kwargs):
+        """As /v1/chat/completions refuses them: the keys the server sets itself."""
+        for key in kwargs or {}:
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise ValueError(f"chat_template_kwargs may not set {key!r} (the server sets it)")
+        return kwargs
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """See ``_Body.unsupported_field``; also looks into the messages, and refuses a
@@ -99,7 +108,7 @@ def _tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeC
             serving.tokenizer, [m.template_dict() for m in req.messages],
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
             add_special_tokens=req.add_special_tokens, chat_template=serving.chat_template,
-            tools=template_tools(req.tools) if req.tools else None,
+            tools=template_tools(req.tools) if req.tools else None, chat_template_kwargs=req.chat_template_kwargs,
         )  # fmt: skip
     except ValueError as exc:
         raise _bad_request(exc) from None

@@ -174,6 +174,9 @@ def test_errors_are_anthropic_shaped(client, served):
                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
                        {"type": "image", "source": {}}]}]}]}, "'image'"),
     ({"tool_choice": {"type": "tool"}, "tools": [TOOL]}, "tool_choice.name"),
+    # named in Anthropic's terms (the message said "tool_choice 'required' needs tools")
+    ({"tool_choice": {"type": "any"}}, "tool_choice of type 'any' needs tools"),
+    ({"tool_choice": {"type": "tool", "name": "get_weather"}}, "tool_choice of type 'tool' needs tools"),
     ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
     ({"messages": [*MSG, {"role": "assistant", "content": "It is"}]}, "prefill"),
     ({"output_config": {"effort": "high"}}, "output_config.effort"),

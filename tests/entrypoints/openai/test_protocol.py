@@ -157,6 +157,7 @@ def test_json_schema_response_format_is_the_guided_schema():
      ({"typical_p": 0.5}, "typical_p"), ({"mirostat": 2}, "mirostat"), ({"dry_multiplier": 0.8}, "dry_multiplier"),
      ({"top_a": 0.1}, "top_a"), ({"cache_salt": "s"}, "cache_salt"), ({"vllm_xargs": {"k": 1}}, "vllm_xargs"),
      ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+     ({"return_token_ids": True}, "return_token_ids"),
      ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options")],
 )  # fmt: skip
 def test_other_servers_fields_that_change_the_output_are_refused_on_chat(body, field):
@@ -168,10 +169,19 @@ def test_other_servers_fields_that_change_the_output_are_refused_on_chat(body, f
     "body",
     [{"typical_p": 1.0}, {"mirostat": 0}, {"dry_multiplier": 0}, {"best_of": 1}, {"add_special_tokens": False},
      {"spaces_between_special_tokens": True}, {"request_id": "r1"}, {"guided_decoding_backend": "auto"},
+     {"return_token_ids": False},
      {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}],
 )  # fmt: skip
 def test_their_neutral_values_and_bookkeeping_fields_pass(body):
     assert ChatCompletionRequest.model_validate({"messages": MSG, **body}).unsupported_field() is None
+
+
+def test_return_token_ids_is_refused_on_completions_too():
+    """vLLM's ``return_token_ids`` (``prompt_token_ids`` / ``token_ids`` in its answer, which
+    RL trainers read) was logged as unknown and dropped: the answer came without them."""
+    assert CompletionRequest.model_validate({"prompt": "x", "return_token_ids": True}).unsupported_field()[0] == (
+        "return_token_ids")
+    assert CompletionRequest.model_validate({"prompt": "x", "return_token_ids": False}).unsupported_field() is None
 
 
 def test_add_special_tokens_is_served_at_each_endpoints_vllm_default():
@@ -225,6 +235,15 @@ def test_a_message_without_content_is_refused_but_an_assistants_tool_call_turn()
         ChatCompletionRequest.model_validate({"messages": [{"role": "user"}]})
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     ChatCompletionRequest.model_validate({"messages": [*MSG, {"role": "assistant", "tool_calls": [call]}]})
+
+
+@pytest.mark.parametrize("role", ["user", "system", "assistant"])
+def test_a_message_with_an_empty_list_of_parts_is_refused(role):
+    """``content: []`` is no content (OpenAI answers 400: an array of at least one part); it
+    used to be rendered as an empty message."""
+    with pytest.raises(ValidationError, match="content is an empty list of parts"):
+        ChatCompletionRequest.model_validate({"messages": [*MSG, {"role": role, "content": []}]})
+    ChatCompletionRequest.model_validate({"messages": [*MSG, {"role": role, "content": ""}]})
 
 
 def test_anthropic_server_tools_and_empty_user_content_are_refused():

@@ -418,6 +418,31 @@ def _script_output(monkeypatch, server) -> None:
     monkeypatch.setattr(model_runner.ModelRunner, "_sample", scripted)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_text_offsets_count_characters_split_over_tokens(http, server, monkeypatch, stream):
+    """``text_offset`` indexes the response's text when a character is split over tokens
+    (the byte-level tiny tokenizer: U+1F600 is 4 tokens that each decode to U+FFFD): the
+    tokens of one character share its offset, and the offsets stay within the text, in the
+    echoed prompt and in the generated text, streamed or not (each piece used to count one
+    character, so every later offset ran 3 past its token)."""
+    _script_output(monkeypatch, server)
+    body = {"prompt": SCRIPT_TEXT, "max_tokens": 6, "temperature": 0, "logprobs": 0, "echo": True,
+            "stream": stream}
+    if stream:
+        with http.stream("POST", C, json=body) as r:
+            choices = [c for line in r.iter_lines() if line.startswith("data: {")
+                       for c in json.loads(line[6:])["choices"]]
+        text = "".join(c["text"] for c in choices)
+        offsets = [x for c in choices if c.get("logprobs") for x in c["logprobs"]["text_offset"]]
+    else:
+        choice = http.post(C, json=body).json()["choices"][0]
+        text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+    assert text == SCRIPT_TEXT * 2
+    # "a", the emoji's 4 bytes, "b": the prompt's 6 tokens, then the same 6 generated
+    assert offsets == [0, 1, 1, 1, 1, 2, 3, 4, 4, 4, 4, 5], offsets
+    assert all(text[o] == ch for o, ch in zip(offsets, "a" + "\U0001F600" * 4 + "b" + "a" + "\U0001F600" * 4 + "b"))
+
+
 def _streamed_and_final(http, path: str, max_tokens: int, stream: bool) -> tuple[list[str], str]:
     """(text deltas, final text) of one request; for a non-streamed one, deltas are []."""
     if path == C:

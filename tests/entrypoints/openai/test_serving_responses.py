@@ -56,6 +56,24 @@ def test_max_output_tokens_is_incomplete(client, script):
     assert r.output_text == "It "
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_message_cut_by_max_output_tokens_is_an_incomplete_item(client, script, stream):
+    """The message item that ``max_output_tokens`` cut has status ``incomplete`` (as OpenAI
+    marks it; it said ``completed``), streamed (``output_item.done`` and the final response)
+    or not, keeping its text; a whole reply's item is ``completed``."""
+    script.set("It is sunny and warm in Paris today.")
+    for max_output_tokens, status in [(3, "incomplete"), (120, "completed")]:
+        if stream:
+            events = list(_create(client, max_output_tokens=max_output_tokens, stream=True))
+            (done,) = [e.item for e in events if e.type == "response.output_item.done"]
+            (item,) = events[-1].response.output
+            assert done.status == item.status == status and done.content[0].text == item.content[0].text
+        else:
+            (item,) = _create(client, max_output_tokens=max_output_tokens).output
+        assert item.type == "message" and item.status == status
+        assert item.content[0].text == ("It " if status == "incomplete" else "It is sunny and warm in Paris today.")
+
+
 def test_text_streamed(client, script):
     script.set("It is sunny.")
     events = list(_create(client, stream=True))

@@ -67,6 +67,25 @@ def test_tokenize_messages_counts_what_chat_completions_sends(http):
     assert tiny_tokenizer().decode(no_prompt["tokens"]) == text
 
 
+def test_tokenize_messages_renders_chat_template_kwargs_as_chat_completions_does():
+    """``chat_template_kwargs`` (``{"enable_thinking": false}``) reach the template on
+    /tokenize as on /v1/chat/completions, so the count is the chat prompt's; /tokenize
+    refused them (its comment said the chat endpoint did too, which takes them)."""
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% if enable_thinking is false %}<no-think>{% endif %}{% endif %}")
+    s = TinyServer(chat_template=template)
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            for kwargs, tail in [({"enable_thinking": False}, "<assistant><no-think>"), ({}, "<assistant>")]:
+                out = _ok(c.post("/tokenize", json={"messages": MSG, "chat_template_kwargs": kwargs}))
+                assert tiny_tokenizer().decode(out["tokens"]) == "<system>Be brief.\n<user>Hi\n" + tail
+                chat = _ok(c.post("/v1/chat/completions",
+                                  json={"messages": MSG, "max_tokens": 1, "chat_template_kwargs": kwargs}))
+                assert out["count"] == chat["usage"]["prompt_tokens"]
+    finally:
+        s.stop()
+
+
 def test_detokenize_round_trips(http):
     tokens = _ok(http.post("/tokenize", json={"prompt": "Grüße, 世界"}))["tokens"]
     assert _ok(http.post("/detokenize", json={"tokens": tokens, "model": "tiny"})) == {"prompt": "Grüße, 世界"}
@@ -89,7 +108,8 @@ def test_version(http):
      "messages"),
     ("/tokenize", {"messages": MSG, "add_generation_prompt": True, "continue_final_message": True},
      "add_generation_prompt"),
-    ("/tokenize", {"messages": MSG, "chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs"),
+    ("/tokenize", {"messages": MSG, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ("/tokenize", {"messages": MSG, "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
 ])  # fmt: skip
 def test_bad_tokenization_requests_are_400s(http, path, body, param):
