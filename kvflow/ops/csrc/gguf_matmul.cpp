@@ -1570,7 +1570,7 @@ void run_packed_gemm(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& 
         if constexpr (DECODE) {
           if (ubg) tiles(std::integral_constant<int, GEMM_MR2>(), std::true_type());
         }
-        tiles(std::integral_constant<int, GEMM_MR2>(), std::false_type());  // (no rows left after the above)
+        tiles(std::integral_constant<int, GEMM_MR2>(), std::false_type());  // (values not decoded: no chunk buffer)
         for (; m0 < m_end; m0 += 4) {  // the remainder rows, one group at a time
           for (int k = 0; k < 2; ++k) {
             const int64_t rk = std::min<int64_t>(G, N - n0 - k * G);
