@@ -756,8 +756,8 @@ class OpenAIServing:
             parser = run.new_parser()
             parser.update(c.text, final=True)
             message: dict[str, Any] = {"role": "assistant", "content": parser.content}
-            if parser.reasoning_parser is not None:
-                message["reasoning_content"] = parser.reasoning
+            if parser.reasoning_parser is not None:  # null when the reply has none, as vLLM answers
+                message["reasoning_content"] = parser.reasoning or None
             if parser.tool_calls:
                 message["content"] = parser.content if parser.content.strip() else None  # null beside calls (OpenAI)
                 message["tool_calls"] = [

@@ -158,6 +158,12 @@ def test_reasoning_content(client, script):
     assert "".join(d.content or "" for d in deltas) == "The answer is 4."
 
 
+def test_reasoning_content_is_null_without_reasoning(client, script):
+    script.set("The answer is 4.")
+    message = _chat(client).choices[0].message
+    assert message.content == "The answer is 4." and message.model_extra["reasoning_content"] is None
+
+
 def test_reasoning_then_tool_call(client, script):
     script.set("<think>Use the tool.</think>" + CALL)
     message = _chat(client, tools=[WEATHER_TOOL]).choices[0].message
