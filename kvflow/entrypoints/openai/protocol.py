@@ -452,6 +452,19 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )  # fmt: skip
 
 
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs`` unchanged (a pydantic field validator of the endpoints that
+    render the chat template: /v1/chat/completions, /tokenize).
+
+    Raises:
+        ValueError: naming the key, for one the server sets itself (``RESERVED_TEMPLATE_KWARGS``).
+    """
+    for key in kwargs or {}:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(f"chat_template_kwargs may not set {key!r} (the server sets it)")
+    return kwargs
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
@@ -593,13 +606,7 @@ class ChatCompletionRequest(_SamplingRequest):
     _tools_bounded = field_validator("tools", mode="before")(check_tool_count)
     _tool_answers = field_validator("messages")(check_tool_answers)
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _free_template_kwargs(cls, kwargs):
-        for key in kwargs or {}:
-            if key in RESERVED_TEMPLATE_KWARGS:
-                raise ValueError(f"chat_template_kwargs may not set {key!r} (the server sets it)")
-        return kwargs
+    _free_template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     def output_constraint(self) -> str | None:
         """As the base class's; also ``tool_choice`` when it forces a tool call."""

@@ -24,7 +24,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from kvflow.entrypoints.chat_utils import render_chat
 from kvflow.entrypoints.openai.protocol import (
-    RESERVED_TEMPLATE_KWARGS, ChatMessage, ChatTool, _Body, unsupported_message_field,
+    ChatMessage, ChatTool, _Body, check_template_kwargs, unsupported_message_field,
 )
 from kvflow.entrypoints.openai.serving import APIError, OpenAIServing, _bad_request
 from kvflow.entrypoints.openai.tools import template_tools
@@ -58,14 +58,8 @@ class TokenizeChatRequest(_Body):
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {"chat_template": (), "mm_processor_kwargs": ({},)}
 
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _free_template_kwargs(cls, kwargs):
-        """As /v1/chat/completions refuses them: the keys the server sets itself."""
-        for key in kwargs or {}:
-            if key in RESERVED_TEMPLATE_KWARGS:
-                raise ValueError(f"chat_template_kwargs may not set {key!r} (the server sets it)")
-        return kwargs
+    # as /v1/chat/completions refuses them: the keys the server sets itself
+    _free_template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """See ``_Body.unsupported_field``; also looks into the messages, and refuses a
