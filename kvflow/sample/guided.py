@@ -106,10 +106,11 @@ class GrammarMatcher:
                 when the grammar engine gives up on a token its mask allowed (a constraint
                 too complex for it, such as a regex with a huge repetition count).
         """
-        allowed = self._mask_fresh and 0 <= token_id < self.vocab_size and bool(
-            (int(self._bitmask[0, token_id >> 5]) >> (token_id & 31)) & 1)
-        self._mask_fresh = False
+        mask_fresh, self._mask_fresh = self._mask_fresh, False
         if not self.matcher.consume_token(token_id) or self.matcher.is_error():
+            # (the bitmask still holds the mask filled before this token: read only on failure)
+            allowed = mask_fresh and 0 <= token_id < self.vocab_size and bool(
+                (int(self._bitmask[0, token_id >> 5]) >> (token_id & 31)) & 1)
             if allowed:
                 raise ValueError(f"{self.field} is too complex for the grammar engine: it gave up during "
                                  f"generation (llguidance: {_llg_error(self.matcher)})")
