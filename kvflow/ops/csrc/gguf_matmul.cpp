@@ -786,6 +786,11 @@ struct PAct {
   const float* s32;    // [M, K/32] d * sum(q)
   const int32_t* i16;  // [M, K/32, 2] sum(q) per half
   int64_t K;
+  // [M, K/32, 2] where the VNNI kernels' format has K0 != 0 (run_packed fills it): -K0 * sum(q)
+  // of half h for Q6_K (each half has its own scale), of the whole block at h = 0 otherwise.
+  // The vpdpbusd chains start from it instead of zero: the same int32 sums without a subtraction
+  // (and a broadcast from a general register) per row and block.
+  const int32_t* k0 = nullptr;
 };
 
 // The integer product of one 32-block's halves with an activation block needs no K0 term
@@ -851,6 +856,14 @@ inline __m512 i8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Where an integer chain of activation row `row`, block b (half h for Q6_K) starts: a.k0's
+// -K0 * sum(q) (PAct::k0), or zero for the formats with K0 = 0.
+template <int K0>
+inline __m512i k0_start(const PAct& a, int64_t row, int64_t b, int h) {
+  if constexpr (K0 == 0) return _mm512_setzero_si512();
+  else return _mm512_set1_epi32(a.k0[(row * (a.K / 32) + b) * 2 + h]);
+}
+
 // acc[m] (16 rows) = the group's rows . activation row m0 + m, m < MR. The register-blocked
 // micro-kernel of both the GEMV / small-M path (MR <= 4) and the prefill GEMM (MR = GEMM_MR):
 // a sub-block's 16 x 32 weight values are decoded once into eight zmm registers and meet the
@@ -899,7 +912,7 @@ inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m
           __m512i iv[MR];
 #pragma GCC unroll 16
           for (int m = 0; m < MR; ++m)
-            iv[m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[T * h], _mm512_set1_epi32(ld32(ap + m * a.K + 4 * T * h)));
+            iv[m] = _mm512_dpbusd_epi32(k0_start<K0>(a, m0 + m, b, h), u[T * h], _mm512_set1_epi32(ld32(ap + m * a.K + 4 * T * h)));
 #pragma GCC unroll 8
           for (int t = T * h + 1; t < T * h + T; ++t)
 #pragma GCC unroll 16
@@ -907,15 +920,12 @@ inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m
 #pragma GCC unroll 16
           for (int m = 0; m < MR; ++m) {
             const int64_t row = m0 + m;
-            const int32_t* is = a.i16 + (row * nb + b) * 2;
             const __m512 da = _mm512_set1_ps(a.d[row * nb + b]);
-            __m512i i = iv[m];
+            const __m512i i = iv[m];
             if constexpr (QT == Q6_K) {
-              i = _mm512_sub_epi32(i, _mm512_set1_epi32(K0 * is[h]));
               acc[m] = _mm512_fmadd_ps(h ? sv1 : sv, _mm512_mul_ps(_mm512_cvtepi32_ps(i), da), acc[m]);
               continue;
             }
-            if constexpr (K0 != 0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(K0 * (is[0] + is[1])));
             acc[m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(_mm512_cvtepi32_ps(i), da), acc[m]);
             if constexpr (QT == Q4_1 || QT == Q5_1)
               acc[m] = _mm512_fmadd_ps(cv, _mm512_set1_ps(a.s32[row * nb + b]), acc[m]);
@@ -929,7 +939,6 @@ inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m
       for (int m = 0; m < MR; ++m) {
         const int64_t row = m0 + m;
         const int8_t* ap = a.q + row * a.K + b * 32;
-        const int32_t* is = a.i16 + (row * nb + b) * 2;
         const __m512 da = _mm512_set1_ps(a.d[row * nb + b]);
         __m512i i0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], _mm512_set1_epi32(ld32(ap)));
         __m512i i1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[4], _mm512_set1_epi32(ld32(ap + 16)));
@@ -939,14 +948,16 @@ inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m
         i1 = _mm512_dpbusd_epi32(i1, u[6], _mm512_set1_epi32(ld32(ap + 24)));
         i0 = _mm512_dpbusd_epi32(i0, u[3], _mm512_set1_epi32(ld32(ap + 12)));
         i1 = _mm512_dpbusd_epi32(i1, u[7], _mm512_set1_epi32(ld32(ap + 28)));
+        // (the K0 terms added at the end, one vpaddd with a broadcast operand each: as the
+        // chains' starting values they measured slower here, where the chains are short)
         if constexpr (QT == Q6_K) {
-          i0 = _mm512_sub_epi32(i0, _mm512_set1_epi32(K0 * is[0]));
-          i1 = _mm512_sub_epi32(i1, _mm512_set1_epi32(K0 * is[1]));
+          i0 = _mm512_add_epi32(i0, k0_start<K0>(a, row, b, 0));
+          i1 = _mm512_add_epi32(i1, k0_start<K0>(a, row, b, 1));
           acc[m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(_mm512_cvtepi32_ps(i0), da), acc[m]);
           acc[m] = _mm512_fmadd_ps(sv1, _mm512_mul_ps(_mm512_cvtepi32_ps(i1), da), acc[m]);
         } else {
           __m512i i = _mm512_add_epi32(i0, i1);
-          if constexpr (K0 != 0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(K0 * (is[0] + is[1])));
+          if constexpr (K0 != 0) i = _mm512_add_epi32(i, k0_start<K0>(a, row, b, 0));
           acc[m] = _mm512_fmadd_ps(sv, _mm512_mul_ps(_mm512_cvtepi32_ps(i), da), acc[m]);
           if constexpr (QT == Q4_1 || QT == Q5_1)
             acc[m] = _mm512_fmadd_ps(cv, _mm512_set1_ps(a.s32[row * nb + b]), acc[m]);
@@ -1028,6 +1039,8 @@ inline void group_dot2(const PFmt& pf, const uint8_t* g, int64_t ldg, const PAct
       for (int h = 0; h < HALVES; ++h) {
         __m512i iv[2][MR];
 #pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) iv[0][m] = iv[1][m] = k0_start<K0>(a, m0 + m, b, h);
+#pragma GCC unroll 8
         for (int t = T * h; t < T * h + T; ++t) {
           __m512i u0, u1;
           if constexpr (DECODED) {
@@ -1040,29 +1053,21 @@ inline void group_dot2(const PFmt& pf, const uint8_t* g, int64_t ldg, const PAct
 #pragma GCC unroll 8
           for (int m = 0; m < MR; ++m) {
             const __m512i bc = _mm512_set1_epi32(ld32(ap + m * a.K + 4 * t));
-            if (t == T * h) {
-              iv[0][m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u0, bc);
-              iv[1][m] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, bc);
-            } else {
-              iv[0][m] = _mm512_dpbusd_epi32(iv[0][m], u0, bc);
-              iv[1][m] = _mm512_dpbusd_epi32(iv[1][m], u1, bc);
-            }
+            iv[0][m] = _mm512_dpbusd_epi32(iv[0][m], u0, bc);
+            iv[1][m] = _mm512_dpbusd_epi32(iv[1][m], u1, bc);
           }
         }
 #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
           const int64_t row = m0 + m;
-          const int32_t* is = a.i16 + (row * nb + b) * 2;
           const __m512 da = _mm512_set1_ps(a.d[row * nb + b]);
 #pragma GCC unroll 2
           for (int k = 0; k < 2; ++k) {
-            __m512i i = iv[k][m];
+            const __m512i i = iv[k][m];
             if constexpr (QT == Q6_K) {
-              i = _mm512_sub_epi32(i, _mm512_set1_epi32(K0 * is[h]));
               acc[k][m] = _mm512_fmadd_ps(h ? sv1[k] : sv[k], _mm512_mul_ps(_mm512_cvtepi32_ps(i), da), acc[k][m]);
               continue;
             }
-            if constexpr (K0 != 0) i = _mm512_sub_epi32(i, _mm512_set1_epi32(K0 * (is[0] + is[1])));
             acc[k][m] = _mm512_fmadd_ps(sv[k], _mm512_mul_ps(_mm512_cvtepi32_ps(i), da), acc[k][m]);
             if constexpr (QT == Q4_1 || QT == Q5_1)
               acc[k][m] = _mm512_fmadd_ps(cv[k], _mm512_set1_ps(a.s32[row * nb + b]), acc[k][m]);
@@ -1374,6 +1379,23 @@ constexpr int64_t GEMM_MIN_ROWS = 32;
 template <int QT, typename OutT>
 void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, int64_t M, int64_t N, const float* bias,
                 OutT* y, int64_t ldy) {
+#if defined(GG_VNNI)
+  constexpr int K0 = packed_k0<QT>();
+  if constexpr (K0 != 0) {
+    if (a.k0 == nullptr) {  // the chains' starting values (PAct::k0), once per call
+      const int64_t nb = a.K / 32;
+      const auto k0 = uninit<int32_t>(M * nb * 2);
+      for (int64_t i = 0; i < M * nb; ++i) {
+        const int32_t* is = a.i16 + 2 * i;
+        k0[2 * i] = -K0 * (QT == Q6_K ? is[0] : is[0] + is[1]);
+        k0[2 * i + 1] = -K0 * is[1];
+      }
+      PAct ak = a;
+      ak.k0 = k0.get();
+      return run_packed<QT>(pf, w, ldg, ak, M, N, bias, y, ldy);
+    }
+  }
+#endif
   if (M >= GEMM_MIN_ROWS) return run_packed_gemm<QT>(pf, w, ldg, a, M, N, bias, y, ldy);
   const int64_t groups = (N + G - 1) / G;
   const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, ldg));
