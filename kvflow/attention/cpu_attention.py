@@ -175,6 +175,10 @@ def _code_table(dtype: torch.dtype) -> torch.Tensor:
 
 _CODE_TABLES: dict[torch.dtype, torch.Tensor] = {}
 
+_CODE_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2}
+"""The kernel's ``code_format`` per cache dtype: codes it converts in vectors (to the table's
+values exactly); any other dtype reads the table (0)."""
+
 
 def paged_attention_quantized(
     q: torch.Tensor,
@@ -212,6 +216,6 @@ def paged_attention_quantized(
         lut = _CODE_TABLES[k.dtype] = _code_table(k.dtype)
     out = _EXTENSION.require().paged_attention_quantized(
         q.float().contiguous(), k.view(torch.uint8), v.view(torch.uint8), k_scale, v_scale, lut,
-        block_tables, query_start_loc, context_lens, scale,
+        block_tables, query_start_loc, context_lens, scale, _CODE_FORMATS.get(k.dtype, 0),
     )
     return out.to(q.dtype)

@@ -55,7 +55,8 @@ rebuilds them, byte-exact, from the packed layout where asked for: ``dequantize`
 with the kernel, or at load when the kernel is built already, so tensor-parallel narrowing (at
 load) happens before packing.
 
-Prefill (from 32 rows, ``GEMM_MIN_ROWS`` in the C++ source) runs the same packed weights
+Prefill and decode batches of 16 rows or more (AVX-512 VNNI; Q6_K from 24, AVX2 and portable
+from 32: ``gemm_min_rows`` in the C++ source, measured) run the same packed weights
 through a register-blocked GEMM (the oneDNN / llama.cpp ``repack.cpp`` GEMM method: a micro-kernel
 keeps an MR x NR tile of accumulators in registers, decodes each weight block once per MR
 activation rows and streams the activation tile from cache). AVX-512 VNNI: two 16-row groups

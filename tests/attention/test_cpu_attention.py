@@ -197,6 +197,40 @@ def test_quantized_every_token_matches_torch_path_and_is_batch_invariant(kv_dtyp
     assert torch.equal(torch.cat(alone), out)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+def test_quantized_codes_convert_in_vectors_to_the_tables_values(kv_dtype, head_dim):
+    """The kernel's vector conversion of int8 / e4m3fn codes (code_format 1 / 2) gives, bit for
+    bit, the outputs of its table path (code_format 0) over caches holding every code (fp8:
+    but its NaN codes), subnormal fp8 codes and scales across float16's range included."""
+    from kvflow.attention.cpu_attention import _CODE_FORMATS, _EXTENSION, _code_table
+
+    gen = torch.Generator().manual_seed(head_dim)
+    blocks, block_size, kv_heads, heads = 12, 16, 2, 6
+    shape = (blocks, block_size, kv_heads, head_dim)
+    codes = [torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(torch.uint8) for _ in range(2)]
+    codes[0].view(-1)[:256] = torch.arange(256, dtype=torch.int32).to(torch.uint8)  # every code
+    if kv_dtype == torch.float8_e4m3fn:
+        for c in codes:
+            c[(c == 0x7F) | (c == 0xFF)] = 0x01  # (NaN codes: never written)
+    scales = [torch.exp2(torch.randint(-20, 12, shape[:3], generator=gen).float()) * (1 + torch.rand(shape[:3], generator=gen))
+              for _ in range(2)]
+    scales = [s.half() for s in scales]
+    q = torch.randn(3, heads, head_dim, generator=gen)
+    tables = torch.tensor([[0, 5, 3, 7, 11, 1], [2, 4, 6, 8, 9, 10]], dtype=torch.int64)
+    starts = torch.tensor([0, 1, 3], dtype=torch.int32)
+    ctx = torch.tensor([90, 37], dtype=torch.int32)
+    lut = _code_table(kv_dtype)
+    kernel = _EXTENSION.require()
+    args = (q, codes[0], codes[1], scales[0], scales[1], lut, tables, starts, ctx, head_dim**-0.5)
+    table_out = kernel.paged_attention_quantized(*args, 0)
+    vector_out = kernel.paged_attention_quantized(*args, _CODE_FORMATS[kv_dtype])
+    assert torch.isfinite(table_out).all()
+    assert torch.equal(vector_out, table_out)
+    with pytest.raises(RuntimeError, match="code_format"):
+        kernel.paged_attention_quantized(*args, 3)
+
+
 def test_quantized_kernel_keeps_the_query_dtype_and_checks_metadata():
     from kvflow.attention.cpu_attention import paged_attention_quantized
 

@@ -320,7 +320,9 @@ def test_prefill_gemm_equals_small_m_path(qt):
     module = ops.GGUF_MATMUL.load()
     k = 512 if qt in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 96 * 3
     gen = torch.Generator().manual_seed(int(qt))
-    for m, n, dtype in ((32, 13, torch.float32), (39, 49, torch.bfloat16), (45, 333, torch.float32),
+    # (16-31 rows: the GEMM where VNNI takes it from 16 rows, Q6_K from 24; AVX2 the small-M path)
+    for m, n, dtype in ((16, 40, torch.float32), (19, 49, torch.bfloat16), (24, 13, torch.float32),
+                        (32, 13, torch.float32), (39, 49, torch.bfloat16), (45, 333, torch.float32),
                         (130, 49, torch.float32)):
         w, ref_w = _weight(qt, n, k, seed=m + n)
         packed = w.pack()
@@ -330,7 +332,7 @@ def test_prefill_gemm_equals_small_m_path(qt):
         out = buf[:, 3:3 + n]  # a column slice: row stride n + 7
         module.gguf_linear_packed(x, packed, int(qt), n, k, bias, out)
         small = torch.empty(m, n, dtype=dtype)
-        for i in range(0, m, 4):  # under GEMM_MIN_ROWS rows a call: the small-M path
+        for i in range(0, m, 4):  # 4 rows a call: the small-M path
             module.gguf_linear_packed(x[i:i + 4], packed, int(qt), n, k, bias, small[i:i + 4])
         assert torch.equal(out, small), (qt.name, m, n, dtype, (out.float() - small.float()).abs().max())
         assert bool((buf[:, :3] == 5).all() and (buf[:, 3 + n:] == 5).all())

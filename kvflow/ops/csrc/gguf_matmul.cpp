@@ -1363,10 +1363,21 @@ void for_each_chunk(int64_t groups, int64_t chunk, const F& body) {
 template <int QT, typename OutT>
 void run_packed_gemm(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, int64_t M, int64_t N,
                      const float* bias, OutT* y, int64_t ldy);
-// Rows from which run_packed takes the prefill GEMM (run_packed_gemm): at 16 rows it measured
-// 0.86-1.33x the small-M path (Q6_K / Q8_0 slower), from 64 rows 0.98-1.68x (one thread, Qwen
-// 0.5B's shapes); speculative verification and batched decode stay on the small-M path.
-constexpr int64_t GEMM_MIN_ROWS = 32;
+// Rows from which run_packed takes the prefill GEMM (run_packed_gemm); speculative verification
+// and smaller decode batches stay on the small-M path. VNNI (two threads, the weights cycled
+// from memory, `benchmarks/gguf_kernels.py --shapes qwen0.5b smollm2 heads`, against the
+// small-M path): at 16 rows the GEMM measured 1.10-1.21x for Q8_0 on the large shapes (the LM
+// heads among them), 1.0-1.17x for Q4_1 / Q4_K, 0.97-1.05x for Q5_0, 0.96-0.97x for Q6_K; at
+// 24 rows 1.02-1.22x for all but Q8_0 on 192 x 576 (0.88x). AVX2 and portable: 32 (at 16 rows
+// 0.86-1.33x, Q6_K / Q8_0 slower, when it was chosen).
+template <int QT>
+constexpr int64_t gemm_min_rows() {
+#if defined(GG_VNNI)
+  return QT == Q6_K ? 24 : 16;
+#else
+  return 32;
+#endif
+}
 
 // The GEMV and small-M GEMM: per 16-row group all M rows in tiles of 4 (group_dot; on AVX2
 // group_dot_avx2 over both 8-row halves in one pass: its scales converted 8 rows at a time
@@ -1396,7 +1407,7 @@ void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, in
     }
   }
 #endif
-  if (M >= GEMM_MIN_ROWS) return run_packed_gemm<QT>(pf, w, ldg, a, M, N, bias, y, ldy);
+  if (M >= gemm_min_rows<QT>()) return run_packed_gemm<QT>(pf, w, ldg, a, M, N, bias, y, ldy);
   const int64_t groups = (N + G - 1) / G;
   const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, ldg));
   for_each_chunk(groups, chunk, [&](int64_t g_begin, int64_t g_end) {
@@ -1486,7 +1497,7 @@ inline void decode_groups(const PFmt& pf, const uint8_t* w, int64_t ldg, int64_t
 }
 #endif
 
-// The prefill GEMM (M >= GEMM_MIN_ROWS): work items are (chunk of >= ~32 KB of weight groups,
+// The prefill GEMM (M >= gemm_min_rows): work items are (chunk of >= ~32 KB of weight groups,
 // block of GEMM_MC activation rows), dealt to the threads by for_each_chunk in N-major order (a
 // thread's items share their weight chunk, which stays in L2 while the activation blocks stream
 // from L2/L3); within an item each group is decoded once per GEMM_MR activation rows (VNNI:

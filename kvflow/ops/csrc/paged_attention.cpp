@@ -563,15 +563,70 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// The codes of a quantized cache (paged_attention_quantized's `code_format`).
+enum CodeFormat : int64_t { CODES_LUT = 0, CODES_INT8 = 1, CODES_FP8_E4M3 = 2 };
+
 // Rows t < n of one KV head, dequantized: dst[t * D + d] = lut[code] * scale (float32), the
-// rows read through the block table (slot table[t / bs] * bs + t % bs).
-static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const float* lut, const int64_t* table,
-                         int64_t block_size, int64_t num_kv_heads, int64_t D, int64_t h, int64_t n, float* dst) {
+// rows read through the block table (slot table[t / bs] * bs + t % bs). int8 and fp8 (e4m3fn)
+// codes convert in vectors where the CPU has them (16 or 8 a step), to the same floats as
+// the table: an int8 code converts exactly; an e4m3fn code's sign, exponent and mantissa bits,
+// moved into a float16's places (bits 7-14), make exactly its value times 2^-8 (e4m3's
+// exponent bias is 7, float16's 15; subnormals map to subnormals), and the scale times 2^8
+// is exact too, so the one rounding of value * scale is the table's. (The NaN codes 0x7f /
+// 0xff would read as +-480 instead; quantize_kv never writes them: its codes stay within
+// +-448.) Other formats, or head dims off the vector width: the table.
+static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const float* lut, int64_t format,
+                         const int64_t* table, int64_t block_size, int64_t num_kv_heads, int64_t D, int64_t h,
+                         int64_t n, float* dst) {
   for (int64_t t = 0; t < n; ++t) {
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    if (t % block_size == 0 && t + block_size < n)  // the next block's rows of the head, into L2
+      prefetch_rows(codes + (table[t / block_size + 1] * block_size * num_kv_heads + h) * D, block_size,
+                    num_kv_heads * D, D);
     const float s = static_cast<float>(scales[slot * num_kv_heads + h]);
     const uint8_t* c = codes + (slot * num_kv_heads + h) * D;
     float* o = dst + t * D;
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && format == CODES_INT8) {
+      const __m512 sv = _mm512_set1_ps(s);
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + d));
+        _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)), sv));
+      }
+      continue;
+    }
+    if (D % 16 == 0 && format == CODES_FP8_E4M3) {
+      const __m512 sv = _mm512_set1_ps(s * 256.f);
+      const __m256i sign = _mm256_set1_epi16(0x80), mag = _mm256_set1_epi16(0x7f);
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + d)));
+        const __m256i h16 = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, sign), 8),
+                                            _mm256_slli_epi16(_mm256_and_si256(x, mag), 7));
+        _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_cvtph_ps(h16), sv));
+      }
+      continue;
+    }
+#elif defined(__AVX2__) && defined(__F16C__)
+    if (D % 8 == 0 && format == CODES_INT8) {
+      const __m256 sv = _mm256_set1_ps(s);
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + d));
+        _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), sv));
+      }
+      continue;
+    }
+    if (D % 8 == 0 && format == CODES_FP8_E4M3) {
+      const __m256 sv = _mm256_set1_ps(s * 256.f);
+      const __m128i sign = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7f);
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + d)));
+        const __m128i h16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, sign), 8), _mm_slli_epi16(_mm_and_si128(x, mag), 7));
+        _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_cvtph_ps(h16), sv));
+      }
+      continue;
+    }
+#endif
+    (void)format;
     for (int64_t d = 0; d < D; ++d) o[d] = lut[c[d]] * s;
   }
 }
@@ -585,7 +640,7 @@ static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const fl
 torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes,
                                         torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor lut,
                                         torch::Tensor block_tables, torch::Tensor query_start,
-                                        torch::Tensor context_lens, double scale) {
+                                        torch::Tensor context_lens, double scale, int64_t code_format) {
   TORCH_CHECK(q.device().is_cpu() && k_codes.device().is_cpu() && v_codes.device().is_cpu(), "CPU tensors");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(), "q: float32 [T, heads, D]");
   TORCH_CHECK(k_codes.dim() == 4 && v_codes.sizes() == k_codes.sizes() && k_codes.scalar_type() == torch::kUInt8 &&
@@ -595,6 +650,8 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
               k_scale.is_contiguous() && v_scale.is_contiguous() && k_scale.numel() * k_codes.size(3) == k_codes.numel() &&
               v_scale.numel() == k_scale.numel(), "scales: float16 [blocks, block_size, kv_heads]");
   TORCH_CHECK(lut.scalar_type() == torch::kFloat32 && lut.numel() == 256 && lut.is_contiguous(), "lut: float32 [256]");
+  TORCH_CHECK(code_format == CODES_LUT || code_format == CODES_INT8 || code_format == CODES_FP8_E4M3,
+              "code_format: 0 (the table), 1 (int8) or 2 (fp8 e4m3fn), got ", code_format);
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && query_start.scalar_type() == torch::kInt32 &&
               context_lens.scalar_type() == torch::kInt32, "index dtypes");
   auto tables = block_tables.contiguous();
@@ -645,8 +702,8 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
         const int64_t n = first + i1;         // keys the item's last token sees
         kbuf.resize(n * D);
         vbuf.resize(n * D);
-        dequant_rows(kc, ks, lp, tp + r * width, block_size, num_kv_heads, D, h, n, kbuf.data());
-        dequant_rows(vc, vs, lp, tp + r * width, block_size, num_kv_heads, D, h, n, vbuf.data());
+        dequant_rows(kc, ks, lp, code_format, tp + r * width, block_size, num_kv_heads, D, h, n, kbuf.data());
+        dequant_rows(vc, vs, lp, code_format, tp + r * width, block_size, num_kv_heads, D, h, n, vbuf.data());
         const int64_t zero = 0;
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t t = sp[r] + i;
