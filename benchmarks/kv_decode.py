@@ -64,9 +64,11 @@ def child(args: argparse.Namespace) -> None:
 
     print(f"# kvflow from {Path(kvflow.__file__).parent}", file=sys.stderr)
     rng = random.Random(0)
+    hi = min(20000, len(llm.get_tokenizer()))  # ordinary tokens of any vocabulary
+    lo = min(100, hi // 2)
 
     def batch():
-        return [{"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(args.prompt_len)]}
+        return [{"prompt_token_ids": [rng.randrange(lo, hi) for _ in range(args.prompt_len)]}
                 for _ in range(args.streams)]
 
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
