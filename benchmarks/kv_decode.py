@@ -88,7 +88,8 @@ def measure(repo: Path, kv_dtype: str, args: argparse.Namespace) -> float:
     # first on sys.path, ahead of PYTHONPATH's checkout)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kv_dtype, "--model", args.model,
            "--streams", str(args.streams), "--prompt-len", str(args.prompt_len), "--tokens", str(args.tokens)]
-    env = dict(os.environ, PYTHONPATH=f"{repo}{os.pathsep}{REPO}")
+    # (kernels built before the engine starts: a checkout's first build can outlast the warm-up)
+    env = dict(os.environ, PYTHONPATH=f"{repo}{os.pathsep}{REPO}", KVFLOW_CPU_KERNEL_BUILD="wait")
     with tempfile.TemporaryDirectory() as cwd:
         done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
@@ -111,12 +112,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline_repo:
         checkouts["baseline"] = Path(args.baseline_repo).resolve()
     times: dict[tuple[str, str], list[float]] = {(c, d): [] for c in checkouts for d in dtypes}
+    load_before = os.getloadavg()[0]
     for r in range(args.rounds):
         order = list(checkouts) if r % 2 == 0 else list(reversed(checkouts))
         for c in order:
             for d in dtypes:
                 times[(c, d)].append(measure(checkouts[c], d, args))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
+    load_after = os.getloadavg()[0]  # (1-minute load averages; the runs' own threads count)
     med = {k: statistics.median(v) for k, v in times.items()}
     rows, records = [], []
     for c in checkouts:
@@ -129,11 +132,13 @@ def main(argv: list[str] | None = None) -> None:
                             "vs_first_dtype": med[(c, d)] / ref, "speedup_vs_baseline": vs_base})
     info = machine_info()
     print(f"\n{args.model}, {args.streams} streams x {args.prompt_len}-token prompts, "
-          f"median of {args.rounds} rounds; CPU: {info.get('cpu_model')} ISA: {' '.join(info.get('cpu_isa') or [])}")
+          f"median of {args.rounds} rounds; CPU: {info.get('cpu_model')} ISA: {' '.join(info.get('cpu_isa') or [])}; "
+          f"load average {load_before:.2f} before, {load_after:.2f} after (the runs' own threads included)")
     print(format_table(["checkout", "kv cache", "step ms", "tok/s", f"step x {dtypes[0]}", "speedup x baseline"], rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "args": vars(args), "results": records}, indent=2))
+    out.write_text(json.dumps({"machine": info, "args": vars(args), "load_average": [load_before, load_after],
+                                "results": records}, indent=2))
     print(f"\nwrote {out}")
 
 
