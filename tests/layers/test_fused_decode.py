@@ -20,7 +20,7 @@ import torch
 
 from kvflow import ops
 from kvflow.attention.backend import BatchLayout
-from kvflow.attention.cpu_backend import CpuAttentionBackend
+from kvflow.attention.cpu_backend import CpuAttentionBackend, CpuQuantizedAttentionBackend
 from kvflow.config import CacheConfig
 from kvflow.layers import fused_decode
 from kvflow.layers.gguf_kernels import GGUFWeight
@@ -95,16 +95,18 @@ def gguf_tiny_model(seed: int = 0, attention_bias: bool = False, dtype: torch.dt
     return model.to(dtype).eval()
 
 
-def _decode_run(model, prompts: list[list[int]], steps: int, fused: bool, block_size: int = 4):
+def _decode_run(model, prompts: list[list[int]], steps: int, fused: bool, block_size: int = 4,
+                kv_dtype: torch.dtype | None = None):
     """Prefill ``prompts`` (one step, PyTorch path), then ``steps`` decode steps of all of them
     (next token: the argmax of the fused run's first pass is not needed: fixed ids). Returns
-    the hidden states of each decode step [R, hidden] and the final caches."""
+    the hidden states of each decode step [R, hidden] and the final caches. ``kv_dtype``: an
+    int8 / fp8 cache (the quantized attention backend) instead of one of the model dtype."""
     if not fused:
         model.__dict__["fused_decode"] = None
     else:
         model.__dict__.pop("fused_decode", None)
-    backend = CpuAttentionBackend()
-    dtype = model.norm.weight.dtype
+    backend = CpuAttentionBackend() if kv_dtype is None else CpuQuantizedAttentionBackend()
+    dtype = model.norm.weight.dtype if kv_dtype is None else kv_dtype
     max_len = max(len(p) for p in prompts) + steps
     per_req = -(-max_len // block_size)
     num_blocks = per_req * len(prompts) + 2
@@ -157,6 +159,36 @@ def test_fused_decode_steps_match_the_pytorch_path(attention_bias: bool) -> None
         assert err <= 2e-3 * b.abs().max().item(), f"step {step}: max |fused - reference| = {err}"
     for (k, v), (rk, rv) in zip(caches, ref_caches):  # the K/V written to the cache (rotated keys)
         assert (k - rk).abs().max() <= 2e-3 * rk.abs().max() and (v - rv).abs().max() <= 2e-3 * rv.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("attention_bias", [False, True], ids=["llama", "qwen2-bias"])
+def test_fused_decode_over_a_quantized_cache_matches_the_pytorch_path(kv_dtype, attention_bias: bool,
+                                                                     monkeypatch) -> None:
+    """An int8 / fp8 KV cache: the fused step quantizes the new K/V (the key offset of a k_proj
+    bias subtracted first) and attends as the quantized backend does; its hidden states and
+    stored codes follow the PyTorch path's (the same codes, but where float32 sums in another
+    order moved a value across a rounding edge: one code step of that token's scale)."""
+    model = gguf_tiny_model(attention_bias=attention_bias)
+    ref, ref_caches = _decode_run(model, PROMPTS, steps=6, fused=False, kv_dtype=kv_dtype)
+    answered = []
+    call = fused_decode.FusedDecodeStep.__call__
+    monkeypatch.setattr(fused_decode.FusedDecodeStep, "__call__",
+                        lambda self, *a: answered.append(call(self, *a)) or answered[-1])
+    out, caches = _decode_run(model, PROMPTS, steps=6, fused=True, kv_dtype=kv_dtype)
+    assert [h is not None for h in answered] == [False] + [True] * 6  # the prefill not, every decode step fused
+    for step, (a, b) in enumerate(zip(out, ref)):
+        err = (a - b).abs().max().item()
+        assert err <= 2e-3 * b.abs().max().item(), f"step {step}: max |fused - reference| = {err}"
+    for cache, ref_cache in zip(caches, ref_caches):
+        k, v, ks, vs = cache
+        rk, rv, rks, rvs = ref_cache
+        for codes, scales, ref_codes, ref_scales in ((k, ks, rk, rks), (v, vs, rv, rvs)):
+            x, rx = codes.float() * scales.float()[..., None], ref_codes.float() * ref_scales.float()[..., None]
+            assert (x - rx).abs().max() <= 0.02 * rx.abs().max()
+            assert (codes.view(torch.uint8) == ref_codes.view(torch.uint8)).float().mean() > 0.97
+            assert torch.equal(scales == 0, ref_scales == 0)  # the same slots written
 
 
 @needs_kernel

@@ -26,6 +26,7 @@
 #include "paged_attention.cpp"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <mutex>
 #include <tuple>
 #include <variant>
@@ -185,6 +186,48 @@ class FusedDecoder {
     }
     k_ = k;
     v_ = v;
+    quantized_ = false;
+  }
+
+  // An int8 / fp8 (e4m3fn) paged cache instead (kvflow.attention.kv_cache's layout), per layer:
+  // codes uint8 [num_blocks, block_size, num_kv_heads, head_dim] (K, V; fp8 codes as their
+  // bytes), scales float16 [num_blocks, block_size, num_kv_heads] (K, V); lut float32 [256] (a
+  // code's value), code_format 1 (int8) or 2 (fp8: paged_attention_quantized's); key_offsets:
+  // per layer a float32 [num_kv_heads * head_dim] subtracted from the keys before they are
+  // quantized (in the model dtype: LlamaAttention._key_offset), or an empty tensor for none.
+  // New K/V are quantized as kv_cache.quantize_kv does (per token and head, symmetric: scale =
+  // max(amax / qmax, 1e-8), code = round-half-even (int8) or e4m3fn-rounded (fp8) of x / scale
+  // clamped to +-qmax, the scale stored as float16); attention is paged_attention_quantized's.
+  void set_quantized_kv_caches(const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v,
+                               const std::vector<torch::Tensor>& k_scales, const std::vector<torch::Tensor>& v_scales,
+                               torch::Tensor lut, int64_t code_format, const std::vector<torch::Tensor>& key_offsets) {
+    const size_t L = layers_.size();
+    TORCH_CHECK(k.size() == L && v.size() == L && k_scales.size() == L && v_scales.size() == L && key_offsets.size() == L,
+                "quantized kv caches: one K, V, K scale, V scale and key offset per layer (", L, ")");
+    TORCH_CHECK(code_format == CODES_INT8 || code_format == CODES_FP8_E4M3, "code_format: 1 (int8) or 2 (fp8), got ",
+                code_format);
+    TORCH_CHECK(lut.scalar_type() == torch::kFloat32 && lut.numel() == 256 && lut.is_contiguous(), "lut: float32 [256]");
+    for (size_t i = 0; i < L; ++i) {
+      TORCH_CHECK(k[i].device().is_cpu() && k[i].scalar_type() == torch::kUInt8 && v[i].scalar_type() == torch::kUInt8 &&
+                      k[i].dim() == 4 && k[i].is_contiguous() && v[i].is_contiguous() && v[i].sizes() == k[i].sizes() &&
+                      k[i].sizes() == k[0].sizes() && k[i].size(2) == nkv_ && k[i].size(3) == D_,
+                  "quantized kv caches: contiguous uint8 [num_blocks, block_size, ", nkv_, ", ", D_, "]");
+      for (const torch::Tensor* sc : {&k_scales[i], &v_scales[i]})
+        TORCH_CHECK(sc->scalar_type() == torch::kHalf && sc->is_contiguous() && sc->dim() == 3 &&
+                        sc->size(0) == k[i].size(0) && sc->size(1) == k[i].size(1) && sc->size(2) == nkv_,
+                    "quantized kv caches: scales float16 [num_blocks, block_size, ", nkv_, "]");
+      TORCH_CHECK(key_offsets[i].numel() == 0 || (key_offsets[i].scalar_type() == torch::kFloat32 &&
+                                                  key_offsets[i].is_contiguous() && key_offsets[i].numel() == nkv_ * D_),
+                  "key_offsets: float32 [", nkv_ * D_, "] or empty");
+    }
+    k_ = k;
+    v_ = v;
+    k_scales_ = k_scales;
+    v_scales_ = v_scales;
+    key_offsets_ = key_offsets;
+    lut_ = lut;
+    code_format_ = code_format;
+    quantized_ = true;
   }
 
   // x [M, H] (the token embeddings, model dtype) -> the final hidden states [M, H] after the
@@ -202,7 +245,7 @@ class FusedDecoder {
     TORCH_CHECK(0 <= first && first < last && last <= L, "layers [", first, ", ", last, ") outside 0 .. ", L);
     TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == H_ && x.is_contiguous(), "x: contiguous [M, ", H_,
                 "]");
-    TORCH_CHECK(x.scalar_type() == k_[0].scalar_type(), "x and the kv caches must share a dtype");
+    TORCH_CHECK(quantized_ || x.scalar_type() == k_[0].scalar_type(), "x and the kv caches must share a dtype");
     const int64_t M = x.size(0);
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 3 && cos.size(0) == M &&
                     cos.size(1) == 1 && cos.sizes() == sin.sizes() && cos.size(2) % 2 == 0 && cos.size(2) <= D_ &&
@@ -414,6 +457,39 @@ class FusedDecoder {
     }
   }
 
+  // The K and V heads of one token (kv: K's nkv * D values, then V's, T values as float) into a
+  // quantized cache's slot: kv_cache.quantize_kv's arithmetic (see set_quantized_kv_caches),
+  // the keys first less the layer's key offset (rounded to T, as the PyTorch path's k - offset).
+  template <typename T>
+  void store_codes(int64_t li, const float* kv, int64_t slot) {
+    const int64_t kvs = nkv_ * D_;
+    const float* off = key_offsets_[li].numel() ? key_offsets_[li].data_ptr<float>() : nullptr;
+    const float qmax = code_format_ == CODES_INT8 ? 127.f : 448.f;
+    for (int kind = 0; kind < 2; ++kind) {
+      uint8_t* codes = (kind == 0 ? k_ : v_)[li].data_ptr<uint8_t>() + slot * kvs;
+      c10::Half* scales = reinterpret_cast<c10::Half*>((kind == 0 ? k_scales_ : v_scales_)[li].data_ptr<at::Half>()) + slot * nkv_;
+      for (int64_t h = 0; h < nkv_; ++h) {
+        alignas(32) float x[512];
+        float amax = 0.f;
+        for (int64_t d = 0; d < D_; ++d) {
+          float e = kv[kind * kvs + h * D_ + d];
+          if (kind == 0 && off) e = rnd<T>(e - off[h * D_ + d]);
+          x[d] = e;
+          amax = std::max(amax, std::fabs(e));
+        }
+        float sc = amax / qmax;
+        if (sc < 1e-8f) sc = 1e-8f;
+        for (int64_t d = 0; d < D_; ++d) {
+          float y = x[d] / sc;
+          y = y < -qmax ? -qmax : (y > qmax ? qmax : y);
+          codes[h * D_ + d] = code_format_ == CODES_INT8 ? static_cast<uint8_t>(static_cast<int8_t>(std::nearbyint(y)))
+                                                         : c10::Float8_e4m3fn(y).x;
+        }
+        scales[h] = c10::Half(sc);
+      }
+    }
+  }
+
   // dst[i] = T(src[i]) for i < n, src holding T values.
   template <typename T>
   static void store_row(const float* src, int64_t n, T* dst) {
@@ -434,6 +510,12 @@ class FusedDecoder {
     proj_.resize(M * std::max(H_, 2 * I_));
     act_.resize(M * I_);
     std::vector<T> q(M * qs), att(M * qs);
+    if (quantized_) {  // one query token per request: query_start 0 .. M
+      qf_.resize(M * qs);
+      of_.resize(M * qs);
+      starts_.resize(M + 1);
+      for (int64_t r = 0; r <= M; ++r) starts_[r] = static_cast<int32_t>(r);
+    }
     for (int64_t i = 0; i < M * H_; ++i) res_[i] = static_cast<float>(x[i]);
     const int64_t slot_stride = kvs, bs = k_[0].size(1);
     // The per-row parts run over the rows in parallel (from 8 rows, or 16 for the norms) and in
@@ -441,22 +523,35 @@ class FusedDecoder {
     add_rms<T>(res_.data(), nullptr, layers_[first].ln_in.data_ptr<float>(), M, h_.data());
     for (int64_t li = first; li < last; ++li) {
       const Layer& l = layers_[li];
-      T* kc = k_[li].data_ptr<T>();
-      T* vc = v_[li].data_ptr<T>();
+      T* kc = quantized_ ? nullptr : k_[li].data_ptr<T>();
+      T* vc = quantized_ ? nullptr : v_[li].data_ptr<T>();
       // Attention block.
       matmul(h_.data(), M, l.qkv, qkv_.data());
       at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-        for (int64_t m = begin; m < end; ++m)
-          rotate_and_store<T>(qkv_.data() + m * nqkv, cos + m * R, sin + m * R, R, slots[m], q.data() + m * qs,
-                              slots[m] >= 0 ? kc + slots[m] * slot_stride : nullptr,
-                              slots[m] >= 0 ? vc + slots[m] * slot_stride : nullptr);
+        for (int64_t m = begin; m < end; ++m) {
+          const bool store = slots[m] >= 0 && !quantized_;
+          rotate_and_store<T>(qkv_.data() + m * nqkv, cos + m * R, sin + m * R, R, store ? slots[m] : -1,
+                              q.data() + m * qs, store ? kc + slots[m] * slot_stride : nullptr,
+                              store ? vc + slots[m] * slot_stride : nullptr);
+          if (quantized_ && slots[m] >= 0) store_codes<T>(li, qkv_.data() + m * nqkv + qs, slots[m]);
+        }
       });
       const int64_t group = nh_ / nkv_;
-      with_shape<T>(D_, group, [&](auto hd, auto g) {
-        decode_kernel<T, decltype(hd)::value, decltype(g)::value>(
-            q.data(), kc, vc, tables, ctx, att.data(), M, nh_, nkv_, D_, bs, width, static_cast<float>(scale_), qs, D_,
-            qs, D_);
-      });
+      if (quantized_) {  // paged_attention_quantized's pass: q in float32, the output rounded to T once
+        for (int64_t i = 0; i < M * qs; ++i) qf_[i] = static_cast<float>(q[i]);
+        quantized_attention(qf_.data(), k_[li].data_ptr<uint8_t>(), v_[li].data_ptr<uint8_t>(),
+                            reinterpret_cast<const c10::Half*>(k_scales_[li].data_ptr<at::Half>()),
+                            reinterpret_cast<const c10::Half*>(v_scales_[li].data_ptr<at::Half>()),
+                            lut_.data_ptr<float>(), code_format_, tables, width, starts_.data(), ctx, M, nh_, nkv_,
+                            D_, bs, static_cast<float>(scale_), of_.data());
+        for (int64_t i = 0; i < M * qs; ++i) att[i] = static_cast<T>(of_[i]);
+      } else {
+        with_shape<T>(D_, group, [&](auto hd, auto g) {
+          decode_kernel<T, decltype(hd)::value, decltype(g)::value>(
+              q.data(), kc, vc, tables, ctx, att.data(), M, nh_, nkv_, D_, bs, width, static_cast<float>(scale_), qs,
+              D_, qs, D_);
+        });
+      }
       matmul(att.data(), M, l.o, proj_.data());
       // MLP block.
       add_rms<T>(res_.data(), proj_.data(), l.ln_post.data_ptr<float>(), M, h_.data());
@@ -482,6 +577,13 @@ class FusedDecoder {
   std::vector<Layer> layers_;
   bool has_dense_ = false;  // a linear with a prepacked bfloat16 weight (bfloat16 models only)
   std::vector<torch::Tensor> k_, v_;
+  // a quantized cache (set_quantized_kv_caches): its scales, key offsets, code table and format
+  bool quantized_ = false;
+  std::vector<torch::Tensor> k_scales_, v_scales_, key_offsets_;
+  torch::Tensor lut_;
+  int64_t code_format_ = 0;
+  std::vector<float> qf_, of_;
+  std::vector<int32_t> starts_;
   std::mutex mutex_;
   // Scratch, reused across steps (one forward at a time: the engine's step loop).
   std::vector<int8_t> q_;
@@ -497,6 +599,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor>())
       .def("add_layer", &FusedDecoder::add_layer)
       .def("set_kv_caches", &FusedDecoder::set_kv_caches)
+      .def("set_quantized_kv_caches", &FusedDecoder::set_quantized_kv_caches)
       .def("num_layers", &FusedDecoder::num_layers)
       .def("forward", &FusedDecoder::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin"),
            pybind11::arg("slot_mapping"), pybind11::arg("block_tables"), pybind11::arg("context_lens"),

@@ -637,6 +637,12 @@ static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const fl
 // one token with context p + 1 over the request's dequantized K/V of one KV head (one
 // contiguous block, decode_item), so its result does not depend on the chunk it came in,
 // on the other requests of the step or on the block size.
+static void quantized_attention(const float* qp, const uint8_t* kc, const uint8_t* vc, const c10::Half* ks,
+                                const c10::Half* vs, const float* lp, int64_t code_format, const int64_t* tp,
+                                int64_t width, const int32_t* sp, const int32_t* cp, int64_t num_reqs,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, float scale,
+                                float* op);
+
 torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, torch::Tensor v_codes,
                                         torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor lut,
                                         torch::Tensor block_tables, torch::Tensor query_start,
@@ -676,6 +682,21 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
                   "] = ", tp[r * width + b], " is not a block of the cache (", num_blocks, " blocks)");
   }
   auto out = torch::empty_like(q);
+  quantized_attention(q.data_ptr<float>(), k_codes.data_ptr<uint8_t>(), v_codes.data_ptr<uint8_t>(),
+                      reinterpret_cast<const c10::Half*>(k_scale.data_ptr<at::Half>()),
+                      reinterpret_cast<const c10::Half*>(v_scale.data_ptr<at::Half>()), lut.data_ptr<float>(),
+                      code_format, tp, width, sp, cp, num_reqs, num_heads, num_kv_heads, D, block_size,
+                      static_cast<float>(scale), out.data_ptr<float>());
+  return out;
+}
+
+// paged_attention_quantized's work over raw pointers, its arguments checked (the fused decode
+// step calls it too): q float32 [T, num_heads, D] -> out float32 [T, num_heads, D].
+static void quantized_attention(const float* qp, const uint8_t* kc, const uint8_t* vc, const c10::Half* ks,
+                                const c10::Half* vs, const float* lp, int64_t code_format, const int64_t* tp,
+                                int64_t width, const int32_t* sp, const int32_t* cp, int64_t num_reqs,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t D, int64_t block_size, float scale,
+                                float* op) {
   const int64_t group = num_heads / num_kv_heads;
   constexpr int64_t QB = 16;  // query tokens per work item (they share one dequantization)
   // Work items: (request, KV head, block of QB query tokens).
@@ -683,13 +704,6 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
   for (int64_t r = 0; r < num_reqs; ++r)
     for (int64_t i = 0; i < sp[r + 1] - sp[r]; i += QB) blocks.emplace_back(r, i);
   const int64_t num_items = static_cast<int64_t>(blocks.size()) * num_kv_heads;
-  const uint8_t* kc = k_codes.data_ptr<uint8_t>();
-  const uint8_t* vc = v_codes.data_ptr<uint8_t>();
-  const c10::Half* ks = reinterpret_cast<const c10::Half*>(k_scale.data_ptr<at::Half>());
-  const c10::Half* vs = reinterpret_cast<const c10::Half*>(v_scale.data_ptr<at::Half>());
-  const float* lp = lut.data_ptr<float>();
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   with_shape<float>(D, group, [&](auto hd, auto g) {
     constexpr int HD = decltype(hd)::value, G = decltype(g)::value;
     at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
@@ -709,12 +723,11 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
           const int64_t t = sp[r] + i;
           decode_item<float, HD, G>(qp + (t * num_heads + h * group) * D, kbuf.data(), vbuf.data(), &zero,
                                     first + i + 1, op + (t * num_heads + h * group) * D, D, group, n, D, 0, 1,
-                                    static_cast<float>(scale), D, D, qf, scores, row, acc, inv_sum);
+                                    scale, D, D, qf, scores, row, acc, inv_sum);
         }
       }
     });
   });
-  return out;
 }
 
 // ---------------------------------------------------------------------------------------------
