@@ -209,7 +209,6 @@ class FusedDecodeStep:
             x = self.decoder.forward(x, *args, i, i + 1)
         return x
 
-
     def _set_caches(self, kv_caches: list) -> bool:
         """Hand the C++ decoder the model's caches: float ones of the model dtype, or int8 /
         fp8 ones with their scales (the keys' offsets per layer, ``LlamaAttention._key_offset``).
