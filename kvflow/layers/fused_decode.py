@@ -32,7 +32,10 @@ PyTorch path stays the reference and serves every other case):
   ``"fp8"``): the new K/V are then quantized in C++ as ``kv_cache.quantize_kv`` does (the
   keys less ``LlamaAttention._key_offset`` first) and attended by ``paged_attention_quantized``'s
   pass. (A dense model with a quantized cache has batch-invariant linears, which the fused
-  step does not take: the PyTorch path.) SmolLM2-135M GGUF, 32 streams x 384-token prompts
+  step does not take: the PyTorch path.) A decode token's K/V then follow the prefill path's
+  up to the norms' float32 summation order (the tests' tiny GGUF models store identical codes
+  and scales both ways, in float32 and bfloat16); ``KVFLOW_CPU_FUSED_DECODE=0`` keeps the
+  quantized cache's bit-for-bit batch invariance where that order matters. SmolLM2-135M GGUF, 32 streams x 384-token prompts
   (``python -m benchmarks.kv_decode``): int8 56.5 -> 40.0 ms a step, fp8 60.3 -> 43.9, against
   36.3 for the bfloat16 cache.
 
