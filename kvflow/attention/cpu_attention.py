@@ -180,6 +180,16 @@ _CODE_FORMATS = {torch.int8: 1, torch.float8_e4m3fn: 2}
 values exactly); any other dtype reads the table (0)."""
 
 
+def code_table(dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """How the C++ kernels read a quantized cache of ``dtype``: the code table (float32 [256],
+    each byte's value as a code of ``dtype``; made once per dtype) and the kernel's
+    ``code_format`` (1 int8, 2 float8_e4m3fn: converted in vectors; 0: read through the table)."""
+    lut = _CODE_TABLES.get(dtype)
+    if lut is None:
+        lut = _CODE_TABLES[dtype] = _code_table(dtype)
+    return lut, _CODE_FORMATS.get(dtype, 0)
+
+
 def paged_attention_quantized(
     q: torch.Tensor,
     kv_cache: tuple,
@@ -211,11 +221,9 @@ def paged_attention_quantized(
         RuntimeError: if the kernel is not available or the inputs break the layout above.
     """
     k, v, k_scale, v_scale = kv_cache
-    lut = _CODE_TABLES.get(k.dtype)
-    if lut is None:
-        lut = _CODE_TABLES[k.dtype] = _code_table(k.dtype)
+    lut, code_format = code_table(k.dtype)
     out = _EXTENSION.require().paged_attention_quantized(
         q.float().contiguous(), k.view(torch.uint8), v.view(torch.uint8), k_scale, v_scale, lut,
-        block_tables, query_start_loc, context_lens, scale, _CODE_FORMATS.get(k.dtype, 0),
+        block_tables, query_start_loc, context_lens, scale, code_format,
     )
     return out.to(q.dtype)

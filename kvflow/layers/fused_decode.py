@@ -216,22 +216,24 @@ class FusedDecodeStep:
         """Hand the C++ decoder the model's caches: float ones of the model dtype, or int8 /
         fp8 ones with their scales (the keys' offsets per layer, ``LlamaAttention._key_offset``).
         False for any other cache."""
-        from kvflow.attention.cpu_attention import _CODE_FORMATS, _code_table
+        from kvflow.attention.cpu_attention import code_table
 
         if all(len(c) == 2 and c[0].dtype == self.dtype for c in kv_caches):
             self.decoder.set_kv_caches([c[0] for c in kv_caches], [c[1] for c in kv_caches])
             return True
         dtypes = {c[0].dtype for c in kv_caches}
-        if len(dtypes) != 1 or any(len(c) != 4 for c in kv_caches) or next(iter(dtypes)) not in _CODE_FORMATS:
+        if len(dtypes) != 1 or any(len(c) != 4 for c in kv_caches):
             return False
-        dtype = next(iter(dtypes))
+        lut, code_format = code_table(dtypes.pop())
+        if code_format == 0:  # (codes the fused step does not convert)
+            return False
         offsets = []
         for layer, c in zip(self.model.layers, kv_caches):
             offset = layer.self_attn._key_offset(c)
             offsets.append(torch.empty(0) if offset is None else offset.detach().float().contiguous().view(-1))
         self.decoder.set_quantized_kv_caches(
             [c[0].view(torch.uint8) for c in kv_caches], [c[1].view(torch.uint8) for c in kv_caches],
-            [c[2] for c in kv_caches], [c[3] for c in kv_caches], _code_table(dtype), _CODE_FORMATS[dtype], offsets)
+            [c[2] for c in kv_caches], [c[3] for c in kv_caches], lut, code_format, offsets)
         return True
 
 
