@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvflow import utils
-from kvflow.utils import human_bytes, parse_bytes, release_free_heap
+from kvflow.utils import freeze_gc_heap, human_bytes, parse_bytes, release_free_heap, unfreeze_gc_heap
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -80,3 +80,39 @@ def test_release_free_heap_returns_freed_memory_inside_the_heap():
 def test_release_free_heap_without_glibc_is_a_no_op(monkeypatch):
     monkeypatch.setattr(utils, "_glibc_malloc_trim", lambda: None)
     assert release_free_heap() is False
+
+
+class _Cycle:
+    """An object in a reference cycle: only the cyclic garbage collector can free it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_freeze_gc_heap_collects_first_freezes_the_rest_and_unfreeze_gives_it_back():
+    import gc
+    import weakref
+
+    try:
+        dropped, kept = _Cycle(), _Cycle()
+        dropped_ref, kept_ref = weakref.ref(dropped), weakref.ref(kept)
+        del dropped  # garbage before the freeze: collected by it, not frozen
+        assert freeze_gc_heap() == gc.get_freeze_count() > 0
+        assert dropped_ref() is None
+        del kept  # frozen, then dropped: no collection sees it until unfrozen
+        gc.collect()
+        assert kept_ref() is not None
+        unfreeze_gc_heap()
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert kept_ref() is None
+        # A second freeze undoes the first: what the first froze and was dropped since is
+        # reclaimed by the second's collection.
+        again = _Cycle()
+        again_ref = weakref.ref(again)
+        freeze_gc_heap()
+        del again
+        freeze_gc_heap()
+        assert again_ref() is None
+    finally:
+        gc.unfreeze()
