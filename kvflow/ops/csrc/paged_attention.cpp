@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <utility>
 
+#include <atomic>
 #include <cstring>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -266,6 +267,72 @@ static inline void values_head(const T* v_cache, const int64_t* table, int64_t b
       for (int j = 0; j < DC / 8; ++j) _mm256_storeu_ps(acc + g * HD + dc + 8 * j, a[g][j]);
   }
 }
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// values_head over contiguous rows (v_t at v + t * HD) for NQ query tokens at once, token q
+// with its own context ctx[q] (ascending) and weights p + q * p_stride_q (G rows p_stride_g
+// apart): acc[q * acc_stride_q + g * HD + d] = sum_{t < ctx[q]} p_q[g, t] v_t[d]. Every lane's
+// chain is values_head's (acc = fma(p, v, acc) for t = 0, 1, ... in order, from zero): how the
+// head dim is chunked and how many tokens share a loaded row change no sum, so each token's
+// result equals values_head's for it alone, bit for bit. A row loaded once feeds NQ x G.
+#if defined(__AVX512F__)
+using VecPS = __m512;
+constexpr int VEC_LANES = 16, VEC_ACCS = 24;  // of 32 registers: accumulators, the rest rows + a broadcast
+static inline VecPS vzero() { return _mm512_setzero_ps(); }
+static inline VecPS vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline VecPS vset1(float x) { return _mm512_set1_ps(x); }
+static inline VecPS vfma(VecPS a, VecPS b, VecPS c) { return _mm512_fmadd_ps(a, b, c); }
+static inline void vstore(float* p, VecPS v) { _mm512_storeu_ps(p, v); }
+#else
+using VecPS = __m256;
+constexpr int VEC_LANES = 8, VEC_ACCS = 12;  // of 16 registers
+static inline VecPS vzero() { return _mm256_setzero_ps(); }
+static inline VecPS vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline VecPS vset1(float x) { return _mm256_set1_ps(x); }
+static inline VecPS vfma(VecPS a, VecPS b, VecPS c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void vstore(float* p, VecPS v) { _mm256_storeu_ps(p, v); }
+#endif
+
+// The widest head-dim chunk (64, 32, 16, then 8) that HD splits into and whose NQ x G x
+// chunk accumulators fit VEC_ACCS registers; 0 if none.
+template <int HD, int G, int NQ>
+constexpr int multi_chunk() {
+  for (int dc = 64; dc >= VEC_LANES; dc /= 2)
+    if (HD % dc == 0 && NQ * G * (dc / VEC_LANES) <= VEC_ACCS) return dc;
+  return 0;
+}
+
+template <int HD, int G, int NQ>
+static inline void values_multi(const float* v, const float* p, int64_t p_stride_q, int64_t p_stride_g,
+                                const int64_t* ctx, float* acc, int64_t acc_stride_q) {
+  constexpr int DC = multi_chunk<HD, G, NQ>();
+  static_assert(DC > 0, "values_multi: no chunk of the head dim fits the registers");
+  constexpr int NV = DC / VEC_LANES;
+  for (int dc = 0; dc < HD; dc += DC) {
+    VecPS a[NQ][G][NV];
+    for (int q = 0; q < NQ; ++q)
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < NV; ++j) a[q][g][j] = vzero();
+    auto step = [&](int64_t t, int q_first) {
+      VecPS x[NV];
+      for (int j = 0; j < NV; ++j) x[j] = vload(v + t * HD + dc + VEC_LANES * j);
+      for (int q = q_first; q < NQ; ++q)
+        for (int g = 0; g < G; ++g) {
+          const VecPS pg = vset1(p[q * p_stride_q + g * p_stride_g + t]);
+          for (int j = 0; j < NV; ++j) a[q][g][j] = vfma(pg, x[j], a[q][g][j]);
+        }
+    };
+    int64_t t = 0;
+    for (; t < ctx[0]; ++t) step(t, 0);  // every token sees these rows
+    for (int q = 1; q < NQ; ++q)          // the later tokens' further rows
+      for (; t < ctx[q]; ++t) step(t, q);
+    for (int q = 0; q < NQ; ++q)
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < NV; ++j) vstore(acc + q * acc_stride_q + g * HD + dc + VEC_LANES * j, a[q][g][j]);
+  }
+}
+#define KVFLOW_HAS_VALUES_MULTI 1
 #endif
 
 // A row of head_dim values as float32 (vectorizable: bfloat16 is the top half of a float32).
@@ -690,6 +757,91 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
   return out;
 }
 
+#if defined(KVFLOW_HAS_SCORES16) && defined(KVFLOW_HAS_VALUES_MULTI)
+// Query tokens i0 .. i1 - 1 of one request and KV head, token i at position first + i, over
+// the head's dequantized K/V rows (kbuf / vbuf, contiguous [n, HD], n = first + i1): each token
+// computed with exactly decode_item<float, HD, G>'s operations for a one-token decode of
+// context first + i + 1 over those rows (its scores16 calls on the same 16-key tiles, its
+// softmax, its value chains: values_multi), so the results equal per-token decode_item's bit
+// for bit. Only the order of independent work changes: the scores run tile by tile across the
+// tokens (a 16-key tile read from L1 by all of them instead of the whole of K from L2 by each)
+// and the values NQ tokens at a time (a value row loaded once for NQ x group query heads).
+// HD a multiple of 16 compiled in; G compiled in, or 0: the group read at run time and taken
+// in compiled chunks of 4, 2 and 1 query heads (decode_item's by_group).
+template <int HD, int G>
+static void quantized_item(const float* qp, const float* kbuf, const float* vbuf, int64_t first, int64_t i0,
+                           int64_t i1, int64_t t0, int64_t num_heads, int64_t h, int64_t group, float scale,
+                           float* op, std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc,
+                           std::vector<float>& inv_sum) {
+  static_assert(HD > 0 && HD % 16 == 0, "quantized_item: a compiled head dim, a multiple of 16");
+  const int64_t g_n = G > 0 ? G : group;
+  const int64_t nt = i1 - i0, n = first + i1;  // tokens; keys of the last one
+  const int64_t rows = nt * g_n;                // (token, query head) pairs, token-major
+  qf.resize(rows * HD);
+  scores.resize(rows * n);
+  acc.resize(rows * HD);
+  inv_sum.resize(rows);
+  auto q_of = [&](int64_t i, int64_t g) { return qp + ((t0 + i) * num_heads + h * group + g) * HD; };
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t g = 0; g < g_n; ++g) {
+      const float* q = q_of(i, g);
+      float* f = qf.data() + (i * g_n + g) * HD;
+      for (int64_t d = 0; d < HD; ++d) f[d] = q[d] * scale;
+    }
+  // Pass 1: scores[(i, g), t] = q . k_t, tile by tile (token i sees keys t < first + i0 + i + 1).
+  for (int64_t o = 0; o < n; o += 16) {
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t ctx = first + i0 + i + 1;
+      if (o >= ctx) continue;
+      const int64_t m = std::min<int64_t>(16, ctx - o);
+      for (int64_t g = 0; g < g_n; ++g) {
+        const int64_t r = i * g_n + g;
+        scores16<float, HD>(q_of(i, g), qf.data() + r * HD, kbuf + o * HD, HD, m, scale, scores.data() + r * n + o);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t g = 0; g < g_n; ++g) {
+      const int64_t r = i * g_n + g;
+      inv_sum[r] = 1.f / exp_shifted(scores.data() + r * n, first + i0 + i + 1);
+    }
+  // Pass 2: the values, NQ tokens at a time, then the rest one at a time.
+  auto values = [&](auto gc, int64_t g0) {
+    constexpr int GC = decltype(gc)::value;
+    constexpr int NQ = multi_chunk<HD, GC, 4>() > 0 && GC == 1 ? 4 : multi_chunk<HD, GC, 2>() > 0 ? 2 : 1;
+    static_assert(multi_chunk<HD, GC, 1>() > 0, "quantized_item: a query head's value chunk must fit");
+    int64_t i = 0;
+    for (; i + NQ <= nt; i += NQ) {
+      int64_t ctx[NQ];
+      for (int q = 0; q < NQ; ++q) ctx[q] = first + i0 + i + q + 1;
+      values_multi<HD, GC, NQ>(vbuf, scores.data() + (i * g_n + g0) * n, g_n * n, n, ctx,
+                               acc.data() + (i * g_n + g0) * HD, g_n * HD);
+    }
+    for (; i < nt; ++i) {
+      const int64_t ctx = first + i0 + i + 1;
+      values_multi<HD, GC, 1>(vbuf, scores.data() + (i * g_n + g0) * n, g_n * n, n, &ctx,
+                              acc.data() + (i * g_n + g0) * HD, g_n * HD);
+    }
+  };
+  if constexpr (G > 0) {
+    values(std::integral_constant<int, G>(), int64_t{0});
+  } else {
+    for (int64_t g0 = 0; g0 < g_n;) {
+      const int64_t rem = g_n - g0;
+      if (rem >= 4) { values(std::integral_constant<int, 4>(), g0); g0 += 4; }
+      else if (rem >= 2) { values(std::integral_constant<int, 2>(), g0); g0 += 2; }
+      else { values(std::integral_constant<int, 1>(), g0); g0 += 1; }
+    }
+  }
+  for (int64_t i = 0; i < nt; ++i)
+    for (int64_t g = 0; g < g_n; ++g) {
+      const int64_t r = i * g_n + g;
+      float* o = op + ((t0 + i) * num_heads + h * group + g) * HD;
+      for (int64_t d = 0; d < HD; ++d) o[d] = acc[r * HD + d] * inv_sum[r];
+    }
+}
+#endif
+
 // paged_attention_quantized's work over raw pointers, its arguments checked (the fused decode
 // step calls it too): q float32 [T, num_heads, D] -> out float32 [T, num_heads, D].
 static void quantized_attention(const float* qp, const uint8_t* kc, const uint8_t* vc, const c10::Half* ks,
@@ -699,18 +851,27 @@ static void quantized_attention(const float* qp, const uint8_t* kc, const uint8_
                                 float* op) {
   const int64_t group = num_heads / num_kv_heads;
   constexpr int64_t QB = 16;  // query tokens per work item (they share one dequantization)
-  // Work items: (request, KV head, block of QB query tokens).
-  std::vector<std::pair<int64_t, int64_t>> blocks;  // (request, first query token)
-  for (int64_t r = 0; r < num_reqs; ++r)
-    for (int64_t i = 0; i < sp[r + 1] - sp[r]; i += QB) blocks.emplace_back(r, i);
-  const int64_t num_items = static_cast<int64_t>(blocks.size()) * num_kv_heads;
+  // Work items: (request, KV head, block of QB query tokens), longest first (a causal chunk's
+  // last block sees its whole context, its first only the cached prefix), handed out one at a
+  // time: split into contiguous ranges, one thread got a long prompt's expensive end.
+  struct QItem { int64_t r, i0, h, cost; };
+  std::vector<QItem> items;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t q_len = sp[r + 1] - sp[r];
+    for (int64_t i = 0; i < q_len; i += QB) {
+      const int64_t tokens = std::min(QB, q_len - i), keys = cp[r] - q_len + i + tokens;
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({r, i, h, tokens * keys});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const QItem& a, const QItem& b) { return a.cost > b.cost; });
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
   with_shape<float>(D, group, [&](auto hd, auto g) {
     constexpr int HD = decltype(hd)::value, G = decltype(g)::value;
-    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
       std::vector<float> kbuf, vbuf, qf, scores, row, acc, inv_sum;
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t h = item % num_kv_heads;
-        const auto [r, i0] = blocks[item / num_kv_heads];
+      for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
+        const int64_t h = items[item].h, r = items[item].r, i0 = items[item].i0;
         const int64_t q_len = sp[r + 1] - sp[r], i1 = std::min(q_len, i0 + QB);
         const int64_t first = cp[r] - q_len;  // position of query token 0
         const int64_t n = first + i1;         // keys the item's last token sees
@@ -718,6 +879,15 @@ static void quantized_attention(const float* qp, const uint8_t* kc, const uint8_
         vbuf.resize(n * D);
         dequant_rows(kc, ks, lp, code_format, tp + r * width, block_size, num_kv_heads, D, h, n, kbuf.data());
         dequant_rows(vc, vs, lp, code_format, tp + r * width, block_size, num_kv_heads, D, h, n, vbuf.data());
+#if defined(KVFLOW_HAS_SCORES16) && defined(KVFLOW_HAS_VALUES_MULTI)
+        if constexpr (HD > 0 && HD % 16 == 0) {
+          if (i1 - i0 > 1) {  // a prefill chunk's tokens together, each as its own decode
+            quantized_item<HD, G>(qp, kbuf.data(), vbuf.data(), first, i0, i1, sp[r] + i0, num_heads, h, group,
+                                  scale, op, qf, scores, acc, inv_sum);
+            continue;
+          }
+        }
+#endif
         const int64_t zero = 0;
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t t = sp[r] + i;
