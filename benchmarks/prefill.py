@@ -25,8 +25,10 @@ What it measures (every comparison in the same process, the two paths alternatin
   Gemma 3 270M (4 / 1, bfloat16 and float32), any other as 8 / 2 in float32 and bfloat16;
   milliseconds per call (median), at ``--decode-threads`` torch threads.
 * ``--prefill-baseline REV``: the prefill kernel (``paged_prefill_attention``) against the same
-  kernel built from ``REV`` (as ``--decode-baseline``), both shapes, bfloat16 and float32, at
-  each of ``--lengths``: ~4,096 query tokens a call (whole prompts of that length); then
+  kernel built from ``REV`` (as ``--decode-baseline``), both shapes, bfloat16 and float32 (and
+  ``paged_attention_quantized`` over int8 and fp8 caches: the quantized cache's prefill), at
+  each of ``--lengths``: ~4,096 query tokens a call (``--prefill-call-tokens``; whole prompts of
+  that length: ``--prefill-call-tokens 512 --lengths 512`` is one prompt); then
   SmolLM2's end-to-end prefill of 4,096 prompt tokens a batch (for each length up to 512 and
   each of ``--configs``) with the two builds swapped in between batches of one process.
 * ``--gemm``: ``torch.mm`` at the prefill shapes of SmolLM2's linears (M = prompt tokens), float32
@@ -235,33 +237,48 @@ def run_decode(head_dims: list[int], seqs: int, repeats: int, baseline: str | No
 
 # --- prefill attention, against a baseline build of the kernel -------------------------------
 
-def run_prefill_kernel(lengths: list[int], repeats: int, baseline: str, block_size: int = 16) -> list[dict[str, Any]]:
-    """``paged_prefill_attention`` of this checkout against ``baseline``'s build, alternating: for
-    each shape, dtype and prompt length, ~4,096 query tokens a call (4,096 // length prompts of
-    that length, each its whole context, blocks scattered over the cache)."""
+def run_prefill_kernel(lengths: list[int], repeats: int, baseline: str, block_size: int = 16,
+                       call_tokens: int = 4096) -> list[dict[str, Any]]:
+    """``paged_prefill_attention`` (float caches) and ``paged_attention_quantized`` (int8 / fp8)
+    of this checkout against ``baseline``'s build, alternating: for each shape, cache dtype and
+    prompt length, ~``call_tokens`` query tokens a call (call_tokens // length prompts of that
+    length, at least one, each its whole context, blocks scattered over the cache)."""
     from kvflow.ops import PAGED_ATTENTION
+
+    from kvflow.attention.cpu_attention import code_table
+    from kvflow.attention.kv_cache import quantize_kv
 
     kernels = {"new": PAGED_ATTENTION.require(), "baseline": baseline_attention_kernel(baseline)}
     rows = []
     for shape, (nh, nkv, hd) in SHAPES.items():
-        for dtype in (torch.bfloat16, torch.float32):
+        for dtype in (torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn):
             for n in lengths:
                 gen = torch.Generator().manual_seed(0)
-                reqs = max(1, 4096 // n)
+                reqs = max(1, call_tokens // n)
                 per = -(-n // block_size)
                 total = reqs * per + 8
-                k = torch.randn(total, block_size, nkv, hd, generator=gen).to(dtype)
-                v = torch.randn(total, block_size, nkv, hd, generator=gen).to(dtype)
                 tables = torch.randperm(total, generator=gen)[: reqs * per].view(reqs, per)
-                q = torch.randn(reqs * n, nh, hd, generator=gen).to(dtype)
                 starts = torch.arange(0, reqs * n + 1, n, dtype=torch.int32)
                 lens = torch.full((reqs,), n, dtype=torch.int32)
-                args = (q, k, v, tables, starts, lens, hd ** -0.5, 0, torch.empty_like(q))
-                times = alternate({name: (lambda mod=mod: mod.paged_prefill_attention(*args))
+                k = torch.randn(total, block_size, nkv, hd, generator=gen)
+                v = torch.randn(total, block_size, nkv, hd, generator=gen)
+                if dtype.is_floating_point and dtype.itemsize >= 2:  # a float cache: the tiled kernel
+                    q = torch.randn(reqs * n, nh, hd, generator=gen).to(dtype)
+                    args = (q, k.to(dtype), v.to(dtype), tables, starts, lens, hd ** -0.5, 0, torch.empty_like(q))
+                    op = "paged_prefill_attention"
+                else:  # an int8 / fp8 cache: every token as its own decode (paged_attention_quantized)
+                    q = torch.randn(reqs * n, nh, hd, generator=gen)
+                    (kq, ks), (vq, vs) = (quantize_kv(x.view(-1, nkv, hd), dtype) for x in (k, v))
+                    lut, code_format = code_table(dtype)
+                    args = (q, kq.view(torch.uint8).view(k.shape), vq.view(torch.uint8).view(v.shape),
+                            ks.view(k.shape[:3]), vs.view(k.shape[:3]), lut, tables, starts, lens, hd ** -0.5,
+                            code_format)
+                    op = "paged_attention_quantized"
+                times = alternate({name: (lambda mod=mod: getattr(mod, op)(*args))
                                    for name, mod in kernels.items()}, repeats)
                 new_ms, base_ms = statistics.median(times["new"]), statistics.median(times["baseline"])
-                diff = (kernels["new"].paged_prefill_attention(*args).float()
-                        - kernels["baseline"].paged_prefill_attention(*args).float()).abs().max().item()
+                diff = (getattr(kernels["new"], op)(*args).float()
+                        - getattr(kernels["baseline"], op)(*args).float()).abs().max().item()
                 rows.append({"shape": shape, "dtype": str(dtype).removeprefix("torch."), "tokens": n, "prompts": reqs,
                              "new_ms": new_ms, "baseline_ms": base_ms, "speedup": base_ms / new_ms,
                              "max_abs_diff": diff})
@@ -491,6 +508,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="git revision whose paged_attention.cpp the decode timing compares against")
     parser.add_argument("--prefill-baseline", default=None,
                         help="a git revision: time the prefill kernel (paged_prefill_attention) against its build")
+    parser.add_argument("--prefill-call-tokens", type=int, default=4096,
+                        help="query tokens per --prefill-baseline kernel call (prompts = this // length, at least 1)")
+    parser.add_argument("--skip-prefill-e2e", action="store_true",
+                        help="with --prefill-baseline: only the kernels, not SmolLM2's end-to-end prefill")
     parser.add_argument("--decode-seqs", type=int, default=256, help="sequences per decode call")
     parser.add_argument("--decode-threads", type=int, default=1, help="torch threads for the decode timing")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefill.json"))
@@ -532,19 +553,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              r.get("baseline_ms", "-"), r.get("speedup", "-"),
                              f"{r['max_abs_diff']:.1e}" if "max_abs_diff" in r else "-"] for r in rows]) + "\n")
     if args.prefill_baseline:
-        rows = result["prefill_kernel"] = run_prefill_kernel(args.lengths, args.repeats, args.prefill_baseline)
-        print(f"The prefill kernel, ~4,096 query tokens a call (ms per call; median); baseline: {args.prefill_baseline}")
+        rows = result["prefill_kernel"] = run_prefill_kernel(args.lengths, args.repeats, args.prefill_baseline,
+                                                             call_tokens=args.prefill_call_tokens)
+        print(f"The prefill kernels, ~{args.prefill_call_tokens} query tokens a call (ms per call; median); "
+              f"baseline: {args.prefill_baseline}")
         print(format_table(["shape", "dtype", "tokens x prompts", "new", "baseline", "speedup", "max |diff|"],
                            [[r["shape"], r["dtype"], f"{r['tokens']} x {r['prompts']}", r["new_ms"], r["baseline_ms"],
                              r["speedup"], f"{r['max_abs_diff']:.1e}"] for r in rows]) + "\n")
-        rows = result["prefill_e2e"] = [
+        rows = result["prefill_e2e"] = [] if args.skip_prefill_e2e else [
             row for n in args.lengths if n <= 512
             for row in run_prefill_e2e(args.configs, 4096 // n, n, 2 * args.repeats, args.prefill_baseline)]
-        print(f"SmolLM2-135M end-to-end prefill, {4096} prompt tokens a batch, kernels swapped between batches "
-              f"(prompt tok/s; median); baseline: {args.prefill_baseline}")
-        print(format_table(["config", "prompts x tokens", "new", "baseline", "speedup"],
-                           [[r["config"], f"{r['prompts']} x {r['tokens']}", r["new_tok_s"], r["baseline_tok_s"],
-                             r["speedup"]] for r in rows]) + "\n")
+        if rows:
+            print(f"SmolLM2-135M end-to-end prefill, {4096} prompt tokens a batch, kernels swapped between batches "
+                  f"(prompt tok/s; median); baseline: {args.prefill_baseline}")
+            print(format_table(["config", "prompts x tokens", "new", "baseline", "speedup"],
+                               [[r["config"], f"{r['prompts']} x {r['tokens']}", r["new_tok_s"], r["baseline_tok_s"],
+                                 r["speedup"]] for r in rows]) + "\n")
     if args.gemm:
         rows = result["gemm"] = run_gemm(args.lengths)
         print("torch.mm at SmolLM2's prefill shapes (GFLOP/s; peak = a 2048^3 product of the same dtype)")
