@@ -633,26 +633,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // The codes of a quantized cache (paged_attention_quantized's `code_format`).
 enum CodeFormat : int64_t { CODES_LUT = 0, CODES_INT8 = 1, CODES_FP8_E4M3 = 2 };
 
-// Rows t < n of one KV head, dequantized: dst[t * D + d] = lut[code] * scale (float32), the
-// rows read through the block table (slot table[t / bs] * bs + t % bs). int8 and fp8 (e4m3fn)
-// codes convert in vectors where the CPU has them (16 or 8 a step), to the same floats as
-// the table: an int8 code converts exactly; an e4m3fn code's sign, exponent and mantissa bits,
-// moved into a float16's places (bits 7-14), make exactly its value times 2^-8 (e4m3's
-// exponent bias is 7, float16's 15; subnormals map to subnormals), and the scale times 2^8
-// is exact too, so the one rounding of value * scale is the table's. (The NaN codes 0x7f /
-// 0xff would read as +-480 instead; quantize_kv never writes them: its codes stay within
-// +-448.) Other formats, or head dims off the vector width: the table.
-static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const float* lut, int64_t format,
-                         const int64_t* table, int64_t block_size, int64_t num_kv_heads, int64_t D, int64_t h,
-                         int64_t n, float* dst) {
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    if (t % block_size == 0 && t + block_size < n)  // the next block's rows of the head, into L2
-      prefetch_rows(codes + (table[t / block_size + 1] * block_size * num_kv_heads + h) * D, block_size,
-                    num_kv_heads * D, D);
-    const float s = static_cast<float>(scales[slot * num_kv_heads + h]);
-    const uint8_t* c = codes + (slot * num_kv_heads + h) * D;
-    float* o = dst + t * D;
+// One row of D codes: o[d] = lut[code] * s (float32), in vectors where the CPU has them.
+static inline void dequant_row(const uint8_t* c, float s, const float* lut, int64_t format, int64_t D, float* o) {
+  {
 #if defined(__AVX512F__)
     if (D % 16 == 0 && format == CODES_INT8) {
       const __m512 sv = _mm512_set1_ps(s);
@@ -660,7 +643,7 @@ static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const fl
         const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + d));
         _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)), sv));
       }
-      continue;
+      return;
     }
     if (D % 16 == 0 && format == CODES_FP8_E4M3) {
       const __m512 sv = _mm512_set1_ps(s * 256.f);
@@ -671,7 +654,7 @@ static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const fl
                                             _mm256_slli_epi16(_mm256_and_si256(x, mag), 7));
         _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_cvtph_ps(h16), sv));
       }
-      continue;
+      return;
     }
 #elif defined(__AVX2__) && defined(__F16C__)
     if (D % 8 == 0 && format == CODES_INT8) {
@@ -680,7 +663,7 @@ static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const fl
         const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + d));
         _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), sv));
       }
-      continue;
+      return;
     }
     if (D % 8 == 0 && format == CODES_FP8_E4M3) {
       const __m256 sv = _mm256_set1_ps(s * 256.f);
@@ -690,11 +673,36 @@ static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const fl
         const __m128i h16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, sign), 8), _mm_slli_epi16(_mm_and_si128(x, mag), 7));
         _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_cvtph_ps(h16), sv));
       }
-      continue;
+      return;
     }
 #endif
     (void)format;
     for (int64_t d = 0; d < D; ++d) o[d] = lut[c[d]] * s;
+  }
+}
+
+// Rows t < n of one KV head, dequantized: dst[t * D + d] = lut[code] * scale (float32), the
+// rows read through the block table (slot table[t / bs] * bs + t % bs). int8 and fp8 (e4m3fn)
+// codes convert in vectors where the CPU has them (16 or 8 a step), to the same floats as
+// the table: an int8 code converts exactly; an e4m3fn code's sign, exponent and mantissa bits,
+// moved into a float16's places (bits 7-14), make exactly its value times 2^-8 (e4m3's
+// exponent bias is 7, float16's 15; subnormals map to subnormals), and the scale times 2^8
+// is exact too, so the one rounding of value * scale is the table's. (The NaN codes 0x7f /
+// 0xff would read as +-480 instead; quantize_kv never writes them: its codes stay within
+// +-448.) Other formats, or head dims off the vector width: the table.
+// Block by block (no division per row: an int64 div and mod per 64-code row had cost as much
+// as converting its codes).
+static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const float* lut, int64_t format,
+                         const int64_t* table, int64_t block_size, int64_t num_kv_heads, int64_t D, int64_t h,
+                         int64_t n, float* dst) {
+  for (int64_t b = 0, t0 = 0; t0 < n; ++b, t0 += block_size) {
+    if (t0 + block_size < n)  // the next block's rows of the head, into L2
+      prefetch_rows(codes + (table[b + 1] * block_size * num_kv_heads + h) * D, block_size, num_kv_heads * D, D);
+    const int64_t first_slot = table[b] * block_size, rows = std::min(block_size, n - t0);
+    for (int64_t o_ = 0; o_ < rows; ++o_)
+      dequant_row(codes + ((first_slot + o_) * num_kv_heads + h) * D,
+                  static_cast<float>(scales[(first_slot + o_) * num_kv_heads + h]), lut, format, D,
+                  dst + (t0 + o_) * D);
   }
 }
 
