@@ -18,9 +18,10 @@ of ``--profile-steps`` steps splits the host work by function (ms per step, cumu
 for the functions named in ``PROFILE_FUNCTIONS`` and the top functions by own time.
 
 Each size of each checkout runs in a fresh process (``--child``), so that no size inherits
-the heap an earlier one left behind. The engines of this checkout freeze the heap once built
-(``KVFLOW_GC_FREEZE``, on by default), so the garbage collector's full collections no longer
-scan the startup objects; an older checkout's engine pays for them as it did.
+the heap an earlier one left behind. The garbage collector is left as the offline ``LLM``
+leaves it (only ``kvflow serve`` freezes its startup heap, ``KVFLOW_GC_FREEZE``), so a full
+collection (~160 ms of this model's process) lands in one size's timed window or another:
+``--steps`` larger than the default spreads it as a long run does.
 
 With ``--baseline-repo PATH`` (a checkout of an older commit, e.g. ``git worktree add
 ../kvflow-base 8311660``) the same measurement runs first in a subprocess with

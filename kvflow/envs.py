@@ -34,9 +34,9 @@ Switches and when they are read:
 - ``KVFLOW_HUGE_PAGES`` (bool; default on): ``0`` keeps the packed GGUF weights and the
   CPU's paged KV pool out of the huge-page arena (``kvflow.huge_pages``); read at each
   allocation.
-- ``KVFLOW_GC_FREEZE`` (bool; default on): an engine, once built, collects and freezes the
-  process's heap (``kvflow.utils.freeze_gc_heap``), and its ``shutdown()`` unfreezes it;
-  ``0`` leaves the garbage collector alone; read when an engine is built.
+- ``KVFLOW_GC_FREEZE`` (bool; default on): ``kvflow serve``'s app, once started, collects and
+  freezes the process's heap (``kvflow.utils.freeze_gc_heap``) and unfreezes it when it stops;
+  ``0`` leaves the garbage collector alone; read when the app starts.
 - ``KVFLOW_CPU_KERNEL_BUILD`` (str; default ``background``): how an engine on the CPU gets
   kernels that are not built yet (``kvflow.ops.build``): ``background`` builds them in a
   background thread while the PyTorch paths serve, and the engine switches to each kernel
@@ -163,9 +163,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "huge pages (Linux `madvise(MADV_HUGEPAGE)`; `kvflow.huge_pages`), which streams them faster; `0`: "
            "ordinary allocations", _on_unless_zero),
     Switch("KVFLOW_GC_FREEZE", "bool", "1 (on)",
-           "an engine, once built, collects and then freezes the process's heap (`gc.freeze()`, as vLLM does) so "
-           "that the garbage collector's full collections no longer scan the startup objects (a 160-350 ms "
-           "stall each); its `shutdown()` unfreezes it; `0`: leave the garbage collector alone", _on_unless_zero),
+           "`kvflow serve`, once started, collects and then freezes its process's heap (`gc.freeze()`, as vLLM's "
+           "server and engine processes do) so that the garbage collector's full collections no longer scan the "
+           "startup objects (a 150-350 ms stall each), and unfreezes it when it stops; the offline `LLM` leaves "
+           "the caller's collector alone; `0`: the server does too", _on_unless_zero),
     Switch("KVFLOW_CPU_KERNEL_BUILD", "str", "`background`",
            "`background`: an engine builds the C++ CPU kernels it lacks in a background thread while the "
            "PyTorch paths serve, and switches to each between two steps once built; `wait`: each is built on "

@@ -33,7 +33,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from kvflow import envs
 from kvflow.config import EngineConfig
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.core import EngineCore
@@ -43,7 +42,7 @@ from kvflow.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputK
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, make_parallel_samples
 from kvflow.sampling_params import SamplingParams
-from kvflow.utils import freeze_gc_heap, release_free_heap, unfreeze_gc_heap
+from kvflow.utils import release_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -164,11 +163,6 @@ class LLMEngine:
         self.eos_token_id = config.model.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
-        # The startup heap (torch, transformers, the model, the tokenizer) never becomes
-        # garbage: frozen, the collector's full collections stop scanning it (KVFLOW_GC_FREEZE).
-        self._gc_frozen = bool(envs.read("KVFLOW_GC_FREEZE"))
-        if self._gc_frozen:
-            freeze_gc_heap()
 
     @property
     def _states(self):
@@ -209,13 +203,8 @@ class LLMEngine:
         return SamplingParams(**{**self.generation_defaults, **overrides})
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers (a no-op without them) and unfreeze the heap this
-        engine froze at its start (``KVFLOW_GC_FREEZE``), so that the collector can reclaim
-        what the engine leaves in reference cycles."""
+        """Stop tensor-parallel workers (a no-op without them)."""
         self.worker.shutdown()
-        if self._gc_frozen:
-            self._gc_frozen = False
-            unfreeze_gc_heap()
 
     # ------------------------------------------------------------------ requests
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:

@@ -967,21 +967,3 @@ def test_max_tokens_none_runs_until_the_context_is_full():
     assert prepared.params.max_tokens == 22 and params.max_tokens is None
     engine.add_request("b", prepared.prompt_token_ids, prepared.params, prepared=prepared)
     assert len(run_to_completion(engine)["b"]) == 22
-
-
-def test_an_engine_freezes_the_heap_once_built_and_its_shutdown_unfreezes_it(monkeypatch):
-    """KVFLOW_GC_FREEZE (on by default; the test suite turns it off in conftest.py)."""
-    import gc
-
-    try:
-        monkeypatch.setenv("KVFLOW_GC_FREEZE", "1")
-        engine = tiny_engine()
-        assert gc.get_freeze_count() > 0
-        assert generate(engine, {"a": [1, 2, 3]}, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))["a"]
-        engine.shutdown()
-        assert gc.get_freeze_count() == 0
-        monkeypatch.setenv("KVFLOW_GC_FREEZE", "0")
-        tiny_engine().shutdown()
-        assert gc.get_freeze_count() == 0
-    finally:
-        gc.unfreeze()

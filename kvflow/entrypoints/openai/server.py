@@ -47,6 +47,7 @@ from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvflow import envs
 from kvflow.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
 from kvflow.entrypoints.anthropic.serving import PATH as ANTHROPIC_PATH
 from kvflow.entrypoints.anthropic.serving import AnthropicErrorMiddleware, count_tokens, create_message
@@ -56,6 +57,7 @@ from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, Completio
                                                 UnloadLoRAAdapterRequest)
 from kvflow.entrypoints.openai.serving_responses import ResponsesRequest, create_response
 from kvflow.entrypoints.openai.serving import OpenAIServing, _as_api_error
+from kvflow.utils import freeze_gc_heap, unfreeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
@@ -450,8 +452,16 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        # The server process's startup heap (torch, transformers, the model, the tokenizer,
+        # the app) never becomes garbage: frozen, the collector's full collections stop
+        # scanning it (KVFLOW_GC_FREEZE; kvflow.utils.freeze_gc_heap).
+        frozen = bool(envs.read("KVFLOW_GC_FREEZE"))
+        if frozen:
+            freeze_gc_heap()
         yield
         await asyncio.to_thread(engine.shutdown)  # waits for the step in progress
+        if frozen:
+            unfreeze_gc_heap()
 
     from kvflow.entrypoints import web
 

@@ -1312,3 +1312,33 @@ def test_a_stream_of_n_choices_finishes_each_once(http, path, body):
         lengths = {len(c.get("text") or c.get("message", {}).get("content") or "") for c in whole["choices"]}
         lengths_differ |= len(lengths) > 1
     assert lengths_differ  # some choice finished before the others
+
+
+def test_the_server_freezes_its_startup_heap_and_unfreezes_it_when_it_stops(monkeypatch):
+    """KVFLOW_GC_FREEZE (on by default; conftest.py turns it off for the other tests): the
+    app's start collects and freezes the heap, requests are served, its stop unfreezes it;
+    with the switch off the collector is left alone. The offline engine never freezes."""
+    import gc
+
+    try:
+        engine = tiny_engine(config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB), tokenizer=tiny_tokenizer())
+        assert gc.get_freeze_count() == 0
+        monkeypatch.setenv("KVFLOW_GC_FREEZE", "1")
+        server = InProcessServer(engine)
+        try:
+            assert gc.get_freeze_count() > 0
+            r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "a b", "max_tokens": 3,
+                                                                 "temperature": 0}, timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        finally:
+            server.stop()
+        assert gc.get_freeze_count() == 0
+        monkeypatch.setenv("KVFLOW_GC_FREEZE", "0")
+        server = InProcessServer(tiny_engine(config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB),
+                                             tokenizer=tiny_tokenizer()))
+        try:
+            assert gc.get_freeze_count() == 0
+        finally:
+            server.stop()
+    finally:
+        gc.unfreeze()
