@@ -98,20 +98,20 @@ def freeze_gc_heap() -> int:
     What it is for: once ``kvflow serve`` has started, its process holds hundreds of thousands
     of long-lived tracked objects (PyTorch's and transformers' modules, the model, the
     tokenizer, the server's routes) that never become garbage; every full (oldest-generation)
-    collection walks all of them. Measured with the 2-layer model of ``benchmarks/host_overhead.py`` at 256
-    sequences (337k tracked objects): one full collection took 162-173 ms, one in every ~48
-    decode steps, i.e. ~3.5 ms a step amortized and a 170 ms stall in one of them; frozen,
-    none happened. vLLM does the same in its server and engine-core processes
-    (``freeze_gc_heap`` in ``vllm/utils/gc_utils.py``). Objects frozen here are still freed by
-    reference counting; only garbage held in reference cycles among them (a dropped model's
-    parameters, a user's own cyclic data) waits for ``unfreeze_gc_heap``: which is why the
-    server's process, which holds one engine for its whole life, freezes, and the offline
-    ``LLM``, which runs in the caller's process, does not.
+    collection walks all of them. Measured with the 2-layer model of
+    ``benchmarks/host_overhead.py`` at 256 sequences (337k tracked objects): one full
+    collection took 162-173 ms, one in every ~48 decode steps, i.e. ~3.5 ms a step amortized
+    and a 170 ms stall in one of them; frozen, none happened. vLLM does the same in its
+    server and engine-core processes (``freeze_gc_heap`` in ``vllm/utils/gc_utils.py``).
+    Objects frozen here are still freed by reference counting; only garbage held in reference
+    cycles among them (a dropped model's parameters, a user's own cyclic data) waits for
+    ``unfreeze_gc_heap``: which is why the server's process, which holds one engine for its
+    whole life, freezes, and the offline ``LLM``, which runs in the caller's process, does not.
 
-    Any earlier freeze is undone first, so that the collection also reclaims what an engine
-    built and dropped before in this process left in cycles; and the heap is unfrozen at the
-    interpreter's exit (``atexit``), so that its final collection still finalizes every object
-    (extension modules such as nanobind's report instances that never were).
+    Any earlier freeze is undone first, so that the collection also reclaims what was dropped
+    in cycles since then; and the heap is unfrozen at the interpreter's exit (``atexit``), so
+    that its final collection still finalizes every object (extension modules such as
+    nanobind's report instances that never were).
 
     Returns:
         The number of objects now frozen.
