@@ -516,6 +516,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--decode-threads", type=int, default=1, help="torch threads for the decode timing")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/prefill.json"))
     args = parser.parse_args(argv)
+    if args.prefill_call_tokens < 1:
+        parser.error(f"--prefill-call-tokens must be >= 1, got {args.prefill_call_tokens}")
 
     from kvflow.attention.cpu_attention import cpu_kernel_available
 
