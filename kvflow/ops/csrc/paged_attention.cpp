@@ -269,6 +269,62 @@ static inline void values_head(const T* v_cache, const int64_t* table, int64_t b
 }
 #endif
 
+// Float32 vectors of the machine's width (VecF::L lanes): the prefill kernel's tiles and
+// values_multi's chains are written once over them.
+#if defined(__AVX512F__)
+struct VecF {  // 16 float32 lanes
+  static constexpr int L = 16;
+  __m512 v;
+  static inline VecF load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  inline void store(float* p) const { _mm512_storeu_ps(p, v); }
+  static inline VecF set1(float x) { return {_mm512_set1_ps(x)}; }
+  static inline VecF fma(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  static inline VecF mul(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  static inline VecF add(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
+  static inline VecF sub(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  static inline VecF max(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+  // e^x for x <= 0, 0 below -87.3 (and for -inf): the decode kernel's exp_neg16.
+  static inline VecF exp_neg(VecF x) { return {exp_neg16(x.v)}; }
+  // x where x is finite (> -inf), else 0 (a row with no visible key so far).
+  static inline VecF finite_or_zero(VecF x) {
+    return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ), x.v)};
+  }
+};
+#elif defined(__AVX2__) && defined(__FMA__)
+struct VecF {  // 8 float32 lanes
+  static constexpr int L = 8;
+  __m256 v;
+  static inline VecF load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  inline void store(float* p) const { _mm256_storeu_ps(p, v); }
+  static inline VecF set1(float x) { return {_mm256_set1_ps(x)}; }
+  static inline VecF fma(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  static inline VecF mul(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  static inline VecF add(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
+  static inline VecF sub(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  static inline VecF max(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
+  // e^x for x <= 0 (Cephes expf, as exp_neg above; 2^n through the exponent bits); 0 below -87.3.
+  static inline VecF exp_neg(VecF xv) { return {exp_neg8(xv.v)}; }  // a NaN stays NaN
+  static inline VecF finite_or_zero(VecF x) {
+    return {_mm256_and_ps(x.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ))};
+  }
+};
+#else
+struct VecF {  // portable: 8 lanes as plain loops (the compiler vectorizes what it can)
+  static constexpr int L = 8;
+  float v[8];
+  static inline VecF load(const float* p) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = p[i]; return r; }
+  inline void store(float* p) const { for (int i = 0; i < L; ++i) p[i] = v[i]; }
+  static inline VecF set1(float x) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = x; return r; }
+  static inline VecF fma(VecF a, VecF b, VecF c) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
+  static inline VecF mul(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] * b.v[i]; return r; }
+  static inline VecF add(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] + b.v[i]; return r; }
+  static inline VecF sub(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] - b.v[i]; return r; }
+  static inline VecF max(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
+  static inline VecF exp_neg(VecF x) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = ::exp_neg(x.v[i]); return r; }
+  static inline VecF finite_or_zero(VecF x) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = x.v[i] > -INFINITY ? x.v[i] : 0.f; return r; }
+};
+#endif
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 // values_head over contiguous rows (v_t at v + t * HD) for NQ query tokens at once, token q
 // with its own context ctx[q] (ascending) and weights p + q * p_stride_q (G rows p_stride_g
@@ -277,29 +333,17 @@ static inline void values_head(const T* v_cache, const int64_t* table, int64_t b
 // head dim is chunked and how many tokens share a loaded row change no sum, so each token's
 // result equals values_head's for it alone, bit for bit. A row loaded once feeds NQ x G.
 #if defined(__AVX512F__)
-using VecPS = __m512;
-constexpr int VEC_LANES = 16, VEC_ACCS = 24;  // of 32 registers: accumulators, the rest rows + a broadcast
-static inline VecPS vzero() { return _mm512_setzero_ps(); }
-static inline VecPS vload(const float* p) { return _mm512_loadu_ps(p); }
-static inline VecPS vset1(float x) { return _mm512_set1_ps(x); }
-static inline VecPS vfma(VecPS a, VecPS b, VecPS c) { return _mm512_fmadd_ps(a, b, c); }
-static inline void vstore(float* p, VecPS v) { _mm512_storeu_ps(p, v); }
+constexpr int VEC_ACCS = 24;  // of 32 registers: accumulators, the rest rows + a broadcast
 #else
-using VecPS = __m256;
-constexpr int VEC_LANES = 8, VEC_ACCS = 12;  // of 16 registers
-static inline VecPS vzero() { return _mm256_setzero_ps(); }
-static inline VecPS vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline VecPS vset1(float x) { return _mm256_set1_ps(x); }
-static inline VecPS vfma(VecPS a, VecPS b, VecPS c) { return _mm256_fmadd_ps(a, b, c); }
-static inline void vstore(float* p, VecPS v) { _mm256_storeu_ps(p, v); }
+constexpr int VEC_ACCS = 12;  // of 16 registers
 #endif
 
 // The widest head-dim chunk (64, 32, 16, then 8) that HD splits into and whose NQ x G x
 // chunk accumulators fit VEC_ACCS registers; 0 if none.
 template <int HD, int G, int NQ>
 constexpr int multi_chunk() {
-  for (int dc = 64; dc >= VEC_LANES; dc /= 2)
-    if (HD % dc == 0 && NQ * G * (dc / VEC_LANES) <= VEC_ACCS) return dc;
+  for (int dc = 64; dc >= VecF::L; dc /= 2)
+    if (HD % dc == 0 && NQ * G * (dc / VecF::L) <= VEC_ACCS) return dc;
   return 0;
 }
 
@@ -308,19 +352,19 @@ static inline void values_multi(const float* v, const float* p, int64_t p_stride
                                 const int64_t* ctx, float* acc, int64_t acc_stride_q) {
   constexpr int DC = multi_chunk<HD, G, NQ>();
   static_assert(DC > 0, "values_multi: no chunk of the head dim fits the registers");
-  constexpr int NV = DC / VEC_LANES;
+  constexpr int NV = DC / VecF::L;
   for (int dc = 0; dc < HD; dc += DC) {
-    VecPS a[NQ][G][NV];
+    VecF a[NQ][G][NV];
     for (int q = 0; q < NQ; ++q)
       for (int g = 0; g < G; ++g)
-        for (int j = 0; j < NV; ++j) a[q][g][j] = vzero();
+        for (int j = 0; j < NV; ++j) a[q][g][j] = VecF::set1(0.f);
     auto step = [&](int64_t t, int q_first) {
-      VecPS x[NV];
-      for (int j = 0; j < NV; ++j) x[j] = vload(v + t * HD + dc + VEC_LANES * j);
+      VecF x[NV];
+      for (int j = 0; j < NV; ++j) x[j] = VecF::load(v + t * HD + dc + VecF::L * j);
       for (int q = q_first; q < NQ; ++q)
         for (int g = 0; g < G; ++g) {
-          const VecPS pg = vset1(p[q * p_stride_q + g * p_stride_g + t]);
-          for (int j = 0; j < NV; ++j) a[q][g][j] = vfma(pg, x[j], a[q][g][j]);
+          const VecF pg = VecF::set1(p[q * p_stride_q + g * p_stride_g + t]);
+          for (int j = 0; j < NV; ++j) a[q][g][j] = VecF::fma(pg, x[j], a[q][g][j]);
         }
     };
     int64_t t = 0;
@@ -329,7 +373,7 @@ static inline void values_multi(const float* v, const float* p, int64_t p_stride
       for (; t < ctx[q]; ++t) step(t, q);
     for (int q = 0; q < NQ; ++q)
       for (int g = 0; g < G; ++g)
-        for (int j = 0; j < NV; ++j) vstore(acc + q * acc_stride_q + g * HD + dc + VEC_LANES * j, a[q][g][j]);
+        for (int j = 0; j < NV; ++j) a[q][g][j].store(acc + q * acc_stride_q + g * HD + dc + VecF::L * j);
   }
 }
 #define KVFLOW_HAS_VALUES_MULTI 1
@@ -937,67 +981,7 @@ static void quantized_attention(const float* qp, const uint8_t* kc, const uint8_
 // those edges are masked element by element; a key tile is never loaded beyond the tile's last
 // query position or before its first one's window.
 // ---------------------------------------------------------------------------------------------
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-#endif
-#include <atomic>
-
 namespace prefill {
-
-#if defined(__AVX512F__)
-struct VecF {  // 16 float32 lanes
-  static constexpr int L = 16;
-  __m512 v;
-  static inline VecF load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  inline void store(float* p) const { _mm512_storeu_ps(p, v); }
-  static inline VecF set1(float x) { return {_mm512_set1_ps(x)}; }
-  static inline VecF fma(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-  static inline VecF mul(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
-  static inline VecF add(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
-  static inline VecF sub(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
-  static inline VecF max(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
-  // e^x for x <= 0, 0 below -87.3 (and for -inf): the decode kernel's exp_neg16.
-  static inline VecF exp_neg(VecF x) { return {exp_neg16(x.v)}; }
-  // x where x is finite (> -inf), else 0 (a row with no visible key so far).
-  static inline VecF finite_or_zero(VecF x) {
-    return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ), x.v)};
-  }
-};
-#elif defined(__AVX2__) && defined(__FMA__)
-struct VecF {  // 8 float32 lanes
-  static constexpr int L = 8;
-  __m256 v;
-  static inline VecF load(const float* p) { return {_mm256_loadu_ps(p)}; }
-  inline void store(float* p) const { _mm256_storeu_ps(p, v); }
-  static inline VecF set1(float x) { return {_mm256_set1_ps(x)}; }
-  static inline VecF fma(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
-  static inline VecF mul(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
-  static inline VecF add(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
-  static inline VecF sub(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
-  static inline VecF max(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
-  // e^x for x <= 0 (Cephes expf, as exp_neg above; 2^n through the exponent bits); 0 below -87.3.
-  static inline VecF exp_neg(VecF xv) { return {exp_neg8(xv.v)}; }  // a NaN stays NaN
-  static inline VecF finite_or_zero(VecF x) {
-    return {_mm256_and_ps(x.v, _mm256_cmp_ps(x.v, _mm256_set1_ps(-INFINITY), _CMP_GT_OQ))};
-  }
-};
-#else
-struct VecF {  // portable: 8 lanes as plain loops (the compiler vectorizes what it can)
-  static constexpr int L = 8;
-  float v[8];
-  static inline VecF load(const float* p) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = p[i]; return r; }
-  inline void store(float* p) const { for (int i = 0; i < L; ++i) p[i] = v[i]; }
-  static inline VecF set1(float x) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = x; return r; }
-  static inline VecF fma(VecF a, VecF b, VecF c) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i]; return r; }
-  static inline VecF mul(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] * b.v[i]; return r; }
-  static inline VecF add(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] + b.v[i]; return r; }
-  static inline VecF sub(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] - b.v[i]; return r; }
-  static inline VecF max(VecF a, VecF b) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = a.v[i] > b.v[i] ? a.v[i] : b.v[i]; return r; }
-  static inline VecF exp_neg(VecF x) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = ::exp_neg(x.v[i]); return r; }
-  static inline VecF finite_or_zero(VecF x) { VecF r; for (int i = 0; i < L; ++i) r.v[i] = x.v[i] > -INFINITY ? x.v[i] : 0.f; return r; }
-};
-#endif
 
 constexpr int L = VecF::L;
 constexpr int KT = 32;  // keys per tile
