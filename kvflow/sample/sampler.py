@@ -5,10 +5,15 @@ The order of operations follows Hugging Face / vLLM: temperature scaling, then t
 section 3) filtering, then a draw from the remaining distribution. Greedy rows take the
 argmax of the raw logits.
 
-The draw uses the exponential race (Gumbel-max in another form): with E_i ~ Exp(1) i.i.d.,
-``argmax_i p_i / E_i`` is distributed as Categorical(p). This lets every row draw from one
-batched noise tensor, while rows with a per-request seed take their noise from their own
-``torch.Generator`` so that their tokens do not depend on the rest of the batch.
+Top-k and top-p look at each row's largest logits only: ``topk`` of ``TOP_CANDIDATES``
+columns (or the row's top_k, when larger) replaces a sort of the whole vocabulary, and a
+top-p row whose nucleus those candidates do not cover (their mass below top_p) is sorted in
+full. The draw is an inverse-CDF draw, one uniform number per row: the first token whose
+cumulative probability exceeds u times the row's total (what ``torch.multinomial`` does for
+one sample). Rows with a per-request seed take their uniform from their own
+``torch.Generator``, so that their tokens do not depend on the rest of the batch. (Sorting
+151,936 columns and drawing one exponential number per column, as this module did before,
+took 182 ms for 16 rows of Qwen2.5's vocabulary with top-p on the development machine.)
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ import torch
 from kvflow.request import Request
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+#: Largest logits per row that top-k / top-p filtering takes first (``topk``); a top-p row
+#: whose nucleus is not among them takes 16 times as many, then a full sort.
+TOP_CANDIDATES = 64
 
 
 @dataclass
@@ -116,51 +125,128 @@ class Sampler:
             st: the rows' settings.
 
         Returns:
-            int64 [N] token ids.
+            int64 [N] token ids. A sampled row draws one uniform number from its own
+            generator (seeded rows) or the engine's; an all-greedy batch draws none.
         """
-        greedy_tokens = row_argmax(logits)
         greedy = st.temperature == 0
         if bool(greedy.all()):
-            return greedy_tokens
+            return row_argmax(logits)
         probs = self.filtered_probs(logits, st)
-        noise = self._exponential_noise(probs, st.generators)
-        sampled = row_argmax(probs / noise)
-        return torch.where(greedy, greedy_tokens, sampled)
+        sampled = inverse_cdf_draw(probs, self._uniforms(logits.shape[0], st.generators, probs.device))
+        if bool(greedy.any()):
+            sampled = torch.where(greedy, row_argmax(logits), sampled)
+        return sampled
 
     @staticmethod
     def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """The distribution each non-greedy row samples from: float32 [N, vocab_size].
 
-        Temperature, then top-k, top-p and min-p; filtered tokens get probability 0.
-        Greedy rows are returned as if temperature were 1 (callers ignore them).
+        Temperature, then top-k (the k largest tempered logits; the rest get probability
+        0), top-p on the top-k distribution (the smallest prefix of the tokens in
+        descending probability whose mass reaches top_p, at least one token), then min-p
+        (tokens below min_p times the largest probability dropped), renormalized. Greedy
+        rows are returned as if temperature were 1 (callers ignore them).
         """
         temperature = torch.where(st.temperature == 0, torch.ones_like(st.temperature), st.temperature)
         logits = logits / temperature.unsqueeze(1)
-        vocab_size = logits.shape[-1]
-        need_sort = bool((st.top_k < vocab_size).any()) or bool((st.top_p < 1).any())
-        if need_sort:
-            sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
-            remove = ranks >= st.top_k.unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            remove = mass_before >= st.top_p.unsqueeze(1)
-            remove[:, 0] = False
-            sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
         probs = logits.softmax(dim=-1)
+        vocab_size = logits.shape[-1]
+        needs = (st.top_k < vocab_size) | (st.top_p < 1)
+        if bool(needs.all()):
+            probs = _top_k_top_p(logits, probs, st.top_k, st.top_p)
+        elif bool(needs.any()):
+            rows = needs.nonzero().flatten()
+            probs[rows] = _top_k_top_p(logits[rows], probs[rows], st.top_k[rows], st.top_p[rows])
         if bool((st.min_p > 0).any()):
             threshold = st.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
             probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs
 
-    def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+    def _uniforms(self, n: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+        """float32 [n] uniform numbers in [0, 1): row i's from its own generator when it has
+        one (one number a step, whatever the batch), the others' from the engine's."""
+        u = torch.rand(n, generator=self.generator, device=self.generator.device)
         for row, gen in enumerate(generators):
             if gen is not None:  # the request's own CPU generator, whatever the device
-                own = torch.empty(probs.shape[1], dtype=probs.dtype).exponential_(generator=gen)
-                noise[row] = own.to(probs.device)
-        return noise
+                u[row] = torch.rand((), generator=gen, device=gen.device).to(u.device)
+        return u.to(device)
+
+
+def _top_k_top_p(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k, then top-p, of the rows of tempered ``logits`` (float32 [R, V]) whose softmax
+    is ``probs``: the filtered, renormalized distributions, float32 [R, V].
+
+    The candidates are each row's ``TOP_CANDIDATES`` (or largest top_k) largest logits in
+    descending order (``topk``). A row with top_k <= that count has its whole top-k
+    distribution among them; a row with top-p alone has its nucleus among them when their
+    mass reaches top_p (every later token then has a mass before it >= top_p and is
+    dropped). The rows left over try 16 times as many candidates once, then a full sort
+    (``_sorted_filter``).
+    """
+    vocab_size = logits.shape[-1]
+    has_k = top_k < vocab_size
+    k = first = max(TOP_CANDIDATES, int(top_k[has_k].max()) if bool(has_k.any()) else 0)
+    out = torch.zeros_like(probs)
+    rows: torch.Tensor | None = None  # the rows still to filter (None: all)
+    while True:
+        sub = (logits, probs, top_k, top_p, has_k) if rows is None else \
+            (logits[rows], probs[rows], top_k[rows], top_p[rows], has_k[rows])
+        x, p, tk, tp, hk = sub
+        if k * 4 >= vocab_size or k > 16 * first:  # a sort costs what more candidates would
+            filtered = _sorted_filter(x, tk, tp)
+            if rows is None:
+                return filtered
+            out[rows] = filtered
+            return out
+        values, index = x.topk(k, dim=-1)  # descending
+        ranks = torch.arange(k, device=x.device).unsqueeze(0)
+        values = values.masked_fill(ranks >= tk.unsqueeze(1), float("-inf"))
+        # The candidates' probabilities: of the top-k distribution (a top_k row: softmax over
+        # its k logits, every other is -inf), else of the whole row.
+        cand = torch.where(hk.unsqueeze(1), values.softmax(dim=-1), p.gather(1, index))
+        cum = cand.cumsum(dim=-1)
+        remove = (cum - cand) >= tp.unsqueeze(1)
+        remove[:, 0] = False
+        kept = cand.masked_fill(remove, 0.0)
+        kept = kept / kept.sum(dim=-1, keepdim=True)
+        if rows is None:
+            out.scatter_(1, index, kept)
+        else:
+            out[rows] = torch.zeros_like(p).scatter_(1, index, kept)
+        covered = hk | (cum[:, -1] >= tp)  # else: the nucleus is wider than the candidates
+        if bool(covered.all()):
+            return out
+        left = (~covered).nonzero().flatten()
+        rows = left if rows is None else rows[left]
+        k *= 16
+
+
+def _sorted_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p over a full sort of each row of tempered ``logits`` (float32 [R, V]):
+    the filtered distributions, float32 [R, V]."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+    remove = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits).softmax(dim=-1)
+
+
+def inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` (float32 [N, V], unnormalized weights >= 0): the first
+    index whose cumulative weight exceeds u times the row's total, for ``u`` float32 [N] in
+    [0, 1) (the inverse-CDF method, as ``torch.multinomial`` draws one sample). Returns int64
+    [N].
+
+    A token of weight 0 is never drawn: its cumulative weight equals its predecessor's, and
+    u * total < total in float32 for every u < 1 (a product rounded to nearest is at least
+    half an ulp of the total below it). A row without a positive weight (NaN logits) gets
+    an index in range, V - 1."""
+    cdf = probs.cumsum(dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)

@@ -341,7 +341,7 @@ def test_row_argmax_two_pass_equals_argmax(vocab):
     with_nan[4, 9] = float("nan")  # (its batch takes max(dim): checked apart)
     for batch in (x, x[::2], x.to(torch.bfloat16), with_nan):
         assert torch.equal(row_argmax(batch), batch.argmax(dim=-1))
-    # the sampled path's input: probabilities over noise
+    # probabilities over exponential noise (the exponential race: rows of many near ties)
     probs = torch.softmax(x[6:], dim=-1) / torch.empty_like(x[6:]).exponential_(generator=gen)
     assert torch.equal(row_argmax(probs), probs.argmax(dim=-1))
 
@@ -358,3 +358,64 @@ def test_a_temperature_past_float32_keeps_masked_tokens_out():
     assert not probs.isnan().any()
     assert probs[0, 0] == 0 and probs[0, 2] == 0
     torch.testing.assert_close(probs[0, [1, 3, 4]], torch.full((3,), 1 / 3))
+
+
+# ---------------------------------------------------------------------------- large vocabularies
+def sorted_reference(logits: torch.Tensor, st) -> torch.Tensor:
+    """The filtered distributions over a full sort of every row (the definition, in PyTorch)."""
+    from kvflow.sample.sampler import _sorted_filter
+
+    temperature = torch.where(st.temperature == 0, torch.ones_like(st.temperature), st.temperature)
+    return _sorted_filter(logits / temperature.unsqueeze(1), st.top_k, st.top_p)
+
+
+def test_top_k_top_p_from_the_largest_logits_equal_a_full_sort():
+    """Rows of a 151,936-token vocabulary: a peaked row whose nucleus lies in the first
+    ``TOP_CANDIDATES`` logits, a top_k row (top_k above and below the candidate count), a
+    flatter row whose nucleus needs 16 times as many candidates, a flat row that falls back
+    to the full sort, and rows without any filter between them: each equals the full sort's
+    distribution."""
+    from kvflow.sample.sampler import TOP_CANDIDATES
+
+    vocab = 151936
+    g = torch.Generator().manual_seed(0)
+    zipf = -1.1 * torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))  # a language model's tail
+    rows = [zipf[torch.randperm(vocab, generator=g)] for _ in range(3)]
+    rows.append(torch.randn(vocab, generator=g) * 0.5)  # flat: nucleus beyond 16 x the candidates
+    rows.append((1.3 / 1.1) * zipf[torch.randperm(vocab, generator=g)])  # nucleus of ~650 tokens at top_p 0.9
+    rows.append(torch.randn(vocab, generator=g))
+    logits = torch.stack(rows)
+    st = tensors(6, vocab, temperature=[0.7, 1.0, 1.3, 1.0, 1.0, 0.8],
+                 top_k=[vocab, 40, 3 * TOP_CANDIDATES, vocab, vocab, vocab],
+                 top_p=[0.9, 1.0, 0.95, 0.9, 0.9, 1.0])
+    probs = Sampler.filtered_probs(logits, st)
+    ref = sorted_reference(logits, st)
+    ref[5] = (logits[5] / 0.8).softmax(-1)  # no filter
+    kept = (probs > 0).sum(-1).tolist()
+    assert kept[0] <= TOP_CANDIDATES < kept[4] <= 16 * TOP_CANDIDATES < kept[3]  # every path taken
+    assert kept[1] == 40 and TOP_CANDIDATES < kept[2] < 3 * TOP_CANDIDATES  # top-k, then top-p inside it
+    assert torch.equal(probs > 0, ref > 0)
+    torch.testing.assert_close(probs, ref, rtol=1e-4, atol=1e-7)
+    # the same rows alone (no batch) and in another order give the same distributions
+    for i in range(6):
+        one = tensors(1, vocab, temperature=st.temperature[i].item(), top_k=int(st.top_k[i]), top_p=st.top_p[i].item())
+        torch.testing.assert_close(Sampler.filtered_probs(logits[i : i + 1], one)[0], probs[i], rtol=1e-4, atol=1e-7)
+
+
+def test_inverse_cdf_draw_never_takes_a_zero_weight_token():
+    from kvflow.sample.sampler import inverse_cdf_draw
+
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0]] * 4)
+    u = torch.tensor([0.0, 0.29, 0.31, 1.0 - 2.0**-24])
+    assert inverse_cdf_draw(probs, u).tolist() == [1, 1, 3, 3]
+    # the largest u below 1 against totals just above a power of two (the product rounds to
+    # nearest, never up to the total): the last positive token, not the zero weights after it
+    top = 1.0 - 2.0**-24
+    for total in (1.0, 1.0000001, 1.9999999, 3.0000002, 0.50000006):
+        w = torch.tensor([[0.0, total / 4, 0.0, 3 * total / 4, 0.0, 0.0]])
+        assert inverse_cdf_draw(w, torch.tensor([top])).tolist() == [3]
+    nan = torch.full((1, 5), float("nan"))
+    assert 0 <= inverse_cdf_draw(nan, torch.tensor([0.5])).item() < 5
+    weights = torch.tensor([[0.0, 2.0, 0.0, 6.0]])  # unnormalized weights
+    assert inverse_cdf_draw(weights, torch.tensor([0.2])).tolist() == [1]
+    assert inverse_cdf_draw(weights, torch.tensor([0.3])).tolist() == [3]
