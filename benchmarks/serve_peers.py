@@ -6,8 +6,9 @@ What it measures
 Each engine's own server is started as a subprocess on 127.0.0.1 with ``--threads`` CPU
 threads, waited for (``GET /v1/models``), and driven by ``vllm bench serve`` (vLLM's load
 generator: none of the three engines' code) with the random dataset, a fixed seed, greedy
-sampling and ``--ignore-eos``, so every engine gets the same prompts and generates exactly
-the requested number of tokens. Scenarios (``--scenarios``):
+sampling (``--temperature`` / ``--top-p`` send a chat client's sampling instead) and
+``--ignore-eos``, so every engine gets the same prompts and generates exactly the requested
+number of tokens. Scenarios (``--scenarios``):
 
 * ``concurrent4`` / ``concurrent16`` / ``concurrent32``: 64 prompts of 128-384 tokens, outputs
   of 64-192 tokens (``--random-input-len 256 --random-output-len 128 --random-range-ratio
@@ -154,6 +155,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="an engine under another name with extra server arguments, e.g. "
                         "'kvflow-nostep=kvflow-default:--max-step-seconds 0'; NAME then goes in --engines")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (default: 0, greedy); with --top-p, what a chat client sends")
+    p.add_argument("--top-p", type=float, default=None, help="every request's top_p (default: not sent)")
     p.add_argument("--kv-tokens", type=int, default=None, metavar="N",
                    help="KV cache capacity in tokens of every kvflow engine and llama-server (default: the largest "
                         "concurrency x 1024, at least 4096)")
@@ -186,6 +190,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.engines = [name for e in args.engines
                         for name in ([f"{e}@base", e] if _is_kvflow(e, args.variants) else [e])]
     args.scenarios = [s for s in args.scenarios.split(",") if s]
+    if not (0.0 <= args.temperature <= 100.0):
+        p.error(f"--temperature: expected 0-100, got {args.temperature}")
+    if args.top_p is not None and not (0.0 < args.top_p <= 1.0):
+        p.error(f"--top-p: expected (0, 1], got {args.top_p}")
     if args.kv_tokens is not None and args.kv_tokens < KV_BLOCK_SIZE:
         p.error(f"--kv-tokens: at least {KV_BLOCK_SIZE}, got {args.kv_tokens}")
     for e in args.engines:
@@ -476,7 +484,8 @@ def bench_command(args: argparse.Namespace, url: str, hf_dir: Path, scenario: st
            "--dataset-name", "random", "--random-input-len", str(s["input_len"]),
            "--random-output-len", str(s["output_len"]), "--random-range-ratio", str(s["range_ratio"]),
            "--num-prompts", str(s["num_prompts"]), "--max-concurrency", str(s["concurrency"]),
-           "--ignore-eos", "--seed", str(scenario_seed(args.seed, scenario)), "--temperature", "0",
+           "--ignore-eos", "--seed", str(scenario_seed(args.seed, scenario)), "--temperature", str(args.temperature),
+           *(["--top-p", str(args.top_p)] if args.top_p is not None else []),
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", str(workdir), "--result-filename", name]  # fmt: skip
 

@@ -235,3 +235,16 @@ def test_each_checkout_builds_its_own_kernels_before_it_is_measured(tmp_path: Pa
     assert cmd[1:] == ["-m", "kvflow.ops"]
     assert kw["cwd"] == base and kw["env"]["PYTHONPATH"].split(os.pathsep)[0] == str(base)
     assert kw2["cwd"] == serve_peers.REPO_ROOT
+
+
+def test_sampling_settings_reach_the_load_generator(tmp_path: Path) -> None:
+    """Greedy by default (--temperature 0, no --top-p); a chat client's sampling when asked;
+    out-of-range values refused."""
+    cmd = serve_peers.bench_command(serve_peers.parse_args([]), "u", Path("/m"), "concurrent16", tmp_path, "r")
+    assert cmd[cmd.index("--temperature") + 1] == "0.0" and "--top-p" not in cmd
+    args = serve_peers.parse_args(["--temperature", "0.7", "--top-p", "0.9"])
+    cmd = serve_peers.bench_command(args, "u", Path("/m"), "concurrent16", tmp_path, "r")
+    assert cmd[cmd.index("--temperature") + 1] == "0.7" and cmd[cmd.index("--top-p") + 1] == "0.9"
+    for bad in (["--top-p", "0"], ["--top-p", "1.5"], ["--temperature", "-1"]):
+        with pytest.raises(SystemExit):
+            serve_peers.parse_args(bad)
