@@ -131,8 +131,8 @@ class Sampler:
         greedy = st.temperature == 0
         if bool(greedy.all()):
             return row_argmax(logits)
-        probs = self.filtered_probs(logits, st)
-        sampled = inverse_cdf_draw(probs, self._uniforms(logits.shape[0], st.generators, probs.device))
+        probs = self.filtered_probs(logits, st)  # (a new tensor: its cumulative sums in place)
+        sampled = _draw_from_cdf(probs.cumsum_(dim=-1), self._uniforms(logits.shape[0], st.generators, probs.device))
         if bool(greedy.any()):
             sampled = torch.where(greedy, row_argmax(logits), sampled)
         return sampled
@@ -141,26 +141,29 @@ class Sampler:
     def filtered_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         """The distribution each non-greedy row samples from: float32 [N, vocab_size].
 
-        Temperature, then top-k (the k largest tempered logits; the rest get probability
-        0), top-p on the top-k distribution (the smallest prefix of the tokens in
-        descending probability whose mass reaches top_p, at least one token), then min-p
-        (tokens below min_p times the largest probability dropped), renormalized. Greedy
-        rows are returned as if temperature were 1 (callers ignore them).
+        Temperature, then top-k (the k most likely tokens; the rest get probability 0),
+        top-p on the top-k distribution (the smallest prefix of the tokens in descending
+        probability whose mass reaches top_p, at least one token), then min-p (tokens below
+        min_p times the largest probability dropped), renormalized. Greedy rows are
+        returned as if temperature were 1 (callers ignore them). The result is one new
+        tensor, filtered in place (at 64 rows of a 151,936-token vocabulary every further
+        [N, V] temporary cost ~10 ms of fresh pages).
         """
         temperature = torch.where(st.temperature == 0, torch.ones_like(st.temperature), st.temperature)
-        logits = logits / temperature.unsqueeze(1)
-        probs = logits.softmax(dim=-1)
-        vocab_size = logits.shape[-1]
+        probs = _softmax_(logits / temperature.unsqueeze(1))
+        vocab_size = probs.shape[-1]
         needs = (st.top_k < vocab_size) | (st.top_p < 1)
         if bool(needs.all()):
-            probs = _top_k_top_p(logits, probs, st.top_k, st.top_p)
+            _top_k_top_p_(probs, st.top_k, st.top_p)
         elif bool(needs.any()):
             rows = needs.nonzero().flatten()
-            probs[rows] = _top_k_top_p(logits[rows], probs[rows], st.top_k[rows], st.top_p[rows])
+            part = probs[rows]
+            _top_k_top_p_(part, st.top_k[rows], st.top_p[rows])
+            probs[rows] = part
         if bool((st.min_p > 0).any()):
-            threshold = st.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-            probs = probs / probs.sum(dim=-1, keepdim=True)
+            threshold = st.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            probs.masked_fill_(probs < threshold, 0.0)
+            probs.div_(probs.sum(dim=-1, keepdim=True))
         return probs
 
     def _uniforms(self, n: int, generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
@@ -173,68 +176,73 @@ class Sampler:
         return u.to(device)
 
 
-def _top_k_top_p(logits: torch.Tensor, probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-k, then top-p, of the rows of tempered ``logits`` (float32 [R, V]) whose softmax
-    is ``probs``: the filtered, renormalized distributions, float32 [R, V].
+def _softmax_(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``x``, in place: exp(x - max) / sum. Returns x."""
+    x.sub_(x.amax(dim=-1, keepdim=True)).exp_()
+    return x.div_(x.sum(dim=-1, keepdim=True))
 
-    The candidates are each row's ``TOP_CANDIDATES`` (or largest top_k) largest logits in
+
+def _top_k_top_p_(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Top-k, then top-p, of each row of ``probs`` (float32 [R, V], a distribution per row), in
+    place: the filtered, renormalized distributions.
+
+    The candidates are each row's ``TOP_CANDIDATES`` (or largest top_k) most likely tokens in
     descending order (``topk``). A row with top_k <= that count has its whole top-k
     distribution among them; a row with top-p alone has its nucleus among them when their
     mass reaches top_p (every later token then has a mass before it >= top_p and is
     dropped). The rows left over try 16 times as many candidates once, then a full sort
-    (``_sorted_filter``).
+    (``_sorted_filter_``).
     """
-    vocab_size = logits.shape[-1]
+    vocab_size = probs.shape[-1]
     has_k = top_k < vocab_size
     k = first = max(TOP_CANDIDATES, int(top_k[has_k].max()) if bool(has_k.any()) else 0)
-    out = torch.zeros_like(probs)
     rows: torch.Tensor | None = None  # the rows still to filter (None: all)
     while True:
-        sub = (logits, probs, top_k, top_p, has_k) if rows is None else \
-            (logits[rows], probs[rows], top_k[rows], top_p[rows], has_k[rows])
-        x, p, tk, tp, hk = sub
+        p, tk, tp, hk = (probs, top_k, top_p, has_k) if rows is None else \
+            (probs[rows], top_k[rows], top_p[rows], has_k[rows])
         if k * 4 >= vocab_size or k > 16 * first:  # a sort costs what more candidates would
-            filtered = _sorted_filter(x, tk, tp)
-            if rows is None:
-                return filtered
-            out[rows] = filtered
-            return out
-        values, index = x.topk(k, dim=-1)  # descending
-        ranks = torch.arange(k, device=x.device).unsqueeze(0)
-        values = values.masked_fill(ranks >= tk.unsqueeze(1), float("-inf"))
-        # The candidates' probabilities: of the top-k distribution (a top_k row: softmax over
-        # its k logits, every other is -inf), else of the whole row.
-        cand = torch.where(hk.unsqueeze(1), values.softmax(dim=-1), p.gather(1, index))
+            _sorted_filter_(p, tk, tp)
+            if rows is not None:
+                probs[rows] = p
+            return
+        values, index = p.topk(k, dim=-1)  # descending
+        ranks = torch.arange(k, device=p.device).unsqueeze(0)
+        values = values.masked_fill(ranks >= tk.unsqueeze(1), 0.0)
+        # The candidates' probabilities: of the top-k distribution for a top_k row, else of
+        # the whole row.
+        cand = torch.where(hk.unsqueeze(1), values / values.sum(dim=-1, keepdim=True), values)
         cum = cand.cumsum(dim=-1)
         remove = (cum - cand) >= tp.unsqueeze(1)
         remove[:, 0] = False
-        kept = cand.masked_fill(remove, 0.0)
-        kept = kept / kept.sum(dim=-1, keepdim=True)
-        if rows is None:
-            out.scatter_(1, index, kept)
-        else:
-            out[rows] = torch.zeros_like(p).scatter_(1, index, kept)
+        kept = cand.masked_fill_(remove, 0.0)
+        kept.div_(kept.sum(dim=-1, keepdim=True))
         covered = hk | (cum[:, -1] >= tp)  # else: the nucleus is wider than the candidates
         if bool(covered.all()):
-            return out
+            p.zero_().scatter_(1, index, kept)
+            if rows is not None:
+                probs[rows] = p
+            return
+        done = covered.nonzero().flatten()
+        probs[done if rows is None else rows[done]] = torch.zeros(
+            len(done), vocab_size, dtype=probs.dtype, device=probs.device).scatter_(1, index[done], kept[done])
         left = (~covered).nonzero().flatten()
         rows = left if rows is None else rows[left]
         k *= 16
 
 
-def _sorted_filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-k then top-p over a full sort of each row of tempered ``logits`` (float32 [R, V]):
-    the filtered distributions, float32 [R, V]."""
-    vocab_size = logits.shape[-1]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab_size, device=logits.device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
+def _sorted_filter_(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Top-k then top-p over a full sort of each row of ``probs`` (float32 [R, V]), in place."""
+    vocab_size = probs.shape[-1]
+    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab_size, device=probs.device).unsqueeze(0)
+    sorted_probs.masked_fill_(ranks >= top_k.unsqueeze(1), 0.0)
+    sorted_probs.div_(sorted_probs.sum(dim=-1, keepdim=True))  # the top-k distribution
     # Keep the smallest prefix whose mass reaches top_p (always at least one token).
     remove = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
     remove[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits).softmax(dim=-1)
+    sorted_probs.masked_fill_(remove, 0.0)
+    sorted_probs.div_(sorted_probs.sum(dim=-1, keepdim=True))
+    probs.scatter_(1, sorted_idx, sorted_probs)  # (a permutation: every column written)
 
 
 def inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -247,6 +255,10 @@ def inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     u * total < total in float32 for every u < 1 (a product rounded to nearest is at least
     half an ulp of the total below it). A row without a positive weight (NaN logits) gets
     an index in range, V - 1."""
-    cdf = probs.cumsum(dim=-1)
+    return _draw_from_cdf(probs.cumsum(dim=-1), u)
+
+
+def _draw_from_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``inverse_cdf_draw`` given the rows' cumulative sums ``cdf`` (float32 [N, V])."""
     target = (u * cdf[:, -1]).unsqueeze(1)
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
