@@ -5,10 +5,11 @@ The order of operations follows Hugging Face / vLLM: temperature scaling, then t
 section 3) filtering, then a draw from the remaining distribution. Greedy rows take the
 argmax of the raw logits.
 
-Top-k and top-p look at each row's largest logits only: ``topk`` of ``TOP_CANDIDATES``
+Top-k and top-p look at each row's most likely tokens only: ``topk`` of ``TOP_CANDIDATES``
 columns (or the row's top_k, when larger) replaces a sort of the whole vocabulary, and a
-top-p row whose nucleus those candidates do not cover (their mass below top_p) is sorted in
-full. The draw is an inverse-CDF draw, one uniform number per row: the first token whose
+top-p row whose nucleus those candidates do not cover (their mass below top_p) tries 16
+times as many, then a full sort. The filters work in place on the one [N, V] tensor of
+probabilities a call makes. The draw is an inverse-CDF draw, one uniform number per row: the first token whose
 cumulative probability exceeds u times the row's total (what ``torch.multinomial`` does for
 one sample). Rows with a per-request seed take their uniform from their own
 ``torch.Generator``, so that their tokens do not depend on the rest of the batch. (Sorting
