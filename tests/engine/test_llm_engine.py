@@ -238,6 +238,38 @@ def test_seeded_request_survives_preemption():
     assert out["p30"] == reference()["p30"]
 
 
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_seeded_parallel_samples_survive_preemption(preemption_mode):
+    """n=3 seeded samples (forked, copy-on-write) give the same tokens alone and in a tight
+    cache that preempts them. (With speculative decoding a seeded sample reads its generator
+    once per verified draft or once per plain step, so a cache that drops drafts another
+    engine verifies changes its tokens: seeds reproduce a run, not across schedules.)"""
+    from conftest import make_engine, tiny_model, tiny_model_config
+    from kvflow.config import CacheConfig, SchedulerConfig
+
+    params = SamplingParams(temperature=1.0, top_p=0.95, n=3, seed=5, max_tokens=12)
+
+    def samples(engine):
+        engine.add_request("s", PROMPTS["p9"], params)
+        for k in ("p30", "p17"):
+            engine.add_request(k, PROMPTS[k], GREEDY)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = [o.token_ids for o in out.outputs]
+        return done
+
+    alone = samples(tiny_engine())
+    config = tiny_model_config()
+    tight = make_engine(model=tiny_model(config), model_config=config,
+                        cache_config=CacheConfig(4, 12, torch.float32, num_cpu_blocks=64),
+                        scheduler_config=SchedulerConfig(16, 8, 256, preemption_mode=preemption_mode))
+    out = samples(tight)
+    assert tight.get_stats()["num_preemptions"] > 0
+    assert out["s"] == alone["s"] and len({tuple(t) for t in alone["s"]}) == 3
+
+
 def test_unseeded_sampling_follows_engine_seed():
     params = SamplingParams(temperature=1.0, max_tokens=12)
     a = generate(tiny_engine(seed=5), {"x": PROMPTS["p9"]}, params)["x"]

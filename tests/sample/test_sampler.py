@@ -426,6 +426,20 @@ def test_inverse_cdf_draw_never_takes_a_zero_weight_token():
         assert inverse_cdf_draw(w, torch.tensor([top])).tolist() == [3]
     nan = torch.full((1, 5), float("nan"))
     assert 0 <= inverse_cdf_draw(nan, torch.tensor([0.5])).item() < 5
+
+
+def test_inverse_cdf_draw_reaches_a_rare_token_in_a_large_vocabulary():
+    """A token of probability 1e-8 after half the mass: a float32 running sum (a quantum of
+    6e-8 at 0.5) never moves past it, so it could never be drawn; the float64 block sums
+    give it its interval [0.5, 0.5 + 1e-8) of the total."""
+    from kvflow.sample.sampler import inverse_cdf_draw
+
+    vocab = 151936
+    w = torch.zeros(3, vocab)
+    w[:, 0], w[:, 70000], w[:, vocab - 1] = 0.5, 1e-8, 0.5
+    total = 0.5 + float(torch.tensor(1e-8)) + 0.5
+    u = torch.tensor([(0.5 + 0.5e-8) / total, 0.4 / total, 0.6 / total], dtype=torch.float64)
+    assert inverse_cdf_draw(w, u).tolist() == [70000, 0, vocab - 1]
     weights = torch.tensor([[0.0, 2.0, 0.0, 6.0]])  # unnormalized weights
     assert inverse_cdf_draw(weights, torch.tensor([0.2])).tolist() == [1]
     assert inverse_cdf_draw(weights, torch.tensor([0.3])).tolist() == [3]
