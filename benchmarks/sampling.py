@@ -13,7 +13,7 @@ What it measures
 * **End to end** (``--e2e MODEL``): ``LLM.generate`` of ``--num-prompts`` requests (windows of
   real text, prompts of 128-384 tokens, 64-192 output tokens, ``ignore_eos``) with
   ``--max-num-seqs`` in flight, sampled with the ``--e2e-settings`` (default ``greedy``,
-  ``top-p`` and ``qwen``); output tok/s of the timed call (the model loaded and warmed up
+  ``top-p`` and ``qwen``; request i seeded with i, so that runs repeat); output tok/s of the timed call (the model loaded and warmed up
   first).
 
 Each checkout runs in its own subprocess (``PYTHONPATH=<checkout>``): with ``--baseline-repo
