@@ -195,8 +195,8 @@ def _top_k_top_p_(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     descending order (``topk``). A row with top_k <= that count has its whole top-k
     distribution among them; a row with top-p alone has its nucleus among them when their
     mass reaches top_p (every later token then has a mass before it >= top_p and is
-    dropped). The rows left over try 16 times as many candidates once, then a full sort
-    (``_sorted_filter_``).
+    dropped). The rows left over try 16 times as many candidates once, then all the
+    vocabulary (a sort).
     """
     vocab_size = probs.shape[-1]
     has_k = top_k < vocab_size
@@ -205,14 +205,10 @@ def _top_k_top_p_(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     while True:
         p, tk, tp, hk = (probs, top_k, top_p, has_k) if rows is None else \
             (probs[rows], top_k[rows], top_p[rows], has_k[rows])
-        if k * 4 >= vocab_size or k > 16 * first:  # a sort costs what more candidates would
-            _sorted_filter_(p, tk, tp)
-            if rows is not None:
-                probs[rows] = p
-            return
-        values, index = p.topk(k, dim=-1)  # descending
-        ranks = torch.arange(k, device=p.device).unsqueeze(0)
-        values = values.masked_fill(ranks >= tk.unsqueeze(1), 0.0)
+        whole = k * 4 >= vocab_size or k > 16 * first  # a sort costs what more candidates would
+        values, index = p.sort(dim=-1, descending=True) if whole else p.topk(k, dim=-1)  # descending
+        ranks = torch.arange(values.shape[-1], device=p.device).unsqueeze(0)
+        values = values.masked_fill_(ranks >= tk.unsqueeze(1), 0.0)
         # The candidates' probabilities: of the top-k distribution for a top_k row, else of
         # the whole row.
         cand = torch.where(hk.unsqueeze(1), values / values.sum(dim=-1, keepdim=True), values)
@@ -222,7 +218,7 @@ def _top_k_top_p_(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
         kept = cand.masked_fill_(remove, 0.0)
         kept.div_(kept.sum(dim=-1, keepdim=True))
         covered = hk | (cum[:, -1] >= tp)  # else: the nucleus is wider than the candidates
-        if bool(covered.all()):
+        if whole or bool(covered.all()):
             p.zero_().scatter_(1, index, kept)
             if rows is not None:
                 probs[rows] = p
@@ -235,26 +231,12 @@ def _top_k_top_p_(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
         k *= 16
 
 
-def _sorted_filter_(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
-    """Top-k then top-p over a full sort of each row of ``probs`` (float32 [R, V]), in place."""
-    vocab_size = probs.shape[-1]
-    sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab_size, device=probs.device).unsqueeze(0)
-    sorted_probs.masked_fill_(ranks >= top_k.unsqueeze(1), 0.0)
-    sorted_probs.div_(sorted_probs.sum(dim=-1, keepdim=True))  # the top-k distribution
-    # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-    remove = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p.unsqueeze(1)
-    remove[:, 0] = False
-    sorted_probs.masked_fill_(remove, 0.0)
-    sorted_probs.div_(sorted_probs.sum(dim=-1, keepdim=True))
-    probs.scatter_(1, sorted_idx, sorted_probs)  # (a permutation: every column written)
-
-
 def inverse_cdf_draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` (float32 [N, V], unnormalized weights >= 0): the first
     index whose cumulative weight exceeds u times the row's total, for ``u`` float64 [N] in
-    [0, 1) (the inverse-CDF method, as ``torch.multinomial`` draws one sample). Returns int64
-    [N].
+    [0, 1) (the inversion method: Devroye 1986, "Non-Uniform Random Variate Generation",
+    section III.2; ``torch.multinomial`` draws one sample so). Returns int64 [N]; raises
+    nothing (the shapes are the caller's).
 
     The search has two levels: the sums of blocks of ``DRAW_BLOCK`` columns, their cumulative
     sums in float64 and the block holding the target, then the float64 cumulative sums
