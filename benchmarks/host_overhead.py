@@ -19,9 +19,10 @@ for the functions named in ``PROFILE_FUNCTIONS`` and the top functions by own ti
 
 Each size of each checkout runs in a fresh process (``--child``), so that no size inherits
 the heap an earlier one left behind. The garbage collector is left as the offline ``LLM``
-leaves it (only ``kvflow serve`` freezes its startup heap, ``KVFLOW_GC_FREEZE``), so a full
-collection (~160 ms of this model's process) lands in one size's timed window or another:
-``--steps`` larger than the default spreads it as a long run does.
+leaves it: since 2026-12-06 an engine freezes the heap while it has requests in flight
+(``KVFLOW_GC_FREEZE``), so its full collections skip the startup heap; an older checkout's
+full collection (~160 ms of this model's process) lands in one size's timed window or
+another: ``--steps`` larger than the default spreads it as a long run does.
 
 With ``--baseline-repo PATH`` (a checkout of an older commit, e.g. ``git worktree add
 ../kvflow-base 8311660``) the same measurement runs first in a subprocess with

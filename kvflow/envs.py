@@ -36,7 +36,9 @@ Switches and when they are read:
   allocation.
 - ``KVFLOW_GC_FREEZE`` (bool; default on): ``kvflow serve``'s app, once started, collects and
   freezes the process's heap (``kvflow.utils.freeze_gc_heap``) and unfreezes it when it stops;
-  ``0`` leaves the garbage collector alone; read when the app starts.
+  an engine (``LLMEngine``, the offline ``LLM`` too) holds the heap frozen while it has
+  requests in flight (``kvflow.utils.hold_gc_freeze``); ``0`` leaves the garbage collector
+  alone; read when the app starts and when an engine is made.
 - ``KVFLOW_CPU_KERNEL_BUILD`` (str; default ``background``): how an engine on the CPU gets
   kernels that are not built yet (``kvflow.ops.build``): ``background`` builds them in a
   background thread while the PyTorch paths serve, and the engine switches to each kernel
@@ -165,8 +167,10 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("KVFLOW_GC_FREEZE", "bool", "1 (on)",
            "`kvflow serve`, once started, collects and then freezes its process's heap (`gc.freeze()`, as vLLM's "
            "server and engine processes do) so that the garbage collector's full collections no longer scan the "
-           "startup objects (a 150-350 ms stall each), and unfreezes it when it stops; the offline `LLM` leaves "
-           "the caller's collector alone; `0`: the server does too", _on_unless_zero),
+           "startup objects (a 150-350 ms stall each), and unfreezes it when it stops; an engine (the offline "
+           "`LLM` too) freezes the heap (no collection) from its first request in flight to its last one's end, "
+           "and unfreezes it then, so that what the caller drops between runs is collected as usual; `0`: "
+           "neither", _on_unless_zero),
     Switch("KVFLOW_CPU_KERNEL_BUILD", "str", "`background`",
            "`background`: an engine builds the C++ CPU kernels it lacks in a background thread while the "
            "PyTorch paths serve, and switches to each between two steps once built; `wait`: each is built on "

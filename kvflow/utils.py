@@ -1,5 +1,6 @@
 """Small helpers shared across kvflow: byte sizes as users write them, handing the C heap's
-free memory back to the OS, and keeping the startup heap out of Python's garbage collector."""
+free memory back to the OS, and keeping the long-lived heap out of Python's garbage collector
+(frozen while a server runs, or while an engine has requests in flight)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import functools
 import gc
 import re
 import sys
+import threading
 
 _UNITS = {
     "": 1, "b": 1,
@@ -93,7 +95,8 @@ def release_free_heap() -> bool:
 
 def freeze_gc_heap() -> int:
     """Collect, then move every object the cyclic garbage collector tracks into its permanent
-    generation (``gc.freeze()``), so that no later collection scans them again.
+    generation (``gc.freeze()``), so that no later collection scans them again; a hold of
+    the freeze (see ``hold_gc_freeze``) until ``unfreeze_gc_heap``.
 
     What it is for: once ``kvflow serve`` has started, its process holds hundreds of thousands
     of long-lived tracked objects (PyTorch's and transformers' modules, the model, the
@@ -105,31 +108,70 @@ def freeze_gc_heap() -> int:
     server and engine-core processes (``freeze_gc_heap`` in ``vllm/utils/gc_utils.py``).
     Objects frozen here are still freed by reference counting; only garbage held in reference
     cycles among them (a dropped model's parameters, a user's own cyclic data) waits for
-    ``unfreeze_gc_heap``: which is why the server's process, which holds one engine for its
-    whole life, freezes, and the offline ``LLM``, which runs in the caller's process, does not.
+    the unfreeze.
 
-    Any earlier freeze is undone first, so that the collection also reclaims what was dropped
-    in cycles since then; and the heap is unfrozen at the interpreter's exit (``atexit``), so
-    that its final collection still finalizes every object (extension modules such as
-    nanobind's report instances that never were).
+    Any earlier freeze is undone first (the holds stay counted), so that the collection also
+    reclaims what was dropped in cycles since then.
 
     Returns:
         The number of objects now frozen.
     """
-    global _unfreeze_at_exit
-    if not _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit = True
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
+    with _freeze_lock:
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+        _hold_locked()
     return gc.get_freeze_count()
 
 
-_unfreeze_at_exit = False
-
-
 def unfreeze_gc_heap() -> None:
-    """Undo ``freeze_gc_heap``: the frozen objects go back to the oldest generation, so that
-    the next full collection can reclaim those a shut-down engine left in reference cycles."""
-    gc.unfreeze()
+    """Undo ``freeze_gc_heap``: release its hold (``release_gc_freeze``); with no other hold
+    left the frozen objects go back to the oldest generation, so that the next full
+    collection can reclaim those a shut-down engine left in reference cycles."""
+    release_gc_freeze()
+
+
+def hold_gc_freeze() -> None:
+    """Freeze the heap (``gc.freeze()``, no collection: O(1)) for as long as a hold is kept.
+
+    Holds nest across the process: the first freezes, ``release_gc_freeze`` of the last
+    unfreezes (``gc.unfreeze()``, O(1)). An engine holds one while it has requests in
+    flight (``LLMEngine``, ``KVFLOW_GC_FREEZE``), so that the full collections its steps
+    trigger scan only what was made since its first request, not the whole startup heap
+    (see ``freeze_gc_heap`` for the cost), and lets go once its last request finishes, so
+    that the objects a caller drops in reference cycles between runs (a whole model) are
+    reclaimed as usual. Garbage made while a hold is kept is collected as usual; what was
+    garbage when the freeze began waits for the unfreeze. Thread-safe. The heap is
+    unfrozen at the interpreter's exit (``atexit``), so that its final collection still
+    finalizes every object (extension modules such as nanobind's report instances that
+    never were).
+    """
+    with _freeze_lock:
+        if _freeze_holds == 0:
+            gc.freeze()
+        _hold_locked()
+
+
+def release_gc_freeze() -> None:
+    """Give back one ``hold_gc_freeze`` (or ``freeze_gc_heap``); the last unfreezes the heap.
+    A release without a hold does nothing."""
+    global _freeze_holds
+    with _freeze_lock:
+        if _freeze_holds == 0:
+            return
+        _freeze_holds -= 1
+        if _freeze_holds == 0:
+            gc.unfreeze()
+
+
+def _hold_locked() -> None:
+    global _freeze_holds, _unfreeze_at_exit
+    if not _unfreeze_at_exit:
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit = True
+    _freeze_holds += 1
+
+
+_freeze_lock = threading.Lock()
+_freeze_holds = 0
+_unfreeze_at_exit = False

@@ -19,9 +19,12 @@ os.environ.setdefault("KVFLOW_CPU_KERNEL_BUILD", "wait")
 # the machine's other load must not change how a step runs (the thread governor has its own
 # tests, tests/test_cpu_threads.py, tests/engine/test_llm_engine.py).
 os.environ.setdefault("KVFLOW_CPU_ADAPTIVE_THREADS", "0")
-# In-process servers leave the garbage collector alone: the tests start dozens, and each
-# freeze's full collection of the test process's heap costs ~0.5 s (the freeze has its own
-# tests, tests/test_utils.py and tests/entrypoints/openai/test_server_tiny.py).
+# In-process servers and engines leave the garbage collector alone: the tests start dozens of
+# servers, and each freeze's full collection of the test process's heap costs ~0.5 s; an
+# engine a test drops with requests in flight would keep the heap frozen, and the engines
+# dropped after it in reference cycles with it (the freeze has its own tests,
+# tests/test_utils.py, tests/engine/test_llm_engine.py and
+# tests/entrypoints/openai/test_server_tiny.py).
 os.environ.setdefault("KVFLOW_GC_FREEZE", "0")
 
 import pytest

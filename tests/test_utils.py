@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvflow import utils
-from kvflow.utils import freeze_gc_heap, human_bytes, parse_bytes, release_free_heap, unfreeze_gc_heap
+from kvflow.utils import (
+    freeze_gc_heap,
+    hold_gc_freeze,
+    human_bytes,
+    parse_bytes,
+    release_free_heap,
+    release_gc_freeze,
+    unfreeze_gc_heap,
+)
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -115,4 +123,48 @@ def test_freeze_gc_heap_collects_first_freezes_the_rest_and_unfreeze_gives_it_ba
         freeze_gc_heap()
         assert again_ref() is None
     finally:
-        gc.unfreeze()
+        _release_every_hold()
+
+
+def test_gc_freeze_holds_nest_and_the_last_release_unfreezes():
+    """Holds nest: the first freezes (no collection), the last release unfreezes; the
+    server's ``freeze_gc_heap`` is one of them, so an engine going idle under a server
+    leaves the server's freeze in place."""
+    import gc
+    import weakref
+
+    try:
+        garbage = _Cycle()
+        garbage_ref = weakref.ref(garbage)
+        del garbage
+        hold_gc_freeze()
+        assert gc.get_freeze_count() > 0
+        gc.collect()
+        assert garbage_ref() is not None  # frozen without a collection first
+        hold_gc_freeze()
+        release_gc_freeze()
+        assert gc.get_freeze_count() > 0  # one hold left
+        release_gc_freeze()
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert garbage_ref() is None
+        release_gc_freeze()  # without a hold: nothing
+        assert gc.get_freeze_count() == 0
+        freeze_gc_heap()  # the server's
+        hold_gc_freeze()  # an engine's busy period
+        release_gc_freeze()
+        assert gc.get_freeze_count() > 0
+        unfreeze_gc_heap()
+        assert gc.get_freeze_count() == 0
+    finally:
+        _release_every_hold()
+
+
+def _release_every_hold() -> None:
+    import gc
+
+    import kvflow.utils
+
+    while kvflow.utils._freeze_holds:
+        release_gc_freeze()
+    gc.unfreeze()

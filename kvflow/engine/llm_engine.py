@@ -42,7 +42,8 @@ from kvflow.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputK
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, make_parallel_samples
 from kvflow.sampling_params import SamplingParams
-from kvflow.utils import release_free_heap
+from kvflow import envs
+from kvflow.utils import hold_gc_freeze, release_gc_freeze, release_free_heap
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,10 @@ class LLMEngine:
         self.eos_token_id = config.model.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
+        # While requests are in flight the heap is frozen (KVFLOW_GC_FREEZE; kvflow.utils.
+        # hold_gc_freeze): the steps' full collections skip the startup heap.
+        self._gc_freeze = bool(envs.read("KVFLOW_GC_FREEZE"))
+        self._gc_held = False
 
     @property
     def _states(self):
@@ -203,8 +208,21 @@ class LLMEngine:
         return SamplingParams(**{**self.generation_defaults, **overrides})
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers (a no-op without them)."""
+        """Stop tensor-parallel workers (a no-op without them); let go of the heap's freeze."""
+        self._release_heap(force=True)
         self.worker.shutdown()
+
+    def _hold_heap(self) -> None:
+        """Freeze the heap for the requests now in flight (once per busy period)."""
+        if self._gc_freeze and not self._gc_held:
+            hold_gc_freeze()
+            self._gc_held = True
+
+    def _release_heap(self, force: bool = False) -> None:
+        """Unfreeze the heap once no request is in flight (or at once with ``force``)."""
+        if self._gc_held and (force or not self.output_processor.request_states):
+            self._gc_held = False
+            release_gc_freeze()
 
     # ------------------------------------------------------------------ requests
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> None:
@@ -396,6 +414,7 @@ class LLMEngine:
         self.engine_core.add_request(request_id, samples)
         self.output_processor.add_request(request_id, [s.request_id for s in samples], prompt, prompt_token_ids,
                                           params, samples[0].arrival_time, output_kind)
+        self._hold_heap()
 
     def _resolve_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """``params``, or with ``max_tokens=None`` (vLLM's "until the context is full") a
@@ -413,6 +432,7 @@ class LLMEngine:
         self.engine_core.add_request(request_id, [request])
         self.output_processor.add_request(request_id, [request_id], prompt, prompt_token_ids, params,
                                           request.arrival_time)
+        self._hold_heap()
 
     def check_request_features(self, params: SamplingParams) -> None:
         """Check the text-level features of ``params`` against this engine.
@@ -469,6 +489,7 @@ class LLMEngine:
         if self.output_processor.abort_request(request_id) is None:
             return False
         self.engine_core.abort_request(request_id)
+        self._release_heap()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -514,6 +535,7 @@ class LLMEngine:
             failed.append(self._fail(request_id, exc, now))
         for request_id, exc in core.propose().items():
             failed.append(self._fail(request_id, exc, now))
+        self._release_heap()
         return outputs + [out for out in failed if out is not None]
 
     def _fail(self, request_id: str, exc: BaseException, now: float) -> RequestOutput | EmbeddingRequestOutput | None:

@@ -357,6 +357,65 @@ def test_duplicate_request_id_raises_and_keeps_the_original():
     assert run_to_completion(engine) == {"a": reference()["p3"]}
 
 
+# ---------------------------------------------------------------------------- the collector
+class _Cycle:
+    """An object in a reference cycle: only the cyclic garbage collector can free it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_the_heap_is_frozen_while_requests_are_in_flight(monkeypatch):
+    """KVFLOW_GC_FREEZE (conftest.py turns it off for the other tests): an engine holds the
+    heap frozen from its first request to its last one's end (finished or aborted), so the
+    collections of its steps skip the startup heap; garbage made meanwhile is still
+    collected, and what the freeze held is collected once it ends. Off, the collector is
+    left alone."""
+    import gc
+    import weakref
+
+    try:
+        monkeypatch.setenv("KVFLOW_GC_FREEZE", "1")
+        engine = tiny_engine()
+        assert gc.get_freeze_count() == 0  # idle: nothing frozen
+        before = _Cycle()
+        before_ref = weakref.ref(before)
+        engine.add_request("a", PROMPTS["p9"], GREEDY)
+        engine.add_request("b", PROMPTS["p17"], GREEDY)
+        assert gc.get_freeze_count() > 0
+        del before  # frozen garbage: waits for the end of the busy period
+        during = _Cycle()
+        during_ref = weakref.ref(during)
+        del during  # made while frozen: collected as usual
+        gc.collect()
+        assert before_ref() is not None and during_ref() is None
+        engine.step()
+        assert engine.abort_request("a") is True
+        assert gc.get_freeze_count() > 0  # "b" still runs
+        assert run_to_completion(engine) == {"b": reference()["p17"]}
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert before_ref() is None
+        engine.add_request("c", PROMPTS["p3"], GREEDY)  # a second busy period
+        assert gc.get_freeze_count() > 0
+        assert engine.abort_request("c") is True
+        assert gc.get_freeze_count() == 0
+        engine.add_request("d", PROMPTS["p3"], GREEDY)
+        engine.shutdown()  # lets go too
+        assert gc.get_freeze_count() == 0
+        monkeypatch.setenv("KVFLOW_GC_FREEZE", "0")
+        engine = tiny_engine()
+        engine.add_request("a", PROMPTS["p3"], GREEDY)
+        assert gc.get_freeze_count() == 0
+        assert run_to_completion(engine) == {"a": reference()["p3"]}
+    finally:
+        import kvflow.utils
+
+        while kvflow.utils._freeze_holds:
+            kvflow.utils.release_gc_freeze()
+        gc.unfreeze()
+
+
 # ---------------------------------------------------------------------------- abort
 def test_abort_frees_blocks_at_once():
     engine = tiny_engine(num_blocks=32, block_size=4, max_num_seqs=1)

@@ -1317,7 +1317,8 @@ def test_a_stream_of_n_choices_finishes_each_once(http, path, body):
 def test_the_server_freezes_its_startup_heap_and_unfreezes_it_when_it_stops(monkeypatch):
     """KVFLOW_GC_FREEZE (on by default; conftest.py turns it off for the other tests): the
     app's start collects and freezes the heap, requests are served, its stop unfreezes it;
-    with the switch off the collector is left alone. The offline engine never freezes."""
+    with the switch off the collector is left alone. (The engine's own freeze while requests
+    are in flight: tests/engine/test_llm_engine.py.)"""
     import gc
 
     try:
