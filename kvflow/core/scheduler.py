@@ -141,9 +141,24 @@ class Scheduler:
 
     def _enqueue(self, request: Request) -> None:
         """Insert by (priority, arrival); a preempted request keeps its arrival, so it goes
-        back ahead of everything that arrived after it."""
-        keys = [self._queue_key(r) for r in self.waiting]
-        self.waiting.insert(bisect.bisect_right(keys, self._queue_key(request)), request)
+        back ahead of everything that arrived after it. O(log n) comparisons: a new arrival
+        under fcfs goes at the end, anything else by bisection (``waiting`` is kept sorted
+        by ``_queue_key``, whose arrival part makes every key distinct)."""
+        waiting, key = self.waiting, self._queue_key(request)
+        if not waiting or self._queue_key(waiting[-1]) <= key:
+            waiting.append(request)
+        else:
+            waiting.insert(bisect.bisect_right(waiting, key, key=self._queue_key), request)
+
+    def _remove_waiting(self, request: Request) -> bool:
+        """Take ``request`` out of ``waiting`` (found by bisection on its key); False when
+        it is not there."""
+        waiting = self.waiting
+        i = bisect.bisect_left(waiting, self._queue_key(request), key=self._queue_key)
+        if i < len(waiting) and waiting[i] is request:
+            del waiting[i]
+            return True
+        return False
 
     def abort_request(self, request_id: str) -> Request | None:
         """Remove a request wherever it is and free its blocks (device and host) at once.
@@ -161,8 +176,8 @@ class Scheduler:
         # carry a finished status while still in the running list.
         if request in self.running:
             self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+        elif self._remove_waiting(request):
+            pass
         elif request.fork_parent is not None and request in request.fork_parent.pending_forks:
             request.fork_parent.pending_forks.remove(request)  # a parallel sample not forked yet
         self.kv_cache_manager.free(request)
@@ -333,7 +348,7 @@ class Scheduler:
                     break  # nobody passes it any more
                 request.num_skips += 1
                 continue
-            self.waiting.remove(request)
+            self._remove_waiting(request)
             if lora is not None:
                 adapters.add(lora.lora_int_id)
             request.status = RequestStatus.RUNNING

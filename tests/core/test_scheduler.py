@@ -421,6 +421,42 @@ def test_abort_running_and_waiting_frees_blocks_at_once():
     assert sched.schedule().is_empty
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_long_waiting_queue_costs_log_n_keys_per_add_and_abort(policy, monkeypatch):
+    """Adding or aborting one of n waiting requests looks at O(log n) queue keys, not all n
+    (a server body of 20,000 prompts held the engine thread for a minute while each add
+    rebuilt every key); the queue stays in (priority, arrival) order through adds, aborts
+    from its middle and admissions, and requests are admitted in that order."""
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2, max_model_len=256, policy=policy)
+    sched = Scheduler(config, KVCacheManager(64, 4))
+    key = sched._queue_key
+    calls = Counter()
+
+    def counted(request):
+        calls["keys"] += 1
+        return key(request)
+
+    monkeypatch.setattr(sched, "_queue_key", counted)
+    n = 2000
+    order = {}  # request id -> (priority, arrival)
+    for i in range(n):
+        request = make_request(f"r{i}", 3, max_tokens=1)
+        request.priority = (i * 7919) % 13 if policy == "priority" else 0
+        sched.add_request(request)
+        order[request.request_id] = (request.priority, i)
+    for i in range(0, n, 3):
+        assert sched.abort_request(f"r{i}") is not None
+        del order[f"r{i}"]
+    assert calls["keys"] < 40 * n  # ~14 a request here; the O(n) version made ~n * n / 2
+    keys = [key(r) for r in sched.waiting]
+    assert keys == sorted(keys) and {r.request_id for r in sched.waiting} == set(order)
+    admitted = []
+    while sched.has_unfinished_requests():
+        out, _ = step(sched)
+        admitted += [d.request_id for d in out.scheduled_new_reqs]
+    assert admitted == sorted(order, key=order.get)
+
+
 def test_duplicate_request_id_raises():
     sched = make_scheduler()
     sched.add_request(make_request("a", 3))

@@ -44,6 +44,10 @@ from kvflow.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+# Prompts per request (a list of prompts in /v1/completions, a list of inputs in
+# /v1/embeddings): OpenAI's limit for an array input ("2048 dimensions or less"); each is one
+# engine request, so that one body cannot fill the queue by itself.
+MAX_PROMPTS = 2048
 
 
 def _bad_request(exc: ValueError) -> APIError:
@@ -448,11 +452,20 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ completions
     def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+        """(token ids, text or None) per prompt of ``req``.
+
+        Raises:
+            APIError: 400 naming ``prompt`` for an empty one or a list of more than
+                ``MAX_PROMPTS`` prompts.
+        """
         p = req.prompt
         if isinstance(p, str):
             return [(self.tokenizer.encode(p), p)]
         if not p:
             raise APIError(400, "prompt must not be empty", "BadRequestError", "prompt")
+        if not isinstance(p[0], int) and len(p) > MAX_PROMPTS:
+            raise APIError(400, f"prompt has {len(p)} prompts; at most {MAX_PROMPTS} per request", "BadRequestError",
+                           "prompt")
         if all(isinstance(x, int) for x in p):
             return [(list(p), None)]
         if all(isinstance(x, str) for x in p):

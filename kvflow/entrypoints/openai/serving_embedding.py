@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import Field
 
 from kvflow.entrypoints.openai.protocol import INT64_MAX, INT64_MIN, _Body
-from kvflow.entrypoints.openai.serving import APIError, OpenAIServing, _bad_request
+from kvflow.entrypoints.openai.serving import MAX_PROMPTS, APIError, OpenAIServing, _bad_request
 from kvflow.pooling_params import PoolingParams
 
 
@@ -58,8 +58,8 @@ class EmbeddingRequest(_Body):
 
 
 # Inputs per request: OpenAI's limit ("any array must be 2048 dimensions or less"); each input
-# is one engine request, so one body cannot hold the engine for long.
-MAX_INPUTS = 2048
+# is one engine request, so one body cannot hold the engine for long (as prompts, MAX_PROMPTS).
+MAX_INPUTS = MAX_PROMPTS
 
 
 def _prompts(serving: OpenAIServing, req: EmbeddingRequest) -> list[tuple[list[int], str | None]]:

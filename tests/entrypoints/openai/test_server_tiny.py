@@ -310,6 +310,21 @@ def test_a_trailing_slash_is_the_same_path(http):
     assert http.get("/v1/models/").status_code == 200
 
 
+def test_the_number_of_prompts_is_bounded(server, http):
+    """A list of 20,000 prompts was accepted (the engine thread held for a minute while they
+    queued): at most MAX_PROMPTS, as the embeddings' inputs; token ids of one prompt are one."""
+    from kvflow.entrypoints.openai.serving import MAX_PROMPTS
+
+    for prompt in (["a b"] * (MAX_PROMPTS + 1), [[5, 6]] * 10_000):
+        err = _assert_error(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}), 400, "prompt")
+        assert str(MAX_PROMPTS) in err["message"], err
+    assert server.engine.get_stats()["num_waiting"] == 0
+    r = http.post("/v1/completions", json={"prompt": [5] * 40, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = http.post("/v1/completions", json={"prompt": [[5, 6]] * 3, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3, r.text
+
+
 def test_streamed_completion_chunks_carry_text(http):
     """A token that is only part of a character (the tiny tokenizer is byte-level) sent a
     chunk with ``"text": ""``; now every chunk but the last has text."""
