@@ -1,5 +1,5 @@
 """``POST /v1/messages``: a Messages API request runs as the chat request it means
-(``protocol.to_chat_fields``, ``OpenAIServing.start_chat_from``: chat template, tools, forced
+(``protocol.to_chat_fields``, ``OpenAIServing.start_translated_chat``: chat template, tools, forced
 tool calls by guided decoding, tool and reasoning parsers); its output is rendered as
 Anthropic content blocks (``thinking``, ``text``, ``tool_use``) whole or as Anthropic's SSE
 events (``message_start``, ``content_block_start``, ``content_block_delta`` with

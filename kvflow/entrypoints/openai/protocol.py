@@ -168,6 +168,11 @@ FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "min_tokens": (0,), "ignore_eos": (False,), "logprobs": (False, 0), "stop_token_ids": ([],),
     "top_k": (-1, 0), "min_p": (0, 0.0), "response_format": ({"type": "text"},), "stop_sequences": ([],),
+    "max_tokens": (), "max_completion_tokens": (), "top_logprobs": (0,), "echo": (False,),
+    # vLLM's request fields that only its completions / chat bodies here declare
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
+    "bad_words": ([],), "allowed_token_ids": (), "priority": (0,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "truncate_prompt_tokens": (),
 }  # fmt: skip
 
 

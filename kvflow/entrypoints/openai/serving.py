@@ -59,12 +59,19 @@ def _bad_request(exc: ValueError) -> APIError:
     return APIError(400, message, "BadRequestError", param)
 
 
+class _ClientFieldError(APIError):
+    """An error about a field as the client sent it to another API's endpoint (not renamed
+    by ``_renamed``: ``stop`` sent to /v1/messages is ``stop``, not ``stop_sequences``)."""
+
+
 @contextlib.contextmanager
 def _renamed(renames: dict[str, str]) -> Iterator[None]:
     """An ``APIError`` raised inside names the other API's field (``renames``: chat field ->
     that field)."""
     try:
         yield
+    except _ClientFieldError:
+        raise
     except APIError as exc:
         if exc.param in renames:
             exc.message = exc.message.replace(exc.param, renames[exc.param])
@@ -677,13 +684,14 @@ class OpenAIServing:
         or Anthropic messages body) means.
 
         Raises:
-            APIError: 400 naming the field ``req`` does not implement, or the one whose
-                translation failed (a ValueError whose message starts with the field's
-                name), or the chat field the translation does not validate as.
+            APIError: 400 naming the field ``req`` does not implement (as the client named
+                it: checked before ``renames`` apply), or the one whose translation failed
+                (a ValueError whose message starts with the field's name), or the chat
+                field the translation does not validate as.
         """
         unsupported = req.unsupported_field()
         if unsupported is not None:
-            raise APIError(400, unsupported[1], "BadRequestError", unsupported[0])
+            raise _ClientFieldError(400, unsupported[1], "BadRequestError", unsupported[0])
         try:
             fields = to_chat_fields(req)
         except ValueError as exc:
@@ -720,23 +728,6 @@ class OpenAIServing:
             chat = self.translate_chat(req, to_chat_fields)
             self.check_request(chat)
             return len(await self.engine.run_off_loop(self._chat_prompt, chat))
-
-    async def start_chat_from(self, fields: dict[str, Any], renames: dict[str, str]) -> ChatRun:
-        """Queue a request of another API (responses, Anthropic messages) as the chat request
-        ``fields`` describe; an error names the other API's field (``renames``: chat field
-        -> that field).
-
-        Raises:
-            APIError: as ``start_chat``, with the field renamed.
-        """
-        with _renamed(renames):
-            try:
-                req = ChatCompletionRequest.model_validate(fields)
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                loc = ".".join(str(x) for x in first["loc"])
-                raise APIError(400, f"{loc}: {first['msg']}", "BadRequestError", str(first["loc"][0])) from None
-            return await self.start_chat(req)
 
     def _chat_logprobs(self, token_ids: list[int], entries: list[dict[int, float]], top_k: int) -> dict[str, Any]:
         content = []

@@ -1,7 +1,7 @@
 """``POST /v1/responses``: OpenAI's Responses API, stateless.
 
 A request is turned into the chat request it means (``to_chat_fields``) and runs as one
-(``OpenAIServing.start_chat_from``: the chat template, tools, forced tool calls by guided
+(``OpenAIServing.start_translated_chat``: the chat template, tools, forced tool calls by guided
 decoding, the tool and reasoning parsers); its output is rendered as Responses output items
 (``reasoning``, ``message`` with ``output_text``, ``function_call``), whole or as the
 Responses streaming events (``response.created``, ``response.output_item.added``,

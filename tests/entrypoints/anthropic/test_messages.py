@@ -180,6 +180,16 @@ def test_errors_are_anthropic_shaped(client, served):
     ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
     ({"messages": [*MSG, {"role": "assistant", "content": "It is"}]}, "prefill"),
     ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    # other APIs' fields that change the output were logged and dropped (200 with the regex
+    # unmet); a refusal names the field as the client sent it (``stop`` was named
+    # "stop_sequences", ``response_format`` "output_config")
+    ({"guided_regex": "a+"}, "guided_regex is not supported"), ({"guided_choice": ["a"]}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"), ({"max_completion_tokens": 1}, "max_completion_tokens"),
+    ({"bad_words": ["x"]}, "bad_words"), ({"allowed_token_ids": [5]}, "allowed_token_ids"), ({"priority": 3}, "priority"),
+    ({"echo": True}, "echo"), ({"top_logprobs": 3}, "top_logprobs"), ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"stop": ["x"]}, "stop is not supported"), ({"response_format": {"type": "json_object"}}, "response_format is not"),
     # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
     ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools holds 2000 tools; at most 128"),
 ])  # fmt: skip

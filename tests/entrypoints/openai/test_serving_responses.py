@@ -193,6 +193,14 @@ def test_json_schema_text_format(client, script):
     ({"input": [{"type": "file_search_call", "id": "x"}]}, "input", "'file_search_call'"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice", "'file_search'"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens must be at least 1"),
+    # other APIs' fields that change the output were logged and dropped (200 with 12 tokens
+    # for max_tokens 1)
+    ({"max_tokens": 1}, "max_tokens", "max_tokens is not supported"),
+    ({"max_completion_tokens": 1}, "max_completion_tokens", "max_completion_tokens is not supported"),
+    ({"guided_regex": "a+"}, "guided_regex", "guided_regex"), ({"guided_json": {}}, "guided_json", "guided_json"),
+    ({"bad_words": ["x"]}, "bad_words", "bad_words"), ({"priority": 2}, "priority", "priority"),
+    ({"allowed_token_ids": [5]}, "allowed_token_ids", "allowed_token_ids"), ({"echo": True}, "echo", "echo"),
+    ({"skip_special_tokens": False}, "skip_special_tokens", "skip_special_tokens"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
     # text.verbosity changes the output (was silently dropped; chat's verbosity is refused)
     ({"text": {"verbosity": "low"}}, "text", "text.verbosity is not supported"),
