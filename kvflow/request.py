@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, generator_seed
 
 if TYPE_CHECKING:
     from kvflow.pooling_params import PoolingParams
@@ -139,7 +139,7 @@ class Request:
         self.generator: torch.Generator | None = None
         if seed is not None:
             self.generator = torch.Generator()
-            self.generator.manual_seed(seed)
+            self.generator.manual_seed(generator_seed(seed))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -453,6 +453,34 @@ _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_TINY = 1.1754943508222875e-38
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def generator_seed(seed: int) -> int:
+    """The seed a request's CPU ``torch.Generator`` is given for ``SamplingParams.seed``.
+
+    PyTorch's CPU generator (Mersenne Twister) keeps only the low 32 bits of its seed
+    (``mt19937``'s ``init_with_uint32``), so seeds ``s`` and ``s + 2**32`` (or ``-1`` and
+    ``2**63 - 1``) drew the same numbers. Seeds in [0, 2**32) are used as given (their samples
+    are unchanged); any other is first mixed by splitmix64 (Steele, Lea and Flood 2014, "Fast
+    splittable pseudorandom number generators", the ``mix64`` finalizer) over its 64-bit
+    two's-complement value, so that two seeds meet only by chance (2**-32 a pair), never by
+    such a pattern.
+
+    Args:
+        seed: an integer in [-2**63, 2**63) (``SamplingParams`` checks it).
+
+    Returns:
+        An integer in [0, 2**32).
+    """
+    if 0 <= seed < 1 << 32:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
 def _check_number(name: str, value: object, finite: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")

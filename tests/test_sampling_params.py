@@ -288,3 +288,27 @@ def test_numpy_scalars_are_accepted_as_python_numbers():
 def test_wrong_types_are_still_refused_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field} "):
         SamplingParams(**kwargs)
+
+
+def test_seeds_that_agree_in_their_low_32_bits_draw_different_numbers():
+    """PyTorch's CPU generator keeps a seed's low 32 bits: seeds s and s + 2**32, or -1 and
+    2**63 - 1, drew the same samples (found serving with seed -1 and 2**63 - 1). Seeds in
+    [0, 2**32) keep their numbers; the others are mixed first, into [0, 2**32)."""
+    import torch
+
+    from kvflow.request import Request
+    from kvflow.sampling_params import generator_seed
+
+    def draws(seed: int) -> list[float]:
+        request = Request("r", [1, 2], SamplingParams(temperature=1.0, seed=seed), None)
+        return torch.rand(4, generator=request.generator).tolist()
+
+    for seed in (0, 1, 12345, 2**32 - 1):
+        assert generator_seed(seed) == seed
+        assert draws(seed) == torch.rand(4, generator=torch.Generator().manual_seed(seed)).tolist()
+    pairs = [(0, 2**32), (1, 2**32 + 1), (-1, 2**63 - 1), (0, -(2**63)), (5, 5 + 2**40), (-1, 2**32 - 1)]
+    for a, b in pairs:
+        assert draws(a) != draws(b), (a, b)
+    extremes = [-(2**63), -(2**32), -1, 2**32, 2**40 + 3, 2**63 - 1]
+    mapped = [generator_seed(s) for s in extremes]
+    assert all(0 <= m < 2**32 for m in mapped) and len(set(mapped)) == len(extremes)

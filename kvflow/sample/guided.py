@@ -28,6 +28,22 @@ def _llguidance():
     return llguidance
 
 
+def json_schema_error(schema: Any) -> str | None:
+    """llguidance's complaint about ``schema`` (a JSON-schema dict) as a constraint, checked
+    without a tokenizer (``LLMatcher.validate_grammar``), or None when it compiles (or the
+    installed llguidance has no such check)."""
+    matcher_cls = _llguidance().LLMatcher
+    validate = getattr(matcher_cls, "validate_grammar", None)
+    if validate is None:  # pragma: no cover - llguidance before validate_grammar
+        return None
+    try:
+        return validate(matcher_cls.grammar_from_json_schema(json.dumps(schema))) or None
+    except RecursionError:
+        return "nested too deeply"
+    except Exception as exc:  # noqa: BLE001 - the grammar engine's refusal of this schema
+        return f"{type(exc).__name__}: {exc}"
+
+
 _BIT = torch.arange(32, dtype=torch.int32)
 
 

@@ -27,7 +27,7 @@ from kvflow.config import CacheConfig
 from kvflow.core.kv_cache_manager import KVCacheManager
 from kvflow.core.sched_output import RunnerStateTracker, SchedulerOutput
 from kvflow.request import Request
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, generator_seed
 from kvflow.sample.rejection_sampler import processed_probs
 from kvflow.spec_decode.ngram import max_drafts
 
@@ -88,7 +88,7 @@ class DraftModelProposer:
             generator = None
             if request.sampling_params.seed is not None:
                 generator = torch.Generator()
-                generator.manual_seed(request.sampling_params.seed)
+                generator.manual_seed(generator_seed(request.sampling_params.seed))
             seq = _DraftSequence(request.request_id, list(request.prompt_token_ids), list(request.all_token_ids),
                                  request.sampling_params, request.eos_token_id, request.bad_words_token_ids, generator)
             self._seqs[request.request_id] = seq

@@ -35,7 +35,7 @@ from kvflow.entrypoints.openai.reasoning import get_reasoning_parser
 from kvflow.entrypoints.openai.tool_parsers import (
     JSONArrayToolParser, NamedFunctionParser, ToolParser, detect_tool_parser, get_tool_parser,
 )  # fmt: skip
-from kvflow.entrypoints.openai.tools import template_tools, tool_call_structural_tag
+from kvflow.entrypoints.openai.tools import template_tools, tool_call_structural_tag, tool_schema_error
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import RequestOutput
 from kvflow.pooling_params import PoolingParams
@@ -669,6 +669,10 @@ class OpenAIServing:
         tag = self._tool_call_constraint(req, params)
         if tag is not None:
             params = dataclasses.replace(params, structural_tag=tag)
+        elif req.tools:  # their schemas are not compiled into a constraint: checked alone
+            error = await self.engine.run_off_loop(tool_schema_error, req.tools)
+            if error is not None:
+                raise APIError(400, error, "BadRequestError", "tools")
         try:
             (iterator,) = await self._add([(ids, None)], params, "messages", req.priority, self.lora_for(req.model))
         except APIError as exc:

@@ -53,6 +53,20 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) ->
         raise ValueError(f"tool_choice names the function {tool_choice.function.name!r}, which is not in tools")
 
 
+def tool_schema_error(tools: list[ChatTool] | None) -> str | None:
+    """The first tool whose ``parameters`` the grammar engine refuses as a JSON schema,
+    described, or None. For a request whose calls are not constrained (its own
+    ``response_format``, ``tool_choice: "none"``, a parser without call forms): a schema
+    the calls' constraint would compile is checked when that is built."""
+    from kvflow.sample.guided import json_schema_error
+
+    for i, tool in enumerate(tools or []):
+        error = json_schema_error({**_parameters(tool), "x-guidance": _GUIDANCE})
+        if error is not None:
+            return f"tools[{i}].function.parameters is not a usable JSON schema: {error}"
+    return None
+
+
 def _choice_text(tool_choice: ToolChoice) -> str:
     return repr(tool_choice) if isinstance(tool_choice, str) else f"{{'function': {{'name': {tool_choice.function.name!r}}}}}"
 

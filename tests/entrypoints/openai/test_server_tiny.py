@@ -619,6 +619,19 @@ def test_more_than_128_tools_are_400_naming_tools_and_the_limit(server, http, to
     assert server.engine.is_healthy
 
 
+@pytest.mark.parametrize("extra", [{"response_format": {"type": "json_object"}}, {"tool_choice": "none"},
+                                   {"guided_regex": "[a-z]+"}, {}], ids=["response_format", "none", "guided", "auto"])
+def test_a_tool_schema_the_grammar_engine_refuses_is_400_naming_tools(server, http, extra):
+    """A tool whose parameters are no JSON schema ("type": "objectx") was refused under
+    tool_choice "auto" (its calls' constraint compiles it) and accepted with 200 where no
+    constraint compiles it (the request's own response_format, tool_choice "none")."""
+    tools = [_TOOL, {"type": "function", "function": {"name": "bad", "parameters": {"type": "objectx"}}}]
+    err = _assert_error(http.post(CH, json={"messages": MSG, "max_tokens": 2, "tools": tools, **extra}), 400, "tools")
+    assert "objectx" in err["message"], err
+    r = http.post(CH, json={"messages": MSG, "max_tokens": 2, "tools": [_TOOL], "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+
+
 def test_ignore_eos_with_tools_under_auto_is_served(http):
     """tool_choice "auto" leaves the text free (a structural tag): ignore_eos holds (the
     grammar took the first EOS as its end before), and so does min_tokens."""
