@@ -169,6 +169,8 @@ FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
     "min_tokens": (0,), "ignore_eos": (False,), "logprobs": (False, 0), "stop_token_ids": ([],),
     "top_k": (-1, 0), "min_p": (0, 0.0), "response_format": ({"type": "text"},), "stop_sequences": ([],),
     "max_tokens": (), "max_completion_tokens": (), "top_logprobs": (0,), "echo": (False,),
+    "max_output_tokens": (), "text": ({"format": {"type": "text"}},), "output_config": ({},), "instructions": (),
+    "system": (), "reasoning": ({},),
     # vLLM's request fields that only its completions / chat bodies here declare
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "bad_words": ([],), "allowed_token_ids": (), "priority": (0,), "include_stop_str_in_output": (False,),

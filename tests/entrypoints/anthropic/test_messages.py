@@ -190,6 +190,8 @@ def test_errors_are_anthropic_shaped(client, served):
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"stop": ["x"]}, "stop is not supported"), ({"response_format": {"type": "json_object"}}, "response_format is not"),
+    ({"text": {"format": {"type": "json_object"}}}, "text is not"), ({"max_output_tokens": 1}, "max_output_tokens"),
+    ({"instructions": "Be brief."}, "instructions is not"),
     # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
     ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools holds 2000 tools; at most 128"),
 ])  # fmt: skip

@@ -201,6 +201,8 @@ def test_json_schema_text_format(client, script):
     ({"bad_words": ["x"]}, "bad_words", "bad_words"), ({"priority": 2}, "priority", "priority"),
     ({"allowed_token_ids": [5]}, "allowed_token_ids", "allowed_token_ids"), ({"echo": True}, "echo", "echo"),
     ({"skip_special_tokens": False}, "skip_special_tokens", "skip_special_tokens"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "integer"}}}}, "output_config",
+     "output_config is not supported"), ({"system": "Be brief."}, "system", "system is not supported"),
     ({"tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
     # text.verbosity changes the output (was silently dropped; chat's verbosity is refused)
     ({"text": {"verbosity": "low"}}, "text", "text.verbosity is not supported"),
