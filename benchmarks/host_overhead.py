@@ -12,8 +12,10 @@ time, steps per second of the process's CPU time (``CPU steps/s``, all its threa
 shared machine the time other processes held the core is not in it; with ``--threads 1`` it
 is the step's own work), the model forward's time (a forward pre/post hook on the runner's
 model), the LM head's (``compute_logits``), and the share of the step outside the model forward (the
-engine's host work with the sampler: scheduling, input preparation, sampling, outputs) and
-"host ms", the step less the forward and the LM head. Then a cProfile pass
+engine's host work with the sampler: scheduling, input preparation, sampling, outputs),
+"host ms", the step less the forward and the LM head, and "GC ms", the garbage collector's
+part of it (``gc.callbacks``; "longest GC ms": its longest collection, a full one's stall).
+Then a cProfile pass
 of ``--profile-steps`` steps splits the host work by function (ms per step, cumulative),
 for the functions named in ``PROFILE_FUNCTIONS`` and the top functions by own time.
 
@@ -198,6 +200,25 @@ class ForwardTimer:
         self.forward_s = self.lm_head_s = 0.0
 
 
+class CollectorTimer:
+    """A ``gc.callbacks`` entry: the seconds spent in the garbage collector's collections,
+    the longest one, and how many of each generation ran."""
+
+    def __init__(self) -> None:
+        self.seconds = self.longest = 0.0
+        self.counts = {0: 0, 1: 0, 2: 0}
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        took = time.perf_counter() - self._t0
+        self.seconds += took
+        self.longest = max(self.longest, took)
+        self.counts[info["generation"]] += 1
+
+
 def _profile(engine, steps: int) -> dict:
     import cProfile
     import pstats
@@ -259,11 +280,14 @@ def run_child(args: argparse.Namespace) -> dict:
         for _ in range(args.warmup):
             engine.step()
         timer.reset()
+        collector = CollectorTimer()
+        gc.callbacks.append(collector)
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             engine.step()
         wall = time.perf_counter() - t0
         cpu = time.process_time() - c0
+        gc.callbacks.remove(collector)
         step_ms = 1000 * wall / args.steps
         forward_ms = 1000 * timer.forward_s / args.steps
         lm_head_ms = 1000 * timer.lm_head_s / args.steps
@@ -281,6 +305,10 @@ def run_child(args: argparse.Namespace) -> dict:
             "outside_forward_share": (step_ms - forward_ms) / step_ms,
             # the engine's host work: neither the decoder forward nor the LM head
             "host_ms": step_ms - forward_ms - lm_head_ms,
+            # the garbage collector's own time in the timed steps (part of the host work)
+            "gc_ms": 1000 * collector.seconds / args.steps,
+            "gc_longest_ms": 1000 * collector.longest,
+            "gc_collections": collector.counts,
             "attention_backend": getattr(runner, "attention_backend", None).name
             if getattr(runner, "attention_backend", None) is not None else None,
         }
@@ -363,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     best_cpu = {name: {size: max((r["sizes"][size].get("cpu_steps_per_s") or 0.0 for r in rs), default=0.0) or None
                        for size in rs[0]["sizes"]} for name, rs in runs.items()}
     headers = ["checkout", "seqs", "steps/s", "step ms", "forward ms", "LM head ms", "outside fwd ms",
-               "outside share", "host ms", "x baseline", "host x", "CPU steps/s", "CPU x"]
+               "outside share", "host ms", "GC ms", "longest GC ms", "x baseline", "host x", "CPU steps/s", "CPU x"]
     rows = []
     for size in (str(n) for n in args.size_list):
         for name in checkouts:
@@ -378,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
                 cpu_ratio = cpu_rate / base_cpu if cpu_rate and base_cpu else None
             rows.append([name, int(size), e["steps_per_s"], e["step_ms"], e["forward_ms"], e["lm_head_ms"],
                          e["outside_forward_ms"], f"{100 * e['outside_forward_share']:.0f} %", e["host_ms"],
+                         e.get("gc_ms"), e.get("gc_longest_ms"),
                          f"{ratio:.2f}x" if ratio is not None else None,
                          f"{host_ratio:.2f}x" if host_ratio is not None else None,
                          cpu_rate, f"{cpu_ratio:.2f}x" if cpu_ratio is not None else None])

@@ -34,3 +34,24 @@ def test_compare_repos_are_labelled_and_checked(tmp_path):
                 [f"main={tmp_path}", f"main={tmp_path}"]):
         with pytest.raises(SystemExit):
             parse_args([a for entry in bad for a in ("--compare-repo", entry)])
+
+
+def test_the_collector_timer_counts_each_collection_and_its_time():
+    import gc
+    import time
+
+    from benchmarks.host_overhead import CollectorTimer
+
+    timer = CollectorTimer()
+    gc.callbacks.append(timer)
+    try:
+        gc.collect(0)
+        gc.collect(2)
+    finally:
+        gc.callbacks.remove(timer)
+    assert timer.counts == {0: 1, 1: 0, 2: 1}
+    assert 0 < timer.longest <= timer.seconds
+    timer("start", {"generation": 1})
+    time.sleep(0.01)
+    timer("stop", {"generation": 1, "collected": 0, "uncollectable": 0})
+    assert timer.counts[1] == 1 and timer.longest >= 0.01
