@@ -181,10 +181,10 @@ class Scheduler:
         # carry a finished status while still in the running list.
         if request in self.running:
             self.running.remove(request)
-        elif self._remove_waiting(request):
-            pass
-        elif request.fork_parent is not None and request in request.fork_parent.pending_forks:
-            request.fork_parent.pending_forks.remove(request)  # a parallel sample not forked yet
+        elif not self._remove_waiting(request):
+            parent = request.fork_parent
+            if parent is not None and request in parent.pending_forks:
+                parent.pending_forks.remove(request)  # a parallel sample not forked yet
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         if self._runner_state.forget(request_id):

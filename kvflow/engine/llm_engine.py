@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow import envs
 from kvflow.config import EngineConfig
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.core import EngineCore
@@ -42,7 +43,6 @@ from kvflow.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputK
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, make_parallel_samples
 from kvflow.sampling_params import SamplingParams
-from kvflow import envs
 from kvflow.utils import hold_gc_freeze, release_gc_freeze, release_free_heap
 
 logger = logging.getLogger(__name__)

@@ -669,7 +669,7 @@ class OpenAIServing:
         tag = self._tool_call_constraint(req, params)
         if tag is not None:
             params = dataclasses.replace(params, structural_tag=tag)
-        elif req.tools:  # their schemas are not compiled into a constraint: checked alone
+        elif req.tools:  # no call constraint of theirs built here: their schemas checked alone
             error = await self.engine.run_off_loop(tool_schema_error, req.tools)
             if error is not None:
                 raise APIError(400, error, "BadRequestError", "tools")
