@@ -275,7 +275,9 @@ def stream_reply(llm, prompt: dict[str, Any], params, out=None) -> tuple[str, bo
 def _cmd_chat(args: argparse.Namespace) -> int:
     """An interactive conversation. Ctrl-C during a reply stops that reply and keeps the
     conversation (with the part of the reply that was shown); an empty line is ignored;
-    Ctrl-D, or Ctrl-C twice in a row at the prompt, quits."""
+    Ctrl-D, or Ctrl-C twice in a row at the prompt, quits. A conversation that outgrows the
+    context lets go of its oldest exchanges (the system message stays); a turn too long by
+    itself is refused with the engine's message and the session goes on."""
     from kvflow import LLM
 
     params = _sampling_params(args)
@@ -302,7 +304,21 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         if not user.strip():
             continue
         history.append({"role": "user", "content": user})
-        text, stopped = stream_reply(llm, {"prompt_token_ids": llm.apply_chat_template(history)}, params)
+        first = 1 if history[0]["role"] == "system" else 0
+        reply = None
+        while reply is None:
+            try:
+                reply = stream_reply(llm, {"prompt_token_ids": llm.apply_chat_template(history)}, params)
+            except ValueError as exc:  # the conversation no longer fits max_model_len (or this turn alone does not)
+                if len(history) - first <= 2:  # no older exchange to let go of: refuse this turn, keep the session
+                    print(f"kvflow: error: {exc}", file=sys.stderr)
+                    history.pop()
+                    break
+                del history[first:first + 2]
+                print("(the oldest exchange was dropped to fit the context)", file=sys.stderr)
+        if reply is None:
+            continue
+        text, stopped = reply
         sys.stdout.write("\n")
         if stopped:
             print("[reply stopped]", file=sys.stderr)

@@ -254,7 +254,7 @@ class _Inputs:
         return item
 
 
-def _run_chat(monkeypatch, tiny_chat_dir, script, interrupt_after_writes=None, max_tokens=40):
+def _run_chat(monkeypatch, tiny_chat_dir, script, interrupt_after_writes=None, max_tokens=40, extra=()):
     """Run `kvflow chat` on the tiny model with scripted input; a real SIGINT is sent to this
     process after the reply's n-th write when interrupt_after_writes is set. Returns the
     LLM, the conversations it was asked to render and what was written per reply."""
@@ -290,7 +290,7 @@ def _run_chat(monkeypatch, tiny_chat_dir, script, interrupt_after_writes=None, m
     monkeypatch.setattr(builtins, "input", _Inputs(script))
     monkeypatch.setattr("sys.stdout", out)
     code = main(["chat", "--model", str(tiny_chat_dir), "--dtype", "float32", "--num-kv-blocks", "32",
-                 "--max-tokens", str(max_tokens), "--ignore-eos", "--attention-backend", "torch", "--quiet"])
+                 "--max-tokens", str(max_tokens), "--ignore-eos", "--attention-backend", "torch", "--quiet", *extra])
     return code, created[0], rendered, out.getvalue()
 
 
@@ -321,6 +321,24 @@ def test_chat_ctrl_c_stops_the_reply_and_keeps_the_conversation(monkeypatch, tin
 def test_chat_ctrl_d_quits_and_single_ctrl_c_at_the_prompt_does_not(monkeypatch, tiny_chat_dir):
     code, llm, rendered, out = _run_chat(monkeypatch, tiny_chat_dir, [KeyboardInterrupt, "hi", EOFError], max_tokens=3)
     assert code == 0 and len(rendered) == 1 and out.count("\n") == 1
+    assert llm.get_stats()["num_running"] == 0
+
+
+def test_chat_outgrowing_the_context_drops_the_oldest_exchange_and_goes_on(monkeypatch, tiny_chat_dir, capsys):
+    """A conversation longer than max_model_len quit the session with exit 2 (the rest of
+    the input unread): it now lets go of its oldest exchanges, the system message kept; a
+    turn too long by itself is refused with the engine's message and the session goes on."""
+    long_turn = " ".join(["word"] * 200)
+    code, llm, rendered, out = _run_chat(
+        monkeypatch, tiny_chat_dir, ["one two three", "four five six", "seven eight nine", long_turn, "ten", EOFError],
+        max_tokens=8, extra=("--max-model-len", "112", "--system", "Be brief."))
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "(the oldest exchange was dropped to fit the context)" in err and "max_model_len=112" in err, err
+    assert all(c[0] == {"role": "system", "content": "Be brief."} for c in rendered)
+    last = rendered[-1]
+    assert last[-1] == {"role": "user", "content": "ten"} and all(m["content"] != long_turn for m in last)
+    assert out.count("\n") == 4  # four replies: the long turn got none
     assert llm.get_stats()["num_running"] == 0
 
 
