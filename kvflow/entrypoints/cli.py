@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 from dataclasses import MISSING, Field, fields
+from pathlib import Path
 from typing import Any
 
 from kvflow import envs
@@ -99,6 +100,17 @@ def _byte_size(name: str):
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parse
+
+
+def _positive_count(text: str) -> int:
+    """An integer >= 1 (refused at parse time)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -377,7 +389,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}); give it once")
         args.model = args.model_tag
     if not args.quiet:
-        logging.getLogger("kvflow").setLevel(args.log_level.upper())
+        logging.getLogger("kvflow").setLevel("DEBUG" if args.log_level == "trace" else args.log_level.upper())
     lora_modules = dict(args.lora_modules or [])
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
@@ -426,11 +438,26 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     from kvflow.model.loader import load_model, quantize_model
     from kvflow.model.resolve import load_tokenizer, resolve_model
     from kvflow.quantization.awq import default_calibration_ids
-    from kvflow.quantization.checkpoint import save_quantized, weight_bytes
+    from kvflow.quantization.checkpoint import quantization_of, save_quantized, weight_bytes
 
     if args.method == "int4-rtn":
         args.method = "int4"
+    # Every refusal before the model loads (a mistake costs no load, nothing is written).
+    if args.method != "int4-awq" and (args.calibration is not None or args.calibration_tokens is not None):
+        raise ValueError(f"--calibration / --calibration-tokens are for --method int4-awq, not {args.method}")
+    if args.method in ("int8", "fp8") and args.group_size is not None:
+        raise ValueError(f"--group-size is for the INT4 methods, not {args.method}")
+    if args.calibration is not None and not os.path.isfile(args.calibration):
+        raise ValueError(f"--calibration: no such file: {args.calibration}")
+    out_path = Path(args.out)
+    if out_path.exists() and (not out_path.is_dir() or any(out_path.iterdir())):
+        raise ValueError(f"--out {args.out} exists and is not an empty folder; give a new one")
     model_dir = resolve_model(args.model)
+    done = quantization_of(model_dir)
+    if done is not None:
+        raise ValueError(f"{args.model} is already quantized ({done.get('method')}); quantize the float model it came from")
+    group_size = args.group_size if args.group_size is not None else 32
+    tokens = args.calibration_tokens if args.calibration_tokens is not None else 512
     model, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
     before = weight_bytes(model)
     calibration = None
@@ -438,11 +465,11 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(model_dir)
         if args.calibration:
             with open(args.calibration, encoding="utf-8") as f:
-                calibration = tokenizer.encode(f.read())[: args.calibration_tokens]
+                calibration = tokenizer.encode(f.read())[:tokens]
         else:
-            calibration = default_calibration_ids(tokenizer, args.calibration_tokens)
-    quantize_model(model, args.method, args.group_size, calibration)
-    out = save_quantized(model, model_dir, args.out, args.method, args.group_size)
+            calibration = default_calibration_ids(tokenizer, tokens)
+    quantize_model(model, args.method, group_size, calibration)
+    out = save_quantized(model, model_dir, args.out, args.method, group_size)
     print(f"wrote {out}: {args.method}, weights {before / 2**20:.1f} MiB -> {weight_bytes(model) / 2**20:.1f} MiB")
     return 0
 
@@ -477,10 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
     quant = command("quantize", "write a weight-quantized checkpoint that LLM(model=DIR) loads")
     quant.add_argument("--model", default=defaults.model, help=EngineArgs.help_text("model"))
     quant.add_argument("--method", required=True, choices=["int8", "int4", "int4-rtn", "int4-awq", "fp8"])
-    quant.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128], help="INT4 group size")
+    quant.add_argument("--group-size", type=int, default=None, choices=[32, 64, 128],
+                       help="INT4 group size (default 32; INT4 methods only)")
     quant.add_argument("--calibration", default=None, help="text file for AWQ (default: the GPL-3 text)")
-    quant.add_argument("--calibration-tokens", type=int, default=512, help="AWQ calibration tokens")
-    quant.add_argument("--out", required=True, help="output folder")
+    quant.add_argument("--calibration-tokens", type=_positive_count, default=None,
+                       help="AWQ calibration tokens (default 512)")
+    quant.add_argument("--out", required=True, help="output folder (new, or empty)")
     quant.set_defaults(func=_cmd_quantize)
 
     serve = command("serve", "OpenAI-compatible HTTP server")
@@ -503,7 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-read-timeout", type=float, default=30.0,
                        help="close a connection whose request (headers and body) has not arrived this many seconds "
                        "after its first byte, or after the connection opened (default: 30)")
-    serve.add_argument("--log-level", default="info", help="uvicorn's and kvflow's log level")
+    serve.add_argument("--log-level", default="info", type=str.lower,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's and kvflow's log level")
     serve.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                        help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),

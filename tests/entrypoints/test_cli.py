@@ -143,6 +143,42 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, wanted):
     assert wanted in line
 
 
+@pytest.mark.parametrize("argv, wanted", [
+    (["--method", "int8", "--group-size", "64"], "--group-size is for the INT4 methods, not int8"),
+    (["--method", "int4", "--calibration-tokens", "9"], "are for --method int4-awq, not int4"),
+    (["--method", "int4-awq", "--calibration-tokens", "-4"], "--calibration-tokens: must be at least 1, got -4"),
+    (["--method", "int4-awq", "--calibration-tokens", "0"], "--calibration-tokens: must be at least 1, got 0"),
+    (["--method", "int4-awq", "--calibration", "/nonexistent.txt"], "--calibration: no such file"),
+])
+def test_quantize_refuses_options_that_do_not_apply_before_loading(capsys, argv, wanted, tmp_path):
+    """A negative --calibration-tokens sliced the text from its end (7,650 tokens, 65 s);
+    int8 took --group-size and --calibration and ignored them, a missing file included."""
+    line = _one_line_error(capsys, ["quantize", *argv, "--out", str(tmp_path / "out")], 2)
+    assert wanted in line and not (tmp_path / "out").exists()
+
+
+@requires_smollm2
+def test_quantize_refuses_a_quantized_model_and_a_used_folder(capsys, smollm2_dir, tmp_path):
+    """Quantizing a kvflow-quantized folder wrote a folder labelled int4 holding int8
+    weights that failed to load with a 9 KB state-dict error; --out into a folder of other
+    files mixed them."""
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    line = _one_line_error(capsys, ["quantize", "--model", str(smollm2_dir), "--method", "int8", "--out", str(used)], 2)
+    assert "exists and is not an empty folder" in line and sorted(p.name for p in used.iterdir()) == ["notes.txt"]
+    done = tmp_path / "int8"
+    assert main(["quantize", "--model", str(smollm2_dir), "--method", "int8", "--out", str(done), "-q"]) == 0
+    line = _one_line_error(capsys, ["quantize", "--model", str(done), "--method", "int4", "--out", str(tmp_path / "x")], 2)
+    assert "is already quantized (int8)" in line and not (tmp_path / "x").exists()
+
+
+def test_serve_refuses_an_unknown_log_level_at_parse_time(capsys):
+    """With -q the level was only read by uvicorn after the model loaded (KeyError, exit 1)."""
+    line = _one_line_error(capsys, ["serve", "-q", "--log-level", "bogus", "--port", "9"], 2)
+    assert "--log-level: invalid choice: 'bogus'" in line
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is present")
 def test_device_cuda_without_cuda_is_one_line(capsys):
     line = _one_line_error(capsys, ["generate", "hi", "--device", "cuda"], 2)
