@@ -120,7 +120,7 @@ class LLM:
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return list(prompt), None
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {_describe(prompt)}")
 
     @staticmethod
     def _normalize_prompts(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -547,3 +547,12 @@ def _refuse_unset(**options: Any) -> None:
     for name, value in options.items():
         if value is not None and value != {}:
             raise ValueError(f"{name} is not supported by kvflow ({why[name]}); leave it unset")
+
+
+def _describe(prompt: Any) -> str:
+    """What a refused prompt is, for its error: a list names what it holds (a list of
+    strings is a batch of prompts, given where one prompt is expected)."""
+    if isinstance(prompt, (list, tuple)) and prompt:
+        kinds = sorted({type(x).__name__ for x in prompt})
+        return f"a {type(prompt).__name__} of {' / '.join(kinds)} (one prompt is expected here)"
+    return type(prompt).__name__

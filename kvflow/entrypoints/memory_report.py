@@ -349,11 +349,18 @@ def memory_report(
     ...) or a torch dtype. ``max_model_len`` defaults to the model's ``max_position_embeddings``.
 
     Raises:
-        ValueError: unknown dtype, or no positive max_model_len.
+        ValueError: unknown dtype, no positive max_model_len, one beyond the model's context
+            (``max_position_embeddings``, which the engine refuses too), or a budget of no
+            bytes.
     """
     dtype = kv_cache_dtype_for(kv_cache_dtype)
     if max_model_len is not None and max_model_len < 1:
         raise ValueError(f"max_model_len must be a positive number of tokens, got {max_model_len}")
+    context = spec.max_position_embeddings
+    if max_model_len is not None and context and max_model_len > context:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context ({context} tokens)")
+    if budget_bytes < 1:
+        raise ValueError(f"budget must be a positive number of bytes, got {budget_bytes}")
     if block_size < 1:
         raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
     max_len = max_model_len or spec.max_position_embeddings

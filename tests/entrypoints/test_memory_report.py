@@ -122,6 +122,12 @@ def test_unknown_dtype_and_missing_fields_raise():
         _spec({"num_hidden_layers": 2, "num_attention_heads": 4})
     with pytest.raises(ValueError, match="max_model_len"):
         memory.memory_report(_spec({**LLAMA2_7B, "max_position_embeddings": None}), "float16")
+    # what the engine refuses (a report of 2.1 TiB per request was printed for 10**8 tokens)
+    with pytest.raises(ValueError, match=r"max_model_len=100000000 exceeds the model's context \(4096 tokens\)"):
+        memory.memory_report(_spec(LLAMA2_7B), "float16", max_model_len=10**8)
+    with pytest.raises(ValueError, match="budget must be a positive number of bytes, got 0"):
+        memory.memory_report(_spec(LLAMA2_7B), "float16", budget_bytes=0)
+    assert memory.memory_report(_spec(LLAMA2_7B), "float16", max_model_len=4096)["budget"]["blocks"] > 0
 
 
 def test_config_fallbacks():
