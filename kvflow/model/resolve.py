@@ -112,8 +112,13 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
     if model not in packages.REGISTRY:  # short names win over same-named relative paths
         path = Path(model).expanduser()
         if path.is_dir():
-            if not (path / "config.json").is_file():
+            config = path / "config.json"
+            if not config.is_file():
                 raise ValueError(f"{path} is a directory without config.json, not a Hugging Face model directory")
+            try:
+                json.loads(config.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as exc:  # (JSONDecodeError is a ValueError)
+                raise ValueError(f"{config} is not valid JSON: {exc}") from None
             return path.resolve()
         if path.is_file():
             if path.suffix.lower() != ".gguf":
@@ -197,7 +202,11 @@ def iter_weights(model_dir: str | os.PathLike[str], native: bool = False) -> Ite
     if not files:
         raise FileNotFoundError(f"No *.safetensors files in {directory}")
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
+        try:
+            handle_cm = safe_open(str(file), framework="pt")
+        except Exception as exc:  # noqa: BLE001 - safetensors' SafetensorError: a corrupt or foreign file
+            raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
+        with handle_cm as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
 

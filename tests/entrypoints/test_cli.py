@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -171,6 +172,26 @@ def test_quantize_refuses_a_quantized_model_and_a_used_folder(capsys, smollm2_di
     assert main(["quantize", "--model", str(smollm2_dir), "--method", "int8", "--out", str(done), "-q"]) == 0
     line = _one_line_error(capsys, ["quantize", "--model", str(done), "--method", "int4", "--out", str(tmp_path / "x")], 2)
     assert "is already quantized (int8)" in line and not (tmp_path / "x").exists()
+
+
+def test_a_broken_model_folder_is_a_user_error_naming_the_file(capsys, tmp_path):
+    """Invalid JSON in config.json and a garbage model.safetensors were runtime failures
+    (exit 1, "OSError: It looks like the config file ...", "SafetensorError: ..."): they are
+    the user's files, so exit 2 with the file named."""
+    bad_config = tmp_path / "bad-config"
+    bad_config.mkdir()
+    (bad_config / "config.json").write_text("{bad")
+    line = _one_line_error(capsys, ["generate", "hi", "--model", str(bad_config)], 2)
+    assert f"{bad_config / 'config.json'} is not valid JSON" in line
+    bad_weights = tmp_path / "bad-weights"
+    bad_weights.mkdir()
+    (bad_weights / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 16,
+        "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "max_position_embeddings": 64}))
+    (bad_weights / "model.safetensors").write_bytes(b"\xff" * 4000)
+    line = _one_line_error(capsys, ["generate", "hi", "--model", str(bad_weights), "--attention-backend", "torch"], 2)
+    assert "model.safetensors is not a readable safetensors file" in line
 
 
 def test_serve_refuses_an_unknown_log_level_at_parse_time(capsys):
