@@ -484,7 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=_Formatter)
+        sub_parser = sub.add_parser(name, help=help, description=help, parents=[common], formatter_class=_Formatter)
+        sub_parser.set_defaults(command_parser=sub_parser)  # its errors point to its own --help
+        return sub_parser
 
     defaults = EngineArgs()
     gen = command("generate", "generate completions for prompts")
@@ -620,7 +622,9 @@ def main(argv: list[str] | None = None) -> int:
             after printing one line ``kvflow: error: ...``.
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # (the top parser would say "see 'kvflow --help'" for a subcommand's mistake)
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging(args.quiet)
     try:

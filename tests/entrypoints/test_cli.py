@@ -194,6 +194,12 @@ def test_a_broken_model_folder_is_a_user_error_naming_the_file(capsys, tmp_path)
     assert "model.safetensors is not a readable safetensors file" in line
 
 
+def test_a_subcommands_unknown_argument_points_to_its_own_help(capsys):
+    for argv, command in ((["generate", "hi", "--foo"], "generate"), (["chat", "hi"], "chat")):
+        line = _one_line_error(capsys, argv, 2)
+        assert line.endswith(f"(see 'kvflow {command} --help')"), line
+
+
 def test_serve_refuses_an_unknown_log_level_at_parse_time(capsys):
     """With -q the level was only read by uvicorn after the model loaded (KeyError, exit 1)."""
     line = _one_line_error(capsys, ["serve", "-q", "--log-level", "bogus", "--port", "9"], 2)
