@@ -271,6 +271,7 @@ class AsyncLLMEngine:
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._thread.is_alive():  # it may still write to the pipes: keep their descriptors
             return
+        self.engine.release_gc_hold()  # (its requests left in flight would keep the heap frozen)
         for loop, waker in list(self._wakers.items()):
             if loop.is_closed() or not loop.is_running():
                 waker.close()

@@ -209,8 +209,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop tensor-parallel workers (a no-op without them); let go of the heap's freeze."""
-        self._release_heap(force=True)
+        self.release_gc_hold()
         self.worker.shutdown()
+
+    def release_gc_hold(self) -> None:
+        """Let go of the heap's freeze (KVFLOW_GC_FREEZE) now, requests in flight or not: for
+        an engine that stops stepping with requests left (``shutdown``, the server's engine
+        thread once it exits). A request added later holds it again."""
+        self._release_heap(force=True)
 
     def _hold_heap(self) -> None:
         """Freeze the heap for the requests now in flight (once per busy period)."""

@@ -446,3 +446,36 @@ def test_a_lagging_consumer_keeps_the_prompt_logprobs_of_the_first_output():
             assert last.prompt_logprobs == (plp if kind is RequestOutputKind.CUMULATIVE else None)
 
     asyncio.run(main())
+
+
+def test_shutdown_with_requests_in_flight_lets_go_of_the_heaps_freeze(monkeypatch):
+    """KVFLOW_GC_FREEZE (off for the other tests): the engine holds the heap frozen while
+    requests are in flight; a server stopped in the middle of one left that hold behind, and
+    with it the heap frozen after the server's own unfreeze."""
+    import gc
+
+    import kvflow.utils
+
+    held = HeldForward(monkeypatch)
+    monkeypatch.setenv("KVFLOW_GC_FREEZE", "1")
+
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny")
+        engine.start()
+        try:
+            held.armed = True
+            await engine.add_request("a", [1, 2, 3, 4, 5], GREEDY)
+            await asyncio.get_running_loop().run_in_executor(None, held.entered.wait, 30)
+            assert gc.get_freeze_count() > 0  # a request in flight
+        finally:
+            held.release()
+            engine.begin_shutdown()
+            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+
+    try:
+        asyncio.run(main())
+        assert kvflow.utils._freeze_holds == 0 and gc.get_freeze_count() == 0
+    finally:
+        while kvflow.utils._freeze_holds:
+            kvflow.utils.release_gc_freeze()
+        gc.unfreeze()
