@@ -294,6 +294,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
     params = _sampling_params(args)
     llm = LLM(**_engine_kwargs(args))
+    max_model_len = llm.engine.scheduler_config.max_model_len  # a prompt must be shorter
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -317,20 +318,17 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": user})
         first = 1 if history[0]["role"] == "system" else 0
-        reply = None
-        while reply is None:
-            try:
-                reply = stream_reply(llm, {"prompt_token_ids": llm.apply_chat_template(history)}, params)
-            except ValueError as exc:  # the conversation no longer fits max_model_len (or this turn alone does not)
-                if len(history) - first <= 2:  # no older exchange to let go of: refuse this turn, keep the session
-                    print(f"kvflow: error: {exc}", file=sys.stderr)
-                    history.pop()
-                    break
-                del history[first:first + 2]
-                print("(the oldest exchange was dropped to fit the context)", file=sys.stderr)
-        if reply is None:
+        ids = llm.apply_chat_template(history)
+        while len(ids) >= max_model_len and len(history) - first > 2:  # an older exchange to let go of
+            del history[first:first + 2]
+            print("(the oldest exchange was dropped to fit the context)", file=sys.stderr)
+            ids = llm.apply_chat_template(history)
+        try:
+            text, stopped = stream_reply(llm, {"prompt_token_ids": ids}, params)
+        except ValueError as exc:  # this turn does not fit by itself: refused, the session goes on
+            print(f"kvflow: error: {exc}", file=sys.stderr)
+            history.pop()
             continue
-        text, stopped = reply
         sys.stdout.write("\n")
         if stopped:
             print("[reply stopped]", file=sys.stderr)
