@@ -105,9 +105,30 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     add_special_tokens: bool = False,
 ) -> list[int]:
-    """Token ids of ``conversation`` rendered with the chat template (the tokenizer's, or
-    ``chat_template``, a Jinja string), then encoded with ``add_special_tokens`` (False by
-    default: the template writes the special tokens).
+    """Token ids of ``conversation`` rendered with the chat template (``render_chat_text``),
+    then encoded with ``add_special_tokens`` (False by default: the template writes the
+    special tokens). Arguments and errors: as ``render_chat_text``."""
+    text = render_chat_text(
+        tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs, tools=tools,
+    )  # fmt: skip
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def render_chat_text(
+    tokenizer: Any,
+    conversation: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """``conversation`` rendered with the chat template (the tokenizer's, or
+    ``chat_template``, a Jinja string): the prompt text (what vLLM's ``LLM.chat`` outputs
+    carry as ``prompt``).
 
     Args:
         tokenizer: a transformers tokenizer.
@@ -118,7 +139,6 @@ def render_chat(
         chat_template: a template to use instead of the tokenizer's.
         chat_template_kwargs: extra variables for the template (e.g. ``enable_thinking``).
         tools: tool (function) schemas, given to the template as transformers does.
-        add_special_tokens: add the tokenizer's special tokens (BOS) on top.
 
     Raises:
         ValueError: without a tokenizer; for both ``add_generation_prompt`` and
@@ -142,7 +162,7 @@ def render_chat(
     except Exception as exc:  # noqa: BLE001 - the template's errors are the caller's messages
         raise ValueError(f"messages could not be rendered with the chat template: {type(exc).__name__}: {exc}") from None
     require_unicode(text, "messages hold")
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return text
 
 
 def require_unicode(text: str, subject: str) -> None:

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.llm_engine import LLMEngine
-from kvflow.entrypoints.chat_utils import normalize_conversation, render_chat, require_unicode
+from kvflow.entrypoints.chat_utils import normalize_conversation, render_chat_text, require_unicode
 from kvflow.inputs import EMPTY_ONLY, PROMPT_KEYS
 from kvflow.lora.request import LoRARequest
 from kvflow.outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingRequestOutput, RequestOutput, RequestOutputKind
@@ -340,7 +340,7 @@ class LLM:
         chat_template_content_format: str = "auto",
     ) -> list[int]:
         """Token ids of a conversation rendered with the chat template (see
-        ``kvflow.entrypoints.chat_utils.render_chat`` for the arguments; ``chat_template``
+        ``kvflow.entrypoints.chat_utils.render_chat_text`` for the arguments; ``chat_template``
         defaults to the one given to ``LLM(chat_template=...)``, else the tokenizer's).
 
         Raises:
@@ -348,8 +348,15 @@ class LLM:
                 part, both ``add_generation_prompt`` and ``continue_final_message``, or a
                 template that fails on the messages.
         """
+        text = self._chat_text(conversation, add_generation_prompt, continue_final_message, chat_template,
+                               chat_template_kwargs, tools, chat_template_content_format)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _chat_text(self, conversation, add_generation_prompt, continue_final_message, chat_template,
+                   chat_template_kwargs, tools, chat_template_content_format) -> str:
+        """The prompt text of a conversation (``apply_chat_template``'s, before encoding)."""
         content_format = "string" if chat_template_content_format == "auto" else chat_template_content_format
-        return render_chat(
+        return render_chat_text(
             self.tokenizer, normalize_conversation(conversation, content_format),
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             chat_template=chat_template or self.chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools,
@@ -386,13 +393,10 @@ class LLM:
         """
         _refuse_unset(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {"prompt_token_ids": self.apply_chat_template(
-                c, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                chat_template=chat_template, chat_template_kwargs=chat_template_kwargs, tools=tools,
-                chat_template_content_format=chat_template_content_format)}
-            for c in conversations
-        ]  # fmt: skip
+        texts = [self._chat_text(c, add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs,
+                                 tools, chat_template_content_format) for c in conversations]
+        # the rendered text is each output's prompt, as vLLM's
+        prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority, lora_request=lora_request)
 
     def beam_search(

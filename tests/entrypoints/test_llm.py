@@ -125,9 +125,13 @@ def test_generate_api_shapes_and_order(smollm2_llm):
 
 
 def test_chat_stops_at_eos(smollm2_llm):
-    (out,) = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                              SamplingParams(temperature=0.0, max_tokens=64))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    (out,) = smollm2_llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=64))
     assert "Paris" in out.outputs[0].text
+    # the rendered prompt, as vLLM's LLM.chat gives it (was None), and its ids
+    rendered = smollm2_llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == rendered and "What is the capital of France?" in out.prompt
+    assert out.prompt_token_ids == smollm2_llm.apply_chat_template(messages)
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].token_ids[-1] == smollm2_llm.tokenizer.eos_token_id
 
