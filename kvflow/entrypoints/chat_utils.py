@@ -94,28 +94,6 @@ def _call_with_object_arguments(call: Any, where: str) -> Any:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def render_chat(
-    tokenizer: Any,
-    conversation: list[dict[str, Any]],
-    *,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    chat_template: str | None = None,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    tools: list[dict[str, Any]] | None = None,
-    add_special_tokens: bool = False,
-) -> list[int]:
-    """Token ids of ``conversation`` rendered with the chat template (``render_chat_text``),
-    then encoded with ``add_special_tokens`` (False by default: the template writes the
-    special tokens). Arguments and errors: as ``render_chat_text``."""
-    text = render_chat_text(
-        tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, chat_template=chat_template,
-        chat_template_kwargs=chat_template_kwargs, tools=tools,
-    )  # fmt: skip
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-
 def render_chat_text(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
@@ -128,7 +106,8 @@ def render_chat_text(
 ) -> str:
     """``conversation`` rendered with the chat template (the tokenizer's, or
     ``chat_template``, a Jinja string): the prompt text (what vLLM's ``LLM.chat`` outputs
-    carry as ``prompt``).
+    carry as ``prompt``); callers encode it with ``add_special_tokens=False`` (the template
+    writes the special tokens) unless asked otherwise.
 
     Args:
         tokenizer: a transformers tokenizer.

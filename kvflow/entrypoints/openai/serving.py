@@ -59,9 +59,11 @@ def _bad_request(exc: ValueError) -> APIError:
     return APIError(400, message, "BadRequestError", param)
 
 
-class _ClientFieldError(APIError):
-    """An error about a field as the client sent it to another API's endpoint (not renamed
-    by ``_renamed``: ``stop`` sent to /v1/messages is ``stop``, not ``stop_sequences``)."""
+def _refuse_unsupported(req: Any) -> None:
+    """Raises APIError 400 naming the first field of ``req`` kvflow does not implement."""
+    unsupported = req.unsupported_field()
+    if unsupported is not None:
+        raise APIError(400, unsupported[1], "BadRequestError", unsupported[0])
 
 
 @contextlib.contextmanager
@@ -70,8 +72,6 @@ def _renamed(renames: dict[str, str]) -> Iterator[None]:
     that field)."""
     try:
         yield
-    except _ClientFieldError:
-        raise
     except APIError as exc:
         if exc.param in renames:
             exc.message = exc.message.replace(exc.param, renames[exc.param])
@@ -312,9 +312,7 @@ class OpenAIServing:
         """
         if req.model is not None and req.model not in self.model_names and req.model not in self.lora_modules:
             raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
-        unsupported = req.unsupported_field()
-        if unsupported is not None:
-            raise APIError(400, unsupported[1], "BadRequestError", unsupported[0])
+        _refuse_unsupported(req)
 
     def _max_tokens(self, requested: int | None, prompt_len: int, field: str) -> int:
         """``requested``, checked against the context; for an unset one, what is left of the
@@ -687,15 +685,14 @@ class OpenAIServing:
         """The chat request that a validated request of another API (``req``: a responses
         or Anthropic messages body) means.
 
+        Its own unsupported fields are refused by the callers first (``_refuse_unsupported``,
+        outside the renaming, so that the error names the field as the client sent it).
+
         Raises:
-            APIError: 400 naming the field ``req`` does not implement (as the client named
-                it: checked before ``renames`` apply), or the one whose translation failed
-                (a ValueError whose message starts with the field's name), or the chat
-                field the translation does not validate as.
+            APIError: 400 naming the field whose translation failed (a ValueError whose
+                message starts with the field's name), or the chat field the translation
+                does not validate as.
         """
-        unsupported = req.unsupported_field()
-        if unsupported is not None:
-            raise _ClientFieldError(400, unsupported[1], "BadRequestError", unsupported[0])
         try:
             fields = to_chat_fields(req)
         except ValueError as exc:
@@ -714,8 +711,10 @@ class OpenAIServing:
         API's field (``renames``: chat field -> that field).
 
         Raises:
-            APIError: see ``translate_chat`` and ``start_chat``, with the field renamed.
+            APIError: 400 naming a field ``req`` does not implement (as sent); see
+                ``translate_chat`` and ``start_chat``, with the field renamed.
         """
+        _refuse_unsupported(req)  # (named as the client sent it: before the renames apply)
         with _renamed(renames):
             return await self.start_chat(self.translate_chat(req, to_chat_fields))
 
@@ -725,9 +724,11 @@ class OpenAIServing:
         template's rendering, with the tools), without generating.
 
         Raises:
-            APIError: see ``translate_chat`` and ``check_request``; 400 naming messages
-                for a template failure; with the field renamed.
+            APIError: 400 naming a field ``req`` does not implement (as sent); see
+                ``translate_chat`` and ``check_request``; 400 naming messages for a template
+                failure; with the field renamed.
         """
+        _refuse_unsupported(req)  # (named as the client sent it: before the renames apply)
         with _renamed(renames):
             chat = self.translate_chat(req, to_chat_fields)
             self.check_request(chat)

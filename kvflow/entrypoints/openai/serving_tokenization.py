@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import Field, ValidationError, field_validator
 
-from kvflow.entrypoints.chat_utils import render_chat
+from kvflow.entrypoints.chat_utils import render_chat_text
 from kvflow.entrypoints.openai.protocol import (
     ChatMessage, ChatTool, _Body, check_template_kwargs, unsupported_message_field,
 )
@@ -98,12 +98,13 @@ def _tokenize(serving: OpenAIServing, req: TokenizeCompletionRequest | TokenizeC
     if isinstance(req, TokenizeCompletionRequest):
         return serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     try:
-        return render_chat(
+        text = render_chat_text(
             serving.tokenizer, [m.template_dict() for m in req.messages],
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            add_special_tokens=req.add_special_tokens, chat_template=serving.chat_template,
-            tools=template_tools(req.tools) if req.tools else None, chat_template_kwargs=req.chat_template_kwargs,
+            chat_template=serving.chat_template, tools=template_tools(req.tools) if req.tools else None,
+            chat_template_kwargs=req.chat_template_kwargs,
         )  # fmt: skip
+        return serving.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     except ValueError as exc:
         raise _bad_request(exc) from None
 
