@@ -39,6 +39,11 @@ Switches and when they are read:
   an engine (``LLMEngine``, the offline ``LLM`` too) holds the heap frozen while it has
   requests in flight (``kvflow.utils.hold_gc_freeze``); ``0`` leaves the garbage collector
   alone; read when the app starts and when an engine is made.
+- ``KVFLOW_CPU_MALLOC_REUSE`` (byte size; default ``256MiB``): once an engine on the CPU has
+  loaded its model, glibc's heap serves blocks up to this size and keeps that much free
+  memory for reuse (``kvflow.utils.reuse_large_allocations``), so that a step's large
+  tensors are not mapped and page-faulted afresh each step; ``0`` leaves glibc's defaults;
+  read when an engine's worker is built.
 - ``KVFLOW_CPU_KERNEL_BUILD`` (str; default ``background``): how an engine on the CPU gets
   kernels that are not built yet (``kvflow.ops.build``): ``background`` builds them in a
   background thread while the PyTorch paths serve, and the engine switches to each kernel
@@ -133,6 +138,15 @@ def _choice(name: str, choices: tuple[str, ...], default: str | None) -> Callabl
     return parse
 
 
+def _byte_size(name: str, default: int) -> Callable[[str | None], int]:
+    def parse(text: str | None) -> int:
+        from kvflow.utils import parse_bytes
+
+        return default if not text else parse_bytes(text, name)
+
+    return parse
+
+
 def _kernel_switch(name: str, kernel: str) -> Switch:
     return Switch(name, "bool", "1 (on)",
                   f"`0`: never build kvflow's C++ {kernel} kernel; its PyTorch path runs", _on_unless_zero)
@@ -171,6 +185,12 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "`LLM` too) freezes the heap (no collection) from its first request in flight to its last one's end, "
            "and unfreezes it then, so that what the caller drops between runs is collected as usual; `0`: "
            "neither", _on_unless_zero),
+    Switch("KVFLOW_CPU_MALLOC_REUSE", "byte size", "`256MiB`",
+           "once an engine on the CPU has loaded its model, glibc's heap serves and keeps for reuse blocks up to "
+           "this size (`mallopt` `M_MMAP_THRESHOLD` / `M_TRIM_THRESHOLD`; `kvflow.utils.reuse_large_allocations`), "
+           "so a step's large tensors (the logits: [N, V] float32) are not mapped and page-faulted afresh every "
+           "step; `0`: glibc's defaults (blocks above 32 MiB mapped anew each time)",
+           _byte_size("KVFLOW_CPU_MALLOC_REUSE", 256 * 2**20)),
     Switch("KVFLOW_CPU_KERNEL_BUILD", "str", "`background`",
            "`background`: an engine builds the C++ CPU kernels it lacks in a background thread while the "
            "PyTorch paths serve, and switches to each between two steps once built; `wait`: each is built on "

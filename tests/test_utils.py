@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from kvflow import utils
@@ -88,6 +90,52 @@ def test_release_free_heap_returns_freed_memory_inside_the_heap():
 def test_release_free_heap_without_glibc_is_a_no_op(monkeypatch):
     monkeypatch.setattr(utils, "_glibc_malloc_trim", lambda: None)
     assert release_free_heap() is False
+
+
+_REUSE_PROBE = r"""
+import ctypes, resource, sys
+from kvflow import utils
+
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+
+def faults(rounds=4, size=48 << 20):  # a 48 MiB block written and freed, as a step's logits
+    block = libc.malloc(size); ctypes.memset(block, 1, size); libc.free(block)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(rounds):
+        block = libc.malloc(size); ctypes.memset(block, 1, size); libc.free(block)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+default = faults()
+assert utils.reuse_large_allocations(256 << 20)
+print(default, faults())
+"""
+
+
+@pytest.mark.skipif(utils._glibc() is None, reason="mallopt: Linux with glibc")
+def test_reuse_large_allocations_stops_the_page_faults_of_a_block_made_every_step():
+    """glibc maps a 48 MiB block afresh at each malloc (a page fault per page when written);
+    once reuse_large_allocations covers it, the heap keeps it and the next ones fault no more.
+    In a child process: the setting is process-wide."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _REUSE_PROBE], capture_output=True, text=True, check=True).stdout
+    default, reused = map(int, out.split())
+    assert default > 0 and reused < 0.1 * default + 50, (default, reused)
+
+
+def test_reuse_large_allocations_checks_its_limit(monkeypatch):
+    with pytest.raises(ValueError, match="2 GiB"):
+        utils.reuse_large_allocations(2**31)
+    with pytest.raises(ValueError):
+        utils.reuse_large_allocations(-1)
+    assert utils.reuse_large_allocations(0) is False
+    monkeypatch.setattr(utils, "_glibc", lambda: None)
+    assert utils.reuse_large_allocations(1 << 20) is False
 
 
 class _Cycle:

@@ -12,6 +12,7 @@ from kvflow import envs, ops
 from kvflow.cpu_threads import check_wait_policy, thread_governor
 from kvflow.ops.build import CppKernel
 from kvflow.platforms.interface import Platform
+from kvflow.utils import reuse_large_allocations
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +27,9 @@ class CpuPlatform(Platform):
     ``num_threads`` (``torch.set_num_threads``), warns about a spinning OpenMP wait policy on a
     busy machine (``kvflow.cpu_threads.check_wait_policy``), starts the background builds of
     the C++ kernels this engine uses (``start_kernel_builds``) and takes the process's thread
-    governor; ``between_steps`` then fits the thread count to the free cores and publishes
-    the kernels built since. With tensor parallelism neither runs (the ranks must switch
+    governor; once the model is loaded (``model_loaded``) it lets glibc's heap keep the steps'
+    large tensors for reuse; ``between_steps`` then fits the thread count to the free cores
+    and publishes the kernels built since. With tensor parallelism neither runs (the ranks must switch
     kernels at the same step, and each rank would count the others as load).
     """
 
@@ -73,6 +75,12 @@ class CpuPlatform(Platform):
             logger.info("dtype auto: %s on the CPU (%s; dtype='float32' is the exactness reference)",
                         str(dtype).replace("torch.", ""), reason)
         return dtype
+
+    def model_loaded(self) -> None:
+        """Let glibc's heap keep the steps' large tensors for reuse (``KVFLOW_CPU_MALLOC_REUSE``,
+        ``kvflow.utils.reuse_large_allocations``): set after the load, so that the load's
+        one-off temporaries are still handed back to the OS."""
+        reuse_large_allocations(envs.KVFLOW_CPU_MALLOC_REUSE)
 
     def between_steps(self) -> None:
         """Fit the CPU thread count to the free cores (the governor), then publish the C++

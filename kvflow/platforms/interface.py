@@ -86,6 +86,10 @@ class Platform:
         """Whether the worker captures decode CUDA graphs (False on this platform)."""
         return False
 
+    def model_loaded(self) -> None:
+        """Called once the worker has loaded the model and allocated its KV cache, before
+        the first step (nothing here)."""
+
     # ------------------------------------------------------------------ between steps
     def between_steps(self) -> None:
         """The platform's chores between two steps, on the thread that runs the forwards

@@ -75,6 +75,7 @@ class Worker:
                 model=model, proposer=proposer,
             )
             on_failure.pop_all()
+        self.platform.model_loaded()
 
     @property
     def model(self):

@@ -122,6 +122,26 @@ def test_the_cpu_platform_starts_the_builds_and_publishes_them_between_steps(mon
     assert tp_platform.kernel_builds == [] and tp_platform.thread_governor is None and tp_platform.get_stats() == {}
 
 
+def test_an_engine_on_the_cpu_lets_the_heap_reuse_large_blocks_once_loaded(monkeypatch):
+    """The worker tells its platform the model is loaded; the CPU platform then applies
+    ``KVFLOW_CPU_MALLOC_REUSE`` (a byte size; 256 MiB by default, 0 off)."""
+    import kvflow.platforms.cpu as cpu
+    from conftest import tiny_engine
+
+    applied = []
+    monkeypatch.setattr(cpu, "reuse_large_allocations", applied.append)
+    monkeypatch.delenv("KVFLOW_CPU_MALLOC_REUSE", raising=False)
+    tiny_engine()
+    monkeypatch.setenv("KVFLOW_CPU_MALLOC_REUSE", "64MiB")
+    tiny_engine()
+    monkeypatch.setenv("KVFLOW_CPU_MALLOC_REUSE", "0")
+    tiny_engine()
+    assert applied == [256 * 2**20, 64 * 2**20, 0]
+    monkeypatch.setenv("KVFLOW_CPU_MALLOC_REUSE", "lots")
+    with pytest.raises(ValueError, match="KVFLOW_CPU_MALLOC_REUSE"):
+        tiny_engine()
+
+
 # ---------------------------------------------------------------------------- CUDA graphs
 def test_cuda_graph_eligibility_is_the_platforms():
     """Decode graphs: CUDA only, a backend with graph-safe metadata, not enforce_eager, no
