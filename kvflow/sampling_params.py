@@ -177,6 +177,10 @@ class SamplingParams:
         logit_bias: token id -> value added to its logit (OpenAI semantics): keys are
             integers or integer strings >= 0 (the engine refuses ids outside the
             vocabulary), values numbers in [-100, 100].
+        allowed_token_ids: vLLM's: a non-empty list of token ids, the only ones that may be
+            sampled (every other logit is set to -inf before the penalties, temperature and
+            filtering; ``logprobs`` stay those of the raw distribution). At most
+            ``MAX_ALLOWED_TOKEN_IDS`` (the engine refuses ids outside the vocabulary).
         min_tokens: EOS and ``stop_token_ids`` are masked until this many tokens exist,
             and ``stop`` strings are not matched in their text (as vLLM).
             With a ``guided_*`` constraint (as vLLM): masked while its grammar allows
@@ -232,6 +236,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     min_tokens: int = 0
     bad_words: list[str] | None = None
     stop: str | list[str] | None = None
@@ -246,12 +251,14 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
-        for name in ("stop_token_ids", "bad_words", "stop"):
+        for name in ("stop_token_ids", "bad_words", "stop", "allowed_token_ids"):
             value = getattr(self, name)
             is_list = isinstance(value, (list, tuple)) or (name == "stop" and isinstance(value, str))
             if value is not None and not is_list:
                 raise ValueError(f"{name} must be a list, got {type(value).__name__}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -304,6 +311,8 @@ class SamplingParams:
             _parse_logit_bias(self.logit_bias)
             if not all(isinstance(k, int) and not isinstance(k, bool) for k in self.logit_bias):
                 raise ValueError("logit_bias keys must be token ids (integers)")
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, list):
+            raise ValueError(f"allowed_token_ids must be a list, got {type(self.allowed_token_ids).__name__}")
         self._verify()
 
     def _normalise_numbers(self) -> None:
@@ -319,9 +328,11 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
                 setattr(self, name, float(value))
-        if isinstance(self.stop_token_ids, list):
-            self.stop_token_ids = [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
-                                   for t in self.stop_token_ids]
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if isinstance(ids, list):
+                setattr(self, name, [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+                                     for t in ids])
 
     def _verify(self) -> None:
         self._normalise_numbers()
@@ -424,6 +435,15 @@ class SamplingParams:
         for tok in self.stop_token_ids:
             if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {tok!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+            if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids holds {len(self.allowed_token_ids)} entries; "
+                                 f"at most {MAX_ALLOWED_TOKEN_IDS}")
+            for tok in self.allowed_token_ids:
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                    raise ValueError(f"allowed_token_ids must hold non-negative integers, got {tok!r}")
 
     @property
     def has_penalties(self) -> bool:
@@ -439,6 +459,8 @@ class SamplingParams:
 MAX_STOP_STRINGS = 64
 MAX_BAD_WORDS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+#: The most ``allowed_token_ids`` (above any vocabulary kvflow runs: Gemma 3's is 262,144).
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 #: The longest ``stop`` string, ``bad_words`` entry or ``guided_choice`` choice, in characters.
 MAX_STRING_CHARS = 1024
 #: The most ``guided_choice`` choices (the grammar engine, llguidance, gives up on a rule of

@@ -169,6 +169,26 @@ def test_greedy_property(kwargs, greedy):
     assert SamplingParams(**kwargs).greedy is greedy
 
 
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [([], "must not be empty"), ([1, -2], "non-negative integers"), ([1, 2.0], "non-negative integers"),
+     ([True], "non-negative integers"), (7, "must be a list"), ([0] * (sp.MAX_ALLOWED_TOKEN_IDS + 1), "at most")],
+)
+def test_allowed_token_ids_are_checked(value, message):
+    with pytest.raises(ValueError, match=f"allowed_token_ids.*{message}|{message}.*allowed_token_ids"):
+        SamplingParams(allowed_token_ids=value)
+
+
+def test_allowed_token_ids_become_a_list_of_ints():
+    import numpy as np
+
+    p = SamplingParams(allowed_token_ids=(np.int64(4), 9))
+    assert p.allowed_token_ids == [4, 9] and all(type(t) is int for t in p.allowed_token_ids)
+    p.allowed_token_ids = [-1]
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        p.verify()
+
+
 def test_logit_bias_keys_become_ints():
     p = SamplingParams(logit_bias={"5": 1, 7: -2.5, "0": 100})
     assert p.logit_bias == {5: 1.0, 7: -2.5, 0: 100.0}

@@ -255,7 +255,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams or PoolingParams, got {type(params).__name__}")
         params.verify()  # (a field set after construction was never checked)
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = sorted(t for t in ids if t >= vocab)
             if outside:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {outside[:5]}")

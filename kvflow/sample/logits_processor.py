@@ -1,6 +1,6 @@
 """Request-dependent logits processing before temperature and filtering.
 
-Order (as vLLM): grammar mask (structured output), bad words, ``min_tokens`` (which leaves
+Order (as vLLM): ``allowed_token_ids``, grammar mask (structured output), bad words, ``min_tokens`` (which leaves
 EOS and the stop tokens to a grammar that allows nothing else), logit bias,
 then the penalties — repetition (Keskar et al. 2019, "CTRL", section 4.1: positive logits
 divided, negative multiplied, for tokens seen in prompt or output), frequency and presence
@@ -41,7 +41,8 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> to
 def _needs_mask(request: Request) -> bool:
     p = request.sampling_params
     return (
-        request.grammar is not None
+        p.allowed_token_ids is not None
+        or request.grammar is not None
         or bool(request.bad_words_token_ids)
         or request.num_output_tokens < p.min_tokens
         or bool(p.logit_bias)
@@ -50,6 +51,11 @@ def _needs_mask(request: Request) -> bool:
 
 def _apply_masks(row: torch.Tensor, request: Request) -> None:
     p = request.sampling_params
+    if p.allowed_token_ids is not None:
+        allowed = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=row.device)
+        kept = row[allowed]
+        row.fill_(float("-inf"))
+        row[allowed] = kept
     if request.grammar is not None:
         request.grammar.mask_logits(row)
     output = request.output_token_ids

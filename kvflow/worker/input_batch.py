@@ -15,7 +15,8 @@ whole batch each step (``ModelRunner.prepare_inputs``):
   copy-on-write or a roll-back);
 - the sampling parameters as arrays (``temperature`` float32, 0 for greedy; ``top_k`` int64,
   0 where off; ``top_p``, ``min_p`` float32; ``needs_logits_processing`` bool: a grammar,
-  bad words, ``min_tokens``, ``logit_bias`` or a penalty), written once when a request joins.
+  bad words, ``min_tokens``, ``logit_bias``, ``allowed_token_ids`` or a penalty), written
+  once when a request joins.
 
 Rows are kept dense: removing a request moves the last row into its place (vLLM's
 ``condense``), so rows ``0 .. num_reqs - 1`` are the held requests. The batch grows (rows
@@ -69,7 +70,7 @@ class InputBatch:
         self.top_p = np.ones(rows, dtype=np.float32)
         self.min_p = np.zeros(rows, dtype=np.float32)
         # rows with a logits processor (``kvflow.sample.logits_processor``: a grammar, bad
-        # words, min_tokens, logit_bias or a penalty): only those go through it
+        # words, min_tokens, logit_bias, allowed_token_ids or a penalty): only those go through it
         self.needs_logits_processing = np.zeros(rows, dtype=bool)
         self.req_ids: list[str] = []
         self.states: list[Any] = []  # CachedRequestState per row
@@ -89,7 +90,7 @@ class InputBatch:
     def _needs_logits_processing(state: Any) -> bool:
         p = state.sampling_params
         return bool(getattr(state, "grammar", None) is not None or getattr(state, "bad_words_token_ids", None)
-                    or p.min_tokens > 0 or p.logit_bias or p.has_penalties)
+                    or p.min_tokens > 0 or p.logit_bias or p.allowed_token_ids is not None or p.has_penalties)
 
     # --- capacity --------------------------------------------------------------------------
 

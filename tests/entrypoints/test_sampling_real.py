@@ -411,6 +411,23 @@ def test_logit_bias_forces_a_token(smollm2_llm):
     assert out.token_ids == [target] * 4
 
 
+def test_allowed_token_ids_are_the_only_tokens_sampled(smollm2_llm):
+    """Greedy: each token is the raw logits' argmax among the allowed ids (their logprobs
+    are the raw distribution's); sampled: only allowed ids."""
+    tok = smollm2_llm.tokenizer
+    allowed = sorted({tok.encode(w, add_special_tokens=False)[0] for w in (" banana", " apple", " cherry", ".")})
+    greedy = generate(smollm2_llm, CAPITAL, temperature=0.0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed,
+                      logprobs=len(allowed) + 20)
+    assert len(greedy.token_ids) == 6
+    for token, top in zip(greedy.token_ids, greedy.logprobs):
+        assert token in allowed
+        # no allowed token the raw top list holds is more likely than the chosen one
+        assert all(top[t].logprob <= top[token].logprob for t in top if t in allowed)
+    sampled = generate(smollm2_llm, CAPITAL, temperature=1.0, seed=3, max_tokens=24, ignore_eos=True,
+                       allowed_token_ids=allowed)
+    assert set(sampled.token_ids) <= set(allowed) and len(set(sampled.token_ids)) > 1
+
+
 def test_skip_special_tokens(smollm2_llm):
     tok = smollm2_llm.tokenizer
     prompt = chat_prompt(smollm2_llm, "What is 2+2? Answer with one number.")

@@ -181,6 +181,21 @@ def test_logit_bias_is_applied_before_repetition_penalty():
     assert out[3].item() == pytest.approx((2.5 + 3.0) / 2.0)
 
 
+# ------------------------------------------------------------------ allowed_token_ids
+def test_allowed_token_ids_keep_only_their_logits_then_the_others_apply():
+    logits = random_logits()
+    req = make_request([3], [5], allowed_token_ids=[3, 5, 30], logit_bias={5: 1.0}, repetition_penalty=2.0)
+    out = apply_logits_processors(logits, [req])[0]
+    raw = logits[0]
+    expected = torch.full_like(raw, NEG_INF)
+    for t in (3, 5):  # seen: biased (5), then the repetition penalty
+        v = raw[t] + (1.0 if t == 5 else 0.0)
+        expected[t] = v / 2.0 if v > 0 else v * 2.0
+    expected[30] = raw[30]
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    assert torch.equal(logits[0], raw)  # the input is not modified
+
+
 # ------------------------------------------------------------------ min_tokens
 def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     logits = random_logits()

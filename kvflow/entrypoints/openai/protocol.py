@@ -239,6 +239,7 @@ class _SamplingRequest(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     guided_json: dict[str, Any] | str | None = None
@@ -256,14 +257,13 @@ class _SamplingRequest(_Body):
     # vLLM extras kvflow does not implement (refused when set; see unsupported_field)
     use_beam_search: Any = None
     length_penalty: Any = None
-    allowed_token_ids: Any = None
     prompt_logprobs: Any = None
     truncate_prompt_tokens: Any = None
     return_tokens_as_token_ids: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "use_beam_search": (False,),
-        "length_penalty": (1, 1.0), "allowed_token_ids": (), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+        "length_penalty": (1, 1.0), "prompt_logprobs": (), "truncate_prompt_tokens": (),
         "return_tokens_as_token_ids": (False,),
     }  # fmt: skip
 
@@ -326,6 +326,7 @@ class _SamplingRequest(_Body):
             logit_bias=self.logit_bias,
             min_tokens=self.min_tokens,
             bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             guided_json=self.guided_schema(),

@@ -120,6 +120,9 @@ BAD_VALUES = [
     pytest.param(C, {"prompt": "x", "logit_bias": {"300": 1}}, "logit_bias", id="logit_bias-key-past-vocab"),
     pytest.param(C, {"prompt": "x", "logit_bias": {"5": True}}, "logit_bias", id="logit_bias-value-true"),
     pytest.param(C, {"prompt": "x", "logit_bias": {"5": 1e300}}, "logit_bias", id="logit_bias-value-huge"),
+    pytest.param(C, {"prompt": "x", "allowed_token_ids": [300]}, "allowed_token_ids", id="allowed_token_ids-past-vocab"),
+    pytest.param(C, {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", id="allowed_token_ids-empty"),
+    pytest.param(CH, {"messages": MSG, "allowed_token_ids": [-1]}, "allowed_token_ids", id="allowed_token_ids--1"),
     pytest.param(C, {"prompt": "x", "logprobs": 2**63}, "logprobs", id="logprobs-2**63"),
     pytest.param(CH, {"messages": MSG, "logprobs": True, "top_logprobs": 2**63}, "top_logprobs", id="top_logprobs-2**63"),
     pytest.param(C, {"prompt": "x", "min_tokens": 2**63}, "min_tokens", id="min_tokens-2**63"),
@@ -353,6 +356,18 @@ def test_chat_logprobs_bytes_are_each_token_s_own_bytes(http):
         assert len(e["bytes"]) == 1, e  # one byte per token in this tokenizer
         if e["token"] != "\ufffd":
             assert bytes(e["bytes"]) == e["token"].encode("utf-8"), e
+
+
+@pytest.mark.parametrize("path", [C, CH])
+def test_allowed_token_ids_are_the_only_tokens_generated(http, path):
+    body = {"prompt": "hello"} if path == C else {"messages": MSG}
+    r = http.post(path, json={**body, "max_tokens": 12, "temperature": 1.0, "seed": 1, "ignore_eos": True,
+                              "allowed_token_ids": [40, 41, 42], "logprobs": True if path == CH else 1})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    tok = tiny_tokenizer()
+    tokens = ([e["token"] for e in choice["logprobs"]["content"]] if path == CH else choice["logprobs"]["tokens"])
+    assert len(tokens) == 12 and set(tokens) <= {tok.decode([t]) for t in (40, 41, 42)}, tokens
 
 
 @pytest.mark.parametrize("echo", [True, False])
