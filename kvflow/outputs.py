@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from kvflow.logprobs import Logprob
-
-
-class RequestOutputKind(enum.Enum):
-    """What each ``RequestOutput`` of a request holds (vLLM's ``RequestOutputKind``).
-
-    CUMULATIVE: all the text, token ids and logprobs so far, every step (the default of
-    ``LLMEngine.add_request``). DELTA: only what is new since the request's previous output
-    (``cumulative_logprob`` stays the running total; ``prompt_logprobs`` come once, with the
-    first output, as vLLM's); the server's streams. FINAL_ONLY: one output, when the request
-    finishes (``LLM.generate``).
-    """
-
-    CUMULATIVE = 0
-    DELTA = 1
-    FINAL_ONLY = 2
+from kvflow.sampling_params import RequestOutputKind  # (defined there, as vLLM's; re-exported)
 
 
 @dataclass

@@ -8,6 +8,7 @@ request is refused before it reaches the engine.
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 import re
@@ -17,6 +18,22 @@ from typing import Any
 _GREEDY_EPS = 1e-5
 # The grammar engine's backend names a vLLM script may pass (kvflow always uses llguidance).
 _BACKENDS = (None, "auto", "guidance", "llguidance")
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a request holds (vLLM's ``RequestOutputKind``).
+
+    CUMULATIVE: all the text, token ids and logprobs so far, every step (the default).
+    DELTA: only what is new since the request's previous output (``cumulative_logprob``
+    stays the running total; ``prompt_logprobs`` come once, with the first output, as
+    vLLM's); the server's streams. FINAL_ONLY: one output, when the request finishes
+    (``LLM.generate``). A request's kind is ``SamplingParams.output_kind`` unless its caller
+    names one (``LLMEngine.add_request(output_kind=...)``).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -210,6 +227,9 @@ class SamplingParams:
             structures that begin with that trigger (``begin``, JSON valid for ``schema``,
             ``end``), then it is free again. Tool calling under ``tool_choice: "auto"``
             uses it (``kvflow.entrypoints.openai.tools.tool_call_structural_tag``).
+        output_kind: vLLM's: what each ``RequestOutput`` of the request holds
+            (``RequestOutputKind``: CUMULATIVE, DELTA or FINAL_ONLY) where the caller does
+            not name a kind itself (``LLM.generate`` always gives final outputs).
 
     Integer fields take any ``numbers.Integral`` and float fields any ``numbers.Real``
     (numpy scalars included), stored as Python ``int`` / ``float``; ``bool`` is not a number
@@ -248,6 +268,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None
     structural_tag: dict[str, Any] | str | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
@@ -339,6 +360,8 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         _check_number("temperature", self.temperature, finite=True)

@@ -343,7 +343,7 @@ class AsyncLLMEngine:
             future.set_result(result)
 
     def add_requests(self, requests: list[tuple[str, PreparedRequest, str | None]],
-                     priority: int = 0, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                     priority: int = 0, output_kind: RequestOutputKind | None = None,
                      ) -> list[AsyncIterator[RequestOutput]]:
         """Queue (request_id, prepared request, prompt text) triples, all or none, with one
         scheduling ``priority`` (see ``LLMEngine.add_request``); return their output
@@ -351,8 +351,10 @@ class AsyncLLMEngine:
 
         The engine thread makes DELTA outputs (only the new tokens and text of a step); an
         iterator yields them as such with ``output_kind=RequestOutputKind.DELTA`` (several
-        steps merged into one when its consumer lags), or, by default (CUMULATIVE), the
-        request's whole output so far, grown from the deltas on the event loop.
+        steps merged into one when its consumer lags), with CUMULATIVE the request's whole
+        output so far, grown from the deltas on the event loop, and with FINAL_ONLY that
+        whole output once, when the request finishes. ``output_kind`` None: each request's
+        ``params.output_kind`` (CUMULATIVE for an embedding request).
 
         Raises:
             QueueTooSmallError: when there are more of them than ``max_queue_len`` (they
@@ -379,10 +381,14 @@ class AsyncLLMEngine:
         for request_id, prepared, prompt in requests:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-        for request_id, prepared, prompt in requests:
-            if output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
-                raise ValueError(f"output_kind must be CUMULATIVE or DELTA, got {output_kind!r}")
-            stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids), output_kind=output_kind)
+        kinds = [output_kind if output_kind is not None
+                 else getattr(prepared.params, "output_kind", RequestOutputKind.CUMULATIVE)
+                 for _, prepared, _ in requests]
+        for kind in kinds:
+            if not isinstance(kind, RequestOutputKind):
+                raise ValueError(f"output_kind must be a RequestOutputKind, got {kind!r}")
+        for (request_id, prepared, prompt), kind in zip(requests, kinds):
+            stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids), output_kind=kind)
             self._streams[request_id] = stream
             self._unstarted.add(request_id)
             self._commands.append(("add", request_id, prepared, prompt, loop, priority))
@@ -426,8 +432,10 @@ class AsyncLLMEngine:
                     item = merge_delta(item, newer) if isinstance(item, RequestOutput) else newer
                 if isinstance(item, BaseException):
                     raise item
-                if isinstance(item, RequestOutput) and stream.output_kind is RequestOutputKind.CUMULATIVE:
+                if isinstance(item, RequestOutput) and stream.output_kind is not RequestOutputKind.DELTA:
                     item = self._cumulative(stream, item)
+                    if stream.output_kind is RequestOutputKind.FINAL_ONLY and not item.finished:
+                        continue
                 yield item
                 if item.finished:
                     return

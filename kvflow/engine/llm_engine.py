@@ -381,7 +381,7 @@ class LLMEngine:
         priority: int = 0,
         prepared: PreparedRequest | None = None,
         lora_request=None,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
         """Validate and queue a request (``params.n`` samples sharing the prompt's blocks),
         or, with ``PoolingParams``, an embedding request (see ``kvflow.pooling_params``).
@@ -390,13 +390,16 @@ class LLMEngine:
         ``prepared``: the result of ``prepare_request`` for these ids and params, when the
         caller did that work already. ``lora_request``: the ``kvflow.lora.request.LoRARequest``
         the request runs with (None: the base model). ``output_kind``: what each of its
-        ``RequestOutput``s holds (``RequestOutputKind``: CUMULATIVE, DELTA or FINAL_ONLY).
+        ``RequestOutput``s holds (``RequestOutputKind``: CUMULATIVE, DELTA or FINAL_ONLY);
+        None: ``params.output_kind`` (CUMULATIVE for an embedding request).
 
         Raises:
             ValueError: see ``validate_prompt``; a request_id already in use; a priority
                 other than 0 without the "priority" scheduling policy; an ``output_kind``
                 that is not a ``RequestOutputKind``.
         """
+        if output_kind is None:
+            output_kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.CUMULATIVE
         if not isinstance(output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
         if request_id in self._states:

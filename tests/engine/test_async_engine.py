@@ -427,6 +427,36 @@ def test_prompt_logprobs_come_with_the_first_output_of_a_stream():
     asyncio.run(main())
 
 
+def test_the_iterator_takes_the_params_output_kind_and_final_only_gives_one_output():
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny")  # not started: the test feeds the stream
+        for kind in RequestOutputKind:
+            params = SamplingParams(temperature=0, max_tokens=3, output_kind=kind)
+            prepared = await engine.prepare([1, 2], params)
+            (it,) = engine.add_requests([(kind.name, prepared, None)])
+            queue = engine._streams[kind.name].queue
+
+            async def feed():
+                for i, token in enumerate((5, 6, 7)):
+                    queue.put_nowait(_output(kind.name, [token], finished=i == 2))
+                    await asyncio.sleep(0)
+
+            feeder = asyncio.ensure_future(feed())
+            got = [out.outputs[0].token_ids async for out in it]
+            await feeder
+            want = {RequestOutputKind.DELTA: [[5], [6], [7]], RequestOutputKind.FINAL_ONLY: [[5, 6, 7]]}
+            assert got[-1] == ([7] if kind is RequestOutputKind.DELTA else [5, 6, 7]), (kind, got)
+            if kind in want:
+                assert got == want[kind], (kind, got)
+        bad = await engine.prepare([1, 2], SamplingParams(temperature=0, max_tokens=3))
+        bad.params.output_kind = "delta"
+        with pytest.raises(ValueError, match="output_kind"):
+            engine.add_requests([("bad", bad, None)])
+        assert "bad" not in engine._streams
+
+    asyncio.run(main())
+
+
 def test_a_lagging_consumer_keeps_the_prompt_logprobs_of_the_first_output():
     async def main():
         engine = AsyncLLMEngine(tiny_engine(), "tiny")  # not started: the test feeds the stream

@@ -130,6 +130,46 @@ def test_output_kind_is_checked(tokenizer):
     assert not engine.has_unfinished_requests()
 
 
+def test_the_sampling_params_output_kind_applies_unless_the_caller_names_one(tokenizer):
+    """vLLM's ``SamplingParams.output_kind``: the request's kind where ``add_request`` is not
+    given one; a kind given to ``add_request`` wins; a bad one is refused by name."""
+    engine = text_engine(tokenizer)
+    delta = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    final = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("d", PROMPT, delta)
+    engine.add_request("f", PROMPT, final)
+    engine.add_request("c", PROMPT, final, output_kind=RequestOutputKind.CUMULATIVE)
+    seen: dict[str, list[RequestOutput]] = {"d": [], "f": [], "c": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert [len(o.outputs[0].token_ids) for o in seen["d"]] == [1, 1, 1]
+    assert [len(o.outputs[0].token_ids) for o in seen["f"]] == [3]
+    assert [len(o.outputs[0].token_ids) for o in seen["c"]] == [1, 2, 3]
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+    bad = SamplingParams(max_tokens=2)
+    bad.output_kind = 1
+    with pytest.raises(ValueError, match="output_kind"):
+        engine.add_request("x", PROMPT, bad)
+    assert not engine.has_unfinished_requests()
+
+
+def test_vllm_style_llm_engine_honours_the_params_output_kind(tokenizer):
+    """``LLM.llm_engine.add_request`` has vLLM's signature (no output kind): the params' kind."""
+    from kvflow.entrypoints.llm import VLLMStyleEngine
+
+    engine = text_engine(tokenizer)
+    llm = type("FakeLLM", (), {"engine": engine, "_to_token_ids": staticmethod(lambda p: (list(p), None))})()
+    vllm_engine = VLLMStyleEngine(llm)
+    vllm_engine.add_request("d", PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                        output_kind=RequestOutputKind.DELTA))
+    seen = []
+    while vllm_engine.has_unfinished_requests():
+        seen += [len(o.outputs[0].token_ids) for o in vllm_engine.step()]
+    assert seen == [1, 1, 1]
+
+
 def test_outputs_come_in_first_sample_order_and_a_failed_request_gives_none(tokenizer, monkeypatch):
     """A request of one sample has its output made as soon as its token is appended, one of
     n samples after all of them: the step's outputs still come in the order of each request's
