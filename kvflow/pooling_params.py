@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from kvflow.sampling_params import check_truncate_prompt_tokens
+
 POOLING_TYPES = ("last", "mean")
 
 
@@ -37,6 +39,8 @@ class PoolingParams:
             matryoshka truncation, which vLLM too allows only for models trained for it);
             None: the hidden size.
         task: vLLM's pooling task; kvflow has "embed" only (None means it).
+        truncate_prompt_tokens: vLLM's: embed only the prompt's last k tokens; -1: as many
+            as ``max_model_len``; None: the whole prompt (``LLMEngine.truncate_prompt``).
 
     Raises:
         ValueError: naming the field, for a value outside the above (``dimensions`` is
@@ -48,6 +52,7 @@ class PoolingParams:
     use_activation: bool | None = None
     dimensions: int | None = None
     task: str | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.pooling_type is not None:
@@ -68,6 +73,7 @@ class PoolingParams:
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
         if self.task not in (None, "embed"):
             raise ValueError(f"task must be 'embed' (kvflow's only pooling task), got {self.task!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
     @property
     def l2_normalize(self) -> bool:

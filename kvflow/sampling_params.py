@@ -230,6 +230,10 @@ class SamplingParams:
         output_kind: vLLM's: what each ``RequestOutput`` of the request holds
             (``RequestOutputKind``: CUMULATIVE, DELTA or FINAL_ONLY) where the caller does
             not name a kind itself (``LLM.generate`` always gives final outputs).
+        truncate_prompt_tokens: vLLM's: keep only the prompt's last k tokens (left
+            truncation); -1: as many as the context takes (``max_model_len`` - 1, leaving
+            room for one output token); None: no truncation. The engine refuses k above
+            ``max_model_len`` (``LLMEngine.truncate_prompt``).
 
     Integer fields take any ``numbers.Integral`` and float fields any ``numbers.Real``
     (numpy scalars included), stored as Python ``int`` / ``float``; ``bool`` is not a number
@@ -269,6 +273,7 @@ class SamplingParams:
     guided_decoding: StructuredOutputsParams | None = None
     structural_tag: dict[str, Any] | str | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
@@ -360,6 +365,7 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
@@ -491,11 +497,25 @@ MAX_STRING_CHARS = 1024
 MAX_GUIDED_CHOICES = 1024
 
 # The fields ``_normalise_numbers`` turns into Python ints / floats.
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "logprobs", "prompt_logprobs", "min_tokens")
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "logprobs", "prompt_logprobs", "min_tokens",
+               "truncate_prompt_tokens")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 _FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_TINY = 1.1754943508222875e-38
+
+
+def check_truncate_prompt_tokens(value: object) -> None:
+    """``truncate_prompt_tokens`` (of ``SamplingParams`` and ``PoolingParams``): None, -1 or
+    an integer >= 1.
+
+    Raises:
+        ValueError: naming the field, for anything else.
+    """
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or not (value == -1 or value >= 1):
+        raise ValueError(f"truncate_prompt_tokens must be -1 (the context's size) or an integer >= 1, got {value!r}")
 
 
 _MASK64 = (1 << 64) - 1

@@ -189,6 +189,16 @@ def test_allowed_token_ids_become_a_list_of_ints():
         p.verify()
 
 
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "4"])
+def test_truncate_prompt_tokens_is_minus_one_or_positive(value):
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=value)
+    from kvflow.pooling_params import PoolingParams
+
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        PoolingParams(truncate_prompt_tokens=value)
+
+
 def test_logit_bias_keys_become_ints():
     p = SamplingParams(logit_bias={"5": 1, 7: -2.5, "0": 100})
     assert p.logit_bias == {5: 1.0, 7: -2.5, 0: 100.0}

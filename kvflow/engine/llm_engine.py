@@ -351,17 +351,39 @@ class LLMEngine:
         """Ids of the adapters read so far and not removed (vLLM's ``list_loras``)."""
         return set() if self.lora_manager is None else set(self.lora_manager.known)
 
+    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> list[int]:
+        """The prompt as ``params.truncate_prompt_tokens`` leaves it: its last k tokens (vLLM's
+        left truncation; -1: ``max_model_len`` for an embedding, ``max_model_len`` - 1 for a
+        generation, which needs room for a token). Idempotent.
+
+        Raises:
+            ValueError: naming ``truncate_prompt_tokens``, for k above ``max_model_len``.
+        """
+        k = getattr(params, "truncate_prompt_tokens", None)
+        if k is None:
+            return prompt_token_ids
+        max_len = self.scheduler_config.max_model_len
+        if k == -1:
+            k = max_len if isinstance(params, PoolingParams) else max_len - 1
+        if k > max_len:
+            raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_len})")
+        return list(prompt_token_ids[-k:])
+
     def prepare_request(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
                         lora_request=None) -> PreparedRequest:
         """Validate a request and do its engine-independent work: the bad words' token ids,
         one compiled grammar per sample, its LoRA adapter read and checked. It touches no
         engine state, so the server runs it on a worker thread while the engine thread steps.
 
+        ``prompt_token_ids`` are truncated first where ``params.truncate_prompt_tokens`` asks
+        (``truncate_prompt``); the prepared request holds the ids the engine runs.
+
         Raises:
-            ValueError: see ``validate_prompt``, ``check_request_features`` and
-                ``check_lora_request``.
+            ValueError: see ``truncate_prompt``, ``validate_prompt``,
+                ``check_request_features`` and ``check_lora_request``.
         """
         self.check_lora_request(lora_request)
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
         self.validate_prompt(prompt_token_ids, params)
         if isinstance(params, PoolingParams):
             return PreparedRequest(list(prompt_token_ids), params.resolved(self.default_pooling), [], [None],
@@ -412,6 +434,7 @@ class LLMEngine:
         else:
             lora_request = lora_request if lora_request is not None else prepared.lora_request
             self.check_lora_request(lora_request)  # (cached by then: no file read)
+        prompt_token_ids = prepared.prompt_token_ids  # (truncated where params ask)
         if isinstance(prepared.params, PoolingParams):
             self._add_pooling_request(request_id, prompt_token_ids, prepared.params, prompt, priority, lora_request)
             return

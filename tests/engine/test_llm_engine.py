@@ -1058,3 +1058,33 @@ def test_max_tokens_none_runs_until_the_context_is_full():
     assert prepared.params.max_tokens == 22 and params.max_tokens is None
     engine.add_request("b", prepared.prompt_token_ids, prepared.params, prepared=prepared)
     assert len(run_to_completion(engine)["b"]) == 22
+
+
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens():
+    """vLLM's ``truncate_prompt_tokens``: the request runs (and reports) its prompt's last k
+    tokens; -1 keeps what leaves room for one token; k past max_model_len is refused."""
+    from kvflow.pooling_params import PoolingParams
+
+    engine = tiny_engine(max_model_len=64, num_blocks=64)
+    prompt = [(7 * i) % 97 + 3 for i in range(100)]  # longer than the context
+    greedy = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.add_request("cut", prompt, SamplingParams(**greedy, truncate_prompt_tokens=12))
+    engine.add_request("ref", prompt[-12:], SamplingParams(**greedy))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert outputs["cut"].prompt_token_ids == prompt[-12:]
+    assert outputs["cut"].outputs[0].token_ids == outputs["ref"].outputs[0].token_ids
+    engine.add_request("all", prompt, SamplingParams(temperature=0.0, max_tokens=1, truncate_prompt_tokens=-1))
+    engine.add_request("emb", prompt, PoolingParams(truncate_prompt_tokens=-1))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert len(done["all"].prompt_token_ids) == 63 and len(done["emb"].prompt_token_ids) == 64
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        engine.add_request("long", prompt, SamplingParams(truncate_prompt_tokens=65))
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("whole", prompt, SamplingParams(max_tokens=1))
+    assert not engine.has_unfinished_requests()

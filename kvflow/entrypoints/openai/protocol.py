@@ -240,6 +240,7 @@ class _SamplingRequest(_Body):
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # the prompt's last k tokens (-1: as many as fit)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     guided_json: dict[str, Any] | str | None = None
@@ -258,12 +259,11 @@ class _SamplingRequest(_Body):
     use_beam_search: Any = None
     length_penalty: Any = None
     prompt_logprobs: Any = None
-    truncate_prompt_tokens: Any = None
     return_tokens_as_token_ids: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "use_beam_search": (False,),
-        "length_penalty": (1, 1.0), "prompt_logprobs": (), "truncate_prompt_tokens": (),
+        "length_penalty": (1, 1.0), "prompt_logprobs": (),
         "return_tokens_as_token_ids": (False,),
     }  # fmt: skip
 
@@ -327,6 +327,7 @@ class _SamplingRequest(_Body):
             min_tokens=self.min_tokens,
             bad_words=self.bad_words,
             allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             guided_json=self.guided_schema(),

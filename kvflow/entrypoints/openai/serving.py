@@ -332,6 +332,26 @@ class OpenAIServing:
             )
         return requested
 
+    def truncate(self, prompts: list[tuple[list[int], str | None]], k: int | None,
+                 pooling: bool = False) -> list[tuple[list[int], str | None]]:
+        """The prompts as vLLM's ``truncate_prompt_tokens`` leaves them (their last ``k``
+        tokens: ``LLMEngine.truncate_prompt``); a truncated prompt loses its text (an echo
+        decodes the ids kept).
+
+        Raises:
+            APIError: 400 naming ``truncate_prompt_tokens`` for a bad value or one above
+                ``max_model_len``.
+        """
+        if k is None:
+            return prompts
+        engine = self.engine.engine
+        try:
+            params = PoolingParams(truncate_prompt_tokens=k) if pooling else SamplingParams(truncate_prompt_tokens=k)
+            kept = [engine.truncate_prompt(ids, params) for ids, _ in prompts]
+        except ValueError as exc:
+            raise APIError(400, str(exc), "BadRequestError", "truncate_prompt_tokens") from None
+        return [(ids, text if len(ids) == len(old) else None) for ids, (old, text) in zip(kept, prompts)]
+
     def _params(self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         try:
             return req.sampling_params(max_tokens, logprobs, prompt_logprobs, self.defaults)
@@ -490,7 +510,8 @@ class OpenAIServing:
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_request(req)
-        prompts = await self.engine.run_off_loop(self._completion_prompts, req)
+        prompts = self.truncate(await self.engine.run_off_loop(self._completion_prompts, req),
+                                req.truncate_prompt_tokens)
         if "max_tokens" in req.model_fields_set:
             requested = req.max_tokens  # null: what is left of the context
         else:  # the model's generation-config default, else OpenAI's 16
@@ -658,7 +679,8 @@ class OpenAIServing:
         make_parser, keep_special = self._output_parsers(req)
         if keep_special:
             req = req.model_copy(update={"skip_special_tokens": False})
-        ids = await self.engine.run_off_loop(self._chat_prompt, req)
+        ((ids, _),) = self.truncate([(await self.engine.run_off_loop(self._chat_prompt, req), None)],
+                                    req.truncate_prompt_tokens)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self._max_tokens(requested, len(ids), field)

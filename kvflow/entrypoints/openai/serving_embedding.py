@@ -8,7 +8,8 @@ and L2-normalized unless ``normalize`` / ``use_activation`` is false.
 Request: ``input`` (a string, a list of strings, a list of token ids, or a list of token-id
 lists), ``model``, ``encoding_format`` ("float", or "base64": the little-endian float32
 bytes, as OpenAI), ``dimensions`` (only the model's hidden size; 400 otherwise), ``user``;
-vLLM's ``add_special_tokens``, ``priority``, ``normalize`` / ``use_activation``. Response:
+vLLM's ``add_special_tokens``, ``priority``, ``normalize`` / ``use_activation``,
+``truncate_prompt_tokens`` (embed each input's last k tokens; -1: ``max_model_len``). Response:
 ``{"id", "object": "list", "created", "model", "data": [{"object": "embedding", "index",
 "embedding"}], "usage": {"prompt_tokens", "total_tokens"}}``.
 """
@@ -43,8 +44,8 @@ class EmbeddingRequest(_Body):
     priority: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     normalize: bool | None = None  # vLLM before 0.11; now use_activation
     use_activation: bool | None = None
+    truncate_prompt_tokens: int | None = None  # the input's last k tokens (-1: max_model_len)
     # vLLM extras kvflow does not implement (refused when set to anything but a no-op)
-    truncate_prompt_tokens: Any = None
     embed_dtype: Any = None
     endianness: Any = None
     messages: Any = None
@@ -52,7 +53,7 @@ class EmbeddingRequest(_Body):
     truncation_side: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "truncate_prompt_tokens": (), "embed_dtype": ("float32",), "endianness": ("little", "native"),
+        "embed_dtype": ("float32",), "endianness": ("little", "native"),
         "messages": (), "padding": ("do_not_pad",), "truncation_side": (),
     }  # fmt: skip
 
@@ -101,10 +102,12 @@ async def create_embedding(serving: OpenAIServing, req: EmbeddingRequest, raw: R
     """
     serving.check_request(req)
     try:
-        params = PoolingParams(normalize=req.normalize, use_activation=req.use_activation, dimensions=req.dimensions)
+        params = PoolingParams(normalize=req.normalize, use_activation=req.use_activation, dimensions=req.dimensions,
+                               truncate_prompt_tokens=req.truncate_prompt_tokens)
     except ValueError as exc:
         raise _bad_request(exc) from None
-    prompts = await serving.engine.run_off_loop(_prompts, serving, req)
+    prompts = serving.truncate(await serving.engine.run_off_loop(_prompts, serving, req), req.truncate_prompt_tokens,
+                               pooling=True)
     iterators = await serving._add(prompts, params, "input", req.priority, serving.lora_for(req.model))
     finals = await serving._collect(iterators, raw)
     num_tokens = sum(len(ids) for ids, _ in prompts)

@@ -108,7 +108,7 @@ def test_values_that_change_nothing_pass(body):
 
 
 @pytest.mark.parametrize("body,field", [({"best_of": 3}, "best_of"), ({"suffix": "z"}, "suffix"),
-                                        ({"truncate_prompt_tokens": 5}, "truncate_prompt_tokens")])
+                                        ({"prompt_logprobs": 5}, "prompt_logprobs")])
 def test_completion_fields_kvflow_lacks_are_named(body, field):
     assert CompletionRequest.model_validate({"prompt": "x", **body}).unsupported_field()[0] == field
     assert CompletionRequest.model_validate({"prompt": "x", "best_of": 1, "suffix": ""}).unsupported_field() is None

@@ -123,6 +123,9 @@ BAD_VALUES = [
     pytest.param(C, {"prompt": "x", "allowed_token_ids": [300]}, "allowed_token_ids", id="allowed_token_ids-past-vocab"),
     pytest.param(C, {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", id="allowed_token_ids-empty"),
     pytest.param(CH, {"messages": MSG, "allowed_token_ids": [-1]}, "allowed_token_ids", id="allowed_token_ids--1"),
+    pytest.param(C, {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", id="truncate-0"),
+    pytest.param(C, {"prompt": "x", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens", id="truncate-past-len"),
+    pytest.param(CH, {"messages": MSG, "truncate_prompt_tokens": "4"}, "truncate_prompt_tokens", id="truncate-str"),
     pytest.param(C, {"prompt": "x", "logprobs": 2**63}, "logprobs", id="logprobs-2**63"),
     pytest.param(CH, {"messages": MSG, "logprobs": True, "top_logprobs": 2**63}, "top_logprobs", id="top_logprobs-2**63"),
     pytest.param(C, {"prompt": "x", "min_tokens": 2**63}, "min_tokens", id="min_tokens-2**63"),
@@ -368,6 +371,24 @@ def test_allowed_token_ids_are_the_only_tokens_generated(http, path):
     tok = tiny_tokenizer()
     tokens = ([e["token"] for e in choice["logprobs"]["content"]] if path == CH else choice["logprobs"]["tokens"])
     assert len(tokens) == 12 and set(tokens) <= {tok.decode([t]) for t in (40, 41, 42)}, tokens
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http):
+    """vLLM's left truncation: the answer, usage and echo are those of the last k tokens; a
+    prompt longer than the context (256) is served when truncated."""
+    ids = [5 + i % 200 for i in range(300)]
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "echo": True, "logprobs": 0}
+    cut = http.post(C, json={**body, "prompt": ids, "truncate_prompt_tokens": 9})
+    want = http.post(C, json={**body, "prompt": ids[-9:]})
+    assert cut.status_code == want.status_code == 200, cut.text
+    assert cut.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+    assert cut.json()["choices"][0]["logprobs"]["tokens"][:9] == want.json()["choices"][0]["logprobs"]["tokens"][:9]
+    assert cut.json()["usage"]["prompt_tokens"] == 9
+    assert http.post(C, json={**body, "prompt": ids}).status_code == 400  # (untruncated: too long)
+    chat = http.post(CH, json={"messages": MSG, "max_tokens": 2, "truncate_prompt_tokens": 3})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 3, chat.text
+    whole = http.post(C, json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert whole.status_code == 200 and whole.json()["usage"]["prompt_tokens"] == 255, whole.text
 
 
 @pytest.mark.parametrize("echo", [True, False])

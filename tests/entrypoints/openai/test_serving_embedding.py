@@ -146,7 +146,9 @@ def test_base64_is_the_little_endian_float32_bytes():
     ({"input": "x" * 300}, "input"),  # past max_model_len (256)
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "x", "embed_dtype": "float16"}, "embed_dtype"),
-    ({"input": "x", "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": "x", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens"),  # past max_model_len (256)
+    ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"input": "x", "normalize": True, "use_activation": False}, "normalize"),
     ({"input": "x", "priority": 1}, "priority"),
     ({"input": "x", "user": 5}, "user"),
@@ -155,6 +157,20 @@ def test_base64_is_the_little_endian_float32_bytes():
 def test_bad_embedding_requests_are_400s(server, http, body, param):
     _assert_error(http.post(E, json=body), 400, param)
     _wait_idle(server)
+
+
+def test_truncate_prompt_tokens_embeds_the_inputs_last_tokens(http):
+    ids = [5 + i % 200 for i in range(300)]  # 300 tokens: past max_model_len (256) unless truncated
+    cut = _embed(http, input=[ids, ids], truncate_prompt_tokens=7)
+    want = _embed(http, input=[ids[-7:]])["data"][0]["embedding"]
+    assert cut["usage"]["prompt_tokens"] == 14
+    for d in cut["data"]:  # (the same up to the batch's summation order)
+        assert d["embedding"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert d["embedding"] != pytest.approx(_embed(http, input=[ids[-8:]])["data"][0]["embedding"], abs=1e-3)
+    whole = _embed(http, input=[ids], truncate_prompt_tokens=-1)  # as many as the context takes
+    assert whole["usage"]["prompt_tokens"] == 256
+    assert whole["data"][0]["embedding"] == pytest.approx(_embed(http, input=[ids[-256:]])["data"][0]["embedding"],
+                                                          rel=1e-5, abs=1e-6)
 
 
 def test_unknown_model_is_404_and_dimensions_of_the_hidden_size_pass(http):
