@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+#: The ``finished_reason`` labels of ``request_success_total`` (vLLM's, less "error": a failed
+#: request is counted by ``request_failure_total``).
+FINISHED_REASONS = ("stop", "length", "abort")
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -42,7 +46,10 @@ class EngineMetrics:
         self.cpu_threads = gauge("cpu_threads", "CPU intra-op threads the engine runs now (its thread governor's choice).")
         self.cpu_other_load = gauge(
             "cpu_other_load", "CPU cores other processes wanted on the engine's CPUs, last measurement (thread governor).")
-        self.request_success = counter("request_success", "Requests finished (any finish reason).")
+        # by finish reason, as vLLM's vllm:request_success_total{finished_reason=...}
+        success = Counter("kvflow:request_success", "Requests finished, by finish reason (stop, length, abort: the "
+                          "client went away or aborted it).", [*labels, "finished_reason"], registry=r)
+        self._request_success = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
         self.request_failure = counter("request_failure", "Requests the engine failed alone (an error inside the engine).")
         self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).")
         self.spec_decode_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted (speculative decoding).")
@@ -51,6 +58,10 @@ class EngineMetrics:
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to finish, seconds.")
         self.request_queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled, seconds.")
         self._last_stats: dict[str, float] = {}
+
+    def request_finished(self, finish_reason: str | None) -> None:
+        """Count one finished request under its finish reason (an unknown one as "stop")."""
+        self._request_success.get(finish_reason, self._request_success["stop"]).inc()
 
     def update_engine_stats(self, stats: dict[str, float]) -> None:
         """Set the gauges and advance the counters from ``LLMEngine.get_stats()`` (the

@@ -68,14 +68,15 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
 
     def __post_init__(self) -> None:
+        for name, default in (("disable_any_whitespace", False), ("disable_additional_properties", False),
+                              ("whitespace_pattern", None), ("structural_tag", None)):
+            if getattr(self, name) != default:  # (named first: alone it is no constraint kvflow takes)
+                raise ValueError(f"{type(self).__name__}.{name} is not supported by kvflow"
+                                 + (" (SamplingParams.structural_tag is)" if name == "structural_tag" else ""))
         set_ = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name) is not None]
         if len(set_) != 1:
             raise ValueError(f"{type(self).__name__} takes exactly one of json, regex, choice, grammar, json_object; "
                              f"got {set_ or 'none'}")
-        for name, default in (("disable_any_whitespace", False), ("disable_additional_properties", False),
-                              ("whitespace_pattern", None), ("structural_tag", None)):
-            if getattr(self, name) != default:
-                raise ValueError(f"{type(self).__name__}.{name} is not supported by kvflow")
         if self.json_object not in (None, True):
             raise ValueError("json_object must be True when set")
 
@@ -193,7 +194,8 @@ class SamplingParams:
             > 0 within float32's normal range (about 1.2e-38 to 3.4e38); 1 is off.
         logit_bias: token id -> value added to its logit (OpenAI semantics): keys are
             integers or integer strings >= 0 (the engine refuses ids outside the
-            vocabulary), values numbers in [-100, 100].
+            vocabulary), values numbers in [-100, 100]. At most ``MAX_LOGIT_BIAS`` (1024)
+            entries.
         allowed_token_ids: vLLM's: a non-empty list of token ids, the only ones that may be
             sampled (every other logit is set to -inf before the penalties, temperature and
             filtering; ``logprobs`` stay those of the raw distribution). At most
@@ -421,8 +423,8 @@ class SamplingParams:
         # Bounds: every stop string is searched in the new text at each step and every bad word
         # is a token sequence matched at each step, so their number and length are capped.
         for name, limit in (("stop", MAX_STOP_STRINGS), ("bad_words", MAX_BAD_WORDS),
-                            ("stop_token_ids", MAX_STOP_TOKEN_IDS)):
-            if len(getattr(self, name)) > limit:
+                            ("stop_token_ids", MAX_STOP_TOKEN_IDS), ("logit_bias", MAX_LOGIT_BIAS)):
+            if len(getattr(self, name) or ()) > limit:
                 raise ValueError(f"{name} holds {len(getattr(self, name))} entries; at most {limit}")
         for name in ("stop", "bad_words"):
             longest = max((len(s) for s in getattr(self, name)), default=0)
@@ -488,6 +490,9 @@ class SamplingParams:
 MAX_STOP_STRINGS = 64
 MAX_BAD_WORDS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+#: The most ``logit_bias`` entries (each is applied at every step; ``allowed_token_ids`` is the
+#: way to keep a set of tokens, ``bad_words`` to ban words).
+MAX_LOGIT_BIAS = 1024
 #: The most ``allowed_token_ids`` (above any vocabulary kvflow runs: Gemma 3's is 262,144).
 MAX_ALLOWED_TOKEN_IDS = 1 << 20
 #: The longest ``stop`` string, ``bad_words`` entry or ``guided_choice`` choice, in characters.

@@ -210,6 +210,7 @@ def test_logit_bias_keys_become_ints():
         ("stop", ["s"] * (sp.MAX_STOP_STRINGS + 1), "stop holds"),
         ("bad_words", ["w"] * (sp.MAX_BAD_WORDS + 1), "bad_words holds"),
         ("stop_token_ids", [1] * (sp.MAX_STOP_TOKEN_IDS + 1), "stop_token_ids holds"),
+        ("logit_bias", {i: 1.0 for i in range(sp.MAX_LOGIT_BIAS + 1)}, "logit_bias holds"),
         ("stop", "x" * (sp.MAX_STRING_CHARS + 1), "stop: an entry of"),
         ("bad_words", ["x" * (sp.MAX_STRING_CHARS + 1)], "bad_words: an entry of"),
     ],
@@ -342,3 +343,12 @@ def test_seeds_that_agree_in_their_low_32_bits_draw_different_numbers():
     extremes = [-(2**63), -(2**32), -1, 2**32, 2**40 + 3, 2**63 - 1]
     mapped = [generator_seed(s) for s in extremes]
     assert all(0 <= m < 2**32 for m in mapped) and len(set(mapped)) == len(extremes)
+
+
+@pytest.mark.parametrize("options,field", [({"structural_tag": "{}"}, "structural_tag"),
+                                           ({"json": {}, "whitespace_pattern": " "}, "whitespace_pattern")])
+def test_structured_outputs_options_kvflow_lacks_are_named_even_alone(options, field):
+    """``StructuredOutputsParams(structural_tag=...)`` alone answered "got none" (no
+    constraint set) instead of naming the option kvflow does not take."""
+    with pytest.raises(ValueError, match=f"StructuredOutputsParams.{field} is not supported"):
+        sp.StructuredOutputsParams(**options)

@@ -470,6 +470,8 @@ class AsyncLLMEngine:
         """Abort a request (its blocks are freed before the next step). Never waits."""
         stream = self._streams.pop(request_id, None)
         if stream is not None:
+            if not stream.finished:
+                self.metrics.request_finished("abort")
             stream.finished = True
         self._unstarted.discard(request_id)
         self._commands.append(("abort", request_id))
@@ -509,7 +511,7 @@ class AsyncLLMEngine:
                 if out.metrics.get("first_scheduled_time") is not None:
                     m.request_queue_time.observe(out.metrics["first_scheduled_time"] - out.metrics["arrival_time"])
                 m.e2e_request_latency.observe(now - out.metrics["arrival_time"])
-                m.request_success.inc()
+                m.request_finished("stop")
                 stream.queue.put_nowait(out)
                 continue
             new_tokens = sum(len(c.token_ids) for c in out.outputs)  # (DELTA outputs)
@@ -524,7 +526,7 @@ class AsyncLLMEngine:
             m.generation_tokens.inc(new_tokens)
             if out.finished:
                 m.e2e_request_latency.observe(now - out.metrics["arrival_time"])
-                m.request_success.inc()
+                m.request_finished(out.outputs[0].finish_reason if out.outputs else None)
             stream.queue.put_nowait(out)
 
     def _fail_one(self, request_id: str, exc: BaseException) -> None:

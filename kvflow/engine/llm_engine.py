@@ -157,13 +157,13 @@ class LLMEngine:
                 self.worker.shutdown()
                 raise
         self.tokenizer = tokenizer
-        self.output_processor = OutputProcessor(tokenizer)
-        self._grammar_compiler = None
-        self._grammar_lock = threading.Lock()
-        self.generation_defaults = dict(generation_defaults or {})
         self.eos_token_id = config.model.eos_token_id
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
+        self.output_processor = OutputProcessor(tokenizer, self.eos_token_id)
+        self._grammar_compiler = None
+        self._grammar_lock = threading.Lock()
+        self.generation_defaults = dict(generation_defaults or {})
         # While requests are in flight the heap is frozen (KVFLOW_GC_FREEZE; kvflow.utils.
         # hold_gc_freeze): the steps' full collections skip the startup heap.
         self._gc_freeze = bool(envs.read("KVFLOW_GC_FREEZE"))

@@ -117,10 +117,14 @@ class OutputProcessor:
     Args:
         tokenizer: a transformers tokenizer, or None (token ids only: empty text, no
             ``decoded_token``; stop strings are refused earlier, at ``add_request``).
+        eos_token_id: the engine's EOS: an output that stops on it (or on a
+            ``stop_token_ids`` entry) does not have that token's text unless
+            ``include_stop_str_in_output`` (vLLM's rule); its id stays in ``token_ids``.
     """
 
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, eos_token_id: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id  # (a stopping EOS is not text: _append)
         self.request_states: dict[str, RequestState] = {}  # by user request id
         self._sample_owner: dict[str, tuple[RequestState, _SampleState]] = {}  # by sample id
         self._token_texts: dict[int, str] = {}  # token id -> decode([id]), for Logprob.decoded_token
@@ -262,18 +266,28 @@ class OutputProcessor:
         hit = None
         detok = sample.detokenizer
         if detok is not None:
-            if len(tokens) == 1:  # (a decode step's one token)
-                stop = detok.update(tokens, finished=out.finish_reason is not None)
+            finished = out.finish_reason is not None
+            # The token that stopped the output (EOS or a stop_token_ids entry) is not text
+            # unless include_stop_str_in_output (vLLM's IncrementalDetokenizer): it stays in
+            # token_ids only.
+            text_tokens = tokens
+            if (out.finish_reason == "stop" and tokens and not state.params.include_stop_str_in_output
+                    and (tokens[-1] == self.eos_token_id or tokens[-1] in state.params.stop_token_ids)):
+                text_tokens = tokens[:-1]
+            if len(text_tokens) == 1 and text_tokens is tokens:  # (a decode step's one token)
+                stop = detok.update(tokens, finished=finished)
                 if stop is not None:
                     hit = StopHit(len(sample.token_ids) + 1, stop)
             else:
                 last = len(tokens) - 1
-                for i, token in enumerate(tokens):
-                    stop = detok.update([token], finished=out.finish_reason is not None and i == last)
+                for i, token in enumerate(text_tokens):
+                    stop = detok.update([token], finished=finished and i == last)
                     if stop is not None:
                         tokens = tokens[: i + 1]
                         hit = StopHit(len(sample.token_ids) + i + 1, stop)
                         break
+                if hit is None and text_tokens is not tokens:
+                    detok.update([], finished=True)  # (the text so far is final)
         sample.token_ids.extend(tokens)
         if out.new_logprobs is not None:
             for entry, token in zip(out.new_logprobs, tokens):

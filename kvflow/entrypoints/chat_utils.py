@@ -21,7 +21,9 @@ _RESERVED_KWARGS = frozenset({
 
 
 def text_content(content: Any, where: str) -> str:
-    """A message's content as one string: list content joins its text parts in order.
+    """A message's content as one string: list content joins its text parts in order, one
+    per line (``"\n"``, as vLLM's ``_parse_chat_message_content_parts`` for string-format
+    templates: ``["Hello", "world"]`` is not "Helloworld").
 
     Raises:
         ValueError: naming ``where`` and the part type, for a non-text part (image, audio,
@@ -42,7 +44,7 @@ def text_content(content: Any, where: str) -> str:
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}.content[{i}].text must be a string")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def normalize_conversation(conversation: Any, content_format: str = "string") -> list[dict[str, Any]]:

@@ -67,9 +67,11 @@ def _apply_masks(row: torch.Tensor, request: Request) -> None:
         _mask_stop_tokens(row, request)
     if p.logit_bias:
         vocab = row.shape[0]
-        for token, bias in p.logit_bias.items():
-            if token < vocab:
-                row[token] += bias
+        bias = [(t, b) for t, b in p.logit_bias.items() if t < vocab]
+        if bias:
+            tokens, values = zip(*bias)
+            row.index_add_(0, torch.tensor(tokens, dtype=torch.int64, device=row.device),
+                           torch.tensor(values, dtype=row.dtype, device=row.device))
 
 
 def _mask_stop_tokens(row: torch.Tensor, request: Request) -> None:

@@ -101,6 +101,42 @@ def test_a_stop_string_ends_the_request_in_the_core_in_the_same_step(tokenizer):
     assert n <= len(free.token_ids)
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA])
+def test_the_token_that_stops_the_output_is_not_text_unless_asked(tokenizer, kind):
+    """vLLM's rule: an output ended by a ``stop_token_ids`` entry or EOS keeps the token's id
+    but not its text, unless ``include_stop_str_in_output``."""
+    steps = run(text_engine(tokenizer), {"a": RequestOutputKind.CUMULATIVE},
+                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, skip_special_tokens=False))["a"]
+    free = steps[-1].outputs[0]
+
+    def text_of(n):  # the text of the first n tokens, as an output cut there by max_tokens has it
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, skip_special_tokens=False)
+        return run(text_engine(tokenizer), {"a": RequestOutputKind.CUMULATIVE}, params)["a"][-1].outputs[0].text
+
+    # a token that adds text (not a part of a character), the first of its id
+    k = next(i for i, t in enumerate(free.token_ids) if i >= 2 and t not in free.token_ids[:i]
+             and steps[i].outputs[0].text != steps[i - 1].outputs[0].text)
+    stop_id = free.token_ids[k]
+    assert text_of(k + 1) != text_of(k)
+    for include in (False, True):
+        engine = text_engine(tokenizer)
+        # EOS: the model's EOS made to stop at the same place, its text kept visible
+        engine.eos_token_id = engine.output_processor.eos_token_id = stop_id
+        for request_id, params in (("id", dict(stop_token_ids=[stop_id], ignore_eos=True)), ("eos", {})):
+            engine.add_request(request_id, PROMPT, SamplingParams(temperature=0, max_tokens=16, skip_special_tokens=False,
+                                                                  include_stop_str_in_output=include, **params),
+                               output_kind=kind)
+        seen = {"id": [], "eos": []}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                seen[out.request_id].append(out.outputs[0])
+        for outs in seen.values():
+            token_ids = [t for o in outs for t in o.token_ids] if kind is RequestOutputKind.DELTA else outs[-1].token_ids
+            text = "".join(o.text for o in outs) if kind is RequestOutputKind.DELTA else outs[-1].text
+            assert token_ids == free.token_ids[: k + 1] and outs[-1].finish_reason == "stop"
+            assert text == text_of(k + 1 if include else k), (include, text)
+
+
 def test_num_cached_tokens_are_the_prefix_cache_hits_at_first_schedule(tokenizer):
     engine = text_engine(tokenizer, block_size=4)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -53,3 +53,23 @@ def test_a_lone_surrogate_is_a_value_error_naming_the_messages(smollm2_llm):
     with pytest.raises(ValueError, match="messages hold a lone surrogate"):
         smollm2_llm.chat([{"role": "user", "content": "a\ud800b"}], SamplingParams(max_tokens=2))
     assert not smollm2_llm.engine.has_unfinished_requests()
+
+
+def test_text_parts_are_one_per_line_on_every_api():
+    """Two text parts are two lines, as vLLM joins them ("Hello" + "world" was "Helloworld"):
+    chat content parts, Anthropic text blocks and tool results, Responses input_text parts."""
+    from kvflow.entrypoints.anthropic.protocol import MessagesRequest, to_chat_fields
+    from kvflow.entrypoints.chat_utils import text_content
+    from kvflow.entrypoints.openai.serving_responses import _text_parts
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert text_content(parts, "messages[0]") == "Hello\nworld"
+    assert _text_parts([{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "world"}],
+                       "input[0].content", ("input_text",)) == "Hello\nworld"
+    req = MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": [
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": [*parts, {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": parts}]},
+    ]})
+    messages = to_chat_fields(req)["messages"]
+    assert [m.get("content") for m in messages] == ["Hello\nworld", "Hello\nworld", "Hello\nworld"]

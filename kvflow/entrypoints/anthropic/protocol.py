@@ -149,7 +149,7 @@ def _tool_result_text(block: dict[str, Any], where: str) -> str:
             if kind != "text":
                 raise ValueError(f"{where}.content[{k}]: " + _UNREAD_BLOCK.format(kind=kind, allowed="text"))
             parts.append(_text(inner, f"{where}.content[{k}]"))
-        content = "".join(parts)
+        content = "\n".join(parts)
     elif not isinstance(content, str):
         raise ValueError(f"{where}.content must be a string or a list of text blocks")
     return f"Error: {content}" if block.get("is_error") else content
@@ -196,7 +196,7 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
                                      f"{block['tool_use_id']!r}. Each tool_result block must have a corresponding "
                                      "tool_use block in the previous message.")
                 if texts:  # text before the result: its own user message, in order
-                    out.append({"role": "user", "content": "".join(texts)})
+                    out.append({"role": "user", "content": "\n".join(texts)})
                     texts = []
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": _tool_result_text(block, where)})
             elif kind == "tool_use" and message.role == "assistant":
@@ -213,9 +213,9 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
                 raise ValueError(f"{where}: " + _UNREAD_BLOCK.format(kind=kind, allowed=allowed))
         _check_answered(i, previous_ids, {b.get("tool_use_id") for b in message.content if b.get("type") == "tool_result"})
         if message.role == "assistant":
-            out.append({"role": "assistant", "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})})
+            out.append({"role": "assistant", "content": "\n".join(texts) or None, **({"tool_calls": calls} if calls else {})})
         elif texts or not any(m["role"] == "tool" for m in out[-1:]):
-            out.append({"role": "user", "content": "".join(texts)})
+            out.append({"role": "user", "content": "\n".join(texts)})
     return out
 
 

@@ -64,8 +64,6 @@ class ChatOutputParser:
         reasoning_parser: splits off the reasoning (None: no reasoning).
         tool_parser: reads tool calls out of the answer (None: never any).
         max_tool_calls: keep at most this many calls (1 for ``parallel_tool_calls: false``).
-        strip_suffix: removed from the end of the final text (the EOS token's text, which a
-            request that keeps special tokens has there).
         id_prefix: prefix of the tool call ids made here (``call_``; ``toolu_`` for Anthropic).
     """
 
@@ -74,13 +72,11 @@ class ChatOutputParser:
         reasoning_parser: ReasoningParser | None = None,
         tool_parser: ToolParser | None = None,
         max_tool_calls: int | None = None,
-        strip_suffix: str | None = None,
         id_prefix: str = "call_",
     ) -> None:
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser
         self.max_tool_calls = max_tool_calls
-        self.strip_suffix = strip_suffix
         self.id_prefix = id_prefix
         self.reasoning = ""
         self.content = ""
@@ -91,8 +87,6 @@ class ChatOutputParser:
         """Read ``text`` (all of the choice's text so far); return what is new since the
         last call. With ``final``, ``reasoning``, ``content`` and ``tool_calls`` are the
         whole message."""
-        if final and self.strip_suffix and text.endswith(self.strip_suffix):
-            text = text[: -len(self.strip_suffix)]
         if self.reasoning_parser is not None:
             reasoning, answer = self.reasoning_parser.parse(text, final)
         else:

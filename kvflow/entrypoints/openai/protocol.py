@@ -157,11 +157,19 @@ FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
     "epsilon_cutoff": (0, 0.0), "eta_cutoff": (0, 0.0), "no_repeat_ngram_size": (0,),
     "penalty_alpha": (0, 0.0), "dynatemp_range": (0, 0.0), "repeat_penalty": (1, 1.0),
     "n_probs": (0,), "n_predict": (), "num_predict": (), "grammar": (), "json_schema": (),
+    "penalty_last_n": (), "smoothing_factor": (0, 0.0), "smoothing_curve": (1, 1.0), "temperature_last": (False,),
+    "dynamic_temperature": (False,), "guidance_scale": (1, 1.0), "negative_prompt": (),
+    "encoder_repetition_penalty": (1, 1.0), "repetition_penalty_range": (),
+    # Hugging Face TGI's and transformers' generation fields
+    "max_new_tokens": (), "do_sample": (True,), "return_full_text": (False,), "watermark": (False,),
+    "truncate": (), "top_n_tokens": (0,),
     # vLLM request fields kvflow does not implement
     "add_special_tokens": (), "spaces_between_special_tokens": (True,), "cache_salt": (),
     "kv_transfer_params": (), "vllm_xargs": ({},), "logits_processors": (), "mm_processor_kwargs": (),
     "min_p_tokens": (), "guided_whitespace_pattern": (), "structural_tag": (),
     "return_token_ids": (False,),  # vLLM >= 0.10.2: the ids in the response; kvflow's answer has none
+    "include_reasoning": (True,),  # vLLM's: false drops the reasoning from the answer; not implemented
+    "guided_decoding_backend": ("auto", "guidance", "llguidance"),  # kvflow's grammar engine is llguidance
     # sampling fields of one API sent to an endpoint of another (OpenAI Chat's on Responses or
     # Anthropic's Messages, and the like)
     "n": (1,), "best_of": (1,), "seed": (), "stop": ([],), "suffix": ("",), "logit_bias": ({},),
@@ -170,7 +178,7 @@ FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
     "top_k": (-1, 0), "min_p": (0, 0.0), "response_format": ({"type": "text"},), "stop_sequences": ([],),
     "max_tokens": (), "max_completion_tokens": (), "top_logprobs": (0,), "echo": (False,),
     "max_output_tokens": (), "text": ({"format": {"type": "text"}},), "output_config": ({},), "instructions": (),
-    "system": (), "reasoning": ({},),
+    "system": (), "reasoning": ({},), "thinking": ({"type": "disabled"},),
     # vLLM's request fields that only its completions / chat bodies here declare
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "bad_words": ([],), "allowed_token_ids": (), "priority": (0,), "include_stop_str_in_output": (False,),
@@ -544,10 +552,13 @@ class ChatMessage(_Body):
 
 def check_tool_answers(messages: list[ChatMessage]) -> list[ChatMessage]:
     """``messages`` unchanged when every tool message answers a call of an earlier assistant
-    message (its ``tool_call_id`` is the id of one of their ``tool_calls``), as OpenAI requires.
+    message (its ``tool_call_id`` is the id of one of their ``tool_calls``) and every call of
+    an assistant message that the conversation goes on from is answered by the tool
+    messages right after it, as OpenAI requires.
 
     Raises:
-        ValueError: naming the message, its ``tool_call_id`` and the unknown id.
+        ValueError: naming the message, its ``tool_call_id`` and the unknown id; or naming
+            the assistant message and the ids of its calls left unanswered.
     """
     call_ids: set[str] = set()
     for i, message in enumerate(messages):
@@ -558,6 +569,18 @@ def check_tool_answers(messages: list[ChatMessage]) -> list[ChatMessage]:
                       else "no tool_calls entry of an earlier assistant message has that id")
             raise ValueError(f"messages[{i}].tool_call_id {_short(message.tool_call_id)} answers no tool call: "
                              f"{before} (a tool message answers a call of an earlier assistant message)")
+    for i, message in enumerate(messages[:-1]):  # (the last one's calls: nothing went on from them)
+        if message.role == "assistant" and message.tool_calls:
+            answered = set()
+            for later in messages[i + 1:]:
+                if later.role != "tool":
+                    break
+                answered.add(later.tool_call_id)
+            missing = [call.id for call in message.tool_calls if call.id not in answered]
+            if missing:
+                raise ValueError(f"messages[{i}]: an assistant message with 'tool_calls' must be followed by tool "
+                                 "messages responding to each 'tool_call_id'. The following tool_call_ids did not "
+                                 f"have response messages: {', '.join(_short(x) for x in missing)}")
     return messages
 
 

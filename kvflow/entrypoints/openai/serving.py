@@ -652,11 +652,11 @@ class OpenAIServing:
         keep_special = tool_parser is not None and tool_parser is self.tool_parser_cls and tool_parser.needs_special_tokens
         reasoning = None if forced else self.reasoning_parser_cls  # a forced call is JSON from its first token
         max_calls = 1 if req.parallel_tool_calls is False else None
-        eos_text = self.tokenizer.eos_token if keep_special else None
+        # (the EOS that ends a request is not in its text: OutputProcessor, as vLLM)
 
         def make(id_prefix: str = "call_") -> ChatOutputParser:
             return ChatOutputParser(reasoning() if reasoning else None, tool_parser() if tool_parser else None,
-                                    max_calls, eos_text, id_prefix)
+                                    max_calls, id_prefix=id_prefix)
 
         return make, keep_special
 

@@ -108,7 +108,7 @@ def _text_parts(content: Any, where: str, allowed: tuple[str, ...]) -> str:
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{where}[{j}].text must be a string")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)  # (one per line, as chat's text_content)
 
 
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:

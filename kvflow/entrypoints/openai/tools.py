@@ -75,13 +75,39 @@ def _parameters(tool: ChatTool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters else _NO_PARAMETERS
 
 
+#: Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example"})
+
+
+def _rebase_refs(schema: Any, pointer: str) -> Any:
+    """``schema`` (a tool's parameters) as it reads placed at JSON pointer ``pointer`` of a
+    larger schema: each local reference (``"$ref": "#/$defs/City"``, what Pydantic's
+    ``model_json_schema`` writes for a nested model; ``"#"`` itself) is rewritten to start
+    there (``"#<pointer>/$defs/City"``), so that it still names the tool's own definitions.
+    References to other documents are left as they are."""
+    if isinstance(schema, list):
+        return [_rebase_refs(item, pointer) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + pointer + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebase_refs(value, pointer)
+    return out
+
+
 def tool_choice_schema(tools: list[ChatTool], tool_choice: ToolChoice, parallel_tool_calls: bool) -> dict[str, Any] | None:
     """The JSON schema the output is constrained to, for ``"required"`` or a named function
     (None for ``"auto"`` / ``"none"``).
 
     ``"required"``: ``[{"name": <one of the tools>, "parameters": <its arguments>}, ...]``,
     at least one item, at most one unless ``parallel_tool_calls`` (vLLM's schema, with the
-    wrapper objects closed). A named function: its parameter schema.
+    wrapper objects closed; each tool's local ``$ref`` rebased to where its parameters sit:
+    ``_rebase_refs``). A named function: its parameter schema.
     """
     if not isinstance(tool_choice, str):  # a named function (NamedToolChoice)
         (tool,) = [t for t in tools if t.function.name == tool_choice.function.name]
@@ -91,11 +117,15 @@ def tool_choice_schema(tools: list[ChatTool], tool_choice: ToolChoice, parallel_
     items = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+            "properties": {
+                "name": {"const": t.function.name},
+                "parameters": _rebase_refs(_parameters(t), "/items" + ("" if len(tools) == 1 else f"/anyOf/{i}")
+                                           + "/properties/parameters"),
+            },
             "required": ["name", "parameters"],
             "additionalProperties": False,
         }
-        for t in tools
+        for i, t in enumerate(tools)
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
     if not parallel_tool_calls:

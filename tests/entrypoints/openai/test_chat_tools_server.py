@@ -130,6 +130,24 @@ def test_required_parallel_calls(client, script):
     assert choice.finish_reason == "tool_calls" and len({c.id for c in choice.message.tool_calls}) == 2
 
 
+ROUTE_TOOL = {"type": "function", "function": {"name": "route", "parameters": {  # as Pydantic writes a nested model
+    "$defs": {"City": {"type": "object", "properties": {"name": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+                       "required": ["name"], "additionalProperties": False}},
+    "type": "object", "properties": {"src": {"$ref": "#/$defs/City"}, "dst": {"$ref": "#/$defs/City"}},
+    "required": ["src", "dst"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("tools", [[ROUTE_TOOL], [ROUTE_TOOL, WEATHER_TOOL]])
+def test_a_required_call_reads_the_tools_own_definitions(client, script, tools):
+    """``$ref``s to a tool's ``$defs`` kept their meaning inside "required"'s wrapper schema
+    (a 400 "Pointer '/$defs/City' does not exist" before)."""
+    script.set('[{"name": "route", "parameters": {"src": {"name": "Paris"}, "dst": {"name": "Tokyo"}}}]')
+    choice = _chat(client, tools=tools, tool_choice="required", parallel_tool_calls=False).choices[0]
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "route", {"src": {"name": "Paris"}, "dst": {"name": "Tokyo"}})
+
+
 def test_tool_result_round_trip_reaches_the_template(client, script):
     script.set("It is 18 degrees in Paris.")
     messages = [

@@ -73,6 +73,17 @@ def test_a_tool_message_that_answers_no_call_is_refused_naming_it_and_the_id(mes
     assert why in error["msg"], error
 
 
+@pytest.mark.parametrize("after", [[MSG[0]], [_answer("call_1"), MSG[0]]], ids=["user-next", "one-of-two-answered"])
+def test_calls_the_conversation_goes_on_from_must_be_answered(after):
+    """OpenAI's rule (and /v1/messages' here): calls followed by anything but their answers
+    are refused, naming the ids; a final assistant message with calls is taken."""
+    two = {**_CALLS, "tool_calls": [*_CALLS["tool_calls"], {**_CALLS["tool_calls"][0], "id": "call_2"}]}
+    with pytest.raises(ValidationError, match=r"messages\[1\]: an assistant message with 'tool_calls' must be "
+                                              r"followed by tool messages.*'call_2'"):
+        ChatCompletionRequest.model_validate({"messages": [*MSG, two, *after]})
+    assert len(ChatCompletionRequest.model_validate({"messages": [*MSG, two]}).messages) == 2
+
+
 def test_tool_messages_answering_earlier_calls_are_taken():
     later = {**_CALLS, "tool_calls": [{**_CALLS["tool_calls"][0], "id": "call_2"}]}
     messages = [*MSG, _CALLS, _answer("call_1"), later, _answer("call_2"), _answer("call_1")]
@@ -158,6 +169,10 @@ def test_json_schema_response_format_is_the_guided_schema():
      ({"top_a": 0.1}, "top_a"), ({"cache_salt": "s"}, "cache_salt"), ({"vllm_xargs": {"k": 1}}, "vllm_xargs"),
      ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
      ({"return_token_ids": True}, "return_token_ids"),
+     ({"include_reasoning": False}, "include_reasoning"), ({"max_new_tokens": 3}, "max_new_tokens"),
+     ({"do_sample": False}, "do_sample"), ({"thinking": {"type": "enabled", "budget_tokens": 64}}, "thinking"),
+     ({"smoothing_factor": 0.3}, "smoothing_factor"), ({"temperature_last": True}, "temperature_last"),
+     ({"penalty_last_n": 64}, "penalty_last_n"), ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
      ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options")],
 )  # fmt: skip
 def test_other_servers_fields_that_change_the_output_are_refused_on_chat(body, field):
@@ -169,7 +184,8 @@ def test_other_servers_fields_that_change_the_output_are_refused_on_chat(body, f
     "body",
     [{"typical_p": 1.0}, {"mirostat": 0}, {"dry_multiplier": 0}, {"best_of": 1}, {"add_special_tokens": False},
      {"spaces_between_special_tokens": True}, {"request_id": "r1"}, {"guided_decoding_backend": "auto"},
-     {"return_token_ids": False},
+     {"return_token_ids": False}, {"include_reasoning": True}, {"do_sample": True}, {"thinking": {"type": "disabled"}},
+     {"guided_decoding_backend": "llguidance"},
      {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}}],
 )  # fmt: skip
 def test_their_neutral_values_and_bookkeeping_fields_pass(body):

@@ -202,6 +202,20 @@ def _metrics(url: str) -> dict[str, float]:
         m = re.match(r"^(kvflow:[A-Za-z0-9_:]+)(\{[^}]*\})? (\S+)$", line)
         if m and 'le="' not in (m.group(2) or ""):
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    out["_successes"] = _successes(url)  # type: ignore[assignment]
+    return out
+
+
+def _successes(url: str, metrics: dict[str, float] | None = None) -> dict[str, float]:
+    """``kvflow:request_success_total`` by ``finished_reason`` (of ``metrics``, a ``_metrics``
+    result, when given: its labelled samples are kept under their full name there)."""
+    if metrics is not None:
+        return metrics["_successes"]
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10).text.splitlines():
+        m = re.match(r'^kvflow:request_success_total\{.*finished_reason="(\w+)".*\} (\S+)$', line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
 
 
@@ -683,6 +697,7 @@ def test_cancelled_non_stream_request_is_aborted(request, which):
     m = _wait_idle(server.url)
     assert m["kvflow:num_requests_running"] == 0 and m["kvflow:kv_cache_usage_perc"] == 0, m
     assert m["kvflow:generation_tokens_total"] - before["kvflow:generation_tokens_total"] < 1000
+    assert _successes(server.url)["abort"] - _successes(server.url, before)["abort"] == 1  # counted as vLLM does
 
 
 def test_32_concurrent_streaming_chats(server, model, tokenizer):
@@ -799,6 +814,8 @@ def test_metrics(server, client, model):
     after = _metrics(server.url)
     assert after["kvflow:prompt_tokens_total"] - before["kvflow:prompt_tokens_total"] == 2 * out.usage.prompt_tokens
     assert after["kvflow:generation_tokens_total"] - before["kvflow:generation_tokens_total"] == 8
+    gained = {k: v - before["_successes"].get(k, 0) for k, v in after["_successes"].items()}
+    assert gained == {"stop": 0, "length": 2, "abort": 0}, gained  # by finish reason, as vLLM's
     for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert after[f"kvflow:{name}_count"] - before[f"kvflow:{name}_count"] == 2, name
     assert after["kvflow:inter_token_latency_seconds_count"] > before["kvflow:inter_token_latency_seconds_count"]

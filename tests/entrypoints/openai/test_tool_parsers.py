@@ -250,12 +250,6 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert [t.name for t in parser.tool_calls] == ["get_weather"]
 
 
-def test_eos_text_of_a_special_token_request_is_stripped():
-    parser = ChatOutputParser(tool_parser=TOOL_PARSERS["mistral"](), strip_suffix="</s>")
-    parser.update('[TOOL_CALLS][{"name": "f", "arguments": {}}]</s>', final=True)
-    assert [t.name for t in parser.tool_calls] == ["f"] and parser.content == ""
-
-
 # ---------------------------------------------------------------------------- registry
 def test_detection_from_the_chat_template():
     assert detect_tool_parser("... <tool_call>\n{{ tool_call.name }} ...").name == "hermes"
