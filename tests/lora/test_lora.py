@@ -259,3 +259,24 @@ def test_adapter_over_quantized_base_linears(method, tmp_path):
             moved = merged(torch.tensor([ids])).logits[0] - hf(torch.tensor([ids])).logits[0]
         ours = lora_logits(model, ids, [(slot, len(ids))]) - lora_logits(model, ids, [(-1, len(ids))])
         assert float((ours - moved).abs().max()) < 0.1 * float(moved.abs().max())
+
+
+def test_padding_rows_never_touch_another_requests_row():
+    """Several adapters in a step: the shorter groups' padding rows are dropped, not added to
+    row 0, so an adapter whose products are not finite (0 x Inf = NaN) leaves the base
+    model's row 0 and the other adapter's rows exact."""
+    from kvflow.lora.punica import LoRALayerWeights
+
+    weights = LoRALayerWeights(8, 6, [(0, 6)], max_loras=2, max_rank=2, dtype=torch.float32, device=CPU)
+    g = torch.Generator().manual_seed(0)
+    weights.set_slot(0, [(None, torch.randn(2, 8, generator=g), torch.randn(6, 2, generator=g))])
+    weights.set_slot(1, [(None, torch.randn(2, 8, generator=g), torch.full((6, 2), float("inf")))])
+    layer = torch.nn.Module()
+    layer.lora_weights = weights
+    x, base = torch.randn(5, 8, generator=g), torch.randn(5, 6, generator=g)
+    # row 0 the base model, rows 1-3 slot 0, row 4 slot 1 (its group padded with 2 rows)
+    mapping = LoRAMapping.from_runs([(-1, 1), (0, 3), (1, 1)], CPU)
+    out = mapping.apply(layer, x, base.clone())
+    torch.testing.assert_close(out[0], base[0], rtol=0, atol=0)
+    torch.testing.assert_close(out[1:4], base[1:4] + weights.delta(0, x[1:4]))
+    assert not out[4].isfinite().all()
