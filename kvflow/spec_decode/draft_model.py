@@ -67,7 +67,8 @@ class DraftModelProposer:
         vocab_size: the draft's vocabulary size (the target's).
         cache_config: its own KV block pool (prefix caching off).
         k: draft tokens per step.
-        max_model_len: the context limit, in tokens.
+        max_model_len: the context limit, in tokens: the target's or the draft's, whichever
+            is shorter (no drafts for a request past the draft's positions).
     """
 
     def __init__(self, runner, vocab_size: int, cache_config: CacheConfig, k: int, max_model_len: int) -> None:
