@@ -347,6 +347,18 @@ def test_seeded_sampling_reproducible(kind):
     assert run_schedule(engine, sampled_arrivals()) == runs[0]
 
 
+def test_parallel_samples_draw_drafts_from_their_own_seeds():
+    """Sample i of a seeded n > 1 request draws its drafts (as its tokens) from seed + i:
+    its tokens are those of an n = 1 request seeded seed + i."""
+    params = dict(temperature=1.0, max_tokens=20, ignore_eos=True)
+    engine = make_engine(make_proposer("draft", 3))
+    together = run_schedule(engine, [(0, PROMPTS[0], SamplingParams(seed=21, n=3, **params))])["0"]
+    assert engine.get_stats()["spec_num_accepted_tokens"] > 0
+    for i in range(3):
+        alone = run_schedule(make_engine(make_proposer("draft", 3)), [(0, PROMPTS[0], SamplingParams(seed=21 + i, **params))])
+        assert together[i] == alone["0"]
+
+
 # ------------------------------------------------------------------------------- statistics
 def test_spec_decode_stats_counts():
     stats = SpecDecodeStats(3)
