@@ -438,7 +438,9 @@ class SpeculativeConfig:
             cost ratio c of Leviathan et al. (2023), section 3.4.
         disable_by_batch_size: skip speculation in steps where at least this many requests
             are running (batched decoding already amortizes the weight reads that
-            speculation saves), or None to always speculate.
+            speculation saves), or None to always speculate. A seeded sampled request's
+            tokens then depend on the batch (its draws differ with and without drafts),
+            not only on its seed; greedy requests' do not.
     """
 
     method: str

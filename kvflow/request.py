@@ -75,8 +75,9 @@ class Request:
         block_ids: the request's block tables, one per KV cache group (physical block ids,
             in logical order; empty while it holds no block).
         block_hashes: memoized prefix-cache hashes of the request's full blocks.
-        generator: the request's own ``torch.Generator`` when it has a seed (``seed``
-            overrides ``sampling_params.seed``, for parallel samples), else None.
+        seed: the request's seed (``seed`` if given, for parallel samples, else
+            ``sampling_params.seed``), or None.
+        generator: the request's own ``torch.Generator`` when it has a seed, else None.
         arrival_time: ``time.monotonic()`` at creation, in seconds.
         priority: scheduling priority under the ``priority`` policy; lower runs first.
         pooling_params: set (resolved) for an embedding request: it never samples and
@@ -135,7 +136,7 @@ class Request:
         self.pooling_params = pooling_params
         self.pooled_sum: torch.Tensor | None = None
         self.num_cached_tokens = -1
-        seed = sampling_params.seed if seed is None else seed
+        self.seed = seed = sampling_params.seed if seed is None else seed
         self.generator: torch.Generator | None = None
         if seed is not None:
             self.generator = torch.Generator()

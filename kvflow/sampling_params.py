@@ -170,7 +170,9 @@ class SamplingParams:
             token's probability. Must be in [0, 1]; 0 disables it.
         seed: per-request random seed. A seeded request samples from its own
             ``torch.Generator``, so it produces the same tokens whatever else is batched
-            with it.
+            with it, except under speculative decoding with ``disable_by_batch_size``
+            (``SpeculativeConfig``): whether a step speculates, and so how a sampled
+            request draws from its generator, depends on how many requests are running.
         max_tokens: maximum number of generated tokens (>= 1); None (as vLLM): until the
             context is full, i.e. ``max_model_len`` minus the prompt's length (the engine
             sets it per request).

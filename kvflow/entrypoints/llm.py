@@ -548,7 +548,8 @@ def _refuse_unset(**options: Any) -> None:
         ValueError: naming the first one set.
     """
     why = {"tokenization_kwargs": "the tokenizer's defaults are used",
-           "mm_processor_kwargs": "text models only"}
+           "mm_processor_kwargs": "text models only",
+           "lora_request": "here the base model runs; generate, chat and embed take adapters"}
     for name, value in options.items():
         if value is not None and value != {}:
             raise ValueError(f"{name} is not supported by kvflow ({why[name]}); leave it unset")

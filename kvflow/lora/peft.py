@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +37,7 @@ _REFUSED = {
     "bias": ("none", None),
     "use_qalora": (False, None),
     "lora_bias": (False, None),
+    "alora_invocation_tokens": (None, []),
 }
 
 
@@ -52,6 +54,18 @@ def output_slices(layer: LinearBase) -> list[tuple[object, int, int]]:
         offsets = [sum(layer.part_sizes[:i]) for i in range(len(layer.part_sizes))]
         return [(i, off, size) for i, (off, size) in enumerate(zip(offsets, layer.part_sizes))]
     return [(None, 0, layer.out_features)]
+
+
+def targeted(module: str, wanted) -> bool:
+    """Whether PEFT's ``target_modules`` ``wanted`` selects the module named ``module``
+    (``model.layers.0.mlp.up_proj``), as PEFT matches: a list entry selects a module whose name
+    equals it or ends with ``"." + entry``; a str is a full-match regex (``"all-linear"``: every
+    linear); None (unset) selects every module."""
+    if wanted is None or wanted == "all-linear":
+        return True
+    if isinstance(wanted, str):
+        return re.fullmatch(wanted, module) is not None
+    return any(module == t or module.endswith("." + t) for t in wanted)
 
 
 def lora_targets(model: torch.nn.Module) -> dict[str, LinearBase]:
@@ -140,8 +154,8 @@ def load_peft_adapter(lora_request, model, max_lora_rank: int, dtype: torch.dtyp
     targets = lora_targets(model)
     known_leaves = {n.rsplit(".", 1)[-1] for n in targets} | {theirs for _, theirs, _ in model.stacked_params_mapping}
     wanted = config.get("target_modules")
-    if isinstance(wanted, list):
-        missing = sorted(set(wanted) - known_leaves)
+    if isinstance(wanted, list):  # entries are leaf names or module paths (PEFT matches by suffix)
+        missing = sorted(t for t in wanted if not isinstance(t, str) or t.rsplit(".", 1)[-1] not in known_leaves)
         if missing:
             raise ValueError(f"{what}: target module(s) {missing} do not exist in this model's decoder linears "
                              f"(it has {sorted(known_leaves)})")
@@ -149,6 +163,8 @@ def load_peft_adapter(lora_request, model, max_lora_rank: int, dtype: torch.dtyp
     tensors = _read_tensors(folder)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            raise ValueError(f"{what}: tensor {key!r} has NaN or Inf values")
         for part in ("lora_A", "lora_B"):
             marker = f".{part}."
             if marker in key:
@@ -160,6 +176,9 @@ def load_peft_adapter(lora_request, model, max_lora_rank: int, dtype: torch.dtyp
     for peft_module, ab in sorted(pairs.items()):
         if set(ab) != {"lora_A", "lora_B"}:
             raise ValueError(f"{what}: module {peft_module!r} lacks its {({'lora_A', 'lora_B'} - set(ab)).pop()} tensor")
+        if not targeted(peft_module.removeprefix("base_model.model."), wanted):
+            raise ValueError(f"{what}: module {peft_module!r} has LoRA tensors but target_modules={wanted!r} does not "
+                             "select it (PEFT would not apply them)")
         module = peft_module
         for prefix in ("base_model.model.", "model."):
             if module.startswith(prefix):
@@ -179,6 +198,9 @@ def load_peft_adapter(lora_request, model, max_lora_rank: int, dtype: torch.dtyp
             raise ValueError(f"{what}: module {peft_module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; "
                              "both must be matrices")
         r = a.shape[0]
+        if r != r_cfg:
+            raise ValueError(f"{what}: module {peft_module!r} has rank {r} (lora_A {tuple(a.shape)}) but the config's "
+                             f"r is {r_cfg} (the scaling lora_alpha / r needs the tensors' rank)")
         if r > max_lora_rank:
             raise ValueError(f"{what}: module {peft_module!r} has rank {r}, more than max_lora_rank={max_lora_rank}")
         slices = output_slices(layer)
@@ -192,9 +214,13 @@ def load_peft_adapter(lora_request, model, max_lora_rank: int, dtype: torch.dtyp
                 f"{what}: module {peft_module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; the base "
                 f"layer needs lora_A [r, {layer.in_features}] and lora_B [{rows}, r] (in_features={layer.in_features}, "
                 f"out_features={rows})")
+        a, b = a.to(dtype).contiguous(), (b.double() * scaling).to(dtype).contiguous()
+        for part, t in (("lora_A", a), ("lora_B", b)):
+            if not bool(t.isfinite().all()):
+                raise ValueError(f"{what}: module {peft_module!r}'s {part} has values beyond {dtype} once cast (with "
+                                 f"the scaling {scaling:g} folded into lora_B): NaN or Inf")
         lora.rank = max(lora.rank, r)
-        lora.modules.setdefault(layer_name, []).append(
-            (index, a.to(dtype).contiguous(), (b.double() * scaling).to(dtype).contiguous()))
+        lora.modules.setdefault(layer_name, []).append((index, a, b))
     if not lora.modules:
         raise ValueError(f"{what}: the adapter holds no lora_A / lora_B tensors")
     return lora

@@ -16,7 +16,9 @@ With one adapter in a step its rows get their shrink and expand alone. With seve
 dispatch per group would cost more than the arithmetic on a CPU (30 layers x 7 linears x
 groups x parts small matmuls per step), so the groups' rows are gathered into one padded
 [G, n, in] tensor (padding reads an appended zero row) and shrunk and expanded by two batched
-matmuls (``torch.bmm``) against their slots' A and B, then added back with ``index_add_``. B is
+matmuls (``torch.bmm``) against their slots' A and B, then the real rows' deltas (padding rows
+dropped: 0 x a NaN or an overflowing product is not 0, and must not reach another request's
+row) added back with ``index_add_``. B is
 stored per part as [S * R, out] with zeros outside the part's columns, so one expand serves
 the fused q / k / v (or gate / up) parts; the zeros cost S times the expand's work, a few
 percent of the base layer's at these ranks.
@@ -95,12 +97,20 @@ class LoRAMapping:
         token_slots: int64 [T], the slot of each token, -1 for the base model.
         groups: (slot, rows) per adapter in the step: rows a ``slice`` of the batch when its
             tokens are contiguous, else an int64 index tensor.
+        gather: with several groups, int64 [G * group_len], the batch row each padded group row
+            reads (padding: row T, the appended zero row).
+        scatter: the batch row each real (not padding) padded group row adds to.
+        keep: the positions of the real rows among the G * group_len padded rows; None when no
+            group is padded.
+        group_slots: the G groups' slots (a slice when consecutive).
+        group_len: the longest group's rows.
     """
 
     token_slots: torch.Tensor
     groups: list[tuple[int, slice | torch.Tensor]]
     gather: torch.Tensor | None = None
     scatter: torch.Tensor | None = None
+    keep: torch.Tensor | None = None
     group_slots: slice | torch.Tensor | None = None
     group_len: int = 0
 
@@ -130,7 +140,9 @@ class LoRAMapping:
             n = max(len(r) for r in rows)
             mapping.group_len = n
             mapping.gather = torch.cat([torch.cat([r, torch.full((n - len(r),), start)]) for r in rows]).to(device)
-            mapping.scatter = torch.cat([torch.cat([r, torch.zeros(n - len(r), dtype=torch.int64)]) for r in rows]).to(device)
+            mapping.scatter = torch.cat(rows).to(device)
+            if any(len(r) < n for r in rows):  # padding rows' deltas are dropped, not added anywhere
+                mapping.keep = torch.cat([torch.arange(g * n, g * n + len(r)) for g, r in enumerate(rows)]).to(device)
             ids = [slot for slot, _ in groups]
             contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
             mapping.group_slots = slice(ids[0], ids[-1] + 1) if contiguous else torch.tensor(ids, device=device)
@@ -146,7 +158,9 @@ class LoRAMapping:
             x_pad = torch.cat([x, x.new_zeros(1, x.shape[1])])  # (padding rows read the zero row T)
             x_groups = x_pad.index_select(0, self.gather).view(len(self.groups), self.group_len, -1)
             delta = weights.delta_grouped(x_groups, self.group_slots).flatten(0, 1)
-            return out.index_add_(0, self.scatter, delta.to(out.dtype))  # (padding rows add exact zeros to row 0)
+            if self.keep is not None:  # (drop the padding rows: their deltas touch no real row)
+                delta = delta.index_select(0, self.keep)
+            return out.index_add_(0, self.scatter, delta.to(out.dtype))
         for slot, rows in self.groups:
             if isinstance(rows, slice):
                 out[rows] += weights.delta(slot, x[rows]).to(out.dtype)

@@ -44,7 +44,7 @@ class _DraftSequence:
     sampling_params: SamplingParams
     eos_token_id: int | None
     bad_words_token_ids: list[list[int]]
-    generator: torch.Generator | None  # seeded with sampling_params.seed, for its draft sampling
+    generator: torch.Generator | None  # seeded with the request's seed (seed + i for sample i), for its draft sampling
     num_computed_tokens: int = 0
     block_ids: tuple[list[int], ...] = ()
     num_published_blocks: int = 0
@@ -67,7 +67,8 @@ class DraftModelProposer:
         vocab_size: the draft's vocabulary size (the target's).
         cache_config: its own KV block pool (prefix caching off).
         k: draft tokens per step.
-        max_model_len: the context limit, in tokens.
+        max_model_len: the context limit, in tokens: the target's or the draft's, whichever
+            is shorter (no drafts for a request past the draft's positions).
     """
 
     def __init__(self, runner, vocab_size: int, cache_config: CacheConfig, k: int, max_model_len: int) -> None:
@@ -86,9 +87,9 @@ class DraftModelProposer:
         seq = self._seqs.get(request.request_id)
         if seq is None:
             generator = None
-            if request.sampling_params.seed is not None:
+            if request.seed is not None:  # the sample's own (seed + i), as its target generator
                 generator = torch.Generator()
-                generator.manual_seed(generator_seed(request.sampling_params.seed))
+                generator.manual_seed(generator_seed(request.seed))
             seq = _DraftSequence(request.request_id, list(request.prompt_token_ids), list(request.all_token_ids),
                                  request.sampling_params, request.eos_token_id, request.bad_words_token_ids, generator)
             self._seqs[request.request_id] = seq

@@ -18,7 +18,9 @@ from kvflow.spec_decode.ngram import NgramProposer
 
 def build_proposer(config: EngineConfig, draft_runner: Any = None) -> NgramProposer | DraftModelProposer:
     """The proposer ``config.speculative`` names, proposing up to
-    ``num_speculative_tokens`` tokens per request within ``config.scheduler.max_model_len``.
+    ``num_speculative_tokens`` tokens per request within ``config.scheduler.max_model_len``
+    (and, for "draft_model", within the draft's context: a request longer than the draft can
+    run gets no drafts, plain decoding, as vLLM's).
 
     Args:
         config: the target's ``EngineConfig`` (``speculative`` set; for "draft_model" also
@@ -40,4 +42,5 @@ def build_proposer(config: EngineConfig, draft_runner: Any = None) -> NgramPropo
     if draft is None or draft_runner is None:
         raise ValueError("a draft_model proposer needs the draft's config (EngineArgs.create_config resolves it) "
                          "and its runner")
-    return DraftModelProposer(draft_runner, draft.model.vocab_size, draft.cache, k, max_len)
+    return DraftModelProposer(draft_runner, draft.model.vocab_size, draft.cache, k,
+                              min(max_len, draft.model.context_len))

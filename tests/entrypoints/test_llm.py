@@ -353,6 +353,13 @@ def test_beam_search_stops_at_the_context_end(smollm2_dir):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+def test_beam_search_refuses_a_lora_request(smollm2_llm):
+    from kvflow import LoRARequest
+
+    with pytest.raises(ValueError, match=r"lora_request is not supported by kvflow \(here the base model runs"):
+        smollm2_llm.beam_search(["x"], beam_width=2, max_tokens=2, lora_request=LoRARequest("a", 1, "/nowhere"))
+
+
 def test_beam_search(smollm2_llm):
     (result,) = smollm2_llm.beam_search(["The capital of France is"], beam_width=3, max_tokens=6)
     seqs = result.sequences

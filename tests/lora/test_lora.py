@@ -72,6 +72,23 @@ def test_logits_match_peft_merged(arch, rslora, tmp_path):
     torch.testing.assert_close(got[2], want["a"][:5], **tol)
 
 
+@pytest.mark.parametrize("targets", [["model.layers.0.self_attn.q_proj", "layers.1.mlp.down_proj"], "all-linear",
+                                     r"model\.layers\.1\.self_attn\.(k|v)_proj"])
+def test_target_modules_matched_as_peft_does(targets, tmp_path):
+    """target_modules entries that are module paths (what PEFT 0.21 writes for "all-linear"),
+    matched by suffix, or a regex: accepted, and a target of one layer changes that layer only
+    (the logits are PEFT's)."""
+    save_base(tmp_path / "base", "llama")
+    merged = save_adapter(tmp_path / "base", tmp_path / "a", seed=1, targets=targets)
+    model, _ = load_model(tmp_path / "base", torch.float32, CPU)
+    manager = LoRAManager(model, max_loras=1, max_lora_rank=8, max_cpu_loras=1)
+    (slot,) = manager.activate([LoRARequest("a", 1, str(tmp_path / "a"))]).values()
+    ids = _ids(19, seed=4)
+    with torch.inference_mode():
+        want = merged(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(lora_logits(model, ids, [(slot, len(ids))]), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("max_loras,max_cpu_loras", [(3, 3), (2, 2)], ids=["all-in-slots", "evicting"])
 def test_mixed_batch_equals_each_alone(llama, max_loras, max_cpu_loras):
     """3 adapters and the base model in one batch; with 2 slots the scheduler holds back the
@@ -219,6 +236,18 @@ def test_bad_adapters_are_refused_by_name(llama, tmp_path):
             r"the base layer needs lora_A \[r, 64\] and lora_B \[96, r\]")
     dora = _copy_adapter(root / "a", tmp_path / "dora", {"use_dora": True})
     refused(LoRARequest("dora", 11, dora), "use_dora=True is not supported")
+    alora = _copy_adapter(root / "a", tmp_path / "alora", {"alora_invocation_tokens": [5, 6]})
+    refused(LoRARequest("alora", 12, alora), r"alora_invocation_tokens=\[5, 6\] is not supported")
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    nan = _copy_adapter(root / "a", tmp_path / "nan", tensors_update=lambda t: {**t, key: t[key].index_fill(0, torch.tensor([3]), float("nan"))})
+    refused(LoRARequest("nan", 13, nan), rf"tensor '{key}' has NaN or Inf values")
+    over = _copy_adapter(root / "a", tmp_path / "over", {"lora_alpha": 1e308})
+    refused(LoRARequest("over", 14, over), r"lora_B has values beyond torch.float32 once cast .*: NaN or Inf")
+    r2 = _copy_adapter(root / "a", tmp_path / "r2", {"r": 2})
+    refused(LoRARequest("r2", 15, r2), r"has rank 8 \(lora_A \(8, \d+\)\) but the config's r is 2")
+    only_q = _copy_adapter(root / "a", tmp_path / "only_q", {"target_modules": ["model.layers.0.self_attn.q_proj"]})
+    refused(LoRARequest("only_q", 16, only_q), r"module 'base_model.model.model.layers.0.mlp.down_proj' has LoRA "
+            r"tensors but target_modules=\['model.layers.0.self_attn.q_proj'\] does not select it")
     assert llm.engine.add_lora(LoRARequest("a2", 1, str(root / "b")))
     refused(LoRARequest("a", 1, str(root / "a")), r"lora_int_id 1 is adapter 'a2'")
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
@@ -259,3 +288,24 @@ def test_adapter_over_quantized_base_linears(method, tmp_path):
             moved = merged(torch.tensor([ids])).logits[0] - hf(torch.tensor([ids])).logits[0]
         ours = lora_logits(model, ids, [(slot, len(ids))]) - lora_logits(model, ids, [(-1, len(ids))])
         assert float((ours - moved).abs().max()) < 0.1 * float(moved.abs().max())
+
+
+def test_padding_rows_never_touch_another_requests_row():
+    """Several adapters in a step: the shorter groups' padding rows are dropped, not added to
+    row 0, so an adapter whose products are not finite (0 x Inf = NaN) leaves the base
+    model's row 0 and the other adapter's rows exact."""
+    from kvflow.lora.punica import LoRALayerWeights
+
+    weights = LoRALayerWeights(8, 6, [(0, 6)], max_loras=2, max_rank=2, dtype=torch.float32, device=CPU)
+    g = torch.Generator().manual_seed(0)
+    weights.set_slot(0, [(None, torch.randn(2, 8, generator=g), torch.randn(6, 2, generator=g))])
+    weights.set_slot(1, [(None, torch.randn(2, 8, generator=g), torch.full((6, 2), float("inf")))])
+    layer = torch.nn.Module()
+    layer.lora_weights = weights
+    x, base = torch.randn(5, 8, generator=g), torch.randn(5, 6, generator=g)
+    # row 0 the base model, rows 1-3 slot 0, row 4 slot 1 (its group padded with 2 rows)
+    mapping = LoRAMapping.from_runs([(-1, 1), (0, 3), (1, 1)], CPU)
+    out = mapping.apply(layer, x, base.clone())
+    torch.testing.assert_close(out[0], base[0], rtol=0, atol=0)
+    torch.testing.assert_close(out[1:4], base[1:4] + weights.delta(0, x[1:4]))
+    assert not out[4].isfinite().all()

@@ -347,6 +347,18 @@ def test_seeded_sampling_reproducible(kind):
     assert run_schedule(engine, sampled_arrivals()) == runs[0]
 
 
+def test_parallel_samples_draw_drafts_from_their_own_seeds():
+    """Sample i of a seeded n > 1 request draws its drafts (as its tokens) from seed + i:
+    its tokens are those of an n = 1 request seeded seed + i."""
+    params = dict(temperature=1.0, max_tokens=20, ignore_eos=True)
+    engine = make_engine(make_proposer("draft", 3))
+    together = run_schedule(engine, [(0, PROMPTS[0], SamplingParams(seed=21, n=3, **params))])["0"]
+    assert engine.get_stats()["spec_num_accepted_tokens"] > 0
+    for i in range(3):
+        alone = run_schedule(make_engine(make_proposer("draft", 3)), [(0, PROMPTS[0], SamplingParams(seed=21 + i, **params))])
+        assert together[i] == alone["0"]
+
+
 # ------------------------------------------------------------------------------- statistics
 def test_spec_decode_stats_counts():
     stats = SpecDecodeStats(3)
@@ -442,11 +454,11 @@ def test_valid_speculative_config():
     assert spec.model == "x"
 
 
-def _save_tiny_hf_llama(path, vocab_size: int) -> str:
+def _save_tiny_hf_llama(path, vocab_size: int, max_position_embeddings: int = 128) -> str:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        num_key_value_heads=2, max_position_embeddings=max_position_embeddings, tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(str(path))
@@ -462,6 +474,34 @@ def test_vocab_mismatch_raises_at_load(tmp_path):
     )
     with pytest.raises(ValueError, match="vocab"):
         LLMEngine.from_engine_args(args)
+
+
+def test_draft_with_a_shorter_context_drafts_only_within_it(tmp_path):
+    """A draft whose context (32 tokens) is shorter than the target's (128): requests get
+    drafts while the draft's positions fit and plain decoding past them (no error), so greedy
+    outputs are those without speculation."""
+    from kvflow import SamplingParams
+
+    target = _save_tiny_hf_llama(tmp_path / "target", 64)
+    draft = _save_tiny_hf_llama(tmp_path / "draft", 64, max_position_embeddings=32)
+    common = dict(model=target, device="cpu", dtype="float32", num_kv_blocks=64, block_size=4, seed=0)
+    plain = LLMEngine.from_engine_args(EngineArgs(**common))
+    spec = LLMEngine.from_engine_args(EngineArgs(
+        **common, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3}))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = []
+    for engine in (plain, spec):
+        for i, prompt in enumerate(([1, 2, 3, 4, 5], list(range(1, 41)))):  # crosses 32 tokens / starts past them
+            engine.add_request(str(i), prompt, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+        outs.append(done)
+    assert outs[0] == outs[1]
+    assert {reason for _, reason in outs[1].values()} == {"length"}
+    assert spec.get_stats()["spec_num_draft_tokens"] > 0
 
 
 def test_quantized_draft_model_keeps_greedy_outputs(tmp_path):
