@@ -38,6 +38,10 @@ _REFUSED = {
     "use_qalora": (False, None),
     "lora_bias": (False, None),
     "alora_invocation_tokens": (None, []),
+    "exclude_modules": (None, []),
+    "target_parameters": (None, []),
+    "trainable_token_indices": (None, [], {}),
+    "lora_ga_config": (None, {}),
 }
 
 
@@ -163,7 +167,10 @@ def load_peft_adapter(lora_request, model, max_lora_rank: int, dtype: torch.dtyp
     tensors = _read_tensors(folder)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+        if not tensor.is_floating_point():
+            raise ValueError(f"{what}: tensor {key!r} is {str(tensor.dtype).replace('torch.', '')}; LoRA weights "
+                             "are floating point")
+        if not bool(tensor.isfinite().all()):
             raise ValueError(f"{what}: tensor {key!r} has NaN or Inf values")
         for part in ("lora_A", "lora_B"):
             marker = f".{part}."

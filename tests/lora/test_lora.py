@@ -238,7 +238,13 @@ def test_bad_adapters_are_refused_by_name(llama, tmp_path):
     refused(LoRARequest("dora", 11, dora), "use_dora=True is not supported")
     alora = _copy_adapter(root / "a", tmp_path / "alora", {"alora_invocation_tokens": [5, 6]})
     refused(LoRARequest("alora", 12, alora), r"alora_invocation_tokens=\[5, 6\] is not supported")
+    for i, (field, value) in enumerate([("exclude_modules", ["q_proj"]), ("target_parameters", ["mlp.experts.gate_up_proj"]),
+                                        ("trainable_token_indices", [5, 6]), ("lora_ga_config", {"x": 1})]):
+        other = _copy_adapter(root / "a", tmp_path / field, {field: value})
+        refused(LoRARequest(field, 20 + i, other), rf"{field}=.* is not supported by kvflow's LoRA")
     key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    ints = _copy_adapter(root / "a", tmp_path / "ints", tensors_update=lambda t: {**t, key: t[key].to(torch.int32)})
+    refused(LoRARequest("ints", 19, ints), rf"tensor '{key}' is int32; LoRA weights are floating point")
     nan = _copy_adapter(root / "a", tmp_path / "nan", tensors_update=lambda t: {**t, key: t[key].index_fill(0, torch.tensor([3]), float("nan"))})
     refused(LoRARequest("nan", 13, nan), rf"tensor '{key}' has NaN or Inf values")
     over = _copy_adapter(root / "a", tmp_path / "over", {"lora_alpha": 1e308})
