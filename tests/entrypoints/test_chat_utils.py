@@ -73,3 +73,14 @@ def test_text_parts_are_one_per_line_on_every_api():
     ]})
     messages = to_chat_fields(req)["messages"]
     assert [m.get("content") for m in messages] == ["Hello\nworld", "Hello\nworld", "Hello\nworld"]
+
+
+def test_anthropic_thinking_disabled_asks_the_template_for_no_thinking():
+    """``thinking: {"type": "disabled"}`` reaches templates that can turn thinking off
+    (Qwen3's ``enable_thinking``); left unset, nothing is asked of the template."""
+    from kvflow.entrypoints.anthropic.protocol import MessagesRequest, to_chat_fields
+
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    off = to_chat_fields(MessagesRequest.model_validate({**body, "thinking": {"type": "disabled"}}))
+    assert off["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "chat_template_kwargs" not in to_chat_fields(MessagesRequest.model_validate(body))

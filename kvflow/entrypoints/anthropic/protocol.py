@@ -275,5 +275,7 @@ def to_chat_fields(req: MessagesRequest) -> dict[str, Any]:
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "tools": _tools(req),
         "tool_choice": _tool_choice(req.tool_choice), "parallel_tool_calls": parallel,
         "response_format": _response_format(req.output_config),
+        # thinking turned off: templates that can (Qwen3's ``enable_thinking``) render no room for it
+        "chat_template_kwargs": {"enable_thinking": False} if req.thinking == {"type": "disabled"} else None,
     }  # fmt: skip
     return {k: v for k, v in fields.items() if v is not None}
