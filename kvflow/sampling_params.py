@@ -477,6 +477,8 @@ class SamplingParams:
             for tok in self.allowed_token_ids:
                 if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
                     raise ValueError(f"allowed_token_ids must hold non-negative integers, got {tok!r}")
+            if len(set(self.allowed_token_ids)) < len(self.allowed_token_ids):  # (duplicates change nothing)
+                self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
 
     @property
     def has_penalties(self) -> bool:
@@ -495,8 +497,8 @@ MAX_STOP_TOKEN_IDS = 1024
 #: The most ``logit_bias`` entries (each is applied at every step; ``allowed_token_ids`` is the
 #: way to keep a set of tokens, ``bad_words`` to ban words).
 MAX_LOGIT_BIAS = 1024
-#: The most ``allowed_token_ids`` (above any vocabulary kvflow runs: Gemma 3's is 262,144).
-MAX_ALLOWED_TOKEN_IDS = 1 << 20
+#: The most ``allowed_token_ids`` (Gemma 3's vocabulary, the largest kvflow runs: 262,144).
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 #: The longest ``stop`` string, ``bad_words`` entry or ``guided_choice`` choice, in characters.
 MAX_STRING_CHARS = 1024
 #: The most ``guided_choice`` choices (the grammar engine, llguidance, gives up on a rule of

@@ -182,8 +182,8 @@ def test_allowed_token_ids_are_checked(value, message):
 def test_allowed_token_ids_become_a_list_of_ints():
     import numpy as np
 
-    p = SamplingParams(allowed_token_ids=(np.int64(4), 9))
-    assert p.allowed_token_ids == [4, 9] and all(type(t) is int for t in p.allowed_token_ids)
+    p = SamplingParams(allowed_token_ids=(np.int64(4), 9, 4))
+    assert p.allowed_token_ids == [4, 9] and all(type(t) is int for t in p.allowed_token_ids)  # (deduplicated)
     p.allowed_token_ids = [-1]
     with pytest.raises(ValueError, match="allowed_token_ids"):
         p.verify()

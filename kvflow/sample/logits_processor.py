@@ -52,7 +52,7 @@ def _needs_mask(request: Request) -> bool:
 def _apply_masks(row: torch.Tensor, request: Request) -> None:
     p = request.sampling_params
     if p.allowed_token_ids is not None:
-        allowed = torch.tensor(p.allowed_token_ids, dtype=torch.int64, device=row.device)
+        allowed = _allowed_index(p, row.device)
         kept = row[allowed]
         row.fill_(float("-inf"))
         row[allowed] = kept
@@ -72,6 +72,16 @@ def _apply_masks(row: torch.Tensor, request: Request) -> None:
             tokens, values = zip(*bias)
             row.index_add_(0, torch.tensor(tokens, dtype=torch.int64, device=row.device),
                            torch.tensor(values, dtype=row.dtype, device=row.device))
+
+
+def _allowed_index(params, device: torch.device) -> torch.Tensor:
+    """int64 [k]: ``params.allowed_token_ids`` as an index tensor, made once per parameters
+    object (kept on it: a large set is not rebuilt at every step of every sample)."""
+    cached = params.__dict__.get("_allowed_index")
+    if cached is None or cached[0] is not params.allowed_token_ids or cached[1].device != device:
+        cached = (params.allowed_token_ids, torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=device))
+        params.__dict__["_allowed_index"] = cached
+    return cached[1]
 
 
 def _mask_stop_tokens(row: torch.Tensor, request: Request) -> None:

@@ -194,6 +194,10 @@ def test_allowed_token_ids_keep_only_their_logits_then_the_others_apply():
     expected[30] = raw[30]
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
     assert torch.equal(logits[0], raw)  # the input is not modified
+    from kvflow.sample.logits_processor import _allowed_index
+
+    index = _allowed_index(req.sampling_params, torch.device("cpu"))
+    assert _allowed_index(req.sampling_params, torch.device("cpu")) is index  # made once, not every step
 
 
 # ------------------------------------------------------------------ min_tokens
