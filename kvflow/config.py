@@ -9,6 +9,8 @@ the ``EngineConfig`` the engine and its workers receive.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +124,36 @@ def groups_page_spec(spec: KVCacheSpec, groups: KVCacheGroups) -> KVCacheSpec:
     """The geometry of one page of a hybrid cache: ``groups.group_size`` layer positions
     (``bytes_per_token`` x block_size is then the bytes of one pool block)."""
     return KVCacheSpec(groups.group_size, spec.num_kv_heads, spec.head_dim)
+
+
+def _check_model_sizes(hf_config: Any) -> None:
+    """Refuse a checkpoint config (or a GGUF file's metadata made into one) that no model can
+    be built from: a size that is not a positive integer, KV heads that do not divide the
+    query heads, a norm epsilon or rotary base that is not a positive finite number (a NaN
+    base made every logit NaN; a zero head count divided by zero).
+
+    Raises:
+        ValueError: naming the config field and its value.
+    """
+    for name in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size", "max_position_embeddings"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"the model config's {name} must be a positive integer, got {value!r}")
+    for name in ("num_key_value_heads", "head_dim", "intermediate_size"):
+        value = getattr(hf_config, name, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"the model config's {name} must be a positive integer, got {value!r}")
+    kv = getattr(hf_config, "num_key_value_heads", None)
+    if kv is not None and hf_config.num_attention_heads % kv:
+        raise ValueError(f"the model config's num_key_value_heads ({kv}) must divide num_attention_heads "
+                         f"({hf_config.num_attention_heads})")
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope = rope.get("full_attention", rope) if isinstance(rope.get("full_attention"), dict) else rope
+    for name, value in (("rms_norm_eps", getattr(hf_config, "rms_norm_eps", None)),
+                        ("rope_theta", rope.get("rope_theta", getattr(hf_config, "rope_theta", None)))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"the model config's {name} must be a positive finite number, got {value!r}")
 
 
 def kv_layer_count(num_hidden_layers: int, cla_share_factor: int = 1) -> int:
@@ -294,8 +326,12 @@ class ModelConfig:
         config with ``kvflow.model.registry.model_config``, which calls this.
 
         Raises:
-            ValueError: ``max_model_len`` exceeds the model's context.
+            ValueError: ``max_model_len`` exceeds the model's context; a size that is not a
+                positive integer (layers, heads, hidden size, vocabulary, context), KV heads
+                that do not divide the query heads, an RMS norm epsilon or rotary base that is
+                not a positive finite number (``_check_model_sizes``).
         """
+        _check_model_sizes(hf_config)
         model_type = hf_config.model_type
         num_heads = hf_config.num_attention_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads

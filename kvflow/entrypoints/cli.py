@@ -37,8 +37,9 @@ from kvflow.distributed.worker import torchrun_rank
 from kvflow.entrypoints.openai.reasoning import REASONING_PARSERS
 from kvflow.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
-# Errors that mean "the command was asked for something wrong" (exit status 2).
-USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ModuleNotFoundError)
+# Errors that mean "the command was asked for something wrong" (exit status 2); a model or
+# option kvflow does not run (NotImplementedError: an unknown GGUF architecture) is one too.
+USAGE_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, ModuleNotFoundError, NotImplementedError)
 
 
 def version() -> str:

