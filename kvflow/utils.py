@@ -10,6 +10,7 @@ import ctypes.util
 import functools
 import gc
 import re
+from fractions import Fraction
 import sys
 import threading
 
@@ -20,6 +21,10 @@ _UNITS = {
     "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
     "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
 }
+
+
+#: Byte sizes ``parse_bytes`` takes are below this (a signed 64-bit count: 8 EiB).
+MAX_BYTES = 2**63
 
 
 def parse_bytes(text: str | int, name: str = "byte size") -> int:
@@ -33,20 +38,26 @@ def parse_bytes(text: str | int, name: str = "byte size") -> int:
         name: what the size is, for the error message (e.g. "kv_cache_memory_bytes").
 
     Raises:
-        ValueError: naming ``name``, for an unparsable or negative size, a bool or a float.
+        ValueError: naming ``name``, for an unparsable or negative size, a bool or a float,
+            or one of ``MAX_BYTES`` or more (computed exactly: no float rounding).
     """
     if isinstance(text, bool) or not isinstance(text, (int, str)):
         raise ValueError(f"{name} must be a byte count (an int, or a string like '512MiB'), got {text!r}")
     if isinstance(text, int):
         value = text
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-        unit = m.group(2).lower() if m else None
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)(?:[eE]([+-]?[0-9]{1,4}))?\s*([A-Za-z]*)\s*", text)
+        unit = m.group(3).lower() if m else None
         if m is None or unit not in _UNITS:
             raise ValueError(f"{name}: cannot parse a byte size from {text!r} (examples: 536870912, 512MiB, 8GiB, 2GB)")
-        value = int(float(m.group(1)) * _UNITS[unit])
+        exponent = int(m.group(2) or 0)
+        if exponent > 30:  # (past any memory: refused below without making a huge number)
+            raise ValueError(f"{name} must be less than {MAX_BYTES} bytes, got {text!r}")
+        value = int(Fraction(m.group(1)) * Fraction(10) ** exponent * _UNITS[unit])
     if value < 0:
         raise ValueError(f"{name} must be non-negative, got {text!r}")
+    if value >= MAX_BYTES:
+        raise ValueError(f"{name} must be less than {MAX_BYTES} bytes (2**63), got {text!r}")
     return value
 
 

@@ -54,6 +54,14 @@ def test_human_bytes():
 
 
 
+@pytest.mark.parametrize("text", ["1e400", "99999999999999999999999999999GiB", 2**63, "8388608TiB"])
+def test_parse_bytes_refuses_sizes_past_2_63_naming_the_field(text):
+    """``1e400`` was an OverflowError (float), a 29-digit GiB count a rounded float."""
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes must be less than"):
+        parse_bytes(text, "kv_cache_memory_bytes")
+    assert parse_bytes("8388607TiB") == 8388607 * 1024**4  # exact, below 2**63
+
+
 def test_parse_bytes_names_the_field():
     with pytest.raises(ValueError, match="swap_space_bytes"):
         parse_bytes("much", "swap_space_bytes")
