@@ -208,6 +208,9 @@ class EngineArgs:
                              f"got {self.quantize_lm_head!r}")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
+        if self.quantization_group_size != 32 and self.quantization not in ("int4", "int4-awq"):
+            raise ValueError(f"quantization_group_size={self.quantization_group_size} is for the INT4 methods "
+                             f"(quantization='int4' or 'int4-awq'), not quantization={self.quantization!r}")
         if self.device not in (None, "cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.device is not None and self.device != "cpu" and not torch.cuda.is_available():
@@ -253,11 +256,16 @@ class EngineArgs:
 
         Raises:
             FileNotFoundError: the folder's GGUF file is gone.
+            ValueError: "gguf" asked of a model that is no GGUF file (nor a saved checkpoint).
         """
+        from kvflow.quantization.checkpoint import quantization_of
         from kvflow.model.resolve import gguf_source
 
         if requested == "none":
             return None
+        if requested == "gguf" and gguf_source(model_dir) is None and quantization_of(model_dir) is None:
+            raise ValueError(f"quantization='gguf' computes a GGUF file's quantized tensors as stored; {self.model!r} "
+                             "is not a GGUF model (quantize a float model at load with int8, int4, int4-awq or fp8)")
         if requested is not None:
             return requested
         hf = model.hf_config

@@ -203,6 +203,23 @@ def test_engine_args_accepts_group_sizes(good):
     EngineArgs(quantization="int4", quantization_group_size=good).verify()
 
 
+@pytest.mark.parametrize("method", ["int8", "fp8", "gguf", None])
+def test_a_group_size_is_refused_where_no_int4_method_reads_it(method):
+    """It was taken and changed nothing (``kvflow quantize`` already refused it)."""
+    with pytest.raises(ValueError, match=f"quantization_group_size=64 is for the INT4 methods .*{method!r}"):
+        EngineArgs(quantization=method, quantization_group_size=64).verify()
+    EngineArgs(quantization=method).verify()
+
+
+def test_gguf_quantization_of_a_float_folder_is_refused(tmp_path):
+    """``quantization="gguf"`` on a Hugging Face float folder loaded the float weights."""
+    from conftest import tiny_hf_model_dir
+
+    folder = tiny_hf_model_dir(tmp_path / "m")
+    with pytest.raises(ValueError, match="quantization='gguf' computes a GGUF file's quantized tensors as stored"):
+        EngineArgs(model=str(folder), device="cpu", quantization="gguf").create_config()
+
+
 def test_unknown_method_rejected():
     with pytest.raises(ValueError, match="quantization must be one of"):
         check_method("int3")
