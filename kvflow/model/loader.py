@@ -219,6 +219,11 @@ def build_model(
             raise ValueError(f"quantize_lm_head needs a quantized model (quantization int8, int4, int4-awq, fp8 "
                              f"or gguf), got quantization={quantization!r}")
         head_method = quant_config.lm_head_method() if quantize_lm_head is True else quantize_lm_head
+        stored = model.lm_head.stored_gguf
+        if stored is not None and quantize_lm_head is not True:
+            raise ValueError(f"quantize_lm_head={quantize_lm_head!r}: this GGUF file's LM head is stored quantized "
+                             f"({getattr(stored.qtype, 'name', stored.qtype)}) and is computed as "
+                             "stored; quantization='none' dequantizes the file first if another head scheme is wanted")
         model.lm_head.quantize(head_method, quant_config.group_size)
     # Quantized storage keeps its dtype (``LinearBase._apply``); the rest moves to dtype.
     model.to(device=device, dtype=dtype)

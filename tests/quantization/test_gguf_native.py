@@ -141,6 +141,19 @@ def test_the_gguf_folder_holds_no_weights_and_the_default_is_native(smollm2_dir:
     assert scheme(dtype="float32", quantization="gguf") == "gguf"
 
 
+def test_a_head_scheme_over_a_stored_quantized_head_is_refused_by_name(tmp_path: Path) -> None:
+    """``quantize_lm_head="int4"`` over a GGUF head stored as Q8_0 (the tied embedding here)
+    changed nothing; True (the scheme's own head: the stored one) still loads."""
+    from model.test_resolve import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama")  # (token_embd Q8_0, tied: the head is stored Q8_0)
+    kwargs = dict(device="cpu", num_kv_blocks=16, dtype="bfloat16", model_cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"quantize_lm_head='int4': this GGUF file's LM head is stored quantized \(Q8_0\)"):
+        LLM(str(path), quantize_lm_head="int4", **kwargs)
+    LLM(str(path), quantize_lm_head=True, **kwargs)
+
+
 def test_a_truncated_or_corrupt_gguf_is_one_clear_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(100))
