@@ -436,7 +436,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
     from kvflow.model.loader import load_model, quantize_model
     from kvflow.model.resolve import load_tokenizer, resolve_model
-    from kvflow.quantization.awq import default_calibration_ids
+    from kvflow.quantization.awq import calibration_tokenizer, default_calibration_ids
     from kvflow.quantization.checkpoint import quantization_of, save_quantized, weight_bytes
 
     if args.method == "int4-rtn":
@@ -461,7 +461,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     before = weight_bytes(model)
     calibration = None
     if args.method == "int4-awq":
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer = calibration_tokenizer(lambda: load_tokenizer(model_dir))
         if args.calibration:
             with open(args.calibration, encoding="utf-8") as f:
                 calibration = tokenizer.encode(f.read())[:tokens]

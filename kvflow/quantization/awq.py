@@ -112,6 +112,21 @@ def _scale_columns(linear: nn.Module, s: torch.Tensor) -> None:
     linear.weight.data.mul_(s.to(linear.weight.dtype)[None, :])
 
 
+def calibration_tokenizer(load):
+    """``load()``: the model's tokenizer, which AWQ's calibration text needs.
+
+    Raises:
+        ValueError: saying so, where it cannot be loaded (a model without tokenizer files:
+            transformers' own error named in it).
+    """
+    try:
+        return load()
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"int4-awq calibrates on real text, which needs the model's tokenizer, and it could not be "
+                         f"loaded ({type(exc).__name__}: {exc}); a model without tokenizer files can use "
+                         "int4 (round-to-nearest)") from None
+
+
 def default_calibration_ids(tokenizer, num_tokens: int = 512) -> list[int]:
     """Token ids of real English text for AWQ calibration (the GPL-3 license text that
     Debian ships; a different text can be given to ``kvflow quantize --calibration``).
@@ -142,7 +157,7 @@ class AWQConfig(Int4Config):
         if not ids:
             if context.get("load_tokenizer") is None:
                 raise ValueError("int4-awq needs calibration_ids (token ids of real text)")
-            ids = default_calibration_ids(context["load_tokenizer"]())
+            ids = default_calibration_ids(calibration_tokenizer(context["load_tokenizer"]))
         apply_awq(model, ids, self.group_size)
 
     def get_moe_method(self, layer, prefix) -> FusedMoEMethodBase:

@@ -260,3 +260,16 @@ def test_engine_args_quantize_lm_head_values(good):
 def test_engine_args_quantize_lm_head_rejects_others(bad):
     with pytest.raises(ValueError, match="quantize_lm_head"):
         EngineArgs(quantization="int4", quantize_lm_head=bad).verify()
+
+
+def test_awq_without_a_tokenizer_says_it_needs_one(tmp_path):
+    """A folder without tokenizer files (it runs on token ids) met transformers' unrelated
+    "Couldn't instantiate the backend tokenizer" under int4-awq."""
+    from conftest import tiny_hf_model_dir
+    from kvflow import LLM
+
+    folder = tiny_hf_model_dir(tmp_path / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="int4-awq calibrates on real text, which needs the model's tokenizer"):
+        LLM(str(folder), device="cpu", dtype="float32", quantization="int4-awq", num_kv_blocks=16)
