@@ -247,7 +247,7 @@ class EngineArgs:
         return DEFAULT_COLLECTIVE_TIMEOUT_S if value is None else value
 
     def resolved_quantization(self, requested: str | None, model_dir: str | os.PathLike, model: ModelConfig,
-                              device: torch.device) -> str | None:
+                              device: torch.device, name: str | None = None) -> str | None:
         """The scheme a model loads with: ``requested`` ("none" -> None); when unset, "gguf" for
         a GGUF model on the CPU (computed as stored) unless ``dtype`` is explicitly "float32"
         (the exactness reference: the file's blocks dequantized) or the model has
@@ -256,7 +256,8 @@ class EngineArgs:
 
         Raises:
             FileNotFoundError: the folder's GGUF file is gone.
-            ValueError: "gguf" asked of a model that is no GGUF file (nor a saved checkpoint).
+            ValueError: "gguf" asked of a model that is no GGUF file (nor a saved checkpoint),
+                naming it (``name``: the model as the user gave it; default ``self.model``).
         """
         from kvflow.quantization.checkpoint import quantization_of
         from kvflow.model.resolve import gguf_source
@@ -264,8 +265,9 @@ class EngineArgs:
         if requested == "none":
             return None
         if requested == "gguf" and gguf_source(model_dir) is None and quantization_of(model_dir) is None:
-            raise ValueError(f"quantization='gguf' computes a GGUF file's quantized tensors as stored; {self.model!r} "
-                             "is not a GGUF model (quantize a float model at load with int8, int4, int4-awq or fp8)")
+            raise ValueError(f"quantization='gguf' computes a GGUF file's quantized tensors as stored; "
+                             f"{name or self.model!r} is not a GGUF model (quantize a float model at load with int8, "
+                             "int4, int4-awq or fp8)")
         if requested is not None:
             return requested
         hf = model.hf_config
@@ -309,7 +311,8 @@ class EngineArgs:
                                    self.quantize_lm_head)
         draft = None
         if draft_dir is not None:
-            draft_quantization = self.resolved_quantization(spec.quantization, draft_dir, draft_model, device)
+            draft_quantization = self.resolved_quantization(spec.quantization, draft_dir, draft_model, device,
+                                                            name=spec.model)
             draft = resolve_load_config(spec.model, draft_dir, draft_quantization, self.quantization_group_size)
         # 3. Batching and the KV cache geometry and pool.
         scheduler = self.scheduler_config(model_config)
