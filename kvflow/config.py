@@ -10,7 +10,6 @@ the ``EngineConfig`` the engine and its workers receive.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -135,13 +134,11 @@ def _check_model_sizes(hf_config: Any) -> None:
     Raises:
         ValueError: naming the config field and its value.
     """
-    for name in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size", "max_position_embeddings"):
+    required = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size", "max_position_embeddings")
+    for name in (*required, "num_key_value_heads", "head_dim", "intermediate_size"):  # (the last three: if set)
         value = getattr(hf_config, name, None)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"the model config's {name} must be a positive integer, got {value!r}")
-    for name in ("num_key_value_heads", "head_dim", "intermediate_size"):
-        value = getattr(hf_config, name, None)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if (value is not None or name in required) and (isinstance(value, bool) or not isinstance(value, int)
+                                                         or value < 1):
             raise ValueError(f"the model config's {name} must be a positive integer, got {value!r}")
     kv = getattr(hf_config, "num_key_value_heads", None)
     if kv is not None and hf_config.num_attention_heads % kv:

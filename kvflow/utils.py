@@ -10,9 +10,9 @@ import ctypes.util
 import functools
 import gc
 import re
-from fractions import Fraction
 import sys
 import threading
+from fractions import Fraction
 
 _UNITS = {
     "": 1, "b": 1,

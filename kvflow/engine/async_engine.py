@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvflow.cpu_threads import release_openmp_threads
-from kvflow.engine.llm_engine import LLMEngine, PreparedRequest
+from kvflow.engine.llm_engine import LLMEngine, PreparedRequest, default_output_kind
 from kvflow.engine.snapshot import SnapshotProducer
 from kvflow.metrics import EngineMetrics
 from kvflow.outputs import CompletionOutput, EmbeddingRequestOutput, RequestFailure, RequestOutput, RequestOutputKind
@@ -381,8 +381,7 @@ class AsyncLLMEngine:
         for request_id, prepared, prompt in requests:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-        kinds = [output_kind if output_kind is not None
-                 else getattr(prepared.params, "output_kind", RequestOutputKind.CUMULATIVE)
+        kinds = [output_kind if output_kind is not None else default_output_kind(prepared.params)
                  for _, prepared, _ in requests]
         for kind in kinds:
             if not isinstance(kind, RequestOutputKind):

@@ -42,7 +42,7 @@ from kvflow.model.resolve import load_generation_defaults, load_tokenizer
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, make_parallel_samples
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, check_truncate_prompt_tokens
 from kvflow.utils import hold_gc_freeze, release_gc_freeze, release_free_heap
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,12 @@ def _load_tokenizer(model_dir):
     tokenizer = load_tokenizer(model_dir)
     release_free_heap()
     return tokenizer
+
+
+def default_output_kind(params: SamplingParams | PoolingParams) -> RequestOutputKind:
+    """The ``RequestOutputKind`` of a request whose caller names none: its
+    ``SamplingParams.output_kind`` (vLLM's rule); CUMULATIVE for an embedding request."""
+    return params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.CUMULATIVE
 
 
 @dataclass
@@ -351,20 +357,22 @@ class LLMEngine:
         """Ids of the adapters read so far and not removed (vLLM's ``list_loras``)."""
         return set() if self.lora_manager is None else set(self.lora_manager.known)
 
-    def truncate_prompt(self, prompt_token_ids: list[int], params: SamplingParams | PoolingParams) -> list[int]:
-        """The prompt as ``params.truncate_prompt_tokens`` leaves it: its last k tokens (vLLM's
-        left truncation; -1: ``max_model_len`` for an embedding, ``max_model_len`` - 1 for a
-        generation, which needs room for a token). Idempotent.
+    def truncate_prompt(self, prompt_token_ids: list[int], k: int | None, pooling: bool = False) -> list[int]:
+        """The prompt as ``truncate_prompt_tokens`` = ``k`` leaves it: its last k tokens
+        (vLLM's left truncation; -1: ``max_model_len`` for an embedding (``pooling``),
+        ``max_model_len`` - 1 for a generation, which needs room for a token; None: all).
+        Idempotent.
 
         Raises:
-            ValueError: naming ``truncate_prompt_tokens``, for k above ``max_model_len``.
+            ValueError: naming ``truncate_prompt_tokens``, for k other than None, -1 or an
+                integer >= 1, or above ``max_model_len``.
         """
-        k = getattr(params, "truncate_prompt_tokens", None)
         if k is None:
             return prompt_token_ids
+        check_truncate_prompt_tokens(k)
         max_len = self.scheduler_config.max_model_len
         if k == -1:
-            k = max_len if isinstance(params, PoolingParams) else max_len - 1
+            k = max_len if pooling else max_len - 1
         if k > max_len:
             raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({max_len})")
         return list(prompt_token_ids[-k:])
@@ -383,7 +391,8 @@ class LLMEngine:
                 ``check_request_features`` and ``check_lora_request``.
         """
         self.check_lora_request(lora_request)
-        prompt_token_ids = self.truncate_prompt(prompt_token_ids, params)
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, getattr(params, "truncate_prompt_tokens", None),
+                                                isinstance(params, PoolingParams))
         self.validate_prompt(prompt_token_ids, params)
         if isinstance(params, PoolingParams):
             return PreparedRequest(list(prompt_token_ids), params.resolved(self.default_pooling), [], [None],
@@ -421,7 +430,7 @@ class LLMEngine:
                 that is not a ``RequestOutputKind``.
         """
         if output_kind is None:
-            output_kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.CUMULATIVE
+            output_kind = default_output_kind(params)
         if not isinstance(output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {output_kind!r}")
         if request_id in self._states:

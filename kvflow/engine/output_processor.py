@@ -270,23 +270,21 @@ class OutputProcessor:
             # The token that stopped the output (EOS or a stop_token_ids entry) is not text
             # unless include_stop_str_in_output (vLLM's IncrementalDetokenizer): it stays in
             # token_ids only.
-            text_tokens = tokens
-            if (out.finish_reason == "stop" and tokens and not state.params.include_stop_str_in_output
-                    and (tokens[-1] == self.eos_token_id or tokens[-1] in state.params.stop_token_ids)):
-                text_tokens = tokens[:-1]
-            if len(text_tokens) == 1 and text_tokens is tokens:  # (a decode step's one token)
+            stop_token = (out.finish_reason == "stop" and bool(tokens) and not state.params.include_stop_str_in_output
+                          and (tokens[-1] == self.eos_token_id or tokens[-1] in state.params.stop_token_ids))
+            if len(tokens) == 1 and not stop_token:  # (a decode step's one token)
                 stop = detok.update(tokens, finished=finished)
                 if stop is not None:
                     hit = StopHit(len(sample.token_ids) + 1, stop)
             else:
                 last = len(tokens) - 1
-                for i, token in enumerate(text_tokens):
+                for i, token in enumerate(tokens[:-1] if stop_token else tokens):
                     stop = detok.update([token], finished=finished and i == last)
                     if stop is not None:
                         tokens = tokens[: i + 1]
                         hit = StopHit(len(sample.token_ids) + i + 1, stop)
                         break
-                if hit is None and text_tokens is not tokens:
+                if stop_token and hit is None:
                     detok.update([], finished=True)  # (the text so far is final)
         sample.token_ids.extend(tokens)
         if out.new_logprobs is not None:

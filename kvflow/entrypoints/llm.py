@@ -175,7 +175,9 @@ class LLM:
         # Validate everything first so that one bad prompt adds nothing.
         for lora in {id(x): x for x in loras}.values():
             self.engine.check_lora_request(lora)
-        encoded = [(self.engine.truncate_prompt(ids, p), text) for (ids, text), p in zip(encoded, params_list)]
+        encoded = [(self.engine.truncate_prompt(ids, getattr(p, "truncate_prompt_tokens", None),
+                                                isinstance(p, PoolingParams)), text)
+                   for (ids, text), p in zip(encoded, params_list)]
         for (ids, _), p in zip(encoded, params_list):
             self.engine.validate_prompt(ids, p)
         request_ids = []

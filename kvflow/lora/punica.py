@@ -16,12 +16,11 @@ With one adapter in a step its rows get their shrink and expand alone. With seve
 dispatch per group would cost more than the arithmetic on a CPU (30 layers x 7 linears x
 groups x parts small matmuls per step), so the groups' rows are gathered into one padded
 [G, n, in] tensor (padding reads an appended zero row) and shrunk and expanded by two batched
-matmuls (``torch.bmm``) against their slots' A and B, then the real rows' deltas (padding rows
-dropped: 0 x a NaN or an overflowing product is not 0, and must not reach another request's
-row) added back with ``index_add_``. B is
-stored per part as [S * R, out] with zeros outside the part's columns, so one expand serves
-the fused q / k / v (or gate / up) parts; the zeros cost S times the expand's work, a few
-percent of the base layer's at these ranks.
+matmuls (``torch.bmm``) against their slots' A and B, then the real rows' deltas added back
+with ``index_add_`` (the padding rows' dropped: 0 x a NaN or an overflowing product is not 0,
+and must not reach another request's row). B is stored per part as [S * R, out] with zeros
+outside the part's columns, so one expand serves the fused q / k / v (or gate / up) parts;
+the zeros cost S times the expand's work, a few percent of the base layer's at these ranks.
 """
 
 from __future__ import annotations

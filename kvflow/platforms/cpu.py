@@ -29,8 +29,9 @@ class CpuPlatform(Platform):
     the C++ kernels this engine uses (``start_kernel_builds``) and takes the process's thread
     governor; once the model is loaded (``model_loaded``) it lets glibc's heap keep the steps'
     large tensors for reuse; ``between_steps`` then fits the thread count to the free cores
-    and publishes the kernels built since. With tensor parallelism neither runs (the ranks must switch
-    kernels at the same step, and each rank would count the others as load).
+    and publishes the kernels built since. With tensor parallelism neither of the last two
+    runs (the ranks must switch kernels at the same step, and each rank would count the
+    others as load).
     """
 
     device_type = "cpu"

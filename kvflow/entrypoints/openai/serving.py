@@ -346,8 +346,7 @@ class OpenAIServing:
             return prompts
         engine = self.engine.engine
         try:
-            params = PoolingParams(truncate_prompt_tokens=k) if pooling else SamplingParams(truncate_prompt_tokens=k)
-            kept = [engine.truncate_prompt(ids, params) for ids, _ in prompts]
+            kept = [engine.truncate_prompt(ids, k, pooling) for ids, _ in prompts]
         except ValueError as exc:
             raise APIError(400, str(exc), "BadRequestError", "truncate_prompt_tokens") from None
         return [(ids, text if len(ids) == len(old) else None) for ids, (old, text) in zip(kept, prompts)]
