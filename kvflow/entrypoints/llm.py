@@ -143,14 +143,23 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> list[str]:
-        if isinstance(params, (SamplingParams, PoolingParams)):
+        # generate / generate_stream take SamplingParams, embed PoolingParams (vLLM's
+        # signatures): the other kind would run the other task and return its output type.
+        expected = PoolingParams if params_name == "pooling_params" else SamplingParams
+        if isinstance(params, expected):
             params_list = [params] * len(prompts)
-        else:
+        elif isinstance(params, (list, tuple)):
             params_list = list(params)
             if len(params_list) != len(prompts):
                 raise ValueError(
                     f"{params_name} has {len(params_list)} entries for {len(prompts)} prompts"
                 )
+            for p in params_list:
+                if not isinstance(p, expected):
+                    raise ValueError(f"{params_name} entries must be {expected.__name__}, got {type(p).__name__}")
+        else:
+            raise ValueError(f"{params_name} must be a {expected.__name__} or a list of them (one per prompt), "
+                             f"got {type(params).__name__}")
         if priority is None or isinstance(priority, int):
             priorities = [priority or 0] * len(prompts)
         else:

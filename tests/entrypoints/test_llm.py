@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import engine_like, prefill_logits, requires_smollm2
-from kvflow import SamplingParams
+from kvflow import PoolingParams, SamplingParams
 from kvflow.engine.llm_engine import LLMEngine
 
 pytestmark = [requires_smollm2, pytest.mark.integration]
@@ -198,6 +198,25 @@ def test_prompts_of_a_wrong_type_are_a_value_error(smollm2_llm, prompts):
     """generate(5) / generate(None) was a TypeError ("'int' object is not iterable")."""
     with pytest.raises(ValueError, match="prompts must be"):
         smollm2_llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert not smollm2_llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"temperature": 0}, "^sampling_params must be a SamplingParams or a list of them .*got dict"),
+        ("greedy", "^sampling_params must be a SamplingParams .*got str"),
+        ([SamplingParams(max_tokens=2), PoolingParams()], "^sampling_params entries must be SamplingParams, got PoolingParams"),
+        (PoolingParams(), "^sampling_params must be a SamplingParams .*got PoolingParams"),
+    ],
+)
+def test_generate_takes_sampling_params_only(smollm2_llm, params, match):
+    """A dict was iterated as a list of params ("got str" for its first key), and a
+    PoolingParams ran an embedding among generate's results (vLLM's generate takes
+    SamplingParams)."""
+    prompts = ["a", "b"] if isinstance(params, list) else ["a"]
+    with pytest.raises(ValueError, match=match):
+        smollm2_llm.generate(prompts, params)
     assert not smollm2_llm.engine.has_unfinished_requests()
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import requires_smollm2, tiny_hf_model_dir
-from kvflow import LLM, PoolingParams
+from kvflow import LLM, PoolingParams, SamplingParams
 
 TEXTS = ["Paged attention stores keys and values in blocks.", "hello", "The capital of France is Paris, a city on the Seine."]
 
@@ -80,7 +80,6 @@ def test_embed_takes_vllm_pooling_params_and_token_prompts(tiny_dir, tiny_llms):
 
 def test_embed_mixed_with_generation_in_one_engine(tiny_llms):
     """The same LLM generates and embeds; an embedding between generations changes nothing."""
-    from kvflow import SamplingParams
 
     llm = tiny_llms[0]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -96,6 +95,9 @@ def test_embed_mixed_with_generation_in_one_engine(tiny_llms):
         ({"pooling_params": PoolingParams(dimensions=8)}, "dimensions"),
         ({"pooling_params": PoolingParams(), "pooling": "mean"}, "not both"),
         ({"pooling_params": [PoolingParams()]}, "pooling_params has 1 entries for 2 prompts"),
+        ({"pooling_params": SamplingParams(max_tokens=2)}, "^pooling_params must be a PoolingParams .*got SamplingParams"),
+        ({"pooling_params": [PoolingParams(), SamplingParams()]}, "^pooling_params entries must be PoolingParams"),
+        ({"pooling_params": {"normalize": False}}, "^pooling_params must be a PoolingParams .*got dict"),
         ({"priority": [1, 0]}, "priority=1 needs the priority scheduling policy"),
     ],
 )
