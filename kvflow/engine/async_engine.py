@@ -551,8 +551,8 @@ class AsyncLLMEngine:
                     # Aborts can empty the engine without a step: refresh the gauges now, or
                     # they keep the last step's values while idle.
                     self._publish_stats()
-                    self.snapshots.on_idle(self._stats)
-                    self._wakeup.wait(timeout=0.5)
+                    due = self.snapshots.on_idle(self._stats)
+                    self._wakeup.wait(timeout=0.5 if due is None else min(0.5, due))
                     self._wakeup.clear()
                     continue
                 outputs = self.engine.step(on_scheduled=self._on_scheduled)

@@ -187,8 +187,8 @@ class SnapshotProducer:
 
     def subscribe(self, callback: Callable[[Snapshot], None]) -> int:
         """Call ``callback(snapshot)`` on the running loop for every snapshot from now on
-        (the first one as soon as the engine thread is between steps). Returns a token
-        for ``unsubscribe``."""
+        (the first one as soon as the engine thread is between steps and the rate allows).
+        Returns a token for ``unsubscribe``."""
         loop = asyncio.get_running_loop()
         with self._lock:
             token = self._next_id
@@ -202,6 +202,35 @@ class SnapshotProducer:
     def unsubscribe(self, token: int) -> None:
         with self._lock:
             self._subscribers = {k: v for k, v in self._subscribers.items() if k != token}
+
+    async def fresh(self, timeout_s: float = 5.0) -> Snapshot | None:
+        """A current snapshot for a one-off reader (the block route): ``latest`` when it is
+        at most ``1 / IDLE_RATE_HZ`` seconds old (a dashboard's stream keeps it so), else the
+        next one the engine thread publishes, subscribed for until then (within the rate, so
+        one-off readers add no snapshots past ``max_rate_hz``). Event loop.
+
+        Args:
+            timeout_s: seconds to wait for it (a step can be longer: then ``latest`` as it is).
+
+        Returns:
+            The snapshot, or None when none was ever taken and none came in time.
+        """
+        snap = self.latest
+        if snap is not None and self.clock() - self._last_time <= 1.0 / IDLE_RATE_HZ:
+            return snap
+        first: asyncio.Future[Snapshot] = asyncio.get_running_loop().create_future()
+
+        def take(snapshot: Snapshot) -> None:
+            if not first.done():
+                first.set_result(snapshot)
+
+        token = self.subscribe(take)
+        try:
+            return await asyncio.wait_for(first, timeout_s)
+        except asyncio.TimeoutError:
+            return self.latest
+        finally:
+            self.unsubscribe(token)
 
     def describe_block(self, block_id: int) -> dict[str, Any]:
         """Block ``block_id`` as of the latest snapshot: its state and ref_cnt, the requests
@@ -301,26 +330,36 @@ class SnapshotProducer:
         if self._steps:
             self._steps[-1]["duration_s"] = duration
         batch, self._pending_batch = self._pending_batch, None
-        if batch is not None and (self._force or now - self._last_time >= self.min_interval_s):
+        # (A new subscriber's first snapshot waits for the rate too: else a client that
+        # reconnects after every event forces one per reconnect, past max_rate_hz.)
+        if batch is not None and now - self._last_time >= self.min_interval_s:
             batch["duration_s"] = duration
             self._publish(now, batch, stats)
         else:
             self._dirty = True  # a step the subscribers have not seen the end of
         self.capture_seconds += time.perf_counter() - start
 
-    def on_idle(self, stats: dict[str, Any] | None = None) -> None:
+    def on_idle(self, stats: dict[str, Any] | None = None) -> float | None:
         """While the engine has nothing to run: a snapshot as soon as the rate allows when
-        the state changed since the last one (steps ran, an abort freed blocks), else one
-        every ``1 / IDLE_RATE_HZ`` seconds (at once for a new subscriber). Engine thread."""
+        the state changed since the last one (steps ran, an abort freed blocks) or a new
+        subscriber waits for its first, else one every ``1 / IDLE_RATE_HZ`` seconds. Engine
+        thread.
+
+        Returns:
+            Seconds until a snapshot the rate held back is due (the caller's idle wait
+            should end by then), or None when none is pending.
+        """
         if not self._subscribers:
-            return
+            return None
         now = self.clock()
         elapsed = now - self._last_time
-        changed = self._dirty or self._signature() != self._last_signature
-        if self._force or elapsed >= 1.0 / IDLE_RATE_HZ or (changed and elapsed >= self.min_interval_s):
+        pending = self._force or self._dirty or self._signature() != self._last_signature
+        if elapsed >= self.min_interval_s and (pending or elapsed >= 1.0 / IDLE_RATE_HZ):
             start = time.perf_counter()
             self._publish(now, None, stats)
             self.capture_seconds += time.perf_counter() - start
+            return None
+        return self.min_interval_s - elapsed if pending else None
 
     def _signature(self) -> tuple[int, int]:
         """What an idle engine's snapshot would show differently (O(1))."""

@@ -300,6 +300,76 @@ def test_snapshots_are_throttled_but_every_step_is_summarised():
         sub.close()
 
 
+def test_reconnecting_subscribers_get_no_snapshots_past_the_rate():
+    """A client that reconnects after every event forced a snapshot per reconnect (60-109 a
+    second against max_rate_hz 10, measured served): a new subscriber's first snapshot now
+    waits for the rate too, and an idle engine is told when it is due."""
+    engine = tiny_engine(num_blocks=64)
+    clock = FakeClock()
+    producer = SnapshotProducer(engine, max_rate_hz=10, clock=clock)
+    loop = asyncio.new_event_loop()
+    got = []
+
+    async def resubscribe(token):
+        if token is not None:
+            producer.unsubscribe(token)
+        return producer.subscribe(got.append)
+
+    try:
+        token = loop.run_until_complete(resubscribe(None))
+        engine.add_request("a", list(range(12)), params(max_tokens=40))
+        num_steps = 0
+        while engine.has_unfinished_requests():
+            clock.now += 0.025  # 40 steps a second, a new subscriber before each
+            token = loop.run_until_complete(resubscribe(token))
+            step(engine, producer)
+            num_steps += 1
+        assert producer.num_snapshots == 1 + (num_steps - 1) // 4  # as for one steady subscriber
+        # idle: a new subscriber 0.05 s after a snapshot gets one when the rate allows
+        clock.now += 0.2
+        assert producer.on_idle() is None  # the end of the run, published
+        count = producer.num_snapshots
+        clock.now += 0.05
+        token = loop.run_until_complete(resubscribe(token))
+        assert producer.on_idle() == pytest.approx(0.05)  # due in 0.05 s: not yet
+        assert producer.num_snapshots == count
+        clock.now += 0.05
+        assert producer.on_idle() is None and producer.num_snapshots == count + 1
+        assert producer.on_idle() is None and producer.num_snapshots == count + 1  # nothing pending
+    finally:
+        loop.close()
+
+
+def test_fresh_takes_a_snapshot_for_a_one_off_reader():
+    """The block route's lookup with no dashboard open: ``fresh`` subscribes until the engine
+    thread publishes, then lets go; a recent snapshot is returned as it is."""
+    engine = tiny_engine(num_blocks=64)
+    clock = FakeClock()
+    producer = SnapshotProducer(engine, max_rate_hz=10, clock=clock)
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(producer.fresh(timeout_s=0.01)) is None  # nothing published
+        assert producer.num_subscribers == 0
+
+        async def lookup():
+            task = asyncio.ensure_future(producer.fresh(timeout_s=5))
+            await asyncio.sleep(0)
+            assert producer.num_subscribers == 1
+            producer.on_idle()  # the engine thread, between steps
+            return await task
+
+        snap = loop.run_until_complete(lookup())
+        assert snap is producer.latest and snap.data["blocks"]["num_blocks"] == 64
+        assert producer.num_subscribers == 0
+        clock.now += 0.5
+        assert loop.run_until_complete(producer.fresh(timeout_s=0.01)) is snap  # recent enough
+        clock.now += 1.0
+        assert loop.run_until_complete(producer.fresh(timeout_s=0.01)) is snap  # stale, none came: as it is
+        assert producer.num_snapshots == 1
+    finally:
+        loop.close()
+
+
 def test_steps_longer_than_the_interval_are_each_shown():
     """The throttle counts from the last snapshot to the end of a step: with 0.2 s steps
     and at most 10 snapshots a second, every step's batch is shown (not every other one)."""

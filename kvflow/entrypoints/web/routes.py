@@ -13,7 +13,8 @@
   exposes) as JSON, ``{"time": <Unix seconds>, "metrics": {sample name: [{"labels": {...},
   "value": <float>}]}}``, read by prometheus_client itself so that the page parses no text
   format. Guarded like ``/metrics``.
-- ``GET /dashboard/api/blocks/{block_id}``: one KV block as of the latest snapshot: its
+- ``GET /dashboard/api/blocks/{block_id}``: one KV block as of the latest snapshot (taken
+  for the lookup when no dashboard stream keeps one current: ``SnapshotProducer.fresh``): its
   state, ref count, owner requests and its tokens' text, detokenized on demand. It shows
   users' text, so it always needs the key when ``--api-key`` is set (like ``/v1/*``).
 """
@@ -118,6 +119,7 @@ def register(app: FastAPI, engine: AsyncLLMEngine) -> None:
 
     @app.get(BLOCK_PATH, summary="One KV block of the latest snapshot: owners and text")
     async def block(block_id: int) -> Response:
+        await engine.snapshots.fresh()  # no dashboard open: one taken for this lookup
         try:
             info = engine.snapshots.describe_block(block_id)
         except ValueError as exc:
