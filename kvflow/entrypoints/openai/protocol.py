@@ -3,8 +3,9 @@
 Field names and defaults follow the OpenAI API reference (completions and chat completions)
 plus the extra sampling fields vLLM accepts (top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, stop_token_ids, bad_words, skip_special_tokens, include_stop_str_in_output,
-guided_json, guided_regex, guided_choice, guided_grammar, structured_outputs) and vLLM's
-``priority``. Responses are built as plain dicts in
+guided_json, guided_regex, guided_choice, guided_grammar, structured_outputs), vLLM's
+``priority``, and SGLang's ``regex`` and ``ebnf`` (compiled as ``guided_regex`` and
+``guided_grammar``). Responses are built as plain dicts in
 ``server.py`` so that no field is sent as an explicit null.
 
 Validation is strict: a number field takes a JSON number (not ``true``, not ``"0.5"``), an
@@ -63,6 +64,14 @@ def check_tool_count(tools: Any) -> Any:
 # Defaults of the sampling fields a request leaves unset when the model has no
 # generation_config.json (documented in docs/serving.md, "Defaults of unset fields").
 BUILTIN_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+#: The request fields that constrain the whole output, as sent (SGLang's ``regex`` / ``ebnf`` are
+#: compiled as ``guided_regex`` / ``guided_grammar``).
+CONSTRAINT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs", "regex",
+                     "ebnf")
+# SGLang's field -> the guided_* field it is compiled as
+_SGLANG_CONSTRAINTS = {"regex": "guided_regex", "ebnf": "guided_grammar"}
 
 
 def _needs_flag(value: Any, info: ValidationInfo, flag: str, message: str) -> Any:
@@ -183,6 +192,13 @@ FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "bad_words": ([],), "allowed_token_ids": (), "priority": (0,), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "regex": (), "ebnf": (),  # SGLang's names of guided_regex / guided_grammar (completions and chat)
+    # SGLang's request fields (sglang-router's clients send them) kvflow does not implement
+    "lora_path": (),  # kvflow serves an adapter as a model of its own: send its name as model
+    "no_stop_trim": (False,), "stop_regex": ([],), "custom_logit_processor": (), "custom_params": ({},),
+    "session_params": (), "input_ids": (), "return_hidden_states": (False,), "return_routed_experts": (False,),
+    "return_cached_tokens_details": (False,), "return_prompt_token_ids": (False,), "return_meta_info": (False,),
+    "separate_reasoning": (True,), "stream_reasoning": (True,),
 }  # fmt: skip
 
 
@@ -257,6 +273,9 @@ class _SamplingRequest(_Body):
     guided_grammar: str | None = None
     # vLLM >= 0.11's form of the four above: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     structured_outputs: dict[str, Any] | None = None
+    # SGLang's names of guided_regex and guided_grammar (its EBNF is the GBNF the grammar engine reads)
+    regex: str | None = None
+    ebnf: str | None = None
     # OpenAI chat's output format; vLLM takes it on completions too (json_object / json_schema)
     response_format: ResponseFormat | None = None
     # vLLM: add the tokenizer's special tokens (BOS) to the prompt; only its default is served
@@ -299,13 +318,20 @@ class _SamplingRequest(_Body):
         """The engine's parameters for this request; a field left unset takes the model's
         generation-config default (``defaults``), else ``BUILTIN_DEFAULTS``.
 
+        SGLang's ``regex`` is compiled as ``guided_regex`` and its ``ebnf`` as
+        ``guided_grammar`` (GBNF, which the grammar engine reads).
+
         Raises:
-            ValueError: naming the field, for an invalid value; ``ignore_eos`` together
+            ValueError: naming the field, for an invalid value; SGLang's ``regex`` / ``ebnf``
+                together with another output constraint; ``ignore_eos`` together
                 with an output constraint (``output_constraint``), which ends the output
                 where its grammar is complete. (``min_tokens`` is honoured with one, as
                 vLLM does: until the grammar allows only EOS, which then ends the output.)
         """
         constraint = self.output_constraint()
+        set_ = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(set_) > 1 and set(set_) & set(_SGLANG_CONSTRAINTS):
+            raise ValueError(f"{set_[-1]} cannot be combined with {set_[0]}: send one output constraint")
         if constraint is not None and self.ignore_eos:
             raise ValueError(f"ignore_eos cannot be combined with {constraint}: the output constraint ends the "
                              "output once it is complete")
@@ -339,16 +365,16 @@ class _SamplingRequest(_Body):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             guided_json=self.guided_schema(),
-            guided_regex=self.guided_regex,
+            guided_regex=self.guided_regex if self.regex is None else self.regex,
             guided_choice=self.guided_choice,
-            guided_grammar=self.guided_grammar,
+            guided_grammar=self.guided_grammar if self.ebnf is None else self.ebnf,
             structured_outputs=self._structured_outputs(),
         )
 
     def output_constraint(self) -> str | None:
         """The field that constrains the whole output (``guided_*``, ``structured_outputs``,
-        ``response_format`` other than text), or None."""
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+        SGLang's ``regex`` / ``ebnf``, ``response_format`` other than text), or None."""
+        for name in CONSTRAINT_FIELDS:
             if getattr(self, name) is not None:
                 return name
         if self.response_format is not None and self.response_format.type != "text":
@@ -378,8 +404,7 @@ class _SamplingRequest(_Body):
                 response_format together with another output constraint.
         """
         if self.response_format is not None and self.response_format.type != "text":
-            other = next((name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                                            "structured_outputs") if getattr(self, name) is not None), None)
+            other = next((name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None), None)
             if other is not None:
                 raise ValueError(f"response_format cannot be combined with {other}: send one output constraint")
         if self.guided_json is not None or self.response_format is None:
@@ -659,13 +684,13 @@ class ChatCompletionRequest(_SamplingRequest):
 
         check_tools(self.tools, self.tool_choice)
         if self.tools and self.tool_choice not in (None, "none", "auto"):
-            constrained = any(getattr(self, name) is not None for name in (
-                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")) or (
+            constrained = any(getattr(self, name) is not None for name in CONSTRAINT_FIELDS) or (
                 self.response_format is not None and self.response_format.type != "text"
             )
             if constrained:
                 raise ValueError("tool_choice (a forced tool call) cannot be combined with response_format, "
-                                 "guided_json, guided_regex, guided_choice, guided_grammar or structured_outputs")
+                                 "guided_json, guided_regex, guided_choice, guided_grammar, structured_outputs, "
+                                 "regex or ebnf")
             return tool_choice_schema(self.tools, self.tool_choice, self.parallel_tool_calls is not False)
         return super().guided_schema()
 

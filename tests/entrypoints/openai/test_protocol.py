@@ -173,7 +173,10 @@ def test_json_schema_response_format_is_the_guided_schema():
      ({"do_sample": False}, "do_sample"), ({"thinking": {"type": "enabled", "budget_tokens": 64}}, "thinking"),
      ({"smoothing_factor": 0.3}, "smoothing_factor"), ({"temperature_last": True}, "temperature_last"),
      ({"penalty_last_n": 64}, "penalty_last_n"), ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
-     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options")],
+     ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+     ({"lora_path": "a"}, "lora_path"), ({"no_stop_trim": True}, "no_stop_trim"),
+     ({"return_hidden_states": True}, "return_hidden_states"), ({"stop_regex": ["x+"]}, "stop_regex"),
+     ({"separate_reasoning": False}, "separate_reasoning"), ({"input_ids": [1, 2]}, "input_ids")],
 )  # fmt: skip
 def test_other_servers_fields_that_change_the_output_are_refused_on_chat(body, field):
     name, message = ChatCompletionRequest.model_validate({"messages": MSG, **body}).unsupported_field()
@@ -305,3 +308,28 @@ def test_a_refused_foreign_field_is_not_logged_as_ignored(monkeypatch, caplog):
     assert req.unsupported_field()[0] == "mirostat"
     assert "'mirostat'" not in caplog.text, caplog.text
     assert "'made_up_field'" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("cls,body", [(CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": MSG})])
+def test_sglangs_regex_and_ebnf_are_the_guided_regex_and_grammar(cls, body):
+    """SGLang's ``regex`` / ``ebnf`` (sglang-router's clients send them) were logged as unknown
+    and dropped: the output was unconstrained."""
+    params = cls.model_validate({**body, "regex": "[0-9]{3}"}).sampling_params(4, None)
+    assert params.guided_regex == "[0-9]{3}"
+    params = cls.model_validate({**body, "ebnf": 'root ::= "yes" | "no"'}).sampling_params(4, None)
+    assert params.guided_grammar == 'root ::= "yes" | "no"'
+    assert cls.model_validate({**body, "regex": "a"}).output_constraint() == "regex"
+    with pytest.raises(ValueError, match="^regex cannot be combined with guided_regex"):
+        cls.model_validate({**body, "regex": "a", "guided_regex": "b"}).sampling_params(4, None)
+    with pytest.raises(ValueError, match="^response_format cannot be combined with ebnf"):
+        cls.model_validate({**body, "ebnf": 'root ::= "a"', "response_format": {"type": "json_object"}}
+                           ).sampling_params(4, None)
+
+
+def test_sglangs_constraint_fields_are_refused_on_responses_and_messages():
+    from kvflow.entrypoints.anthropic.protocol import MessagesRequest
+    from kvflow.entrypoints.openai.serving_responses import ResponsesRequest
+
+    assert ResponsesRequest.model_validate({"input": "hi", "regex": "a"}).unsupported_field()[0] == "regex"
+    messages = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": MSG, "ebnf": "root ::= \"a\""})
+    assert messages.unsupported_field()[0] == "ebnf"

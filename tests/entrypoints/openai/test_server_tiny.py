@@ -561,12 +561,16 @@ GUIDED = [
     ({"guided_grammar": 'start: "ab" | "cd" "e"*'}, r"ab|cde*"),
     ({"guided_grammar": 'root ::= "x" [0-9]'}, r"x[0-9]"),
     ({"structured_outputs": {"regex": "[a-c]{2}"}}, r"[a-c]{2}"),
+    # SGLang's names (sglang-router's clients send them): they were logged and dropped (200, free text)
+    ({"regex": "[a-c]{2}"}, r"[a-c]{2}"),
+    ({"ebnf": 'root ::= "yes" | "no"'}, r"yes|no"),
 ]
 
 
 @pytest.mark.parametrize("path", [C, CH])
 @pytest.mark.parametrize("extra,pattern", GUIDED,
-                         ids=["choice", "choice-temperature-1e300", "so-choice", "lark", "gbnf", "so-regex"])
+                         ids=["choice", "choice-temperature-1e300", "so-choice", "lark", "gbnf", "so-regex",
+                              "sglang-regex", "sglang-ebnf"])
 def test_guided_choice_and_grammar_constrain_the_output(http, path, extra, pattern):
     import re
 
@@ -761,7 +765,23 @@ UNSUPPORTED = [
     (CH, {"reasoning_effort": "high"}, "reasoning_effort"),
     (C, {"use_beam_search": True}, "use_beam_search"),
     (C, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    # SGLang's (sglang-router's clients send them): logged and dropped (200) before
+    (C, {"lora_path": "/adapters/a"}, "lora_path"),
+    (CH, {"lora_path": "/adapters/a"}, "lora_path"),
+    (C, {"no_stop_trim": True}, "no_stop_trim"),
+    (CH, {"no_stop_trim": True}, "no_stop_trim"),
+    (C, {"return_hidden_states": True}, "return_hidden_states"),
+    (CH, {"return_hidden_states": True}, "return_hidden_states"),
+    (C, {"stop_regex": "[0-9]"}, "stop_regex"),
 ]
+
+
+@pytest.mark.parametrize("path,extra,param", [(C, {"regex": "[a-z]+", "guided_regex": "[0-9]+"}, "regex"),
+                                              (CH, {"ebnf": 'root ::= "a"', "guided_choice": ["b"]}, "ebnf")])
+def test_sglangs_constraint_with_another_one_is_400_naming_it(http, path, extra, param):
+    body = {"prompt": "x"} if path == C else {"messages": MSG}
+    err = _assert_error(http.post(path, json={**body, "max_tokens": 2, **extra}), 400, param)
+    assert "cannot be combined" in err["message"], err
 
 
 @pytest.mark.parametrize("path,extra,param", UNSUPPORTED, ids=[p for _, _, p in UNSUPPORTED])
@@ -778,8 +798,13 @@ def test_unimplemented_fields_are_refused_by_name(http, path, extra, param):
         (CH, {"tools": [], "tool_choice": "none", "parallel_tool_calls": False, "modalities": ["text"],
               "stream_options": None, "service_tier": "auto"}),
         (CH, {"messages": [{"role": "user", "content": "Hi", "name": "ann"}]}),
+        # what a Rust router (sgl-router) serializes for fields its client left unset
+        (C, {"regex": None, "ebnf": None, "json_schema": None, "lora_path": None, "session_params": None,
+             "no_stop_trim": False, "return_hidden_states": False}),
+        (CH, {"regex": None, "ebnf": None, "lora_path": None, "no_stop_trim": False, "return_hidden_states": False,
+              "separate_reasoning": True, "stream_reasoning": True}),
     ],
-    ids=["completions", "chat", "message-name"],
+    ids=["completions", "chat", "message-name", "sglang-defaults-completions", "sglang-defaults-chat"],
 )
 def test_fields_that_change_nothing_are_accepted(http, path, extra):
     body = {"prompt": "x"} if path == C else {"messages": MSG}
