@@ -114,6 +114,18 @@ def _positive_count(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    """A number of seconds > 0 (refused at parse time, before a model loads: ``nan``, 0 and
+    negative values are not)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:  # (NaN is not > 0)
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def _port(text: str) -> int:
     """``--port``: a TCP port, 1-65535 (refused at parse time, before a model loads)."""
     try:
@@ -394,6 +406,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--lora-modules needs --enable-lora")
     if len(lora_modules) != len(args.lora_modules or []):
         raise ValueError("--lora-modules names an adapter twice")
+    chat_template = load_chat_template(args.chat_template)  # a missing file: before the model loads
     check_bindable(args.host, args.port)  # before the model loads (seconds to minutes)
     if args.data_parallel_size != 1:  # N replicas behind a router (kvflow/entrypoints/data_parallel.py)
         from kvflow.entrypoints.data_parallel import DataParallelArgs, serve_data_parallel
@@ -412,7 +425,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(
         async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key,
         metrics_need_key=not args.metrics_no_auth, max_request_bytes=args.max_request_bytes, model_aliases=(args.model,),
-        chat_template=load_chat_template(args.chat_template), tool_parser=args.tool_call_parser,
+        chat_template=chat_template, tool_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, lora_modules=lora_modules,
     )  # fmt: skip
     server = make_server(app, args.host, args.port, args.log_level, args.timeout_keep_alive, args.request_read_timeout)
@@ -523,14 +536,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-no-auth", action="store_true", help="with --api-key, leave /metrics open too")
     serve.add_argument("--served-model-name", default=None,
                        help="model id in the API (default: the --model short name, file stem or folder name)")
-    serve.add_argument("--max-queue-len", type=int, default=None,
+    serve.add_argument("--max-queue-len", type=_positive_count, default=None,
                        help="at most this many requests accepted and not yet running; more get 429 (a request with more "
                        "prompts than this gets 400: it could never fit) (default: no limit)")
     serve.add_argument("--max-request-bytes", type=_byte_size("max_request_bytes"), default="10MiB", metavar="BYTES",
                        help="larger request bodies get 413 (default: 10MiB)")
-    serve.add_argument("--timeout-keep-alive", type=float, default=5.0,
+    serve.add_argument("--timeout-keep-alive", type=_positive_seconds, default=5.0,
                        help="close a keep-alive connection idle this many seconds between requests (default: 5)")
-    serve.add_argument("--request-read-timeout", type=float, default=30.0,
+    serve.add_argument("--request-read-timeout", type=_positive_seconds, default=30.0,
                        help="close a connection whose request (headers and body) has not arrived this many seconds "
                        "after its first byte, or after the connection opened (default: 30)")
     serve.add_argument("--log-level", default="info", type=str.lower,

@@ -625,6 +625,30 @@ def test_serve_port_taken_while_the_model_loads_is_one_line_and_exit_1(capsys, m
     assert f"cannot listen on 127.0.0.1:{taken[0][1]}" in line, line
 
 
+@pytest.mark.parametrize("argv, wanted", [
+    (["--max-queue-len", "0"], "argument --max-queue-len: must be at least 1, got 0"),
+    (["--max-queue-len", "-1"], "argument --max-queue-len: must be at least 1, got -1"),
+    (["--timeout-keep-alive", "nan"], "argument --timeout-keep-alive: must be a number of seconds > 0, got nan"),
+    (["--timeout-keep-alive", "0"], "argument --timeout-keep-alive: must be a number of seconds > 0"),
+    (["--request-read-timeout", "-3"], "argument --request-read-timeout: must be a number of seconds > 0"),
+    (["--chat-template", "./missing.jinja"], "--chat-template: no such file"),
+    (["--chat-template", "./missing.jinja", "--data-parallel-size", "2"], "--chat-template: no such file"),
+])
+def test_serve_bad_server_flags_are_usage_errors_before_anything_loads(capsys, monkeypatch, argv, wanted):
+    """They were exit 2 only after the model had loaded (seconds to minutes; with
+    --data-parallel-size, in every replica)."""
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.entrypoints import data_parallel
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded (or a replica started) before the flag was checked")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", never)
+    monkeypatch.setattr(data_parallel, "serve_data_parallel", never)
+    line = _one_line_error(capsys, ["serve", "--port", "18290", *argv], 2)
+    assert wanted in line, line
+
+
 @pytest.mark.parametrize("key", ["", "   "])
 def test_serve_refuses_an_empty_api_key_before_anything_loads(capsys, monkeypatch, key):
     # --api-key "$KEY" with KEY unset: an empty key matched "Bearer " and an absent x-api-key.
