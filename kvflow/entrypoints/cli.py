@@ -301,8 +301,9 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     """An interactive conversation. Ctrl-C during a reply stops that reply and keeps the
     conversation (with the part of the reply that was shown); an empty line is ignored;
     Ctrl-D, or Ctrl-C twice in a row at the prompt, quits. A conversation that outgrows the
-    context lets go of its oldest exchanges (the system message stays); a turn too long by
-    itself is refused with the engine's message and the session goes on."""
+    context lets go of its oldest exchanges (the system message stays); a turn the engine or
+    the chat template refuses (too long by itself; a line that is not valid UTF-8) is
+    refused with its message, and the session goes on without it."""
     from kvflow import LLM
 
     params = _sampling_params(args)
@@ -331,14 +332,16 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": user})
         first = 1 if history[0]["role"] == "system" else 0
-        ids = llm.apply_chat_template(history)
-        while len(ids) >= max_model_len and len(history) - first > 2:  # an older exchange to let go of
-            del history[first:first + 2]
-            print("(the oldest exchange was dropped to fit the context)", file=sys.stderr)
-            ids = llm.apply_chat_template(history)
         try:
+            ids = llm.apply_chat_template(history)
+            while len(ids) >= max_model_len and len(history) - first > 2:  # an older exchange to let go of
+                del history[first:first + 2]
+                print("(the oldest exchange was dropped to fit the context)", file=sys.stderr)
+                ids = llm.apply_chat_template(history)
             text, stopped = stream_reply(llm, {"prompt_token_ids": ids}, params)
-        except ValueError as exc:  # this turn does not fit by itself: refused, the session goes on
+        except ValueError as exc:
+            # this turn is refused (too long by itself, text that is not valid UTF-8, which
+            # input() hands over as lone surrogates): the session goes on without it
             print(f"kvflow: error: {exc}", file=sys.stderr)
             history.pop()
             continue

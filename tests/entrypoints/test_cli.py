@@ -405,6 +405,21 @@ def test_chat_outgrowing_the_context_drops_the_oldest_exchange_and_goes_on(monke
     assert llm.get_stats()["num_running"] == 0
 
 
+def test_chat_a_line_that_is_not_utf8_is_refused_and_the_session_goes_on(monkeypatch, tiny_chat_dir, capsys):
+    """A \\xff byte on stdin (input() hands it over as the lone surrogate '\\udcff') ended the
+    whole session with exit 2 ("messages hold a lone surrogate"), the rest of the input unread:
+    that turn is refused with the message and the conversation goes on without it."""
+    code, llm, rendered, out = _run_chat(monkeypatch, tiny_chat_dir, ["hi", "bad \udcff byte", "hello again", EOFError],
+                                         max_tokens=3)
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "kvflow: error: " in err and "lone surrogate" in err, err
+    last = rendered[-1]  # (the bad line's history was rendered, and refused, before it)
+    assert [m["role"] for m in last] == ["user", "assistant", "user"], last
+    assert last[0]["content"] == "hi" and last[-1]["content"] == "hello again"
+    assert llm.get_stats()["num_running"] == 0
+
+
 def test_stream_reply_closes_the_request_on_keyboard_interrupt(monkeypatch, tiny_chat_dir):
     """Off the main thread (no signal handler) a KeyboardInterrupt from the stream still
     stops only the reply and aborts its request."""
