@@ -3,7 +3,7 @@ existing cache-aware router, started and stopped as one command.
 
 Each replica is a whole ``kvflow serve`` process on 127.0.0.1 (its own engine, KV cache and
 prefix cache), pinned with ``os.sched_setaffinity`` to its share of this process's CPUs
-(``cpu_shares``) and running ``--num-threads`` threads (default: its share's size). The
+(``cpu_shares``; at most one replica per CPU) and running ``--num-threads`` threads (default: its share's size). The
 router in front, on ``--host``/``--port``, is ``vllm-router`` (default) or ``sglang-router``,
 both Rust routers from PyPI (``pip install 'kvflow[scale-out]'``) whose ``cache_aware``
 policy keeps a radix tree of the prompts it sent to each worker and sends a request to the
@@ -82,11 +82,11 @@ class DataParallelArgs:
 
 def cpu_shares(n: int, cpus: list[int] | None = None) -> list[list[int]]:
     """Split ``cpus`` (default: this process's affinity, ``os.sched_getaffinity``) into ``n``
-    contiguous shares, as even as possible (the first ones one CPU larger). With fewer CPUs
-    than replicas, replica i gets CPU ``i mod len(cpus)`` (they then share cores).
+    contiguous shares, as even as possible (the first ones one CPU larger).
 
     Raises:
-        ValueError: for n < 1 or no CPU.
+        ValueError: for n < 1, no CPU, or more replicas than CPUs (each replica is pinned
+            to a share of its own; replicas sharing a core would only slow each other down).
     """
     if n < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {n}")
@@ -94,7 +94,9 @@ def cpu_shares(n: int, cpus: list[int] | None = None) -> list[list[int]]:
     if not cpus:
         raise ValueError("no CPU to run the replicas on")
     if len(cpus) < n:
-        return [[cpus[i % len(cpus)]] for i in range(n)]
+        raise ValueError(f"data_parallel_size {n} is more replicas than the {len(cpus)} CPUs this process may run on "
+                         f"(its affinity: CPUs {_cpu_list(cpus)}); each replica is pinned to CPUs of its own: run at "
+                         f"most {len(cpus)}")
     base, extra = divmod(len(cpus), n)
     shares, start = [], 0
     for i in range(n):
@@ -102,6 +104,35 @@ def cpu_shares(n: int, cpus: list[int] | None = None) -> list[list[int]]:
         shares.append(cpus[start:start + size])
         start += size
     return shares
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    """``0-3,8`` for [0, 1, 2, 3, 8]."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def check_router_installed(router: str) -> str:
+    """The ``python -m`` module of ``router``'s launcher, when its package is installed.
+
+    Raises:
+        ValueError: for an unknown router.
+        ModuleNotFoundError: when its package is not installed (naming the pip command).
+    """
+    if router not in _ROUTER_MODULES:
+        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+    import importlib.util
+
+    module = _ROUTER_MODULES[router]
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        raise ModuleNotFoundError(f"--router {router}: the {router} package is not installed "
+                                  f"(pip install {router}, or pip install 'kvflow[scale-out]')")
+    return module
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -127,14 +158,7 @@ def router_argv(router: str, host: str, port: int, worker_urls: list[str], polic
         ValueError: for an unknown router.
         ModuleNotFoundError: when its package is not installed (naming the pip command).
     """
-    if router not in _ROUTER_MODULES:
-        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
-    import importlib.util
-
-    module = _ROUTER_MODULES[router]
-    if importlib.util.find_spec(module.split(".")[0]) is None:
-        raise ModuleNotFoundError(f"--router {router}: the {router} package is not installed "
-                                  f"(pip install {router}, or pip install 'kvflow[scale-out]')")
+    module = check_router_installed(router)
     argv = [sys.executable, "-m", module, "--host", host, "--port", str(port), "--policy", policy,
             "--worker-urls", *worker_urls, "--prometheus-port", str(prometheus_port),
             # the replicas are healthy before the router starts; then a dead one is noticed by
@@ -199,6 +223,12 @@ class DataParallelServer:
         cpus: the CPUs to share out (default: this process's affinity).
         restart: start a replica that exited again (at most ``MAX_RESTARTS`` times).
         env: the children's environment (default: this process's).
+
+    Raises:
+        ValueError: for a bad size, router or policy (``DataParallelArgs.validate``),
+            ``num_threads`` < 1, or more replicas than ``cpus`` (``cpu_shares``).
+        ModuleNotFoundError: when the router's package is not installed (checked here,
+            before any replica starts and loads the model).
     """
 
     def __init__(self, serve_argv: list[str], size: int, host: str = "127.0.0.1", port: int = 8000,
@@ -212,7 +242,9 @@ class DataParallelServer:
         self.router, self.policy, self.api_key = router, policy, api_key
         self.restart, self.env = restart, env
         self.num_threads = num_threads
-        self.replicas = [Replica(i, free_port(), share) for i, share in enumerate(cpu_shares(size, cpus))]
+        shares = cpu_shares(size, cpus)
+        check_router_installed(router)
+        self.replicas = [Replica(i, free_port(), share) for i, share in enumerate(shares)]
         self.router_process: subprocess.Popen | None = None
         self._stopping = False
 
@@ -338,7 +370,10 @@ def serve_data_parallel(args, serve_argv: list[str]) -> int:
     ``serve_argv``: the command's arguments after ``serve``, handed to every replica).
 
     Raises:
-        ValueError: for options a replica set cannot take (``--tensor-parallel-size`` > 1).
+        ValueError: before any replica starts, for options a replica set cannot take
+            (``--tensor-parallel-size`` > 1, more replicas than this process's CPUs).
+        ModuleNotFoundError: before any replica starts, when the router's package is not
+            installed.
         RuntimeError: when start-up fails.
     """
     if args.tensor_parallel_size > 1:

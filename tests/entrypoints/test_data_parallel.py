@@ -27,10 +27,52 @@ def test_cpu_shares():
     assert cpu_shares(2, [0, 1, 2, 3]) == [[0, 1], [2, 3]]
     assert cpu_shares(3, [4, 5, 6, 7, 8]) == [[4, 5], [6, 7], [8]]
     assert cpu_shares(1, [3, 1]) == [[1, 3]]
-    assert cpu_shares(3, [0, 1]) == [[0], [1], [0]]  # fewer cores than replicas: they share
     assert sorted(sum(cpu_shares(2), [])) == sorted(os.sched_getaffinity(0)) or len(os.sched_getaffinity(0)) < 2
     with pytest.raises(ValueError, match="data_parallel_size"):
         cpu_shares(0, [0])
+
+
+def test_more_replicas_than_cpus_is_refused():
+    """Fewer cores than replicas shared cores ([0], [1], [0]): replicas pinned to one core
+    slowed each other down with nothing to say so."""
+    with pytest.raises(ValueError, match=r"data_parallel_size 3 is more replicas than the 2 CPUs .*CPUs 4-5\); .*"
+                                         r"run at most 2"):
+        cpu_shares(3, [4, 5])
+    assert cpu_shares(2, [4, 5]) == [[4], [5]]
+
+
+def _no_replica(monkeypatch):
+    from kvflow.engine.llm_engine import LLMEngine
+
+    def never(*args, **kwargs):
+        raise AssertionError("a replica started (or the model loaded) before the check")
+
+    monkeypatch.setattr(DataParallelServer, "_start_replica", never)
+    monkeypatch.setattr(LLMEngine, "from_engine_args", never)
+
+
+def test_cli_refuses_more_replicas_than_cpus_before_any_starts(capsys, monkeypatch):
+    _no_replica(monkeypatch)
+    n = len(os.sched_getaffinity(0))
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "smollm2-135m", "--data-parallel-size", str(n + 1), "--port", "18292"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"data_parallel_size {n + 1} is more replicas than the {n} CPUs" in err, err
+
+
+@pytest.mark.parametrize("router", ["vllm-router", "sglang-router"])
+def test_cli_refuses_a_router_not_installed_before_any_replica_starts(capsys, monkeypatch, router):
+    """Every replica started and loaded the model (14 s here, minutes for a large model)
+    before the missing router package was noticed."""
+    from kvflow.entrypoints import data_parallel
+
+    _no_replica(monkeypatch)
+    monkeypatch.setitem(data_parallel._ROUTER_MODULES, router, "kvflow_no_such_router.launch_router")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "smollm2-135m", "--data-parallel-size", "2", "--router", router, "--port", "18293"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"--router {router}: the {router} package is not installed" in err, err
 
 
 def test_replica_argv_overrides_the_command():
