@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _ERROR_TYPES = {
-    400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+    400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError", 405: "MethodNotAllowed",
     413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
 }  # fmt: skip
 

@@ -12,7 +12,9 @@ error, of every endpoint and middleware, is an OpenAI-shaped JSON body
 - 400 for invalid parameters, fields kvflow does not implement, and prompts that cannot fit
   (all decided before any byte of a stream is sent); bodies that are not valid Unicode
   (lone surrogates), hold non-finite numbers or nest deeper than ``MAX_JSON_DEPTH``, or are
-  not sent as JSON (``check_json_content_type``).
+  not sent as JSON (``check_json_content_type``; on ``POST /flush_cache``, which reads no
+  body, a body sent anyway: ``check_bodiless_post``).
+- 403 for a browser's cross-site request to ``POST /flush_cache`` (``check_bodiless_post``).
 - 415 for a body sent with a ``Content-Encoding`` other than ``identity`` (gzip, ...): it is
   not decoded, and is refused rather than read as if it were plain JSON
   (``check_content_encoding``).
@@ -186,20 +188,45 @@ def check_content_encoding(values: list[str]) -> None:
                        "uncompressed (no Content-Encoding, or identity)", "UnsupportedMediaTypeError")
 
 
+def check_bodiless_post(headers: Any) -> None:
+    """Refuse what a web page of another origin could send to a POST route that reads no body
+    (``/flush_cache``; the cache-aware routers call it with an empty body): a body sent anyway
+    must pass ``check_content_encoding`` and ``check_json_content_type``, as on every other
+    POST route; and a browser's cross-site request (``Sec-Fetch-Site: cross-site`` or
+    ``same-site``, which browsers send) is refused, since an empty POST needs no CORS
+    preflight either.
+
+    Raises:
+        APIError: 415 / 400 as those two checks, for a body that is encoded or not declared
+            JSON; 403 for a browser request from another site.
+    """
+    length = headers.get("content-length")
+    if headers.get("content-type") is not None or headers.get("transfer-encoding") or length not in (None, "0"):
+        check_content_encoding(headers.getlist("content-encoding"))
+        check_json_content_type(headers.get("content-type"))
+    site = (headers.get("sec-fetch-site") or "").strip().lower()
+    if site in ("cross-site", "same-site"):
+        raise APIError(403, f"a web page of another origin may not call this endpoint (Sec-Fetch-Site: {site})",
+                       "PermissionDeniedError")
+
+
 class _CheckedBodyRoute(APIRoute):
     """Routes whose bodies go through ``parse_body`` (after ``check_content_encoding`` and
-    ``check_json_content_type``),
+    ``check_json_content_type``; a POST route without a body: ``check_bodiless_post``),
     and whose faults become API errors here (answered by the exception handlers, not
     re-raised to the server)."""
 
     def get_route_handler(self) -> Callable:
         handler = super().get_route_handler()
         takes_body = self.body_field is not None
+        bodiless_post = not takes_body and "POST" in self.methods
 
         async def route(request: Request) -> Response:
             if takes_body:
                 check_content_encoding(request.headers.getlist("content-encoding"))
                 check_json_content_type(request.headers.get("content-type"))
+            elif bodiless_post:
+                check_bodiless_post(request.headers)
             try:
                 return await handler(_CheckedBodyRequest(request.scope, request.receive))
             except (StarletteHTTPException, RequestValidationError):

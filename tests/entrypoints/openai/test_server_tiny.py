@@ -239,6 +239,29 @@ def test_a_body_not_sent_as_json_is_a_clear_400(http, path, content_type):
     assert (content_type or "no Content-Type") in err["message"], err
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_flush_cache_refuses_a_body_not_sent_as_json(http, content_type):
+    """POST /flush_cache reads no body, so the JSON rule of the other POST routes did not
+    apply: a text/plain body (what another site's page sends without a CORS preflight) flushed
+    the cache (200)."""
+    r = http.post("/flush_cache", content=b"{}", headers={"content-type": content_type})
+    err = _assert_error(r, 400)
+    assert "must be JSON sent with Content-Type: application/json" in err["message"] and content_type in err["message"]
+
+
+@pytest.mark.parametrize("site", ["cross-site", "same-site"])
+def test_flush_cache_refuses_a_browsers_cross_site_request(http, site):
+    err = _assert_error(http.post("/flush_cache", headers={"sec-fetch-site": site}), 403)
+    assert f"Sec-Fetch-Site: {site}" in err["message"], err
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"json": {}}, {"headers": {"sec-fetch-site": "same-origin"}},
+                                    {"headers": {"sec-fetch-site": "none"}}], ids=["empty", "json", "same-origin", "none"])
+def test_flush_cache_as_the_routers_call_it_is_served(http, kwargs):
+    r = http.post("/flush_cache", **kwargs)
+    assert r.status_code == 200 and r.text == "Cache flushed.", r.text
+
+
 @pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", "application/vnd.x+json"])
 def test_json_content_types_with_parameters_are_served(http, content_type):
     r = http.post(C, content=json.dumps(_JSON_BODIES[C]).encode(), headers={"content-type": content_type})
