@@ -44,20 +44,25 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 # through ray.serve.llm, whose __init__ needs vLLM or SGLang; the class itself needs only
 # ray[serve], so it is named by its defining module.
 PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
-# what the ingress forwards to the model deployment (POST bodies; GETs answered by path)
-POST_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-              "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize")
-GET_PATHS = ("/v1/models", "/health", "/metrics", "/get_load", "/get_server_info", "/get_model_info")
+# The ingress forwards every request (method, path, query, headers, body) to the model
+# deployment, whose kvflow app answers it with ``kvflow serve``'s routes and checks (its 404s
+# and 405s included): the paths are listed once, in ``build_app``.
 MAX_BODY_BYTES = 10 * 1024 * 1024
+# hop-by-hop headers (RFC 9110, 7.6.1): about the connection to the ingress, not the request
+_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
+                         "upgrade"})
 
 
 class OpenAIRequest:
-    """One HTTP request for the model deployment: method, path and JSON body. ``prompt`` /
-    ``messages`` are what ``PrefixCacheAffinityRouter`` reads to route on (the prompt text,
-    or the chat messages; the path for requests without either)."""
+    """One HTTP request for the model deployment: method, path, headers (a dict, or a list
+    of (name, value) pairs, which keeps repeated headers), body and query string.
+    ``prompt`` / ``messages`` are what ``PrefixCacheAffinityRouter`` reads to route on (the
+    prompt text, or the chat messages; the path for requests without either)."""
 
-    def __init__(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> None:
-        self.method, self.path, self.body, self.headers = method, path, body, headers
+    def __init__(self, method: str, path: str, body: bytes, headers: dict[str, str] | list[tuple[str, str]],
+                 query_string: str = "") -> None:
+        self.method, self.path, self.body, self.query_string = method, path, body, query_string
+        self.headers = list(headers.items()) if isinstance(headers, dict) else list(headers)
         parsed: Any = None
         if body:
             try:
@@ -76,7 +81,8 @@ class OpenAIRequest:
 
 async def _asgi_call(app, req: OpenAIRequest) -> AsyncIterator[dict[str, Any] | bytes]:
     """Run ``req`` through the ASGI ``app`` in this process: yields the response start
-    (``{"status", "headers"}``), then the body chunks as the app sends them."""
+    (``{"status", "headers"}``, the headers a list of (name, value) pairs), then the body
+    chunks as the app sends them."""
     queue: asyncio.Queue = asyncio.Queue()
     sent = False
 
@@ -93,9 +99,10 @@ async def _asgi_call(app, req: OpenAIRequest) -> AsyncIterator[dict[str, Any] | 
 
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": req.method,
-        "scheme": "http", "path": req.path, "raw_path": req.path.encode(), "query_string": b"",
+        "scheme": "http", "path": req.path, "raw_path": req.path.encode(),
+        "query_string": getattr(req, "query_string", "").encode("latin-1"),
         "root_path": "", "server": ("127.0.0.1", 0), "client": ("127.0.0.1", 0),
-        "headers": [(k.lower().encode(), v.encode()) for k, v in req.headers.items()],
+        "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in req.headers],
     }  # fmt: skip
     task = asyncio.create_task(app(scope, receive, send))
     try:
@@ -108,7 +115,7 @@ async def _asgi_call(app, req: OpenAIRequest) -> AsyncIterator[dict[str, Any] | 
                 return
             message = getter.result()
             if message["type"] == "http.response.start":
-                headers = {k.decode(): v.decode() for k, v in message.get("headers", [])}
+                headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", [])]
                 yield {"status": message["status"], "headers": headers}
             elif message["type"] == "http.response.body":
                 if message.get("body"):
@@ -166,40 +173,36 @@ class KVFlowServer:
 
 class OpenAIIngress:
     """The HTTP ingress (Ray Serve hands it each HTTP request as a Starlette ``Request``):
-    forwards the OpenAI / Anthropic paths to the model deployment through its
-    (prefix-affinity-routed) handle and relays status, headers and the body as it streams;
-    404 for other paths."""
+    forwards every request (method, path, query string, end-to-end headers, body) to the
+    model deployment through its (prefix-affinity-routed) handle and relays status, headers
+    and the body as it streams. The replica's kvflow app answers it as ``kvflow serve`` does:
+    the same routes (``/v1/models/{id}``, ``/version``, ``/flush_cache``, the web UI ...) and
+    the same checks and errors (404 for an unknown path, 405 for a wrong method). A body over
+    ``MAX_BODY_BYTES`` is refused here (413), before it is sent on."""
 
     def __init__(self, server) -> None:
         self.server = server.options(stream=True)
 
     async def __call__(self, request: Request) -> Response:
-        path = request.url.path.rstrip("/") or "/"
-        allowed = POST_PATHS if request.method == "POST" else GET_PATHS if request.method == "GET" else ()
-        if path not in allowed:
-            return _not_found(path.lstrip("/"))
         body = await request.body()
         if len(body) > MAX_BODY_BYTES:
             return JSONResponse({"error": {"message": f"request body over {MAX_BODY_BYTES} bytes", "type":
-                                           "BadRequestError", "param": None, "code": 413}}, status_code=413)
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "x-api-key",
-                                                                          "content-type", "anthropic-version")}
-        req = OpenAIRequest(request.method, path, body, headers)
+                                           "RequestTooLargeError", "param": None, "code": 413}}, status_code=413)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+        req = OpenAIRequest(request.method, request.url.path or "/", body, headers, request.url.query)
         stream = self.server.handle.remote(req)
         start = await stream.__anext__()
-        media_type = start["headers"].get("content-type")
-        passed = {k: v for k, v in start["headers"].items() if k.lower() not in ("content-length", "content-type")}
-
-        async def rest() -> AsyncIterator[bytes]:
-            async for chunk in stream:
-                yield chunk
-
-        return StreamingResponse(rest(), status_code=start["status"], headers=passed, media_type=media_type)
+        media_type = next((v for k, v in start["headers"] if k.lower() == "content-type"), None)
+        response = StreamingResponse(_rest(stream), status_code=start["status"], media_type=media_type)
+        for k, v in start["headers"]:  # (repeated ones, e.g. set-cookie, each kept)
+            if k.lower() not in ("content-length", "content-type", *_HOP_BY_HOP):
+                response.headers.append(k, v)
+        return response
 
 
-def _not_found(path: str) -> Response:
-    return JSONResponse({"error": {"message": f"no such path: /{path}", "type": "NotFoundError", "param": None,
-                                   "code": 404}}, status_code=404)
+async def _rest(stream) -> AsyncIterator[bytes]:
+    async for chunk in stream:
+        yield chunk
 
 
 def build_openai_app(engine_kwargs: dict[str, Any], *, num_replicas: int | None = None, min_replicas: int = 1,
