@@ -135,7 +135,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, sample_ids: list[str], prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams | PoolingParams, arrival_time: float,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
-        """Track user request ``request_id`` whose samples run in the core as ``sample_ids``.
+        """Track user request ``request_id`` whose samples run in the core as ``sample_ids``. A
+        request with ``detokenize=False`` has no text (and no ``decoded_token`` in its logprobs).
 
         Raises:
             ValueError: ``request_id`` already tracked; ``output_kind`` not a
@@ -148,7 +149,7 @@ class OutputProcessor:
         samples = []
         for sample_id in sample_ids:
             detok = None
-            if self.tokenizer is not None and isinstance(params, SamplingParams):
+            if self.tokenizer is not None and isinstance(params, SamplingParams) and params.detokenize:
                 skip = bool(params.skip_special_tokens)
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip, params.stop,
                                                params.include_stop_str_in_output, self._detok_texts[skip],
@@ -288,8 +289,9 @@ class OutputProcessor:
                     detok.update([], finished=True)  # (the text so far is final)
         sample.token_ids.extend(tokens)
         if out.new_logprobs is not None:
+            decode = state.params.detokenize  # (detokenize=False: no decoded_token, as vLLM)
             for entry, token in zip(out.new_logprobs, tokens):
-                sample.logprobs.append(self._decoded(entry))
+                sample.logprobs.append(self._decoded(entry) if decode else entry)
                 sample.cumulative_logprob += entry[token]
         if hit is not None:
             sample.finish_reason, sample.stop_reason = "stop", hit.stop_reason
@@ -376,7 +378,8 @@ class OutputProcessor:
             if len(positions) < n - 1 and not finished:  # (a position p >= 1 each)
                 return None
             # as vLLM: None for the first prompt token, which has no predecessor
-            plp = state.prompt_logprobs_list = [None, *(self._decoded(positions[i]) for i in range(1, n))]
+            decode = self._decoded if state.params.detokenize else (lambda entry: entry)
+            plp = state.prompt_logprobs_list = [None, *(decode(positions[i]) for i in range(1, n))]
         if state.output_kind is _DELTA:
             if state.prompt_logprobs_sent:
                 return None
