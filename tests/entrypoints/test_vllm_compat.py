@@ -284,3 +284,13 @@ def test_detokenize_false_gives_token_ids_only(llm):
     (streamed, *_) = list(llm.generate_stream({"prompt_token_ids": ids}, SamplingParams(detokenize=False, **kwargs)))
     assert streamed.outputs[0].text == ""
 
+
+def test_request_outputs_have_vllms_attributes(llm):
+    """RequestOutput.lora_request / encoder_prompt / encoder_prompt_token_ids /
+    kv_transfer_params and CompletionOutput.lora_request, read by vLLM scripts, were
+    AttributeErrors (the LoRA case: tests/lora/test_lora.py)."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, extra_args={"tag": "x"})
+    (out,) = llm.generate("hi", params, use_tqdm=False)
+    assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params) == (None,) * 4
+    assert out.outputs[0].lora_request is None
+    assert params.extra_args == {"tag": "x"}  # carried along, unchanged
