@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvflow.logprobs import Logprob
 from kvflow.sampling_params import RequestOutputKind  # (defined there, as vLLM's; re-exported)
@@ -25,6 +26,8 @@ class CompletionOutput:
             sampled token and the top ``logprobs``; a ``Logprob`` is a float with ``.logprob``,
             ``.rank`` and ``.decoded_token``, as vLLM's).
         cumulative_logprob: sum of the sampled tokens' log-probabilities, when requested.
+        lora_request: the ``LoRARequest`` the request ran with (None: the base model), as
+            vLLM's.
     """
 
     index: int
@@ -34,6 +37,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    lora_request: Any = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,12 @@ class RequestOutput:
             failed this request; its blocks are freed and the other requests go on.
         num_cached_tokens: prompt tokens that were prefix-cache hits when the request was
             first scheduled (vLLM's field; 0 before that).
+        lora_request: the ``LoRARequest`` the request ran with (None: the base model), as
+            vLLM's.
+        encoder_prompt, encoder_prompt_token_ids: vLLM's, for encoder-decoder models; always
+            None (kvflow runs decoder-only models).
+        kv_transfer_params: vLLM's, from a KV connector; always None (kvflow has no KV
+            transfer).
     """
 
     request_id: str
@@ -146,6 +156,10 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: RequestFailure | None = None
     num_cached_tokens: int = 0
+    lora_request: Any = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if type(self.metrics) is not RequestMetrics:  # (the engine's outputs come with one)

@@ -8,6 +8,7 @@ request is refused before it reaches the engine.
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 import numbers
@@ -238,6 +239,19 @@ class SamplingParams:
             truncation); -1: as many as the context takes (``max_model_len`` - 1, leaving
             room for one output token); None: no truncation. The engine refuses k above
             ``max_model_len`` (``LLMEngine.truncate_prompt``).
+        detokenize: vLLM's: False gives token ids only: every output's ``text`` is "" and
+            its logprobs' ``decoded_token`` None (the text is never made). Not with ``stop``
+            strings (vLLM's rule: they are matched in the text).
+        spaces_between_special_tokens: vLLM's; True (its default) only, unless
+            ``skip_special_tokens`` (then special tokens are not in the text, and vLLM too
+            ignores it).
+        extra_args: vLLM's: a dict of anything, carried along with the request for the
+            caller's own use (kvflow's sampling reads none of it, as vLLM's in-tree
+            sampling).
+        best_of: older vLLM versions' (vLLM 0.32's ``SamplingParams`` has none): accepted
+            as None or equal to ``n`` (n samples, all returned); any other value is refused.
+        logits_processors: older vLLM versions' per-request logits processors: accepted as
+            None or an empty list; kvflow does not run them, so any other value is refused.
 
     Integer fields take any ``numbers.Integral`` and float fields any ``numbers.Real``
     (numpy scalars included), stored as Python ``int`` / ``float``; ``bool`` is not a number
@@ -278,6 +292,77 @@ class SamplingParams:
     structural_tag: dict[str, Any] | str | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    extra_args: dict[str, Any] | None = None
+    best_of: int | None = None
+    logits_processors: list[Any] | None = None
+
+    @staticmethod
+    def from_optional(
+        n: int | None = 1,
+        presence_penalty: float | None = 0.0,
+        frequency_penalty: float | None = 0.0,
+        repetition_penalty: float | None = 1.0,
+        temperature: float | None = 1.0,
+        top_p: float | None = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        bad_words: list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        ignore_eos: bool = False,
+        max_tokens: int | None = 16,
+        min_tokens: int = 0,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        detokenize: bool = True,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        structured_outputs: StructuredOutputsParams | None = None,
+        logit_bias: dict[int, float] | dict[str, float] | None = None,
+        allowed_token_ids: list[int] | None = None,
+        extra_args: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> "SamplingParams":
+        """vLLM's ``SamplingParams.from_optional``: None for ``n``, ``presence_penalty``,
+        ``frequency_penalty``, ``repetition_penalty``, ``temperature`` or ``top_p`` means
+        its default (as an OpenAI request's null field); ``logit_bias`` keys become ints
+        and its values are clamped to [-100, 100]. ``kwargs``: kvflow's other fields
+        (``guided_json``, ``truncate_prompt_tokens``...).
+
+        Raises:
+            ValueError: naming ``logit_bias`` for a key that is no integer, or as the
+                constructor.
+            TypeError: for a keyword that is no field (as the constructor).
+        """
+        if logit_bias is not None:
+            try:
+                logit_bias = {int(token): min(100.0, max(-100.0, bias)) for token, bias in logit_bias.items()}
+            except (ValueError, TypeError, AttributeError):
+                raise ValueError(f"logit_bias must map integer token ids to numbers, got {logit_bias!r}"[:300]) from None
+        return SamplingParams(
+            n=1 if n is None else n,
+            presence_penalty=0.0 if presence_penalty is None else presence_penalty,
+            frequency_penalty=0.0 if frequency_penalty is None else frequency_penalty,
+            repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            top_k=top_k, min_p=min_p, seed=seed, stop=stop, stop_token_ids=stop_token_ids, bad_words=bad_words,
+            include_stop_str_in_output=include_stop_str_in_output, ignore_eos=ignore_eos, max_tokens=max_tokens,
+            min_tokens=min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, detokenize=detokenize,
+            skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=spaces_between_special_tokens,
+            output_kind=output_kind, structured_outputs=structured_outputs, logit_bias=logit_bias,
+            allowed_token_ids=allowed_token_ids, extra_args=extra_args, **kwargs,
+        )  # fmt: skip
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's ``SamplingParams.clone``): changing it, its lists or its
+        ``extra_args`` leaves this one as it is."""
+        return copy.deepcopy(self)
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
@@ -366,9 +451,11 @@ class SamplingParams:
 
     def _verify(self) -> None:
         self._normalise_numbers()
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        self._verify_vllm_extras()
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
@@ -480,6 +567,25 @@ class SamplingParams:
             if len(set(self.allowed_token_ids)) < len(self.allowed_token_ids):  # (duplicates change nothing)
                 self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
 
+    def _verify_vllm_extras(self) -> None:
+        """``detokenize``, ``spaces_between_special_tokens``, ``extra_args``, ``best_of`` and
+        ``logits_processors`` (see the class docstring)."""
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need detokenize=True (they are matched in the text, which "
+                             "detokenize=False does not make; vLLM's rule); use stop_token_ids")
+        if not self.spaces_between_special_tokens and not self.skip_special_tokens:
+            raise ValueError("spaces_between_special_tokens=False is not supported by kvflow (with "
+                             "skip_special_tokens=False); leave it True")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
+        if self.best_of is not None and (isinstance(self.best_of, bool) or self.best_of != self.n):
+            raise ValueError(f"best_of={self.best_of!r} is not supported by kvflow (vLLM's SamplingParams no longer "
+                             "has it either): n samples give n outputs; leave best_of None")
+        if self.logits_processors is not None and (not isinstance(self.logits_processors, (list, tuple))
+                                                   or len(self.logits_processors) > 0):
+            raise ValueError("logits_processors is not supported by kvflow (per-request logits processors are not "
+                             "run); leave it None")
+
     @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
@@ -507,7 +613,7 @@ MAX_GUIDED_CHOICES = 1024
 
 # The fields ``_normalise_numbers`` turns into Python ints / floats.
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "logprobs", "prompt_logprobs", "min_tokens",
-               "truncate_prompt_tokens")
+               "truncate_prompt_tokens", "best_of")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 _FLOAT32_MAX = 3.4028234663852886e38

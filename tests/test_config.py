@@ -159,6 +159,18 @@ def test_a_kv_cache_larger_than_the_memory_is_refused_by_name(tmp_path, monkeypa
     assert config.cache.num_blocks == 2
 
 
+def test_a_swap_space_without_a_block_is_refused_by_name(tmp_path):
+    """--preemption-mode swap with a swap space smaller than one block had 0 host blocks:
+    every preemption quietly recomputed."""
+    from conftest import tiny_hf_model_dir
+
+    kw = dict(model=str(tiny_hf_model_dir(tmp_path / "m")), device="cpu", dtype="float32", block_size=8,
+              num_kv_blocks=4, attention_backend="torch", preemption_mode="swap")
+    with pytest.raises(ValueError, match=r"swap_space_bytes=4 holds no block of \d+ bytes"):
+        EngineArgs(swap_space_bytes=4, **kw).create_config()
+    assert EngineArgs(swap_space_bytes="1MiB", **kw).create_config().cache.num_cpu_blocks >= 1
+
+
 @pytest.mark.parametrize("seed", ["x", None, 1.5, True, 2**63, -(2**63) - 1])
 def test_a_seed_that_is_not_a_64_bit_integer_names_the_field(seed):
     """LLM(seed="x") failed while loading, in torch ("manual_seed expected a long, but got

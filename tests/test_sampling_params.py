@@ -352,3 +352,61 @@ def test_structured_outputs_options_kvflow_lacks_are_named_even_alone(options, f
     constraint set) instead of naming the option kvflow does not take."""
     with pytest.raises(ValueError, match=f"StructuredOutputsParams.{field} is not supported"):
         sp.StructuredOutputsParams(**options)
+
+
+# ---------------------------------------------------------------- vLLM's other fields
+def test_vllms_fields_are_taken_at_their_defaults():
+    """detokenize, spaces_between_special_tokens, extra_args (vLLM 0.32's), best_of and
+    logits_processors (older vLLM's) were TypeErrors even at their defaults."""
+    params = SamplingParams(detokenize=True, spaces_between_special_tokens=True, logits_processors=None,
+                            extra_args={"a": 1, "nested": [1, 2]}, best_of=None)
+    assert params.extra_args == {"a": 1, "nested": [1, 2]} and params.detokenize
+    assert SamplingParams(n=3, best_of=3, temperature=1.0).best_of == 3  # best_of == n: n samples, as before
+    assert SamplingParams(logits_processors=[]).logits_processors == []
+    # with skip_special_tokens (the default) special tokens are not in the text: vLLM ignores it too
+    assert SamplingParams(spaces_between_special_tokens=False).spaces_between_special_tokens is False
+    assert SamplingParams(detokenize=False, stop_token_ids=[3]).detokenize is False
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"best_of": 2}, "best_of=2 is not supported by kvflow"),
+    ({"n": 2, "best_of": 4, "temperature": 1.0}, "best_of=4 is not supported"),
+    ({"best_of": True}, "best_of=True is not supported"),
+    ({"logits_processors": [lambda ids, logits: logits]}, "logits_processors is not supported by kvflow"),
+    ({"logits_processors": "x"}, "logits_processors is not supported"),
+    ({"spaces_between_special_tokens": False, "skip_special_tokens": False},
+     "spaces_between_special_tokens=False is not supported by kvflow"),
+    ({"detokenize": False, "stop": ["x"]}, "stop strings need detokenize=True"),
+    ({"detokenize": "no"}, "detokenize must be a boolean"),
+    ({"spaces_between_special_tokens": 0}, "spaces_between_special_tokens must be a boolean"),
+    ({"extra_args": "x"}, "extra_args must be a dict or None"),
+])  # fmt: skip
+def test_vllms_fields_kvflow_does_not_implement_are_refused_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_clone_is_a_deep_copy():
+    params = SamplingParams(temperature=0.5, stop=["a"], extra_args={"k": [1]}, logit_bias={3: 1.0})
+    copy = params.clone()
+    assert copy == params and copy is not params
+    copy.stop.append("b")
+    copy.extra_args["k"].append(2)
+    copy.logit_bias[4] = 2.0
+    assert params.stop == ["a"] and params.extra_args == {"k": [1]} and params.logit_bias == {3: 1.0}
+
+
+def test_from_optional_takes_none_as_the_default():
+    """vLLM's from_optional: None for n / the penalties / temperature / top_p is the
+    default; logit_bias keys become ints and the values are clamped to [-100, 100]."""
+    params = SamplingParams.from_optional(n=None, temperature=None, top_p=None, presence_penalty=None,
+                                          frequency_penalty=None, repetition_penalty=None, max_tokens=5,
+                                          logit_bias={"7": 500, 8: -1000.0}, extra_args={"x": 1})
+    assert (params.n, params.temperature, params.top_p, params.max_tokens) == (1, 1.0, 1.0, 5)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert params.logit_bias == {7: 100.0, 8: -100.0} and params.extra_args == {"x": 1}
+    assert SamplingParams.from_optional(temperature=0.3, guided_regex="a+").guided_regex == "a+"  # kvflow's fields
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams.from_optional(logit_bias={"x": 1.0})
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams.from_optional(temperature=-1.0)

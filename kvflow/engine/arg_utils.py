@@ -367,7 +367,8 @@ class EngineArgs:
                 paid from the same budget (a draft model's), 0 for none.
 
         Raises:
-            ValueError: if the budget does not hold a single block, or (on the CPU) if the
+            ValueError: if the budget does not hold a single block, if under
+                ``preemption_mode="swap"`` the swap space does not, or (on the CPU) if the
                 pool does not fit the machine's available memory (``_check_host_memory``).
         """
         dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
@@ -385,6 +386,10 @@ class EngineArgs:
         swap_space = self.swap_space_bytes
         if swap_space is None:
             swap_space = DEFAULT_SWAP_SPACE_BYTES if self.preemption_mode == "swap" else 0
+        if self.preemption_mode == "swap" and swap_space < bytes_per_block:
+            # (no block to swap to: every preemption would quietly recompute instead)
+            raise ValueError(f"swap_space_bytes={swap_space} holds no block of {bytes_per_block} bytes "
+                             "(preemption_mode='swap' swaps whole KV blocks to host memory)")
         if self.torch_device().type == "cpu":
             self._check_host_memory(num_blocks * (bytes_per_block + extra_bytes_per_token * self.block_size),
                                     num_blocks, swap_space)

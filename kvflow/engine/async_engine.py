@@ -459,11 +459,13 @@ class AsyncLLMEngine:
             if len(texts) > 1:
                 texts[:] = ["".join(texts)]
             outputs.append(CompletionOutput(c.index, texts[0], list(token_ids), c.finish_reason, c.stop_reason,
-                                            list(logprobs) if logprobs is not None else None, c.cumulative_logprob))
+                                            list(logprobs) if logprobs is not None else None, c.cumulative_logprob,
+                                            c.lora_request))
         if delta.prompt_logprobs is not None:  # (a DELTA output gives them once: kept from then on)
             stream.prompt_logprobs = delta.prompt_logprobs
         return RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, outputs, delta.finished,
-                             delta.metrics, stream.prompt_logprobs, delta.error, delta.num_cached_tokens)
+                             delta.metrics, stream.prompt_logprobs, delta.error, delta.num_cached_tokens,
+                             delta.lora_request)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (its blocks are freed before the next step). Never waits."""

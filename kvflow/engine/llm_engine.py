@@ -455,7 +455,7 @@ class LLMEngine:
             sample.grammar = grammar
         self.engine_core.add_request(request_id, samples)
         self.output_processor.add_request(request_id, [s.request_id for s in samples], prompt, prompt_token_ids,
-                                          params, samples[0].arrival_time, output_kind)
+                                          params, samples[0].arrival_time, output_kind, lora_request)
         self._hold_heap()
 
     def _resolve_max_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:

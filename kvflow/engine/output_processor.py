@@ -78,6 +78,8 @@ class RequestState:
         samples: one ``_SampleState`` per sample, by index.
         arrival_time, first_scheduled_time, first_token_time: timings (``time.monotonic``).
         num_cached_tokens: prompt tokens that were prefix-cache hits at its first schedule.
+        lora_request: the ``LoRARequest`` it runs with (None: the base model), given on
+            its outputs.
     """
 
     request_id: str
@@ -96,6 +98,7 @@ class RequestState:
     prompt_logprobs_list: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False  # DELTA: ``prompt_logprobs`` given on an output already
     embedding: list[float] | None = None
+    lora_request: Any = None
     is_pooling: bool = field(init=False)  # an embedding request (``PoolingParams``)
 
     def __post_init__(self) -> None:
@@ -134,8 +137,10 @@ class OutputProcessor:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, sample_ids: list[str], prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams | PoolingParams, arrival_time: float,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
-        """Track user request ``request_id`` whose samples run in the core as ``sample_ids``.
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, lora_request: Any = None) -> None:
+        """Track user request ``request_id`` whose samples run in the core as ``sample_ids``
+        (``lora_request``: the adapter it runs with, given on its outputs). A request with
+        ``detokenize=False`` has no text (and no ``decoded_token`` in its logprobs).
 
         Raises:
             ValueError: ``request_id`` already tracked; ``output_kind`` not a
@@ -148,13 +153,14 @@ class OutputProcessor:
         samples = []
         for sample_id in sample_ids:
             detok = None
-            if self.tokenizer is not None and isinstance(params, SamplingParams):
+            if self.tokenizer is not None and isinstance(params, SamplingParams) and params.detokenize:
                 skip = bool(params.skip_special_tokens)
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip, params.stop,
                                                params.include_stop_str_in_output, self._detok_texts[skip],
                                                params.min_tokens)
             samples.append(_SampleState(sample_id, detok))
-        state = RequestState(request_id, prompt, list(prompt_token_ids), params, output_kind, samples, arrival_time)
+        state = RequestState(request_id, prompt, list(prompt_token_ids), params, output_kind, samples, arrival_time,
+                             lora_request=lora_request)
         self.request_states[request_id] = state
         for sample in samples:
             self._sample_owner[sample.request_id] = (state, sample)
@@ -288,8 +294,9 @@ class OutputProcessor:
                     detok.update([], finished=True)  # (the text so far is final)
         sample.token_ids.extend(tokens)
         if out.new_logprobs is not None:
+            decode = state.params.detokenize  # (detokenize=False: no decoded_token, as vLLM)
             for entry, token in zip(out.new_logprobs, tokens):
-                sample.logprobs.append(self._decoded(entry))
+                sample.logprobs.append(self._decoded(entry) if decode else entry)
                 sample.cumulative_logprob += entry[token]
         if hit is not None:
             sample.finish_reason, sample.stop_reason = "stop", hit.stop_reason
@@ -337,7 +344,7 @@ class OutputProcessor:
             sample = samples[0]
             detok = sample.detokenizer
             completions = [CompletionOutput(0, detok.text if detok is not None else "", list(sample.token_ids),
-                                            sample.finish_reason, sample.stop_reason)]
+                                            sample.finish_reason, sample.stop_reason, lora_request=state.lora_request)]
             samples = ()
         else:
             completions = []
@@ -357,11 +364,12 @@ class OutputProcessor:
                 index=index, text=text, token_ids=token_ids, finish_reason=sample.finish_reason,
                 stop_reason=sample.stop_reason, logprobs=logprobs,
                 cumulative_logprob=sample.cumulative_logprob if wants_logprobs else None,
+                lora_request=state.lora_request,
             ))
         return RequestOutput(
             state.request_id, state.prompt, state.prompt_token_ids, completions, finished, metrics,
             self._prompt_logprobs(state, finished) if params.prompt_logprobs is not None else None,
-            None, state.num_cached_tokens,
+            None, state.num_cached_tokens, state.lora_request,
         )
 
     def _prompt_logprobs(self, state: RequestState, finished: bool) -> list[dict[int, Logprob] | None] | None:
@@ -376,7 +384,8 @@ class OutputProcessor:
             if len(positions) < n - 1 and not finished:  # (a position p >= 1 each)
                 return None
             # as vLLM: None for the first prompt token, which has no predecessor
-            plp = state.prompt_logprobs_list = [None, *(self._decoded(positions[i]) for i in range(1, n))]
+            decode = self._decoded if state.params.detokenize else (lambda entry: entry)
+            plp = state.prompt_logprobs_list = [None, *(decode(positions[i]) for i in range(1, n))]
         if state.output_kind is _DELTA:
             if state.prompt_logprobs_sent:
                 return None
@@ -409,11 +418,12 @@ class OutputProcessor:
             prompt_token_ids=state.prompt_token_ids,
             outputs=[
                 CompletionOutput(index=i, text="", token_ids=ids[s.num_sent_tokens:] if delta else ids,
-                                 finish_reason="error")
+                                 finish_reason="error", lora_request=state.lora_request)
                 for i, (s, ids) in enumerate(zip(state.samples, token_ids))
             ],
             finished=True,
             metrics={"arrival_time": state.arrival_time, "first_scheduled_time": state.first_scheduled_time,
                      "first_token_time": state.first_token_time, "finished_time": now},
             error=failure,
+            lora_request=state.lora_request,
         )

@@ -2,7 +2,9 @@
 
 The engine flags are made from the ``EngineArgs`` fields (name, type, default and the help
 text in each field's metadata), so every option of ``LLM`` is a flag and none is listed by
-hand. ``--help`` shows each flag's default.
+hand. ``--help`` shows each flag's default. vLLM's ``LLM`` keywords are flags too, from
+``kvflow.entrypoints.vllm_compat`` (``--gpu-memory-utilization``, ``--swap-space``,
+``--trust-remote-code``...). No flag may be abbreviated.
 
 Exit status: 0 on success; 2 for a usage or configuration error (an unknown flag, a bad
 value, a model that does not exist or whose package is not installed, ``--device cuda``
@@ -56,7 +58,13 @@ def version() -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line: ``kvflow: error: ...`` (exit 2)."""
+    """An ArgumentParser whose errors are one line: ``kvflow: error: ...`` (exit 2), and which
+    takes no abbreviated flags (argparse's prefix matching read vLLM's ``--swap-space 4`` as
+    ``--swap-space-bytes 4``: 4 bytes); every parser and subparser of the CLI is one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"kvflow: error: {message} (see '{self.prog} --help')\n")
@@ -219,6 +227,56 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         _field_flag(group, f)
 
 
+def _json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+
+
+def _add_vllm_args(parser: argparse.ArgumentParser, serve: bool = False) -> None:
+    """vLLM's flags of the options ``LLM`` takes as vLLM keywords (``vllm_compat``: the one
+    list of them, with the CLI's value kinds), and on ``serve`` vLLM's server flags that
+    change nothing in kvflow (``vllm_compat.SERVE_IGNORED``). A flag kvflow's command has
+    already (``serve --served-model-name``, ``--data-parallel-size``) stays kvflow's. The
+    flags given are translated as ``LLM(**kwargs)`` translates them (``_engine_kwargs``)."""
+    from kvflow.entrypoints import vllm_compat as compat
+
+    group = parser.add_argument_group(
+        "vLLM's flags (mapped to kvflow's options, accepted without effect, or refused when set to what kvflow "
+        "cannot honour: kvflow.entrypoints.vllm_compat)")
+    names = sorted(compat.vllm_option_names()) + (sorted(compat.SERVE_IGNORED) if serve else [])
+    added = []
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        if flag in parser._option_string_actions:
+            continue
+        if name in compat.MAPPED:
+            text = compat.MAPPED[name]
+        elif name in compat.REFUSED_UNLESS:
+            allowed, why = compat.REFUSED_UNLESS[name]
+            values = " or ".join(repr(v) for v in allowed if v is not None)
+            text = f"accepted only as {values} ({why})" if values else why
+        else:
+            text = f"no effect: {compat.IGNORED.get(name) or compat.SERVE_IGNORED[name]}"
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": f"vLLM's; {text}"}
+        kind = compat.CLI_VALUE[name]
+        if kind == "flag":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind == "strs":
+            kwargs["nargs"] = "+"
+        else:
+            kwargs["type"] = {"str": str, "int": int, "float": float, "json": _json_value}[kind]
+        group.add_argument(flag, **kwargs)
+        added.append(name)
+    parser.set_defaults(vllm_flags=tuple(added))
+
+
+def _vllm_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM flags given (name -> value)."""
+    return {name: getattr(args, name) for name in getattr(args, "vllm_flags", ()) if hasattr(args, name)}
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help="max new tokens per reply")
@@ -230,8 +288,20 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``EngineArgs`` / ``LLM`` keyword arguments of the parsed flags (all fields)."""
-    return {f.name: getattr(args, f.name) for f in fields(EngineArgs)}
+    """The ``EngineArgs`` / ``LLM`` keyword arguments of the parsed flags (all fields), vLLM's
+    flags translated (``vllm_compat.translate_llm_kwargs``, logging a note for each).
+
+    Raises:
+        ValueError: naming the flag's option, for a vLLM flag set to a value kvflow cannot
+            honour (see ``translate_llm_kwargs``).
+    """
+    from kvflow.entrypoints import vllm_compat
+
+    kwargs = {f.name: getattr(args, f.name) for f in fields(EngineArgs)}
+    given = {k: v for k, v in _vllm_flags(args).items() if k not in vllm_compat.SERVE_IGNORED}
+    if not given:
+        return kwargs
+    return vllm_compat.translate_llm_kwargs(args.model, {**kwargs, **given}, set(kwargs))
 
 
 def _sampling_params(args: argparse.Namespace):
@@ -416,8 +486,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         DataParallelArgs(args.data_parallel_size, args.router, args.router_policy).validate()
         return serve_data_parallel(args, args.argv[args.argv.index("serve"):])
+    from kvflow.entrypoints import vllm_compat
+
+    vllm_compat.note_serve_options({k: v for k, v in _vllm_flags(args).items() if k in vllm_compat.SERVE_IGNORED})
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(args)))
-    name = args.served_model_name or default_served_name(args.model)
+    served = args.served_model_name or [default_served_name(args.model)]
+    name = served[0]  # (vLLM's: the first name is the one reported; each is accepted)
     server = None
 
     def on_dead(exc: BaseException) -> None:  # the engine thread: stop serving, exit non-zero
@@ -427,11 +501,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncLLMEngine(engine, name, max_queue_len=args.max_queue_len, on_dead=on_dead)
     app = build_app(
         async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key,
-        metrics_need_key=not args.metrics_no_auth, max_request_bytes=args.max_request_bytes, model_aliases=(args.model,),
+        metrics_need_key=not args.metrics_no_auth, max_request_bytes=args.max_request_bytes, model_aliases=(args.model, *served[1:]),
         chat_template=chat_template, tool_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, lora_modules=lora_modules,
     )  # fmt: skip
-    server = make_server(app, args.host, args.port, args.log_level, args.timeout_keep_alive, args.request_read_timeout)
+    server = make_server(app, args.host, args.port, args.uvicorn_log_level or args.log_level, args.timeout_keep_alive,
+                         args.request_read_timeout)
     try:
         server.run()
     except SystemExit as exc:  # uvicorn's STARTUP_FAILURE (3): e.g. the port was taken meanwhile
@@ -508,6 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", nargs="+", help="one or more prompts")
     gen.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user message in the chat template")
     _add_engine_args(gen)
+    _add_vllm_args(gen)
     _add_sampling_args(gen, max_tokens=64)
     gen.set_defaults(func=_cmd_generate)
 
@@ -515,6 +591,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "Ctrl-D quits)")
     chat.add_argument("--system", default=None, help="system prompt")
     _add_engine_args(chat)
+    _add_vllm_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=_cmd_chat)
 
@@ -537,8 +614,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", type=_api_key, default=None,
                        help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth)")
     serve.add_argument("--metrics-no-auth", action="store_true", help="with --api-key, leave /metrics open too")
-    serve.add_argument("--served-model-name", default=None,
-                       help="model id in the API (default: the --model short name, file stem or folder name)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model id in the API (default: the --model short name, file stem or folder name); as "
+                       "vLLM's, several names: the first is the one responses and /v1/models report, every one is "
+                       "accepted as a request's model")
     serve.add_argument("--max-queue-len", type=_positive_count, default=None,
                        help="at most this many requests accepted and not yet running; more get 429 (a request with more "
                        "prompts than this gets 400: it could never fit) (default: no limit)")
@@ -552,6 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", type=str.lower,
                        choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's and kvflow's log level")
+    serve.add_argument("--uvicorn-log-level", default=None, type=str.lower,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's log level alone (vLLM's flag; default: --log-level)")
     serve.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                        help="a Jinja chat template (a file, or the template itself) used instead of the tokenizer's")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -569,6 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     group = serve.add_argument_group("replicas (data parallelism behind a router, docs/scale-out.md)")
     for f in fields(DataParallelArgs):
         _field_flag(group, f)
+    _add_vllm_args(serve, serve=True)
     serve.set_defaults(func=_cmd_serve)
 
     mem = command("memory", "KV cache bytes per token/block, attention variants, what a budget holds; weight bytes as stored")

@@ -27,6 +27,12 @@ minus the size of the model's weight files; a budget of zero or less is a ValueE
 explicit ``kv_cache_memory_bytes`` or ``num_kv_blocks`` wins (as in vLLM).
 
 Any other keyword is unknown and raises ValueError naming it (``LLM.__init__``).
+
+The same options are flags of ``kvflow generate``, ``chat`` and ``serve`` (vLLM's ``vllm
+serve`` flags: ``--trust-remote-code``, ``--gpu-memory-utilization 0.5``, ``--swap-space 4``,
+``--enable-chunked-prefill``...), parsed as ``CLI_VALUE`` says and translated by
+``translate_llm_kwargs`` as the keywords are; ``kvflow serve`` also takes ``SERVE_IGNORED``,
+vLLM's server flags that change nothing in kvflow's server.
 """
 
 from __future__ import annotations
@@ -77,11 +83,55 @@ REFUSED_UNLESS: dict[str, tuple[tuple[Any, ...], str]] = {
     "mm_processor_kwargs": ((None, {}), "kvflow serves text models only"),
     "kv_transfer_config": ((None,), "kvflow has no KV transfer"),
     "logprobs_mode": ((None, "raw_logprobs"), "kvflow's logprobs are the raw model distribution's"),
+    "generation_config": ((None, "auto"), "kvflow takes the sampling defaults of the model folder's "
+                          "generation_config.json (vLLM's 'auto')"),
 }
 
-MAPPED = ("gpu_memory_utilization", "swap_space", "pooler_config", "override_pooler_config", "tokenizer")
+# Translated into kvflow's options (see the module docstring); the texts are the CLI flags' help.
+MAPPED: dict[str, str] = {
+    "gpu_memory_utilization": "the fraction of the memory (RAM on the CPU, the GPU's on CUDA) the engine may use: "
+                              "sizes the KV cache (unless --kv-cache-memory-bytes or --num-kv-blocks is given)",
+    "swap_space": "GiB of host memory for swapped-out KV blocks: --swap-space-bytes in GiB with --preemption-mode "
+                  "swap (no effect otherwise)",
+    "pooler_config": 'its pooling_type only, as --pooling (e.g. {"pooling_type": "MEAN"})',
+    "override_pooler_config": "as --pooler-config",
+    "tokenizer": "the model's own tokenizer only (equal to --model, or unset)",
+}
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+# vLLM's ``vllm serve`` flags that are no ``LLM`` keywords, accepted by ``kvflow serve`` with a
+# note: they change nothing kvflow's server does. (``--served-model-name`` and
+# ``--uvicorn-log-level`` are ``kvflow serve``'s own flags.)
+SERVE_IGNORED: dict[str, str] = {
+    "disable_log_requests": "kvflow's server does not log requests",
+    "enable_auto_tool_choice": "kvflow's server always takes tool_choice 'auto' (--tool-call-parser reads the calls)",
+}
+
+# How each option above is written on the command line: "flag" (--x / --no-x), "str", "int",
+# "float", "json" (a JSON value: an object, a number...) or "strs" (one or more strings).
+CLI_VALUE: dict[str, str] = {
+    "trust_remote_code": "flag", "tokenizer_mode": "str", "skip_tokenizer_init": "flag", "revision": "str",
+    "tokenizer_revision": "str", "code_revision": "str", "download_dir": "str", "hf_token": "str",
+    "load_format": "str", "disable_log_stats": "flag", "disable_custom_all_reduce": "flag",
+    "distributed_executor_backend": "str", "max_seq_len_to_capture": "int", "compilation_config": "json",
+    "use_tqdm_on_load": "flag", "disable_async_output_proc": "flag", "async_scheduling": "flag",
+    "enable_chunked_prefill": "flag", "max_logprobs": "int", "served_model_name": "strs",
+    "limit_mm_per_prompt": "json", "allowed_local_media_path": "str", "enable_expert_parallel": "flag",
+    "runner": "str", "task": "str", "convert": "str",
+    "pipeline_parallel_size": "int", "data_parallel_size": "int", "cpu_offload_gb": "float", "hf_overrides": "json",
+    "mm_processor_kwargs": "json", "kv_transfer_config": "json", "logprobs_mode": "str", "generation_config": "str",
+    "gpu_memory_utilization": "float", "swap_space": "float", "pooler_config": "json",
+    "override_pooler_config": "json", "tokenizer": "str",
+    "disable_log_requests": "flag", "enable_auto_tool_choice": "flag",
+}  # fmt: skip
+
+
+def note_serve_options(options: dict[str, Any]) -> None:
+    """Log the note of each ``SERVE_IGNORED`` option given (name -> value)."""
+    for name, value in options.items():
+        _note(name, value, f"accepted, no effect: {SERVE_IGNORED[name]}")
 
 
 def vllm_option_names() -> set[str]:
@@ -164,7 +214,8 @@ def translate_llm_kwargs(model: str, kwargs: dict[str, Any], engine_fields: set[
 
     Raises:
         ValueError: naming the option, for a vLLM option set to a value kvflow cannot
-            honour, or a ``gpu_memory_utilization`` that leaves no KV cache memory.
+            honour, a ``gpu_memory_utilization`` that leaves no KV cache memory, or both
+            ``swap_space`` and ``swap_space_bytes``.
     """
     out = {k: v for k, v in kwargs.items() if k not in vllm_option_names() or k in engine_fields}
     if isinstance(out.get("dtype"), str) and out["dtype"] in _DTYPE_ALIASES:
@@ -188,7 +239,9 @@ def translate_llm_kwargs(model: str, kwargs: dict[str, Any], engine_fields: set[
         elif name == "swap_space":
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"swap_space must be a non-negative number of GiB, got {value!r}")
-            if kwargs.get("preemption_mode") == "swap" and "swap_space_bytes" not in kwargs:
+            if kwargs.get("swap_space_bytes") is not None:
+                raise ValueError("swap_space (GiB, vLLM's) and swap_space_bytes are the same option; give one")
+            if kwargs.get("preemption_mode") == "swap":
                 out["swap_space_bytes"] = int(value * 2**30)
             else:
                 _note(name, value, "no effect: kvflow swaps only with preemption_mode='swap' (then this is "

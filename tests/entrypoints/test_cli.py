@@ -675,3 +675,110 @@ def test_serve_refuses_an_empty_api_key_before_anything_loads(capsys, monkeypatc
     monkeypatch.setattr(LLMEngine, "from_engine_args", never)
     line = _one_line_error(capsys, ["serve", "--api-key", key], 2)
     assert line.startswith("kvflow: error: argument --api-key: ") and "empty" in line, line
+
+
+# ------------------------------------------------------------------ vLLM's flags (s30)
+def test_no_flag_is_taken_by_an_abbreviation():
+    """argparse's prefix matching read vLLM's `--swap-space 4` as `--swap-space-bytes 4`
+    (4 bytes, no swap block, no message); abbreviations are off on every parser."""
+    from kvflow.entrypoints.cli import _engine_kwargs
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--swap-space", "4", "--preemption-mode", "swap"])
+    assert (args.swap_space, args.swap_space_bytes) == (4.0, None)
+    assert _engine_kwargs(args)["swap_space_bytes"] == 4 * 2**30  # GiB, as LLM(swap_space=4)
+    assert "swap_space" not in _engine_kwargs(args)
+    for argv in (["generate", "hi", "--swap-space-b", "4"], ["serve", "--max-num-se", "2"], ["chat", "--sys", "x"],
+                 ["memory", "--budg", "1GiB"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+    with pytest.raises(ValueError, match="swap_space .* and swap_space_bytes are the same option"):
+        _engine_kwargs(parser.parse_args(["generate", "hi", "--swap-space", "1", "--swap-space-bytes", "1MiB"]))
+
+
+VLLM_SERVE_FLAGS = ["--gpu-memory-utilization", "0.5", "--trust-remote-code", "--disable-log-requests",
+                    "--enable-chunked-prefill", "--enable-auto-tool-choice", "--max-logprobs", "5",
+                    "--generation-config", "auto", "--uvicorn-log-level", "warning"]
+
+
+def test_vllm_option_flags_come_from_vllm_compat():
+    """Each vLLM keyword LLM() takes (vllm_compat's one list) is a flag of generate, chat and
+    serve, unless the command has a kvflow flag of that name; serve also takes vLLM's server
+    flags that change nothing here."""
+    from kvflow.entrypoints import vllm_compat
+
+    parser = build_parser()
+    subs = parser._subparsers._group_actions[0].choices
+    assert set(vllm_compat.CLI_VALUE) == vllm_compat.vllm_option_names() | set(vllm_compat.SERVE_IGNORED)
+    for command in ("generate", "chat", "serve"):
+        flags = subs[command]._option_string_actions
+        for name in vllm_compat.vllm_option_names():
+            assert "--" + name.replace("_", "-") in flags, (command, name)
+    assert "--disable-log-requests" in subs["serve"]._option_string_actions
+    assert "--disable-log-requests" not in subs["generate"]._option_string_actions
+    args = parser.parse_args(["serve", "m", *VLLM_SERVE_FLAGS])
+    assert (args.gpu_memory_utilization, args.trust_remote_code, args.max_logprobs) == (0.5, True, 5)
+    assert (args.uvicorn_log_level, args.enable_chunked_prefill, args.generation_config) == ("warning", True, "auto")
+
+
+def test_vllm_flags_translate_as_llm_keywords(monkeypatch, caplog):
+    """--gpu-memory-utilization sizes the KV cache as LLM(gpu_memory_utilization=...) does,
+    the no-op ones log the same note, and one kvflow cannot honour is refused by name."""
+    import logging
+
+    from kvflow.entrypoints import vllm_compat
+    from kvflow.entrypoints.cli import _engine_kwargs
+
+    parser = build_parser()
+    monkeypatch.setattr(vllm_compat, "kv_budget_from_utilization", lambda fraction, model, device, cache: 12345)
+    with caplog.at_level(logging.INFO, logger="kvflow.entrypoints.vllm_compat"):
+        kw = _engine_kwargs(parser.parse_args(["generate", "hi", "--gpu-memory-utilization", "0.5",
+                                               "--trust-remote-code", "--no-enable-chunked-prefill"]))
+    assert kw["kv_cache_memory_bytes"] == 12345 and "gpu_memory_utilization" not in kw
+    assert set(kw) == set(_engine_kwargs(parser.parse_args(["generate", "hi"])))  # EngineArgs' fields only
+    assert "vLLM option trust_remote_code=True: accepted, no effect" in caplog.text
+    assert "vLLM option enable_chunked_prefill=False: accepted, no effect" in caplog.text
+    for argv, match in ((["--pipeline-parallel-size", "2"], "pipeline_parallel_size=2 is not supported"),
+                        (["--generation-config", "vllm"], "generation_config='vllm' is not supported"),
+                        (["--tokenizer", "/elsewhere"], "tokenizer='/elsewhere' is not supported"),
+                        (["--hf-overrides", '{"a": 1}'], "hf_overrides=.* is not supported")):
+        with pytest.raises(ValueError, match=match):
+            _engine_kwargs(parser.parse_args(["generate", "hi", *argv]))
+
+
+def test_serve_takes_vllm_serve_flags_and_several_served_names(capsys, monkeypatch):
+    """`vllm serve`'s common flags were "unrecognized arguments"; `--served-model-name a b`
+    made b the model. The first name is the one reported, every one is accepted."""
+    import types
+
+    from kvflow.engine import async_engine
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.entrypoints import cli
+    from kvflow.entrypoints.openai import server
+
+    seen = {}
+    monkeypatch.setattr(cli, "check_bindable", lambda host, port: None)
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(lambda cls, engine_args: seen.update(
+        engine_args=engine_args) or types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_model_len=64))))
+    monkeypatch.setattr(async_engine, "AsyncLLMEngine", lambda *a, **k: types.SimpleNamespace(error=None))
+    monkeypatch.setattr(server, "build_app", lambda engine, name, max_len, **kw: seen.update(
+        name=name, aliases=kw["model_aliases"]) or "app")
+    monkeypatch.setattr(server, "make_server", lambda app, host, port, log_level, *a: seen.update(
+        uvicorn_log_level=log_level) or types.SimpleNamespace(run=lambda: None, should_exit=False))
+    monkeypatch.setattr(vllm_compat_module(), "kv_budget_from_utilization", lambda *a: 2**20)
+    assert main(["serve", "smollm2-135m", *VLLM_SERVE_FLAGS, "--served-model-name", "a", "b"]) == 0
+    assert seen["name"] == "a" and set(seen["aliases"]) == {"smollm2-135m", "b"}
+    assert seen["engine_args"].model == "smollm2-135m" and seen["engine_args"].kv_cache_memory_bytes == 2**20
+    assert seen["uvicorn_log_level"] == "warning"
+    err = capsys.readouterr().err
+    for name in ("trust_remote_code", "disable_log_requests", "enable_chunked_prefill", "enable_auto_tool_choice",
+                 "max_logprobs"):
+        assert f"kvflow: vLLM option {name}=" in err, name
+    assert main(["serve", "smollm2-135m", "-q", "--served-model-name", "only"]) == 0
+    assert seen["name"] == "only" and seen["aliases"] == ("smollm2-135m",) and seen["uvicorn_log_level"] == "info"
+
+
+def vllm_compat_module():
+    from kvflow.entrypoints import vllm_compat
+
+    return vllm_compat

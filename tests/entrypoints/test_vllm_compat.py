@@ -265,3 +265,32 @@ def test_vllm_beam_search_params_and_llm_engine(llm):
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert m.time_in_queue >= 0 and m.first_token_latency >= m.time_in_queue
     assert m["finished_time"] == m.finished_time and m.get("nothing") is None
+
+
+# ---------------------------------------------------------------- vLLM's other fields (s30)
+def test_detokenize_false_gives_token_ids_only(llm):
+    """vLLM's detokenize=False: the same tokens, no text, no decoded_token (it was a
+    TypeError)."""
+    ids = [5, 6, 7, 8]
+    letters = llm.tokenizer.encode("abc", add_special_tokens=False)  # (so that the text is not empty)
+    kwargs = dict(temperature=0.0, max_tokens=4, logprobs=1, prompt_logprobs=1, allowed_token_ids=letters)
+    (text,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(**kwargs), use_tqdm=False)
+    (bare,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(detokenize=False, **kwargs), use_tqdm=False)
+    assert len(text.outputs[0].text) == 4 and bare.outputs[0].text == ""
+    assert bare.outputs[0].token_ids == text.outputs[0].token_ids
+    assert all(e.decoded_token is None for entry in bare.outputs[0].logprobs for e in entry.values())
+    assert all(e.decoded_token is None for entry in bare.prompt_logprobs[1:] for e in entry.values())
+    assert bare.outputs[0].cumulative_logprob == pytest.approx(text.outputs[0].cumulative_logprob)
+    (streamed, *_) = list(llm.generate_stream({"prompt_token_ids": ids}, SamplingParams(detokenize=False, **kwargs)))
+    assert streamed.outputs[0].text == ""
+
+
+def test_request_outputs_have_vllms_attributes(llm):
+    """RequestOutput.lora_request / encoder_prompt / encoder_prompt_token_ids /
+    kv_transfer_params and CompletionOutput.lora_request, read by vLLM scripts, were
+    AttributeErrors (the LoRA case: tests/lora/test_lora.py)."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, extra_args={"tag": "x"})
+    (out,) = llm.generate("hi", params, use_tqdm=False)
+    assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params) == (None,) * 4
+    assert out.outputs[0].lora_request is None
+    assert params.extra_args == {"tag": "x"}  # carried along, unchanged

@@ -114,6 +114,20 @@ def test_mixed_batch_equals_each_alone(llama, max_loras, max_cpu_loras):
         assert len(llm.engine.lora_manager.cpu_cache) == 2
 
 
+def test_outputs_carry_their_lora_request(llama):
+    """RequestOutput.lora_request and CompletionOutput.lora_request are the request's
+    LoRARequest (None for the base model), as vLLM's; they were AttributeErrors."""
+    root, _, _, loras = llama
+    llm = LLM(str(root / "base"), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+              enable_lora=True, max_lora_rank=16)
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=2, n=2)
+    with_a, base = llm.generate([_ids(5, seed=1)] * 2, params, use_tqdm=False, lora_request=[loras["a"], None])
+    assert with_a.lora_request is loras["a"] and all(c.lora_request is loras["a"] for c in with_a.outputs)
+    assert base.lora_request is None and all(c.lora_request is None for c in base.outputs)
+    streamed = list(llm.generate_stream(_ids(5, seed=1), GREEDY, lora_request=loras["a"]))
+    assert all(o.lora_request is loras["a"] and o.outputs[0].lora_request is loras["a"] for o in streamed)
+
+
 def test_greedy_tokens_follow_peft(llama):
     """The engine's greedy tokens under adapter a are transformers + PEFT's (merged)."""
     from conftest import hf_greedy

@@ -623,6 +623,10 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     # vLLM: extra variables of the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: end the prompt with the assistant's turn header (the default), or leave the last
+    # message open for the model to continue it (assistant prefill); not both
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # OpenAI fields kvflow does not implement
     functions: list[Any] | None = None
     function_call: Any = None
@@ -636,8 +640,6 @@ class ChatCompletionRequest(_SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
     echo: Any = None
-    add_generation_prompt: Any = None
-    continue_final_message: Any = None
     chat_template: Any = None
     documents: Any = None
 
@@ -647,7 +649,7 @@ class ChatCompletionRequest(_SamplingRequest):
         "prediction": (),
         "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
         "best_of": (1,), "suffix": ("",), "add_special_tokens": (False,),
-        "echo": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+        "echo": (False,), "chat_template": (),
         "documents": (),
     }  # fmt: skip
 
@@ -664,6 +666,15 @@ class ChatCompletionRequest(_SamplingRequest):
     _tool_answers = field_validator("messages")(check_tool_answers)
 
     _free_template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _not_both(cls, value, info: ValidationInfo):
+        """vLLM's rule (its message): the prompt either opens a new assistant turn or
+        continues the last message."""
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return value
 
     def output_constraint(self) -> str | None:
         """As the base class's; also ``tool_choice`` when it forces a tool call."""

@@ -630,7 +630,9 @@ class OpenAIServing:
         if self.chat_template is not None:
             kwargs["chat_template"] = self.chat_template
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **kwargs)
         except Exception as exc:  # noqa: BLE001 - template errors are the client's messages
             raise APIError(400, f"messages could not be rendered with the chat template: {exc}", "BadRequestError", "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -98,7 +98,7 @@ def test_json_numbers_fill_float_fields():
 @pytest.mark.parametrize(
     "body,field",
     [({"functions": [{"name": "f"}]}, "functions"), ({"function_call": {"name": "f"}}, "function_call"),
-     ({"modalities": ["audio"]}, "modalities"), ({"add_generation_prompt": False}, "add_generation_prompt"),
+     ({"modalities": ["audio"]}, "modalities"), ({"echo": True}, "echo"),
      ({"chat_template": "{{ messages }}"}, "chat_template"),
      ({"messages": [{"role": "assistant", "content": "x", "function_call": {"name": "f"}}]}, "messages"),
      ({"messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]}, "messages")],

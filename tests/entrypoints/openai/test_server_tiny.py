@@ -1456,3 +1456,26 @@ def test_the_server_freezes_its_startup_heap_and_unfreezes_it_when_it_stops(monk
             server.stop()
     finally:
         gc.unfreeze()
+
+
+def test_chat_continues_the_final_message_as_vllm(http):
+    """vLLM's assistant prefill (continue_final_message: true, add_generation_prompt: false)
+    was a 400 "add_generation_prompt is not supported by kvflow"; the prompt is now rendered
+    as vLLM's (and as /tokenize renders the same body)."""
+    tok = tiny_tokenizer()
+    prefill = [*MSG, {"role": "assistant", "content": "Hel"}]
+    for extra, text in (({"messages": MSG}, "<user>Hi\n<assistant>"),
+                        ({"messages": prefill, "add_generation_prompt": False, "continue_final_message": True},
+                         "<user>Hi\n<assistant>Hel"),
+                        ({"messages": MSG, "add_generation_prompt": False}, "<user>Hi\n")):
+        ids = tok.encode(text, add_special_tokens=False)
+        r = http.post(CH, json={"max_tokens": 2, "temperature": 0, "ignore_eos": True, **extra})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids), (extra, r.json()["usage"])
+        t = http.post("/tokenize", json=extra)
+        assert t.status_code == 200 and t.json()["tokens"] == ids, t.text
+    for extra in ({"add_generation_prompt": True, "continue_final_message": True}, {"continue_final_message": True}):
+        r = http.post(CH, json={"messages": prefill, "max_tokens": 2, **extra})
+        error = _assert_error(r, 400, "continue_final_message")
+        assert "Cannot set both `continue_final_message` and `add_generation_prompt` to True" in error["message"]
+    _assert_error(http.post(CH, json={"messages": MSG, "add_generation_prompt": "no"}), 400, "add_generation_prompt")
