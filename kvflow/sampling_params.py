@@ -578,7 +578,8 @@ class SamplingParams:
                              "skip_special_tokens=False); leave it True")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {type(self.extra_args).__name__}")
-        if self.best_of is not None and (isinstance(self.best_of, bool) or self.best_of != self.n):
+        if self.best_of is not None and (not isinstance(self.best_of, int) or isinstance(self.best_of, bool)
+                                         or self.best_of != self.n):
             raise ValueError(f"best_of={self.best_of!r} is not supported by kvflow (vLLM's SamplingParams no longer "
                              "has it either): n samples give n outputs; leave best_of None")
         if self.logits_processors is not None and (not isinstance(self.logits_processors, (list, tuple))

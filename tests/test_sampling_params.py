@@ -370,6 +370,7 @@ def test_vllms_fields_are_taken_at_their_defaults():
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"best_of": 2}, "best_of=2 is not supported by kvflow"),
+    ({"best_of": 1.0}, "best_of=1.0 is not supported by kvflow"),  # (a float equal to n passed)
     ({"n": 2, "best_of": 4, "temperature": 1.0}, "best_of=4 is not supported"),
     ({"best_of": True}, "best_of=True is not supported"),
     ({"logits_processors": [lambda ids, logits: logits]}, "logits_processors is not supported by kvflow"),

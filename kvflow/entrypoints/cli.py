@@ -145,6 +145,14 @@ def _port(text: str) -> int:
     return port
 
 
+def _served_name(text: str) -> str:
+    """A ``--served-model-name``: a model id a client can send (not empty or blank, no
+    surrounding blanks)."""
+    if not text.strip() or text != text.strip():
+        raise argparse.ArgumentTypeError(f"a model name, not empty and without surrounding blanks: {text!r}")
+    return text
+
+
 def _api_key(text: str) -> str:
     """``--api-key``: not empty or blank (``--api-key "$KEY"`` with KEY unset would otherwise
     guard the server with a key every client already sends)."""
@@ -379,6 +387,10 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     llm = LLM(**_engine_kwargs(args))
     max_model_len = llm.engine.scheduler_config.max_model_len  # a prompt must be shorter
+    if hasattr(sys.stdin, "reconfigure"):
+        # Bytes that are not UTF-8 arrive as lone surrogates (refused below, per turn) under
+        # every locale: a strict UTF-8 stdin (en_US.UTF-8) raised in input() and ended the session.
+        sys.stdin.reconfigure(errors="surrogateescape")
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -490,7 +502,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     vllm_compat.note_serve_options({k: v for k, v in _vllm_flags(args).items() if k in vllm_compat.SERVE_IGNORED})
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(args)))
-    served = args.served_model_name or [default_served_name(args.model)]
+    served = list(dict.fromkeys(args.served_model_name or [default_served_name(args.model)]))  # (repeats: once)
     name = served[0]  # (vLLM's: the first name is the one reported; each is accepted)
     server = None
 
@@ -614,7 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", type=_api_key, default=None,
                        help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth)")
     serve.add_argument("--metrics-no-auth", action="store_true", help="with --api-key, leave /metrics open too")
-    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+    serve.add_argument("--served-model-name", nargs="+", type=_served_name, default=None, metavar="NAME",
                        help="model id in the API (default: the --model short name, file stem or folder name); as "
                        "vLLM's, several names: the first is the one responses and /v1/models report, every one is "
                        "accepted as a request's model")

@@ -38,6 +38,7 @@ vLLM's server flags that change nothing in kvflow's server.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,8 @@ IGNORED: dict[str, str] = {
     "disable_async_output_proc": "kvflow's outputs are processed synchronously",
     "async_scheduling": "kvflow's offline engine schedules synchronously",
     "enable_chunked_prefill": "kvflow always chunks prefills by max_num_batched_tokens",
-    "max_logprobs": "kvflow allows up to 20 logprobs per token",
+    "max_logprobs": "kvflow's server takes up to 20 logprobs per token (OpenAI's bound), the offline API up to the "
+                    "vocabulary's size",
     "served_model_name": "offline API: no model name is served",
     "limit_mm_per_prompt": "kvflow serves text models only",
     "allowed_local_media_path": "kvflow serves text models only",
@@ -200,6 +202,9 @@ def kv_budget_from_utilization(fraction: Any, model: str, device: str | None,
 
 
 def _pooling_type(name: str, config: Any) -> str | None:
+    if not isinstance(config, dict) and not hasattr(config, "__dict__"):
+        raise ValueError(f"{name} must be an object such as {{\"pooling_type\": \"MEAN\"}} (a dict or vLLM's "
+                         f"PoolerConfig), got {type(config).__name__}")
     items = config if isinstance(config, dict) else {k: v for k, v in vars(config).items() if v is not None}
     unknown = sorted(k for k, v in items.items() if k != "pooling_type" and v is not None)
     if unknown:
@@ -237,8 +242,8 @@ def translate_llm_kwargs(model: str, kwargs: dict[str, Any], engine_fields: set[
                 raise ValueError(f"tokenizer={value!r} is not supported by kvflow: it loads the tokenizer of the model "
                                  f"({model!r}); leave tokenizer unset or equal to model")
         elif name == "swap_space":
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"swap_space must be a non-negative number of GiB, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+                raise ValueError(f"swap_space must be a finite non-negative number of GiB, got {value!r}")
             if kwargs.get("swap_space_bytes") is not None:
                 raise ValueError("swap_space (GiB, vLLM's) and swap_space_bytes are the same option; give one")
             if kwargs.get("preemption_mode") == "swap":

@@ -420,6 +420,47 @@ def test_chat_a_line_that_is_not_utf8_is_refused_and_the_session_goes_on(monkeyp
     assert llm.get_stats()["num_running"] == 0
 
 
+def test_chat_survives_bytes_that_are_not_utf8_on_a_strict_stdin(monkeypatch, tiny_chat_dir, capsys):
+    """Under a UTF-8 locale (en_US.UTF-8) Python reads stdin strictly: input() raised
+    UnicodeDecodeError on a \\xff byte and ended the session (exit 2); the chat reads stdin
+    with surrogateescape, so the line is refused as under the C locale and the session goes on."""
+    import io
+
+    import kvflow
+
+    created = []
+
+    class RecordingLLM(kvflow.LLM):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            created.append(self)
+
+    stdin = io.TextIOWrapper(io.BytesIO(b"hi\n\xff\xfe bad\nhello again\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr(kvflow, "LLM", RecordingLLM)
+    monkeypatch.setattr("sys.stdin", stdin)
+    code = main(["chat", "--model", str(tiny_chat_dir), "--dtype", "float32", "--num-kv-blocks", "32",
+                 "--max-tokens", "2", "--ignore-eos", "--attention-backend", "torch", "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "lone surrogate" in captured.err and "codec can't decode" not in captured.err, captured.err
+    assert created[0].get_stats()["num_running"] == 0
+
+
+@pytest.mark.parametrize("names", [[""], ["  "], ["a", " b"]])
+def test_serve_refuses_blank_served_model_names(names, capsys, monkeypatch):
+    """--served-model-name "" served a model with id "" (every response's model)."""
+    from kvflow.engine.llm_engine import LLMEngine
+
+    def no_model(cls, engine_args):
+        raise AssertionError("the model was loaded: the names were not refused first")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(no_model))
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "smollm2-135m", "--served-model-name", *names])
+    assert exc.value.code == 2
+    assert "--served-model-name" in capsys.readouterr().err
+
+
 def test_stream_reply_closes_the_request_on_keyboard_interrupt(monkeypatch, tiny_chat_dir):
     """Off the main thread (no signal handler) a KeyboardInterrupt from the stream still
     stops only the reply and aborts its request."""

@@ -99,7 +99,11 @@ def test_logprobs_are_vllm_objects_and_floats(llm):
     ({"tokenizer": "/elsewhere"}, "tokenizer='/elsewhere' is not supported"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be a fraction in \(0, 1\]"),
     ({"gpu_memory_utilization": 1e-9, "num_kv_blocks": None}, "gpu_memory_utilization=1e-09 leaves no KV cache"),
-    ({"swap_space": -1}, "swap_space must be a non-negative number of GiB"),
+    ({"swap_space": -1}, "swap_space must be a finite non-negative number of GiB"),
+    ({"swap_space": float("inf"), "preemption_mode": "swap"}, "swap_space must be a finite"),  # (an OverflowError)
+    ({"swap_space": float("nan"), "preemption_mode": "swap"}, "swap_space must be a finite"),
+    ({"pooler_config": "MEAN"}, "pooler_config must be an object"),  # (a TypeError from vars())
+    ({"override_pooler_config": [1]}, "override_pooler_config must be an object"),
     ({"pooler_config": {"pooling_type": "MEAN", "normalize": False}}, "only pooling_type is supported"),
     ({"pooler_config": {"pooling_type": "CLS"}}, "pooling must be 'last' or 'mean'"),
     ({"logprobs_mode": "processed_logprobs"}, "logprobs_mode='processed_logprobs' is not supported"),

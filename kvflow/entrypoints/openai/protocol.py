@@ -173,7 +173,7 @@ FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
     "max_new_tokens": (), "do_sample": (True,), "return_full_text": (False,), "watermark": (False,),
     "truncate": (), "top_n_tokens": (0,),
     # vLLM request fields kvflow does not implement
-    "add_special_tokens": (), "spaces_between_special_tokens": (True,), "cache_salt": (),
+    "add_special_tokens": (), "spaces_between_special_tokens": (True,), "cache_salt": (), "detokenize": (True,),
     "kv_transfer_params": (), "vllm_xargs": ({},), "logits_processors": (), "mm_processor_kwargs": (),
     "min_p_tokens": (), "guided_whitespace_pattern": (), "structural_tag": (),
     "return_token_ids": (False,),  # vLLM >= 0.10.2: the ids in the response; kvflow's answer has none

@@ -168,6 +168,8 @@ def test_json_schema_response_format_is_the_guided_schema():
      ({"typical_p": 0.5}, "typical_p"), ({"mirostat": 2}, "mirostat"), ({"dry_multiplier": 0.8}, "dry_multiplier"),
      ({"top_a": 0.1}, "top_a"), ({"cache_salt": "s"}, "cache_salt"), ({"vllm_xargs": {"k": 1}}, "vllm_xargs"),
      ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+     ({"detokenize": False}, "detokenize"),  # (it was dropped: the text came back)
+     ({"detokenize": "garbage"}, "detokenize"),
      ({"return_token_ids": True}, "return_token_ids"),
      ({"include_reasoning": False}, "include_reasoning"), ({"max_new_tokens": 3}, "max_new_tokens"),
      ({"do_sample": False}, "do_sample"), ({"thinking": {"type": "enabled", "budget_tokens": 64}}, "thinking"),
