@@ -513,7 +513,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncLLMEngine(engine, name, max_queue_len=args.max_queue_len, on_dead=on_dead)
     app = build_app(
         async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key,
-        metrics_need_key=not args.metrics_no_auth, max_request_bytes=args.max_request_bytes, model_aliases=(args.model, *served[1:]),
+        metrics_need_key=not args.metrics_no_auth, max_request_bytes=args.max_request_bytes, model_aliases=(args.model,),
+        served_model_names=tuple(served[1:]),
         chat_template=chat_template, tool_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, lora_modules=lora_modules,
     )  # fmt: skip

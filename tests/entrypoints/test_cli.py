@@ -803,12 +803,12 @@ def test_serve_takes_vllm_serve_flags_and_several_served_names(capsys, monkeypat
         engine_args=engine_args) or types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_model_len=64))))
     monkeypatch.setattr(async_engine, "AsyncLLMEngine", lambda *a, **k: types.SimpleNamespace(error=None))
     monkeypatch.setattr(server, "build_app", lambda engine, name, max_len, **kw: seen.update(
-        name=name, aliases=kw["model_aliases"]) or "app")
+        name=name, aliases=kw["model_aliases"], served=kw["served_model_names"]) or "app")
     monkeypatch.setattr(server, "make_server", lambda app, host, port, log_level, *a: seen.update(
         uvicorn_log_level=log_level) or types.SimpleNamespace(run=lambda: None, should_exit=False))
     monkeypatch.setattr(vllm_compat_module(), "kv_budget_from_utilization", lambda *a: 2**20)
     assert main(["serve", "smollm2-135m", *VLLM_SERVE_FLAGS, "--served-model-name", "a", "b"]) == 0
-    assert seen["name"] == "a" and set(seen["aliases"]) == {"smollm2-135m", "b"}
+    assert seen["name"] == "a" and seen["aliases"] == ("smollm2-135m",) and seen["served"] == ("b",)
     assert seen["engine_args"].model == "smollm2-135m" and seen["engine_args"].kv_cache_memory_bytes == 2**20
     assert seen["uvicorn_log_level"] == "warning"
     err = capsys.readouterr().err
@@ -816,7 +816,8 @@ def test_serve_takes_vllm_serve_flags_and_several_served_names(capsys, monkeypat
                  "max_logprobs"):
         assert f"kvflow: vLLM option {name}=" in err, name
     assert main(["serve", "smollm2-135m", "-q", "--served-model-name", "only"]) == 0
-    assert seen["name"] == "only" and seen["aliases"] == ("smollm2-135m",) and seen["uvicorn_log_level"] == "info"
+    assert seen["name"] == "only" and seen["aliases"] == ("smollm2-135m",) and seen["served"] == ()
+    assert seen["uvicorn_log_level"] == "info"
 
 
 def vllm_compat_module():

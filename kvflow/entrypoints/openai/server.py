@@ -441,6 +441,7 @@ def build_app(
     metrics_need_key: bool = True,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     model_aliases: tuple[str, ...] = (),
+    served_model_names: tuple[str, ...] = (),
     chat_template: str | None = None,
     tool_parser: str | None = None,
     reasoning_parser: str | None = None,
@@ -458,7 +459,11 @@ def build_app(
         metrics_need_key: see ``api_key``.
         max_request_bytes: larger bodies get 413, decided from Content-Length before the
             body is read (and by counting the bytes of a chunked body).
-        model_aliases: other ``model`` values accepted for the served model.
+        model_aliases: other ``model`` values accepted for the served model (e.g. the
+            ``--model`` path), not listed by ``/v1/models``.
+        served_model_names: the served model's other names (``--served-model-name a b``:
+            ``("b",)``), accepted and listed by ``/v1/models`` as models of their own, as vLLM
+            lists them; responses name ``model_name``.
         chat_template, tool_parser, reasoning_parser: see ``OpenAIServing``.
         lora_modules: adapter name -> PEFT folder, served as models of their own
             (``--lora-modules``; the engine needs ``enable_lora``).
@@ -472,7 +477,9 @@ def build_app(
     if api_key is not None and not api_key.strip():
         # "Bearer " and an absent x-api-key header would match an empty key.
         raise ValueError("api_key must not be empty or blank (None: no key)")
-    serving = OpenAIServing(engine, model_name, max_model_len, model_aliases, chat_template, tool_parser, reasoning_parser)
+    served_model_names = tuple(n for n in dict.fromkeys(served_model_names) if n != model_name)
+    serving = OpenAIServing(engine, model_name, max_model_len, (*model_aliases, *served_model_names), chat_template,
+                            tool_parser, reasoning_parser)
     for name, path in (lora_modules or {}).items():
         serving.register_lora(name, path)
 
@@ -557,7 +564,8 @@ def build_app(
         entry = {"object": "model", "created": created, "owned_by": "kvflow", "max_model_len": max_model_len}
         return {
             "object": "list",
-            "data": [{"id": model_name, **entry, "parent": None},
+            # Every served name is a model of its own, as in vLLM (``--served-model-name a b``).
+            "data": [*({"id": name, **entry, "parent": None} for name in (model_name, *served_model_names)),
                      *({"id": name, **entry, "parent": model_name} for name in serving.lora_modules)],
         }
 

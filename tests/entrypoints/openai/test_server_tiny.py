@@ -868,6 +868,23 @@ def test_an_empty_api_key_is_refused(key):
         build_app(AsyncLLMEngine(engine, "tiny"), "tiny", engine.scheduler_config.max_model_len, api_key=key)
 
 
+def test_every_served_name_is_listed_and_retrievable():
+    """``--served-model-name tiny other``: ``/v1/models`` listed only "tiny" and
+    ``/v1/models/other`` was 404, though requests naming "other" were served (vLLM lists
+    each name). An alias that is no served name (the ``--model`` path) stays unlisted."""
+    s = TinyServer(served_model_names=("other", "tiny"))
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as c:
+            ids = [card["id"] for card in c.get("/v1/models").json()["data"]]
+            assert ids == ["tiny", "other"]
+            assert c.get("/v1/models/other").json()["id"] == "other"
+            assert c.get("/v1/models/%2Fmodels%2Ftiny").status_code == 404
+            r = c.post("/v1/completions", json={"model": "other", "prompt": "a", "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["model"] == "tiny"
+    finally:
+        s.stop()
+
+
 def test_unknown_fields_are_accepted_and_logged_once(http, caplog):
     with caplog.at_level(logging.WARNING, logger="kvflow.entrypoints.openai.protocol"):
         for _ in range(3):
