@@ -166,8 +166,11 @@ def test_a_swap_space_without_a_block_is_refused_by_name(tmp_path):
 
     kw = dict(model=str(tiny_hf_model_dir(tmp_path / "m")), device="cpu", dtype="float32", block_size=8,
               num_kv_blocks=4, attention_backend="torch", preemption_mode="swap")
-    with pytest.raises(ValueError, match=r"swap_space_bytes=4 holds no block of \d+ bytes"):
+    with pytest.raises(ValueError, match=r"swap_space_bytes=4 \(swap_space=3.72529e-09 GiB\) holds no block of \d+ bytes"):
         EngineArgs(swap_space_bytes=4, **kw).create_config()
+    # vLLM's swap_space (GiB) reaches the check in bytes: the message names it too
+    with pytest.raises(ValueError, match=r"\(swap_space=0 GiB\) holds no block"):
+        EngineArgs(swap_space_bytes=0, **kw).create_config()
     assert EngineArgs(swap_space_bytes="1MiB", **kw).create_config().cache.num_cpu_blocks >= 1
 
 

@@ -388,8 +388,9 @@ class EngineArgs:
             swap_space = DEFAULT_SWAP_SPACE_BYTES if self.preemption_mode == "swap" else 0
         if self.preemption_mode == "swap" and swap_space < bytes_per_block:
             # (no block to swap to: every preemption would quietly recompute instead)
-            raise ValueError(f"swap_space_bytes={swap_space} holds no block of {bytes_per_block} bytes "
-                             "(preemption_mode='swap' swaps whole KV blocks to host memory)")
+            # (named both ways: vLLM's swap_space / --swap-space in GiB arrives here in bytes)
+            raise ValueError(f"swap_space_bytes={swap_space} (swap_space={swap_space / 2**30:.6g} GiB) holds no block "
+                             f"of {bytes_per_block} bytes (preemption_mode='swap' swaps whole KV blocks to host memory)")
         if self.torch_device().type == "cpu":
             self._check_host_memory(num_blocks * (bytes_per_block + extra_bytes_per_token * self.block_size),
                                     num_blocks, swap_space)
