@@ -347,8 +347,16 @@ constexpr int multi_chunk() {
   return 0;
 }
 
-template <int HD, int G, int NQ>
-static inline void values_multi(const float* v, const float* p, int64_t p_stride_q, int64_t p_stride_g,
+// Where values_multi / quantized_item read row t's float32 values: FloatRows from contiguous
+// rows (v_t at v + t * HD), CodeRows (below) from an int8 / fp8 cache's codes.
+struct FloatRows {
+  const float* v;
+  int64_t stride;
+  inline VecF load(int64_t t, int64_t off) const { return VecF::load(v + t * stride + off); }
+};
+
+template <int HD, int G, int NQ, class Rows>
+static inline void values_multi(const Rows& v, const float* p, int64_t p_stride_q, int64_t p_stride_g,
                                 const int64_t* ctx, float* acc, int64_t acc_stride_q) {
   constexpr int DC = multi_chunk<HD, G, NQ>();
   static_assert(DC > 0, "values_multi: no chunk of the head dim fits the registers");
@@ -360,7 +368,7 @@ static inline void values_multi(const float* v, const float* p, int64_t p_stride
         for (int j = 0; j < NV; ++j) a[q][g][j] = VecF::set1(0.f);
     auto step = [&](int64_t t, int q_first) {
       VecF x[NV];
-      for (int j = 0; j < NV; ++j) x[j] = VecF::load(v + t * HD + dc + VecF::L * j);
+      for (int j = 0; j < NV; ++j) x[j] = v.load(t, dc + VecF::L * j);
       for (int q = q_first; q < NQ; ++q)
         for (int g = 0; g < G; ++g) {
           const VecF pg = VecF::set1(p[q * p_stride_q + g * p_stride_g + t]);
@@ -377,6 +385,98 @@ static inline void values_multi(const float* v, const float* p, int64_t p_stride
   }
 }
 #define KVFLOW_HAS_VALUES_MULTI 1
+#endif
+
+// The codes of a quantized cache (paged_attention_quantized's `code_format`).
+enum CodeFormat : int64_t { CODES_LUT = 0, CODES_INT8 = 1, CODES_FP8_E4M3 = 2 };
+
+#if defined(KVFLOW_HAS_SCORES16) && defined(KVFLOW_HAS_VALUES_MULTI) && \
+    (defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__)))
+// Rows of an int8 / fp8 (e4m3fn) cache read where they are stored: row t's codes at row[t],
+// its scale scale[t]; VecF::L codes become the float32 values code * scale in registers, the
+// same floats as dequant_row's (an int8 code converts exactly; an e4m3fn code's bits moved
+// into a float16's make its value times 2^-8, and the scale times 2^8 is exact), so a pass
+// over CodeRows computes what the same pass over dequant_rows' buffer does, bit for bit,
+// without writing and reading back a float32 copy of the context (4 bytes an element).
+#define KVFLOW_HAS_CODE_ROWS 1
+template <int FMT>
+struct CodeRows {
+  static_assert(FMT == CODES_INT8 || FMT == CODES_FP8_E4M3, "CodeRows: int8 or fp8 codes");
+  const uint8_t* const* row;
+  const float* scale;
+  inline VecF load(int64_t t, int64_t off) const {
+    const uint8_t* c = row[t] + off;
+#if defined(__AVX512F__)
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    if constexpr (FMT == CODES_INT8) {
+      return {_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)), _mm512_set1_ps(scale[t]))};
+    } else {
+      const __m256i w = _mm256_cvtepu8_epi16(x);
+      const __m256i h16 = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                          _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+      return {_mm512_mul_ps(_mm512_cvtph_ps(h16), _mm512_set1_ps(scale[t] * 256.f))};
+    }
+#else
+    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+    if constexpr (FMT == CODES_INT8) {
+      return {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), _mm256_set1_ps(scale[t]))};
+    } else {
+      const __m128i w = _mm_cvtepu8_epi16(x);
+      const __m128i h16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                       _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+      return {_mm256_mul_ps(_mm256_cvtph_ps(h16), _mm256_set1_ps(scale[t] * 256.f))};
+    }
+#endif
+  }
+};
+
+// scores16's float32 pass (out[t] = qf . k_t for t < n <= 16, qf scaled) over code rows
+// t0 .. t0 + n - 1: the same fused multiply-adds in the same order, so the same sums.
+template <int HD, int FMT>
+static inline void score_tile(const float*, const float* qf, const CodeRows<FMT>& k, int64_t t0, int64_t n, float,
+                              float* out) {
+#if defined(__AVX512F__)
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {  // rows t >= n read row t0 again, not stored
+    const int64_t tt = t0 + (t < n ? t : 0);
+#pragma GCC unroll 8
+    for (int j = 0; j < HD / 16; ++j) acc[t] = _mm512_fmadd_ps(k.load(tt, 16 * j).v, _mm512_loadu_ps(qf + 16 * j), acc[t]);
+  }
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), reduce16(acc));
+#else
+  for (int64_t h = 0; h < n; h += 8) {  // scores8's two halves
+    const int64_t m = std::min<int64_t>(8, n - h);
+    __m256 acc[8];
+    for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+    if (m == 8) {
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t)
+#pragma GCC unroll 8
+        for (int j = 0; j < HD / 8; ++j)
+          acc[t] = _mm256_fmadd_ps(k.load(t0 + h + t, 8 * j).v, _mm256_loadu_ps(qf + 8 * j), acc[t]);
+      _mm256_storeu_ps(out + h, reduce8(acc));
+      continue;
+    }
+    for (int64_t t = 0; t < m; ++t)
+      for (int j = 0; j < HD / 8; ++j)
+        acc[t] = _mm256_fmadd_ps(k.load(t0 + h + t, 8 * j).v, _mm256_loadu_ps(qf + 8 * j), acc[t]);
+    float r[8];
+    _mm256_storeu_ps(r, reduce8(acc));
+    for (int64_t t = 0; t < m; ++t) out[h + t] = r[t];
+  }
+#endif
+}
+#endif
+
+#if defined(KVFLOW_HAS_SCORES16)
+// scores16 over contiguous float32 rows (a dequantized buffer).
+template <int HD>
+static inline void score_tile(const float* q, const float* qf, const FloatRows& k, int64_t t0, int64_t n, float scale,
+                              float* out) {
+  scores16<float, HD>(q, qf, k.v + t0 * k.stride, k.stride, n, scale, out);
+}
 #endif
 
 // A row of head_dim values as float32 (vectorizable: bfloat16 is the top half of a float32).
@@ -674,9 +774,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
-// The codes of a quantized cache (paged_attention_quantized's `code_format`).
-enum CodeFormat : int64_t { CODES_LUT = 0, CODES_INT8 = 1, CODES_FP8_E4M3 = 2 };
-
 // One row of D codes: o[d] = lut[code] * s (float32), in vectors where the CPU has them.
 static inline void dequant_row(const uint8_t* c, float s, const float* lut, int64_t format, int64_t D, float* o) {
   {
@@ -755,7 +852,10 @@ static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const fl
 // token at position p attends to keys 0 .. p. Each token is computed exactly as a decode of
 // one token with context p + 1 over the request's dequantized K/V of one KV head (one
 // contiguous block, decode_item), so its result does not depend on the chunk it came in,
-// on the other requests of the step or on the block size.
+// on the other requests of the step or on the block size. int8 and fp8 codes (with the
+// vector passes) are read in place (CodeRows: the same floats in registers, no float32 copy
+// of the context); the table's formats, and head dims off the vector passes, go through
+// dequant_rows' buffer.
 static void quantized_attention(const float* qp, const uint8_t* kc, const uint8_t* vc, const c10::Half* ks,
                                 const c10::Half* vs, const float* lp, int64_t code_format, const int64_t* tp,
                                 int64_t width, const int32_t* sp, const int32_t* cp, int64_t num_reqs,
@@ -820,8 +920,10 @@ torch::Tensor paged_attention_quantized(torch::Tensor q, torch::Tensor k_codes, 
 // and the values NQ tokens at a time (a value row loaded once for NQ x group query heads).
 // HD a multiple of 16 compiled in; G compiled in, or 0: the group read at run time and taken
 // in compiled chunks of 4, 2 and 1 query heads (decode_item's by_group).
-template <int HD, int G>
-static void quantized_item(const float* qp, const float* kbuf, const float* vbuf, int64_t first, int64_t i0,
+// K and V come as row sources: FloatRows over a dequantized buffer, or CodeRows over the
+// cache's own codes (the same floats, so the same results).
+template <int HD, int G, class KRows, class VRows>
+static void quantized_item(const float* qp, const KRows& krows, const VRows& vrows, int64_t first, int64_t i0,
                            int64_t i1, int64_t t0, int64_t num_heads, int64_t h, int64_t group, float scale,
                            float* op, std::vector<float>& qf, std::vector<float>& scores, std::vector<float>& acc,
                            std::vector<float>& inv_sum) {
@@ -848,7 +950,7 @@ static void quantized_item(const float* qp, const float* kbuf, const float* vbuf
       const int64_t m = std::min<int64_t>(16, ctx - o);
       for (int64_t g = 0; g < g_n; ++g) {
         const int64_t r = i * g_n + g;
-        scores16<float, HD>(q_of(i, g), qf.data() + r * HD, kbuf + o * HD, HD, m, scale, scores.data() + r * n + o);
+        score_tile<HD>(q_of(i, g), qf.data() + r * HD, krows, o, m, scale, scores.data() + r * n + o);
       }
     }
   }
@@ -870,12 +972,12 @@ static void quantized_item(const float* qp, const float* kbuf, const float* vbuf
     for (; i + NQ <= nt; i += NQ) {
       int64_t ctx[NQ];
       for (int q = 0; q < NQ; ++q) ctx[q] = first + i0 + i + q + 1;
-      values_multi<HD, GC, NQ>(vbuf, scores.data() + (i * g_n + g0) * n, g_n * n, n, ctx,
+      values_multi<HD, GC, NQ>(vrows, scores.data() + (i * g_n + g0) * n, g_n * n, n, ctx,
                                acc.data() + (i * g_n + g0) * HD, g_n * HD);
     }
     for (; i < nt; ++i) {
       const int64_t ctx = first + i0 + i + 1;
-      values_multi<HD, GC, 1>(vbuf, scores.data() + (i * g_n + g0) * n, g_n * n, n, &ctx,
+      values_multi<HD, GC, 1>(vrows, scores.data() + (i * g_n + g0) * n, g_n * n, n, &ctx,
                               acc.data() + (i * g_n + g0) * HD, g_n * HD);
     }
   };
@@ -926,11 +1028,39 @@ static void quantized_attention(const float* qp, const uint8_t* kc, const uint8_
     constexpr int HD = decltype(hd)::value, G = decltype(g)::value;
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
       std::vector<float> kbuf, vbuf, qf, scores, row, acc, inv_sum;
+      std::vector<const uint8_t*> krow, vrow;
+      std::vector<float> kscale, vscale;
       for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
         const int64_t h = items[item].h, r = items[item].r, i0 = items[item].i0;
         const int64_t q_len = sp[r + 1] - sp[r], i1 = std::min(q_len, i0 + QB);
         const int64_t first = cp[r] - q_len;  // position of query token 0
         const int64_t n = first + i1;         // keys the item's last token sees
+#if defined(KVFLOW_HAS_CODE_ROWS)
+        if constexpr (HD > 0 && HD % 16 == 0) {
+          if (code_format == CODES_INT8 || code_format == CODES_FP8_E4M3) {
+            // Every token (a decode's one, a prefill chunk's several) straight from the codes:
+            // the rows' addresses and scales, then quantized_item over them.
+            krow.resize(n); vrow.resize(n); kscale.resize(n); vscale.resize(n);
+            const int64_t* table = tp + r * width;
+            for (int64_t b = 0, t = 0; t < n; ++b) {
+              const int64_t slot0 = table[b] * block_size, rows = std::min(block_size, n - t);
+              for (int64_t o = 0; o < rows; ++o, ++t) {
+                const int64_t at = (slot0 + o) * num_kv_heads + h;
+                krow[t] = kc + at * D; vrow[t] = vc + at * D;
+                kscale[t] = static_cast<float>(ks[at]); vscale[t] = static_cast<float>(vs[at]);
+              }
+            }
+            auto run = [&](auto fmt) {
+              constexpr int F = decltype(fmt)::value;
+              quantized_item<HD, G>(qp, CodeRows<F>{krow.data(), kscale.data()}, CodeRows<F>{vrow.data(), vscale.data()},
+                                    first, i0, i1, sp[r] + i0, num_heads, h, group, scale, op, qf, scores, acc, inv_sum);
+            };
+            if (code_format == CODES_INT8) run(std::integral_constant<int, CODES_INT8>());
+            else run(std::integral_constant<int, CODES_FP8_E4M3>());
+            continue;
+          }
+        }
+#endif
         kbuf.resize(n * D);
         vbuf.resize(n * D);
         dequant_rows(kc, ks, lp, code_format, tp + r * width, block_size, num_kv_heads, D, h, n, kbuf.data());
@@ -938,8 +1068,8 @@ static void quantized_attention(const float* qp, const uint8_t* kc, const uint8_
 #if defined(KVFLOW_HAS_SCORES16) && defined(KVFLOW_HAS_VALUES_MULTI)
         if constexpr (HD > 0 && HD % 16 == 0) {
           if (i1 - i0 > 1) {  // a prefill chunk's tokens together, each as its own decode
-            quantized_item<HD, G>(qp, kbuf.data(), vbuf.data(), first, i0, i1, sp[r] + i0, num_heads, h, group,
-                                  scale, op, qf, scores, acc, inv_sum);
+            quantized_item<HD, G>(qp, FloatRows{kbuf.data(), HD}, FloatRows{vbuf.data(), HD}, first, i0, i1,
+                                  sp[r] + i0, num_heads, h, group, scale, op, qf, scores, acc, inv_sum);
             continue;
           }
         }
