@@ -1374,6 +1374,16 @@ def test_a_model_is_retrieved_by_its_id(http):
     _assert_error(http.get("/v1/models/org/other"), 404, "model")  # ids may hold a slash
 
 
+def test_a_model_is_retrieved_by_any_name_requests_may_use(http):
+    # "/models/tiny" (the --model value; --served-model-name's later names likewise) is accepted
+    # as a request's model, so models.retrieve of it finds the model (it was a 404): the card
+    # /v1/models lists, under the served id (a path is never echoed)
+    assert _completion(http, model="/models/tiny")["model"] == "tiny"
+    r = http.get("/v1/models//models/tiny")
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == "tiny"
+
+
 @pytest.mark.parametrize(
     "model,name",
     [("smollm2-135m", "smollm2-135m"), ("/data/models/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
