@@ -89,9 +89,11 @@ class MessagesRequest(_Body):
     thinking: dict[str, Any] | None = None
     container: Any = None
     mcp_servers: list[Any] | None = None
+    context_management: Any = None  # the context-management beta's edits (clearing old tool results ...)
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "thinking": ({"type": "disabled"},), "container": (), "mcp_servers": ([],),
+        "context_management": ({}, {"edits": []}),
     }  # fmt: skip
 
     def unsupported_field(self) -> tuple[str, str] | None:

@@ -194,6 +194,8 @@ def test_errors_are_anthropic_shaped(client, served):
     ({"output_config": {"effort": "high"}}, "output_config.effort"),
     ({"output_format": {"type": "json_schema", "schema": {}}, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
      "output_format and output_config.format are both set"),
+    # the context-management beta's edits were logged and dropped
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management is not supported"),
     # other APIs' fields that change the output were logged and dropped (200 with the regex
     # unmet); a refusal names the field as the client sent it (``stop`` was named
     # "stop_sequences", ``response_format`` "output_config")
