@@ -786,6 +786,8 @@ UNSUPPORTED = [
     (CH, {"modalities": ["text", "audio"]}, "modalities"),
     (CH, {"web_search_options": {}}, "web_search_options"),
     (CH, {"reasoning_effort": "high"}, "reasoning_effort"),
+    # the OpenAI SDK's moderation (block mode stops a flagged reply): was logged and dropped
+    (CH, {"moderation": {"model": "omni-moderation-latest", "policy": {"output": {"mode": "block"}}}}, "moderation"),
     (C, {"use_beam_search": True}, "use_beam_search"),
     (C, {"prompt_logprobs": 1}, "prompt_logprobs"),
     # SGLang's (sglang-router's clients send them): logged and dropped (200) before
