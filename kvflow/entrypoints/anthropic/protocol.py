@@ -90,10 +90,12 @@ class MessagesRequest(_Body):
     container: Any = None
     mcp_servers: list[Any] | None = None
     context_management: Any = None  # the context-management beta's edits (clearing old tool results ...)
+    compaction: Any = None  # a beta compaction request: the reply is a summary of the conversation
+    thread: Any = None  # a beta server-held conversation (kvflow keeps none)
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "thinking": ({"type": "disabled"},), "container": (), "mcp_servers": ([],),
-        "context_management": ({}, {"edits": []}),
+        "context_management": ({}, {"edits": []}), "compaction": (), "thread": (),
     }  # fmt: skip
 
     def unsupported_field(self) -> tuple[str, str] | None:

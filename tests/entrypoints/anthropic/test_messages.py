@@ -196,6 +196,9 @@ def test_errors_are_anthropic_shaped(client, served):
      "output_format and output_config.format are both set"),
     # the context-management beta's edits were logged and dropped
     ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management is not supported"),
+    # the SDK's beta compaction request and server-held thread were logged and dropped
+    ({"compaction": {"type": "enabled"}}, "compaction is not supported"),
+    ({"thread": {"type": "continue", "previous_message_id": "msg_1"}}, "thread is not supported"),
     # other APIs' fields that change the output were logged and dropped (200 with the regex
     # unmet); a refusal names the field as the client sent it (``stop`` was named
     # "stop_sequences", ``response_format`` "output_config")
