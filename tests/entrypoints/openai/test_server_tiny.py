@@ -1491,3 +1491,23 @@ def test_chat_continues_the_final_message_as_vllm(http):
         error = _assert_error(r, 400, "continue_final_message")
         assert "Cannot set both `continue_final_message` and `add_generation_prompt` to True" in error["message"]
     _assert_error(http.post(CH, json={"messages": MSG, "add_generation_prompt": "no"}), 400, "add_generation_prompt")
+
+
+def test_max_tokens_beyond_the_whole_kv_cache_is_400_naming_the_field_sent():
+    """prompt + max_tokens needing more KV blocks than the whole cache holds named the prompt
+    (``param`` "prompt" / "messages" / "input") though the prompt fit: it names the field that
+    set the output length, and the prompt only when it cannot fit with one output token."""
+    s = TinyServer(engine_kwargs={"num_blocks": 8})  # 8 blocks of 4 tokens: 32 tokens in all
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as http:
+            err = _assert_error(http.post(C, json={"prompt": "x", "max_tokens": 100}), 400, "max_tokens")
+            assert "more than the whole cache" in err["message"], err
+            _assert_error(http.post(CH, json={"messages": MSG, "max_completion_tokens": 100}), 400,
+                          "max_completion_tokens")
+            _assert_error(http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 100}), 400,
+                          "max_output_tokens")
+            err = _assert_error(http.post(C, json={"prompt": "y" * 40, "max_tokens": 1}), 400, "prompt")
+            assert err["message"].startswith("prompt is 40 tokens"), err
+            assert _completion(http, max_tokens=4)["usage"]["completion_tokens"] >= 1
+    finally:
+        s.stop()
