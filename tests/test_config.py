@@ -56,6 +56,14 @@ def test_every_field_is_documented_once():
     assert EngineArgs.help_text("block_size") == "tokens per KV cache block"
 
 
+def test_model_help_names_every_packaged_model():
+    # --model's help listed three of the four packaged short names (gemma3-270m was missing)
+    from kvflow.model.packages import REGISTRY
+
+    for name in REGISTRY:
+        assert name in EngineArgs.help_text("model"), name
+
+
 def test_create_config_builds_the_whole_engine_config(tmp_path):
     """One EngineConfig from EngineArgs: the model's architecture with max_model_len, the
     block pool sized from the budget by the one KV-bytes formula, and every group of options."""

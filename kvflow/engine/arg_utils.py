@@ -64,8 +64,8 @@ class EngineArgs:
 
     model: str = _option(
         "smollm2-135m",
-        "a short name of a packaged model (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b), a .gguf file "
-        "or a Hugging Face directory (see docs/models.md)")
+        "a short name of a packaged model (smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, gemma3-270m), "
+        "a .gguf file or a Hugging Face directory (see docs/models.md)")
     dtype: str = _option(
         "auto", "weight and activation dtype: auto (bfloat16 on CUDA and on a CPU whose oneDNN runs bfloat16 "
         "natively, AVX512-BF16 / AMX-BF16; float32 on other CPUs), float32 (the exactness reference), bfloat16, "

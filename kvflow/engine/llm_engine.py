@@ -284,8 +284,18 @@ class LLMEngine:
         needed_blocks = self.kv_cache_manager.max_blocks_held(needed_tokens,
                                                               self.scheduler_config.max_num_batched_tokens)
         if needed_blocks > self.kv_cache_manager.num_total_blocks:
+            # the prompt's fault when it cannot fit with a single output token, else max_tokens'
+            # (the first word names the field, as the server reports it)
+            alone = self.kv_cache_manager.max_blocks_held(len(prompt_token_ids) + 1,
+                                                          self.scheduler_config.max_num_batched_tokens)
+            if alone > self.kv_cache_manager.num_total_blocks:
+                raise ValueError(
+                    f"prompt is {len(prompt_token_ids)} tokens and needs {alone} KV blocks with its first output "
+                    f"token, more than the whole cache ({self.kv_cache_manager.num_total_blocks} blocks); shorten "
+                    "it or raise num_kv_blocks / kv_cache_memory_bytes"
+                )
             raise ValueError(
-                f"prompt + max_tokens = {needed_tokens} tokens need {needed_blocks} KV blocks, "
+                f"max_tokens: prompt + max_tokens = {needed_tokens} tokens need {needed_blocks} KV blocks, "
                 f"more than the whole cache ({self.kv_cache_manager.num_total_blocks} blocks); "
                 "lower max_tokens or raise num_kv_blocks / kv_cache_memory_bytes"
             )

@@ -17,7 +17,8 @@ no prefill and is dropped), and so, as by Anthropic, are a message with
 empty content and an empty ``text`` block (in ``messages``, ``system`` or a ``tool_result``).
 ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` are chat's ``auto`` / ``required`` /
 a named function / ``none``, and ``disable_parallel_tool_use`` is ``parallel_tool_calls: false``; ``output_config.format``
-(a JSON schema) is the chat ``response_format``, enforced by guided decoding.
+(a JSON schema; ``output_format``, its name in the structured-outputs beta, too) is the chat ``response_format``,
+enforced by guided decoding.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class MessagesRequest(_Body):
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
     output_config: dict[str, Any] | None = None  # its "format" (a JSON schema) is read; "effort" is refused
+    output_format: dict[str, Any] | None = None  # the structured-outputs beta's name of output_config.format
     _tools_bounded = field_validator("tools", mode="before")(check_tool_count)
     # fields that do not change the output
     metadata: dict[str, Any] | None = None
@@ -87,9 +89,13 @@ class MessagesRequest(_Body):
     thinking: dict[str, Any] | None = None
     container: Any = None
     mcp_servers: list[Any] | None = None
+    context_management: Any = None  # the context-management beta's edits (clearing old tool results ...)
+    compaction: Any = None  # a beta compaction request: the reply is a summary of the conversation
+    thread: Any = None  # a beta server-held conversation (kvflow keeps none)
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "thinking": ({"type": "disabled"},), "container": (), "mcp_servers": ([],),
+        "context_management": ({}, {"edits": []}), "compaction": (), "thread": (),
     }  # fmt: skip
 
     def unsupported_field(self) -> tuple[str, str] | None:
@@ -106,12 +112,17 @@ class CountTokensRequest(MessagesRequest):
     max_tokens: int | None = None
 
 
-def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
-    fmt = (output_config or {}).get("format")
+def _response_format(req: MessagesRequest) -> dict[str, Any] | None:
+    fmt, name = (req.output_config or {}).get("format"), "output_config.format"
+    if req.output_format is not None:  # the beta's name of the same format (Anthropic still takes it)
+        if fmt is not None:
+            raise ValueError("output_format and output_config.format are both set: send one (output_format is "
+                             "the structured-outputs beta's name of output_config.format)")
+        fmt, name = req.output_format, "output_format"
     if fmt is None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-        raise ValueError("output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}")
+        raise ValueError(f"{name} must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
@@ -274,7 +285,7 @@ def to_chat_fields(req: MessagesRequest) -> dict[str, Any]:
         "model": req.model, "messages": _messages(req), "max_tokens": req.max_tokens, "stop": req.stop_sequences,
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "tools": _tools(req),
         "tool_choice": _tool_choice(req.tool_choice), "parallel_tool_calls": parallel,
-        "response_format": _response_format(req.output_config),
+        "response_format": _response_format(req),
         # thinking turned off: templates that can (Qwen3's ``enable_thinking``) render no room for it
         "chat_template_kwargs": {"enable_thinking": False} if req.thinking == {"type": "disabled"} else None,
     }  # fmt: skip

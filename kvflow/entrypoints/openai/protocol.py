@@ -636,6 +636,7 @@ class ChatCompletionRequest(_SamplingRequest):
     web_search_options: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
+    moderation: Any = None
     # vLLM / completions fields kvflow does not implement on chat
     best_of: int | None = None
     suffix: str | None = None
@@ -648,7 +649,7 @@ class ChatCompletionRequest(_SamplingRequest):
         "functions": ([],), "function_call": ("none", "auto"),
         "prediction": (),
         "audio": (), "modalities": (["text"],), "web_search_options": (), "reasoning_effort": (), "verbosity": (),
-        "best_of": (1,), "suffix": ("",), "add_special_tokens": (False,),
+        "moderation": (), "best_of": (1,), "suffix": ("",), "add_special_tokens": (False,),
         "echo": (False,), "chat_template": (),
         "documents": (),
     }  # fmt: skip

@@ -571,9 +571,12 @@ def build_app(
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:  # the OpenAI SDK's client.models.retrieve(id)
-        for card in (await models())["data"]:
+        cards = (await models())["data"]
+        for card in cards:
             if card["id"] == model_id:
                 return card
+        if model_id in serving.model_names:  # another name requests may use (--served-model-name b, --model)
+            return cards[0]
         raise APIError(404, f"The model `{model_id}` does not exist.", "NotFoundError", "model")
 
     @app.post("/v1/load_lora_adapter")

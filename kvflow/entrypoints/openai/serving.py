@@ -416,14 +416,16 @@ class OpenAIServing:
 
     async def _add(self, prompts: list[tuple[list[int], str | None]], params: SamplingParams | PoolingParams,
                    prompt_field: str, priority: int | None = None,
-                   lora_request: LoRARequest | None = None) -> list[AsyncIterator[RequestOutput]]:
+                   lora_request: LoRARequest | None = None,
+                   max_tokens_field: str = "max_tokens") -> list[AsyncIterator[RequestOutput]]:
         """Prepare every prompt off the loop, then queue them all or none (with one
         scheduling ``priority``, vLLM's extension: lower runs first; ``lora_request``: the
         adapter the request's ``model`` names).
 
         Raises:
             APIError: 400 for a prompt or parameters the engine refuses (a prompt's fault
-                names ``prompt_field``), or a ``priority`` other than 0 when the server runs
+                names ``prompt_field``, one of max_tokens against the KV cache ``max_tokens_field``),
+                or a ``priority`` other than 0 when the server runs
                 ``--scheduling-policy fcfs``; 429 when the queue cannot take them all, 503
                 once the engine has stopped.
         """
@@ -439,6 +441,8 @@ class OpenAIServing:
             error = _bad_request(exc)
             if error.param in ("prompt", "prompt_token_ids"):
                 error.param = prompt_field
+            elif error.param == "max_tokens":  # (prompt + max_tokens needing more than the whole KV cache)
+                error.param = max_tokens_field
             raise error from None
         request_id = uuid.uuid4().hex
         try:
@@ -695,7 +699,8 @@ class OpenAIServing:
             if error is not None:
                 raise APIError(400, error, "BadRequestError", "tools")
         try:
-            (iterator,) = await self._add([(ids, None)], params, "messages", req.priority, self.lora_for(req.model))
+            (iterator,) = await self._add([(ids, None)], params, "messages", req.priority, self.lora_for(req.model),
+                                          max_tokens_field=field)
         except APIError as exc:
             if exc.param in ("guided_json", "structural_tag") and req.tools and (
                     req.output_constraint() in (None, "tool_choice")):

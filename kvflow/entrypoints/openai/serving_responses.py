@@ -72,13 +72,15 @@ class ResponsesRequest(_Body):
     truncation: str | None = None
     max_tool_calls: int | None = None
     stream_options: Any = None
+    context_management: Any = None  # compaction of a long context: changes the prompt
+    moderation: Any = None  # moderating (blocking) the input and output
 
     _tools_bounded = field_validator("tools", mode="before")(check_tool_count)
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "store": (False,), "previous_response_id": (), "conversation": (), "background": (False,), "include": ([],),
         "reasoning": (), "prompt": (), "top_logprobs": (0,), "truncation": ("disabled",), "max_tool_calls": (),
-        "stream_options": (),
+        "stream_options": (), "context_management": ([],), "moderation": (),
     }  # fmt: skip
 
     def unsupported_field(self) -> tuple[str, str] | None:

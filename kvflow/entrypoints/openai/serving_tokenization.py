@@ -14,6 +14,7 @@ vLLM's shapes).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from typing import Any, ClassVar
 
@@ -74,6 +75,8 @@ class DetokenizeRequest(_Body):
 
     model: str | None = None
     tokens: list[int]
+    # false (the default): special tokens are decoded as their text, as vLLM's /detokenize does
+    skip_special_tokens: bool = False
 
 
 def kvflow_version() -> str:
@@ -144,7 +147,8 @@ def attach_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is out of vocabulary (the tokenizer has ids 0..{size - 1})",
                            "BadRequestError", "tokens")
-        text = await serving.engine.run_off_loop(serving.tokenizer.decode, req.tokens)
+        text = await serving.engine.run_off_loop(
+            functools.partial(serving.tokenizer.decode, req.tokens, skip_special_tokens=req.skip_special_tokens))
         return JSONResponse({"prompt": text})
 
     @app.get("/version")

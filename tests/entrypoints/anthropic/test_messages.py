@@ -117,6 +117,18 @@ def test_sampling_fields_and_output_format(client, script):
     assert _create(client, extra_body={"temperature": 1}).content[0].text == '{"ok": true}'
 
 
+def test_output_format_of_the_structured_outputs_beta(client, script):
+    """``output_format`` (the beta's name of ``output_config.format``, which the SDK's
+    ``client.beta.messages`` sends) constrains the output as ``output_config.format`` does: it
+    was logged as an unknown field and dropped, and the reply was free text."""
+    script.set("No JSON here.")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = _create(client, extra_body={"output_format": {"type": "json_schema", "schema": schema}})
+    assert isinstance(json.loads(r.content[0].text)["ok"], bool), r.content
+    with pytest.raises(anthropic.BadRequestError, match="output_format must be"):
+        _create(client, extra_body={"output_format": {"type": "json_object"}})
+
+
 @pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
 def test_forced_tool_use(client, script, tool_choice):
     script.set("No tool for me.")
@@ -180,6 +192,13 @@ def test_errors_are_anthropic_shaped(client, served):
     ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
     ({"messages": [*MSG, {"role": "assistant", "content": "It is"}]}, "prefill"),
     ({"output_config": {"effort": "high"}}, "output_config.effort"),
+    ({"output_format": {"type": "json_schema", "schema": {}}, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
+     "output_format and output_config.format are both set"),
+    # the context-management beta's edits were logged and dropped
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management is not supported"),
+    # the SDK's beta compaction request and server-held thread were logged and dropped
+    ({"compaction": {"type": "enabled"}}, "compaction is not supported"),
+    ({"thread": {"type": "continue", "previous_message_id": "msg_1"}}, "thread is not supported"),
     # other APIs' fields that change the output were logged and dropped (200 with the regex
     # unmet); a refusal names the field as the client sent it (``stop`` was named
     # "stop_sequences", ``response_format`` "output_config")

@@ -786,6 +786,8 @@ UNSUPPORTED = [
     (CH, {"modalities": ["text", "audio"]}, "modalities"),
     (CH, {"web_search_options": {}}, "web_search_options"),
     (CH, {"reasoning_effort": "high"}, "reasoning_effort"),
+    # the OpenAI SDK's moderation (block mode stops a flagged reply): was logged and dropped
+    (CH, {"moderation": {"model": "omni-moderation-latest", "policy": {"output": {"mode": "block"}}}}, "moderation"),
     (C, {"use_beam_search": True}, "use_beam_search"),
     (C, {"prompt_logprobs": 1}, "prompt_logprobs"),
     # SGLang's (sglang-router's clients send them): logged and dropped (200) before
@@ -1391,6 +1393,16 @@ def test_a_model_is_retrieved_by_its_id(http):
     _assert_error(http.get("/v1/models/org/other"), 404, "model")  # ids may hold a slash
 
 
+def test_a_model_is_retrieved_by_any_name_requests_may_use(http):
+    # "/models/tiny" (the --model value; --served-model-name's later names likewise) is accepted
+    # as a request's model, so models.retrieve of it finds the model (it was a 404): the card
+    # /v1/models lists, under the served id (a path is never echoed)
+    assert _completion(http, model="/models/tiny")["model"] == "tiny"
+    r = http.get("/v1/models//models/tiny")
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == "tiny"
+
+
 @pytest.mark.parametrize(
     "model,name",
     [("smollm2-135m", "smollm2-135m"), ("/data/models/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct"),
@@ -1496,3 +1508,23 @@ def test_chat_continues_the_final_message_as_vllm(http):
         error = _assert_error(r, 400, "continue_final_message")
         assert "Cannot set both `continue_final_message` and `add_generation_prompt` to True" in error["message"]
     _assert_error(http.post(CH, json={"messages": MSG, "add_generation_prompt": "no"}), 400, "add_generation_prompt")
+
+
+def test_max_tokens_beyond_the_whole_kv_cache_is_400_naming_the_field_sent():
+    """prompt + max_tokens needing more KV blocks than the whole cache holds named the prompt
+    (``param`` "prompt" / "messages" / "input") though the prompt fit: it names the field that
+    set the output length, and the prompt only when it cannot fit with one output token."""
+    s = TinyServer(engine_kwargs={"num_blocks": 8})  # 8 blocks of 4 tokens: 32 tokens in all
+    try:
+        with httpx.Client(base_url=s.url, timeout=60) as http:
+            err = _assert_error(http.post(C, json={"prompt": "x", "max_tokens": 100}), 400, "max_tokens")
+            assert "more than the whole cache" in err["message"], err
+            _assert_error(http.post(CH, json={"messages": MSG, "max_completion_tokens": 100}), 400,
+                          "max_completion_tokens")
+            _assert_error(http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 100}), 400,
+                          "max_output_tokens")
+            err = _assert_error(http.post(C, json={"prompt": "y" * 40, "max_tokens": 1}), 400, "prompt")
+            assert err["message"].startswith("prompt is 40 tokens"), err
+            assert _completion(http, max_tokens=4)["usage"]["completion_tokens"] >= 1
+    finally:
+        s.stop()

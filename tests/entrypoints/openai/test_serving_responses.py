@@ -207,6 +207,11 @@ def test_json_schema_text_format(client, script):
     # text.verbosity changes the output (was silently dropped; chat's verbosity is refused)
     ({"text": {"verbosity": "low"}}, "text", "text.verbosity is not supported"),
     ({"text": {"format": {"type": "text"}, "verbosity": "high"}}, "text", "text.verbosity"),
+    # the OpenAI SDK's compaction and moderation change the prompt / the reply: were logged and dropped
+    ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]}, "context_management",
+     "context_management is not supported"),
+    ({"moderation": {"model": "omni-moderation-latest", "policy": {"input": {"mode": "block"}}}}, "moderation",
+     "moderation is not supported"),
     # metadata within OpenAI's bounds (16 pairs, keys <= 64 characters, values <= 512)
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
     # a function_call_output answers an earlier function_call item (OpenAI refuses it too)

@@ -92,6 +92,16 @@ def test_detokenize_round_trips(http):
     assert _ok(http.post("/detokenize", json={"tokens": []})) == {"prompt": ""}
 
 
+def test_detokenize_skips_special_tokens_when_asked(http):
+    # skip_special_tokens: true was taken for the neutral value of the field sent to another
+    # endpoint and dropped (the special token came back), and false was refused by name
+    tokens = [*_ok(http.post("/tokenize", json={"prompt": "Hi"}))["tokens"], tiny_tokenizer().eos_token_id]
+    assert _ok(http.post("/detokenize", json={"tokens": tokens})) == {"prompt": "Hi<|endoftext|>"}
+    assert _ok(http.post("/detokenize", json={"tokens": tokens, "skip_special_tokens": False})) == {
+        "prompt": "Hi<|endoftext|>"}
+    assert _ok(http.post("/detokenize", json={"tokens": tokens, "skip_special_tokens": True})) == {"prompt": "Hi"}
+
+
 def test_version(http):
     assert _ok(http.get("/version")) == {"version": importlib.metadata.version("kvflow")}
 
