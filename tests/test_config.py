@@ -179,3 +179,13 @@ def test_a_seed_that_is_not_a_64_bit_integer_names_the_field(seed):
         EngineArgs(seed=seed).verify()
     EngineArgs(seed=-1).verify()
     EngineArgs(seed=2**63 - 1).verify()
+
+
+@pytest.mark.parametrize("name", ["enable_prefix_caching", "disable_hybrid_kv_cache_manager", "enforce_eager", "enable_lora"])
+@pytest.mark.parametrize("value", ["no", "false", 0, None])
+def test_a_switch_that_is_not_a_bool_names_the_field(name, value):
+    """LLM(enable_prefix_caching="no") was accepted, and the truthy string left prefix
+    caching on; a switch takes True or False only."""
+    with pytest.raises(ValueError, match=f"^{name} must be True or False"):
+        EngineArgs(**{name: value}).verify()
+    EngineArgs(**{name: False}).verify()

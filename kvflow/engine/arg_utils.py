@@ -171,6 +171,10 @@ class EngineArgs:
             ValueError: naming the field that is out of range.
         """
         _positive_int("block_size", self.block_size)
+        for name in ("enable_prefix_caching", "disable_hybrid_kv_cache_manager", "enforce_eager", "enable_lora"):
+            # (a string such as "false" was truthy: prefix caching stayed on)
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63:
             # (torch's manual_seed failed later: "manual_seed expected a long, but got str")
             raise ValueError(f"seed must be an integer that fits in a signed 64-bit integer, got {self.seed!r}")
