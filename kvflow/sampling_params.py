@@ -148,6 +148,9 @@ class BeamSearchParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):  # ("false" was truthy: ignore_eos on)
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.temperature != 0:
             raise ValueError(f"temperature must be 0 for kvflow's beam search, got {self.temperature!r}")
         _check_number("length_penalty", self.length_penalty, finite=True)
