@@ -189,3 +189,13 @@ def test_a_switch_that_is_not_a_bool_names_the_field(name, value):
     with pytest.raises(ValueError, match=f"^{name} must be True or False"):
         EngineArgs(**{name: value}).verify()
     EngineArgs(**{name: False}).verify()
+
+
+@pytest.mark.parametrize("value", [5, b"dir", ["a"]])
+def test_a_model_cache_dir_that_is_not_a_path_names_the_field(value, tmp_path):
+    """LLM(model_cache_dir=5) raised os's TypeError ("expected str, bytes or os.PathLike
+    object, not int") while resolving the model; it is a ValueError naming the field."""
+    with pytest.raises(ValueError, match="^model_cache_dir must be a folder path"):
+        EngineArgs(model_cache_dir=value).verify()
+    EngineArgs(model_cache_dir=str(tmp_path)).verify()
+    EngineArgs(model_cache_dir=tmp_path).verify()

@@ -192,6 +192,9 @@ class EngineArgs:
             _positive_int("max_model_len", self.max_model_len)
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+        if self.model_cache_dir is not None and not isinstance(self.model_cache_dir, (str, os.PathLike)):
+            # (it failed while resolving the model: "expected str, bytes or os.PathLike object, not int")
+            raise ValueError(f"model_cache_dir must be a folder path, got {self.model_cache_dir!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
