@@ -176,7 +176,10 @@ class SamplingParams:
             ``torch.Generator``, so it produces the same tokens whatever else is batched
             with it, except under speculative decoding with ``disable_by_batch_size``
             (``SpeculativeConfig``): whether a step speculates, and so how a sampled
-            request draws from its generator, depends on how many requests are running.
+            request draws from its generator, depends on how many requests are running;
+            and under speculative decoding, for a request that is preempted (its first
+            step back verifies no drafts, so it draws other numbers than an uninterrupted
+            run would).
         max_tokens: maximum number of generated tokens (>= 1); None (as vLLM): until the
             context is full, i.e. ``max_model_len`` minus the prompt's length (the engine
             sets it per request).
