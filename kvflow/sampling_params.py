@@ -148,6 +148,9 @@ class BeamSearchParams:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):  # ("false" was truthy: ignore_eos on)
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.temperature != 0:
             raise ValueError(f"temperature must be 0 for kvflow's beam search, got {self.temperature!r}")
         _check_number("length_penalty", self.length_penalty, finite=True)
@@ -173,7 +176,10 @@ class SamplingParams:
             ``torch.Generator``, so it produces the same tokens whatever else is batched
             with it, except under speculative decoding with ``disable_by_batch_size``
             (``SpeculativeConfig``): whether a step speculates, and so how a sampled
-            request draws from its generator, depends on how many requests are running.
+            request draws from its generator, depends on how many requests are running;
+            and under speculative decoding, for a request that is preempted (its first
+            step back verifies no drafts, so it draws other numbers than an uninterrupted
+            run would).
         max_tokens: maximum number of generated tokens (>= 1); None (as vLLM): until the
             context is full, i.e. ``max_model_len`` minus the prompt's length (the engine
             sets it per request).

@@ -190,3 +190,33 @@ def test_a_seed_that_is_not_a_64_bit_integer_names_the_field(seed):
         EngineArgs(seed=seed).verify()
     EngineArgs(seed=-1).verify()
     EngineArgs(seed=2**63 - 1).verify()
+
+
+@pytest.mark.parametrize("name", ["enable_prefix_caching", "disable_hybrid_kv_cache_manager", "enforce_eager", "enable_lora"])
+@pytest.mark.parametrize("value", ["no", "false", 0, None])
+def test_a_switch_that_is_not_a_bool_names_the_field(name, value):
+    """LLM(enable_prefix_caching="no") was accepted, and the truthy string left prefix
+    caching on; a switch takes True or False only."""
+    with pytest.raises(ValueError, match=f"^{name} must be True or False"):
+        EngineArgs(**{name: value}).verify()
+    EngineArgs(**{name: False}).verify()
+
+
+@pytest.mark.parametrize("value", [5, b"dir", ["a"]])
+def test_a_model_cache_dir_that_is_not_a_path_names_the_field(value, tmp_path):
+    """LLM(model_cache_dir=5) raised os's TypeError ("expected str, bytes or os.PathLike
+    object, not int") while resolving the model; it is a ValueError naming the field."""
+    with pytest.raises(ValueError, match="^model_cache_dir must be a folder path"):
+        EngineArgs(model_cache_dir=value).verify()
+    EngineArgs(model_cache_dir=str(tmp_path)).verify()
+    EngineArgs(model_cache_dir=tmp_path).verify()
+
+
+def test_more_threads_than_the_machine_has_cpus_is_refused_by_name(monkeypatch):
+    """LLM(num_threads=10**6) passed verify; torch.set_num_threads took it, OpenMP could not
+    start the threads and the process crashed (segmentation fault). More threads than the
+    machine's CPUs never run at once: a ValueError naming the field."""
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    with pytest.raises(ValueError, match="^num_threads must be at most this machine's 4 CPUs, got 5"):
+        EngineArgs(num_threads=5).verify()
+    EngineArgs(num_threads=4).verify()

@@ -411,3 +411,13 @@ def test_from_optional_takes_none_as_the_default():
         SamplingParams.from_optional(logit_bias={"x": 1.0})
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams.from_optional(temperature=-1.0)
+
+
+@pytest.mark.parametrize("name", ["ignore_eos", "include_stop_str_in_output"])
+@pytest.mark.parametrize("value", ["false", "yes", 1, None])
+def test_beam_search_switches_must_be_booleans(name, value):
+    """BeamSearchParams(ignore_eos="false") was accepted and, truthy, extended the beams past
+    EOS; as SamplingParams' switches, these take True or False only."""
+    with pytest.raises(ValueError, match=f"^{name} must be a boolean"):
+        sp.BeamSearchParams(beam_width=2, max_tokens=3, **{name: value})
+    sp.BeamSearchParams(beam_width=2, max_tokens=3, **{name: True})

@@ -124,7 +124,7 @@ class EngineArgs:
         metavar="SECONDS")
     seed: int = _option(0, "seed of the engine's generator for requests without their own seed")
     num_threads: int | None = _option(
-        None, "CPU threads for the model (torch intra-op threads); default: torch's choice")
+        None, "CPU threads for the model (torch intra-op threads); at most the machine's CPUs; default: torch's choice")
     model_cache_dir: str | None = _option(
         None, "where converted GGUF models are cached (default: $KVFLOW_CACHE_DIR or ~/.cache/kvflow/models)")
     attention_backend: str = _option(
@@ -171,6 +171,10 @@ class EngineArgs:
             ValueError: naming the field that is out of range.
         """
         _positive_int("block_size", self.block_size)
+        for name in ("enable_prefix_caching", "disable_hybrid_kv_cache_manager", "enforce_eager", "enable_lora"):
+            # (a string such as "false" was truthy: prefix caching stayed on)
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63:
             # (torch's manual_seed failed later: "manual_seed expected a long, but got str")
             raise ValueError(f"seed must be an integer that fits in a signed 64-bit integer, got {self.seed!r}")
@@ -188,6 +192,13 @@ class EngineArgs:
             _positive_int("max_model_len", self.max_model_len)
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
+            cpus = os.cpu_count()
+            if cpus is not None and self.num_threads > cpus:
+                # (num_threads=10**6 had OpenMP fail to start its threads and the process crash)
+                raise ValueError(f"num_threads must be at most this machine's {cpus} CPUs, got {self.num_threads}")
+        if self.model_cache_dir is not None and not isinstance(self.model_cache_dir, (str, os.PathLike)):
+            # (it failed while resolving the model: "expected str, bytes or os.PathLike object, not int")
+            raise ValueError(f"model_cache_dir must be a folder path, got {self.model_cache_dir!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):

@@ -122,15 +122,22 @@ def render_chat_text(
         tools: tool (function) schemas, given to the template as transformers does.
 
     Raises:
-        ValueError: without a tokenizer; for both ``add_generation_prompt`` and
-            ``continue_final_message``; for a ``chat_template_kwargs`` key that is one of
+        ValueError: without a tokenizer; for ``add_generation_prompt`` or
+            ``continue_final_message`` not a bool, or both true; ``chat_template_kwargs`` not a
+            dict; for a ``chat_template_kwargs`` key that is one of
             apply_chat_template's own parameters; when the template fails on the messages
             (its message says why); for rendered text with a lone surrogate (not Unicode).
     """
     if tokenizer is None:
         raise ValueError("messages: this model has no tokenizer (and no chat template); send token ids")
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if not isinstance(value, bool):  # ("no" was truthy; transformers read a string as the text to continue)
+            raise ValueError(f"{name} must be true or false, got {value!r}")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(_RESERVED_KWARGS & set(kwargs))
     if reserved:

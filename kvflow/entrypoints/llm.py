@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Union
 
 from tqdm.auto import tqdm
@@ -544,6 +544,16 @@ class VLLMStyleEngine:
         _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         ids, text = self._llm._to_token_ids(prompt)
         self._llm.engine.add_request(str(request_id), ids, params, prompt=text, priority=priority)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> bool | None:
+        """Abort one request or several (vLLM's ``abort_request`` takes a list of ids), by the
+        ids ``add_request`` took (made strings as there). One id: False when it is unknown or
+        already finished (``LLMEngine.abort_request``); a list: None, as vLLM's."""
+        if isinstance(request_id, (str, int)):
+            return self._llm.engine.abort_request(str(request_id))
+        for one in request_id:
+            self._llm.engine.abort_request(str(one))
+        return None
 
     def get_tokenizer(self) -> Any:
         return self._llm.tokenizer

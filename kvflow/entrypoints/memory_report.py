@@ -298,10 +298,11 @@ def attention_variants(
 
 def hybrid_report(spec: KVShapeLike, dtype: torch.dtype, block_size: int, budget_bytes: int,
                   max_model_len: int) -> dict[str, Any] | None:
-    """The window-aware (hybrid) KV cache of a model with sliding-window and full layers, as
-    the engine allocates it (``kvflow.config.hybrid_kv_cache_groups``; None for any other
-    model): its groups, the bytes of one page (a pool block: ``group_size`` layers),
-    ``pool_blocks`` (what the engine's pool holds in the budget), and per full-length request
+    """The window-aware KV cache of a model with sliding-window layers, as the engine
+    allocates it: the hybrid groups of a model with sliding-window and full layers
+    (``kvflow.config.hybrid_kv_cache_groups``), or one group when every layer is windowed (the
+    engine then frees the blocks behind the window too); None for any other model: its
+    groups, the bytes of one page (a pool block: ``group_size`` layers), ``pool_blocks`` (what the engine's pool holds in the budget), and per full-length request
     the pages held while decoding at the end (steps of one token: every full group's blocks,
     ``ceil((W + block_size - 1) / block_size)`` per sliding group), their bytes, and how many
     such requests fit at once, next to keep-all (``disable_hybrid_kv_cache_manager``)."""
@@ -311,21 +312,29 @@ def hybrid_report(spec: KVShapeLike, dtype: torch.dtype, block_size: int, budget
     windows = getattr(spec, "sliding_windows", None)
     if not windows or _cla_of(spec) > 1:
         return None
-    groups = build_kv_cache_groups([w if w is not None and w < max_model_len else None for w in windows])
-    if groups is None:
+    acting = [w if w is not None and w < max_model_len else None for w in windows]
+    groups = build_kv_cache_groups(acting)
+    if groups is not None:
+        group_size, group_windows, padding = groups.group_size, groups.group_windows, groups.num_padding_positions
+        bytes_per_page = groups_page_spec(cache_spec(spec), groups).bytes_per_token(dtype) * block_size
+    elif all(acting):
+        # Every layer windowed (Mistral with a sliding window): one group, a block holds every
+        # layer, and the engine frees the blocks behind the largest window (ModelConfig.kv_free_window).
+        group_size, group_windows, padding = len(acting), (max(acting),), 0
+        bytes_per_page = cache_spec(spec).bytes_per_token(dtype) * block_size
+    else:
         return None
-    bytes_per_page = groups_page_spec(cache_spec(spec), groups).bytes_per_token(dtype) * block_size
     blocks = blocks_for(max_model_len, block_size)
     pages = sum(blocks if w is None else min(blocks, blocks_for(w + block_size - 1, block_size))
-                for w in groups.group_windows)
+                for w in group_windows)
     pool = budget_bytes // bytes_per_page
     keep_all = blocks * cache_spec(spec).bytes_per_token(dtype) * block_size
     return {
-        "group_size": groups.group_size,
-        "num_groups": groups.num_groups,
-        "num_sliding_groups": sum(w is not None for w in groups.group_windows),
-        "num_padding_positions": groups.num_padding_positions,
-        "windows": sorted({w for w in groups.group_windows if w is not None}),
+        "group_size": group_size,
+        "num_groups": len(group_windows),
+        "num_sliding_groups": sum(w is not None for w in group_windows),
+        "num_padding_positions": padding,
+        "windows": sorted({w for w in group_windows if w is not None}),
         "bytes_per_page": bytes_per_page,
         "pool_blocks": pool,
         "pages_per_full_length_request": pages,

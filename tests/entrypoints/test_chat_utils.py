@@ -84,3 +84,32 @@ def test_anthropic_thinking_disabled_asks_the_template_for_no_thinking():
     off = to_chat_fields(MessagesRequest.model_validate({**body, "thinking": {"type": "disabled"}}))
     assert off["chat_template_kwargs"] == {"enable_thinking": False}
     assert "chat_template_kwargs" not in to_chat_fields(MessagesRequest.model_validate(body))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"add_generation_prompt": "no"}, "^add_generation_prompt must be true or false, got 'no'"),
+    ({"add_generation_prompt": False, "continue_final_message": "no"}, "^continue_final_message must be true or false"),
+    ({"add_generation_prompt": None}, "^add_generation_prompt must be true or false"),
+    ({"chat_template_kwargs": "x"}, "^chat_template_kwargs must be a dict, got str"),
+    ({"chat_template_kwargs": [("enable_thinking", False)]}, "^chat_template_kwargs must be a dict, got list"),
+])  # fmt: skip
+def test_template_switches_and_kwargs_of_the_wrong_type_are_refused_by_name(kwargs, match):
+    """LLM.chat(add_generation_prompt="no") rendered the assistant header (a truthy string);
+    continue_final_message="no" reached transformers, which took the string for the text to
+    continue ('the final message has no "no" to continue'); chat_template_kwargs="x" failed
+    in dict() ('dictionary update sequence element #0 ...'). Each is a ValueError naming it,
+    before the template runs."""
+    from kvflow.entrypoints.chat_utils import render_chat_text
+
+    calls = []
+
+    class Tokenizer:
+        def apply_chat_template(self, conversation, **kw):
+            calls.append(kw)
+            return "rendered"
+
+    conversation = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=match):
+        render_chat_text(Tokenizer(), conversation, **kwargs)
+    assert calls == []
+    assert render_chat_text(Tokenizer(), conversation, add_generation_prompt=False, chat_template_kwargs={"x": 1}) == "rendered"

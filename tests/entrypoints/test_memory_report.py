@@ -390,3 +390,32 @@ def test_weight_report_of_a_safetensors_folder_and_a_corrupt_file(tmp_path):
     bad.write_bytes((10).to_bytes(8, "little") + b"{not json")
     with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
         memory.weight_report(str(bad.parent))
+
+
+def test_a_model_windowed_in_every_layer_reports_the_window_aware_cache(tmp_path):
+    """A Mistral config with a sliding window of 512 in every layer: the engine frees a
+    request's blocks behind the window (one windowed group), but the report had no
+    window-aware section and gave only keep-all's count of full-length requests (a quarter of
+    what fits at 2048 tokens: 62 against 16). Its pages per request are the engine allocator's bound, its pool
+    the engine's blocks; without a window (or one past max_model_len) there is no section."""
+    import transformers
+
+    from kvflow.core.kv_cache_manager import KVCacheManager
+
+    cfg = transformers.MistralConfig(vocab_size=256, hidden_size=256, intermediate_size=64, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=512,
+                                     max_position_embeddings=4096)
+    cfg.save_pretrained(tmp_path)
+    spec = memory.load_kv_spec(str(tmp_path))
+    report = memory.memory_report(spec, "bfloat16", block_size=16, budget_bytes=64 * 2**20, max_model_len=2048)
+    h = report["hybrid"]
+    assert h is not None and (h["group_size"], h["num_groups"], h["num_sliding_groups"], h["windows"]) == (4, 1, 1, [512])
+    engine_config = EngineArgs(model=str(tmp_path), device="cpu", dtype="bfloat16", kv_cache_memory_bytes=64 * 2**20,
+                               max_model_len=2048).create_config()
+    assert engine_config.cache.kv_cache_groups is None and engine_config.model.kv_free_window == 512
+    assert h["pool_blocks"] == engine_config.cache.num_blocks == report["budget"]["blocks"]
+    kv = KVCacheManager(64, 16, sliding_window=512)
+    assert h["pages_per_full_length_request"] == kv.max_blocks_held(2048, 1) == 33
+    assert h["full_length_requests"] == h["pool_blocks"] // 33 == 62 > 3 * report["budget"]["full_length_requests"] == 48
+    assert "Window-aware KV cache" in memory.format_report(report)
+    assert memory.memory_report(spec, "bfloat16", block_size=16, max_model_len=512)["hybrid"] is None

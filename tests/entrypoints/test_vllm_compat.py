@@ -298,3 +298,18 @@ def test_request_outputs_have_vllms_attributes(llm):
     assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids, out.kv_transfer_params) == (None,) * 4
     assert out.outputs[0].lora_request is None
     assert params.extra_args == {"tag": "x"}  # carried along, unchanged
+
+
+def test_llm_engine_abort_request_takes_vllms_list_of_ids(llm):
+    """vLLM's LLMEngine.abort_request takes a list of ids: llm.llm_engine.abort_request(["a"])
+    raised TypeError ("unhashable type: 'list'"); an int id that add_request stored as "5"
+    was not found (False). Both abort now, and their blocks are free at once."""
+    engine = llm.llm_engine
+    free = engine.get_stats()["num_free_blocks"]
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    for request_id in ("a", "b", 5):
+        engine.add_request(request_id, "hello world", params)
+    engine.step()
+    assert engine.abort_request(["a", "b"]) is None
+    assert engine.abort_request(5) is True and engine.abort_request("a") is False
+    assert not engine.has_unfinished_requests() and engine.get_stats()["num_free_blocks"] == free
