@@ -46,6 +46,9 @@ from kvflow.quantization.registry import LM_HEAD_METHODS, QUANTIZATION_METHODS
 from kvflow.utils import parse_bytes
 
 
+MAX_THREADS_PER_CPU = 8  # num_threads' bound: oversubscription allowed, not a count OpenMP cannot start
+
+
 def _option(default: Any, help: str, **cli: Any) -> Any:
     """A dataclass field carrying its documentation: ``help`` is the one text from which the
     class docstring's Attributes section and the CLI flag's help are made; ``cli`` holds
@@ -124,7 +127,7 @@ class EngineArgs:
         metavar="SECONDS")
     seed: int = _option(0, "seed of the engine's generator for requests without their own seed")
     num_threads: int | None = _option(
-        None, "CPU threads for the model (torch intra-op threads); at most the machine's CPUs; default: torch's choice")
+        None, "CPU threads for the model (torch intra-op threads); at most 8 a CPU of the machine; default: torch's choice")
     model_cache_dir: str | None = _option(
         None, "where converted GGUF models are cached (default: $KVFLOW_CACHE_DIR or ~/.cache/kvflow/models)")
     attention_backend: str = _option(
@@ -193,9 +196,11 @@ class EngineArgs:
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
             cpus = os.cpu_count()
-            if cpus is not None and self.num_threads > cpus:
-                # (num_threads=10**6 had OpenMP fail to start its threads and the process crash)
-                raise ValueError(f"num_threads must be at most this machine's {cpus} CPUs, got {self.num_threads}")
+            if cpus is not None and self.num_threads > MAX_THREADS_PER_CPU * cpus:
+                # (num_threads=10**6 had OpenMP fail to start its threads and the process crash;
+                # a few threads a CPU, oversubscribed on purpose, are the user's call)
+                raise ValueError(f"num_threads must be at most {MAX_THREADS_PER_CPU} x this machine's {cpus} CPUs "
+                                 f"= {MAX_THREADS_PER_CPU * cpus}, got {self.num_threads}")
         if self.model_cache_dir is not None and not isinstance(self.model_cache_dir, (str, os.PathLike)):
             # (it failed while resolving the model: "expected str, bytes or os.PathLike object, not int")
             raise ValueError(f"model_cache_dir must be a folder path, got {self.model_cache_dir!r}")
