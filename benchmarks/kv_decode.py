@@ -12,10 +12,20 @@ model-dtype cache of the same checkout. With ``--baseline-repo PATH`` (an older 
 the same runs go through that checkout's ``kvflow`` too (``PYTHONPATH=PATH``), alternated
 with this one's in every round, and the table adds this checkout's speedup over it.
 
+``--kernel`` times the attention kernel alone instead, on a noisy machine the steadier number:
+``paged_attention_quantized`` (int8 and fp8 codes) over ``--streams`` one-token decodes of
+``--prompt-len`` keys each, SmolLM2's shape (9 query heads, 3 KV heads, head dim 64) and a
+Qwen2.5-0.5B-like one (14 / 2 / 64), blocks of 16 scattered over the pool; next to it the
+bfloat16 cache's ``paged_decode_attention`` on the same shape; with ``--baseline-repo`` the
+baseline checkout's ``paged_attention.cpp`` built as a separate extension and called on the
+same tensors, alternated with this one's in one process (median of ``--rounds`` x 7 batches
+of 20 calls), its outputs checked equal to this one's bit for bit.
+
 How to run
 ----------
     python -m benchmarks.kv_decode                                        # SmolLM2, 32 streams
     python -m benchmarks.kv_decode --baseline-repo ../kvflow-main --rounds 3
+    python -m benchmarks.kv_decode --kernel --baseline-repo ../kvflow-main
 
 Prints a table, the CPU and its vector ISA, and writes every number to ``--out`` (default
 ``benchmarks/results/kv_decode.json``; not tracked by git).
@@ -47,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=65, help="output tokens of the timed batch (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=3, help="(default: %(default)s)")
     p.add_argument("--baseline-repo", default=None, help="an older checkout, measured alternately")
+    p.add_argument("--kernel", action="store_true", help="time the attention kernel alone (see the docstring)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads with --kernel (default: %(default)s)")
     p.add_argument("--out", default="benchmarks/results/kv_decode.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: the kv dtype to measure
     return p.parse_args(argv)
@@ -101,10 +113,105 @@ def measure(repo: Path, kv_dtype: str, args: argparse.Namespace) -> float:
     return json.loads(lines[-1])["step_ms"]
 
 
+KERNEL_SHAPES = [("smollm2", 9, 3, 64), ("qwen2.5-0.5b", 14, 2, 64)]  # (name, query heads, KV heads, head dim)
+
+
+def load_attention_kernel(repo: Path | None):
+    """The paged-attention extension of this checkout (None) or of ``repo`` (its
+    ``kvflow/ops/csrc/paged_attention.cpp``, built as a separate extension).
+
+    Raises:
+        ValueError: when repo has no such source, or a build fails.
+    """
+    from kvflow.ops import PAGED_ATTENTION
+    from kvflow.ops.build import CppKernel
+
+    if repo is None:
+        module = PAGED_ATTENTION.require()
+    else:
+        source = Path(repo).resolve() / "kvflow" / "ops" / "csrc" / "paged_attention.cpp"
+        if not source.is_file():
+            raise ValueError(f"--baseline-repo: {source} does not exist")
+        module = CppKernel("kvflow_cpu_paged_attention_baseline", source, "KVFLOW_CPU_ATTENTION",
+                           "baseline paged-attention kernel", includes=("vec_exp.h",)).load()
+    if module is None:
+        raise ValueError(f"the paged-attention kernel of {repo or REPO} could not be built (see the log)")
+    return module
+
+
+def kernel_bench(args: argparse.Namespace) -> None:
+    """``--kernel``: the quantized-cache attention kernel alone (see the module docstring)."""
+    import torch
+
+    from kvflow.attention.cpu_attention import _CODE_FORMATS, _code_table
+
+    torch.set_num_threads(args.threads)
+    ours = load_attention_kernel(None)
+    base = load_attention_kernel(Path(args.baseline_repo)) if args.baseline_repo else None
+    gen = torch.Generator().manual_seed(0)
+    bs, B, ctx = 16, args.streams, args.prompt_len
+    rows, records = [], []
+
+    def timed(fns: dict) -> dict[str, float]:
+        times = {name: [] for name in fns}
+        for r in range(args.rounds * 7):
+            for name in (list(fns) if r % 2 == 0 else list(reversed(fns))):
+                t = time.perf_counter()
+                for _ in range(20):
+                    fns[name]()
+                times[name].append((time.perf_counter() - t) / 20 * 1e3)
+        return {name: statistics.median(v) for name, v in times.items()}
+
+    for shape, H, KV, D in KERNEL_SHAPES:
+        per_req = (ctx + bs - 1) // bs
+        pool = B * per_req + 8
+        tables = torch.randperm(pool, generator=gen)[: B * per_req].view(B, per_req).contiguous()
+        starts = torch.arange(B + 1, dtype=torch.int32)
+        ctxs = torch.full((B,), ctx, dtype=torch.int32)
+        q = torch.randn(B, H, D, generator=gen)
+        k16, v16 = (torch.randn(pool, bs, KV, D, generator=gen).bfloat16() for _ in range(2))
+        q16 = q.bfloat16()
+        ref = timed({"bf16": lambda: ours.paged_decode_attention(q16, k16, v16, tables, ctxs, D**-0.5)})["bf16"]
+        rows.append([shape, "bfloat16 (paged_decode_attention)", f"{ref:.3f}", "1.00x", "-"])
+        records.append({"shape": shape, "kv": "bfloat16", "ms": ref})
+        for dtype in (torch.int8, torch.float8_e4m3fn):
+            codes = [torch.randint(0, 256, (pool, bs, KV, D), dtype=torch.uint8, generator=gen) for _ in range(2)]
+            if dtype == torch.float8_e4m3fn:
+                for c in codes:
+                    c[(c & 0x7F) == 0x7F] = 0  # (no NaN codes: quantize_kv never writes them)
+            scales = [(torch.rand(pool, bs, KV, generator=gen) * 0.02 + 1e-3).half() for _ in range(2)]
+            call = (q, codes[0], codes[1], scales[0], scales[1], _code_table(dtype), tables, starts, ctxs, D**-0.5,
+                    _CODE_FORMATS[dtype])
+            fns = {"current": lambda: ours.paged_attention_quantized(*call)}
+            if base is not None:
+                if not torch.equal(ours.paged_attention_quantized(*call), base.paged_attention_quantized(*call)):
+                    raise RuntimeError(f"{shape} {dtype}: this checkout's output differs from the baseline's")
+                fns["baseline"] = lambda: base.paged_attention_quantized(*call)
+            ms = timed(fns)
+            name = "int8" if dtype == torch.int8 else "fp8"
+            speedup = ms["baseline"] / ms["current"] if base is not None else None
+            rows.append([shape, name, f"{ms['current']:.3f}", f"{ms['current'] / ref:.2f}x",
+                         "-" if speedup is None else f"{speedup:.2f}x ({ms['baseline']:.3f} ms)"])
+            records.append({"shape": shape, "kv": name, "ms": ms, "vs_bf16": ms["current"] / ref,
+                            "speedup_vs_baseline": speedup, "bit_identical_to_baseline": base is not None})
+    info = machine_info()
+    print(f"\nattention kernel, {B} one-token decodes x {ctx} keys, {args.threads} threads, median of "
+          f"{args.rounds * 7} x 20 calls; CPU: {info.get('cpu_model')} ISA: {' '.join(info.get('cpu_isa') or [])}")
+    print(format_table(["shape", "KV cache", "ms a call", "x bfloat16", "speedup x baseline (its ms)"], rows))
+    if base is not None:
+        print("outputs equal to the baseline's bit for bit")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": info, "args": vars(args), "kernel": records}, indent=2))
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.child is not None:
         return child(args)
+    if args.kernel:
+        return kernel_bench(args)
     dtypes = [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]
     if args.tokens < 2 or args.streams < 1 or args.rounds < 1 or not dtypes:
         raise ValueError("--tokens >= 2, --streams >= 1, --rounds >= 1 and at least one --kv-dtypes entry")

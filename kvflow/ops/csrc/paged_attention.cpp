@@ -430,52 +430,22 @@ struct CodeRows {
   }
 };
 
-// scores16's float32 pass (out[t] = qf . k_t for t < n <= 16, qf scaled) over code rows
-// t0 .. t0 + n - 1: the same fused multiply-adds in the same order, so the same sums.
+// The key tile t0 .. t0 + n - 1 (n <= 16) as contiguous float32 rows of HD: converted once
+// into buf (16 x HD floats, L1-resident), which every query head and token of the item then
+// scores with scores16 (converting per query head cost G conversions of each key).
 template <int HD, int FMT>
-static inline void score_tile(const float*, const float* qf, const CodeRows<FMT>& k, int64_t t0, int64_t n, float,
-                              float* out) {
-#if defined(__AVX512F__)
-  __m512 acc[16];
-  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int t = 0; t < 16; ++t) {  // rows t >= n read row t0 again, not stored
-    const int64_t tt = t0 + (t < n ? t : 0);
-#pragma GCC unroll 8
-    for (int j = 0; j < HD / 16; ++j) acc[t] = _mm512_fmadd_ps(k.load(tt, 16 * j).v, _mm512_loadu_ps(qf + 16 * j), acc[t]);
-  }
-  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1u), reduce16(acc));
-#else
-  for (int64_t h = 0; h < n; h += 8) {  // scores8's two halves
-    const int64_t m = std::min<int64_t>(8, n - h);
-    __m256 acc[8];
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
-    if (m == 8) {
-#pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t)
-#pragma GCC unroll 8
-        for (int j = 0; j < HD / 8; ++j)
-          acc[t] = _mm256_fmadd_ps(k.load(t0 + h + t, 8 * j).v, _mm256_loadu_ps(qf + 8 * j), acc[t]);
-      _mm256_storeu_ps(out + h, reduce8(acc));
-      continue;
-    }
-    for (int64_t t = 0; t < m; ++t)
-      for (int j = 0; j < HD / 8; ++j)
-        acc[t] = _mm256_fmadd_ps(k.load(t0 + h + t, 8 * j).v, _mm256_loadu_ps(qf + 8 * j), acc[t]);
-    float r[8];
-    _mm256_storeu_ps(r, reduce8(acc));
-    for (int64_t t = 0; t < m; ++t) out[h + t] = r[t];
-  }
-#endif
+static inline const float* key_tile(const CodeRows<FMT>& k, int64_t t0, int64_t n, float* buf) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int j = 0; j < HD / VecF::L; ++j) k.load(t0 + t, VecF::L * j).store(buf + t * HD + VecF::L * j);
+  return buf;
 }
 #endif
 
 #if defined(KVFLOW_HAS_SCORES16)
-// scores16 over contiguous float32 rows (a dequantized buffer).
+// Contiguous float32 rows (a dequantized buffer): the tile is where it is.
 template <int HD>
-static inline void score_tile(const float* q, const float* qf, const FloatRows& k, int64_t t0, int64_t n, float scale,
-                              float* out) {
-  scores16<float, HD>(q, qf, k.v + t0 * k.stride, k.stride, n, scale, out);
+static inline const float* key_tile(const FloatRows& k, int64_t t0, int64_t, float*) {
+  return k.v + t0 * k.stride;
 }
 #endif
 
@@ -943,14 +913,16 @@ static void quantized_item(const float* qp, const KRows& krows, const VRows& vro
       for (int64_t d = 0; d < HD; ++d) f[d] = q[d] * scale;
     }
   // Pass 1: scores[(i, g), t] = q . k_t, tile by tile (token i sees keys t < first + i0 + i + 1).
+  alignas(64) float tile[16 * HD];
   for (int64_t o = 0; o < n; o += 16) {
+    const float* kt = key_tile<HD>(krows, o, std::min<int64_t>(16, n - o), tile);
     for (int64_t i = 0; i < nt; ++i) {
       const int64_t ctx = first + i0 + i + 1;
       if (o >= ctx) continue;
       const int64_t m = std::min<int64_t>(16, ctx - o);
       for (int64_t g = 0; g < g_n; ++g) {
         const int64_t r = i * g_n + g;
-        score_tile<HD>(q_of(i, g), qf.data() + r * HD, krows, o, m, scale, scores.data() + r * n + o);
+        scores16<float, HD>(q_of(i, g), qf.data() + r * HD, kt, HD, m, scale, scores.data() + r * n + o);
       }
     }
   }
