@@ -226,11 +226,12 @@ def to_chat_fields(req: ResponsesRequest) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    """``cached_tokens``: prompt tokens that were prefix-cache hits (``RequestOutput.num_cached_tokens``)."""
+def _usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """``cached_tokens``: prompt tokens that were prefix-cache hits (``RequestOutput.num_cached_tokens``);
+    ``reasoning_tokens``: ``reasoning_token_count``'s."""
     return {
         "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-        "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,
     }  # fmt: skip
 
@@ -278,6 +279,16 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "status": status}  # fmt: skip
 
 
+def reasoning_token_count(tokenizer: Any, reasoning: str, output_tokens: int) -> int:
+    """The output tokens a choice spent reasoning: its reasoning text (the reasoning parser's,
+    without the ``<think>`` markers) encoded again, at most ``output_tokens`` (the parser splits
+    text, not token ids, so this is the text's token count, which a model's own tokens of it
+    match unless it wrote an unusual split of the same text)."""
+    if not reasoning:
+        return 0
+    return min(output_tokens, len(tokenizer.encode(reasoning, add_special_tokens=False)))
+
+
 def output_items(parser: ChatOutputParser, finish_reason: str | None = None) -> list[dict[str, Any]]:
     """The output items of a finished choice: reasoning, the message, the function calls; the
     last one ``incomplete`` when ``max_output_tokens`` cut it (as OpenAI marks it), unless it is
@@ -304,12 +315,13 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest, raw: Re
     run = await serving.start_translated_chat(req, to_chat_fields, RENAMES)
     response = _Response(req, serving.model_name)
     if req.stream:
-        return StreamingResponse(_stream(run, response), media_type="text/event-stream")
+        return StreamingResponse(_stream(run, response, serving.tokenizer), media_type="text/event-stream")
     (out,) = await serving._collect([run.iterator], raw)
     (choice,) = out.outputs
     parser = run.new_parser()
     parser.update(choice.text, final=True)
-    usage = _usage(len(run.prompt_ids), len(choice.token_ids), out.num_cached_tokens)
+    usage = _usage(len(run.prompt_ids), len(choice.token_ids), out.num_cached_tokens,
+                   reasoning_token_count(serving.tokenizer, parser.reasoning, len(choice.token_ids)))
     return JSONResponse(response.object("completed", output_items(parser, choice.finish_reason), usage,
                                         choice.finish_reason))
 
@@ -320,7 +332,7 @@ def _event(kind: str, seq: list[int], **fields: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _stream(run: ChatRun, response: _Response):
+async def _stream(run: ChatRun, response: _Response, tokenizer: Any):
     """The Responses streaming events of one run; a fault after the start is an ``error``
     event (OpenAI's shape: ``code``, ``message``, ``param``)."""
     from kvflow.entrypoints.openai.serving import _as_api_error, _merge
@@ -392,8 +404,9 @@ async def _stream(run: ChatRun, response: _Response):
                 for line in stop(ev, "incomplete") if i == cut else handlers[ev.kind](ev):
                     yield line
             if c.finish_reason is not None:
-                final = response.object("completed", items, _usage(len(run.prompt_ids), len(c.token_ids), out.num_cached_tokens),
-                                        c.finish_reason)
+                usage = _usage(len(run.prompt_ids), len(c.token_ids), out.num_cached_tokens,
+                               reasoning_token_count(tokenizer, parser.reasoning, len(c.token_ids)))
+                final = response.object("completed", items, usage, c.finish_reason)
                 yield _event(f"response.{final['status']}", seq, response=final)
     except Exception as exc:  # noqa: BLE001 - reported to the client in the stream
         error = _as_api_error(exc)

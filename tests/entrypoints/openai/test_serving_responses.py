@@ -149,6 +149,34 @@ def test_function_call_streamed(client, script):
     final = events[-1].response
     assert [i.type for i in final.output] == ["reasoning", "function_call"]
     assert final.output[1].call_id == added[1].call_id
+    reasoning_tokens = len(script.tokenizer.encode("Use the tool.", add_special_tokens=False))
+    assert final.usage.output_tokens_details.reasoning_tokens == reasoning_tokens > 0
+
+
+def test_reasoning_tokens_are_counted():
+    """usage.output_tokens_details.reasoning_tokens was always 0 though the output had a
+    reasoning item: it is the reasoning text's tokens (none without reasoning, at most the
+    output's)."""
+    from kvflow.entrypoints.openai.serving_responses import reasoning_token_count
+
+    class Tok:
+        def encode(self, text, add_special_tokens=True):
+            assert add_special_tokens is False
+            return text.split()
+
+    assert reasoning_token_count(Tok(), "", 9) == 0
+    assert reasoning_token_count(Tok(), "a b c", 9) == 3
+    assert reasoning_token_count(Tok(), "a b c", 2) == 2
+
+
+def test_reasoning_tokens_in_the_whole_response(client, script):
+    script.set("<think>Think it over first.</think>It is sunny.")
+    r = _create(client)
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    expected = len(script.tokenizer.encode("Think it over first.", add_special_tokens=False))
+    assert r.usage.output_tokens_details.reasoning_tokens == expected > 0
+    script.set("It is sunny.")
+    assert _create(client).usage.output_tokens_details.reasoning_tokens == 0
 
 
 @pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "name": "get_weather"}])
