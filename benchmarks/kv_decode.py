@@ -146,6 +146,7 @@ def kernel_bench(args: argparse.Namespace) -> None:
     from kvflow.attention.cpu_attention import _CODE_FORMATS, _code_table
 
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     ours = load_attention_kernel(None)
     base = load_attention_kernel(Path(args.baseline_repo)) if args.baseline_repo else None
     gen = torch.Generator().manual_seed(0)
@@ -196,13 +197,15 @@ def kernel_bench(args: argparse.Namespace) -> None:
                             "speedup_vs_baseline": speedup, "bit_identical_to_baseline": base is not None})
     info = machine_info()
     print(f"\nattention kernel, {B} one-token decodes x {ctx} keys, {args.threads} threads, median of "
-          f"{args.rounds * 7} x 20 calls; CPU: {info.get('cpu_model')} ISA: {' '.join(info.get('cpu_isa') or [])}")
+          f"{args.rounds * 7} x 20 calls; CPU: {info.get('cpu_model')} ISA: {' '.join(info.get('cpu_isa') or [])}; "
+          f"load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after (the run's own threads included)")
     print(format_table(["shape", "KV cache", "ms a call", "x bfloat16", "speedup x baseline (its ms)"], rows))
     if base is not None:
         print("outputs equal to the baseline's bit for bit")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "args": vars(args), "kernel": records}, indent=2))
+    out.write_text(json.dumps({"machine": info, "args": vars(args), "load_average": [load_before, os.getloadavg()[0]],
+                               "kernel": records}, indent=2))
     print(f"wrote {out}")
 
 

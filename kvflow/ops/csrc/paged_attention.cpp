@@ -390,44 +390,52 @@ static inline void values_multi(const Rows& v, const float* p, int64_t p_stride_
 // The codes of a quantized cache (paged_attention_quantized's `code_format`).
 enum CodeFormat : int64_t { CODES_LUT = 0, CODES_INT8 = 1, CODES_FP8_E4M3 = 2 };
 
-#if defined(KVFLOW_HAS_SCORES16) && defined(KVFLOW_HAS_VALUES_MULTI) && \
-    (defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__)))
-// Rows of an int8 / fp8 (e4m3fn) cache read where they are stored: row t's codes at row[t],
-// its scale scale[t]; VecF::L codes become the float32 values code * scale in registers, the
-// same floats as dequant_row's (an int8 code converts exactly; an e4m3fn code's bits moved
-// into a float16's make its value times 2^-8, and the scale times 2^8 is exact), so a pass
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+// VecF::L int8 / fp8 (e4m3fn) codes at c as float32 code values times s: an int8 code converts
+// exactly; an e4m3fn code's sign, exponent and mantissa bits, moved into a float16's places
+// (bits 7-14), make exactly its value times 2^-8 (e4m3's exponent bias is 7, float16's 15;
+// subnormals map to subnormals), and s times 2^8 is exact too, so the one rounding is that of
+// value * s: the floats of the 256-entry table times s. (The NaN codes 0x7f / 0xff would read
+// as +-480; quantize_kv never writes them: its codes stay within +-448.)
+#define KVFLOW_HAS_CODE_VECTORS 1
+template <int FMT>
+static inline VecF convert_codes(const uint8_t* c, float s) {
+  static_assert(FMT == CODES_INT8 || FMT == CODES_FP8_E4M3, "convert_codes: int8 or fp8 codes");
+#if defined(__AVX512F__)
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  if constexpr (FMT == CODES_INT8) {
+    return {_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)), _mm512_set1_ps(s))};
+  } else {
+    const __m256i w = _mm256_cvtepu8_epi16(x);
+    const __m256i h16 = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+    return {_mm512_mul_ps(_mm512_cvtph_ps(h16), _mm512_set1_ps(s * 256.f))};
+  }
+#else
+  const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
+  if constexpr (FMT == CODES_INT8) {
+    return {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), _mm256_set1_ps(s))};
+  } else {
+    const __m128i w = _mm_cvtepu8_epi16(x);
+    const __m128i h16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                     _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
+    return {_mm256_mul_ps(_mm256_cvtph_ps(h16), _mm256_set1_ps(s * 256.f))};
+  }
+#endif
+}
+#endif
+
+#if defined(KVFLOW_HAS_SCORES16) && defined(KVFLOW_HAS_VALUES_MULTI) && defined(KVFLOW_HAS_CODE_VECTORS)
+// Rows of an int8 / fp8 cache read where they are stored: row t's codes at row[t], its scale
+// scale[t], converted in registers (convert_codes) to the floats dequant_row writes, so a pass
 // over CodeRows computes what the same pass over dequant_rows' buffer does, bit for bit,
 // without writing and reading back a float32 copy of the context (4 bytes an element).
 #define KVFLOW_HAS_CODE_ROWS 1
 template <int FMT>
 struct CodeRows {
-  static_assert(FMT == CODES_INT8 || FMT == CODES_FP8_E4M3, "CodeRows: int8 or fp8 codes");
   const uint8_t* const* row;
   const float* scale;
-  inline VecF load(int64_t t, int64_t off) const {
-    const uint8_t* c = row[t] + off;
-#if defined(__AVX512F__)
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-    if constexpr (FMT == CODES_INT8) {
-      return {_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)), _mm512_set1_ps(scale[t]))};
-    } else {
-      const __m256i w = _mm256_cvtepu8_epi16(x);
-      const __m256i h16 = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                                          _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
-      return {_mm512_mul_ps(_mm512_cvtph_ps(h16), _mm512_set1_ps(scale[t] * 256.f))};
-    }
-#else
-    const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c));
-    if constexpr (FMT == CODES_INT8) {
-      return {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), _mm256_set1_ps(scale[t]))};
-    } else {
-      const __m128i w = _mm_cvtepu8_epi16(x);
-      const __m128i h16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
-                                       _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7f)), 7));
-      return {_mm256_mul_ps(_mm256_cvtph_ps(h16), _mm256_set1_ps(scale[t] * 256.f))};
-    }
-#endif
-  }
+  inline VecF load(int64_t t, int64_t off) const { return convert_codes<FMT>(row[t] + off, scale[t]); }
 };
 
 // The key tile t0 .. t0 + n - 1 (n <= 16) as contiguous float32 rows of HD: converted once
@@ -746,61 +754,24 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 
 // One row of D codes: o[d] = lut[code] * s (float32), in vectors where the CPU has them.
 static inline void dequant_row(const uint8_t* c, float s, const float* lut, int64_t format, int64_t D, float* o) {
-  {
-#if defined(__AVX512F__)
-    if (D % 16 == 0 && format == CODES_INT8) {
-      const __m512 sv = _mm512_set1_ps(s);
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + d));
-        _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(x)), sv));
-      }
-      return;
-    }
-    if (D % 16 == 0 && format == CODES_FP8_E4M3) {
-      const __m512 sv = _mm512_set1_ps(s * 256.f);
-      const __m256i sign = _mm256_set1_epi16(0x80), mag = _mm256_set1_epi16(0x7f);
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + d)));
-        const __m256i h16 = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, sign), 8),
-                                            _mm256_slli_epi16(_mm256_and_si256(x, mag), 7));
-        _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_cvtph_ps(h16), sv));
-      }
-      return;
-    }
-#elif defined(__AVX2__) && defined(__F16C__)
-    if (D % 8 == 0 && format == CODES_INT8) {
-      const __m256 sv = _mm256_set1_ps(s);
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m128i x = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + d));
-        _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)), sv));
-      }
-      return;
-    }
-    if (D % 8 == 0 && format == CODES_FP8_E4M3) {
-      const __m256 sv = _mm256_set1_ps(s * 256.f);
-      const __m128i sign = _mm_set1_epi16(0x80), mag = _mm_set1_epi16(0x7f);
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + d)));
-        const __m128i h16 = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, sign), 8), _mm_slli_epi16(_mm_and_si128(x, mag), 7));
-        _mm256_storeu_ps(o + d, _mm256_mul_ps(_mm256_cvtph_ps(h16), sv));
-      }
-      return;
-    }
-#endif
-    (void)format;
-    for (int64_t d = 0; d < D; ++d) o[d] = lut[c[d]] * s;
+#if defined(KVFLOW_HAS_CODE_VECTORS)
+  if (D % VecF::L == 0 && (format == CODES_INT8 || format == CODES_FP8_E4M3)) {
+    auto run = [&](auto fmt) {
+      for (int64_t d = 0; d < D; d += VecF::L) convert_codes<decltype(fmt)::value>(c + d, s).store(o + d);
+    };
+    if (format == CODES_INT8) run(std::integral_constant<int, CODES_INT8>());
+    else run(std::integral_constant<int, CODES_FP8_E4M3>());
+    return;
   }
+#endif
+  (void)format;
+  for (int64_t d = 0; d < D; ++d) o[d] = lut[c[d]] * s;
 }
 
 // Rows t < n of one KV head, dequantized: dst[t * D + d] = lut[code] * scale (float32), the
 // rows read through the block table (slot table[t / bs] * bs + t % bs). int8 and fp8 (e4m3fn)
-// codes convert in vectors where the CPU has them (16 or 8 a step), to the same floats as
-// the table: an int8 code converts exactly; an e4m3fn code's sign, exponent and mantissa bits,
-// moved into a float16's places (bits 7-14), make exactly its value times 2^-8 (e4m3's
-// exponent bias is 7, float16's 15; subnormals map to subnormals), and the scale times 2^8
-// is exact too, so the one rounding of value * scale is the table's. (The NaN codes 0x7f /
-// 0xff would read as +-480 instead; quantize_kv never writes them: its codes stay within
-// +-448.) Other formats, or head dims off the vector width: the table.
+// codes convert in vectors where the CPU has them (convert_codes: 16 or 8 a step), to the same
+// floats as the table; other formats, or head dims off the vector width: the table.
 // Block by block, without a division and modulo per row (decode attention over 32 x 400
 // tokens: 0.449 -> 0.426 ms a layer for int8; most of this pass is the first read of the codes).
 static void dequant_rows(const uint8_t* codes, const c10::Half* scales, const float* lut, int64_t format,
