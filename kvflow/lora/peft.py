@@ -101,15 +101,23 @@ class LoRAModel:
         return sum(a.nbytes + b.nbytes for parts in self.modules.values() for _, a, b in parts)
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+def _read_tensors(folder: Path, what: str) -> dict[str, torch.Tensor]:
     for fname in WEIGHT_FILES:
         f = folder / fname
         if f.is_file():
-            if fname.endswith(".safetensors"):
-                from safetensors.torch import load_file
+            try:
+                if fname.endswith(".safetensors"):
+                    from safetensors.torch import load_file
 
-                return load_file(str(f))
-            return torch.load(str(f), map_location="cpu", weights_only=True)
+                    tensors = load_file(str(f))
+                else:
+                    tensors = torch.load(str(f), map_location="cpu", weights_only=True)
+            except Exception as exc:  # a truncated or corrupt file: the adapter's fault, not the engine's
+                raise ValueError(f"{what}: cannot read {fname}: {type(exc).__name__}: {exc}") from None
+            if not isinstance(tensors, dict) or not all(
+                    isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+                raise ValueError(f"{what}: {fname} must hold a mapping of tensor names to tensors")
+            return tensors
     raise ValueError(f"LoRA adapter folder {str(folder)!r} has none of {', '.join(WEIGHT_FILES)}")
 
 
@@ -164,7 +172,7 @@ def load_peft_adapter(lora_request, model, max_lora_rank: int, dtype: torch.dtyp
             raise ValueError(f"{what}: target module(s) {missing} do not exist in this model's decoder linears "
                              f"(it has {sorted(known_leaves)})")
 
-    tensors = _read_tensors(folder)
+    tensors = _read_tensors(folder, what)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         if not tensor.is_floating_point():

@@ -329,3 +329,33 @@ def test_padding_rows_never_touch_another_requests_row():
     torch.testing.assert_close(out[0], base[0], rtol=0, atol=0)
     torch.testing.assert_close(out[1:4], base[1:4] + weights.delta(0, x[1:4]))
     assert not out[4].isfinite().all()
+
+
+def test_unreadable_weight_files_are_refused_by_name(llama, tmp_path):
+    """A truncated safetensors file, a corrupt .bin and a .bin that holds no tensor mapping are
+    the adapter's fault: a ValueError naming the adapter and the file (the server's 400), not
+    the loader's own exception (which the server answered 500); the engine still serves."""
+    root, _, _, _ = llama
+    llm = LLM(str(root / "base"), device="cpu", dtype="float32", num_kv_blocks=64, enable_lora=True,
+              max_lora_rank=8)
+    prompt = _ids(5, seed=9)
+    truncated = tmp_path / "truncated"
+    truncated.mkdir()
+    (truncated / "adapter_config.json").write_text((root / "a" / "adapter_config.json").read_text())
+    (truncated / "adapter_model.safetensors").write_bytes((root / "a" / "adapter_model.safetensors").read_bytes()[:100])
+    corrupt_bin = tmp_path / "corrupt_bin"
+    corrupt_bin.mkdir()
+    (corrupt_bin / "adapter_config.json").write_text((root / "a" / "adapter_config.json").read_text())
+    (corrupt_bin / "adapter_model.bin").write_bytes(b"not a checkpoint")
+    list_bin = tmp_path / "list_bin"
+    list_bin.mkdir()
+    (list_bin / "adapter_config.json").write_text((root / "a" / "adapter_config.json").read_text())
+    torch.save([torch.zeros(2)], str(list_bin / "adapter_model.bin"))
+    for i, (folder, match) in enumerate([
+            (truncated, r"LoRA adapter 'truncated': cannot read adapter_model.safetensors: "),
+            (corrupt_bin, r"LoRA adapter 'corrupt_bin': cannot read adapter_model.bin: "),
+            (list_bin, r"LoRA adapter 'list_bin': adapter_model.bin must hold a mapping of tensor names to tensors")]):
+        with pytest.raises(ValueError, match=match):
+            llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest(folder.name, 30 + i, str(folder)))
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.get_stats()["num_free_blocks"] == llm.get_stats()["num_total_blocks"]
