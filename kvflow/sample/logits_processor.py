@@ -72,6 +72,18 @@ def _apply_masks(row: torch.Tensor, request: Request) -> None:
             tokens, values = zip(*bias)
             row.index_add_(0, torch.tensor(tokens, dtype=torch.int64, device=row.device),
                            torch.tensor(values, dtype=row.dtype, device=row.device))
+    if getattr(request, "num_drafts", 0) == 0 and not bool((row != float("-inf")).any()):
+        # Every token masked (e.g. allowed_token_ids all among the bad words, or only EOS allowed
+        # while min_tokens masks it): argmax / multinomial would emit an arbitrary forbidden token
+        # (token 0). Fail this request alone, naming what it set. (Not for a speculative draft
+        # position: its row matters only once the drafts before it are accepted.)
+        fields = [name for name, on in (
+            ("allowed_token_ids", p.allowed_token_ids is not None),
+            (getattr(request.grammar, "field", "the output constraint"), request.grammar is not None),
+            ("bad_words", bool(request.bad_words_token_ids)),
+            ("min_tokens (which masks EOS and stop_token_ids)", request.num_output_tokens < p.min_tokens)) if on]
+        raise ValueError(f"no token can be sampled: {', '.join(fields)} together exclude every token "
+                         f"of the vocabulary")
 
 
 def _allowed_index(params, device: torch.device) -> torch.Tensor:

@@ -1088,3 +1088,27 @@ def test_truncate_prompt_tokens_runs_the_prompts_last_tokens():
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("whole", prompt, SamplingParams(max_tokens=1))
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_request_whose_settings_mask_every_token_fails_alone(temperature):
+    """allowed_token_ids holding only a stop token that min_tokens masks leaves no token to
+    sample: the request fails alone with a ValueError naming both fields (it used to get
+    token 0, which allowed_token_ids forbids, greedily, or another forbidden token sampled);
+    the request beside it is untouched and every block comes back."""
+    engine = tiny_engine()
+    alone = generate(tiny_engine(), {"ok": PROMPTS["p9"]})["ok"]
+    dead = SamplingParams(temperature=temperature, max_tokens=4, allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2)
+    engine.add_request("dead", [3, 4, 5, 6], dead)
+    engine.add_request("ok", PROMPTS["p9"], GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done["dead"].error is not None and done["dead"].outputs[0].finish_reason == "error"
+    assert done["dead"].error.is_invalid_request and "allowed_token_ids, min_tokens" in done["dead"].error.message
+    assert list(done["dead"].outputs[0].token_ids) == []
+    assert list(done["ok"].outputs[0].token_ids) == list(alone)
+    stats = engine.get_stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]

@@ -376,3 +376,19 @@ def test_unpack_bitmask_reads_bits_as_llguidance_does(vocab):
     expected = torch.from_numpy(logits[0] == 0)
     assert torch.equal(unpack_bitmask(mask, vocab), expected)
     assert unpack_bitmask(torch.tensor([0b101], dtype=torch.int32), 3).tolist() == [True, False, True]
+
+
+# ------------------------------------------------------------------ nothing left to sample
+@pytest.mark.parametrize("params, bad_words, match", [
+    (dict(allowed_token_ids=[9]), [[9]], r"allowed_token_ids, bad_words together exclude every token"),
+    (dict(allowed_token_ids=[EOS, 5], stop_token_ids=[5], min_tokens=3), (),
+     r"allowed_token_ids, min_tokens \(which masks EOS and stop_token_ids\) together exclude every token"),
+])
+def test_a_row_with_every_token_masked_fails_naming_the_fields(params, bad_words, match):
+    """argmax over a row of -inf is token 0, which none of the request's settings allows: the
+    request is failed instead (the engine fails it alone), naming what it set."""
+    with pytest.raises(ValueError, match=match):
+        apply_logits_processors(random_logits(), [make_request([1], bad_words=bad_words, **params)])
+    # one allowed token left: no error
+    out = apply_logits_processors(random_logits(), [make_request([1], **{**params, "allowed_token_ids": [EOS, 5, 6]})])[0]
+    assert (out != NEG_INF).sum() >= 1
