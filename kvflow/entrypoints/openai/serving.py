@@ -443,6 +443,8 @@ class OpenAIServing:
                 error.param = prompt_field
             elif error.param == "max_tokens":  # (prompt + max_tokens needing more than the whole KV cache)
                 error.param = max_tokens_field
+            elif lora_request is not None and error.message.startswith(f"LoRA adapter {lora_request.lora_name!r}"):
+                error.param = "model"  # (the adapter the request's model names no longer loads: its folder changed)
             raise error from None
         request_id = uuid.uuid4().hex
         try:
