@@ -206,6 +206,8 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if not isinstance(fmt, dict):
         raise ValueError("text.format must be an object ({\"type\": \"text\" | \"json_object\" | \"json_schema\", ...})")
     if fmt.get("type") == "json_schema":
+        if fmt.get("schema") is None:  # (else chat's message would name response_format.json_schema.schema)
+            raise ValueError("text.format.schema is required for type json_schema")
         spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     return {"type": fmt.get("type")}

@@ -235,6 +235,10 @@ def test_json_schema_text_format(client, script):
     # text.verbosity changes the output (was silently dropped; chat's verbosity is refused)
     ({"text": {"verbosity": "low"}}, "text", "text.verbosity is not supported"),
     ({"text": {"format": {"type": "text"}, "verbosity": "high"}}, "text", "text.verbosity"),
+    # a json_schema format without its schema names the Responses field (it named chat's
+    # response_format.json_schema.schema, renamed to "text.json_schema.schema")
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text",
+     "text.format.schema is required for type json_schema"),
     # the OpenAI SDK's compaction and moderation change the prompt / the reply: were logged and dropped
     ({"context_management": [{"type": "compaction", "compact_threshold": 1000}]}, "context_management",
      "context_management is not supported"),
