@@ -25,6 +25,8 @@ from kvflow.layers.linear import LinearBase, MergedColumnParallelLinear, QKVPara
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+# PEFT's LoraConfig.lora_alpha default: a config without lora_alpha scales by 8 / r there
+PEFT_DEFAULT_LORA_ALPHA = 8
 # PEFT LoraConfig fields whose non-default values change the arithmetic kvflow implements.
 _REFUSED = {
     "use_dora": (False, None),
@@ -154,7 +156,7 @@ def load_peft_adapter(lora_request, model, max_lora_rank: int, dtype: torch.dtyp
         if key in config and config[key] not in allowed:
             raise ValueError(f"{what}: {key}={config[key]!r} is not supported by kvflow's LoRA (allowed: "
                              f"{', '.join(repr(a) for a in allowed if a is not None) or 'unset'})")
-    r_cfg, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    r_cfg, alpha = config.get("r"), config.get("lora_alpha", PEFT_DEFAULT_LORA_ALPHA)
     if isinstance(r_cfg, bool) or not isinstance(r_cfg, int) or r_cfg < 1:
         raise ValueError(f"{what}: r must be a positive integer, got {r_cfg!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):

@@ -359,3 +359,28 @@ def test_unreadable_weight_files_are_refused_by_name(llama, tmp_path):
             llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest(folder.name, 30 + i, str(folder)))
     assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.get_stats()["num_free_blocks"] == llm.get_stats()["num_total_blocks"]
+
+
+def test_a_config_without_lora_alpha_scales_as_peft_does(llama, tmp_path):
+    """PEFT reads a config without lora_alpha with its default, 8 (scaling 8 / r), not r
+    (scaling 1; kvflow's old reading): adapter b has r 4, so the two differ."""
+    from conftest import hf_greedy
+    from model.hf_parity import assert_greedy_matches
+
+    import peft
+    import transformers
+
+    root, _, _, _ = llama
+    config = json.loads((root / "b" / "adapter_config.json").read_text())
+    assert config["r"] == 4
+    del config["lora_alpha"]
+    no_alpha = _copy_adapter(root / "b", tmp_path / "no_alpha")
+    (tmp_path / "no_alpha" / "adapter_config.json").write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32)
+    merged = peft.PeftModel.from_pretrained(hf, no_alpha).merge_and_unload().eval()
+    llm = LLM(str(root / "base"), device="cpu", dtype="float32", block_size=4, num_kv_blocks=64, enable_lora=True,
+              max_lora_rank=8)
+    prompt = _ids(9, seed=4)
+    (out,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("no_alpha", 40, no_alpha))
+    ref, margins = hf_greedy(merged, prompt, 8)
+    assert_greedy_matches(list(out.outputs[0].token_ids), ref, margins)
