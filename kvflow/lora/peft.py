@@ -44,6 +44,11 @@ _REFUSED = {
     "target_parameters": (None, []),
     "trainable_token_indices": (None, [], {}),
     "lora_ga_config": (None, {}),
+    # PEFT's LoRA variants whose forward is not plain LoRA (Arrow's routing, block-diagonal
+    # factors, KaSA's singular values and truncated base weight)
+    "arrow_config": (None, {}),
+    "use_bdlora": (None, False, {}),
+    "kasa_config": (None, {}),
 }
 
 

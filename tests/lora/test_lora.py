@@ -253,7 +253,9 @@ def test_bad_adapters_are_refused_by_name(llama, tmp_path):
     alora = _copy_adapter(root / "a", tmp_path / "alora", {"alora_invocation_tokens": [5, 6]})
     refused(LoRARequest("alora", 12, alora), r"alora_invocation_tokens=\[5, 6\] is not supported")
     for i, (field, value) in enumerate([("exclude_modules", ["q_proj"]), ("target_parameters", ["mlp.experts.gate_up_proj"]),
-                                        ("trainable_token_indices", [5, 6]), ("lora_ga_config", {"x": 1})]):
+                                        ("trainable_token_indices", [5, 6]), ("lora_ga_config", {"x": 1}),
+                                        ("arrow_config", {"top_k": 3}), ("use_bdlora", {"nblocks": 2}),
+                                        ("kasa_config", {"x": 1})]):
         other = _copy_adapter(root / "a", tmp_path / field, {field: value})
         refused(LoRARequest(field, 20 + i, other), rf"{field}=.* is not supported by kvflow's LoRA")
     key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
