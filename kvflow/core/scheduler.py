@@ -322,7 +322,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_cache_manager
         # LoRA: a step uses at most max_loras distinct adapters (the slot table's size); a
-        # request of another adapter waits, without blocking those that fit.
+        # request of another adapter waits, without blocking those that fit (at most
+        # max_head_skips times, as below).
         adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
         for request in list(self.waiting):
             if budget <= 0:
@@ -332,6 +333,11 @@ class Scheduler:
                 break
             lora = request.lora_request
             if lora is not None and lora.lora_int_id not in adapters and len(adapters) >= self.config.max_loras:
+                # (bounded as a request that does not fit the KV cache: a steady stream of the
+                # running adapters' requests would otherwise pass it for ever)
+                if request.num_skips >= self.config.max_head_skips:
+                    break  # nobody passes it any more: the running adapters drain, then it runs
+                request.num_skips += 1
                 continue
             if request.status == RequestStatus.SWAPPED:
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)

@@ -780,6 +780,37 @@ def test_small_request_passes_a_large_one_a_bounded_number_of_times():
     assert admitted_at["large"] <= admitted_at["small2"]  # after two passes the queue waited for it
 
 
+def test_a_request_of_another_adapter_is_passed_a_bounded_number_of_times():
+    """With max_loras 1, a steady stream of adapter-a requests kept an adapter-b request
+    waiting for ever (each new a-request passed it); after max_head_skips passes admission
+    waits for it: the running a-requests drain and b runs."""
+    from kvflow.lora.request import LoRARequest
+
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    sched = Scheduler(SchedulerConfig(64, 16, 256, max_head_skips=2, max_loras=1),
+                      KVCacheManager(256, 4, enable_prefix_caching=False))
+
+    def add(request_id, lora):
+        r = make_request(request_id, prompt_len=4, max_tokens=6)
+        r.lora_request = lora
+        sched.add_request(r)
+
+    add("a0", a)
+    step(sched)
+    add("b", b)
+    admitted_at: dict[str, int] = {}
+    for i in range(60):
+        add(f"a{i + 1}", a)  # one more a-request every step
+        out, _ = step(sched)
+        for request_id in out.scheduled_req_ids:
+            admitted_at.setdefault(request_id, i)
+        if "b" in admitted_at:
+            break
+    assert "b" in admitted_at, "the b request was starved"
+    assert admitted_at["a1"] == 0 and admitted_at["a2"] == 1  # passed it twice
+    assert set(admitted_at) == {"a0", "a1", "a2", "b"}, admitted_at  # no later a-request went before it
+
+
 # ---------------------------------------------------------------------------- step duration
 def test_a_large_fixed_part_stretches_the_step_bound():
     """When the fitted fixed part of a step is more than MAX_FIXED_SHARE of
