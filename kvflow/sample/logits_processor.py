@@ -15,12 +15,16 @@ import torch
 from kvflow.request import Request
 
 
-def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def apply_logits_processors(logits: torch.Tensor, requests: list[Request],
+                            fail_when_all_masked: bool = False) -> torch.Tensor:
     """Apply every request's processors to its row.
 
     Args:
         logits: float32 [N, vocab_size] raw logits, one row per request (not modified).
         requests: the N requests, in row order.
+        fail_when_all_masked: raise ``no_token_error`` for a row whose masks leave no token
+            (the rows a request samples from now; a speculative draft position's row matters
+            only once the drafts before it are accepted: ``RejectionSampler`` checks those).
 
     Returns:
         float32 [N, vocab_size] processed logits (a new tensor when anything applied).
@@ -32,6 +36,8 @@ def apply_logits_processors(logits: torch.Tensor, requests: list[Request]) -> to
     logits = logits.clone()
     for i in masked:
         _apply_masks(logits[i], requests[i])
+        if fail_when_all_masked and not bool((logits[i] != float("-inf")).any()):
+            raise no_token_error(requests[i])
     if penalized:
         rows = torch.tensor(penalized, device=logits.device)
         logits[rows] = apply_penalties(logits[rows], [requests[i] for i in penalized])
@@ -72,18 +78,22 @@ def _apply_masks(row: torch.Tensor, request: Request) -> None:
             tokens, values = zip(*bias)
             row.index_add_(0, torch.tensor(tokens, dtype=torch.int64, device=row.device),
                            torch.tensor(values, dtype=row.dtype, device=row.device))
-    if getattr(request, "num_drafts", 0) == 0 and not bool((row != float("-inf")).any()):
-        # Every token masked (e.g. allowed_token_ids all among the bad words, or only EOS allowed
-        # while min_tokens masks it): argmax / multinomial would emit an arbitrary forbidden token
-        # (token 0). Fail this request alone, naming what it set. (Not for a speculative draft
-        # position: its row matters only once the drafts before it are accepted.)
-        fields = [name for name, on in (
-            ("allowed_token_ids", p.allowed_token_ids is not None),
-            (getattr(request.grammar, "field", "the output constraint"), request.grammar is not None),
-            ("bad_words", bool(request.bad_words_token_ids)),
-            ("min_tokens (which masks EOS and stop_token_ids)", request.num_output_tokens < p.min_tokens)) if on]
-        raise ValueError(f"no token can be sampled: {', '.join(fields)} together exclude every token "
-                         f"of the vocabulary")
+
+
+def no_token_error(request) -> ValueError:
+    """The failure of a request whose masks leave no token to sample (e.g. allowed_token_ids
+    all among the bad words, or only EOS allowed while min_tokens masks it): argmax or
+    multinomial would emit a token its settings forbid (token 0), so the engine fails it
+    alone, naming what it set."""
+    p = request.sampling_params
+    grammar = getattr(request, "grammar", None)
+    fields = [name for name, on in (
+        ("allowed_token_ids", p.allowed_token_ids is not None),
+        (getattr(grammar, "field", "the output constraint"), grammar is not None),
+        ("bad_words", bool(request.bad_words_token_ids)),
+        ("min_tokens (which masks EOS and stop_token_ids)", request.num_output_tokens < p.min_tokens)) if on]
+    return ValueError(f"no token can be sampled: {', '.join(fields) or 'its settings'} together exclude every "
+                      "token of the vocabulary")
 
 
 def _allowed_index(params, device: torch.device) -> torch.Tensor:

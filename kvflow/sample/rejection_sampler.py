@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvflow.request import Request
-from kvflow.sample.logits_processor import apply_logits_processors
+from kvflow.sample.logits_processor import apply_logits_processors, no_token_error
 from kvflow.sample.sampler import Sampler, SamplingTensors, row_argmax
 
 
@@ -64,19 +64,22 @@ class DraftPositionView:
     grammar = None
 
 
-def processed_probs(logits: torch.Tensor, views: list, vocab_size: int) -> torch.Tensor:
+def processed_probs(logits: torch.Tensor, views: list, vocab_size: int, dead: list | None = None) -> torch.Tensor:
     """The distributions a request samples from at each row.
 
     Args:
         logits: float32 [M, vocab_size] raw logits.
         views: M objects with the processor-facing attributes of a Request.
         vocab_size: columns of the logits.
+        dead: when given, filled with M bools: the rows whose masks leave no token.
 
     Returns:
         float32 [M, vocab_size] probabilities (for greedy rows: one-hot at the argmax of
         the processed logits).
     """
     processed = apply_logits_processors(logits, views)
+    if dead is not None:
+        dead.extend((processed != float("-inf")).any(dim=1).logical_not().tolist())
     st = SamplingTensors.from_requests(views, vocab_size, logits.device)
     probs = Sampler.filtered_probs(processed, st)
     greedy = st.temperature == 0
@@ -112,11 +115,14 @@ class RejectionSampler:
         k = len(drafts)
         vocab = target_logits.shape[-1]
         views = [DraftPositionView(request, i) for i in range(k + 1)]
-        p = processed_probs(target_logits, views, vocab)
+        dead: list[bool] = []
+        p = processed_probs(target_logits, views, vocab, dead)
         q = request.spec_draft_probs
         gen = request.generator or self.generator
         emitted: list[int] = []
         for i, x in enumerate(drafts):
+            if dead[i]:  # (reached: the drafts before it were accepted) no token may follow
+                raise no_token_error(views[i])
             p_x = float(p[i, x])
             q_x = 1.0 if q is None else float(q[i, x])
             u = float(torch.rand((), generator=gen, device=gen.device))
@@ -132,6 +138,8 @@ class RejectionSampler:
                 residual = p[i]
             emitted.append(_draw(residual, gen))
             return emitted
+        if dead[k]:
+            raise no_token_error(views[k])
         emitted.append(_draw(p[k], gen))
         return emitted
 

@@ -134,15 +134,20 @@ class DraftModelProposer:
             inputs = runner.prepare_inputs(out)
             hidden = runner.model(inputs.input_ids, inputs.positions, runner.cache_engine.kv_caches, inputs.metadata)
             logits = runner.model.compute_logits(hidden[inputs.logits_indices])
-            q = processed_probs(logits, inputs.sampling_requests, self.vocab_size)
-            for state, q_row in zip(inputs.sampling_requests, q):
+            dead: list[bool] = []
+            q = processed_probs(logits, inputs.sampling_requests, self.vocab_size, dead)
+            stopped: set[str] = set()
+            for state, q_row, no_token in zip(inputs.sampling_requests, q, dead):
                 seq = self._seqs[state.request_id]
                 seq.num_computed_tokens += out.num_scheduled_tokens[seq.request_id]
+                if no_token:  # its masks leave no token after these drafts: propose no more
+                    stopped.add(seq.request_id)
+                    continue
                 gen = seq.generator or self.generator
                 token = int(torch.multinomial(q_row.to(gen.device), 1, generator=gen))
                 seq.all_token_ids.append(token)
                 probs[seq.request_id].append(q_row)
-            scheduled = set(out.num_scheduled_tokens)  # a request the draft pool could not hold stops here
+            scheduled = set(out.num_scheduled_tokens) - stopped  # a request the draft pool could not hold stops here
             active = [(r, s, k) for r, s, k in active if r.request_id in scheduled and step + 1 < k]
         for request, seq, _ in proposing:
             drafts = seq.all_token_ids[request.num_tokens :]

@@ -590,7 +590,7 @@ class ModelRunner:
         index = batch.req_id_to_index
         rows = np.fromiter((index[r.request_id] for r in requests), dtype=np.int64, count=len(requests))
         if batch.needs_logits_processing[rows].any():
-            logits = apply_logits_processors(logits, requests)
+            logits = apply_logits_processors(logits, requests, fail_when_all_masked=True)
         if not batch.temperature[rows].any():
             return row_argmax(logits).tolist()
         return self.sampler(logits, self._sampling_tensors(requests, logits.shape[-1], rows)).tolist()

@@ -388,7 +388,7 @@ def test_a_row_with_every_token_masked_fails_naming_the_fields(params, bad_words
     """argmax over a row of -inf is token 0, which none of the request's settings allows: the
     request is failed instead (the engine fails it alone), naming what it set."""
     with pytest.raises(ValueError, match=match):
-        apply_logits_processors(random_logits(), [make_request([1], bad_words=bad_words, **params)])
+        apply_logits_processors(random_logits(), [make_request([1], bad_words=bad_words, **params)], fail_when_all_masked=True)
     # one allowed token left: no error
     out = apply_logits_processors(random_logits(), [make_request([1], **{**params, "allowed_token_ids": [EOS, 5, 6]})])[0]
     assert (out != NEG_INF).sum() >= 1

@@ -406,3 +406,22 @@ def test_speculative_sampling_preserves_target_distribution():
     assert close(spec.accepted_at[1], p_accept_both), (spec.accepted_at, p_accept_both)
     assert proposer.kv.num_free_blocks == proposer.kv.num_total_blocks
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_accepted_draft_after_which_no_token_is_allowed_fails_the_request(temperature):
+    """allowed_token_ids [4, 5] with bad words [4, 5] and [4, 4]: after token 4 nothing is
+    allowed. Once the draft 4 is accepted, the next row has every token masked: the request
+    fails with the ValueError naming the fields (it emitted token 0 greedily, which
+    allowed_token_ids forbids, or a sampled row of NaN), while a rejected draft 4 leaves the
+    first row, which allows 5."""
+    params = SamplingParams(temperature=temperature, max_tokens=16, allowed_token_ids=[4, 5])
+    logits = torch.zeros(3, 12)
+    logits[:, 4] = 5.0  # the target prefers 4: the draft 4 is accepted
+    request = make_request(params, [4, 5])
+    request.bad_words_token_ids = [[4, 5], [4, 4]]
+    with pytest.raises(ValueError, match="no token can be sampled: allowed_token_ids, bad_words"):
+        RejectionSampler(gen(0))(request, [4, 5], logits)
+    if temperature == 0:
+        logits[:, 4], logits[:, 5] = 0.0, 5.0  # the target prefers 5: the draft 4 is rejected
+        assert RejectionSampler(gen(0))(request, [4, 5], logits) == [5]

@@ -597,3 +597,25 @@ def test_draft_cache_comes_out_of_the_kv_budget(tmp_path, kv_cache_dtype):
     assert spec.cache_config.num_blocks == alone.cache_config.num_blocks // 2
     assert draft_runner.cache_engine.kv_caches[0][0].shape[0] == spec.cache_config.num_blocks
     assert draft_runner.cache_engine.kv_caches[0][0].dtype == spec.cache_config.dtype
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_draft_stops_where_its_masks_leave_no_token(temperature):
+    """allowed_token_ids [4] and the bad word [4, 4]: the first draft is 4, after which no
+    token is allowed. The draft model proposes [4] and stops there (a sampled row of all
+    masked tokens made its multinomial raise a RuntimeError, failing the request as an
+    internal error); the target then fails the request with the ValueError naming the fields."""
+    from kvflow.request import Request
+    from kvflow.sample.rejection_sampler import RejectionSampler
+
+    cache = CacheConfig(4, 64, torch.float32, enable_prefix_caching=False)
+    proposer = draft_proposer(draft_model(None), cache, k=3)
+    request = Request("r", [1, 2, 3, 5, 6], SamplingParams(temperature=temperature, max_tokens=8, allowed_token_ids=[4]),
+                      eos_token_id=None)
+    request.bad_words_token_ids = [[4, 4]]
+    proposer.propose([request])
+    assert request.spec_token_ids == [4]
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="no token can be sampled: allowed_token_ids, bad_words"):
+        RejectionSampler(torch.Generator().manual_seed(0))(request, request.spec_token_ids, logits)
+    proposer.free("r")
