@@ -99,14 +99,19 @@ def _json_object(name: str):
     return parse
 
 
-def _byte_size(name: str):
+def _byte_size(name: str, minimum: int = 0):
+    """A byte size with units (``512MiB``), at least ``minimum`` bytes (refused at parse time,
+    before a model loads)."""
     def parse(text: str) -> int:
         from kvflow.utils import parse_bytes
 
         try:
-            return parse_bytes(text, name)
+            value = parse_bytes(text, name)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} byte{'s' if minimum != 1 else ''}, got {value}")
+        return value
 
     return parse
 
@@ -634,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue-len", type=_positive_count, default=None,
                        help="at most this many requests accepted and not yet running; more get 429 (a request with more "
                        "prompts than this gets 400: it could never fit) (default: no limit)")
-    serve.add_argument("--max-request-bytes", type=_byte_size("max_request_bytes"), default="10MiB", metavar="BYTES",
+    serve.add_argument("--max-request-bytes", type=_byte_size("max_request_bytes", minimum=1), default="10MiB", metavar="BYTES",
                        help="larger request bodies get 413 (default: 10MiB)")
     serve.add_argument("--timeout-keep-alive", type=_positive_seconds, default=5.0,
                        help="close a keep-alive connection idle this many seconds between requests (default: 5)")
