@@ -129,7 +129,7 @@ async def create_message(serving: OpenAIServing, req: MessagesRequest, raw: Requ
             of ``OpenAIServing.start_chat`` (rendered in Anthropic's shape by the middleware).
     """
     run = await serving.start_translated_chat(req, to_chat_fields, RENAMES)
-    message = {"id": _new_id(), "type": "message", "role": "assistant", "model": serving.model_name}
+    message = {"id": _new_id(), "type": "message", "role": "assistant", "model": serving.served_name(req.model)}
     if req.stream:
         return StreamingResponse(_stream(run, message, req), media_type="text/event-stream")
     (out,) = await serving._collect([run.iterator], raw)

@@ -115,7 +115,7 @@ async def create_embedding(serving: OpenAIServing, req: EmbeddingRequest, raw: R
         "id": f"embd-{uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
-        "model": serving.model_name,
+        "model": serving.served_name(req.model),
         "data": [
             {"object": "embedding", "index": i, "embedding": _encode(out.outputs.embedding, req.encoding_format)}
             for i, out in enumerate(finals)

@@ -313,7 +313,7 @@ async def create_response(serving: OpenAIServing, req: ResponsesRequest, raw: Re
             errors of ``OpenAIServing.start_chat``.
     """
     run = await serving.start_translated_chat(req, to_chat_fields, RENAMES)
-    response = _Response(req, serving.model_name)
+    response = _Response(req, serving.served_name(req.model))
     if req.stream:
         return StreamingResponse(_stream(run, response, serving.tokenizer), media_type="text/event-stream")
     (out,) = await serving._collect([run.iterator], raw)
