@@ -496,6 +496,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--lora-modules needs --enable-lora")
     if len(lora_modules) != len(args.lora_modules or []):
         raise ValueError("--lora-modules names an adapter twice")
+    if args.data_parallel_size == 1:  # one engine, no router: a router flag would do nothing
+        given = [flag for flag in ("--router", "--router-policy")
+                 if any(a == flag or a.startswith(flag + "=") for a in args.argv)]
+        if given:
+            raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --data-parallel-size N with "
+                             "N > 1 (the router runs in front of the replicas; one engine runs without one)")
     chat_template = load_chat_template(args.chat_template)  # a missing file: before the model loads
     check_bindable(args.host, args.port)  # before the model loads (seconds to minutes)
     if args.data_parallel_size != 1:  # N replicas behind a router (kvflow/entrypoints/data_parallel.py)

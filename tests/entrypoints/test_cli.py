@@ -688,6 +688,8 @@ def test_serve_port_taken_while_the_model_loads_is_one_line_and_exit_1(capsys, m
     (["--timeout-keep-alive", "0"], "argument --timeout-keep-alive: must be a number of seconds > 0"),
     (["--request-read-timeout", "-3"], "argument --request-read-timeout: must be a number of seconds > 0"),
     (["--max-request-bytes", "0"], "argument --max-request-bytes: must be at least 1 byte, got 0"),
+    (["--router", "sglang-router"], "--router needs --data-parallel-size N with N > 1"),
+    (["--router-policy=round_robin", "--data-parallel-size", "1"], "--router-policy needs --data-parallel-size N"),
     (["--chat-template", "./missing.jinja"], "--chat-template: no such file"),
     (["--chat-template", "./missing.jinja", "--data-parallel-size", "2"], "--chat-template: no such file"),
 ])
