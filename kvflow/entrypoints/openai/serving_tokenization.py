@@ -39,6 +39,23 @@ class TokenizeCompletionRequest(_Body):
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
+    # the messages form's fields -> their values that change nothing: a prompt is tokenized
+    # as it is, with no chat template to render tools or template variables into
+    CHAT_ONLY: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "tools": (None, []), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, False),
+        "continue_final_message": (None, False),
+    }
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """See ``_Body.unsupported_field``; also refuses a field of the messages form set with a
+        ``prompt`` (``tools`` were dropped and the count left them out)."""
+        for name, harmless in self.CHAT_ONLY.items():
+            value = (self.model_extra or {}).get(name)
+            if not any(value == h and type(value) is type(h) for h in harmless):
+                return name, (f"{name} is rendered by the chat template, which tokenizes messages, not a prompt: "
+                              f"send messages, or leave {name} unset")
+        return super().unsupported_field()
+
 
 class TokenizeChatRequest(_Body):
     """POST /tokenize with ``messages`` (the chat template's rendering)."""
