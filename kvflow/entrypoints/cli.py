@@ -496,6 +496,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--lora-modules needs --enable-lora")
     if len(lora_modules) != len(args.lora_modules or []):
         raise ValueError("--lora-modules names an adapter twice")
+    base_names = {*(args.served_model_name or [default_served_name(args.model)]), args.model}
+    clash = next((name for name in lora_modules if name in base_names), None)
+    if clash is not None:  # (build_app refused it as "lora_name: ..." once the model had loaded)
+        raise ValueError(f"--lora-modules: {clash!r} is a name of the base model (--served-model-name / --model); "
+                         "give the adapter a name of its own")
     if args.data_parallel_size == 1:  # one engine, no router: a router flag would do nothing
         given = [flag for flag in ("--router", "--router-policy")
                  if any(a == flag or a.startswith(flag + "=") for a in args.argv)]

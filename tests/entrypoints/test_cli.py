@@ -691,6 +691,8 @@ def test_serve_port_taken_while_the_model_loads_is_one_line_and_exit_1(capsys, m
     (["--router", "sglang-router"], "--router needs --data-parallel-size N with N > 1"),
     (["--router-policy=round_robin", "--data-parallel-size", "1"], "--router-policy needs --data-parallel-size N"),
     (["--chat-template", "./missing.jinja"], "--chat-template: no such file"),
+    (["--enable-lora", "--lora-modules", "smollm2-135m=./a"], "--lora-modules: 'smollm2-135m' is a name of the base"),
+    (["--enable-lora", "--lora-modules", "b=./a", "--served-model-name", "a", "b"], "--lora-modules: 'b' is a name of"),
     (["--chat-template", "./missing.jinja", "--data-parallel-size", "2"], "--chat-template: no such file"),
 ])
 def test_serve_bad_server_flags_are_usage_errors_before_anything_loads(capsys, monkeypatch, argv, wanted):
