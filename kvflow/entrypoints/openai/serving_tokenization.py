@@ -25,7 +25,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from kvflow.entrypoints.chat_utils import render_chat_text
 from kvflow.entrypoints.openai.protocol import (
-    ChatMessage, ChatTool, _Body, check_template_kwargs, unsupported_message_field,
+    ChatMessage, ChatTool, _Body, check_template_kwargs, check_tool_count, unsupported_message_field,
 )
 from kvflow.entrypoints.openai.serving import APIError, OpenAIServing, _bad_request
 from kvflow.entrypoints.openai.tools import template_tools
@@ -76,8 +76,9 @@ class TokenizeChatRequest(_Body):
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {"chat_template": (), "mm_processor_kwargs": ({},)}
 
-    # as /v1/chat/completions refuses them: the keys the server sets itself
+    # as /v1/chat/completions refuses them: the keys the server sets itself, more than MAX_TOOLS tools
     _free_template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
+    _tools_bounded = field_validator("tools", mode="before")(check_tool_count)
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """See ``_Body.unsupported_field``; also looks into the messages, and refuses a

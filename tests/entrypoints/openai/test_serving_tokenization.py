@@ -128,6 +128,9 @@ def test_version(http):
     ("/tokenize", {"messages": MSG, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ("/tokenize", {"messages": MSG, "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+    # more tools than /v1/chat/completions takes: no count for a body chat refuses
+    ("/tokenize", {"messages": MSG, "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+     "tools"),
     # the messages form's fields with a prompt: dropped, the count silently left the tools out
     ("/tokenize", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/tokenize", {"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
