@@ -18,7 +18,8 @@ Switches and when they are read:
   wins over it).
 - ``KVFLOW_CPU_MARCH`` (str; default ``native``): the ``-march`` target of kvflow's C++ CPU
   kernels (``kvflow.ops.build``), e.g. ``x86-64-v3`` for an AVX2 CPU without AVX-512; a
-  target beyond this CPU is refused with the features it lacks.
+  target beyond this CPU is refused with the features it lacks, one the compiler does not
+  know with the compiler's complaint.
 - ``KVFLOW_CPU_KERNELS`` (bool; default on): ``0`` keeps every C++ CPU kernel unbuilt (the
   PyTorch paths run); each kernel also has its own switch:
   ``KVFLOW_CPU_ATTENTION`` (paged attention), ``KVFLOW_CPU_NORM`` (RMSNorm),
@@ -158,7 +159,8 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
            "(`EngineArgs.model_cache_dir` / `--model-cache-dir` wins)", _text_or_none),
     Switch("KVFLOW_CPU_MARCH", "str", "`native`",
            "the `-march` target kvflow's C++ CPU kernels are compiled for (e.g. `x86-64-v3`: AVX2, no "
-           "AVX-512); a target beyond this CPU is refused, naming the missing features",
+           "AVX-512); a target beyond this CPU is refused, naming the missing features, and one the compiler "
+           "does not know, with the compiler's complaint (a warning; the PyTorch paths run)",
            lambda text: text or "native"),
     Switch("KVFLOW_CPU_KERNELS", "bool", "1 (on)",
            "`0`: never build any of kvflow's C++ CPU kernels (all the PyTorch paths run)", _on_unless_zero),

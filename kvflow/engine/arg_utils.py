@@ -103,7 +103,7 @@ class EngineArgs:
         None, "weight-only quantization at load: gguf (compute a GGUF file's quantized tensors as stored, with "
         "native int8-dot kernels; the default for a GGUF model on the CPU unless dtype is float32), int8, int4 "
         "(round-to-nearest), int4-awq, fp8, or none (float weights; a GGUF file is dequantized). A quantized "
-        "checkpoint folder (kvflow quantize) loads quantized whatever this says", choices=(*QUANTIZATION_METHODS, "none"))
+        "checkpoint folder (kvflow quantize) loads as saved: leave this unset or give its scheme", choices=(*QUANTIZATION_METHODS, "none"))
     quantization_group_size: int = _option(
         32, "INT4 group size: 32, 64 or 128 (32 measured far better than 128 on SmolLM2)", choices=(32, 64, 128))
     quantize_lm_head: bool | str = _option(
@@ -273,11 +273,19 @@ class EngineArgs:
         Raises:
             FileNotFoundError: the folder's GGUF file is gone.
             ValueError: "gguf" asked of a model that is no GGUF file (nor a saved checkpoint),
-                naming it (``name``: the model as the user gave it; default ``self.model``).
+                naming it (``name``: the model as the user gave it; default ``self.model``);
+                a scheme (or "none") other than a saved quantized checkpoint's own, which
+                loads as saved (it was ignored).
         """
         from kvflow.quantization.checkpoint import quantization_of
+        from kvflow.quantization.registry import canonical_name
         from kvflow.model.resolve import gguf_source
 
+        saved = quantization_of(model_dir)
+        if saved is not None and requested is not None and canonical_name(requested) != saved["method"]:
+            raise ValueError(f"quantization={requested!r}: {name or self.model!r} is a checkpoint saved quantized with "
+                             f"{saved['method']!r} (kvflow quantize), which loads as saved; leave quantization unset or "
+                             f"give {saved['method']!r}")
         if requested == "none":
             return None
         if requested == "gguf" and gguf_source(model_dir) is None and quantization_of(model_dir) is None:

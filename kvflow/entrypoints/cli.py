@@ -99,14 +99,19 @@ def _json_object(name: str):
     return parse
 
 
-def _byte_size(name: str):
+def _byte_size(name: str, minimum: int = 0):
+    """A byte size with units (``512MiB``), at least ``minimum`` bytes (refused at parse time,
+    before a model loads)."""
     def parse(text: str) -> int:
         from kvflow.utils import parse_bytes
 
         try:
-            return parse_bytes(text, name)
+            value = parse_bytes(text, name)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} byte{'s' if minimum != 1 else ''}, got {value}")
+        return value
 
     return parse
 
@@ -491,6 +496,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--lora-modules needs --enable-lora")
     if len(lora_modules) != len(args.lora_modules or []):
         raise ValueError("--lora-modules names an adapter twice")
+    base_names = {*(args.served_model_name or [default_served_name(args.model)]), args.model}
+    clash = next((name for name in lora_modules if name in base_names), None)
+    if clash is not None:  # (build_app refused it as "lora_name: ..." once the model had loaded)
+        raise ValueError(f"--lora-modules: {clash!r} is a name of the base model (--served-model-name / --model); "
+                         "give the adapter a name of its own")
+    if args.data_parallel_size == 1:  # one engine, no router: a router flag would do nothing
+        given = [flag for flag in ("--router", "--router-policy")
+                 if any(a == flag or a.startswith(flag + "=") for a in args.argv)]
+        if given:
+            raise ValueError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --data-parallel-size N with "
+                             "N > 1 (the router runs in front of the replicas; one engine runs without one)")
     chat_template = load_chat_template(args.chat_template)  # a missing file: before the model loads
     check_bindable(args.host, args.port)  # before the model loads (seconds to minutes)
     if args.data_parallel_size != 1:  # N replicas behind a router (kvflow/entrypoints/data_parallel.py)
@@ -634,7 +650,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue-len", type=_positive_count, default=None,
                        help="at most this many requests accepted and not yet running; more get 429 (a request with more "
                        "prompts than this gets 400: it could never fit) (default: no limit)")
-    serve.add_argument("--max-request-bytes", type=_byte_size("max_request_bytes"), default="10MiB", metavar="BYTES",
+    serve.add_argument("--max-request-bytes", type=_byte_size("max_request_bytes", minimum=1), default="10MiB", metavar="BYTES",
                        help="larger request bodies get 413 (default: 10MiB)")
     serve.add_argument("--timeout-keep-alive", type=_positive_seconds, default=5.0,
                        help="close a keep-alive connection idle this many seconds between requests (default: 5)")

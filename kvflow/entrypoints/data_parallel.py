@@ -142,11 +142,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+_ROUTER_FLAGS = ("--router", "--router-policy")
+
+
 def replica_argv(serve_argv: list[str], port: int, num_threads: int) -> list[str]:
-    """The ``kvflow serve`` arguments of one replica: the command's own, then the overrides
-    (argparse keeps the last value of a repeated flag): one engine on 127.0.0.1:``port`` with
-    ``num_threads`` threads."""
-    return [*serve_argv, "--data-parallel-size", "1", "--host", "127.0.0.1", "--port", str(port),
+    """The ``kvflow serve`` arguments of one replica: the command's own without the router's
+    flags (a replica has no router: ``kvflow serve`` refuses them with one engine), then the
+    overrides (argparse keeps the last value of a repeated flag): one engine on
+    127.0.0.1:``port`` with ``num_threads`` threads."""
+    own, skip = [], False
+    for arg in serve_argv:
+        if skip:
+            skip = False
+        elif arg in _ROUTER_FLAGS:
+            skip = True  # (and its value)
+        elif not arg.startswith(tuple(flag + "=" for flag in _ROUTER_FLAGS)):
+            own.append(arg)
+    return [*own, "--data-parallel-size", "1", "--host", "127.0.0.1", "--port", str(port),
             "--num-threads", str(num_threads)]
 
 

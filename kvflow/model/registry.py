@@ -69,9 +69,13 @@ def supported_model_types() -> list[str]:
 
 
 def check_supported(model_type: str) -> None:
-    """Raises ValueError naming ``model_type`` and the supported ones when kvflow lacks it."""
+    """Raises ValueError naming ``model_type`` and the supported ones when kvflow lacks it:
+    the registered model_types and the multimodal ones whose language model kvflow runs
+    (``ArchSpec.text_model_of``, e.g. ``gemma3``)."""
     if model_type not in _MODELS:
-        raise ValueError(f"model_type {model_type!r} is not supported; kvflow runs {supported_model_types()}")
+        wrappers = sorted({m for spec in arch_specs() for m in spec.text_model_of})
+        also = f", and the language model of {wrappers}" if wrappers else ""
+        raise ValueError(f"model_type {model_type!r} is not supported; kvflow runs {supported_model_types()}{also}")
 
 
 def model_class(model_type: str) -> type:

@@ -123,6 +123,27 @@ _X86_FEATURE_MACROS = {
 }
 
 
+def target_refused(cflags: list[str]) -> str:
+    """The C++ compiler's complaint about the ``-m`` flags of ``cflags`` (an unknown
+    ``KVFLOW_CPU_MARCH`` target, say ``znver99``): its first error line, '' when it takes
+    them, for ``-march=native``, or when the compiler cannot be run.
+
+    Without this check every kernel's build ran the compiler and failed, each with a warning
+    that showed the start of the compiler's command line, not the variable to fix.
+    """
+    if "-march=native" in cflags:
+        return ""
+    try:
+        done = subprocess.run([envs.read("CXX"), *[f for f in cflags if f.startswith("-m")], "-dM", "-E", "-x", "c++",
+                               "-"], input="", capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    if done.returncode == 0:
+        return ""
+    lines = [line.strip() for line in done.stderr.splitlines() if "error" in line.lower()]
+    return (lines or [done.stderr.strip() or f"exit status {done.returncode}"])[0]
+
+
 def missing_cpu_features(cflags: list[str]) -> list[str]:
     """The x86 features that ``cflags`` compile for but this CPU lacks ([] when none, for
     ``-march=native``, off x86, or when the compiler or /proc/cpuinfo cannot be asked).
@@ -247,6 +268,11 @@ class CppKernel:
         """Build (or load from the cache) the extension; None when disabled, refused for this
         CPU or failed (logged)."""
         if self.disabled():
+            return None
+        refused = target_refused(build_cflags())
+        if refused:
+            logger.warning("kvflow's %s is not built: the C++ compiler (%s) refuses KVFLOW_CPU_MARCH=%s (%s); "
+                           "using the PyTorch path", self.what, envs.read("CXX"), envs.KVFLOW_CPU_MARCH, refused)
             return None
         missing = missing_cpu_features(build_cflags())
         if missing:

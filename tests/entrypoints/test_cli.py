@@ -687,7 +687,12 @@ def test_serve_port_taken_while_the_model_loads_is_one_line_and_exit_1(capsys, m
     (["--timeout-keep-alive", "nan"], "argument --timeout-keep-alive: must be a number of seconds > 0, got nan"),
     (["--timeout-keep-alive", "0"], "argument --timeout-keep-alive: must be a number of seconds > 0"),
     (["--request-read-timeout", "-3"], "argument --request-read-timeout: must be a number of seconds > 0"),
+    (["--max-request-bytes", "0"], "argument --max-request-bytes: must be at least 1 byte, got 0"),
+    (["--router", "sglang-router"], "--router needs --data-parallel-size N with N > 1"),
+    (["--router-policy=round_robin", "--data-parallel-size", "1"], "--router-policy needs --data-parallel-size N"),
     (["--chat-template", "./missing.jinja"], "--chat-template: no such file"),
+    (["--enable-lora", "--lora-modules", "smollm2-135m=./a"], "--lora-modules: 'smollm2-135m' is a name of the base"),
+    (["--enable-lora", "--lora-modules", "b=./a", "--served-model-name", "a", "b"], "--lora-modules: 'b' is a name of"),
     (["--chat-template", "./missing.jinja", "--data-parallel-size", "2"], "--chat-template: no such file"),
 ])
 def test_serve_bad_server_flags_are_usage_errors_before_anything_loads(capsys, monkeypatch, argv, wanted):

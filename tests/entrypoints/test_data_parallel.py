@@ -81,6 +81,11 @@ def test_replica_argv_overrides_the_command():
     args = build_parser().parse_args(replica_argv(argv, 12345, 2))
     assert (args.data_parallel_size, args.port, args.host, args.num_threads) == (1, 12345, "127.0.0.1", 2)
     assert args.block_size == 32 and args.model_tag == "smollm2-135m"
+    # The router's flags stay with the router: one engine refuses them (they would do nothing).
+    argv += ["--router", "sglang-router", "--router-policy=round_robin", "--seed", "3"]
+    replica = replica_argv(argv, 12345, 2)
+    assert not any(a.startswith("--router") or a in ("sglang-router", "round_robin") for a in replica), replica
+    assert build_parser().parse_args(replica).seed == 3
 
 
 def test_router_argv_and_validation():

@@ -190,6 +190,25 @@ def test_a_target_beyond_this_cpu_is_refused_naming_the_features(monkeypatch, ca
     assert "KVFLOW_CPU_MARCH=x86-64-v4 needs avx512bw, avx512dq, avx512f, avx512vl" in caplog.text
 
 
+def test_a_target_the_compiler_refuses_is_named_and_not_built(monkeypatch, caplog, source):
+    """KVFLOW_CPU_MARCH=znver99 (no such target): each kernel's build ran the compiler and
+    failed with a warning holding the start of its command line, never the variable; now it
+    is refused before any build, naming KVFLOW_CPU_MARCH and the compiler's complaint."""
+    import torch.utils.cpp_extension as cpp
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 only")
+    assert build.target_refused(["-O3", "-march=native"]) == ""
+    assert build.target_refused(["-O3", "-march=x86-64-v3", "-mprefer-vector-width=512"]) == ""
+    assert "znver99" in build.target_refused(["-O3", "-march=znver99"])
+    monkeypatch.setenv("KVFLOW_CPU_MARCH", "znver99")
+    monkeypatch.setattr(cpp, "load", lambda **kw: pytest.fail("the build ran"))
+    ext = CppKernel("kvflow_test_refused_target", source, SWITCH, "test kernel")
+    with caplog.at_level(logging.WARNING, logger="kvflow.ops.build"):
+        assert ext.load() is None
+    assert "refuses KVFLOW_CPU_MARCH=znver99" in caplog.text and "znver99" in caplog.text.split("(", 2)[-1]
+
+
 def test_every_kernel_source_is_in_the_package_and_bound():
     """Each kernel's .cpp file is in kvflow/ops/csrc and binds its module (PYBIND11_MODULE),
     and every .cpp there belongs to a kernel (none is left unbuilt)."""

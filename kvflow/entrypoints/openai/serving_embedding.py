@@ -51,10 +51,14 @@ class EmbeddingRequest(_Body):
     messages: Any = None
     padding: Any = None
     truncation_side: Any = None
+    # the offline API's per-request pooling (LLM.embed(pooling=...), PoolingParams.pooling_type):
+    # the server pools as its --pooling says, so a request's own is refused, not dropped
+    pooling: Any = None
+    pooling_type: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "embed_dtype": ("float32",), "endianness": ("little", "native"),
-        "messages": (), "padding": ("do_not_pad",), "truncation_side": (),
+        "messages": (), "padding": ("do_not_pad",), "truncation_side": (), "pooling": (), "pooling_type": (),
     }  # fmt: skip
 
 

@@ -25,7 +25,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from kvflow.entrypoints.chat_utils import render_chat_text
 from kvflow.entrypoints.openai.protocol import (
-    ChatMessage, ChatTool, _Body, check_template_kwargs, unsupported_message_field,
+    ChatMessage, ChatTool, _Body, check_template_kwargs, check_tool_count, unsupported_message_field,
 )
 from kvflow.entrypoints.openai.serving import APIError, OpenAIServing, _bad_request
 from kvflow.entrypoints.openai.tools import template_tools
@@ -38,6 +38,23 @@ class TokenizeCompletionRequest(_Body):
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
+
+    # the messages form's fields -> their values that change nothing: a prompt is tokenized
+    # as it is, with no chat template to render tools or template variables into
+    CHAT_ONLY: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "tools": (None, []), "chat_template_kwargs": (None, {}), "add_generation_prompt": (None, False),
+        "continue_final_message": (None, False),
+    }
+
+    def unsupported_field(self) -> tuple[str, str] | None:
+        """See ``_Body.unsupported_field``; also refuses a field of the messages form set with a
+        ``prompt`` (``tools`` were dropped and the count left them out)."""
+        for name, harmless in self.CHAT_ONLY.items():
+            value = (self.model_extra or {}).get(name)
+            if not any(value == h and type(value) is type(h) for h in harmless):
+                return name, (f"{name} is rendered by the chat template, which tokenizes messages, not a prompt: "
+                              f"send messages, or leave {name} unset")
+        return super().unsupported_field()
 
 
 class TokenizeChatRequest(_Body):
@@ -59,8 +76,9 @@ class TokenizeChatRequest(_Body):
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {"chat_template": (), "mm_processor_kwargs": ({},)}
 
-    # as /v1/chat/completions refuses them: the keys the server sets itself
+    # as /v1/chat/completions refuses them: the keys the server sets itself, more than MAX_TOOLS tools
     _free_template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
+    _tools_bounded = field_validator("tools", mode="before")(check_tool_count)
 
     def unsupported_field(self) -> tuple[str, str] | None:
         """See ``_Body.unsupported_field``; also looks into the messages, and refuses a

@@ -107,6 +107,29 @@ def test_adapter_tokens_follow_peft(client, adapters, smollm2_dir):
     assert base.choices[0].text != out.choices[0].text  # the adapter changes the continuation
 
 
+def test_every_endpoint_names_the_adapter_it_ran(http, client):
+    """A response's ``model`` is the adapter's name on every endpoint, as vLLM's
+    (``model_name(lora_request)``): /v1/messages, /v1/responses and /v1/embeddings ran the
+    adapter but named the base model."""
+    base = _base(client)
+    hi = [{"role": "user", "content": "Hi"}]
+    bodies = {
+        "/v1/completions": {"prompt": PROMPT, "max_tokens": 2},
+        "/v1/chat/completions": {"messages": hi, "max_tokens": 2},
+        "/v1/responses": {"input": "Hi", "max_output_tokens": 2},
+        "/v1/messages": {"messages": hi, "max_tokens": 2},
+        "/v1/embeddings": {"input": PROMPT},
+    }
+    for path, body in bodies.items():
+        for model in ("sql", base):
+            r = http.post(path, json={**body, "model": model, **({} if "embeddings" in path else {"temperature": 0})})
+            assert r.status_code == 200, (path, r.text)
+            assert r.json()["model"] == model, (path, model, r.json()["model"])
+    vectors = [http.post("/v1/embeddings", json={"model": m, "input": PROMPT}).json()["data"][0]["embedding"]
+               for m in ("sql", base)]
+    assert vectors[0] != vectors[1]  # the adapter ran
+
+
 def test_unknown_adapter_is_404(client):
     with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)

@@ -146,6 +146,9 @@ def test_base64_is_the_little_endian_float32_bytes():
     ({"input": "x" * 300}, "input"),  # past max_model_len (256)
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "x", "embed_dtype": "float16"}, "embed_dtype"),
+    # the offline API's per-request pooling: the server's is --pooling (it was dropped, last-token vectors)
+    ({"input": "x", "pooling": "mean"}, "pooling"),
+    ({"input": "x", "pooling_type": "MEAN"}, "pooling_type"),
     ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"input": "x", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens"),  # past max_model_len (256)
     ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),

@@ -57,6 +57,13 @@ def test_tokenize_prompt(http):
     assert strs["token_strs"] == tok.convert_ids_to_tokens(tok.encode("Hi"))
 
 
+def test_a_prompt_takes_the_messages_forms_fields_at_their_neutral_values(http):
+    tok = tiny_tokenizer()
+    body = {"prompt": "Hi", "tools": [], "chat_template_kwargs": {}, "add_generation_prompt": False,
+            "continue_final_message": None}
+    assert _ok(http.post("/tokenize", json=body))["tokens"] == tok.encode("Hi")
+
+
 def test_tokenize_messages_counts_what_chat_completions_sends(http):
     out = _ok(http.post("/tokenize", json={"messages": MSG}))
     chat = _ok(http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 1}))
@@ -121,6 +128,14 @@ def test_version(http):
     ("/tokenize", {"messages": MSG, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ("/tokenize", {"messages": MSG, "chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+    # more tools than /v1/chat/completions takes: no count for a body chat refuses
+    ("/tokenize", {"messages": MSG, "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]},
+     "tools"),
+    # the messages form's fields with a prompt: dropped, the count silently left the tools out
+    ("/tokenize", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/tokenize", {"prompt": "x", "chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/tokenize", {"prompt": "x", "continue_final_message": True}, "continue_final_message"),
 ])  # fmt: skip
 def test_bad_tokenization_requests_are_400s(http, path, body, param):
     _assert_error(http.post(path, json=body), 400, param)
