@@ -6,6 +6,7 @@ raise the same errors without importing the server (which imports them).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -46,3 +47,57 @@ def _error_body(status: int, message: str, err_type: str, param: str | None = No
 def error_response(status: int, message: str, err_type: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(_error_body(status, message, err_type, param), status_code=status, headers=headers)
+
+
+# pydantic names the member of a union (or a validator around a type) that an error belongs to
+# inside the error's location: "str", "list[int]", "function-after[_check(), NamedToolChoice]".
+_TYPE_WORDS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "any", "bytes"})
+_WRAPPED = re.compile(r"^(?:function-(?:after|before|wrap|plain)|nullable|default|json-or-python|lax-or-strict)\[(.*)\]$")
+
+
+def _member_name(tag: str) -> str:
+    """A union member's tag as a reader knows it: ``function-after[_f(), NamedToolChoice]`` ->
+    ``NamedToolChoice``, ``nullable[list[str]]`` -> ``list[str]``; other tags unchanged."""
+    match = _WRAPPED.match(tag)
+    while match:
+        tag = match.group(1).rsplit("(), ", 1)[-1].strip()
+        match = _WRAPPED.match(tag)
+    return tag
+
+
+def _is_member_tag(item: object) -> bool:
+    """Whether a location item is pydantic's name of a union member (a type), not a field."""
+    return isinstance(item, str) and ("[" in item or item in _TYPE_WORDS or item[:1].isupper())
+
+
+def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """A request body's validation errors (FastAPI's ``RequestValidationError.errors()``,
+    pydantic's error dicts) as one message and the field they concern.
+
+    Each error reads ``path: msg``, the path the fields and list indexes of its location
+    (FastAPI's leading ``body`` dropped); where the error belongs to one type of a union
+    field, that type follows the path as ``(as str)``, instead of standing in the path as
+    pydantic writes it (``stop.list[str].0``).
+
+    Returns:
+        (message, param): param the first error's top-level field, None for a body that is
+        not JSON (pydantic's ``json_invalid``: its location is a byte offset) or without errors.
+    """
+    parts, param = [], None
+    for i, error in enumerate(errors):
+        loc = list(error.get("loc", ()))
+        if loc and loc[0] == "body":
+            loc = loc[1:]
+        path, types = [], []
+        for item in loc:
+            if path and _is_member_tag(item):
+                types.append(_member_name(item))
+            else:
+                path.append(str(item))
+        text = ".".join(path) or "body"
+        if types:
+            text += f" (as {' > '.join(types)})"
+        parts.append(f"{text}: {error.get('msg')}")
+        if i == 0 and path and error.get("type") != "json_invalid":
+            param = path[0]
+    return "; ".join(parts) or "invalid request", param

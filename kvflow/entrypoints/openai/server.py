@@ -54,7 +54,7 @@ from kvflow.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRe
 from kvflow.entrypoints.anthropic.serving import PATH as ANTHROPIC_PATH
 from kvflow.entrypoints.anthropic.serving import AnthropicErrorMiddleware, count_tokens, create_message
 from kvflow.engine.async_engine import AsyncLLMEngine
-from kvflow.entrypoints.openai.errors import _ERROR_TYPES, APIError, error_response
+from kvflow.entrypoints.openai.errors import _ERROR_TYPES, APIError, error_response, validation_message
 from kvflow.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                                                 UnloadLoRAAdapterRequest)
 from kvflow.entrypoints.openai.serving_responses import ResponsesRequest, create_response
@@ -521,14 +521,8 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", []) if x != "body"]
-        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg')}"
-                            for e in errors)
-        # a JSON decode error's loc is the byte offset of the fault, not a field
-        param = loc[0] if loc and first.get("type") != "json_invalid" else None
-        return error_response(400, message or "invalid request", "BadRequestError", param)
+        message, param = validation_message(exc.errors())
+        return error_response(400, message, "BadRequestError", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException):
