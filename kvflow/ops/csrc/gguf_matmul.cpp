@@ -812,6 +812,40 @@ inline int32_t ld32(const int8_t* p) {
 
 constexpr int PREFETCH = 2048;  // bytes ahead of the sub-block read that are prefetched to L1
 
+// The next weights, prefetched while a micro-kernel computes with weights it already holds
+// (AVX-512 VNNI paths). Where a 16-row group (or a pair) meets M activation rows in several
+// tiles of rows, the first tile reads the group from memory and the later ones from L1: the
+// memory bus worked only during the first tiles, the arithmetic waited on it there, and the
+// bus idled in the others. The later tiles now each take a slice of the next group (pair),
+// `bytes` long from `p`, a few lines per sub-block step (a burst would wait on the miss
+// buffers and hold up the products behind it). Where it applies: the small-M path's tiles
+// (M 5..15, every format) and the GEMM's pairs of the 4-bit formats below 32 rows (a Q8_0 pair
+// and the next one overflow L1 -- a software prefetch fills L1 too on Zen 4 -- and its later
+// tiles then read from L2: 0.72-0.96x measured; from 32 rows the weights' reuse hides the
+// stream: 0.92-1.05x). Measured on a Zen 4 (one thread, CPU time, weights cycled from memory,
+// alternated with the previous kernel in one process): Q4_1 at M = 16 1.11-1.34x, M = 24
+// 1.07-1.21x; Q4_K at 16 1.15-1.24x; Q8_0 / Q6_K at 8 1.06-1.47x (docs/benchmarks.md, session 32).
+struct Ahead {
+  const char* p = nullptr;
+  int64_t bytes = 0;
+  int per_step = 0;  // lines per sub-block step
+  int64_t off = 0;
+  // A slice spread over `steps` sub-block steps.
+  Ahead(const char* p_, int64_t bytes_, int64_t steps)
+      : p(p_), bytes(bytes_), per_step(bytes_ > 0 ? static_cast<int>((bytes_ / 64 + steps) / std::max<int64_t>(1, steps)) : 0) {}
+  Ahead() = default;
+  inline void step() {
+    for (int k = 0; k < per_step && off < bytes; ++k, off += 64) __builtin_prefetch(p + off, 0, 2);  // into L2
+  }
+  // The slice of tile `tile` (1 .. tiles - 1) of `tiles` of the `total` bytes at p (tile 0
+  // reads the current weights from memory and takes none).
+  static Ahead slice(const uint8_t* p, int64_t total, int64_t tile, int64_t tiles, int64_t steps) {
+    if (tile < 1 || tiles < 2) return Ahead();
+    const int64_t per = (total + tiles - 2) / (tiles - 1), begin = (tile - 1) * per;
+    return Ahead(reinterpret_cast<const char*>(p) + begin, std::max<int64_t>(0, std::min(per, total - begin)), steps);
+  }
+};
+
 #if defined(GG_VNNI)
 
 // The 16 rows' unsigned values of one sub-block (q: its quants): u[t], t = 0..7.
@@ -872,8 +906,8 @@ inline __m512i k0_start(const PAct& a, int64_t row, int64_t b, int h) {
 // otherwise show with so few rows); with more rows one 8-deep chain per row, the rows' chains
 // interleaved (the rows are the independent chains), saves an add per row and block. Integer
 // sums: the same value either way; the float operations per row are the same, in order.
-template <int QT, int MR>
-inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, __m512* acc) {
+template <int QT, int MR, bool AHEAD = false>
+__attribute__((always_inline)) inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, __m512* acc, Ahead ahead = Ahead()) {
   constexpr bool TWO_CHAINS = MR <= 4;
   constexpr int K0 = packed_k0<QT>();
   constexpr bool HAS_M = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
@@ -899,6 +933,7 @@ inline void group_dot(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m
         q += 32;
       }
       for (int o = 0; o < subb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(sub + PREFETCH + o), _MM_HINT_T0);
+      if constexpr (AHEAD) ahead.step();
       __m512i u[8];
       unpack16<QT>(q, u);
       if constexpr (!TWO_CHAINS) {
@@ -1001,9 +1036,9 @@ inline __m512i unpack16_t(const uint8_t* q, int t) {
 // are group_dot's, in the same order: the results equal group_dot's bit for bit.
 // DECODED: the two groups' values already decoded by decode_groups at ub, ub_stride bytes
 // apart (the prefill GEMM's decoded chunk); a vector t is then one load.
-template <int QT, int MR, bool DECODED = false>
-inline void group_dot2(const PFmt& pf, const uint8_t* g, int64_t ldg, const PAct& a, int64_t m0, __m512 (*acc)[MR],
-                       const uint8_t* ub = nullptr, int64_t ub_stride = 0) {
+template <int QT, int MR, bool DECODED = false, bool AHEAD = false>
+__attribute__((always_inline)) inline void group_dot2(const PFmt& pf, const uint8_t* g, int64_t ldg, const PAct& a, int64_t m0, __m512 (*acc)[MR],
+                       const uint8_t* ub = nullptr, int64_t ub_stride = 0, Ahead ahead = Ahead()) {
   constexpr int K0 = packed_k0<QT>();
   constexpr bool HAS_M = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
   constexpr int HALVES = QT == Q6_K ? 2 : 1, T = 8 / HALVES;
@@ -1020,6 +1055,7 @@ inline void group_dot2(const PFmt& pf, const uint8_t* g, int64_t ldg, const PAct
     for (int j = 0; j < nsub; ++j, sub += subb) {
       const int64_t b = s * nsub + j;
       const uint8_t* q[2] = {sub, sub + ldg};
+      if constexpr (AHEAD) ahead.step();
       __m512 sv[2], sv1[2], cv[2];
       for (int k = 0; k < 2; ++k) {
         sv[k] = sv1[k] = Dv[k];
@@ -1419,11 +1455,22 @@ void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, in
         alignas(64) float res[4][16];
 #if defined(GG_VNNI)
         __m512 acc[4];
-        switch (mr) {
-          case 1: group_dot<QT, 1>(pf, g, a, m0, acc); break;
-          case 2: group_dot<QT, 2>(pf, g, a, m0, acc); break;
-          case 3: group_dot<QT, 3>(pf, g, a, m0, acc); break;
-          default: group_dot<QT, 4>(pf, g, a, m0, acc); break;
+        // the next group (Ahead) from the second tile of rows on
+        const Ahead next = gi + 1 < groups ? Ahead::slice(g + ldg, ldg, m0 / 4, (M + 3) / 4, a.K / 32) : Ahead();
+        if (next.bytes > 0) {
+          switch (mr) {
+            case 1: group_dot<QT, 1, true>(pf, g, a, m0, acc, next); break;
+            case 2: group_dot<QT, 2, true>(pf, g, a, m0, acc, next); break;
+            case 3: group_dot<QT, 3, true>(pf, g, a, m0, acc, next); break;
+            default: group_dot<QT, 4, true>(pf, g, a, m0, acc, next); break;
+          }
+        } else {
+          switch (mr) {
+            case 1: group_dot<QT, 1>(pf, g, a, m0, acc); break;
+            case 2: group_dot<QT, 2>(pf, g, a, m0, acc); break;
+            case 3: group_dot<QT, 3>(pf, g, a, m0, acc); break;
+            default: group_dot<QT, 4>(pf, g, a, m0, acc); break;
+          }
         }
         for (int m = 0; m < mr; ++m) _mm512_store_ps(res[m], acc[m]);
 #elif defined(GG_AVX2)
@@ -1551,6 +1598,10 @@ void run_packed_gemm(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& 
   // chunk (decode_groups) when the item has a full tile of rows; for Q4_* the extra stores and
   // loads cost what the decode saves (0.92-1.09x measured), Q8_0's are stored as used.
   constexpr bool DECODE = QT == Q5_0 || QT == Q5_1 || QT == Q5_K || QT == Q6_K;
+  // Ahead for the pairs of 4-bit formats only: a Q8_0 pair and the next one overflow L1 (a
+  // software prefetch fills L1 too on Zen 4), and its later tiles then read from L2: 0.72-0.96x
+  // at 16-32 rows where the 4-bit formats gain 1.02-1.25x.
+  constexpr bool AHEAD2 = QT == Q4_0 || QT == Q4_1 || QT == Q4_K;
   const int64_t ub_stride = (a.K / 32) * 8 * 64;  // one group's decoded values
   static std::atomic<int64_t> calls{0};
   const int64_t call = calls.fetch_add(1, std::memory_order_relaxed);
@@ -1589,9 +1640,22 @@ void run_packed_gemm(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& 
         // 6 rows a tile measured no faster than 4) or per tile
         auto tiles = [&](auto mr, auto decoded) {
           constexpr int MRc = decltype(mr)::value;
-          for (; m0 + MRc <= m_end; m0 += MRc) {
+          // the next pair (Ahead; the next chunk of a thread's range is contiguous with this
+          // one), not where the values come decoded from the chunk buffer
+          constexpr bool may_ahead = AHEAD2 && !decltype(decoded)::value;
+          const int64_t tiles = (m_end - m0) / MRc;
+          const bool ahead = may_ahead && tiles < 8 && gi + 4 <= groups;
+          for (int64_t tile = 0; m0 + MRc <= m_end; m0 += MRc, ++tile) {
             __m512 acc[2][MRc];
-            group_dot2<QT, MRc, decltype(decoded)::value>(pf, g, ldg, a, m0, acc, ubg, ub_stride);
+            if constexpr (may_ahead) {
+              if (ahead && tile > 0)
+                group_dot2<QT, MRc, false, true>(pf, g, ldg, a, m0, acc, ubg, ub_stride,
+                                                 Ahead::slice(g + 2 * ldg, 2 * ldg, tile, tiles, a.K / 32));
+              else
+                group_dot2<QT, MRc, false>(pf, g, ldg, a, m0, acc, ubg, ub_stride);
+            } else {
+              group_dot2<QT, MRc, decltype(decoded)::value>(pf, g, ldg, a, m0, acc, ubg, ub_stride);
+            }
             alignas(64) float res[32];
             for (int m = 0; m < MRc; ++m) {
               _mm512_store_ps(res, acc[0][m]);
