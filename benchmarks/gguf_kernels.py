@@ -83,6 +83,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import format_table, machine_info
+from kvflow import huge_pages
 from kvflow.layers import fused_decode
 from kvflow.layers import gguf_kernels as gk
 
@@ -510,9 +511,15 @@ def main(argv: list[str] | None = None) -> dict:
                         for w in ws:
                             w.pack(release_raw=True)  # as a model's linears hold it
                     fns = [lambda x, w=w: gk.gguf_linear(x, w) for w in ws]
-                    if baseline is not None:
+                    if baseline is not None and module is not None:
+                        # both kernels called alike (the module's call, no Python wrapper), their
+                        # weights packed alike (huge-page memory, as GGUFWeight.pack places them):
+                        # the baseline's on ordinary pages read 1.1-1.6x slower at M = 1 from that alone
+                        ours_call = _packed_call(module, qt, n, k)
+                        fns = [lambda x, p=w.packed, f=ours_call: f(x, p) for w in ws]
                         call = _packed_call(baseline, qt, n, k)
-                        base = [baseline.gguf_pack_fast(w.raw, int(qt), n, k) for w in ws]
+                        base = [baseline.gguf_pack_fast(w.raw, int(qt), n, k,
+                                                        huge_pages.empty(gk.packed_shape(qt, n, k))) for w in ws]
                         cases.append((f"{name} packed-baseline", nbytes,
                                       [lambda x, p=p, f=call: f(x, p) for p in base]))
                 elif module is None:
