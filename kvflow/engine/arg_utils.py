@@ -47,6 +47,9 @@ from kvflow.utils import parse_bytes
 
 
 MAX_THREADS_PER_CPU = 8  # num_threads' bound: oversubscription allowed, not a count OpenMP cannot start
+MAX_LORAS = 256  # max_loras' bound (adapter slots of one step)
+MAX_CPU_LORAS = 4096  # max_cpu_loras' bound (validated adapters held in host memory)
+MAX_LORA_RANK = 512  # max_lora_rank' bound (vLLM's largest rank)
 
 
 def _option(default: Any, help: str, **cli: Any) -> Any:
@@ -145,8 +148,9 @@ class EngineArgs:
     enable_lora: bool = _option(
         False, "serve LoRA adapters (PEFT folders) on top of the base model, chosen per request (LoRARequest; on "
         "the server a request's model names the adapter) and mixed in one batch (see docs/lora.md)")
-    max_loras: int = _option(1, "with enable_lora: distinct adapters one step may use (the slot table's size)")
-    max_lora_rank: int = _option(16, "with enable_lora: the largest adapter rank r accepted")
+    max_loras: int = _option(1, f"with enable_lora: distinct adapters one step may use (the slot table's size; "
+                             f"at most {MAX_LORAS})")
+    max_lora_rank: int = _option(16, f"with enable_lora: the largest adapter rank r accepted (at most {MAX_LORA_RANK})")
     max_cpu_loras: int | None = _option(
         None, "with enable_lora: validated adapters kept in host memory, least recently used evicted (default: "
         "max_loras; at least max_loras)")
@@ -243,6 +247,13 @@ class EngineArgs:
         check_attention_backend_name(self.attention_backend)
         _positive_int("max_loras", self.max_loras)
         _positive_int("max_lora_rank", self.max_lora_rank)
+        # every slot holds max_lora_rank-wide A and B matrices of every adapted linear, allocated
+        # at load: beyond these the allocation failed with a bare RuntimeError (vLLM's largest
+        # rank is 512 too)
+        for name, value, bound in (("max_loras", self.max_loras, MAX_LORAS), ("max_lora_rank", self.max_lora_rank, MAX_LORA_RANK),
+                                   ("max_cpu_loras", self.max_cpu_loras, MAX_CPU_LORAS)):
+            if isinstance(value, int) and value > bound:
+                raise ValueError(f"{name} must be at most {bound}, got {value}")
         if self.max_cpu_loras is not None:
             _positive_int("max_cpu_loras", self.max_cpu_loras)
             if self.max_cpu_loras < self.max_loras:

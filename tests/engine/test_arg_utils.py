@@ -38,3 +38,12 @@ def test_int4_rtn_is_the_saved_int4(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"kvflow_quantization": {"method": "int4", "group_size": 32}}))
     args = EngineArgs(model=str(tmp_path))
     assert args.resolved_quantization("int4-rtn", tmp_path, None, torch.device("cpu")) == "int4-rtn"
+
+
+@pytest.mark.parametrize("field,value,bound", [("max_loras", 10**6, 256), ("max_lora_rank", 4096, 512),
+                                               ("max_cpu_loras", 10**7, 4096)])
+def test_lora_sizes_have_a_bound_named_in_the_error(field, value, bound):
+    """max_lora_rank=4096 or max_loras=10**6 failed in the allocator with a bare RuntimeError."""
+    with pytest.raises(ValueError, match=rf"^{field} must be at most {bound}, got {value}$"):
+        EngineArgs(model="smollm2-135m", enable_lora=True, **{field: value}).verify()
+    EngineArgs(model="smollm2-135m", enable_lora=True, **{field: bound}).verify()  # the bound itself is taken
