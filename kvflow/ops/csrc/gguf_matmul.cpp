@@ -1457,21 +1457,17 @@ void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, in
         __m512 acc[4];
         // the next group (Ahead) from the second tile of rows on
         const Ahead next = gi + 1 < groups ? Ahead::slice(g + ldg, ldg, m0 / 4, (M + 3) / 4, a.K / 32) : Ahead();
-        if (next.bytes > 0) {
+        auto rows_of = [&](auto ahead) {  // (the prefetching instantiation only where it prefetches)
+          constexpr bool A = decltype(ahead)::value;
           switch (mr) {
-            case 1: group_dot<QT, 1, true>(pf, g, a, m0, acc, next); break;
-            case 2: group_dot<QT, 2, true>(pf, g, a, m0, acc, next); break;
-            case 3: group_dot<QT, 3, true>(pf, g, a, m0, acc, next); break;
-            default: group_dot<QT, 4, true>(pf, g, a, m0, acc, next); break;
+            case 1: group_dot<QT, 1, A>(pf, g, a, m0, acc, next); break;
+            case 2: group_dot<QT, 2, A>(pf, g, a, m0, acc, next); break;
+            case 3: group_dot<QT, 3, A>(pf, g, a, m0, acc, next); break;
+            default: group_dot<QT, 4, A>(pf, g, a, m0, acc, next); break;
           }
-        } else {
-          switch (mr) {
-            case 1: group_dot<QT, 1>(pf, g, a, m0, acc); break;
-            case 2: group_dot<QT, 2>(pf, g, a, m0, acc); break;
-            case 3: group_dot<QT, 3>(pf, g, a, m0, acc); break;
-            default: group_dot<QT, 4>(pf, g, a, m0, acc); break;
-          }
-        }
+        };
+        if (next.bytes > 0) rows_of(std::true_type());
+        else rows_of(std::false_type());
         for (int m = 0; m < mr; ++m) _mm512_store_ps(res[m], acc[m]);
 #elif defined(GG_AVX2)
         if (QT != Q8_0) {
