@@ -21,6 +21,7 @@ Format sources:
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -50,7 +51,8 @@ logger = logging.getLogger(__name__)
 # Bump when the conversion output changes, so cached conversions are redone. Version 2: a
 # GGUF file's cached folder holds its config and tokenizer only; the weights are read from the
 # file itself at load (``iter_gguf_weights``), quantized blocks as stored or dequantized.
-CONVERTER_VERSION = 2
+# Version 3: the marker names the config's class (``load_config`` reads it without the class).
+CONVERTER_VERSION = 3
 # Upper bound on one safetensors shard written by the converter, in bytes.
 SHARD_BYTES = 2 * 1024**3
 # Written last into a converted directory; its presence marks a complete conversion.
@@ -166,10 +168,51 @@ def resolve_model_config(model: str, cache_dir: str | os.PathLike[str] | None = 
 def load_config(model_dir: str | os.PathLike[str]) -> transformers.PretrainedConfig:
     """`config.json` of an HF model directory, via `transformers.AutoConfig.from_pretrained`.
 
+    A folder made from a GGUF file (``SOURCE_MARKER``) holds the config its conversion saved
+    from the architecture's transformers class, every field written; its marker names the
+    class, the class's ``attribute_map`` and the transformers version that wrote it. With the
+    same transformers version that config is read into a ``PretrainedConfig`` subclass of the
+    same ``model_type`` and ``attribute_map`` (``_saved_config``), without importing the
+    class: every transformers model config module imports ``torch.distributed.tensor``
+    (through ``utils.type_validators`` -> ``activations``), which took 1.3-1.6 s of each
+    start on a 2-core AMD EPYC, longer than the rest of loading SmolLM2 (docs/benchmarks.md).
+    The same fields read the same values (``tests/model/test_resolve.py`` compares every
+    architecture's).
+
     Raises:
         OSError: the directory has no readable `config.json`.
     """
-    return transformers.AutoConfig.from_pretrained(str(model_dir))
+    saved = _saved_config(Path(model_dir))
+    return saved if saved is not None else transformers.AutoConfig.from_pretrained(str(model_dir))
+
+
+@functools.cache
+def _light_config_class(name: str, model_type: str, attribute_map: tuple[tuple[str, str], ...]) -> type:
+    """A ``PretrainedConfig`` subclass that stands in for transformers' ``name`` class."""
+    return type(name, (transformers.PretrainedConfig,), {
+        "model_type": model_type, "attribute_map": dict(attribute_map), "__module__": __name__,
+        "__doc__": f"transformers' {name}'s saved fields, read without importing its module (``load_config``)."})
+
+
+def _saved_config(folder: Path) -> transformers.PretrainedConfig | None:
+    """The config of a GGUF folder written by this transformers version, read without its
+    class (``load_config``); None for any other folder."""
+    try:
+        written = json.loads((folder / SOURCE_MARKER).read_text()).get("config")
+        fields = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if (not isinstance(written, dict) or written.get("transformers_version") != transformers.__version__
+            or not isinstance(fields, dict) or fields.get("model_type") != written.get("model_type")):
+        return None
+    config_class = _light_config_class(written["class"], written["model_type"],
+                                       tuple(sorted(written["attribute_map"].items())))
+    fields.pop("transformers_version", None)
+    config = config_class(**fields)
+    for name, value in fields.items():  # what the base class's __init__ keeps for subclasses (use_cache)
+        if not hasattr(config, name):
+            setattr(config, name, value)
+    return config
 
 
 def iter_weights(model_dir: str | os.PathLike[str], native: bool = False) -> Iterator[tuple[str, Any]]:
@@ -747,13 +790,34 @@ def _cache_key(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _write_marker(folder: Path, source: Path) -> None:
-    """Point ``folder``'s marker at ``source`` (written to a temporary file and renamed)."""
+def _write_marker(folder: Path, source: Path, config: dict[str, Any] | None = None) -> None:
+    """Point ``folder``'s marker at ``source`` (written to a temporary file and renamed).
+    ``config``: the record of the config's class (``_config_record``); None keeps the one the
+    marker has."""
     stat = source.stat()
     marker = {"source": str(source), "size": stat.st_size, "converter_version": CONVERTER_VERSION}
+    if config is None:
+        try:
+            config = json.loads((folder / SOURCE_MARKER).read_text()).get("config")
+        except (OSError, ValueError):
+            config = None
+    if config is not None:
+        marker["config"] = config
     staging = folder / f".{SOURCE_MARKER}.tmp-{os.getpid()}"
     staging.write_text(json.dumps(marker, indent=2) + "\n")
     os.replace(staging, folder / SOURCE_MARKER)
+
+
+def _config_record(folder: Path) -> dict[str, Any] | None:
+    """What ``load_config`` needs to read ``folder``'s saved config without its class: the
+    class's name, ``model_type`` and ``attribute_map`` and the transformers version; None
+    for a class outside transformers (a plugin's may compute fields of its own)."""
+    model_type = json.loads((folder / "config.json").read_text())["model_type"]
+    config_class = registry.arch_spec(model_type).config_class()
+    if not config_class.__module__.startswith("transformers."):
+        return None
+    return {"class": config_class.__name__, "model_type": model_type,
+            "attribute_map": dict(config_class.attribute_map), "transformers_version": transformers.__version__}
 
 
 @contextmanager
@@ -824,7 +888,7 @@ def _convert_cached(source: Path, root: Path, weights: bool = False) -> Path:
         staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}.tmp-"))
         try:
             tokenizer = convert_gguf(source, staging, weights=weights)
-            _write_marker(staging, source)
+            _write_marker(staging, source, _config_record(staging))
             os.rename(staging, target)
             if tokenizer is not None:
                 _keep_built_tokenizer(target, tokenizer)  # load_tokenizer takes it: built once

@@ -155,7 +155,7 @@ def test_tiny_llama_inverts_permutation_and_builds_config(tiny_llama: Tiny, tmp_
         assert torch.equal(weights[name], torch.from_numpy(value)), name
 
     config = resolve.load_config(out)
-    assert isinstance(config, transformers.LlamaConfig)
+    assert type(config).__name__ == "LlamaConfig"
     assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (2, 64, 96)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
     assert config.vocab_size == 261 and config.max_position_embeddings == 256
@@ -181,7 +181,7 @@ def test_tiny_qwen2_keeps_biases_unpermuted(tmp_path: Path) -> None:
     for name, value in expected.items():
         assert torch.equal(weights[name], torch.from_numpy(value)), name
     config = resolve.load_config(out)
-    assert isinstance(config, transformers.Qwen2Config)
+    assert type(config).__name__ == "Qwen2Config"
     assert config.tie_word_embeddings is False
     assert config.rope_parameters["rope_theta"] == 500000.0
 
@@ -697,12 +697,12 @@ def test_moe_gguf_maps_experts_and_matches_the_hf_folder(arch: str, tmp_path: Pa
         assert torch.equal(weights[name], value), name
     config = resolve.load_config(out)
     if arch == "qwen3moe":
-        assert isinstance(config, transformers.Qwen3MoeConfig)
+        assert type(config).__name__ == "Qwen3MoeConfig"
         assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 32)
         assert config.norm_topk_prob is True and config.mlp_only_layers == [1] and config.intermediate_size == 96
         assert config.head_dim == 16 and config.use_sliding_window is False
     else:
-        assert isinstance(config, transformers.MixtralConfig)
+        assert type(config).__name__ == "MixtralConfig"
         assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (4, 2, 32)
         assert config.sliding_window is None
     ids = torch.randint(0, 261, (21,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -895,3 +895,83 @@ def test_a_path_object_is_taken_as_its_string(tmp_path) -> None:
     folder.mkdir()
     with pytest.raises(ValueError, match="config.json"):
         resolve.resolve_model(folder, cache_dir=tmp_path / "cache")
+
+
+_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+# Per model_type, fields a GGUF file's metadata sets (resolve._config_from_metadata and the
+# specs' hooks) besides _TINY, in the variants that change what the class computes.
+_SAVED_CONFIG_VARIANTS = {
+    "llama": [{}, {"head_dim": 32, "tie_word_embeddings": True, "attention_bias": True,
+                   "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 128}}],
+    "qwen2": [{}, {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 2},
+              {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                   "original_max_position_embeddings": 128}}],
+    "qwen3": [{"head_dim": 32}],
+    "phi3": [{"sliding_window": 48, "partial_rotary_factor": 0.5},
+             {"original_max_position_embeddings": 128,
+              "rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 8,
+                                  "long_factor": [2.0] * 8}}],
+    "gemma3_text": [{"head_dim": 16, "sliding_window": 32, "query_pre_attn_scalar": 16, "final_logit_softcapping": 30.0,
+                     "layer_types": ["sliding_attention", "full_attention"] * 2}],
+    "mixtral": [{"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}],
+    "qwen3_moe": [{"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [1],
+                   "norm_topk_prob": False}],
+}
+
+
+def _saved_folder(tmp_path: Path, model_type: str, fields: dict) -> Path:
+    """A folder as a GGUF conversion leaves it: the class's config saved, the marker written."""
+    from kvflow.model import registry
+
+    folder = tmp_path / model_type
+    folder.mkdir(exist_ok=True)
+    registry.arch_spec(model_type).config_class()(**_TINY, **fields).save_pretrained(folder)
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF")
+    resolve._write_marker(folder, source, resolve._config_record(folder))
+    return folder
+
+
+@pytest.mark.parametrize(("model_type", "fields"), [(m, f) for m, variants in _SAVED_CONFIG_VARIANTS.items()
+                                                    for f in variants])
+def test_a_gguf_folders_config_reads_the_same_without_its_class(model_type: str, fields: dict, tmp_path: Path) -> None:
+    from kvflow.model import registry
+
+    folder = _saved_folder(tmp_path, model_type, fields)
+    light = resolve.load_config(folder)
+    real = transformers.AutoConfig.from_pretrained(str(folder))
+    assert type(light) is not type(real) and type(light).__name__ == type(real).__name__
+    assert light.model_type == real.model_type == model_type
+    names = set(real.to_dict()) | set(type(real).attribute_map) | set(vars(real))
+    for name in sorted(names - {"transformers_version", "_name_or_path", "_commit_hash"}):
+        assert getattr(light, name) == getattr(real, name), name
+    assert light.get_text_config() is light
+    assert registry.model_config(light, 256) == registry.model_config(real, 256)
+
+
+def test_another_transformers_version_reads_the_config_with_its_class(tmp_path: Path) -> None:
+    folder = _saved_folder(tmp_path, "qwen2", {})
+    marker = json.loads((folder / resolve.SOURCE_MARKER).read_text())
+    marker["config"]["transformers_version"] = "4.0.0"
+    (folder / resolve.SOURCE_MARKER).write_text(json.dumps(marker))
+    assert type(resolve.load_config(folder)) is transformers.Qwen2Config
+    resolve._write_marker(folder, tmp_path / "model.gguf")  # a re-pointed marker keeps its record
+    assert json.loads((folder / resolve.SOURCE_MARKER).read_text())["config"] == marker["config"]
+    (folder / resolve.SOURCE_MARKER).unlink()  # an HF folder: its class
+    assert type(resolve.load_config(folder)) is transformers.Qwen2Config
+
+
+def test_reading_a_gguf_folders_config_imports_no_model_config_module(tmp_path: Path) -> None:
+    """The point of the class-free read: transformers' config modules import
+    torch.distributed.tensor, seconds of every start."""
+    import subprocess
+    import sys
+
+    folder = _saved_folder(tmp_path, "llama", {})
+    code = ("import sys; from kvflow.model import registry, resolve; "
+            f"registry.model_config(resolve.load_config({str(folder)!r})); "
+            "print(sorted(m for m in sys.modules if m.startswith(('transformers.models.', 'torch.distributed.tensor'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
