@@ -10,7 +10,9 @@ the source together with the host CPU's feature flags, the compiler flags and ev
 else torch's build depends on (torch, Python, include paths: ``build_inputs``): a cached
 build never runs on a CPU that lacks an instruction it was compiled for, an edited source
 builds again, and two environments sharing one extensions folder never rebuild each
-other's build. Each kernel keys its vectorized passes on the compiler's feature
+other's build. A cached build is imported straight from its library file (the name says
+it is this build), without ``torch.utils.cpp_extension``, which imports setuptools and runs
+ninja (0.3-0.7 s of each start on a 2-core EPYC); ``load`` is for builds. Each kernel keys its vectorized passes on the compiler's feature
 macros (``__AVX512F__``, ``__AVX512BW__``, ``__AVX512BF16__``) and compiles a portable loop
 where they are absent, so a CPU without AVX-512 (or a non-x86 one) gets a working, slower
 kernel, not a failed build.
@@ -43,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -84,13 +87,34 @@ def build_inputs() -> list[str]:
     folders, Python's version and include folder, the interpreter, and the C++ compiler. Two
     environments (venvs) sharing one extensions folder differ in some of these, so their
     builds get different names rather than rebuilding each other's."""
-    from torch.utils import cpp_extension
-
+    torch_dir = os.path.dirname(torch.__file__)  # torch.utils.cpp_extension's include_paths() / library_paths()
+    include = os.path.join(torch_dir, "include")
     return [
-        torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), *cpp_extension.include_paths(),
-        *cpp_extension.library_paths(), sys.version, sysconfig.get_paths()["include"], sys.executable,
-        envs.read("CXX") or "",
+        torch.__version__, str(torch._C._GLIBCXX_USE_CXX11_ABI), include,
+        os.path.join(include, "torch", "csrc", "api", "include"), os.path.join(torch_dir, "lib"), sys.version,
+        sysconfig.get_paths()["include"], sys.executable, envs.read("CXX") or "",
     ]
+
+
+def extensions_dir() -> Path:
+    """The folder under which torch builds extensions (``torch.utils.cpp_extension``'s
+    ``_get_build_directory`` less the extension's name: ``$TORCH_EXTENSIONS_DIR``, else
+    ``<user cache>/torch_extensions/py<version>_<accelerator>``), found without importing
+    ``cpp_extension``: that module imports setuptools, 0.3-0.7 s of a start that only loads
+    cached builds (``tests/ops/test_build.py`` checks the two agree)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is not None:
+        return Path(root)
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    from torch import _appdirs
+
+    return Path(os.path.realpath(_appdirs.user_cache_dir(appname="torch_extensions"))) / f"{python}_{accelerator}"
 
 
 def host_cpu_flags() -> str:
@@ -209,9 +233,9 @@ class CppKernel:
         return f"{self.prefix}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
     def _build_directory(self) -> Path:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        return Path(_get_build_directory(self.build_name(), verbose=False))
+        folder = extensions_dir() / self.build_name()
+        folder.mkdir(parents=True, exist_ok=True)  # (as torch's _get_build_directory)
+        return folder
 
     @contextlib.contextmanager
     def _sole_builder(self) -> Any:
@@ -237,15 +261,30 @@ class CppKernel:
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
+    def _library(self) -> Path:
+        """Where torch's build leaves the compiled module."""
+        return extensions_dir() / self.build_name() / f"{self.build_name()}{'.pyd' if os.name == 'nt' else '.so'}"
+
     def is_built(self) -> bool:
         """Whether a compiled copy is in the extensions folder (loading it is then quick)."""
-        try:
-            from torch.utils.cpp_extension import _get_build_directory
+        return self._library().is_file()
 
-            folder = _get_build_directory(self.build_name(), verbose=False)
-        except Exception:  # noqa: BLE001 - a private helper of torch: assume a build is due
-            return False
-        return any(name.endswith((".so", ".pyd", ".dylib")) for name in os.listdir(folder)) if os.path.isdir(folder) else False
+    def _import_built(self) -> Any:
+        """The compiled module imported straight from the extensions folder, or None where
+        that fails (then torch's ``load`` builds it again). The build's name hashes the
+        source, the flags and everything torch's build reads (``build_name``), so a library
+        of that name is this build; torch's ``load`` would import the same file after running
+        ninja to check it, and importing it needs no setuptools."""
+        library = self._library()
+        try:
+            spec = importlib.util.spec_from_file_location(self.build_name(), library)
+            module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: torch's load rebuilds it
+            logger.info("the cached build of the C++ %s did not load (%s: %.200s); building it again", self.what,
+                        type(exc).__name__, str(exc))
+            return None
+        return module
 
     def disabled(self) -> bool:
         """Whether the kernel's switch or ``KVFLOW_CPU_KERNELS`` is ``0``."""
@@ -279,6 +318,11 @@ class CppKernel:
             logger.warning("kvflow's %s is not built: KVFLOW_CPU_MARCH=%s needs %s, which this CPU lacks; "
                            "using the PyTorch path", self.what, envs.KVFLOW_CPU_MARCH, ", ".join(missing))
             return None
+        if self.is_built():
+            with self._sole_builder():  # (not while another process writes it)
+                module = self._import_built()
+            if module is not None:
+                return module
         try:
             from torch.utils.cpp_extension import load
 

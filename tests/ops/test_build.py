@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -71,6 +72,35 @@ def test_a_source_file_builds_and_loads(tmp_path, monkeypatch, source):
     assert not ext.is_built()
     assert ext.require().twice(21) == 42
     assert ext.is_built()
+    # The next process imports the cached library itself: torch's load (setuptools, ninja) is
+    # for builds only. A library that does not import is built again by torch's load.
+    import torch.utils.cpp_extension as cpp
+
+    calls = []
+    monkeypatch.setattr(cpp, "load", lambda **kw: calls.append(kw) or _FakeModule())
+    again = CppKernel("kvflow_test_twice", source, SWITCH, "test kernel")
+    assert again.require().twice(4) == 8 and calls == []
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "other"))  # (never the loaded file: SIGBUS)
+    broken = CppKernel("kvflow_test_twice", source, SWITCH, "test kernel")
+    broken._library().parent.mkdir(parents=True)
+    broken._library().write_bytes(b"not a library")
+    assert broken.is_built() and broken.require().twice(4) == 8 and len(calls) == 1
+
+
+def test_the_extensions_folder_and_build_inputs_are_torchs(monkeypatch, tmp_path):
+    """build.extensions_dir / build_inputs compute what torch.utils.cpp_extension would (so a
+    start need not import it), with and without TORCH_EXTENSIONS_DIR."""
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    name = "kvflow_test_folder_probe"
+    try:
+        assert build.extensions_dir() / name == Path(cpp._get_build_directory(name, verbose=False))
+    finally:
+        (build.extensions_dir() / name).rmdir()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert build.extensions_dir() / name == Path(cpp._get_build_directory(name, verbose=False))
+    assert build.build_inputs()[2:5] == [*cpp.include_paths(), *cpp.library_paths()]
 
 
 def test_name_hashes_source_and_cpu(tmp_path, source):
@@ -384,14 +414,12 @@ def test_name_covers_torch_python_and_include_paths(monkeypatch, source):
     import sysconfig
 
     import torch
-    import torch.utils.cpp_extension as cpp
 
     ext = CppKernel("kvflow_x", source, SWITCH, "k")
     base = ext.build_name()
     for target, name, value in [
         (torch, "__version__", "9.9.9"),
-        (cpp, "include_paths", lambda *a, **k: ["/other/venv/torch/include"]),
-        (cpp, "library_paths", lambda *a, **k: ["/other/venv/torch/lib"]),
+        (torch, "__file__", "/other/venv/torch/__init__.py"),  # its include and library paths
         (sys, "version", "3.99.0"),
         (sys, "executable", "/other/venv/bin/python"),
         (sysconfig, "get_paths", lambda *a, **k: {"include": "/other/include/python3.99"}),
