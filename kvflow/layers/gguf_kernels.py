@@ -434,6 +434,42 @@ class GGUFWeight:
         raw = torch.cat([p.raw for p in parts], dim=0)
         return GGUFWeight(raw, qt, raw.shape[0], k)
 
+    @classmethod
+    def packed_cat_rows(cls, parts: list[GGUFWeight]) -> GGUFWeight:
+        """``cat_rows(parts)`` packed (``pack(release_raw=True)``) without the joined copy of
+        the stored rows: each part is packed straight into its row groups of one buffer and
+        its stored rows dropped (parts before the last must hold whole groups of
+        ``gguf_pack_rows()`` rows, else this falls back to ``cat_rows`` and one pack). The
+        same bytes as the pack of the joined rows; a 1.5B model's QKV and gate/up were
+        copied once more at every start for the join.
+
+        Raises:
+            ValueError: as ``cat_rows``; RuntimeError: when the C++ kernel is not available.
+        """
+        group = int(_EXTENSION.require().gguf_pack_rows())
+        if len(parts) == 1:
+            return parts[0].pack_and_get(release_raw=True)
+        if any(p.n % group for p in parts[:-1]) or any(p.packed is not None for p in parts):
+            return cls.cat_rows(parts).pack_and_get(release_raw=True)
+        qt, k = parts[0].qtype, parts[0].k
+        if any(p.qtype != qt or p.k != k for p in parts):
+            cls.cat_rows(parts)  # raises, naming the mismatch
+        n = sum(p.n for p in parts)
+        packed = huge_pages.empty(packed_shape(qt, n, k))
+        start = 0
+        for p in parts:
+            p.pack(release_raw=True, out=packed[start:start + -(-p.n // group)])
+            start += -(-p.n // group)
+        joined = cls.__new__(cls)  # (no stored rows to validate: ``raw`` unpacks on access)
+        joined._raw, joined.qtype, joined.n, joined.k = None, qt, n, k
+        joined.packed, joined.release_raw_on_pack = packed, True
+        return joined
+
+    def pack_and_get(self, release_raw: bool = False) -> GGUFWeight:
+        """``pack(release_raw)``, returning the weight itself."""
+        self.pack(release_raw=release_raw)
+        return self
+
 
 def kernel_available(qtype=None) -> bool:
     """Whether the C++ kernel is built and published (without starting a build when a

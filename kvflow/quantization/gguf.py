@@ -99,25 +99,29 @@ class GGUFLinearMethod(LinearMethodBase):
             covered += s.rows
         if covered != layer.out_features:
             raise ValueError(f"{layer.prefix or 'linear'}: GGUF rows cover {covered} of {layer.out_features}")
-        joined: list[Segment] = []
+        runs: list[list[Segment]] = []
         for s in segments:  # one kernel call for adjacent parts of one type (Q, K, V all Q4_K)
-            last = joined[-1] if joined else None
-            if (last is not None and isinstance(last.weight, GGUFWeight) and isinstance(s.weight, GGUFWeight)
-                    and last.weight.qtype == s.weight.qtype):
-                joined[-1] = Segment(last.offset, GGUFWeight.cat_rows([last.weight, s.weight]))
-            elif last is not None and isinstance(last.weight, torch.Tensor) and isinstance(s.weight, torch.Tensor):
-                joined[-1] = Segment(last.offset, torch.cat([last.weight, s.weight]))
+            last = runs[-1][-1].weight if runs else None
+            if ((isinstance(last, GGUFWeight) and isinstance(s.weight, GGUFWeight) and last.qtype == s.weight.qtype)
+                    or (isinstance(last, torch.Tensor) and isinstance(s.weight, torch.Tensor))):
+                runs[-1].append(s)
             else:
-                joined.append(s)
-        layer.gguf_segments = joined
+                runs.append([s])
         # The kernel joins the engine's background builds where it has them (the PyTorch
         # path serves until the engine publishes it between two steps), else it builds here.
         join_background_builds(ops.GGUF_MATMUL)
-        for s in joined:  # held once: packed for the kernel (now if it is built, else at its first use)
-            if isinstance(s.weight, GGUFWeight):
-                s.weight.release_raw_on_pack = True
-                if kernel_available(s.weight.qtype):
-                    s.weight.pack(release_raw=True)
+        joined: list[Segment] = []
+        for run in runs:  # held once: packed for the kernel (now if it is built, else at its first use)
+            parts = [s.weight for s in run]
+            if isinstance(parts[0], torch.Tensor):
+                weight = parts[0] if len(parts) == 1 else torch.cat(parts)
+            elif kernel_available(parts[0].qtype):
+                weight = GGUFWeight.packed_cat_rows(parts)  # each part packed in place: no joined copy
+            else:
+                weight = parts[0] if len(parts) == 1 else GGUFWeight.cat_rows(parts)
+                weight.release_raw_on_pack = True
+            joined.append(Segment(run[0].offset, weight))
+        layer.gguf_segments = joined
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         segments = layer.gguf_segments

@@ -281,6 +281,31 @@ def test_fast_pack_is_byte_exact_with_reference_pack(qt):
                 module.gguf_pack_fast(raw, int(qt), n, k, out[:, 1:])
 
 
+@pytest.mark.parametrize("qt", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+def test_parts_are_packed_in_place_of_their_join(qt):
+    """packed_cat_rows (a fused QKV / gate-up at load) gives the packed bytes of cat_rows's
+    joined rows, packing each part straight into its row groups (no joined copy); parts that
+    do not end on a 16-row group fall back to the join, with the same result."""
+    if not gk.kernel_available():
+        pytest.skip("the GGUF kernel is not built here (KVFLOW_CPU_KERNELS=0 or no compiler)")
+    k = 512
+    for sizes in ((32, 16, 7), (48, 21), (7, 16), (16,)):
+        raws = [torch.from_numpy(_random_raw(qt, n, k, seed=n)) for n in sizes]
+        parts = [GGUFWeight(r.clone(), qt, n, k) for r, n in zip(raws, sizes)]
+        joined = GGUFWeight.packed_cat_rows(parts)
+        reference = GGUFWeight.cat_rows([GGUFWeight(r, qt, n, k) for r, n in zip(raws, sizes)])
+        assert joined.shape == (sum(sizes), k) and joined._raw is None
+        assert torch.equal(joined.packed, reference.pack()), sizes
+        assert torch.equal(joined.raw, torch.cat(raws)) and joined.nbytes == joined.packed.numel()
+        if all(n % 16 == 0 for n in sizes[:-1]):  # packed in place: the parts hold no stored rows
+            assert all(p._raw is None for p in parts)
+        x = torch.randn(3, k)
+        torch.testing.assert_close(gguf_linear(x, joined), gguf_linear(x, reference))
+    with pytest.raises(ValueError, match="parts"):
+        GGUFWeight.packed_cat_rows([GGUFWeight(torch.from_numpy(_random_raw(qt, 16, k)), qt, 16, k),
+                                    GGUFWeight(torch.from_numpy(_random_raw(Q.Q5_0, 16, k)), Q.Q5_0, 16, k)])
+
+
 def test_linear_packs_once_at_first_use():
     """gguf_linear packs a weight at its first kernel call and reuses the packed layout; the
     stored rows are dropped (held once) unless the owner keeps them (release_raw_on_pack)."""
