@@ -325,6 +325,13 @@ class AsyncLLMEngine:
         if loop not in self._wakers:
             self._outbox.setdefault(loop, deque())
             self._wakers[loop] = _Waker(loop, lambda: self._drain(loop))
+            # Loops that closed since (a script's ``asyncio.run`` per call) are forgotten, their
+            # wakers' pipes closed, on the engine thread (the one that writes to the pipes):
+            # each kept two file descriptors and the loop for the engine's life.
+            closed = [other for other in list(self._loops) if other.is_closed()]
+            if closed:
+                self._commands.append(("forget_loops", closed))
+                self._wakeup.set()
         self._loops.add(loop)
 
     def _check_running(self) -> None:
@@ -618,9 +625,25 @@ class AsyncLLMEngine:
                 except Exception as error:  # noqa: BLE001 - the caller's to handle
                     result, exc = None, error
                 self._post(loop, self._settle, future, result, exc)
+            elif command[0] == "forget_loops":
+                self._forget_loops(command[1])
             else:
                 self.engine.abort_request(command[1])
                 self._request_loops.pop(command[1], None)
+
+    def _forget_loops(self, loops: list[asyncio.AbstractEventLoop]) -> None:
+        """On the engine thread: drop closed event loops, their outboxes and wakers (pipes
+        closed), and the requests still mapped to them (nobody reads their outputs)."""
+        for loop in loops:
+            self._loops.discard(loop)
+            self._outbox.pop(loop, None)
+            self._drain_pending.pop(loop, None)
+            waker = self._wakers.pop(loop, None)
+            if waker is not None:
+                waker.close()
+        gone = set(loops)
+        for request_id in [r for r, loop in self._request_loops.items() if loop in gone]:
+            del self._request_loops[request_id]
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -509,3 +509,26 @@ def test_shutdown_with_requests_in_flight_lets_go_of_the_heaps_freeze(monkeypatc
         while kvflow.utils._freeze_holds:
             kvflow.utils.release_gc_freeze()
         gc.unfreeze()
+
+
+def test_closed_event_loops_are_forgotten_with_their_pipes():
+    """A script calling the engine through ``asyncio.run`` once per request (a new event loop
+    each time) keeps at most the last closed loop: before, every loop kept its waker's two
+    pipe descriptors for the engine's life (200 calls: 400 descriptors; the default limit of
+    1024 runs out after ~500 calls)."""
+    engine = AsyncLLMEngine(tiny_engine(), "tiny")
+    engine.start()
+
+    async def one(i):
+        it = await engine.add_request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
+        return [out async for out in it][-1]
+
+    try:
+        asyncio.run(one(0))
+        fds = len(os.listdir("/proc/self/fd"))
+        for i in range(1, 40):
+            assert asyncio.run(one(i)).finished
+        assert len(engine._wakers) <= 2 and len(engine._loops) <= 2 and len(engine._outbox) <= 2
+        assert len(os.listdir("/proc/self/fd")) <= fds + 2
+    finally:
+        engine.shutdown()
