@@ -229,6 +229,9 @@ class AsyncLLMEngine:
         self._wakers: dict[asyncio.AbstractEventLoop, _Waker] = {}
         # Engine thread only (read elsewhere as whole values).
         self._request_loops: dict[str, asyncio.AbstractEventLoop] = {}
+        # (engine thread) request id -> the stream its outputs are for: an id aborted and
+        # added again has a new stream, which must not get the old request's last outputs
+        self._request_streams: dict[str, _Stream] = {}
         self._num_applied = 0  # add commands applied
         self._stats: dict[str, Any] = engine.get_stats()
         self._stopped = False
@@ -397,7 +400,7 @@ class AsyncLLMEngine:
             stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids), output_kind=kind)
             self._streams[request_id] = stream
             self._unstarted.add(request_id)
-            self._commands.append(("add", request_id, prepared, prompt, loop, priority))
+            self._commands.append(("add", request_id, prepared, prompt, loop, priority, stream))
             self._num_submitted += 1
             iterators.append(self._iterate(request_id, stream))
         self._wakeup.set()
@@ -537,7 +540,11 @@ class AsyncLLMEngine:
                 m.request_finished(out.outputs[0].finish_reason if out.outputs else None)
             stream.queue.put_nowait(out)
 
-    def _fail_one(self, request_id: str, exc: BaseException) -> None:
+    def _fail_one(self, request_id: str, exc: BaseException, stream: _Stream | None = None) -> None:
+        """Fail ``request_id``'s open stream (only ``stream`` when given: not a newer one
+        under the same id)."""
+        if stream is not None and self._streams.get(request_id) is not stream:
+            return
         stream = self._streams.pop(request_id, None)
         self._unstarted.discard(request_id)
         if stream is not None:
@@ -609,15 +616,16 @@ class AsyncLLMEngine:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
-                _, request_id, prepared, prompt, loop, priority = command
+                _, request_id, prepared, prompt, loop, priority, stream = command
                 self._num_applied += 1
                 try:
                     self.engine.add_request(request_id, prepared.prompt_token_ids, prepared.params, prompt=prompt,
                                             priority=priority, prepared=prepared, output_kind=RequestOutputKind.DELTA)
                 except ValueError as exc:
-                    self._post(loop, self._fail_one, request_id, exc)
+                    self._post(loop, self._fail_one, request_id, exc, stream)
                     continue
                 self._request_loops[request_id] = loop
+                self._request_streams[request_id] = stream
             elif command[0] == "call":
                 _, fn, args, loop, future = command
                 try:
@@ -630,6 +638,7 @@ class AsyncLLMEngine:
             else:
                 self.engine.abort_request(command[1])
                 self._request_loops.pop(command[1], None)
+                self._request_streams.pop(command[1], None)
 
     def _forget_loops(self, loops: list[asyncio.AbstractEventLoop]) -> None:
         """On the engine thread: drop closed event loops, their outboxes and wakers (pipes
@@ -644,20 +653,25 @@ class AsyncLLMEngine:
         gone = set(loops)
         for request_id in [r for r, loop in self._request_loops.items() if loop in gone]:
             del self._request_loops[request_id]
+            self._request_streams.pop(request_id, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, tuple[list[RequestOutput], list[_Stream | None]]] = {}
         for out in outputs:
             loop = self._request_loops.get(out.request_id)
             if loop is None:
                 continue
+            stream = self._request_streams.get(out.request_id)
             if out.finished:
                 del self._request_loops[out.request_id]
-            by_loop.setdefault(loop, []).append(out)
-        for loop, outs in by_loop.items():
+                self._request_streams.pop(out.request_id, None)
+            outs, streams = by_loop.setdefault(loop, ([], []))
+            outs.append(out)
+            streams.append(stream)
+        for loop, (outs, streams) in by_loop.items():
             outbox = self._outbox.setdefault(loop, deque())
-            outbox.append((outs, now))
+            outbox.append((outs, now, streams))
             # A drain already posted and not started yet will take this batch too: no second
             # wake-up of the loop (a self-pipe write and the GIL hand-off to the loop thread).
             if not self._drain_pending.get(loop, False):
@@ -672,5 +686,10 @@ class AsyncLLMEngine:
         self._drain_pending[loop] = False
         outbox = self._outbox.get(loop)
         while outbox:
-            outs, now = outbox.popleft()
+            outs, now, streams = outbox.popleft()
+            current = self._streams
+            if any(current.get(out.request_id) is not stream for out, stream in zip(outs, streams) if stream is not None):
+                # outputs of a request aborted since, whose id was added again: not the new one's
+                outs = [out for out, stream in zip(outs, streams)
+                        if stream is None or current.get(out.request_id) is stream]
             self._dispatch(outs, now)

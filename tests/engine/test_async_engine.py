@@ -532,3 +532,33 @@ def test_closed_event_loops_are_forgotten_with_their_pipes():
         assert len(os.listdir("/proc/self/fd")) <= fds + 2
     finally:
         engine.shutdown()
+
+
+def test_an_id_aborted_and_added_again_gets_none_of_the_old_requests_outputs(monkeypatch):
+    """Abort "x" while a step holding it runs, then add a new "x": the step's output for the
+    old "x" reaches the loop after the new stream took the id. It went to the new stream
+    (its first output carried the old prompt and token, merged into the new request's
+    tokens: 4 tokens for max_tokens=3); it is dropped now."""
+    held = HeldForward(monkeypatch)
+
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny")
+        engine.start()
+        try:
+            old = await engine.add_request("x", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+            await anext(old)
+            held.armed = True
+            await asyncio.to_thread(held.entered.wait, 30)  # a step with the old "x" is running
+            engine.abort("x")
+            new = await engine.add_request("x", [9, 9, 9, 9], SamplingParams(temperature=0, max_tokens=3,
+                                                                               ignore_eos=True))
+            held.release()
+            outs = await asyncio.wait_for(_drain(new), 60)
+            assert all(o.prompt_token_ids == [9, 9, 9, 9] for o in outs)
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+            await _wait(lambda: engine.get_stats()["num_free_blocks"] == 64)
+        finally:
+            held.release()
+            engine.shutdown()
+
+    asyncio.run(main())
