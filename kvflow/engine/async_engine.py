@@ -96,6 +96,7 @@ class _Stream:
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
     prompt_logprobs: list | None = None  # those a DELTA output gave
+    loop: asyncio.AbstractEventLoop | None = None  # the loop its iterator belongs to
 
 
 class _Waker:
@@ -333,6 +334,13 @@ class AsyncLLMEngine:
             # each kept two file descriptors and the loop for the engine's life.
             closed = [other for other in list(self._loops) if other.is_closed()]
             if closed:
+                # Their open requests (an iterator never iterated: no ``finally`` aborted it)
+                # have no reader left: aborted, or they ran on and held a place of the
+                # ``max_queue_len`` count for ever (the start is posted to their loop).
+                gone = set(closed)
+                for request_id, stream in list(self._streams.items()):
+                    if stream.loop in gone:
+                        self.abort(request_id)
                 self._commands.append(("forget_loops", closed))
                 self._wakeup.set()
         self._loops.add(loop)
@@ -375,6 +383,8 @@ class AsyncLLMEngine:
                 once it was shut down).
         """
         self._check_running()
+        loop = asyncio.get_running_loop()
+        self._register(loop)  # (first: the requests of closed loops are aborted, their places freed)
         if self.max_queue_len is not None and len(requests) > self.max_queue_len:
             raise QueueTooSmallError(
                 f"this request has {len(requests)} prompts but the queue holds at most {self.max_queue_len} "
@@ -385,8 +395,6 @@ class AsyncLLMEngine:
                 f"{len(self._unstarted)} requests are waiting and the queue holds {self.max_queue_len}"
                 + (f"; this one needs {len(requests)} places" if len(requests) > 1 else "")
             )
-        loop = asyncio.get_running_loop()
-        self._register(loop)
         iterators = []
         for request_id, prepared, prompt in requests:
             if request_id in self._streams:
@@ -397,7 +405,7 @@ class AsyncLLMEngine:
             if not isinstance(kind, RequestOutputKind):
                 raise ValueError(f"output_kind must be a RequestOutputKind, got {kind!r}")
         for (request_id, prepared, prompt), kind in zip(requests, kinds):
-            stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids), output_kind=kind)
+            stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids), output_kind=kind, loop=loop)
             self._streams[request_id] = stream
             self._unstarted.add(request_id)
             self._commands.append(("add", request_id, prepared, prompt, loop, priority, stream))

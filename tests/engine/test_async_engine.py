@@ -562,3 +562,38 @@ def test_an_id_aborted_and_added_again_gets_none_of_the_old_requests_outputs(mon
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_request_left_on_a_closed_loop_is_aborted_and_frees_its_queue_place():
+    """An iterator never iterated (no ``finally`` aborts it) whose event loop closed: its
+    request was scheduled, but the start was posted to the dead loop, so it held its place in
+    the ``max_queue_len`` count for ever (every later request: QueueFullError) and ran to
+    its end. The next loop to add a request aborts it."""
+    engine = AsyncLLMEngine(tiny_engine(), "tiny", max_queue_len=1)
+    engine.start()
+
+    gate = threading.Event()
+
+    async def orphan():
+        # the engine thread waits on the gate before it takes the request: it is scheduled
+        # (its start posted) once this loop is closed
+        asyncio.ensure_future(engine.call_on_engine(gate.wait, 30))
+        await asyncio.sleep(0)
+        return await engine.add_request("orphan", [1, 2, 3], SamplingParams(temperature=0, max_tokens=200,
+                                                                            ignore_eos=True))
+
+    async def one():
+        # taken and scheduled: its start went to the dead loop
+        await _wait(lambda: engine._num_applied == 1 and engine.get_stats()["num_waiting"] == 0)
+        it = await engine.add_request("next", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
+        return [out async for out in it][-1]
+
+    try:
+        asyncio.run(orphan())
+        gate.set()
+        assert asyncio.run(one()).finished
+        assert not engine._unstarted and "orphan" not in engine._streams
+        asyncio.run(_wait(lambda: engine.get_stats()["num_free_blocks"] == 64 and engine.get_stats()["num_running"] == 0))
+    finally:
+        gate.set()
+        engine.shutdown()
