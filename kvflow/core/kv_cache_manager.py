@@ -311,6 +311,15 @@ class KVCacheManager:
         null = self._null
         held = [b for table in tables for b in table if b != null]
         request.cpu_block_ids = self.cpu_pool.allocate(len(held))
+        # A block copied on write in this step (a pending copy, which the runner makes after
+        # the swap-outs) holds nothing yet: its source's K/V goes to the host, and the copy
+        # into the freed block is dropped.
+        if self.pending_copies:
+            copied = {dst: src for src, dst in self.pending_copies}
+            moved = {b for b in held if b in copied}
+            if moved:
+                self.pending_copies = [(s, d) for s, d in self.pending_copies if d not in moved]
+                held = [copied.get(b, b) for b in held]
         mapping = list(zip(held, request.cpu_block_ids))
         self.block_pool.free(self.coordinator.held(tables))
         request.block_ids = ()

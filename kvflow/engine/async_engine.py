@@ -96,6 +96,7 @@ class _Stream:
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list] = field(default_factory=dict)
     prompt_logprobs: list | None = None  # those a DELTA output gave
+    loop: asyncio.AbstractEventLoop | None = None  # the loop its iterator belongs to
 
 
 class _Waker:
@@ -229,6 +230,9 @@ class AsyncLLMEngine:
         self._wakers: dict[asyncio.AbstractEventLoop, _Waker] = {}
         # Engine thread only (read elsewhere as whole values).
         self._request_loops: dict[str, asyncio.AbstractEventLoop] = {}
+        # (engine thread) request id -> the stream its outputs are for: an id aborted and
+        # added again has a new stream, which must not get the old request's last outputs
+        self._request_streams: dict[str, _Stream] = {}
         self._num_applied = 0  # add commands applied
         self._stats: dict[str, Any] = engine.get_stats()
         self._stopped = False
@@ -325,6 +329,20 @@ class AsyncLLMEngine:
         if loop not in self._wakers:
             self._outbox.setdefault(loop, deque())
             self._wakers[loop] = _Waker(loop, lambda: self._drain(loop))
+            # Loops that closed since (a script's ``asyncio.run`` per call) are forgotten, their
+            # wakers' pipes closed, on the engine thread (the one that writes to the pipes):
+            # each kept two file descriptors and the loop for the engine's life.
+            closed = [other for other in list(self._loops) if other.is_closed()]
+            if closed:
+                # Their open requests (an iterator never iterated: no ``finally`` aborted it)
+                # have no reader left: aborted, or they ran on and held a place of the
+                # ``max_queue_len`` count for ever (the start is posted to their loop).
+                gone = set(closed)
+                for request_id, stream in list(self._streams.items()):
+                    if stream.loop in gone:
+                        self.abort(request_id)
+                self._commands.append(("forget_loops", closed))
+                self._wakeup.set()
         self._loops.add(loop)
 
     def _check_running(self) -> None:
@@ -365,6 +383,8 @@ class AsyncLLMEngine:
                 once it was shut down).
         """
         self._check_running()
+        loop = asyncio.get_running_loop()
+        self._register(loop)  # (first: the requests of closed loops are aborted, their places freed)
         if self.max_queue_len is not None and len(requests) > self.max_queue_len:
             raise QueueTooSmallError(
                 f"this request has {len(requests)} prompts but the queue holds at most {self.max_queue_len} "
@@ -375,8 +395,6 @@ class AsyncLLMEngine:
                 f"{len(self._unstarted)} requests are waiting and the queue holds {self.max_queue_len}"
                 + (f"; this one needs {len(requests)} places" if len(requests) > 1 else "")
             )
-        loop = asyncio.get_running_loop()
-        self._register(loop)
         iterators = []
         for request_id, prepared, prompt in requests:
             if request_id in self._streams:
@@ -387,10 +405,10 @@ class AsyncLLMEngine:
             if not isinstance(kind, RequestOutputKind):
                 raise ValueError(f"output_kind must be a RequestOutputKind, got {kind!r}")
         for (request_id, prepared, prompt), kind in zip(requests, kinds):
-            stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids), output_kind=kind)
+            stream = _Stream(asyncio.Queue(), len(prepared.prompt_token_ids), output_kind=kind, loop=loop)
             self._streams[request_id] = stream
             self._unstarted.add(request_id)
-            self._commands.append(("add", request_id, prepared, prompt, loop, priority))
+            self._commands.append(("add", request_id, prepared, prompt, loop, priority, stream))
             self._num_submitted += 1
             iterators.append(self._iterate(request_id, stream))
         self._wakeup.set()
@@ -530,7 +548,11 @@ class AsyncLLMEngine:
                 m.request_finished(out.outputs[0].finish_reason if out.outputs else None)
             stream.queue.put_nowait(out)
 
-    def _fail_one(self, request_id: str, exc: BaseException) -> None:
+    def _fail_one(self, request_id: str, exc: BaseException, stream: _Stream | None = None) -> None:
+        """Fail ``request_id``'s open stream (only ``stream`` when given: not a newer one
+        under the same id)."""
+        if stream is not None and self._streams.get(request_id) is not stream:
+            return
         stream = self._streams.pop(request_id, None)
         self._unstarted.discard(request_id)
         if stream is not None:
@@ -602,15 +624,16 @@ class AsyncLLMEngine:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
-                _, request_id, prepared, prompt, loop, priority = command
+                _, request_id, prepared, prompt, loop, priority, stream = command
                 self._num_applied += 1
                 try:
                     self.engine.add_request(request_id, prepared.prompt_token_ids, prepared.params, prompt=prompt,
                                             priority=priority, prepared=prepared, output_kind=RequestOutputKind.DELTA)
                 except ValueError as exc:
-                    self._post(loop, self._fail_one, request_id, exc)
+                    self._post(loop, self._fail_one, request_id, exc, stream)
                     continue
                 self._request_loops[request_id] = loop
+                self._request_streams[request_id] = stream
             elif command[0] == "call":
                 _, fn, args, loop, future = command
                 try:
@@ -618,23 +641,45 @@ class AsyncLLMEngine:
                 except Exception as error:  # noqa: BLE001 - the caller's to handle
                     result, exc = None, error
                 self._post(loop, self._settle, future, result, exc)
+            elif command[0] == "forget_loops":
+                self._forget_loops(command[1])
             else:
                 self.engine.abort_request(command[1])
                 self._request_loops.pop(command[1], None)
+                self._request_streams.pop(command[1], None)
+
+    def _forget_loops(self, loops: list[asyncio.AbstractEventLoop]) -> None:
+        """On the engine thread: drop closed event loops, their outboxes and wakers (pipes
+        closed), and the requests still mapped to them (nobody reads their outputs)."""
+        for loop in loops:
+            self._loops.discard(loop)
+            self._outbox.pop(loop, None)
+            self._drain_pending.pop(loop, None)
+            waker = self._wakers.pop(loop, None)
+            if waker is not None:
+                waker.close()
+        gone = set(loops)
+        for request_id in [r for r, loop in self._request_loops.items() if loop in gone]:
+            del self._request_loops[request_id]
+            self._request_streams.pop(request_id, None)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        by_loop: dict[asyncio.AbstractEventLoop, list[RequestOutput]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, tuple[list[RequestOutput], list[_Stream | None]]] = {}
         for out in outputs:
             loop = self._request_loops.get(out.request_id)
             if loop is None:
                 continue
+            stream = self._request_streams.get(out.request_id)
             if out.finished:
                 del self._request_loops[out.request_id]
-            by_loop.setdefault(loop, []).append(out)
-        for loop, outs in by_loop.items():
+                self._request_streams.pop(out.request_id, None)
+            outs, streams = by_loop.setdefault(loop, ([], []))
+            outs.append(out)
+            streams.append(stream)
+        for loop, (outs, streams) in by_loop.items():
             outbox = self._outbox.setdefault(loop, deque())
-            outbox.append((outs, now))
+            outbox.append((outs, now, streams))
             # A drain already posted and not started yet will take this batch too: no second
             # wake-up of the loop (a self-pipe write and the GIL hand-off to the loop thread).
             if not self._drain_pending.get(loop, False):
@@ -649,5 +694,10 @@ class AsyncLLMEngine:
         self._drain_pending[loop] = False
         outbox = self._outbox.get(loop)
         while outbox:
-            outs, now = outbox.popleft()
+            outs, now, streams = outbox.popleft()
+            current = self._streams
+            if any(current.get(out.request_id) is not stream for out, stream in zip(outs, streams) if stream is not None):
+                # outputs of a request aborted since, whose id was added again: not the new one's
+                outs = [out for out, stream in zip(outs, streams)
+                        if stream is None or current.get(out.request_id) is stream]
             self._dispatch(outs, now)

@@ -509,3 +509,91 @@ def test_shutdown_with_requests_in_flight_lets_go_of_the_heaps_freeze(monkeypatc
         while kvflow.utils._freeze_holds:
             kvflow.utils.release_gc_freeze()
         gc.unfreeze()
+
+
+def test_closed_event_loops_are_forgotten_with_their_pipes():
+    """A script calling the engine through ``asyncio.run`` once per request (a new event loop
+    each time) keeps at most the last closed loop: before, every loop kept its waker's two
+    pipe descriptors for the engine's life (200 calls: 400 descriptors; the default limit of
+    1024 runs out after ~500 calls)."""
+    engine = AsyncLLMEngine(tiny_engine(), "tiny")
+    engine.start()
+
+    async def one(i):
+        it = await engine.add_request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
+        return [out async for out in it][-1]
+
+    try:
+        asyncio.run(one(0))
+        fds = len(os.listdir("/proc/self/fd"))
+        for i in range(1, 40):
+            assert asyncio.run(one(i)).finished
+        assert len(engine._wakers) <= 2 and len(engine._loops) <= 2 and len(engine._outbox) <= 2
+        assert len(os.listdir("/proc/self/fd")) <= fds + 2
+    finally:
+        engine.shutdown()
+
+
+def test_an_id_aborted_and_added_again_gets_none_of_the_old_requests_outputs(monkeypatch):
+    """Abort "x" while a step holding it runs, then add a new "x": the step's output for the
+    old "x" reaches the loop after the new stream took the id. It went to the new stream
+    (its first output carried the old prompt and token, merged into the new request's
+    tokens: 4 tokens for max_tokens=3); it is dropped now."""
+    held = HeldForward(monkeypatch)
+
+    async def main():
+        engine = AsyncLLMEngine(tiny_engine(), "tiny")
+        engine.start()
+        try:
+            old = await engine.add_request("x", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+            await anext(old)
+            held.armed = True
+            await asyncio.to_thread(held.entered.wait, 30)  # a step with the old "x" is running
+            engine.abort("x")
+            new = await engine.add_request("x", [9, 9, 9, 9], SamplingParams(temperature=0, max_tokens=3,
+                                                                               ignore_eos=True))
+            held.release()
+            outs = await asyncio.wait_for(_drain(new), 60)
+            assert all(o.prompt_token_ids == [9, 9, 9, 9] for o in outs)
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+            await _wait(lambda: engine.get_stats()["num_free_blocks"] == 64)
+        finally:
+            held.release()
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_request_left_on_a_closed_loop_is_aborted_and_frees_its_queue_place():
+    """An iterator never iterated (no ``finally`` aborts it) whose event loop closed: its
+    request was scheduled, but the start was posted to the dead loop, so it held its place in
+    the ``max_queue_len`` count for ever (every later request: QueueFullError) and ran to
+    its end. The next loop to add a request aborts it."""
+    engine = AsyncLLMEngine(tiny_engine(), "tiny", max_queue_len=1)
+    engine.start()
+
+    gate = threading.Event()
+
+    async def orphan():
+        # the engine thread waits on the gate before it takes the request: it is scheduled
+        # (its start posted) once this loop is closed
+        asyncio.ensure_future(engine.call_on_engine(gate.wait, 30))
+        await asyncio.sleep(0)
+        return await engine.add_request("orphan", [1, 2, 3], SamplingParams(temperature=0, max_tokens=200,
+                                                                            ignore_eos=True))
+
+    async def one():
+        # taken and scheduled: its start went to the dead loop
+        await _wait(lambda: engine._num_applied == 1 and engine.get_stats()["num_waiting"] == 0)
+        it = await engine.add_request("next", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
+        return [out async for out in it][-1]
+
+    try:
+        asyncio.run(orphan())
+        gate.set()
+        assert asyncio.run(one()).finished
+        assert not engine._unstarted and "orphan" not in engine._streams
+        asyncio.run(_wait(lambda: engine.get_stats()["num_free_blocks"] == 64 and engine.get_stats()["num_running"] == 0))
+    finally:
+        gate.set()
+        engine.shutdown()

@@ -270,6 +270,37 @@ def test_seeded_parallel_samples_survive_preemption(preemption_mode):
     assert out["s"] == alone["s"] and len({tuple(t) for t in alone["s"]}) == 3
 
 
+def test_swap_preempting_a_sample_copied_on_write_in_the_same_step_keeps_its_kv():
+    """Under the priority policy a request already in the batch may be preempted; with swap,
+    one whose shared partial block was copied on write earlier in that step (the copy is
+    made after the swap-outs) must reach the host with the source's K/V, not the empty
+    copy's: here "p"'s first sample is swapped out in its first decode step, right after
+    copy-on-write, and its greedy tokens stay those of a run alone (they diverged)."""
+    from conftest import tiny_model
+    from kvflow.config import CacheConfig, SchedulerConfig
+
+    prompt, high = [5, 17, 33, 2, 90, 41, 7, 8, 9, 10], list(range(20, 38))
+
+    def run(num_blocks, budget):
+        config = tiny_model_config()
+        engine = make_engine(model=tiny_model(config), model_config=config,
+                             cache_config=CacheConfig(4, num_blocks, torch.float32, num_cpu_blocks=64),
+                             scheduler_config=SchedulerConfig(budget, 8, 128, policy="priority",
+                                                              preemption_mode="swap"))
+        engine.add_request("p", prompt, SamplingParams(temperature=0, n=2, max_tokens=6), priority=1)
+        engine.step()  # "p"'s first prompt chunk; "h" arrives behind it, then it forks
+        engine.add_request("h", high, SamplingParams(temperature=0, max_tokens=2), priority=0)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished})
+        return done, engine.get_stats()
+
+    alone, _ = run(64, 64)
+    out, stats = run(5, 7)
+    assert stats["num_preemptions"] >= 2 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert out == alone
+
+
 def test_unseeded_sampling_follows_engine_seed():
     params = SamplingParams(temperature=1.0, max_tokens=12)
     a = generate(tiny_engine(seed=5), {"x": PROMPTS["p9"]}, params)["x"]
