@@ -32,10 +32,18 @@ import torch
 from kvflow.attention.backend import AttentionBackend
 
 
+MAX_CAPTURE_SIZE = 512
+"""The largest batch captured (vLLM's default ``max_cudagraph_capture_size``): a larger decode
+runs eagerly. Each size is one capture at start and one static output buffer, so
+``--max-num-seqs 4096`` would have meant 515 captures and ~1.2 GB of buffers for SmolLM2."""
+
+
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, then multiples of 8, up to ``max_num_seqs`` (always included)."""
-    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
-    return sorted(set(sizes + [max_num_seqs]))
+    """1, 2, 4, then multiples of 8, up to ``min(max_num_seqs, MAX_CAPTURE_SIZE)`` (always
+    included)."""
+    top = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    sizes = [b for b in (1, 2, 4) if b < top] + list(range(8, top, 8))
+    return sorted(set(sizes + [top]))
 
 
 class _EagerGraph:

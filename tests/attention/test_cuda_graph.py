@@ -25,6 +25,8 @@ def test_default_batch_sizes():
     assert default_batch_sizes(6) == [1, 2, 4, 6]
     assert default_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
     assert default_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    big = default_batch_sizes(4096)  # larger decodes run eagerly: not 515 captures and buffers at start
+    assert big[-1] == 512 and len(big) == 67 and default_batch_sizes(512) == big
 
 
 TRITON = TritonAttentionBackend()
