@@ -132,14 +132,23 @@ def default_calibration_ids(tokenizer, num_tokens: int = 512) -> list[int]:
     Debian ships; a different text can be given to ``kvflow quantize --calibration``).
 
     Raises:
-        ValueError: when the file is not there.
+        ValueError: when the file is not there, or when the tokenizer has no vocabulary (what
+            transformers builds for a Qwen2 or Gemma folder without tokenizer files: the
+            text encodes to no tokens, or to the unknown token only), which would leave AWQ
+            nothing, or one meaningless token, to calibrate on.
     """
     from pathlib import Path
 
     path = Path("/usr/share/common-licenses/GPL-3")
     if not path.exists():
         raise ValueError("int4-awq needs calibration text: pass calibration_ids / --calibration FILE")
-    return tokenizer.encode(path.read_text())[:num_tokens]
+    ids = tokenizer.encode(path.read_text())[:num_tokens]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not any(i != unk for i in ids):
+        raise ValueError(f"int4-awq calibrates on real text, which needs the model's tokenizer, and the one loaded "
+                         f"has no vocabulary (the calibration text encodes to {len(ids)} token(s), none but the "
+                         "unknown token); a model without tokenizer files can use int4 (round-to-nearest)")
+    return ids
 
 
 class AWQConfig(Int4Config):
