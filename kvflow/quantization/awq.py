@@ -9,7 +9,7 @@ minimize the output error || X Q(W diag(s)) diag(s)^-1 ^T - X W^T || on calibrat
 (section 3.3). Folds, per decoder layer:
 
 - qkv_proj input = input_layernorm(x): the norm's weight is divided by s;
-- gate_up_proj input = post_attention_layernorm(x): likewise;
+- gate_up_proj input = post_attention_layernorm(x) (Gemma 3: pre_feedforward_layernorm(x)): likewise;
 - down_proj input = silu(gate) * up: the up rows of gate_up_proj are divided by s.
 
 o_proj is left to plain round-to-nearest (with grouped-query attention its input channels
@@ -91,9 +91,12 @@ def apply_awq(model: nn.Module, calibration_ids: list[int], group_size: int) -> 
     alphas = {}
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        # The norm whose output is the MLP's input: Gemma 3's pre_feedforward_layernorm (its
+        # post_attention_layernorm normalizes the attention output, before the residual).
+        mlp_norm = getattr(layer, "pre_feedforward_layernorm", layer.post_attention_layernorm)
         for name, linear, fold in (
             (f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj, layer.input_layernorm.weight),
-            (f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj, layer.post_attention_layernorm.weight),
+            (f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj, mlp_norm.weight),
         ):
             s, alphas[name] = search_scale(linear.weight, inputs[name], group_size_for(linear.in_features, group_size))
             _scale_columns(linear, s)
