@@ -83,7 +83,12 @@ def apply_awq(model: nn.Module, calibration_ids: list[int], group_size: int) -> 
     """Rescale a Llama-shaped float model's weights in place (float-equivalent) so that a
     following INT4 round-to-nearest quantization loses less (its decoder layers must have
     ``self_attn.qkv_proj``, ``mlp.gate_up_proj`` / ``down_proj`` and the two RMSNorms).
-    Returns the chosen alpha per linear."""
+    Returns the chosen alpha per linear.
+
+    Calibration runs as one prompt, so only its first ``config.context_len`` tokens are used
+    (the default text is 512 tokens, more than a small model's context; positions past it
+    have no RoPE table entry)."""
+    calibration_ids = calibration_ids[: model.config.context_len]
     names = []
     for i in range(len(model.layers)):
         names += [f"layers.{i}.self_attn.qkv_proj", f"layers.{i}.mlp.gate_up_proj", f"layers.{i}.mlp.down_proj"]

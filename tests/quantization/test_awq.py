@@ -159,3 +159,16 @@ def test_awq_keeps_the_gemma3_float_model(tmp_path):
     before = prefill_logits(model, prompt, 64)
     apply_awq(model, calibration_ids(), GROUP)
     torch.testing.assert_close(prefill_logits(model, prompt, 64), before, atol=1e-4, rtol=1e-4)
+
+
+def test_calibration_longer_than_the_context_uses_its_first_context_tokens():
+    """The default calibration text is 512 tokens; on a model whose context is shorter the
+    calibration prompt ran past the RoPE table (IndexError in RotaryEmbedding.cos_sin).
+    apply_awq now calibrates on the first context_len tokens, as if given only those."""
+    model = outlier_model(max_position_embeddings=64)
+    ids = calibration_ids(n=200)
+    clipped = copy.deepcopy(model)
+    alphas = apply_awq(model, ids, GROUP)
+    assert alphas == apply_awq(clipped, ids[:64], GROUP)
+    for a, b in zip(model.parameters(), clipped.parameters()):
+        assert torch.equal(a, b)
