@@ -369,11 +369,16 @@ def _rows(loaded, start: int, end: int, total: int):
 
 
 def _split_rows(loaded, sizes: list[int]) -> list:
-    """A fused checkpoint tensor (or ``GGUFWeight``) cut into consecutive row blocks of ``sizes``."""
+    """A fused checkpoint tensor (or ``GGUFWeight``) cut into consecutive row blocks of ``sizes``.
+
+    Raises:
+        ValueError: when ``loaded`` has another number of rows than ``sizes`` add up to (a
+            tensor too: ``Tensor.split`` would fail with a RuntimeError naming no weight).
+    """
+    if _shape(loaded)[0] != sum(sizes):
+        raise ValueError(f"shape {_shape(loaded)}, expected {sum(sizes)} rows")
     if not isinstance(loaded, GGUFWeight):
         return list(loaded.split(sizes))
-    if sum(sizes) != loaded.n:
-        raise ValueError(f"shape {_shape(loaded)}, expected {sum(sizes)} rows")
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     return [loaded.narrow_rows(o, n) for o, n in zip(offsets, sizes)]
 

@@ -405,6 +405,7 @@ class SparseMoeBlock(nn.Module):
                                                  f"{prefix}.shared_expert", tp)
             self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False,
                                                        prefix=f"{prefix}.shared_expert_gate")
+            self.shared_expert_gate.keep_float = True  # built without the scheme, as the router
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, self.gate(x))

@@ -41,11 +41,15 @@ class LlamaAttention(nn.Module):
 
     Subclasses change what happens between the projection and the cache by overriding
     ``rotate_heads`` (Qwen3 normalizes each head there); ``o_proj_bias`` gives the output
-    projection a bias."""
+    projection a bias (None: Llama's rule, transformers' ``LlamaAttention``: ``attention_bias``
+    puts a bias on Q/K/V and the output projection alike; Mistral and Qwen2 have none there)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel | None = None,
-                 quant_config: QuantizationConfig | None = None, prefix: str = "", o_proj_bias: bool = False) -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 o_proj_bias: bool | None = None) -> None:
         super().__init__()
+        if o_proj_bias is None:
+            o_proj_bias = config.model_type == "llama" and config.attention_bias
         self.head_dim = config.head_dim
         self.owns_kv = layer_idx % config.cla_share_factor == 0
         self.qkv_proj = QKVParallelLinear(

@@ -9,7 +9,7 @@ minimize the output error || X Q(W diag(s)) diag(s)^-1 ^T - X W^T || on calibrat
 (section 3.3). Folds, per decoder layer:
 
 - qkv_proj input = input_layernorm(x): the norm's weight is divided by s;
-- gate_up_proj input = post_attention_layernorm(x): likewise;
+- gate_up_proj input = post_attention_layernorm(x) (Gemma 3: pre_feedforward_layernorm(x)): likewise;
 - down_proj input = silu(gate) * up: the up rows of gate_up_proj are divided by s.
 
 o_proj is left to plain round-to-nearest (with grouped-query attention its input channels
@@ -83,7 +83,12 @@ def apply_awq(model: nn.Module, calibration_ids: list[int], group_size: int) -> 
     """Rescale a Llama-shaped float model's weights in place (float-equivalent) so that a
     following INT4 round-to-nearest quantization loses less (its decoder layers must have
     ``self_attn.qkv_proj``, ``mlp.gate_up_proj`` / ``down_proj`` and the two RMSNorms).
-    Returns the chosen alpha per linear."""
+    Returns the chosen alpha per linear.
+
+    Calibration runs as one prompt, so only its first ``config.context_len`` tokens are used
+    (the default text is 512 tokens, more than a small model's context; positions past it
+    have no RoPE table entry)."""
+    calibration_ids = calibration_ids[: model.config.context_len]
     names = []
     for i in range(len(model.layers)):
         names += [f"layers.{i}.self_attn.qkv_proj", f"layers.{i}.mlp.gate_up_proj", f"layers.{i}.mlp.down_proj"]
@@ -91,9 +96,12 @@ def apply_awq(model: nn.Module, calibration_ids: list[int], group_size: int) -> 
     alphas = {}
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
+        # The norm whose output is the MLP's input: Gemma 3's pre_feedforward_layernorm (its
+        # post_attention_layernorm normalizes the attention output, before the residual).
+        mlp_norm = getattr(layer, "pre_feedforward_layernorm", layer.post_attention_layernorm)
         for name, linear, fold in (
             (f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj, layer.input_layernorm.weight),
-            (f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj, layer.post_attention_layernorm.weight),
+            (f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj, mlp_norm.weight),
         ):
             s, alphas[name] = search_scale(linear.weight, inputs[name], group_size_for(linear.in_features, group_size))
             _scale_columns(linear, s)
@@ -132,14 +140,23 @@ def default_calibration_ids(tokenizer, num_tokens: int = 512) -> list[int]:
     Debian ships; a different text can be given to ``kvflow quantize --calibration``).
 
     Raises:
-        ValueError: when the file is not there.
+        ValueError: when the file is not there, or when the tokenizer has no vocabulary (what
+            transformers builds for a Qwen2 or Gemma folder without tokenizer files: the
+            text encodes to no tokens, or to the unknown token only), which would leave AWQ
+            nothing, or one meaningless token, to calibrate on.
     """
     from pathlib import Path
 
     path = Path("/usr/share/common-licenses/GPL-3")
     if not path.exists():
         raise ValueError("int4-awq needs calibration text: pass calibration_ids / --calibration FILE")
-    return tokenizer.encode(path.read_text())[:num_tokens]
+    ids = tokenizer.encode(path.read_text())[:num_tokens]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if not any(i != unk for i in ids):
+        raise ValueError(f"int4-awq calibrates on real text, which needs the model's tokenizer, and the one loaded "
+                         f"has no vocabulary (the calibration text encodes to {len(ids)} token(s), none but the "
+                         "unknown token); a model without tokenizer files can use int4 (round-to-nearest)")
+    return ids
 
 
 class AWQConfig(Int4Config):

@@ -183,3 +183,22 @@ def test_float32_model_is_not_packed():
     model = tiny_model(tiny_model_config())
     assert pack_for_cpu(model) == 0
     assert not UnquantizedLinearMethod.is_packed(model.layers[0].mlp.down_proj) and model.lm_head.packed is None
+
+
+def test_a_fused_tensor_of_the_wrong_row_count_is_a_value_error_naming_the_shape():
+    """A fused Q/K/V or gate/up checkpoint tensor whose rows do not add up (Phi-3's fused
+    qkv_proj on a cross-layer-attention layer that takes the query rows only, or a config
+    that disagrees with the checkpoint) raised Tensor.split's RuntimeError, which names no
+    weight, where every other shape mismatch is a ValueError the loader names the weight in."""
+    from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    q_only = QKVParallelLinear(64, 16, 4, 2, bias=False, with_kv=False)
+    with pytest.raises(ValueError, match=r"shape \(128, 64\), expected 64 rows"):
+        q_only.weight_loader(q_only.weight, torch.randn(128, 64))
+    q_only.weight_loader(q_only.weight, torch.randn(64, 64))  # the query rows alone load
+    qkv = QKVParallelLinear(64, 16, 4, 2, bias=False)
+    with pytest.raises(ValueError, match=r"shape \(96, 64\), expected 128 rows"):
+        qkv.weight_loader(qkv.weight, torch.randn(96, 64))
+    gate_up = MergedColumnParallelLinear(64, [96, 96], bias=False)
+    with pytest.raises(ValueError, match=r"shape \(190, 64\), expected 192 rows"):
+        gate_up.weight_loader(gate_up.weight, torch.randn(190, 64))

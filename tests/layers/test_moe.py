@@ -292,3 +292,32 @@ def test_default_implementation_gathers_small_decode_batches_and_groups_the_rest
     assert default_expert_impl(x, w13, w2, torch.zeros(1, fits, dtype=torch.long)) == "gather_bmm"
     assert default_expert_impl(x, w13, w2, torch.zeros(1, fits + 1, dtype=torch.long)) == "grouped_mm"
     assert default_expert_impl(x, w13.bfloat16(), w2.bfloat16(), torch.zeros(1, fits + 1, dtype=torch.long)) == "gather_bmm"
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
+def test_qwen2_moe_shared_expert_gate_stays_float_and_its_checkpoint_reloads(method, tmp_path):
+    """Quantizing in place (``quantize_model``, what ``kvflow quantize`` does) left the
+    Qwen2-MoE ``shared_expert_gate`` float as loading with ``quantization=`` does: it
+    quantized it, so the saved checkpoint held ``shared_expert_gate.scale`` and reloading it
+    failed ("quantized checkpoint does not match the model")."""
+    import transformers
+
+    from conftest import prefill_logits
+    from kvflow.model.loader import load_model, quantize_model
+    from kvflow.quantization.checkpoint import save_quantized
+
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(tmp_path / "float")
+    cpu = torch.device("cpu")
+    at_load, _ = load_model(tmp_path / "float", torch.float32, cpu, quantization=method)
+    in_place, _ = load_model(tmp_path / "float", torch.float32, cpu)
+    quantize_model(in_place, method)
+    assert in_place.state_dict().keys() == at_load.state_dict().keys()
+    save_quantized(in_place, tmp_path / "float", tmp_path / "quantized", method, 32)
+    reloaded, _ = load_model(tmp_path / "quantized", torch.float32, cpu)
+    prompt = list(range(3, 20))
+    torch.testing.assert_close(prefill_logits(reloaded, prompt, 5), prefill_logits(in_place, prompt, 5), rtol=0, atol=0)

@@ -392,3 +392,24 @@ def test_window_frees_blocks_in_the_engine_with_exact_outputs(preemption_mode, t
     assert 0 < peak <= 7 and stats["num_window_freed_blocks"] >= 3 * (18 - 7)
     assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"] == 11
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_llama_attention_bias_includes_the_output_projection(tmp_path):
+    """transformers' Llama with ``attention_bias=True`` has biases on Q/K/V and on o_proj;
+    kvflow refused the folder ("unexpected weight ...o_proj.bias"). Logits with chunked
+    prefill and greedy tokens through the engine match transformers."""
+    from conftest import engine_greedy_matches_hf
+    from kvflow.model.loader import load_model
+
+    hf = _tiny_hf(transformers.LlamaForCausalLM, transformers.LlamaConfig, tmp_path, attention_bias=True)
+    model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    assert model.layers[0].self_attn.o_proj.bias is not None
+    ids = torch.randint(0, 128, (23,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunk in (1, 5, 64):
+        torch.testing.assert_close(prefill_logits(model, ids, chunk), want, atol=1e-4, rtol=1e-4)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 9)]
+    engine_greedy_matches_hf(tmp_path, hf, prompts, prompts[0][:12] + [5, 6, 7])

@@ -134,3 +134,41 @@ def test_awq_int4_beats_rtn_int4_end_to_end():
     rtn_held, awq_held = mse(rtn, "held_out", held_out), mse(awq, "held_out", held_out)
     assert awq_calib < 0.8 * rtn_calib, (awq_calib, rtn_calib)
     assert awq_held <= rtn_held, (awq_held, rtn_held)
+
+
+def test_awq_keeps_the_gemma3_float_model(tmp_path):
+    """AWQ's rescaling is float-equivalent on Gemma 3 too, whose MLP input is
+    pre_feedforward_layernorm(x), not post_attention_layernorm (which normalizes the
+    attention output before the residual): folding the gate/up scales into the latter
+    changed the float model (logits off by ~0.4 on this tiny one)."""
+    import transformers
+
+    from kvflow.model.loader import load_model
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=128)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0.0, 0.1 if "norm" in name else 0.2)
+    hf.save_pretrained(tmp_path)
+    model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    prompt = calibration_ids(seed=5, n=20)
+    before = prefill_logits(model, prompt, 64)
+    apply_awq(model, calibration_ids(), GROUP)
+    torch.testing.assert_close(prefill_logits(model, prompt, 64), before, atol=1e-4, rtol=1e-4)
+
+
+def test_calibration_longer_than_the_context_uses_its_first_context_tokens():
+    """The default calibration text is 512 tokens; on a model whose context is shorter the
+    calibration prompt ran past the RoPE table (IndexError in RotaryEmbedding.cos_sin).
+    apply_awq now calibrates on the first context_len tokens, as if given only those."""
+    model = outlier_model(max_position_embeddings=64)
+    ids = calibration_ids(n=200)
+    clipped = copy.deepcopy(model)
+    alphas = apply_awq(model, ids, GROUP)
+    assert alphas == apply_awq(clipped, ids[:64], GROUP)
+    for a, b in zip(model.parameters(), clipped.parameters()):
+        assert torch.equal(a, b)

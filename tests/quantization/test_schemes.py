@@ -273,3 +273,24 @@ def test_awq_without_a_tokenizer_says_it_needs_one(tmp_path):
         (folder / name).unlink(missing_ok=True)
     with pytest.raises(ValueError, match="int4-awq calibrates on real text, which needs the model's tokenizer"):
         LLM(str(folder), device="cpu", dtype="float32", quantization="int4-awq", num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3_text"])
+def test_awq_with_a_vocabulary_less_tokenizer_says_it_needs_one(arch, tmp_path):
+    """A Qwen2 or Gemma 3 folder without tokenizer files: transformers builds a tokenizer with
+    no vocabulary for it, so the calibration text encoded to [] (Qwen2: a RuntimeError from
+    the embedding on an empty float tensor) or to one unknown token (Gemma: AWQ silently
+    calibrated on a single meaningless token)."""
+    import transformers
+
+    from kvflow import LLM
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    if arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    else:
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**common, head_dim=16))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="int4-awq calibrates on real text.*has no vocabulary"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", quantization="int4-awq", num_kv_blocks=16)
