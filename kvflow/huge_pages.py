@@ -66,26 +66,6 @@ def _mapping(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(mm, dtype=torch.uint8)
 
 
-def _arena(nbytes: int) -> torch.Tensor | None:
-    """``nbytes`` never handed out before from the arena (so its pages are the kernel's zero
-    pages until touched), as a flat uint8 tensor; None where the arena does not serve it
-    (``enabled()`` off, fewer than ``MIN_BYTES``, or no address space for a mapping)."""
-    global _chunk, _used
-    if nbytes < MIN_BYTES or not enabled():
-        return None
-    try:
-        if nbytes > CHUNK_BYTES // 4:  # a large tensor takes a mapping of its own
-            return _mapping(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)[:nbytes]
-        with _lock:
-            if _chunk is None or _used + nbytes > _chunk.numel():
-                _chunk, _used = _mapping(CHUNK_BYTES), 0
-            flat = _chunk[_used:_used + nbytes]
-            _used = -(-(_used + nbytes) // _ALIGN) * _ALIGN
-            return flat
-    except OSError:  # no address space for a mapping (e.g. ulimit -v): an ordinary allocation
-        return None
-
-
 def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """An uninitialized contiguous CPU tensor of ``shape`` and ``dtype``, on huge pages where
     ``enabled()`` and it holds at least ``MIN_BYTES`` (see the module docstring), else
@@ -98,20 +78,20 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.uint8) 
     Returns:
         A tensor that owns (a share of) its memory: it stays valid while it lives.
     """
+    global _chunk, _used
     shape = tuple(int(s) for s in shape)
-    flat = _arena(math.prod(shape) * dtype.itemsize)
-    return torch.empty(shape, dtype=dtype) if flat is None else flat.view(dtype).view(shape)
-
-
-def zeros(shape: tuple[int, ...] | list[int], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A zeroed contiguous CPU tensor of ``shape`` and ``dtype``, placed as ``empty`` places it.
-
-    From the arena it is zero without being written: its memory was never handed out before,
-    and an untouched page of an anonymous mapping reads as zeros (POSIX ``mmap``
-    ``MAP_ANONYMOUS``), so none of it is resident until something writes it (a paged KV
-    cache becomes resident block by block as requests fill it, not all at the start). Else
-    ``torch.zeros``, which writes every byte.
-    """
-    shape = tuple(int(s) for s in shape)
-    flat = _arena(math.prod(shape) * dtype.itemsize)
-    return torch.zeros(shape, dtype=dtype) if flat is None else flat.view(dtype).view(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < MIN_BYTES or not enabled():
+        return torch.empty(shape, dtype=dtype)
+    try:
+        if nbytes > CHUNK_BYTES // 4:  # a large tensor takes a mapping of its own
+            flat = _mapping(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)[:nbytes]
+        else:
+            with _lock:
+                if _chunk is None or _used + nbytes > _chunk.numel():
+                    _chunk, _used = _mapping(CHUNK_BYTES), 0
+                flat = _chunk[_used:_used + nbytes]
+                _used = -(-(_used + nbytes) // _ALIGN) * _ALIGN
+    except OSError:  # no address space for a mapping (e.g. ulimit -v): an ordinary allocation
+        return torch.empty(shape, dtype=dtype)
+    return flat.view(dtype).view(shape)

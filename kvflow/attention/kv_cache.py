@@ -32,15 +32,13 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
     (``kvflow.huge_pages.empty``; for a cache that lives as long as the engine: its arena
     never reuses memory). A decode step reads each running request's blocks, scattered over
     the pool, so with 4 KiB pages nearly every block costs TLB misses; 2 MiB pages cover 512
-    of them. There the tensors are zero from fresh pages, not written (``huge_pages.zeros``):
-    the pool becomes resident as blocks are first written, not all at the start (a default
-    SmolLM2 pool of 536 MiB took 0.9 s to zero at every start and counted in the RSS from
-    then on)."""
+    of them. The tensors are still zeroed here, so the whole pool is resident from the start,
+    as with ``torch.zeros``."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
 
     def zeros(size: tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
         if huge_pages and device.type == "cpu" and not pin_memory:
-            return _huge_pages.zeros(size, dt)
+            return _huge_pages.empty(size, dt).zero_()
         return torch.zeros(size, dtype=dt, device=device, pin_memory=pin_memory)
 
     tensors = [zeros(shape, dtype) for _ in range(2)]

@@ -438,9 +438,9 @@ class EngineArgs:
         )
 
     def _check_host_memory(self, pool_bytes: int, num_blocks: int, swap_space: int) -> None:
-        """On the CPU the KV pool is allocated at start and becomes resident as its blocks are
-        first written (``huge_pages.zeros``): one larger than the memory the machine has
-        available would end in the kernel's OOM killer once requests fill it. Every tensor-parallel rank holds its own pool; the swap space is
+        """On the CPU the KV pool is allocated and zeroed at start (resident, not lazily
+        mapped): one larger than the memory the machine has available would only end in the
+        kernel's OOM killer. Every tensor-parallel rank holds its own pool; the swap space is
         host memory too.
 
         Raises:

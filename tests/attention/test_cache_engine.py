@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvflow import huge_pages
-from tests.conftest import resident_bytes, vm_flags
+from tests.conftest import vm_flags
 from kvflow.attention.cache_engine import CacheEngine
 from kvflow.attention.kv_cache import allocate_kv_cache
 from kvflow.config import CacheConfig, KVCacheSpec
@@ -33,21 +33,6 @@ def test_the_cpu_pool_is_zeroed_on_huge_pages(monkeypatch, dtype):
     k = engine.kv_caches[0][0]
     k.view(-1)[:5] = 1  # the tensors are distinct memory
     assert not engine.kv_caches[0][1].any() and not engine.kv_caches[1][0].any()
-
-
-@needs_thp
-def test_the_cpu_pool_is_resident_only_where_written(monkeypatch):
-    """The pool reads as zeros from fresh pages, not written at start: a 160 MiB pool costs no
-    memory until blocks are filled (zeroing it made every start write it all)."""
-    monkeypatch.setenv("KVFLOW_HUGE_PAGES", "1")
-    # 1 layer x 1280 blocks x 16 tokens x 8 heads x 128 x 4 bytes = 80 MiB a tensor
-    engine = CacheEngine(KVCacheSpec(1, 8, 128), CacheConfig(16, 1280, torch.float32), torch.device("cpu"))
-    k, v = engine.kv_caches[0]
-    assert k.nbytes == 80 << 20
-    assert resident_bytes(k) < 4 << 20 and resident_bytes(v) < 4 << 20
-    k[:256].fill_(1.0)  # a fifth of the blocks written: 16 MiB
-    assert 16 << 20 <= resident_bytes(k) < 20 << 20 and resident_bytes(v) < 4 << 20
-    assert not k[256:].any() and not v.any()  # the rest reads as zeros
 
 
 @needs_thp
