@@ -538,3 +538,23 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_the_cpu_flags_are_read_once_a_process(monkeypatch, source):
+    """Every build name hashes the CPU's flags; /proc/cpuinfo (~8 ms a read in a VM) is read
+    once, not at each of a start's ~50 names."""
+    import builtins
+
+    real_open, reads = builtins.open, []
+
+    def counting_open(path, *args, **kwargs):
+        if str(path) == "/proc/cpuinfo":
+            reads.append(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    getattr(build.host_cpu_flags, "cache_clear", lambda: None)()
+    ext = CppKernel("kvflow_test_flags", source, SWITCH, "test kernel")
+    names = {ext.build_name() for _ in range(5)}
+    assert len(names) == 1 and build.host_cpu_flags() == build.host_cpu_flags()
+    assert len(reads) == (1 if os.path.exists("/proc/cpuinfo") else 0)
