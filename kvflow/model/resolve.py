@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 # GGUF file's cached folder holds its config and tokenizer only; the weights are read from the
 # file itself at load (``iter_gguf_weights``), quantized blocks as stored or dequantized.
 # Version 3: the marker names the config's class (``load_config`` reads it without the class).
-CONVERTER_VERSION = 3
+# Version 4: that record holds a digest of config.json and itself (``_config_digest``).
+CONVERTER_VERSION = 4
 # Upper bound on one safetensors shard written by the converter, in bytes.
 SHARD_BYTES = 2 * 1024**3
 # Written last into a converted directory; its presence marks a complete conversion.
@@ -196,13 +197,19 @@ def _light_config_class(name: str, model_type: str, attribute_map: tuple[tuple[s
 
 def _saved_config(folder: Path) -> transformers.PretrainedConfig | None:
     """The config of a GGUF folder written by this transformers version, read without its
-    class (``load_config``); None for any other folder."""
+    class (``load_config``); None for any other folder, and for one whose ``config.json`` or
+    record is not as its conversion wrote them (``_config_digest``): a hand-edited config (a
+    field removed, a legacy ``rope_theta``, a value of the wrong type) is what the class's
+    ``__init__`` fills in, converts or refuses, so ``AutoConfig`` reads it."""
     try:
-        written = json.loads((folder / SOURCE_MARKER).read_text()).get("config")
-        fields = json.loads((folder / "config.json").read_text())
+        marker = json.loads((folder / SOURCE_MARKER).read_text())
+        text = (folder / "config.json").read_bytes()
+        fields = json.loads(text)
     except (OSError, ValueError):
         return None
+    written = marker.get("config") if isinstance(marker, dict) else None
     if (not isinstance(written, dict) or written.get("transformers_version") != transformers.__version__
+            or written.get("digest") != _config_digest(text, written)
             or not isinstance(fields, dict) or fields.get("model_type") != written.get("model_type")):
         return None
     config_class = _light_config_class(written["class"], written["model_type"],
@@ -213,6 +220,14 @@ def _saved_config(folder: Path) -> transformers.PretrainedConfig | None:
         if not hasattr(config, name):
             setattr(config, name, value)
     return config
+
+
+def _config_digest(config_json: bytes, record: dict[str, Any]) -> str:
+    """SHA-256 of ``config.json``'s bytes and of the record's fields (``_config_record``, its
+    digest left out): ``_saved_config`` reads a folder without the class only while both are
+    as the conversion wrote them."""
+    fields = {key: value for key, value in record.items() if key != "digest"}
+    return hashlib.sha256(config_json + b"\0" + json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def iter_weights(model_dir: str | os.PathLike[str], native: bool = False) -> Iterator[tuple[str, Any]]:
@@ -799,7 +814,7 @@ def _write_marker(folder: Path, source: Path, config: dict[str, Any] | None = No
     if config is None:
         try:
             config = json.loads((folder / SOURCE_MARKER).read_text()).get("config")
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):  # (AttributeError: a marker that is no JSON object)
             config = None
     if config is not None:
         marker["config"] = config
@@ -816,8 +831,10 @@ def _config_record(folder: Path) -> dict[str, Any] | None:
     config_class = registry.arch_spec(model_type).config_class()
     if not config_class.__module__.startswith("transformers."):
         return None
-    return {"class": config_class.__name__, "model_type": model_type,
-            "attribute_map": dict(config_class.attribute_map), "transformers_version": transformers.__version__}
+    record = {"class": config_class.__name__, "model_type": model_type,
+              "attribute_map": dict(config_class.attribute_map), "transformers_version": transformers.__version__}
+    record["digest"] = _config_digest((folder / "config.json").read_bytes(), record)
+    return record
 
 
 @contextmanager

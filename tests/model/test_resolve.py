@@ -975,3 +975,48 @@ def test_reading_a_gguf_folders_config_imports_no_model_config_module(tmp_path: 
             "print(sorted(m for m in sys.modules if m.startswith(('transformers.models.', 'torch.distributed.tensor'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("edit", [
+    "config: a field removed", "config: a legacy rope_theta", "config: a value of the wrong type",
+    "marker: no class", "marker: a class that is no name", "marker: attribute_map a list",
+    "marker: no attribute_map", "marker: attribute_map edited", "marker: a JSON list"])
+def test_an_edited_gguf_folder_reads_its_config_as_autoconfig_does(edit: str, tmp_path: Path) -> None:
+    """A config.json or marker not as the conversion wrote them is read by the class (or
+    refused as the class refuses it): never a KeyError/TypeError, never a field missing or
+    mapped to another one."""
+    folder = _saved_folder(tmp_path, "llama", {})
+    assert type(resolve.load_config(folder)).__module__ == resolve.__name__  # untouched: read without the class
+    config = json.loads((folder / "config.json").read_text())
+    marker = json.loads((folder / resolve.SOURCE_MARKER).read_text())
+    if edit == "config: a field removed":
+        del config["rms_norm_eps"]
+    elif edit == "config: a legacy rope_theta":
+        config.pop("rope_parameters", None)
+        config["rope_theta"] = 12345.0
+    elif edit == "config: a value of the wrong type":
+        config["num_hidden_layers"] = "4"
+    elif edit == "marker: no class":
+        del marker["config"]["class"]
+    elif edit == "marker: a class that is no name":
+        marker["config"]["class"] = 3
+    elif edit == "marker: attribute_map a list":
+        marker["config"]["attribute_map"] = ["num_hidden_layers"]
+    elif edit == "marker: no attribute_map":
+        del marker["config"]["attribute_map"]
+    elif edit == "marker: attribute_map edited":
+        marker["config"]["attribute_map"] = {"num_hidden_layers": "hidden_size"}
+    else:
+        marker = [marker]
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / resolve.SOURCE_MARKER).write_text(json.dumps(marker))
+    try:
+        real = transformers.AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - refused: load_config refuses it the same way
+        with pytest.raises(type(exc)):
+            resolve.load_config(folder)
+        return
+    light = resolve.load_config(folder)
+    assert type(light) is type(real)
+    for name in ("rms_norm_eps", "rope_parameters", "num_hidden_layers", "hidden_size", "head_dim"):
+        assert getattr(light, name) == getattr(real, name), name
