@@ -326,7 +326,12 @@ class CppKernel:
                            "using the PyTorch path", self.what, envs.KVFLOW_CPU_MARCH, ", ".join(missing))
             return None
         if self.is_built():
-            with self._sole_builder():  # (not while another process writes it)
+            try:
+                with self._sole_builder():  # (not while another process writes it)
+                    module = self._import_built()
+            except OSError as exc:  # a folder this process cannot write (a shared, read-only one): no builder there
+                logger.info("the build folder of the C++ %s cannot be locked (%s); importing its cached build unlocked",
+                            self.what, exc)
                 module = self._import_built()
             if module is not None:
                 return module

@@ -558,3 +558,18 @@ def test_the_cpu_flags_are_read_once_a_process(monkeypatch, source):
     names = {ext.build_name() for _ in range(5)}
     assert len(names) == 1 and build.host_cpu_flags() == build.host_cpu_flags()
     assert len(reads) == (1 if os.path.exists("/proc/cpuinfo") else 0)
+
+
+def test_a_cached_build_in_a_folder_that_cannot_be_locked_is_imported(monkeypatch, tmp_path, source):
+    """A shared extensions folder this process cannot write (read-only: its builder lock
+    cannot be opened) still serves its cached build, as torch's load did; the OSError of the
+    lock escaped load() and ended the start."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    ext = CppKernel("kvflow_test_unlockable", source, SWITCH, "test kernel")
+    ext._library().parent.mkdir(parents=True)
+    ext._library().write_bytes(b"")  # the cached build (imported by the stand-in below)
+    # The lock file cannot be opened, as in a read-only folder (the tests may run as root,
+    # who writes anywhere): a folder in its place.
+    (ext._library().parent / "kvflow-builder.lock").mkdir()
+    monkeypatch.setattr(ext, "_import_built", lambda: _FakeModule())
+    assert ext.load().twice(4) == 8
