@@ -329,6 +329,9 @@ class CppKernel:
             try:
                 with self._sole_builder():  # (not while another process writes it)
                     module = self._import_built()
+                    if module is None:  # torch's ninja finds the library newer than its object: it would
+                        with contextlib.suppress(OSError):  # import the same file, not link it again
+                            self._library().unlink()  # (unlinked, never overwritten: a process that maps it keeps it)
             except OSError as exc:  # a folder this process cannot write (a shared, read-only one): no builder there
                 logger.info("the build folder of the C++ %s cannot be locked (%s); importing its cached build unlocked",
                             self.what, exc)

@@ -573,3 +573,19 @@ def test_a_cached_build_in_a_folder_that_cannot_be_locked_is_imported(monkeypatc
     (ext._library().parent / "kvflow-builder.lock").mkdir()
     monkeypatch.setattr(ext, "_import_built", lambda: _FakeModule())
     assert ext.load().twice(4) == 8
+
+
+def test_a_cached_library_that_does_not_import_is_linked_again(monkeypatch, tmp_path, source):
+    """A truncated or foreign library in a build folder is removed before torch's load:
+    its ninja finds the library newer than the object file, does nothing, and imports the
+    same file again (the kernel was then left on the PyTorch path at every start, the log
+    saying it was being built again)."""
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    ext = CppKernel("kvflow_test_relink", source, SWITCH, "test kernel")
+    ext._library().parent.mkdir(parents=True)
+    ext._library().write_bytes(b"")  # a zero-byte library: it does not import
+    present = []
+    monkeypatch.setattr(cpp, "load", lambda **kw: present.append(ext._library().exists()) or _FakeModule())
+    assert ext.load().twice(4) == 8 and present == [False]
