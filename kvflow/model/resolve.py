@@ -823,6 +823,16 @@ def _write_marker(folder: Path, source: Path, config: dict[str, Any] | None = No
     os.replace(staging, folder / SOURCE_MARKER)
 
 
+def _read_marker(folder: Path) -> dict[str, Any] | None:
+    """``folder``'s marker, None where it is missing or is no JSON object (a corrupt one: the
+    folder is written again, ``_convert_cached``)."""
+    try:
+        marker = json.loads((folder / SOURCE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
 def _config_record(folder: Path) -> dict[str, Any] | None:
     """What ``load_config`` needs to read ``folder``'s saved config without its class: the
     class's name, ``model_type`` and ``attribute_map`` and the transformers version; None
@@ -886,17 +896,18 @@ def _convert_cached(source: Path, root: Path, weights: bool = False) -> Path:
     """The cached folder for a GGUF file (config + tokenizer; with ``weights`` the full float32
     conversion), writing it first if not cached."""
     target = root / f"{source.stem}-{_cache_key(source)}{'-hf' if weights else ''}"
-    if (target / SOURCE_MARKER).is_file():
-        if json.loads((target / SOURCE_MARKER).read_text()).get("source") != str(source):
+    marker = _read_marker(target)
+    if marker is not None:
+        if marker.get("source") != str(source):
             _write_marker(target, source)  # the same file at another path (another environment)
         return target
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{target.name}.lock"):
-        if (target / SOURCE_MARKER).is_file():
+        if _read_marker(target) is not None:
             return target
         for stale in root.glob(f".{target.name}.tmp-*"):  # left by a crashed conversion
             shutil.rmtree(stale, ignore_errors=True)
-        if target.exists():  # incomplete, without marker
+        if target.exists():  # incomplete, without marker (or with one that is no JSON object: truncated, edited)
             shutil.rmtree(target)
         if weights:
             logger.info("converting %s to float32 safetensors in %s (once; cached afterwards)", source, target)

@@ -1020,3 +1020,16 @@ def test_an_edited_gguf_folder_reads_its_config_as_autoconfig_does(edit: str, tm
     assert type(light) is type(real)
     for name in ("rms_norm_eps", "rope_parameters", "num_hidden_layers", "hidden_size", "head_dim"):
         assert getattr(light, name) == getattr(real, name), name
+
+
+@pytest.mark.parametrize("marker", ['{"source": "/x', "[]", ""])
+def test_a_corrupt_marker_has_the_folder_written_again(marker: str, tiny_llama: Tiny, tmp_path: Path) -> None:
+    """A truncated or edited marker (no JSON object) is a folder without one: written again,
+    not a JSONDecodeError / AttributeError at every start."""
+    path, expected = tiny_llama
+    out = resolve.resolve_model(str(path), cache_dir=tmp_path)
+    (out / resolve.SOURCE_MARKER).write_text(marker)
+    assert resolve.resolve_model(str(path), cache_dir=tmp_path) == out
+    assert json.loads((out / resolve.SOURCE_MARKER).read_text())["source"] == str(path)
+    assert resolve.load_config(out).num_hidden_layers == 2
+    assert set(_weights(out)) == set(expected)
