@@ -275,11 +275,16 @@ def gguf_source(model_dir: str | os.PathLike[str]) -> Path | None:
     Raises:
         FileNotFoundError: the folder's GGUF file no longer exists (the message says to pass
             the file or short name again, which re-points the folder).
+        ValueError: the folder's marker is corrupt (no JSON object with a "source"; passing
+            the file or short name again writes the folder again).
     """
-    marker = Path(model_dir) / SOURCE_MARKER
-    if not marker.is_file():
+    if not (Path(model_dir) / SOURCE_MARKER).is_file():
         return None
-    source = Path(json.loads(marker.read_text())["source"])
+    marker = _read_marker(Path(model_dir))
+    if marker is None or not isinstance(marker.get("source"), str):
+        raise ValueError(f"{model_dir}: its {SOURCE_MARKER} is corrupt; pass the .gguf file or the packaged short "
+                         "name as the model again, which writes the folder again")
+    source = Path(marker["source"])
     if not source.is_file():
         raise FileNotFoundError(f"{model_dir} reads its weights from {source}, which no longer exists; pass the "
                                 ".gguf file or the packaged short name as the model again")

@@ -1033,3 +1033,15 @@ def test_a_corrupt_marker_has_the_folder_written_again(marker: str, tiny_llama: 
     assert json.loads((out / resolve.SOURCE_MARKER).read_text())["source"] == str(path)
     assert resolve.load_config(out).num_hidden_layers == 2
     assert set(_weights(out)) == set(expected)
+
+
+@pytest.mark.parametrize("marker", ['{"source": ', "[]", '{"size": 3}'], ids=["truncated", "list", "no-source"])
+def test_a_cached_folder_given_as_the_model_with_a_corrupt_marker_says_so(marker: str, tiny_llama: Tiny,
+                                                                         tmp_path: Path) -> None:
+    """The folder itself passed as the model (not the .gguf file, which writes it again): a
+    ValueError naming the marker, not a bare JSONDecodeError / KeyError."""
+    path, _ = tiny_llama
+    out = resolve.resolve_model(str(path), cache_dir=tmp_path)
+    (out / resolve.SOURCE_MARKER).write_text(marker)
+    with pytest.raises(ValueError, match="kvflow_source.json is corrupt; pass the .gguf file"):
+        resolve.gguf_source(out)
