@@ -238,6 +238,9 @@ EXTERNAL: dict[str, Switch] = {s.name: s for s in (
     Switch("TORCHELASTIC_RUN_ID", "str", "unset", "set by torchrun: kvflow was started by it", _text_or_none),
     Switch("CXX", "path", "`c++`", "the C++ compiler (also PyTorch's) asked which features a "
            "`KVFLOW_CPU_MARCH` target enables", lambda text: text or "c++"),
+    Switch("TORCH_EXTENSIONS_DIR", "path", "unset (`<user cache>/torch_extensions/py<version>_<accelerator>`)",
+           "where PyTorch builds C++ extensions, and kvflow looks for its cached kernel builds (empty: the "
+           "working directory, as PyTorch takes it)", lambda text: text),
 )}
 
 

@@ -189,10 +189,25 @@ def load_config(model_dir: str | os.PathLike[str]) -> transformers.PretrainedCon
 
 @functools.cache
 def _light_config_class(name: str, model_type: str, attribute_map: tuple[tuple[str, str], ...]) -> type:
-    """A ``PretrainedConfig`` subclass that stands in for transformers' ``name`` class."""
+    """A ``PretrainedConfig`` subclass that stands in for transformers' ``name`` class. Its
+    instances pickle (tensor-parallel workers receive the config) as this function's
+    arguments and their attributes (``_rebuild_light_config``): the class itself is made here,
+    not found by name in a module."""
+
+    def __reduce__(self):
+        return _rebuild_light_config, ((name, model_type, attribute_map), dict(self.__dict__))
+
     return type(name, (transformers.PretrainedConfig,), {
         "model_type": model_type, "attribute_map": dict(attribute_map), "__module__": __name__,
+        "__reduce__": __reduce__,
         "__doc__": f"transformers' {name}'s saved fields, read without importing its module (``load_config``)."})
+
+
+def _rebuild_light_config(key: tuple[str, str, tuple[tuple[str, str], ...]], state: dict[str, Any]):
+    """An unpickled ``_light_config_class`` instance: its class made again, its attributes set."""
+    config = object.__new__(_light_config_class(*key))
+    config.__dict__.update(state)
+    return config
 
 
 def _saved_config(folder: Path) -> transformers.PretrainedConfig | None:

@@ -103,7 +103,7 @@ def extensions_dir() -> Path:
     ``<user cache>/torch_extensions/py<version>_<accelerator>``), found without importing
     ``cpp_extension``: that module imports setuptools, 0.3-0.7 s of a start that only loads
     cached builds (``tests/ops/test_build.py`` checks the two agree)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    root = envs.read("TORCH_EXTENSIONS_DIR")
     if root is not None:
         return Path(root)
     if torch.version.hip is not None:

@@ -64,7 +64,10 @@ def _gguf(values: torch.Tensor, qtype, seed: int = 0) -> GGUFWeight:
 def gguf_tiny_model(seed: int = 0, attention_bias: bool = False, dtype: torch.dtype = torch.float32,
                     **overrides) -> LlamaForCausalLM:
     """A 2-layer GQA Llama (hidden 256, 4 query / 2 KV heads of 64) whose decoder linears are
-    GGUF blocks of several types (K-quants need 256-element rows)."""
+    GGUF blocks of several types (K-quants need 256-element rows); with ``attention_bias`` a
+    Qwen2 (Q/K/V biases; a Llama's ``attention_bias`` biases ``o_proj`` too, as transformers')."""
+    if attention_bias:
+        overrides.setdefault("model_type", "qwen2")
     config = tiny_model_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                                head_dim=64, attention_bias=attention_bias, **overrides)
     torch.manual_seed(seed)
@@ -207,7 +210,8 @@ def dense_tiny_model(attention_bias: bool = False) -> LlamaForCausalLM:
     from tests.conftest import tiny_model
 
     config = tiny_model_config(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                               head_dim=64, attention_bias=attention_bias)
+                               head_dim=64, attention_bias=attention_bias,
+                               model_type="qwen2" if attention_bias else "llama")  # (as gguf_tiny_model)
     model = tiny_model(config)
     with torch.no_grad():
         for layer in model.layers:  # weights of the size a trained layer has (k^-1/2)

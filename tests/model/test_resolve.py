@@ -949,6 +949,11 @@ def test_a_gguf_folders_config_reads_the_same_without_its_class(model_type: str,
         assert getattr(light, name) == getattr(real, name), name
     assert light.get_text_config() is light
     assert registry.model_config(light, 256) == registry.model_config(real, 256)
+    import pickle  # (tensor-parallel workers receive the config pickled)
+
+    copy = pickle.loads(pickle.dumps(light))
+    assert type(copy) is type(light) and vars(copy) == vars(light)
+    assert registry.model_config(copy, 256) == registry.model_config(real, 256)
 
 
 def test_another_transformers_version_reads_the_config_with_its_class(tmp_path: Path) -> None:
