@@ -171,10 +171,10 @@ def load_config(model_dir: str | os.PathLike[str]) -> transformers.PretrainedCon
 
     A folder made from a GGUF file (``SOURCE_MARKER``) holds the config its conversion saved
     from the architecture's transformers class, every field written; its marker names the
-    class, the class's ``attribute_map`` and the transformers version that wrote it. With the
-    same transformers version that config is read into a ``PretrainedConfig`` subclass of the
-    same ``model_type`` and ``attribute_map`` (``_saved_config``), without importing the
-    class: every transformers model config module imports ``torch.distributed.tensor``
+    class, the class's ``attribute_map`` and the transformers version that wrote it, with a
+    digest of itself and ``config.json``. With the same transformers version and both files
+    as written, that config is read into a ``PretrainedConfig`` subclass of the same
+    ``model_type`` and ``attribute_map`` (``_saved_config``), without importing the class: every transformers model config module imports ``torch.distributed.tensor``
     (through ``utils.type_validators`` -> ``activations``), which took 1.3-1.6 s of each
     start on a 2-core AMD EPYC, longer than the rest of loading SmolLM2 (docs/benchmarks.md).
     The same fields read the same values (``tests/model/test_resolve.py`` compares every
@@ -832,10 +832,7 @@ def _write_marker(folder: Path, source: Path, config: dict[str, Any] | None = No
     stat = source.stat()
     marker = {"source": str(source), "size": stat.st_size, "converter_version": CONVERTER_VERSION}
     if config is None:
-        try:
-            config = json.loads((folder / SOURCE_MARKER).read_text()).get("config")
-        except (OSError, ValueError, AttributeError):  # (AttributeError: a marker that is no JSON object)
-            config = None
+        config = (_read_marker(folder) or {}).get("config")
     if config is not None:
         marker["config"] = config
     staging = folder / f".{SOURCE_MARKER}.tmp-{os.getpid()}"
