@@ -220,7 +220,6 @@ class CppKernel:
         self._failed = False
         self._background: threading.Event | None = None
         self._built: Any = None
-        self._names: dict[str, str] = {}  # build_name's inputs -> the name
 
     @property
     def source(self) -> str:
@@ -235,9 +234,7 @@ class CppKernel:
         other's build and have torch rebuild it in the foreground."""
         key = "\n".join([platform.machine(), host_cpu_flags(), " ".join(build_cflags()), self.source,
                          str(self.source_path), *build_inputs(), *(p.read_text() for p in self.include_paths)])
-        if key not in self._names:  # (asked several times a start: hashing 100 KB once is enough)
-            self._names[key] = f"{self.prefix}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-        return self._names[key]
+        return f"{self.prefix}_{hashlib.sha1(key.encode()).hexdigest()[:12]}"
 
     def _build_directory(self) -> Path:
         folder = extensions_dir() / self.build_name()
