@@ -443,6 +443,15 @@ class GGUFWeight:
         same bytes as the pack of the joined rows; a 1.5B model's QKV and gate/up were
         copied once more at every start for the join.
 
+        Args:
+            parts: weights of one qtype and one k (e.g. Q, K, V), in row order.
+
+        Returns:
+            A weight of ``sum(p.n)`` rows x ``k`` whose ``packed`` is uint8
+            ``packed_shape(qtype, n, k)`` on huge pages (layout: ``kvflow/ops/csrc/gguf_matmul.cpp``)
+            and whose stored rows are not held (``raw`` unpacks on access); the parts are left
+            packed into slices of it, their stored rows dropped.
+
         Raises:
             ValueError: as ``cat_rows``; RuntimeError: when the C++ kernel is not available.
         """

@@ -589,3 +589,15 @@ def test_a_cached_library_that_does_not_import_is_linked_again(monkeypatch, tmp_
     present = []
     monkeypatch.setattr(cpp, "load", lambda **kw: present.append(ext._library().exists()) or _FakeModule())
     assert ext.load().twice(4) == 8 and present == [False]
+
+
+def test_an_extensions_folder_that_is_a_file_keeps_the_pytorch_path(monkeypatch, caplog, tmp_path, source):
+    """TORCH_EXTENSIONS_DIR naming a regular file (a hostile or mistyped value): no build, a
+    warning naming the kernel, ``load()`` None (callers keep their PyTorch path), no exception."""
+    path = tmp_path / "not-a-folder"
+    path.write_text("x")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(path))
+    ext = CppKernel("kvflow_test_filedir", source, SWITCH, "test kernel")
+    with caplog.at_level(logging.WARNING, logger="kvflow.ops.build"):
+        assert not ext.is_built() and ext.load() is None
+    assert "test kernel could not be built" in caplog.text
