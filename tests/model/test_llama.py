@@ -319,6 +319,14 @@ SLIDING = {
 }
 
 
+def _assert_prefill_matches_hf(model, hf, ids: list[int], chunks: tuple[int, ...]) -> None:
+    """kvflow's prefill logits of ``ids`` at each chunk size equal transformers' (float32, 1e-4)."""
+    with torch.inference_mode():
+        want = hf(torch.tensor([ids])).logits[0]
+    for chunk in chunks:
+        torch.testing.assert_close(prefill_logits(model, ids, chunk), want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("arch", sorted(SLIDING))
 def test_sliding_window_matches_transformers(arch, tmp_path):
@@ -334,10 +342,7 @@ def test_sliding_window_matches_transformers(arch, tmp_path):
     assert config.sliding_windows == windows
     assert config.kv_free_window == (8 if all(windows) else None)
     ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.inference_mode():
-        want = hf(torch.tensor([ids])).logits[0]
-    for chunk in (1, 7, 64):
-        torch.testing.assert_close(prefill_logits(model, ids, chunk), want, atol=1e-4, rtol=1e-4)
+    _assert_prefill_matches_hf(model, hf, ids, (1, 7, 64))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 9, 30)]
     stats = engine_greedy_matches_hf(tmp_path, hf, prompts, prompts[0][:12] + [5, 6, 7, 8, 9, 10, 11])
@@ -406,10 +411,7 @@ def test_llama_attention_bias_includes_the_output_projection(tmp_path):
     model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
     assert model.layers[0].self_attn.o_proj.bias is not None
     ids = torch.randint(0, 128, (23,), generator=torch.Generator().manual_seed(1)).tolist()
-    with torch.inference_mode():
-        want = hf(torch.tensor([ids])).logits[0]
-    for chunk in (1, 5, 64):
-        torch.testing.assert_close(prefill_logits(model, ids, chunk), want, atol=1e-4, rtol=1e-4)
+    _assert_prefill_matches_hf(model, hf, ids, (1, 5, 64))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 9)]
     engine_greedy_matches_hf(tmp_path, hf, prompts, prompts[0][:12] + [5, 6, 7])
