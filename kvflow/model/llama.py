@@ -15,6 +15,10 @@ Weights use Hugging Face names; Q/K/V and gate/up projections are fused at load 
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
+import gguf
 import torch
 from torch import nn
 
@@ -30,7 +34,7 @@ from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
 from kvflow.lora.punica import LoRAMapping
-from kvflow.model.arch import ArchSpec
+from kvflow.model.arch import ArchSpec, GGUFMetadata, float32_value
 from kvflow.model.base import CausalLM
 from kvflow.quantization.base import QuantizationConfig
 
@@ -153,6 +157,75 @@ class LlamaDecoderLayer(nn.Module):
         # A mixture-of-experts block (Qwen3-MoE's SparseMoeBlock) takes no adapters.
         return x + (self.mlp(h, lora) if lora is not None else self.mlp(h))
 
+# The Llama 3.1 / 3.2 / 3.3 "llama3" RoPE parameters besides ``factor`` (Meta's
+# ``apply_scaling``; every released Llama 3.x checkpoint uses these): low_freq_factor,
+# high_freq_factor, original_max_position_embeddings.
+_LLAMA3_ROPE_DEFAULTS = (1.0, 4.0, 8192)
+
+
+def llama3_rope_freqs(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                      original_max_position_embeddings: int) -> torch.Tensor:
+    """Per-frequency divisors of the "llama3" RoPE scaling, as llama.cpp's converter stores
+    them in a GGUF's ``rope_freqs.weight`` (``convert_hf_to_gguf.py``, ``LlamaModel``: 1 for
+    wavelengths below ``original / high_freq_factor``, ``factor`` above ``original /
+    low_freq_factor``, ``1 / ((1 - s) / factor + s)`` between).
+
+    Args:
+        inv_freq: float32 [rotary_dim // 2], the unscaled inverse frequencies.
+
+    Returns:
+        float32 [rotary_dim // 2]: the scaled inverse frequencies are ``inv_freq / result``.
+    """
+    wavelen = 2 * math.pi / inv_freq.double()
+    smooth = (original_max_position_embeddings / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    freqs = torch.where(wavelen < original_max_position_embeddings / high_freq_factor, 1.0,
+                        torch.where(wavelen > original_max_position_embeddings / low_freq_factor, factor, medium))
+    return freqs.float()
+
+
+def llama_gguf_fields(meta: GGUFMetadata, fields: dict[str, Any]) -> dict[str, Any]:
+    """``LlamaConfig`` fields from a llama GGUF's ``rope_freqs.weight`` (Llama 3.1 and later).
+
+    llama.cpp writes the "llama3" RoPE scaling of a checkpoint as that tensor of per-frequency
+    divisors (``llama3_rope_freqs``), with no ``rope.scaling.*`` metadata. When the tensor
+    equals the divisors of Llama 3's parameters (``factor`` = its largest entry), the config
+    gets that "llama3" ``rope_parameters``, as in the original checkpoint; any other set of
+    divisors is kept as stored, as a LongRoPE schedule with equal short and long factors and
+    attention factor 1 (inverse frequency i = ``1 / (rope_freqs[i] * theta ** (2i / d))``,
+    what llama.cpp computes).
+
+    Raises:
+        ValueError: ``rope_freqs.weight`` of another length than rotary_dim / 2, or with an
+            entry that is not a finite positive number (naming the file and tensor).
+        NotImplementedError: ``rope_freqs.weight`` together with ``rope.scaling.type`` metadata.
+    """
+    tensor = meta.tensors.get("rope_freqs.weight")
+    if tensor is None:
+        return {}
+    rope = dict(fields["rope_parameters"])
+    if rope["rope_type"] != "default":
+        raise NotImplementedError(f"{meta.source}: rope_freqs.weight together with {rope['rope_type']!r} rope "
+                                  "scaling metadata is not supported")
+    freqs = torch.from_numpy(gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1).astype("float32"))
+    rotary_dim = int(meta.arch_get("rope.dimension_count", fields["head_dim"]))
+    if freqs.numel() != rotary_dim // 2 or not bool(torch.isfinite(freqs).all() and (freqs > 0).all()):
+        raise ValueError(f"{meta.source}: rope_freqs.weight must hold {rotary_dim // 2} finite positive "
+                         f"numbers (rotary_dim / 2), got {freqs.numel()} ({freqs[:4].tolist()} ...)")
+    theta = rope["rope_theta"]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    factor = float32_value(float(freqs.max()))
+    low, high, original = _LLAMA3_ROPE_DEFAULTS
+    if factor > 1 and torch.allclose(llama3_rope_freqs(inv_freq, factor, low, high, original), freqs,
+                                     rtol=1e-5, atol=0.0):
+        rope.update(rope_type="llama3", factor=factor, low_freq_factor=low, high_freq_factor=high,
+                    original_max_position_embeddings=original)
+    else:
+        values = [float32_value(float(v)) for v in freqs]
+        rope.update(rope_type="longrope", short_factor=values, long_factor=values, factor=1.0, attention_factor=1.0,
+                    original_max_position_embeddings=fields["max_position_embeddings"])
+    return {"rope_parameters": rope}
+
 
 class LlamaForCausalLM(CausalLM):
     """The full decoder with its LM head.
@@ -183,8 +256,10 @@ class LlamaForCausalLM(CausalLM):
     arch_specs = (
         # llama.cpp permutes Q/K rows of arch "llama" (convert_hf_to_gguf.py LlamaModel.permute)
         # and also writes Mistral checkpoints as "llama".
+        # Llama 3.1+ files store their "llama3" RoPE scaling as the tensor rope_freqs.
         ArchSpec("llama", "LlamaConfig", gguf_arch="llama", gguf_qk_permuted=True,
-                 gguf_attention_bias_from_tensors=True),
+                 gguf_attention_bias_from_tensors=True, gguf_config_tensors=(gguf.MODEL_TENSOR.ROPE_FREQS,),
+                 gguf_config_fields=llama_gguf_fields),
         ArchSpec("mistral"),
         ArchSpec("qwen2", "Qwen2Config", gguf_arch="qwen2", attention_bias=True),  # Q/K/V biases always
     )

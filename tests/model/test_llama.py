@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -415,3 +416,102 @@ def test_llama_attention_bias_includes_the_output_projection(tmp_path):
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (21, 9)]
     engine_greedy_matches_hf(tmp_path, hf, prompts, prompts[0][:12] + [5, 6, 7])
+
+
+def _llama_gguf_tensors(hf: transformers.LlamaForCausalLM) -> dict[str, np.ndarray]:
+    """The HF state dict under llama.cpp's llama names, Q/K rows permuted as its converter does."""
+    from model.test_resolve import _llama_permute
+
+    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    heads = {"attn_q": hf.config.num_attention_heads, "attn_k": hf.config.num_key_value_heads}
+    out = {}
+    for name, t in hf.state_dict().items():
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            module, kind = rest.rsplit(".", 1)
+            value = t.numpy()
+            if layer[module] in heads:
+                value = _llama_permute(value, heads[layer[module]])
+            out[f"blk.{i}.{layer[module]}.{kind}"] = value
+        else:
+            out[{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}[name]] = t.numpy()
+    return out
+
+
+def _write_llama3_gguf(path, hf, rope_freqs: np.ndarray) -> None:
+    """``hf`` as llama.cpp's converter writes a Llama 3.1+ checkpoint: its "llama3" RoPE
+    scaling as the tensor ``rope_freqs.weight``, no ``rope.scaling.*`` keys."""
+    import gguf
+
+    from model.test_resolve import write_gguf
+
+    c = hf.config
+
+    def configure(w: gguf.GGUFWriter) -> None:
+        w.add_context_length(c.max_position_embeddings)
+        w.add_embedding_length(c.hidden_size)
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_block_count(c.num_hidden_layers)
+        w.add_head_count(c.num_attention_heads)
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+        w.add_rope_dimension_count(c.head_dim)
+        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+
+    write_gguf(path, "llama", {**_llama_gguf_tensors(hf), "rope_freqs.weight": rope_freqs}, configure)
+
+
+LLAMA3_ROPE = {
+    # Llama 3.2's parameters (Meta's): read back as the same "llama3" scaling
+    "llama-3.2": ({"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}, "llama3"),
+    # any other divisors: kept as stored (a LongRoPE schedule of equal factors)
+    "other": ({"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 16.0,
+               "original_max_position_embeddings": 256}, "longrope"),
+}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("case", sorted(LLAMA3_ROPE))
+def test_llama3_gguf_rope_freqs_matches_transformers(case, tmp_path):
+    """A Llama 3.1+ GGUF (its RoPE scaling only in ``rope_freqs.weight``, as llama.cpp's
+    converter writes it) loads with that scaling: its logits equal transformers' on the
+    original checkpoint (float32), and differ from the unscaled RoPE's."""
+    from kvflow.layers.rotary import _default_inv_freq
+    from kvflow.model import resolve
+    from kvflow.model.llama import llama3_rope_freqs
+    from kvflow.model.loader import load_model
+
+    params, rope_type = LLAMA3_ROPE[case]
+    hf = _tiny_hf(transformers.LlamaForCausalLM, transformers.LlamaConfig, tmp_path / "hf", seed=5, vocab_size=261,
+                  num_hidden_layers=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                  rope_scaling={"rope_type": "llama3", "rope_theta": 10000.0, **params})
+    rope_freqs = llama3_rope_freqs(_default_inv_freq(16, 10000.0), **params).numpy()
+    assert rope_freqs[0] == 1.0 and rope_freqs[-1] == params["factor"]
+    _write_llama3_gguf(tmp_path / "tiny-llama3.gguf", hf, rope_freqs)
+    out = resolve.resolve_model(str(tmp_path / "tiny-llama3.gguf"), cache_dir=tmp_path / "cache")
+    rope = resolve.load_config(out).rope_parameters
+    assert rope["rope_type"] == rope_type
+    if rope_type == "llama3":
+        assert rope == {"rope_type": "llama3", "rope_theta": 10000.0, **params}
+    model, _ = load_model(out, torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, 261, (96,), generator=torch.Generator().manual_seed(4)).tolist()
+    _assert_prefill_matches_hf(model, hf, ids, (7, 96))
+    unscaled = _tiny_hf(transformers.LlamaForCausalLM, transformers.LlamaConfig, tmp_path / "unscaled", seed=5,
+                        vocab_size=261, num_hidden_layers=2, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                        rope_theta=10000.0)
+    with torch.inference_mode():
+        assert (prefill_logits(model, ids, 96) - unscaled(torch.tensor([ids])).logits[0]).abs().max() > 1e-2
+
+
+def test_llama_gguf_rope_freqs_of_the_wrong_length_is_refused(tmp_path):
+    from kvflow.model import resolve
+
+    hf = _tiny_hf(transformers.LlamaForCausalLM, transformers.LlamaConfig, tmp_path / "hf", vocab_size=261,
+                  num_hidden_layers=1)
+    _write_llama3_gguf(tmp_path / "bad.gguf", hf, np.ones(5, np.float32))
+    with pytest.raises(ValueError, match=r"bad.gguf: rope_freqs.weight must hold 8 finite positive numbers"):
+        resolve.resolve_model(str(tmp_path / "bad.gguf"), cache_dir=tmp_path / "cache")
