@@ -46,6 +46,8 @@ class EngineMetrics:
         self.cpu_threads = gauge("cpu_threads", "CPU intra-op threads the engine runs now (its thread governor's choice).")
         self.cpu_other_load = gauge(
             "cpu_other_load", "CPU cores other processes wanted on the engine's CPUs, last measurement (thread governor).")
+        self.cpu_thread_changes = counter(
+            "cpu_thread_changes", "Times the thread governor changed the engine's CPU intra-op thread count.")
         # by finish reason, as vLLM's vllm:request_success_total{finished_reason=...}
         success = Counter("kvflow:request_success", "Requests finished, by finish reason (stop, length, abort: the "
                           "client went away or aborted it).", [*labels, "finished_reason"], registry=r)
@@ -77,6 +79,7 @@ class EngineMetrics:
             ("prefix_cache_queries", self.prefix_cache_queries),
             ("prefix_cache_hits", self.prefix_cache_hits),
             ("num_window_freed_blocks", self.kv_window_freed_blocks),
+            ("num_cpu_thread_changes", self.cpu_thread_changes),
             ("spec_num_draft_tokens", self.spec_decode_num_draft_tokens),
             ("spec_num_accepted_tokens", self.spec_decode_num_accepted_tokens),
         ):

@@ -60,3 +60,17 @@ def test_window_freed_blocks_counter_follows_the_engine():
         metrics.update_engine_stats(engine.get_stats())
     freed = engine.get_stats()["num_window_freed_blocks"]
     assert freed > 0 and _value(metrics, "kvflow:kv_window_freed_blocks_total") == freed
+
+
+def test_thread_governor_gauges_and_changes_counter():
+    """The governor's stats reach ``kvflow:cpu_threads``, ``kvflow:cpu_other_load`` and
+    ``kvflow:cpu_thread_changes_total`` (the counter advances by the stats' deltas only)."""
+    metrics = EngineMetrics("tiny")
+    base = {"num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0}
+    metrics.update_engine_stats({**base, "num_cpu_threads": 1, "cpu_other_load": 0.8, "num_cpu_thread_changes": 1})
+    metrics.update_engine_stats({**base, "num_cpu_threads": 2, "cpu_other_load": 0.1, "num_cpu_thread_changes": 3})
+    assert _value(metrics, "kvflow:cpu_threads") == 2
+    assert _value(metrics, "kvflow:cpu_other_load") == 0.1
+    assert _value(metrics, "kvflow:cpu_thread_changes_total") == 3
+    metrics.update_engine_stats({**base, "num_cpu_threads": 2, "cpu_other_load": 0.0, "num_cpu_thread_changes": 3})
+    assert _value(metrics, "kvflow:cpu_thread_changes_total") == 3
