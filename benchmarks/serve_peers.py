@@ -526,6 +526,19 @@ def _save_metrics(url: str, path: Path) -> None:
         path.write_text(r.text)
 
 
+def _thread_changes(url: str) -> float | None:
+    """kvflow's ``kvflow:cpu_thread_changes_total`` (its thread governor's changes of the
+    intra-op thread count) from the server's ``/metrics``; None for other servers."""
+    try:
+        r = httpx.get(url + "/metrics", timeout=10)
+    except httpx.HTTPError:
+        return None
+    for line in r.text.splitlines() if r.status_code == 200 else ():
+        if line.startswith("kvflow:cpu_thread_changes_total"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 def build_kernels(engine: str, args: argparse.Namespace) -> None:
     """Build (or find cached) the C++ kernels of the checkout ``engine`` runs from
     (``python -m kvflow.ops`` there), so that its server does not compile them in the
@@ -610,7 +623,11 @@ def run_engine(engine: str, args: argparse.Namespace, hf_dir: Path, gguf: Path |
         for key in run_keys(args.scenarios):
             scenario = key.partition("#")[0]
             print(f"[{engine}] {key} ...", flush=True)
+            changes = _thread_changes(f"http://127.0.0.1:{port}")
             record["scenarios"][key] = run_bench(args, f"http://127.0.0.1:{port}", hf_dir, scenario, proc.pid, workdir)
+            after = _thread_changes(f"http://127.0.0.1:{port}")
+            # (a thread count changed mid-run, by the client's or another process's CPU use)
+            record["scenarios"][key]["cpu_thread_changes"] = None if after is None else after - (changes or 0.0)
             if args.step_trace is not None:
                 _save_metrics(f"http://127.0.0.1:{port}", args.step_trace / f"{engine}-{key}.metrics")
         record["peak_rss_mib"] = max(r["peak_rss_mib"] for r in record["scenarios"].values())
@@ -647,15 +664,16 @@ def tables(records: list[dict[str, Any]], scenarios: list[str]) -> str:
         for rec in records:
             r = rec.get("scenarios", {}).get(scenario)
             if r is None:
-                rows.append([rec["engine"], *([None] * (len(SHOWN) + 4))])
+                rows.append([rec["engine"], *([None] * (len(SHOWN) + 6))])
                 continue
             base = base or r
             ratio = r["output_throughput"] / base["output_throughput"] if base["output_throughput"] else None
             ttft_ratio = r["mean_ttft_ms"] / base["mean_ttft_ms"] if base["mean_ttft_ms"] else None
             rows.append([rec["engine"], *(r.get(k) for k in SHOWN), ratio, ttft_ratio, r.get("peak_rss_mib"),
-                         r["other_load_cores"]])  # fmt: skip
+                         r["other_load_cores"], r.get("bench_cpu_cores"), r.get("cpu_thread_changes")])  # fmt: skip
         headers = ["engine", "ok", "failed", "out tok/s", "TTFT ms", "TTFT p99", "TPOT ms", "TPOT p99", "ITL p99",
-                   "tok/s vs 1st", "TTFT vs 1st", "peak RSS MiB", "other load"]  # fmt: skip
+                   "tok/s vs 1st", "TTFT vs 1st", "peak RSS MiB", "other load", "client cores",
+                   "thread changes"]  # fmt: skip
         out.append(f"{scenario} ({SCENARIOS[scenario.partition('#')[0]]})\n" + format_table(headers, rows))
     return "\n\n".join(out)
 

@@ -45,14 +45,16 @@ def test_unknown_engine_or_scenario_is_refused(flag: str, value: str, capsys: py
 
 def test_table_ratios_are_relative_to_the_first_engine() -> None:
     result = {"completed": 4, "failed": 0, "output_throughput": 50.0, "mean_ttft_ms": 100.0, "p99_ttft_ms": 120.0,
-              "mean_tpot_ms": 20.0, "p99_tpot_ms": 25.0, "p99_itl_ms": 30.0, "other_load_cores": 0.05}  # fmt: skip
-    faster = dict(result, output_throughput=75.0, mean_ttft_ms=50.0)
+              "mean_tpot_ms": 20.0, "p99_tpot_ms": 25.0, "p99_itl_ms": 30.0, "other_load_cores": 0.05,
+              "bench_cpu_cores": 0.3, "cpu_thread_changes": 2.0}  # fmt: skip
+    faster = dict(result, output_throughput=75.0, mean_ttft_ms=50.0, cpu_thread_changes=None)
     records = [{"engine": "kvflow", "scenarios": {"single": result}}, {"engine": "vllm", "scenarios": {"single": faster}},
                {"engine": "llama-server", "error": "did not start"}]  # fmt: skip
     text = serve_peers.tables(records, ["single"])
     vllm_row = next(line for line in text.splitlines() if line.startswith("vllm"))
-    assert vllm_row.split()[-4:] == ["1.5", "0.5", "-", "0.05"]
-    assert next(line for line in text.splitlines() if line.startswith("llama-server")).split()[1:] == ["-"] * 12
+    assert vllm_row.split()[-6:] == ["1.5", "0.5", "-", "0.05", "0.3", "-"]
+    assert next(line for line in text.splitlines() if line.startswith("kvflow")).split()[-1] == "2"
+    assert next(line for line in text.splitlines() if line.startswith("llama-server")).split()[1:] == ["-"] * 14
 
 
 def test_kvflow_default_passes_no_dtype_or_quantization() -> None:
@@ -248,3 +250,13 @@ def test_sampling_settings_reach_the_load_generator(tmp_path: Path) -> None:
     for bad in (["--top-p", "0"], ["--top-p", "1.5"], ["--temperature", "-1"]):
         with pytest.raises(SystemExit):
             serve_peers.parse_args(bad)
+
+
+def test_thread_changes_reads_kvflows_counter_and_none_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    pages = {"kv": 'kvflow:cpu_threads{model_name="m"} 1.0\nkvflow:cpu_thread_changes_total{model_name="m"} 3.0\n',
+             "other": "vllm:num_requests_running 0\n"}
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: httpx.Response(200, text=pages[url.split("/")[2]]))
+    assert serve_peers._thread_changes("http://kv") == 3.0
+    assert serve_peers._thread_changes("http://other") is None
