@@ -273,13 +273,11 @@ class EngineArgs:
         value = envs.KVFLOW_COLLECTIVE_TIMEOUT_S
         return DEFAULT_COLLECTIVE_TIMEOUT_S if value is None else value
 
-    def resolved_quantization(self, requested: str | None, model_dir: str | os.PathLike, model: ModelConfig,
-                              device: torch.device, name: str | None = None) -> str | None:
+    def resolved_quantization(self, requested: str | None, model_dir: str | os.PathLike, device: torch.device,
+                              name: str | None = None) -> str | None:
         """The scheme a model loads with: ``requested`` ("none" -> None); when unset, "gguf" for
         a GGUF model on the CPU (computed as stored) unless ``dtype`` is explicitly "float32"
-        (the exactness reference: the file's blocks dequantized) or the model has
-        mixture-of-experts layers (their stacked GGUF tensors are not computed as stored
-        yet); else None.
+        (the exactness reference: the file's blocks dequantized); else None.
 
         Raises:
             FileNotFoundError: the folder's GGUF file is gone.
@@ -305,9 +303,7 @@ class EngineArgs:
                              "int4, int4-awq or fp8)")
         if requested is not None:
             return requested
-        hf = model.hf_config
-        moe = hf is not None and bool(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None))
-        if device.type == "cpu" and self.dtype != "float32" and not moe and gguf_source(model_dir) is not None:
+        if device.type == "cpu" and self.dtype != "float32" and gguf_source(model_dir) is not None:
             return "gguf"
         return None
 
@@ -341,12 +337,12 @@ class EngineArgs:
         device = self.torch_device()
         dtype = platform_for(device).resolve_dtype(self.dtype)  # ("auto": the platform's choice)
         # (what each folder holds, a saved quantized checkpoint's scheme included, before loading)
-        quantization = self.resolved_quantization(self.quantization, model_dir, model_config, device)
+        quantization = self.resolved_quantization(self.quantization, model_dir, device)
         load = resolve_load_config(self.model, model_dir, quantization, self.quantization_group_size,
                                    self.quantize_lm_head)
         draft = None
         if draft_dir is not None:
-            draft_quantization = self.resolved_quantization(spec.quantization, draft_dir, draft_model, device,
+            draft_quantization = self.resolved_quantization(spec.quantization, draft_dir, device,
                                                             name=spec.model)
             draft = resolve_load_config(spec.model, draft_dir, draft_quantization, self.quantization_group_size)
         # 3. Batching and the KV cache geometry and pool.

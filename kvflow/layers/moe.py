@@ -47,6 +47,7 @@ from torch import nn
 
 from kvflow.distributed.parallel_state import TensorParallel, even_partition
 from kvflow.layers.activation import silu_and_mul
+from kvflow.layers.gguf_kernels import GGUFWeight
 from kvflow.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from kvflow.quantization.base import FusedMoEMethodBase, keep_storage_dtypes
 
@@ -344,8 +345,20 @@ class FusedMoE(nn.Module):
         if not 0 <= e < self.num_experts:
             raise ValueError(f"expert index {e} outside num_experts={self.num_experts}")
         expected = (self.hidden_size, inter) if part == "w2" else (inter, self.hidden_size)
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"shape {tuple(loaded.shape)}, expected {expected}")
+        stored = isinstance(loaded, GGUFWeight)
+        shape = (loaded.n, loaded.k) if stored else tuple(loaded.shape)
+        if shape != expected:
+            raise ValueError(f"shape {shape}, expected {expected}")
+        load_expert = getattr(self.quant_method, "load_expert", None)
+        if load_expert is not None:  # a method keeping each expert's rows as stored (GGUF)
+            if part == "w2":
+                rank_part = loaded.narrow_cols(start, end - start) if stored else loaded[:, start:end]
+            else:
+                rank_part = loaded.narrow_rows(start, end - start) if stored else loaded[start:end]
+            load_expert(self, e, part, loaded if (start, end) == (0, inter) else rank_part)
+            return
+        if stored:
+            loaded = loaded.dequantize(torch.float32)
         if part == "w2":
             param.data[e].copy_(loaded[:, start:end])
         else:

@@ -314,8 +314,9 @@ def iter_gguf_weights(source: str | os.PathLike[str], config: transformers.Pretr
     a ``GGUFWeight`` of its stored blocks, a private memory map of the tensor's range of the
     file (``GGUFTensorInfo.map``: nothing copied until the layer repacks it, after which the
     mapping is released; Q/K rows un-permuted into a copy where ``ArchSpec.gguf_qk_permuted``,
-    which moves whole rows of blocks); every other tensor
-    (float types, norms, stacked experts, other quantized types) is dequantized to float32 as
+    which moves whole rows of blocks), and a stacked expert tensor of such a type one
+    ``GGUFWeight`` per expert (views of one mapping); every other tensor
+    (float types, norms, other quantized types) is dequantized to float32 as
     ``convert_gguf`` writes it.
 
     Raises:
@@ -344,6 +345,14 @@ def iter_gguf_weights(source: str | os.PathLike[str], config: transformers.Pretr
                     n, k = info.shape[1], info.shape[0]
                     raw = _permuted_rows(info.map(file), info.name, config)
                     yield names[0], GGUFWeight(torch.from_numpy(raw), info.tensor_type, n, k)
+                elif (native and info.tensor_type in SUPPORTED_QTYPES and len(info.shape) == 3
+                      and len(names) == info.shape[2] > 1):
+                    # Stacked experts [n_expert, out, in]: each expert's rows a view of one mapping.
+                    n, k = info.shape[1], info.shape[0]
+                    stacked = torch.from_numpy(info.map(file))
+                    for e, name in enumerate(names):
+                        yield name, GGUFWeight(stacked[e], info.tensor_type, n, k)
+                    del stacked
                 else:
                     # Read with pread (dequantized to float32 next: a mapping would stay resident)
                     data = info.read(file)

@@ -42,7 +42,7 @@ from torch import nn
 from kvflow import huge_pages, ops
 from kvflow.layers.gguf_kernels import GGUFWeight, gguf_linear, kernel_available, packed_shape
 from kvflow.ops.build import join_background_builds
-from kvflow.quantization.base import LinearMethodBase, QuantizationConfig
+from kvflow.quantization.base import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
 
 
 @dataclass
@@ -177,18 +177,93 @@ class GGUFConfig(QuantizationConfig):
         return None
 
     def get_moe_method(self, layer, prefix):
-        """Refused: GGUF's stacked expert tensors are not computed as stored yet.
-
-        Raises:
-            ValueError: always.
-        """
-        raise ValueError(f"quantization='gguf' does not support mixture-of-experts layers yet ({prefix}): load the "
-                         "GGUF file with quantization='none' (float weights) or 'int8' / 'int4' / 'fp8'")
+        """The experts' stored blocks, one GGUF linear per expert matrix (``GGUFMoEMethod``)."""
+        return GGUFMoEMethod()
 
     def lm_head_method(self) -> str:
         """INT8 for a head the file stores as float; a head stored quantized already computes
         in its stored GGUF type (``ParallelLMHead.quantize`` keeps it)."""
         return "int8"
+
+
+class GGUFMoEMethod(FusedMoEMethodBase):
+    """A mixture-of-experts layer over a GGUF file's stacked expert tensors, computed as stored.
+
+    llama.cpp stores each projection of all experts as one tensor ``blk.N.ffn_{gate,up,down}_exps``
+    [n_expert, out, in] (ggml's ``ffn_*_exps``); ``iter_gguf_weights`` hands every expert's
+    rows over as its own ``GGUFWeight`` (a view of the tensor's mapped blocks). Each expert
+    keeps two GGUF linears (``GGUFLinearMethod``): gate/up [2 I, hidden] (gate rows, then up;
+    one packed matrix when both have one type) and down [hidden, I]. ``apply`` groups the
+    (token, expert) pairs by expert (``group_by_expert``) and runs each expert with tokens
+    through its two linears with its rows at once, as ``ExpertLinearsMoEMethod`` does for the
+    weight-only schemes. Under tensor parallelism each rank keeps its rows of gate/up and its
+    columns of down (whole blocks, else a ``ValueError`` naming the sizes). The layer's
+    ``w13_weight`` / ``w2_weight`` are empty placeholders that name the checkpoint parts.
+    """
+
+    quantized = True
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size, dtype) -> None:
+        from kvflow.layers.linear import LinearBase
+
+        layer.w13_weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        config = GGUFConfig()
+        with torch.device("cpu"):  # (placeholders only: the rows arrive as GGUF blocks)
+            layer.gguf_experts = {
+                "w13": [LinearBase(hidden_size, 2 * intermediate_size, False, config, f"{layer.prefix}.{e}.w13")
+                        for e in range(num_experts)],
+                "w2": [LinearBase(intermediate_size, hidden_size, False, config, f"{layer.prefix}.{e}.w2")
+                       for e in range(num_experts)],
+            }
+        for linears in layer.gguf_experts.values():
+            for linear in linears:
+                linear.weight.data = linear.weight.data.to(dtype)
+
+    def load_expert(self, layer, e: int, part: str, weight) -> None:
+        """Take this rank's part of one expert's matrix: ``part`` "w1" (gate) / "w3" (up)
+        [I_local, hidden] or "w2" (down) [hidden, I_local], a ``GGUFWeight`` or a float
+        tensor (a type the kernels lack, dequantized by the loader).
+
+        Raises:
+            ValueError: a shape that does not fit (the sizes named).
+        """
+        local = layer.intermediate_size_per_partition
+        if part == "w2":
+            linear, offset, rows = layer.gguf_experts["w2"][e], 0, layer.hidden_size
+        else:
+            linear, rows = layer.gguf_experts["w13"][e], local
+            offset = 0 if part == "w1" else local
+        linear._load_rows(linear.weight, offset, rows, weight)
+
+    def process_weights_after_loading(self, layer) -> None:
+        for linears in layer.gguf_experts.values():
+            for linear in linears:
+                linear.quant_method.process_weights_after_loading(linear)
+
+    def apply(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
+        from kvflow.layers.moe import combine_pairs, group_by_expert, swiglu
+
+        w13, w2 = layer.gguf_experts["w13"], layer.gguf_experts["w2"]
+        order, tokens, counts = group_by_expert(topk_ids, layer.num_experts)
+        xs = x.index_select(0, tokens)
+        h = torch.empty(xs.shape[0], layer.hidden_size, dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = xs[start:start + n]
+                h[start:start + n] = w2[e].quant_method.apply(w2[e], swiglu(w13[e].quant_method.apply(w13[e], rows)))
+                start += n
+        return combine_pairs(h, order, topk_weights).to(x.dtype)
+
+    def dense_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.stack([linear.dense_weight() for linear in layer.gguf_experts[which]])
+                     for which in ("w13", "w2"))
+
+    @staticmethod
+    def nbytes(layer) -> int:
+        """Bytes the experts' rows hold (stored or packed blocks, float segments)."""
+        return sum(GGUFLinearMethod.nbytes(linear) for linears in layer.gguf_experts.values() for linear in linears)
 
 
 # Rows per chunk of ``pack_in_chunks`` (a multiple of the packed layout's 16-row groups):
@@ -295,13 +370,21 @@ def pack_lm_head(model: nn.Module) -> None:
 
 def gguf_report(model) -> dict[str, str]:
     """Module path -> the GGUF types of each decoder linear's rows (e.g. "Q4_K+Q6_K"; "F32" for
-    a float segment) after loading with ``quantization="gguf"``."""
+    a float segment) after loading with ``quantization="gguf"``; for a mixture-of-experts
+    layer ``<path>.w13`` (gate/up) and ``<path>.w2`` (down), the types of its first expert."""
     report = {}
     for name, module in model.named_modules():
         if isinstance(module.__dict__.get("quant_method"), GGUFLinearMethod):
-            report[name] = "+".join(s.weight.qtype.name if isinstance(s.weight, GGUFWeight)
-                                    else str(s.weight.dtype).replace("torch.", "") for s in module.gguf_segments)
+            report[name] = _segment_types(module)
+        elif isinstance(module.__dict__.get("quant_method"), GGUFMoEMethod):  # (expert 0's; llama.cpp types all alike)
+            for which, linears in module.gguf_experts.items():
+                report[f"{name}.{which}"] = _segment_types(linears[0])
     return report
+
+
+def _segment_types(linear) -> str:
+    return "+".join(s.weight.qtype.name if isinstance(s.weight, GGUFWeight)
+                    else str(s.weight.dtype).replace("torch.", "") for s in linear.gguf_segments)
 
 
 def gguf_stored_bytes(model: nn.Module) -> int:
@@ -311,6 +394,8 @@ def gguf_stored_bytes(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module.__dict__.get("quant_method"), GGUFLinearMethod):
             total += GGUFLinearMethod.nbytes(module)
+        elif isinstance(module.__dict__.get("quant_method"), GGUFMoEMethod):
+            total += GGUFMoEMethod.nbytes(module)
         elif module.__dict__.get("gguf") is not None:
             total += module.__dict__["gguf"].nbytes
     return total

@@ -4,7 +4,6 @@ quantized checkpoint."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,8 +21,7 @@ def saved_int8(tmp_path):
 @pytest.mark.parametrize("requested", [None, "int8"])
 def test_a_saved_checkpoint_loads_as_saved(saved_int8, requested):
     args = EngineArgs(model=str(saved_int8), quantization=requested)
-    model = SimpleNamespace(hf_config=None)  # (read only for an unset quantization)
-    assert args.resolved_quantization(requested, saved_int8, model, torch.device("cpu")) == requested
+    assert args.resolved_quantization(requested, saved_int8, torch.device("cpu")) == requested
 
 
 @pytest.mark.parametrize("requested", ["int4", "int4-rtn", "fp8", "gguf", "none"])
@@ -31,13 +29,13 @@ def test_another_scheme_than_the_saved_one_is_refused_by_name(saved_int8, reques
     """LLM("smollm2-int8", quantization="int4") loaded the INT8 weights and said nothing."""
     args = EngineArgs(model=str(saved_int8), quantization=requested)
     with pytest.raises(ValueError, match=rf"^quantization='{requested}': .* saved quantized with 'int8'"):
-        args.resolved_quantization(requested, saved_int8, None, torch.device("cpu"))
+        args.resolved_quantization(requested, saved_int8, torch.device("cpu"))
 
 
 def test_int4_rtn_is_the_saved_int4(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"kvflow_quantization": {"method": "int4", "group_size": 32}}))
     args = EngineArgs(model=str(tmp_path))
-    assert args.resolved_quantization("int4-rtn", tmp_path, None, torch.device("cpu")) == "int4-rtn"
+    assert args.resolved_quantization("int4-rtn", tmp_path, torch.device("cpu")) == "int4-rtn"
 
 
 @pytest.mark.parametrize("field,value,bound", [("max_loras", 10**6, 256), ("max_lora_rank", 4096, 512),

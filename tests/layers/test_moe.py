@@ -269,7 +269,53 @@ def test_quantized_experts_reload_from_a_state_dict_and_keep_their_dtype(method)
         assert torch.equal(reloaded(x.bfloat16(), logits), quant(x.bfloat16(), logits))
 
 
-@pytest.mark.parametrize("method, match", [("int4-awq", "int4-awq"), ("gguf", "gguf")])
+def _gguf_experts(w13: torch.Tensor, w2: torch.Tensor, tp=None) -> FusedMoE:
+    """A GGUF-method layer loaded with each expert's gate / up as Q8_0 and down as Q4_0 blocks."""
+    import gguf
+    import numpy as np
+
+    from kvflow.layers.gguf_kernels import GGUFWeight
+    from kvflow.quantization.gguf import GGUFConfig
+
+    def stored(t: torch.Tensor, qtype) -> GGUFWeight:
+        raw = np.ascontiguousarray(gguf.quants.quantize(t.numpy(), qtype))
+        return GGUFWeight(torch.from_numpy(raw), qtype, t.shape[0], t.shape[1])
+
+    qt = gguf.GGMLQuantizationType
+    layer = FusedMoE(w13.shape[0], K, H, w2.shape[2], True, GGUFConfig(), prefix="l.experts", tp=tp)
+    for e, parts in _per_expert(w13, w2).items():
+        for part, tensor in parts.items():
+            param = layer.w2_weight if part == "w2" else layer.w13_weight
+            layer.weight_loader(param, stored(tensor, qt.Q4_0 if part == "w2" else qt.Q8_0), (e, part))
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_gguf_experts_compute_their_stored_blocks(tokens):
+    """Experts kept as a GGUF file's blocks (``GGUFMoEMethod``) give the float layer's output
+    over their dequantized weights, within the int8 activation rounding; two tensor-parallel
+    ranks (down split along K in whole blocks) sum to the whole layer; a split that cuts a
+    block is refused naming the sizes."""
+    g = torch.Generator().manual_seed(8)
+    inter = 64
+    w13, w2 = torch.randn(E, 2 * inter, H, generator=g) * 0.2, torch.randn(E, H, inter, generator=g) * 0.2
+    layer = _gguf_experts(w13, w2)
+    dq13, dq2 = layer.dense_weights()
+    assert dq13.shape == w13.shape and dq2.shape == w2.shape and layer.w13_weight.numel() == 0
+    assert (dq13 - w13).abs().max() < 0.02 and (dq2 - w2).abs().max() < 0.1  # (Q8_0 / Q4_0 rounding)
+    dense = _load(FusedMoE(E, K, H, inter, True), dq13, dq2)
+    x, logits = torch.randn(tokens, H, generator=g), torch.randn(tokens, E, generator=g)
+    with torch.inference_mode():
+        want, got = dense(x, logits), layer(x, logits)
+        parts = [_gguf_experts(w13, w2, _NoReduceTP(rank, 2))(x, logits) for rank in (0, 1)]
+    assert float((got - want).norm() / want.norm()) < 0.02
+    torch.testing.assert_close(parts[0] + parts[1], got, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="16"):  # I = 32 over 2 ranks: 16 columns of a 32-column block
+        _gguf_experts(w13[:, :64], w2[:, :, :32], _NoReduceTP(1, 2))
+
+
+@pytest.mark.parametrize("method, match", [("int4-awq", "int4-awq")])
 def test_schemes_without_expert_support_refuse_by_name(method, match):
     with pytest.raises(ValueError, match=match):
         FusedMoE(E, K, H, I, True, get_quantization_config(method, 32), prefix="layers.0.mlp.experts")

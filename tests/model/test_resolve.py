@@ -588,7 +588,7 @@ def test_smollm2_second_resolve_does_not_convert(smollm2: Path, monkeypatch: pyt
 def _hf_moe(arch: str, tmp_path: Path):
     """A tiny random transformers MoE model with the tiny tokenizer's vocabulary (261):
     Qwen3-MoE (3 layers, the middle one dense) or Mixtral (2 layers)."""
-    from hf_parity import save_random_hf
+    from model.hf_parity import save_random_hf
 
     common = dict(vocab_size=261, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=500000.0, num_experts_per_tok=2,
@@ -601,12 +601,15 @@ def _hf_moe(arch: str, tmp_path: Path):
     return save_random_hf(transformers.MixtralForCausalLM, config, tmp_path / "hf")
 
 
-def write_moe_gguf(path: Path, arch: str, hf_dir: Path) -> dict[str, torch.Tensor]:
+def write_moe_gguf(path: Path, arch: str, hf_dir: Path,
+                   expert_qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> dict[str, torch.Tensor]:
     """Write the weights of the HF folder ``hf_dir`` as llama.cpp writes a Qwen3-MoE
     ("qwen3moe") or Mixtral ("llama" with experts) GGUF: stacked ``ffn_{gate,up,down}_exps``
-    [n_expert, out, in] (down as Q8_0), the router as ``ffn_gate_inp``, Q/K permuted for arch
-    llama. Returns the HF-named weights the conversion must reproduce (the down experts as
-    their Q8_0 dequantization)."""
+    [n_expert, out, in] (by default down as Q8_0, gate and up F32; ``expert_qtypes`` maps
+    these names to other types), the router as ``ffn_gate_inp``, Q/K permuted for arch
+    llama. Returns the HF-named weights the conversion must reproduce (quantized experts as
+    their dequantization)."""
+    qtypes = {"ffn_down_exps": gguf.GGMLQuantizationType.Q8_0} if expert_qtypes is None else expert_qtypes
     cfg = resolve.load_config(hf_dir)
     sd = dict(resolve.iter_weights(hf_dir))
     writer = gguf.GGUFWriter(str(path), arch)
@@ -658,10 +661,10 @@ def write_moe_gguf(path: Path, arch: str, hf_dir: Path) -> dict[str, torch.Tenso
         for gguf_name, proj in zip(("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"), projections):
             names = [hfp + f"{block}.experts.{e}.{proj}.weight" for e in range(4)]
             stacked = torch.stack([sd[n] for n in names]).numpy()
-            if gguf_name == "ffn_down_exps":
-                packed = gguf.quants.quantize(stacked, gguf.GGMLQuantizationType.Q8_0)
-                writer.add_tensor(p + f"{gguf_name}.weight", packed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-                stacked = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q8_0).reshape(stacked.shape)
+            if gguf_name in qtypes:
+                packed = gguf.quants.quantize(stacked, qtypes[gguf_name])
+                writer.add_tensor(p + f"{gguf_name}.weight", packed, raw_dtype=qtypes[gguf_name])
+                stacked = gguf.quants.dequantize(packed, qtypes[gguf_name]).reshape(stacked.shape)
                 for e, n in enumerate(names):
                     sd[n] = torch.from_numpy(stacked[e].copy())
             else:

@@ -405,3 +405,63 @@ def test_the_lm_head_is_packed_at_load(tmp_path: Path, monkeypatch: pytest.Monke
     assert stored.packed is not None and stored.nbytes == stored.packed.numel()  # the stored rows released
     ids = llm.generate(["hello"], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
     assert len(ids) == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "llama"], ids=["qwen3moe", "mixtral"])
+def test_moe_experts_are_computed_as_stored(arch: str, tmp_path: Path) -> None:
+    """A tiny MoE GGUF (stacked ``ffn_*_exps``: gate Q4_0, up Q5_1, down Q8_0) keeps every
+    expert's blocks as stored (no float copy; the types reported, the stored bytes counted)
+    and its logits stay within the int8 activation rounding of the dequantized model's."""
+    from conftest import prefill_logits
+    from kvflow.layers.moe import FusedMoE
+    from kvflow.model.loader import load_model
+    from kvflow.quantization.gguf import GGUFMoEMethod, gguf_stored_bytes
+    from model.test_resolve import _hf_moe, write_moe_gguf
+
+    _hf_moe(arch, tmp_path)
+    write_moe_gguf(tmp_path / "moe.gguf", arch, tmp_path / "hf",
+                   {"ffn_gate_exps": QT.Q4_0, "ffn_up_exps": QT.Q5_1, "ffn_down_exps": QT.Q8_0})
+    out = resolve.resolve_model(str(tmp_path / "moe.gguf"), cache_dir=tmp_path / "cache")
+    native, _ = load_model(out, torch.float32, torch.device("cpu"), quantization="gguf")
+    ref, _ = load_model(out, torch.float32, torch.device("cpu"))  # (None: the file dequantized)
+    moes = [m for m in native.modules() if isinstance(m, FusedMoE)]
+    refs = [m for m in ref.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(isinstance(m.quant_method, GGUFMoEMethod) for m in moes)
+    assert all(m.w13_weight.numel() == 0 and m.w2_weight.numel() == 0 for m in moes)  # no float copy
+    report = gguf_report(native)
+    assert report[f"{moes[0].prefix}.w13"] == "Q4_0+Q5_1" and report[f"{moes[0].prefix}.w2"] == "Q8_0"
+    for m, r in zip(moes, refs):
+        for got, want in zip(m.dense_weights(), r.dense_weights()):
+            assert torch.equal(got, want)
+    expert_bytes = sum(GGUFMoEMethod.nbytes(m) for m in moes)
+    assert 0 < expert_bytes < sum(w.numel() for m in refs for w in m.dense_weights()) * 4 // 4
+    assert gguf_stored_bytes(native) >= expert_bytes
+    ids = torch.randint(0, 261, (21,), generator=torch.Generator().manual_seed(0)).tolist()
+    got, want = prefill_logits(native, ids, 8), prefill_logits(ref, ids, 8)
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert float(cos.min()) > 0.998, cos  # (a wrong expert's or half's rows: below 0.99)
+
+
+def test_a_moe_gguf_serves_as_stored_by_default(tmp_path: Path) -> None:
+    """``LLM(model=<MoE .gguf>)`` picks the stored experts (quantization "gguf", as a dense
+    GGUF does; they loaded dequantized before), and its greedy first token is the stored
+    model's prefill argmax."""
+    from conftest import prefill_logits
+    from kvflow.model.loader import load_model
+    from model.test_resolve import _hf_moe, write_moe_gguf
+
+    _hf_moe("qwen3moe", tmp_path)
+    write_moe_gguf(tmp_path / "moe.gguf", "qwen3moe", tmp_path / "hf",
+                   {"ffn_gate_exps": QT.Q8_0, "ffn_up_exps": QT.Q8_0, "ffn_down_exps": QT.Q4_1})
+    path = str(tmp_path / "moe.gguf")
+    args = dict(model=path, device="cpu", num_kv_blocks=32, model_cache_dir=str(tmp_path / "cache"))
+    assert EngineArgs(**args).create_config().load.quantization == "gguf"
+    llm = LLM(**args, dtype="float32", quantization="gguf")
+    prompts = [[5, 17, 200, 31, 9, 44, 100], [7, 7, 8, 250, 3]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    native, _ = load_model(resolve.resolve_model(path, cache_dir=tmp_path / "cache"), torch.float32,
+                           torch.device("cpu"), quantization="gguf")
+    for prompt, out in zip(prompts, outs):
+        assert len(out.outputs[0].token_ids) == 6
+        assert out.outputs[0].token_ids[0] == int(prefill_logits(native, prompt, len(prompt))[-1].argmax())
