@@ -11,7 +11,9 @@ T = 1, 2, 8, 16, 32 tokens (decode batches up to a short prefill chunk), by:
 * ``gather_bmm``  ``torch.bmm`` over the gathered weights of every (token, expert) pair;
 * ``dense``       all experts on all tokens (two batched matmuls), routed weights applied after;
 * ``int8``/``int4``/``fp8`` the quantized expert methods (``kvflow.quantization.moe``), bfloat16
-  activations, where ``--quantized``.
+  activations, where ``--quantized``;
+* ``gguf-q8_0``/``gguf-q4_0`` experts kept as a GGUF file's blocks (``GGUFMoEMethod``: the
+  int8-dot kernels of ``kvflow/ops/csrc/gguf_matmul.cpp``), bfloat16 activations, where ``--gguf``.
 
 Shapes (``--shapes``): "mixtral-small" E=8, k=2, hidden 1024, I 768; "qwen3moe-small" E=64,
 k=8, hidden 512, I 256; "qwen3moe-mid" E=64, k=8, hidden 1024, I 768 (not by default: 600 MB
@@ -24,6 +26,7 @@ How to run
 ----------
     python -m benchmarks.micro_moe --threads 1              # the measurement in kvflow/layers/moe.py
     python -m benchmarks.micro_moe --threads 1 --quantized  # plus the int8 / int4 / fp8 experts
+    python -m benchmarks.micro_moe --threads 1 --gguf --dtypes bfloat16   # GGUF experts as stored
 
 Prints a table and writes ``--out`` (default ``benchmarks/results/micro_moe.json``).
 """
@@ -63,6 +66,9 @@ def _layers(shape: dict, dtype: torch.dtype, copies: int, quantized: list[str]):
         for name, fn in EXPERT_IMPLS.items():
             out[name].append(lambda x, tw, ti, fn=fn, w13=w13, w2=w2: fn(x, w13, w2, tw, ti))
         for q in quantized:
+            if q.startswith("gguf-"):
+                out[q].append(_gguf_layer(shape, w13, w2, q.removeprefix("gguf-").upper()))
+                continue
             layer = FusedMoE(e, shape["top_k"], h, i, True, get_quantization_config(q, 32), prefix="bench.experts")
             layer.w13_weight.data.copy_(w13.float())
             layer.w2_weight.data.copy_(w2.float())
@@ -70,6 +76,27 @@ def _layers(shape: dict, dtype: torch.dtype, copies: int, quantized: list[str]):
             out[q].append(lambda x, tw, ti, layer=layer: layer.quant_method.apply(layer, x, tw, ti))
         del w13, w2
     return out
+
+
+def _gguf_layer(shape: dict, w13: torch.Tensor, w2: torch.Tensor, qtype_name: str):
+    """A ``GGUFMoEMethod`` layer over ``w13`` / ``w2`` quantized per expert to ``qtype_name``."""
+    import gguf
+    import numpy as np
+
+    from kvflow.layers.gguf_kernels import GGUFWeight
+    from kvflow.layers.moe import FusedMoE
+    from kvflow.quantization.gguf import GGUFConfig
+
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    e, h, i = shape["num_experts"], shape["hidden"], shape["inter"]
+    layer = FusedMoE(e, shape["top_k"], h, i, True, GGUFConfig(), prefix="bench.experts")
+    for x in range(e):
+        for part, t, param in (("w1", w13[x, :i], layer.w13_weight), ("w3", w13[x, i:], layer.w13_weight),
+                               ("w2", w2[x], layer.w2_weight)):
+            raw = np.ascontiguousarray(gguf.quants.quantize(t.float().numpy(), qtype))
+            layer.weight_loader(param, GGUFWeight(torch.from_numpy(raw), qtype, t.shape[0], t.shape[1]), (x, part))
+    layer.quant_method.process_weights_after_loading(layer)
+    return lambda x, tw, ti: layer.quant_method.apply(layer, x, tw, ti)
 
 
 def measure(shape: dict, dtype: torch.dtype, tokens: list[int], copies: int, repeats: int,
@@ -107,9 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--quantized", action="store_true", help="also the int8 / int4 / fp8 expert methods")
+    parser.add_argument("--gguf", action="store_true", help="also GGUF experts kept as Q8_0 / Q4_0 blocks")
     parser.add_argument("--out", default="benchmarks/results/micro_moe.json")
     args = parser.parse_args(argv)
-    quantized = ["int8", "int4", "fp8"] if args.quantized else []
+    quantized = (["int8", "int4", "fp8"] if args.quantized else []) + (["gguf-q8_0", "gguf-q4_0"] if args.gguf else [])
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     runs = []
