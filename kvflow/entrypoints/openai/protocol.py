@@ -169,6 +169,15 @@ FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
     "penalty_last_n": (), "smoothing_factor": (0, 0.0), "smoothing_curve": (1, 1.0), "temperature_last": (False,),
     "dynamic_temperature": (False,), "guidance_scale": (1, 1.0), "negative_prompt": (),
     "encoder_repetition_penalty": (1, 1.0), "repetition_penalty_range": (),
+    # llama-server's other request fields that change the output or the answer's shape (its
+    # cache_prompt, id_slot, n_keep and the parameters of samplers refused above change neither)
+    "repeat_last_n": (),  # llama.cpp's older name of penalty_last_n
+    "samplers": (), "min_keep": (0,), "n_indent": (0,), "t_max_predict_ms": (-1, 0), "t_max_prompt_ms": (-1, 0),
+    "lora": ([],), "image_data": ([],), "multimodal_data": ([],),
+    "return_tokens": (False,), "post_sampling_probs": (False,), "timings_per_token": (False,),
+    "return_progress": (False,), "response_fields": ([],),
+    # llama-server's /tokenize fields (its prompt is content; kvflow parses special tokens, as parse_special)
+    "with_pieces": (False,), "add_special": (), "parse_special": (True,),
     # Hugging Face TGI's and transformers' generation fields
     "max_new_tokens": (), "do_sample": (True,), "return_full_text": (False,), "watermark": (False,),
     "truncate": (), "top_n_tokens": (0,),
