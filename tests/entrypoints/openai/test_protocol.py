@@ -259,6 +259,22 @@ def test_completions_take_response_format_like_chat():
         4, None).guided_json is None
 
 
+@pytest.mark.parametrize("cls,base", [(CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": MSG})])
+def test_llama_servers_json_object_schema_constrains_the_output(cls, base):
+    """llama-server's ``{"type": "json_object", "schema": {...}}``: the schema was dropped
+    (``response_format`` keeps unknown keys) and the output held any JSON object."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    req = cls.model_validate({**base, "response_format": {"type": "json_object", "schema": schema}})
+    assert req.sampling_params(4, None).guided_json == schema
+    for kind in ("text", "json_schema"):
+        fmt = {"type": kind, "schema": schema, **({"json_schema": {"name": "x", "schema": schema}} if kind != "text"
+                                                  else {})}
+        with pytest.raises(ValueError, match=r"^response_format\.schema .*json_object"):
+            cls.model_validate({**base, "response_format": fmt}).sampling_params(4, None)
+    with pytest.raises(ValidationError, match="schema"):
+        cls.model_validate({**base, "response_format": {"type": "json_object", "schema": "{}"}})
+
+
 @pytest.mark.parametrize("body,field", [({"n": 2}, "n"), ({"seed": 3}, "seed"), ({"stop": ["x"]}, "stop")])
 def test_chat_sampling_fields_sent_to_responses_or_messages_are_refused(body, field):
     from kvflow.entrypoints.anthropic.protocol import MessagesRequest
