@@ -72,11 +72,14 @@ class GGUFMetadata:
         ``from_file`` (which skips the vocabulary) or ``from_reader``.
 
         Raises:
-            KeyError: ``general.architecture`` is missing.
+            ValueError: ``general.architecture`` is missing (naming ``source``).
         """
         self.values = values
         self.source = source
         self.tensors: dict[str, Any] = dict(tensors)
+        if values.get("general.architecture") is None:
+            raise ValueError(f"{source}: GGUF metadata key 'general.architecture' is missing, which every model file "
+                             "has (it names the architecture)")
         self.arch: str = self.get("general.architecture")
 
     @classmethod
@@ -85,8 +88,8 @@ class GGUFMetadata:
         numeric arrays; the vocabulary's string arrays skipped; tensor data read on access).
 
         Raises:
-            ValueError: the file is not a readable GGUF file (naming it).
-            KeyError: ``general.architecture`` is missing.
+            ValueError: the file is not a readable GGUF file, or ``general.architecture`` is
+                missing (naming it).
         """
         from kvflow.model.gguf_file import read_header
 

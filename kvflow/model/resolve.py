@@ -745,14 +745,20 @@ def _write_tokenizer(meta: GGUFMetadata, source: Path, out: Path, config: transf
     """
     kwargs = {"gguf_file": source.name}
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.parent), tokenizer_type=config.model_type,
-                                                               **kwargs)
-    except ValueError as exc:
-        if "does not exist" not in str(exc) and "is not currently imported" not in str(exc):
-            raise
-        # A model_type with no tokenizer class of its own in transformers (llama, or one
-        # registered with kvflow only): the tokenizer is described by `tokenizer.ggml.*` alone.
-        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(source.parent), **kwargs)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.parent),
+                                                                   tokenizer_type=config.model_type, **kwargs)
+        except ValueError as exc:
+            if "does not exist" not in str(exc) and "is not currently imported" not in str(exc):
+                raise
+            # A model_type with no tokenizer class of its own in transformers (llama, or one
+            # registered with kvflow only): the tokenizer is described by `tokenizer.ggml.*` alone.
+            tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(source.parent), **kwargs)
+    except KeyError as exc:  # transformers' conversion reads `tokenizer.ggml.<key>` as tokenizer_dict[key]
+        key = f"tokenizer.ggml.{exc.args[0]}" if exc.args and isinstance(exc.args[0], str) else str(exc)
+        hint = " (a BPE vocabulary needs tokenizer.ggml.merges, or scores to derive them)" if key.endswith(
+            (".scores", ".merges")) else ""
+        raise ValueError(f"{source}: GGUF metadata key {key!r} is missing, which its tokenizer needs{hint}") from None
     template = meta.get("tokenizer.chat_template", None)
     if template is not None:
         tokenizer.chat_template = template

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -429,6 +430,31 @@ def test_gguf_metadata_no_model_can_have_is_a_value_error(tiny_llama: Tiny, chan
     values = {k: v for k, v in {**meta.values, **change}.items() if v is not None}
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_config(resolve._build_config(GGUFMetadata(values, meta.tensors, meta.source)))
+
+
+def _dropping(*keys: str) -> Callable[[gguf.GGUFWriter], None]:
+    """A ``write_tiny_gguf`` ``configure`` that removes metadata ``keys`` already added."""
+    def configure(writer: gguf.GGUFWriter) -> None:
+        for kv in writer.kv_data:
+            for key in keys:
+                kv.pop(key, None)
+    return configure
+
+
+@pytest.mark.parametrize("keys,match", [
+    (("general.architecture",), "key 'general.architecture' is missing"),
+    # a byte-level BPE vocabulary without merges (or scores to derive them): transformers' KeyError 'scores'
+    (("tokenizer.ggml.merges",), "key 'tokenizer.ggml.scores' is missing, which its tokenizer needs .*merges"),
+])  # fmt: skip
+def test_a_gguf_missing_a_key_the_loader_reads_names_the_file(tmp_path: Path, keys: tuple[str, ...],
+                                                             match: str) -> None:
+    """These were a bare KeyError (``'scores'``; the architecture's without the file): the CLI
+    said "KeyError: 'scores'" and exited 1 as for a runtime failure, not 2 for a bad model."""
+    path = tmp_path / "odd.gguf"
+    write_tiny_gguf(path, "llama", configure=_dropping(*keys))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: GGUF metadata {match}"):
+        resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("odd-*"))  # no folder left half-written
 
 
 def test_registry_entries_match_models_md() -> None:
