@@ -756,9 +756,11 @@ def _write_tokenizer(meta: GGUFMetadata, source: Path, out: Path, config: transf
             tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(source.parent), **kwargs)
     except KeyError as exc:  # transformers' conversion reads `tokenizer.ggml.<key>` as tokenizer_dict[key]
         key = f"tokenizer.ggml.{exc.args[0]}" if exc.args and isinstance(exc.args[0], str) else str(exc)
-        hint = " (a BPE vocabulary needs tokenizer.ggml.merges, or scores to derive them)" if key.endswith(
-            (".scores", ".merges")) else ""
+        bpe = meta.get("tokenizer.ggml.model", None) == "gpt2" and key.endswith((".scores", ".merges"))
+        hint = " (a BPE vocabulary needs tokenizer.ggml.merges, or scores to derive them)" if bpe else ""
         raise ValueError(f"{source}: GGUF metadata key {key!r} is missing, which its tokenizer needs{hint}") from None
+    except ValueError as exc:  # (transformers': "Cannot build a tokenizer from a GGUF file stating tokenizer None")
+        raise ValueError(f"{source}: its tokenizer cannot be built from the GGUF metadata: {exc}") from None
     template = meta.get("tokenizer.chat_template", None)
     if template is not None:
         tokenizer.chat_template = template
