@@ -346,6 +346,25 @@ def test_a_path_no_route_serves_is_a_404_naming_it(http):
     assert len(err["message"]) < 200, err
 
 
+def test_llama_servers_reasoning_format_is_served_or_refused_by_name(http):
+    """llama-server's ``reasoning_format`` was dropped: ``"deepseek"`` (split the reasoning out)
+    on a server without ``--reasoning-parser`` left it in the content."""
+    body = {"messages": MSG, "max_tokens": 1}
+    for value in ("auto", "none"):
+        assert http.post(CH, json={**body, "reasoning_format": value}).status_code == 200
+    for value in ("deepseek", "deepseek-legacy", "bogus"):
+        err = _assert_error(http.post(CH, json={**body, "reasoning_format": value}), 400, "reasoning_format")
+        assert "no --reasoning-parser" in err["message"], err
+    split = TinyServer(reasoning_parser="deepseek_r1")
+    try:
+        with httpx.Client(base_url=split.url, timeout=60) as c:
+            assert c.post(CH, json={**body, "reasoning_format": "deepseek"}).status_code == 200
+            err = _assert_error(c.post(CH, json={**body, "reasoning_format": "none"}), 400, "reasoning_format")
+            assert "splits the reasoning" in err["message"], err
+    finally:
+        split.stop()
+
+
 def test_a_trailing_slash_is_the_same_path(http):
     """``/v1/completions/`` answered 307 (a redirect a POST client does not follow)."""
     for path, body in ((C + "/", {"prompt": "Hello", "max_tokens": 2}), (CH + "/", {"messages": MSG, "max_tokens": 2}),
