@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 # file itself at load (``iter_gguf_weights``), quantized blocks as stored or dequantized.
 # Version 3: the marker names the config's class (``load_config`` reads it without the class).
 # Version 4: that record holds a digest of config.json and itself (``_config_digest``).
-CONVERTER_VERSION = 4
+# Version 5: a generation_config.json lists the file's end-of-turn tokens (``_write_eog_ids``).
+CONVERTER_VERSION = 5
 # Upper bound on one safetensors shard written by the converter, in bytes.
 SHARD_BYTES = 2 * 1024**3
 # Written last into a converted directory; its presence marks a complete conversion.
@@ -544,7 +545,56 @@ def convert_gguf(
     config.save_pretrained(out)
     if weights:
         _write_weights(_open_gguf(source), config, out, shard_bytes)
+    _write_eog_ids(meta, out, config.vocab_size)
     return _write_tokenizer(meta, source, out, config)
+
+
+# The GGUF keys of the tokens that end a turn besides EOS (llama.cpp's end-of-generation set)
+_EOG_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def _write_eog_ids(meta: GGUFMetadata, out: Path, vocab_size: int) -> None:
+    """Where the file names end-of-turn tokens other than its EOS (``tokenizer.ggml.eot_token_id``
+    / ``eom_token_id``: Gemma's ``<end_of_turn>``, older Llama 3 files' ``<|eot_id|>``), write
+    ``generation_config.json`` with ``eos_token_id`` listing EOS and them, as a Hugging Face
+    folder lists them (``load_eos_token_ids``): llama.cpp ends a reply on any of them.
+
+    Raises:
+        ValueError: naming the key, for an id outside the vocabulary.
+    """
+    eos = meta.get("tokenizer.ggml.eos_token_id", None)
+    ids = [] if eos is None else [int(eos)]
+    for key in _EOG_KEYS:
+        value = meta.get(key, None)
+        if value is None or int(value) in ids:
+            continue
+        if not 0 <= int(value) < vocab_size:
+            raise ValueError(f"{meta.source}: {key} {int(value)} is outside the vocabulary ({vocab_size} tokens)")
+        ids.append(int(value))
+    if len(ids) > 1:
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}, indent=2) + "\n")
+
+
+def load_eos_token_ids(model_dir: str | os.PathLike[str]) -> list[int]:
+    """The ``eos_token_id`` (an id or a list of them) of a model folder's
+    ``generation_config.json``, as a list; [] without the file or the key. vLLM stops a request
+    on each of them (Llama 3's ``<|eot_id|>`` and ``<|eom_id|>``, Gemma's ``<end_of_turn>``
+    beside EOS), unless it ignores EOS.
+
+    Raises:
+        ValueError: naming the file, for a value that is not an id or a list of ids.
+    """
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a JSON object: {exc}") from None
+    ids = [value] if isinstance(value, int) else value if isinstance(value, list) else [] if value is None else None
+    if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return list(ids)
 
 
 _float32 = float32_value

