@@ -324,8 +324,8 @@ class OpenAIServing:
             APIError: 400 naming ``reasoning_format`` for any other value (it was dropped).
         """
         value = (req.model_extra or {}).get("reasoning_format")
-        if value is None or value == "auto":
-            return
+        if value is None or value == "auto" or not isinstance(req, ChatCompletionRequest):
+            return  # (llama-server reads it on chat completions only)
         splits = self.reasoning_parser_cls is not None
         if value == "none" and not splits or value in ("deepseek", "deepseek-legacy") and splits:
             return

@@ -355,6 +355,7 @@ def test_llama_servers_reasoning_format_is_served_or_refused_by_name(http):
     for value in ("deepseek", "deepseek-legacy", "bogus"):
         err = _assert_error(http.post(CH, json={**body, "reasoning_format": value}), 400, "reasoning_format")
         assert "no --reasoning-parser" in err["message"], err
+    assert http.post(C, json={"prompt": "x", "max_tokens": 1, "reasoning_format": "deepseek"}).status_code == 200
     split = TinyServer(reasoning_parser="deepseek_r1")
     try:
         with httpx.Client(base_url=split.url, timeout=60) as c:
