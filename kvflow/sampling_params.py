@@ -172,8 +172,9 @@ class SamplingParams:
             at or above the vocabulary size keeps every token, as if disabled).
         min_p: drop tokens whose probability is below ``min_p`` times the most likely
             token's probability. Must be in [0, 1]; 0 disables it.
-        seed: per-request random seed. A seeded request samples from its own
-            ``torch.Generator``, so it produces the same tokens whatever else is batched
+        seed: per-request random seed (-1, as in vLLM and llama.cpp, is None: no seed). A
+            seeded request samples from its own ``torch.Generator``, so it produces the
+            same tokens whatever else is batched
             with it, except under speculative decoding with ``disable_by_batch_size``
             (``SpeculativeConfig``): whether a step speculates, and so how a sampled
             request draws from its generator, depends on how many requests are running;
@@ -372,6 +373,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
+        if type(self.seed) is int and self.seed == -1:
+            self.seed = None  # as vLLM's SamplingParams (and llama.cpp's seed -1): no seed, a random draw
         for name in ("stop_token_ids", "bad_words", "stop", "allowed_token_ids"):
             value = getattr(self, name)
             is_list = isinstance(value, (list, tuple)) or (name == "stop" and isinstance(value, str))

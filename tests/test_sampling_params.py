@@ -321,6 +321,15 @@ def test_wrong_types_are_still_refused_naming_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+def test_seed_minus_one_is_no_seed_as_in_vllm_and_llama_cpp():
+    """``seed: -1`` (llama.cpp's "random seed", vLLM's ``SamplingParams`` takes it as None) was
+    a fixed seed: every request sent with it drew the same tokens."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
+    with pytest.raises(ValueError, match="^seed "):
+        SamplingParams(seed=-1.0)
+
+
 def test_seeds_that_agree_in_their_low_32_bits_draw_different_numbers():
     """PyTorch's CPU generator keeps a seed's low 32 bits: seeds s and s + 2**32, or -1 and
     2**63 - 1, drew the same samples (found serving with seed -1 and 2**63 - 1). Seeds in
@@ -337,10 +346,10 @@ def test_seeds_that_agree_in_their_low_32_bits_draw_different_numbers():
     for seed in (0, 1, 12345, 2**32 - 1):
         assert generator_seed(seed) == seed
         assert draws(seed) == torch.rand(4, generator=torch.Generator().manual_seed(seed)).tolist()
-    pairs = [(0, 2**32), (1, 2**32 + 1), (-1, 2**63 - 1), (0, -(2**63)), (5, 5 + 2**40), (-1, 2**32 - 1)]
+    pairs = [(0, 2**32), (1, 2**32 + 1), (-2, 2**63 - 2), (0, -(2**63)), (5, 5 + 2**40), (-2, 2**32 - 2)]
     for a, b in pairs:
         assert draws(a) != draws(b), (a, b)
-    extremes = [-(2**63), -(2**32), -1, 2**32, 2**40 + 3, 2**63 - 1]
+    extremes = [-(2**63), -(2**32), -1, -2, 2**32, 2**40 + 3, 2**63 - 1]
     mapped = [generator_seed(s) for s in extremes]
     assert all(0 <= m < 2**32 for m in mapped) and len(set(mapped)) == len(extremes)
 

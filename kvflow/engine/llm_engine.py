@@ -28,7 +28,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +38,7 @@ from kvflow.config import EngineConfig
 from kvflow.engine.arg_utils import EngineArgs
 from kvflow.engine.core import EngineCore
 from kvflow.engine.output_processor import OutputProcessor
-from kvflow.model.resolve import load_generation_defaults, load_tokenizer
+from kvflow.model.resolve import load_eos_token_ids, load_generation_defaults, load_tokenizer
 from kvflow.outputs import EmbeddingRequestOutput, RequestOutput, RequestOutputKind
 from kvflow.pooling_params import PoolingParams
 from kvflow.request import Request, make_parallel_samples
@@ -115,6 +115,9 @@ class LLMEngine:
             names (a draft model is loaded from ``config.draft``).
         default_pooling: the pooling of embedding requests that do not choose one ("last"
             or "mean"; see ``kvflow.pooling_params``).
+        eos_token_ids: the model's end tokens (its ``generation_config.json``'s
+            ``eos_token_id``; see ``load_eos_token_ids``): those other than the EOS join each
+            request's ``stop_token_ids`` unless it ignores EOS, as vLLM does.
 
     Raises:
         ValueError: for a model that cannot be loaded as configured, an attention backend
@@ -144,6 +147,7 @@ class LLMEngine:
         generation_defaults: dict[str, Any] | None = None,
         proposer=None,
         default_pooling: str = "last",
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.config = config
         self.default_pooling = PoolingParams(pooling_type=default_pooling).pooling_type
@@ -167,6 +171,7 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_id = tokenizer.eos_token_id
         self.output_processor = OutputProcessor(tokenizer, self.eos_token_id)
+        self.extra_eos_token_ids = [i for i in dict.fromkeys(eos_token_ids) if i != self.eos_token_id]
         self._grammar_compiler = None
         self._grammar_lock = threading.Lock()
         self.generation_defaults = dict(generation_defaults or {})
@@ -206,6 +211,7 @@ class LLMEngine:
                 tokenizer=tokenizer,
                 generation_defaults=load_generation_defaults(model_dir),
                 default_pooling=args.pooling,
+                eos_token_ids=load_eos_token_ids(model_dir),
             )
 
     def default_sampling_params(self, **overrides: Any) -> SamplingParams:
@@ -458,6 +464,10 @@ class LLMEngine:
             self._add_pooling_request(request_id, prompt_token_ids, prepared.params, prompt, priority, lora_request)
             return
         params = self._resolve_max_tokens(prompt_token_ids, params)
+        missing = [] if params.ignore_eos else [i for i in self.extra_eos_token_ids if i not in params.stop_token_ids]
+        if missing:  # the model's other end tokens (Gemma's <end_of_turn>...) end it too, as EOS does
+            params = copy.copy(params)
+            params.stop_token_ids = [*params.stop_token_ids, *missing]
         samples = make_parallel_samples(request_id, prompt_token_ids, params, self.eos_token_id, prompt, priority,
                                         lora_request)
         for sample, grammar in zip(samples, prepared.grammars):

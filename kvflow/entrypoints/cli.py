@@ -741,6 +741,34 @@ def _fail(code: int, exc: BaseException) -> None:
     raise SystemExit(code)
 
 
+# llama-server's flags (a llama.cpp user's habits) -> what kvflow takes instead, named in the
+# "unrecognized arguments" error
+_LLAMA_SERVER_FLAGS = {
+    "-m": "the model as the first argument or --model", "-c": "--max-model-len", "--ctx-size": "--max-model-len",
+    "-t": "--num-threads", "--threads": "--num-threads", "-np": "--max-num-seqs", "--parallel": "--max-num-seqs",
+    "-b": "--max-num-batched-tokens", "--batch-size": "--max-num-batched-tokens",
+    "-ub": "--max-num-batched-tokens", "--ubatch-size": "--max-num-batched-tokens",
+    "-a": "--served-model-name", "--alias": "--served-model-name",
+    "-n": "each request's max_tokens", "--n-predict": "each request's max_tokens",
+    "-ngl": "--device cuda (the whole model)", "--n-gpu-layers": "--device cuda (the whole model)",
+    "--jinja": "nothing: the chat template is always rendered as Jinja",
+    "-cb": "nothing: batching is always continuous", "--cont-batching": "nothing: batching is always continuous",
+}  # fmt: skip
+
+
+def _unrecognized(extra: list[str]) -> str:
+    """The "unrecognized arguments" message, with kvflow's flag for each of llama-server's."""
+    hints = {}
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name in _LLAMA_SERVER_FLAGS:
+            hints[name] = _LLAMA_SERVER_FLAGS[name]
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    if hints:
+        message += "; llama-server's " + ", ".join(f"{name} is {alt}" for name, alt in hints.items()) + " here"
+    return message
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvflow`` console script (exit status: see the module docstring).
 
@@ -751,7 +779,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # (the top parser would say "see 'kvflow --help'" for a subcommand's mistake)
-        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        getattr(args, "command_parser", parser).error(_unrecognized(extra))
     args.argv = list(sys.argv[1:] if argv is None else argv)
     configure_logging(args.quiet)
     try:

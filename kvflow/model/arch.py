@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 import gguf
+import numpy as np
 
 T = gguf.MODEL_TENSOR
 
@@ -72,11 +73,20 @@ class GGUFMetadata:
         ``from_file`` (which skips the vocabulary) or ``from_reader``.
 
         Raises:
-            KeyError: ``general.architecture`` is missing.
+            ValueError: ``general.architecture`` is missing, or the file is a shard of a split
+                model (``split.count`` > 1), naming ``source``.
         """
         self.values = values
         self.source = source
         self.tensors: dict[str, Any] = dict(tensors)
+        shards = values.get("split.count")
+        if isinstance(shards, (int, np.integer)) and shards > 1:
+            raise ValueError(f"{source} is shard {int(values.get('split.no', 0)) + 1} of {shards} of a split GGUF "
+                             "model (llama.cpp's gguf-split), which kvflow does not read: merge the shards into one file "
+                             "with `llama-gguf-split --merge FIRST_SHARD.gguf OUT.gguf` and pass that")
+        if values.get("general.architecture") is None:
+            raise ValueError(f"{source}: GGUF metadata key 'general.architecture' is missing, which every model file "
+                             "has (it names the architecture)")
         self.arch: str = self.get("general.architecture")
 
     @classmethod
@@ -85,8 +95,8 @@ class GGUFMetadata:
         numeric arrays; the vocabulary's string arrays skipped; tensor data read on access).
 
         Raises:
-            ValueError: the file is not a readable GGUF file (naming it).
-            KeyError: ``general.architecture`` is missing.
+            ValueError: the file is not a readable GGUF file, or ``general.architecture`` is
+                missing (naming it).
         """
         from kvflow.model.gguf_file import read_header
 

@@ -163,8 +163,10 @@ def _parse(buf: mmap.mmap, size: int, values: dict[str, Any] | None = None,
            string_arrays: dict[str, int] | None = None) -> list[GGUFTensorInfo]:
     """The tensor infos; with ``values`` also every metadata value but string arrays (their
     counts into ``string_arrays``)."""
-    if size < 24 or buf[:4] != b"GGUF":
+    if buf[:4] != b"GGUF":
         raise ValueError("no GGUF magic")
+    if size < 24:
+        raise ValueError(f"{size} bytes, shorter than a GGUF header (24 bytes)")
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} (byte order or version not supported here)")

@@ -53,7 +53,8 @@ logger = logging.getLogger(__name__)
 # file itself at load (``iter_gguf_weights``), quantized blocks as stored or dequantized.
 # Version 3: the marker names the config's class (``load_config`` reads it without the class).
 # Version 4: that record holds a digest of config.json and itself (``_config_digest``).
-CONVERTER_VERSION = 4
+# Version 5: a generation_config.json lists the file's end-of-turn tokens (``_write_eog_ids``).
+CONVERTER_VERSION = 5
 # Upper bound on one safetensors shard written by the converter, in bytes.
 SHARD_BYTES = 2 * 1024**3
 # Written last into a converted directory; its presence marks a complete conversion.
@@ -82,7 +83,8 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
          model; `qwen2.5-coder-0.5b`, `qwen2.5-coder-1.5b`), taken from its pip package(s);
          split models are first concatenated into `<cache>/<name>.gguf` (size and SHA-256
          checked);
-      2. a path to a `.gguf` file of an architecture some registered model's ``ArchSpec``
+      2. a path to a `.gguf` file (or a file of another name that starts with the GGUF
+         magic, as llama.cpp reads one) of an architecture some registered model's ``ArchSpec``
          reads (`kvflow.model.registry.gguf_arch_spec`: `llama` — Mixtral when it has
          experts — `qwen2`, `qwen3`, `phi3`, `qwen3moe`, `gemma3` built in);
       3. an HF directory containing `config.json`, returned as is (resolved to absolute).
@@ -99,7 +101,8 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
     Raises:
         FileNotFoundError: `model` looks like a path and does not exist.
         ValueError: an empty (or blank) `model`; unknown short name (the message lists the known ones); a directory
-            without `config.json`; an existing file that is not `.gguf`; a `.gguf` file
+            without `config.json`; an existing file that is neither `.gguf` nor starts with the
+            GGUF magic; a `.gguf` file
             without weights (a vocabulary-only one); a packaged model whose file has an
             unexpected size or hash.
         packages.ModelPackageNotInstalledError: (a `ModuleNotFoundError`) the package of a short
@@ -124,12 +127,22 @@ def resolve_model(model: str, cache_dir: str | os.PathLike[str] | None = None) -
                 raise ValueError(f"{config} is not valid JSON: {exc}") from None
             return path.resolve()
         if path.is_file():
-            if path.suffix.lower() != ".gguf":
+            if path.suffix.lower() != ".gguf" and not _starts_with_gguf_magic(path):
                 raise ValueError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
             return _convert_cached(path.resolve(), root)
         if os.sep in model or model.startswith(("~", ".")) or model.lower().endswith(".gguf"):
             raise FileNotFoundError(f"Model path {model!r} does not exist")
     return _convert_cached(_packaged_gguf(packages.lookup(model), root), root)
+
+
+def _starts_with_gguf_magic(path: Path) -> bool:
+    """Whether ``path`` begins with the GGUF magic: a GGUF file named otherwise (llama.cpp reads
+    any name; Ollama's blobs are ``sha256-...``, the Hugging Face cache's blobs hashes)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def gguf_file(model: str, cache_dir: str | os.PathLike[str] | None = None) -> Path | None:
@@ -145,7 +158,7 @@ def gguf_file(model: str, cache_dir: str | os.PathLike[str] | None = None) -> Pa
         root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         return _packaged_gguf(packages.lookup(model), root)
     path = Path(model).expanduser()
-    return path.resolve() if path.is_file() and path.suffix.lower() == ".gguf" else None
+    return path.resolve() if path.is_file() and (path.suffix.lower() == ".gguf" or _starts_with_gguf_magic(path)) else None
 
 
 def resolve_model_config(model: str, cache_dir: str | os.PathLike[str] | None = None,
@@ -541,7 +554,56 @@ def convert_gguf(
     config.save_pretrained(out)
     if weights:
         _write_weights(_open_gguf(source), config, out, shard_bytes)
+    _write_eog_ids(meta, out, config.vocab_size)
     return _write_tokenizer(meta, source, out, config)
+
+
+# The GGUF keys of the tokens that end a turn besides EOS (llama.cpp's end-of-generation set)
+_EOG_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def _write_eog_ids(meta: GGUFMetadata, out: Path, vocab_size: int) -> None:
+    """Where the file names end-of-turn tokens other than its EOS (``tokenizer.ggml.eot_token_id``
+    / ``eom_token_id``: Gemma's ``<end_of_turn>``, older Llama 3 files' ``<|eot_id|>``), write
+    ``generation_config.json`` with ``eos_token_id`` listing EOS and them, as a Hugging Face
+    folder lists them (``load_eos_token_ids``): llama.cpp ends a reply on any of them.
+
+    Raises:
+        ValueError: naming the key, for an id outside the vocabulary.
+    """
+    eos = meta.get("tokenizer.ggml.eos_token_id", None)
+    ids = [] if eos is None else [int(eos)]
+    for key in _EOG_KEYS:
+        value = meta.get(key, None)
+        if value is None or int(value) in ids:
+            continue
+        if not 0 <= int(value) < vocab_size:
+            raise ValueError(f"{meta.source}: {key} {int(value)} is outside the vocabulary ({vocab_size} tokens)")
+        ids.append(int(value))
+    if len(ids) > 1:
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}, indent=2) + "\n")
+
+
+def load_eos_token_ids(model_dir: str | os.PathLike[str]) -> list[int]:
+    """The ``eos_token_id`` (an id or a list of them) of a model folder's
+    ``generation_config.json``, as a list; [] without the file or the key. vLLM stops a request
+    on each of them (Llama 3's ``<|eot_id|>`` and ``<|eom_id|>``, Gemma's ``<end_of_turn>``
+    beside EOS), unless it ignores EOS.
+
+    Raises:
+        ValueError: naming the file, for a value that is not an id or a list of ids.
+    """
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (ValueError, UnicodeDecodeError, AttributeError) as exc:
+        raise ValueError(f"{path} is not a JSON object: {exc}") from None
+    ids = [value] if isinstance(value, int) else value if isinstance(value, list) else [] if value is None else None
+    if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return list(ids)
 
 
 _float32 = float32_value
@@ -754,14 +816,22 @@ def _write_tokenizer(meta: GGUFMetadata, source: Path, out: Path, config: transf
     """
     kwargs = {"gguf_file": source.name}
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.parent), tokenizer_type=config.model_type,
-                                                               **kwargs)
-    except ValueError as exc:
-        if "does not exist" not in str(exc) and "is not currently imported" not in str(exc):
-            raise
-        # A model_type with no tokenizer class of its own in transformers (llama, or one
-        # registered with kvflow only): the tokenizer is described by `tokenizer.ggml.*` alone.
-        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(source.parent), **kwargs)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(str(source.parent),
+                                                                   tokenizer_type=config.model_type, **kwargs)
+        except ValueError as exc:
+            if "does not exist" not in str(exc) and "is not currently imported" not in str(exc):
+                raise
+            # A model_type with no tokenizer class of its own in transformers (llama, or one
+            # registered with kvflow only): the tokenizer is described by `tokenizer.ggml.*` alone.
+            tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(str(source.parent), **kwargs)
+    except KeyError as exc:  # transformers' conversion reads `tokenizer.ggml.<key>` as tokenizer_dict[key]
+        key = f"tokenizer.ggml.{exc.args[0]}" if exc.args and isinstance(exc.args[0], str) else str(exc)
+        bpe = meta.get("tokenizer.ggml.model", None) == "gpt2" and key.endswith((".scores", ".merges"))
+        hint = " (a BPE vocabulary needs tokenizer.ggml.merges, or scores to derive them)" if bpe else ""
+        raise ValueError(f"{source}: GGUF metadata key {key!r} is missing, which its tokenizer needs{hint}") from None
+    except ValueError as exc:  # (transformers': "Cannot build a tokenizer from a GGUF file stating tokenizer None")
+        raise ValueError(f"{source}: its tokenizer cannot be built from the GGUF metadata: {exc}") from None
     template = meta.get("tokenizer.chat_template", None)
     if template is not None:
         tokenizer.chat_template = template

@@ -747,6 +747,27 @@ def test_offline_defaults_come_from_the_model_folders_generation_config(tmp_path
     assert LLM(model=str(folder), dtype="float32", num_kv_blocks=32).get_default_sampling_params() == SamplingParams()
 
 
+def test_the_generation_configs_other_end_tokens_stop_a_request_as_eos_does(tmp_path):
+    """generation_config.json's ``eos_token_id`` list (Llama 3's ``<|eot_id|>``, Gemma's
+    ``<end_of_turn>``; a GGUF's ``eot_token_id``, which the conversion writes there) ended
+    nothing: only the tokenizer's EOS did, so a chat ran past the end of its turn. Each ends a
+    request as vLLM and llama.cpp end it, unless it ignores EOS."""
+    from conftest import tiny_hf_model_dir
+    from kvflow import LLM
+
+    folder = tiny_hf_model_dir(tmp_path / "m", {"eos_token_id": [256, 7]})
+    llm = LLM(model=str(folder), dtype="float32", num_kv_blocks=32)
+    assert llm.engine.extra_eos_token_ids == [7]
+    forced = {"temperature": 0.0, "max_tokens": 6, "logit_bias": {7: 100.0}}
+    out = llm.generate("Hello", SamplingParams(**forced), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([7], "stop", 7)
+    out = llm.generate("Hello", SamplingParams(**forced, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == ([7] * 6, "length")
+    params = SamplingParams(**forced, stop_token_ids=[9])
+    llm.generate("Hello", params, use_tqdm=False)
+    assert params.stop_token_ids == [9]  # the caller's params are left as they were
+
+
 def test_the_tokenizer_loads_on_a_thread_while_the_model_builds_and_its_error_is_raised(tmp_path, monkeypatch):
     """from_engine_args loads the tokenizer on its own thread (kvflow-tokenizer) while the
     worker builds the model, and the engine holds that tokenizer; a tokenizer that fails to

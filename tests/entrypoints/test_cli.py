@@ -200,6 +200,16 @@ def test_a_subcommands_unknown_argument_points_to_its_own_help(capsys):
         assert line.endswith(f"(see 'kvflow {command} --help')"), line
 
 
+def test_llama_servers_flags_name_kvflows(capsys):
+    """``kvflow serve -c 2048 -t 1`` (llama-server's habits) said only "unrecognized arguments";
+    the error names kvflow's flag for each."""
+    line = _one_line_error(capsys, ["serve", "-m", "x.gguf", "--ctx-size=2048", "-t", "1", "-np", "4", "--port", "9"], 2)
+    assert ("llama-server's -m is the model as the first argument or --model, --ctx-size is --max-model-len, "
+            "-t is --num-threads, -np is --max-num-seqs here") in line, line
+    assert line.endswith("(see 'kvflow serve --help')"), line
+    assert "llama-server" not in _one_line_error(capsys, ["generate", "hi", "--foo"], 2)
+
+
 def test_serve_refuses_an_unknown_log_level_at_parse_time(capsys):
     """With -q the level was only read by uvicorn after the model loaded (KeyError, exit 1)."""
     line = _one_line_error(capsys, ["serve", "-q", "--log-level", "bogus", "--port", "9"], 2)

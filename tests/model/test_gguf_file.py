@@ -55,6 +55,9 @@ def test_truncated_and_corrupt_files_name_the_file(tmp_path):
     bad.write_bytes(b"GGML" + data[4:])
     with pytest.raises(ValueError, match="no GGUF magic"):
         read_tensor_infos(bad)
+    bad.write_bytes(data[:4])  # the magic alone: it said "no GGUF magic"
+    with pytest.raises(ValueError, match="bad.gguf is not a readable GGUF file .*4 bytes, shorter than a GGUF header"):
+        read_tensor_infos(bad)
 
 
 def _header_same_as_reader(path) -> None:

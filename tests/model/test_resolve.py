@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -429,6 +430,86 @@ def test_gguf_metadata_no_model_can_have_is_a_value_error(tiny_llama: Tiny, chan
     values = {k: v for k, v in {**meta.values, **change}.items() if v is not None}
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_config(resolve._build_config(GGUFMetadata(values, meta.tensors, meta.source)))
+
+
+def _dropping(*prefixes: str) -> Callable[[gguf.GGUFWriter], None]:
+    """A ``write_tiny_gguf`` ``configure`` that removes the metadata keys already added that
+    start with one of ``prefixes``."""
+    def configure(writer: gguf.GGUFWriter) -> None:
+        for kv in writer.kv_data:
+            for key in [k for k in kv if k.startswith(prefixes)]:
+                del kv[key]
+    return configure
+
+
+@pytest.mark.parametrize("keys,match", [
+    (("general.architecture",), "key 'general.architecture' is missing"),
+    # a byte-level BPE vocabulary without merges (or scores to derive them): transformers' KeyError 'scores'
+    (("tokenizer.ggml.merges",), "key 'tokenizer.ggml.scores' is missing, which its tokenizer needs .*merges"),
+    # no tokenizer at all: transformers' ValueError, which did not name the file
+    (("tokenizer.",), ""),
+])  # fmt: skip
+def test_a_gguf_missing_a_key_the_loader_reads_names_the_file(tmp_path: Path, keys: tuple[str, ...],
+                                                             match: str) -> None:
+    """These were a bare KeyError (``'scores'``; the architecture's without the file): the CLI
+    said "KeyError: 'scores'" and exited 1 as for a runtime failure, not 2 for a bad model."""
+    path = tmp_path / "odd.gguf"
+    write_tiny_gguf(path, "llama", configure=_dropping(*keys))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: " + (f"GGUF metadata {match}" if match else
+                                                                          "its tokenizer cannot be built")):
+        resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("odd-*"))  # no folder left half-written
+
+
+def test_a_gguf_file_of_another_name_is_read_by_its_magic(tiny_llama: Tiny, tmp_path: Path) -> None:
+    """A GGUF file not named ``.gguf`` (an Ollama blob ``sha256-...``, a Hugging Face cache
+    blob), which llama.cpp reads, was refused as "neither a .gguf file nor a Hugging Face model
+    directory"; a file of another kind still is."""
+    blob = tmp_path / "sha256-6a1b"
+    blob.write_bytes(tiny_llama[0].read_bytes())
+    out = resolve.resolve_model(str(blob), cache_dir=tmp_path / "cache")
+    assert resolve.load_config(out).num_hidden_layers == 2
+    assert resolve.gguf_file(str(blob)) == blob.resolve()
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ValueError, match="weights.bin is neither a .gguf file nor a Hugging Face model directory"):
+        resolve.resolve_model(str(other), cache_dir=tmp_path / "cache")
+
+
+def test_a_split_gguf_shard_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard of llama.cpp's gguf-split (``model-00001-of-00002.gguf``) failed on the tensors
+    in the other shard ("checkpoint is missing or repeats tensors"), the second shard on its
+    missing ``general.architecture``; each says what it is and how to merge them."""
+    class SplitWriter(gguf.GGUFWriter):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, split_max_tensors=10, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFWriter", SplitWriter)
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    for n in (1, 2):
+        shard = tmp_path / f"tiny-0000{n}-of-00002.gguf"
+        with pytest.raises(ValueError, match=f"^{re.escape(str(shard))} is shard {n} of 2 of a split GGUF .*--merge"):
+            resolve.resolve_model(str(shard), cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("tiny-*"))
+
+
+def test_a_ggufs_end_of_turn_tokens_are_listed_in_generation_config(tmp_path: Path) -> None:
+    """``tokenizer.ggml.eot_token_id`` (Gemma's ``<end_of_turn>``, older Llama 3 files'
+    ``<|eot_id|>``), which llama.cpp ends a reply on, was not read: only EOS ended one."""
+    path = tmp_path / "eot.gguf"
+    write_tiny_gguf(path, "llama", configure=lambda w: w.add_eot_token_id(258))
+    out = resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert resolve.load_eos_token_ids(out) == [260, 258]
+    write_tiny_gguf(tmp_path / "plain.gguf", "llama")
+    plain = resolve.resolve_model(str(tmp_path / "plain.gguf"), cache_dir=tmp_path / "cache")
+    assert resolve.load_eos_token_ids(plain) == [] and not (plain / "generation_config.json").exists()
+    bad = tmp_path / "bad.gguf"
+    write_tiny_gguf(bad, "llama", configure=lambda w: w.add_eot_token_id(999))
+    with pytest.raises(ValueError, match="tokenizer.ggml.eot_token_id 999 is outside the vocabulary"):
+        resolve.resolve_model(str(bad), cache_dir=tmp_path / "cache")
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": "x"}')
+    with pytest.raises(ValueError, match="eos_token_id must be a token id or a list of them"):
+        resolve.load_eos_token_ids(tmp_path)
 
 
 def test_registry_entries_match_models_md() -> None:

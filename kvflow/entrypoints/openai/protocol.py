@@ -169,6 +169,15 @@ FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
     "penalty_last_n": (), "smoothing_factor": (0, 0.0), "smoothing_curve": (1, 1.0), "temperature_last": (False,),
     "dynamic_temperature": (False,), "guidance_scale": (1, 1.0), "negative_prompt": (),
     "encoder_repetition_penalty": (1, 1.0), "repetition_penalty_range": (),
+    # llama-server's other request fields that change the output or the answer's shape (its
+    # cache_prompt, id_slot, n_keep and the parameters of samplers refused above change neither)
+    "repeat_last_n": (),  # llama.cpp's older name of penalty_last_n
+    "samplers": (), "min_keep": (0,), "n_indent": (0,), "t_max_predict_ms": (-1, 0), "t_max_prompt_ms": (-1, 0),
+    "lora": ([],), "image_data": ([],), "multimodal_data": ([],),
+    "return_tokens": (False,), "post_sampling_probs": (False,), "timings_per_token": (False,),
+    "return_progress": (False,), "response_fields": ([],),
+    # llama-server's /tokenize fields (its prompt is content; kvflow parses special tokens, as parse_special)
+    "with_pieces": (False,), "add_special": (), "parse_special": (True,),
     # Hugging Face TGI's and transformers' generation fields
     "max_new_tokens": (), "do_sample": (True,), "return_full_text": (False,), "watermark": (False,),
     "truncate": (), "top_n_tokens": (0,),
@@ -234,6 +243,9 @@ class JsonSchemaFormat(_Body):
 class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"] = "text"
     json_schema: JsonSchemaFormat | None = None
+    # llama-server's form of a schema: {"type": "json_object", "schema": {...}} (type
+    # json_object only; json_schema's is json_schema.schema)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
 
 
 class _SamplingRequest(_Body):
@@ -397,20 +409,26 @@ class _SamplingRequest(_Body):
 
     def guided_schema(self) -> dict[str, Any] | str | None:
         """The JSON schema that constrains the output, if any: ``guided_json``, else
-        ``response_format``'s (json_object: any JSON object).
+        ``response_format``'s (json_object: any JSON object, or llama-server's ``schema`` beside
+        it).
 
         Raises:
-            ValueError: naming response_format, for type json_schema without a schema or a
-                response_format together with another output constraint.
+            ValueError: naming response_format, for type json_schema without a schema, a
+                ``schema`` beside a type other than json_object, or a response_format together
+                with another output constraint.
         """
         if self.response_format is not None and self.response_format.type != "text":
             other = next((name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None), None)
             if other is not None:
                 raise ValueError(f"response_format cannot be combined with {other}: send one output constraint")
+        if self.response_format is not None and self.response_format.schema_ is not None and (
+                self.response_format.type != "json_object"):
+            raise ValueError(f"response_format.schema is read with type json_object (llama-server's form), not "
+                             f"{self.response_format.type}: send json_schema.schema for type json_schema")
         if self.guided_json is not None or self.response_format is None:
             return self.guided_json
         if self.response_format.type == "json_object":
-            return {"type": "object"}
+            return {"type": "object"} if self.response_format.schema_ is None else self.response_format.schema_
         if self.response_format.type == "json_schema":
             spec = self.response_format.json_schema
             if spec is None or spec.schema_ is None:

@@ -307,6 +307,22 @@ def _too_large(max_bytes: int) -> JSONResponse:
                           headers={"Connection": "close"})
 
 
+# llama-server's paths of an endpoint kvflow serves under another path
+_OTHER_SERVERS_PATHS = {
+    "/completion": "/v1/completions", "/completions": "/v1/completions", "/chat/completions": "/v1/chat/completions",
+    "/embedding": "/v1/embeddings", "/embeddings": "/v1/embeddings", "/models": "/v1/models",
+}
+
+
+def _no_route_message(method: str, path: str) -> str:
+    """The 404 message of a path no route serves: the method and path (Starlette's said "Not
+    Found"), and the path kvflow serves it under where another server's path is known."""
+    shown = path if len(path) <= 100 else path[:97] + "..."
+    message = f"{method} {shown} is not an endpoint of kvflow"
+    alt = _OTHER_SERVERS_PATHS.get(path.rstrip("/") or "/")
+    return f"{message}: send it to {alt}" if alt else f"{message} (the API paths are listed at /docs)"
+
+
 class _TrailingSlashMiddleware:
     """``/v1/completions/`` is ``/v1/completions`` (and so for every API path), as in
     OpenAI's and vLLM's servers; Starlette would answer 307 to the path without the slash,
@@ -525,10 +541,12 @@ def build_app(
         return error_response(400, message, "BadRequestError", param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException):
+    async def http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 413:
             return _too_large(max_request_bytes)
         err_type = _ERROR_TYPES.get(exc.status_code, "BadRequestError")
+        if exc.status_code == 404 and exc.detail == "Not Found":  # no route: name the path
+            return error_response(404, _no_route_message(request.method, request.url.path), err_type)
         headers = exc.headers
         if exc.status_code == 405 and headers and "Allow" in headers:
             # a GET route takes HEAD too (_HeadMiddleware): the Allow of its 405 says so

@@ -30,7 +30,7 @@ from kvflow.engine.async_engine import (
 )  # fmt: skip
 from kvflow.entrypoints.openai.chat_output import ChatOutputParser, ChatRun
 from kvflow.entrypoints.openai.errors import APIError
-from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from kvflow.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _short
 from kvflow.entrypoints.openai.reasoning import get_reasoning_parser
 from kvflow.entrypoints.openai.tool_parsers import (
     JSONArrayToolParser, NamedFunctionParser, ToolParser, detect_tool_parser, get_tool_parser,
@@ -313,6 +313,26 @@ class OpenAIServing:
         if req.model is not None and req.model not in self.model_names and req.model not in self.lora_modules:
             raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model")
         _refuse_unsupported(req)
+        self._check_reasoning_format(req)
+
+    def _check_reasoning_format(self, req: Any) -> None:
+        """llama-server's ``reasoning_format`` where this server does what it asks: ``"auto"``,
+        ``"none"`` (the reasoning left in the content) without ``--reasoning-parser``,
+        ``"deepseek"`` / ``"deepseek-legacy"`` (split into ``reasoning_content``) with one.
+
+        Raises:
+            APIError: 400 naming ``reasoning_format`` for any other value (it was dropped).
+        """
+        value = (req.model_extra or {}).get("reasoning_format")
+        if value is None or value == "auto" or not isinstance(req, ChatCompletionRequest):
+            return  # (llama-server reads it on chat completions only)
+        splits = self.reasoning_parser_cls is not None
+        if value == "none" and not splits or value in ("deepseek", "deepseek-legacy") and splits:
+            return
+        does = ("splits the reasoning into reasoning_content (--reasoning-parser)" if splits
+                else "leaves the reasoning in the content (no --reasoning-parser)")
+        raise APIError(400, f"reasoning_format {_short(value)} is not supported by kvflow: this server {does}; "
+                            "leave it unset", "BadRequestError", "reasoning_format")
 
     def _max_tokens(self, requested: int | None, prompt_len: int, field: str) -> int:
         """``requested``, checked against the context; for an unset one, what is left of the

@@ -55,10 +55,14 @@ class EmbeddingRequest(_Body):
     # the server pools as its --pooling says, so a request's own is refused, not dropped
     pooling: Any = None
     pooling_type: Any = None
+    # llama-server's normalization (-1 none, 0 max-abs, 1 taxicab, 2 Euclidean, > 2 p-norm): only
+    # its default, the L2 normalization kvflow does
+    embd_normalize: Any = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         "embed_dtype": ("float32",), "endianness": ("little", "native"),
         "messages": (), "padding": ("do_not_pad",), "truncation_side": (), "pooling": (), "pooling_type": (),
+        "embd_normalize": (2,),
     }  # fmt: skip
 
 

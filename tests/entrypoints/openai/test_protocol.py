@@ -197,6 +197,38 @@ def test_their_neutral_values_and_bookkeeping_fields_pass(body):
     assert ChatCompletionRequest.model_validate({"messages": MSG, **body}).unsupported_field() is None
 
 
+LLAMA_CPP_FIELDS = [
+    ({"return_tokens": True}, "return_tokens"), ({"samplers": ["top_k", "temperature"]}, "samplers"),
+    ({"samplers": "kt"}, "samplers"), ({"t_max_predict_ms": 10}, "t_max_predict_ms"),
+    ({"t_max_prompt_ms": 10}, "t_max_prompt_ms"), ({"timings_per_token": True}, "timings_per_token"),
+    ({"post_sampling_probs": True}, "post_sampling_probs"), ({"return_progress": True}, "return_progress"),
+    ({"response_fields": ["content"]}, "response_fields"), ({"n_indent": 4}, "n_indent"),
+    ({"min_keep": 5}, "min_keep"), ({"repeat_last_n": 64}, "repeat_last_n"),
+    ({"lora": [{"id": 0, "scale": 0.5}]}, "lora"), ({"image_data": [{"data": "eA==", "id": 1}]}, "image_data"),
+    ({"multimodal_data": ["eA=="]}, "multimodal_data"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("cls,base", [(CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": MSG})])
+@pytest.mark.parametrize("body,field", LLAMA_CPP_FIELDS)
+def test_llama_servers_fields_that_change_the_answer_are_refused(cls, base, body, field):
+    """llama-server's request fields that change the output (``samplers``, ``t_max_predict_ms``,
+    ``lora``...) or the answer's shape (``return_tokens``, ``timings_per_token``...) were
+    logged as unknown and dropped: a client got a 200 without what it asked for."""
+    name, message = cls.model_validate({**base, **body}).unsupported_field()
+    assert name == field and "not supported" in message
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"return_tokens": False}, {"timings_per_token": False}, {"post_sampling_probs": False}, {"t_max_predict_ms": -1},
+     {"min_keep": 0}, {"n_indent": 0}, {"lora": []}, {"image_data": []}, {"response_fields": []},
+     {"cache_prompt": True}, {"id_slot": 0}, {"n_keep": 4}, {"dry_base": 1.75}, {"mirostat_tau": 5.0}],
+)  # fmt: skip
+def test_llama_servers_neutral_values_and_bookkeeping_fields_pass(body):
+    assert CompletionRequest.model_validate({"prompt": "x", **body}).unsupported_field() is None
+
+
 def test_return_token_ids_is_refused_on_completions_too():
     """vLLM's ``return_token_ids`` (``prompt_token_ids`` / ``token_ids`` in its answer, which
     RL trainers read) was logged as unknown and dropped: the answer came without them."""
@@ -225,6 +257,22 @@ def test_completions_take_response_format_like_chat():
     assert req.sampling_params(4, None).guided_json == schema
     assert CompletionRequest.model_validate({"prompt": "x", "response_format": {"type": "text"}}).sampling_params(
         4, None).guided_json is None
+
+
+@pytest.mark.parametrize("cls,base", [(CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": MSG})])
+def test_llama_servers_json_object_schema_constrains_the_output(cls, base):
+    """llama-server's ``{"type": "json_object", "schema": {...}}``: the schema was dropped
+    (``response_format`` keeps unknown keys) and the output held any JSON object."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    req = cls.model_validate({**base, "response_format": {"type": "json_object", "schema": schema}})
+    assert req.sampling_params(4, None).guided_json == schema
+    for kind in ("text", "json_schema"):
+        fmt = {"type": kind, "schema": schema, **({"json_schema": {"name": "x", "schema": schema}} if kind != "text"
+                                                  else {})}
+        with pytest.raises(ValueError, match=r"^response_format\.schema .*json_object"):
+            cls.model_validate({**base, "response_format": fmt}).sampling_params(4, None)
+    with pytest.raises(ValidationError, match="schema"):
+        cls.model_validate({**base, "response_format": {"type": "json_object", "schema": "{}"}})
 
 
 @pytest.mark.parametrize("body,field", [({"n": 2}, "n"), ({"seed": 3}, "seed"), ({"stop": ["x"]}, "stop")])

@@ -331,6 +331,41 @@ def test_the_allow_of_a_get_routes_405_lists_head(http):
     assert http.put(C, json={}).headers["allow"] == "POST"  # a POST route takes no HEAD
 
 
+def test_a_path_no_route_serves_is_a_404_naming_it(http):
+    """llama-server's paths (``/completion``, ``/props``, ``/slots``) were answered 404 "Not
+    Found", which names neither the path nor where kvflow serves the endpoint."""
+    cases = [("post", "/completion", "/v1/completions"), ("post", "/chat/completions", "/v1/chat/completions"),
+             ("post", "/embedding", "/v1/embeddings"), ("get", "/props", None), ("get", "/slots", None),
+             ("get", "/v1/no/such/path", None)]
+    for method, path, alt in cases:
+        err = _assert_error(getattr(http, method)(path, **({"json": {"prompt": "x"}} if method == "post" else {})),
+                            404)
+        assert f"{method.upper()} {path} is not an endpoint of kvflow" in err["message"], err
+        assert (alt in err["message"]) if alt else "/docs" in err["message"], err
+    err = _assert_error(http.get("/x" * 500), 404)
+    assert len(err["message"]) < 200, err
+
+
+def test_llama_servers_reasoning_format_is_served_or_refused_by_name(http):
+    """llama-server's ``reasoning_format`` was dropped: ``"deepseek"`` (split the reasoning out)
+    on a server without ``--reasoning-parser`` left it in the content."""
+    body = {"messages": MSG, "max_tokens": 1}
+    for value in ("auto", "none"):
+        assert http.post(CH, json={**body, "reasoning_format": value}).status_code == 200
+    for value in ("deepseek", "deepseek-legacy", "bogus"):
+        err = _assert_error(http.post(CH, json={**body, "reasoning_format": value}), 400, "reasoning_format")
+        assert "no --reasoning-parser" in err["message"], err
+    assert http.post(C, json={"prompt": "x", "max_tokens": 1, "reasoning_format": "deepseek"}).status_code == 200
+    split = TinyServer(reasoning_parser="deepseek_r1")
+    try:
+        with httpx.Client(base_url=split.url, timeout=60) as c:
+            assert c.post(CH, json={**body, "reasoning_format": "deepseek"}).status_code == 200
+            err = _assert_error(c.post(CH, json={**body, "reasoning_format": "none"}), 400, "reasoning_format")
+            assert "splits the reasoning" in err["message"], err
+    finally:
+        split.stop()
+
+
 def test_a_trailing_slash_is_the_same_path(http):
     """``/v1/completions/`` answered 307 (a redirect a POST client does not follow)."""
     for path, body in ((C + "/", {"prompt": "Hello", "max_tokens": 2}), (CH + "/", {"messages": MSG, "max_tokens": 2}),

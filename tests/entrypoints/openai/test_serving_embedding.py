@@ -149,6 +149,9 @@ def test_base64_is_the_little_endian_float32_bytes():
     # the offline API's per-request pooling: the server's is --pooling (it was dropped, last-token vectors)
     ({"input": "x", "pooling": "mean"}, "pooling"),
     ({"input": "x", "pooling_type": "MEAN"}, "pooling_type"),
+    # llama-server's normalization other than its default (Euclidean): it was dropped, L2 vectors came back
+    ({"input": "x", "embd_normalize": -1}, "embd_normalize"),
+    ({"input": "x", "embd_normalize": 1}, "embd_normalize"),
     ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"input": "x", "truncate_prompt_tokens": 257}, "truncate_prompt_tokens"),  # past max_model_len (256)
     ({"input": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
@@ -179,6 +182,8 @@ def test_truncate_prompt_tokens_embeds_the_inputs_last_tokens(http):
 def test_unknown_model_is_404_and_dimensions_of_the_hidden_size_pass(http):
     _assert_error(http.post(E, json={"input": "x", "model": "other"}), 404, "model")
     assert len(_embed(http, input="x", dimensions=HIDDEN)["data"][0]["embedding"]) == HIDDEN
+    assert _embed(http, input="x", embd_normalize=2)["data"][0]["embedding"] == _embed(http, input="x")["data"][0][
+        "embedding"]  # llama-server's default normalization is kvflow's
 
 
 def test_the_number_of_inputs_is_bounded(server, http):

@@ -64,6 +64,16 @@ def test_a_prompt_takes_the_messages_forms_fields_at_their_neutral_values(http):
     assert _ok(http.post("/tokenize", json=body))["tokens"] == tok.encode("Hi")
 
 
+@pytest.mark.parametrize("field,value", [("with_pieces", True), ("add_special", False), ("parse_special", False)])
+def test_llama_servers_tokenize_fields_are_refused_by_name(http, field, value):
+    """llama-server's ``/tokenize`` fields were dropped: ``with_pieces`` answered without
+    pieces, ``parse_special: false`` still read ``<|im_start|>`` as one special token."""
+    r = http.post("/tokenize", json={"prompt": "Hi", field: value})
+    _assert_error(r, 400, field)
+    assert field in r.json()["error"]["message"]
+    assert _ok(http.post("/tokenize", json={"prompt": "Hi", "with_pieces": False, "parse_special": True}))["tokens"]
+
+
 def test_tokenize_messages_counts_what_chat_completions_sends(http):
     out = _ok(http.post("/tokenize", json={"messages": MSG}))
     chat = _ok(http.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 1}))
