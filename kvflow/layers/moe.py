@@ -100,6 +100,33 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def experts_through_linears(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, hidden_size: int,
+                            w13: list, w2: list) -> torch.Tensor:
+    """The routed experts' weighted sum with each expert's two matrices as linears
+    (``LinearBase`` with a quantized method: weight-only schemes, GGUF blocks): the (token,
+    expert) pairs grouped by expert (``group_by_expert``), each expert with tokens run once
+    over all of its rows, gate/up -> ``swiglu`` -> down.
+
+    Args:
+        x: [T, hidden_size]; topk_weights float32 [T, top_k]; topk_ids int64 [T, top_k].
+        w13: one linear per expert, [2 I, hidden_size] (gate rows, then up).
+        w2: one linear per expert, [hidden_size, I].
+
+    Returns:
+        [T, hidden_size] in x's dtype.
+    """
+    order, tokens, counts = group_by_expert(topk_ids, len(w13))
+    xs = x.index_select(0, tokens)
+    h = torch.empty(xs.shape[0], hidden_size, dtype=x.dtype, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = xs[start : start + n]
+            h[start : start + n] = w2[e].quant_method.apply(w2[e], swiglu(w13[e].quant_method.apply(w13[e], rows)))
+            start += n
+    return combine_pairs(h, order, topk_weights).to(x.dtype)
+
+
 def combine_pairs(h: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """The routed outputs summed per token: h [T * k, H] holds the (token, expert) pairs'
     outputs in ``order`` (sorted by expert, ``group_by_expert``); returns float32 [T, H] =

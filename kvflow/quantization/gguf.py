@@ -195,8 +195,8 @@ class GGUFMoEMethod(FusedMoEMethodBase):
     keeps two GGUF linears (``GGUFLinearMethod``): gate/up [2 I, hidden] (gate rows, then up;
     one packed matrix when both have one type) and down [hidden, I]. ``apply`` groups the
     (token, expert) pairs by expert (``group_by_expert``) and runs each expert with tokens
-    through its two linears with its rows at once, as ``ExpertLinearsMoEMethod`` does for the
-    weight-only schemes. Under tensor parallelism each rank keeps its rows of gate/up and its
+    through its two linears with its rows at once (``kvflow.layers.moe.experts_through_linears``,
+    as for the weight-only schemes). Under tensor parallelism each rank keeps its rows of gate/up and its
     columns of down (whole blocks, else a ``ValueError`` naming the sizes). The layer's
     ``w13_weight`` / ``w2_weight`` are empty placeholders that name the checkpoint parts.
     """
@@ -242,19 +242,10 @@ class GGUFMoEMethod(FusedMoEMethodBase):
                 linear.quant_method.process_weights_after_loading(linear)
 
     def apply(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
-        from kvflow.layers.moe import combine_pairs, group_by_expert, swiglu
+        from kvflow.layers.moe import experts_through_linears
 
-        w13, w2 = layer.gguf_experts["w13"], layer.gguf_experts["w2"]
-        order, tokens, counts = group_by_expert(topk_ids, layer.num_experts)
-        xs = x.index_select(0, tokens)
-        h = torch.empty(xs.shape[0], layer.hidden_size, dtype=x.dtype, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = xs[start:start + n]
-                h[start:start + n] = w2[e].quant_method.apply(w2[e], swiglu(w13[e].quant_method.apply(w13[e], rows)))
-                start += n
-        return combine_pairs(h, order, topk_weights).to(x.dtype)
+        return experts_through_linears(x, topk_weights, topk_ids, layer.hidden_size, layer.gguf_experts["w13"],
+                                       layer.gguf_experts["w2"])
 
     def dense_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(torch.stack([linear.dense_weight() for linear in layer.gguf_experts[which]])

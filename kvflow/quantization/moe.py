@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kvflow.layers.linear import LinearBase
-from kvflow.layers.moe import UnquantizedFusedMoEMethod, combine_pairs, group_by_expert, swiglu
+from kvflow.layers.moe import UnquantizedFusedMoEMethod, experts_through_linears
 from kvflow.quantization.base import FusedMoEMethodBase, QuantizationConfig
 
 #: The two stacked matrices of each expert: gate/up [2 I, H] and down [H, I].
@@ -88,17 +88,8 @@ class ExpertLinearsMoEMethod(FusedMoEMethodBase):
         return entry[1]
 
     def apply(self, layer, x, topk_weights, topk_ids) -> torch.Tensor:
-        w13, w2 = self._experts(layer, "w13"), self._experts(layer, "w2")
-        order, tokens, counts = group_by_expert(topk_ids, layer.num_experts)
-        xs = x.index_select(0, tokens)
-        h = torch.empty(xs.shape[0], layer.hidden_size, dtype=x.dtype, device=x.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = xs[start : start + n]
-                h[start : start + n] = w2[e].quant_method.apply(w2[e], swiglu(w13[e].quant_method.apply(w13[e], rows)))
-                start += n
-        return combine_pairs(h, order, topk_weights).to(x.dtype)
+        return experts_through_linears(x, topk_weights, topk_ids, layer.hidden_size, self._experts(layer, "w13"),
+                                       self._experts(layer, "w2"))
 
     def dense_weights(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(torch.stack([ex.dense_weight() for ex in self._experts(layer, which)]) for which in _MATRICES)
