@@ -444,24 +444,10 @@ def _llama_gguf_tensors(hf: transformers.LlamaForCausalLM) -> dict[str, np.ndarr
 def _write_llama3_gguf(path, hf, rope_freqs: np.ndarray) -> None:
     """``hf`` as llama.cpp's converter writes a Llama 3.1+ checkpoint: its "llama3" RoPE
     scaling as the tensor ``rope_freqs.weight``, no ``rope.scaling.*`` keys."""
-    import gguf
+    from model.test_resolve import add_llama_hparams, write_gguf
 
-    from model.test_resolve import write_gguf
-
-    c = hf.config
-
-    def configure(w: gguf.GGUFWriter) -> None:
-        w.add_context_length(c.max_position_embeddings)
-        w.add_embedding_length(c.hidden_size)
-        w.add_feed_forward_length(c.intermediate_size)
-        w.add_block_count(c.num_hidden_layers)
-        w.add_head_count(c.num_attention_heads)
-        w.add_head_count_kv(c.num_key_value_heads)
-        w.add_layer_norm_rms_eps(c.rms_norm_eps)
-        w.add_rope_dimension_count(c.head_dim)
-        w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-
-    write_gguf(path, "llama", {**_llama_gguf_tensors(hf), "rope_freqs.weight": rope_freqs}, configure)
+    write_gguf(path, "llama", {**_llama_gguf_tensors(hf), "rope_freqs.weight": rope_freqs},
+               lambda w: add_llama_hparams(w, hf.config))
 
 
 LLAMA3_ROPE = {

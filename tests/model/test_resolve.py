@@ -682,6 +682,20 @@ def _hf_moe(arch: str, tmp_path: Path):
     return save_random_hf(transformers.MixtralForCausalLM, config, tmp_path / "hf")
 
 
+def add_llama_hparams(writer: gguf.GGUFWriter, cfg: transformers.PretrainedConfig) -> None:
+    """The Llama-shaped hyperparameters of the transformers config ``cfg`` as llama.cpp's
+    converter writes them (``{arch}.block_count``, ``context_length``, ... ``rope.freq_base``)."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
 def write_moe_gguf(path: Path, arch: str, hf_dir: Path,
                    expert_qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> dict[str, torch.Tensor]:
     """Write the weights of the HF folder ``hf_dir`` as llama.cpp writes a Qwen3-MoE
@@ -695,17 +709,9 @@ def write_moe_gguf(path: Path, arch: str, hf_dir: Path,
     sd = dict(resolve.iter_weights(hf_dir))
     writer = gguf.GGUFWriter(str(path), arch)
     assert _tiny_tokenizer(writer) == cfg.vocab_size
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    add_llama_hparams(writer, cfg)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_rope_dimension_count(cfg.head_dim)
-    writer.add_rope_freq_base(500000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
     writer.add_expert_count(4)
     writer.add_expert_used_count(2)
     block, projections = ("mlp", ("gate_proj", "up_proj", "down_proj")) if arch == "qwen3moe" else \
