@@ -13,6 +13,8 @@ the layers keep it:
   output (the C++ kernel: activations quantized per block to int8, integer dot products on
   the rows repacked 16 at a time, ``GGUFWeight.pack``, which then replace the stored rows;
   PyTorch's dequantize + matmul where the kernel is not built);
+- the experts of a mixture-of-experts layer (``GGUFMoEMethod``): each expert's rows of the
+  stacked ``ffn_*_exps`` tensors as two GGUF linears (gate/up, down);
 - the token embedding (rows dequantized at lookup) and the LM head (tied: the embedding's
   blocks; else ``output.weight``) in ``kvflow.layers.embed_head``; the loader packs the
   head's blocks when the kernel is built (``pack_lm_head``), in row chunks whose mapped
