@@ -122,7 +122,8 @@ def render_chat_text(
         tools: tool (function) schemas, given to the template as transformers does.
 
     Raises:
-        ValueError: without a tokenizer; for ``add_generation_prompt`` or
+        ValueError: without a tokenizer, or without a chat template (none given and the
+            tokenizer has none); for ``add_generation_prompt`` or
             ``continue_final_message`` not a bool, or both true; ``chat_template_kwargs`` not a
             dict; for a ``chat_template_kwargs`` key that is one of
             apply_chat_template's own parameters; when the template fails on the messages
@@ -142,6 +143,11 @@ def render_chat_text(
     reserved = sorted(_RESERVED_KWARGS & set(kwargs))
     if reserved:
         raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)} (an argument of its own)")
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        # (transformers' own message names its API, not what the user can do here)
+        raise ValueError("messages: this model has no chat template (its tokenizer files or GGUF metadata carry "
+                         "none); give one with --chat-template FILE (kvflow serve) or chat_template= (LLM.chat), "
+                         "or send a prompt to the completions API")
     try:
         text = tokenizer.apply_chat_template(
             conversation, tools=tools, chat_template=chat_template, add_generation_prompt=add_generation_prompt,

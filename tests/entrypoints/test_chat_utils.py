@@ -104,6 +104,8 @@ def test_template_switches_and_kwargs_of_the_wrong_type_are_refused_by_name(kwar
     calls = []
 
     class Tokenizer:
+        chat_template = "{{ messages }}"
+
         def apply_chat_template(self, conversation, **kw):
             calls.append(kw)
             return "rendered"
@@ -113,3 +115,23 @@ def test_template_switches_and_kwargs_of_the_wrong_type_are_refused_by_name(kwar
         render_chat_text(Tokenizer(), conversation, **kwargs)
     assert calls == []
     assert render_chat_text(Tokenizer(), conversation, add_generation_prompt=False, chat_template_kwargs={"x": 1}) == "rendered"
+
+
+def test_a_model_without_a_chat_template_says_how_to_give_one():
+    """A tokenizer with no chat template (a GGUF whose metadata has none) gave transformers'
+    message, which names its own API; the ValueError names the messages, the server's
+    --chat-template and LLM.chat's chat_template= (a given template renders)."""
+    from kvflow.entrypoints.chat_utils import render_chat_text
+
+    class Tokenizer:
+        chat_template = None
+
+        def apply_chat_template(self, conversation, chat_template=None, **kw):
+            if chat_template is None:
+                raise ValueError("Cannot use chat template functions because tokenizer.chat_template is not set")
+            return "rendered"
+
+    conversation = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"^messages: this model has no chat template.*--chat-template FILE"):
+        render_chat_text(Tokenizer(), conversation)
+    assert render_chat_text(Tokenizer(), conversation, chat_template="{{ messages }}") == "rendered"
