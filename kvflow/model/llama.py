@@ -32,7 +32,7 @@ from kvflow.layers.attention import Attention
 from kvflow.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from kvflow.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
+from kvflow.layers.rotary import RotaryEmbedding, _default_inv_freq, apply_rotary
 from kvflow.lora.punica import LoRAMapping
 from kvflow.model.arch import ArchSpec, GGUFMetadata, float32_value
 from kvflow.model.base import CausalLM
@@ -213,7 +213,7 @@ def llama_gguf_fields(meta: GGUFMetadata, fields: dict[str, Any]) -> dict[str, A
         raise ValueError(f"{meta.source}: rope_freqs.weight must hold {rotary_dim // 2} finite positive "
                          f"numbers (rotary_dim / 2), got {freqs.numel()} ({freqs[:4].tolist()} ...)")
     theta = rope["rope_theta"]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    inv_freq = _default_inv_freq(rotary_dim, theta)
     factor = float32_value(float(freqs.max()))
     low, high, original = _LLAMA3_ROPE_DEFAULTS
     if factor > 1 and torch.allclose(llama3_rope_freqs(inv_freq, factor, low, high, original), freqs,
