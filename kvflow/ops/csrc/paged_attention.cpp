@@ -50,15 +50,18 @@ static inline float to_f(T x) { return static_cast<float>(x); }
 // next block's rows of a head while the value pass reads the current block).
 // Every prefetch of a cache block here asks for L2, not L1 (locality 2: prefetcht1): a block's
 // 96 lines requested into L1 at once wait on L1's few miss buffers and hold up the demand
-// loads behind them; into L2 they stream. Nor are a block's rows requested in one burst: the
-// prefetch instructions themselves then stall on the miss buffers (perf: 15 % of the decode
-// kernel's samples on two prefetcht1), so the next block's rows are requested a slice at a
-// time between the current block's products (one row per token in the value pass, a third of
-// the block before each KV head's scores). Measured on Zen 4, one thread, 32 x 160-560 tokens
-// of SmolLM2's shape, 30 layers' pools on huge pages: 8.3-9.0 -> 10.7-11.0 GB/s (1.25x);
-// prefetching two blocks ahead measured the same, every second or fourth line slower. Measured on Zen 4, 2 threads, 32 sequences x 1,024
+// loads behind them; into L2 they stream. Measured on Zen 4, 2 threads, 32 sequences x 1,024
 // tokens of SmolLM2's shape from a scattered pool: 67-79 -> 52-55 ms a step (bf16, AVX-512;
 // 1.25-1.4x under the AVX2 build, float32 1.2x, one sequence of 2,000 tokens 1.65x).
+// Nor are a block's rows requested in one burst: the prefetch instructions themselves then
+// stall on the miss buffers (perf: 15 % of the decode kernel's samples on two prefetcht1), so
+// the next block's rows are requested a slice at a time between the current block's products
+// (one row per token in the value pass, a third of the block before each KV head's scores).
+// Measured on Zen 4, one thread's CPU time, 32 x 160-560 tokens of SmolLM2's shape, 30 layers'
+// pools on huge pages: 8.3-9.0 -> 10.4-11.0 GB/s (1.21-1.27x; the AVX2 build 1.10-1.13x, two
+// threads 15 -> 17.6 GB/s). Prefetching two blocks ahead measured the same, every second or
+// fourth line only slower, and the value rows prefetched during the score pass no better:
+// at ~11 GB/s a core the software prefetches fill its miss buffers.
 template <typename T>
 static inline void prefetch_rows(const T* p, int64_t rows, int64_t stride, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
