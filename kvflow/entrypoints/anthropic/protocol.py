@@ -47,6 +47,15 @@ class AnthropicTool(_Body):
                              "(a name and an input_schema)")
         return data
 
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        """A schema of type ``object`` (Anthropic's rule: a tool's input is an object; a
+        forced call of another type could never be read as a ``tool_use``)."""
+        if schema.get("type", "object") != "object":
+            raise ValueError(f"input_schema must be a JSON schema of type 'object', got type {schema['type']!r}")
+        return schema
+
 
 class AnthropicToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
