@@ -8,7 +8,8 @@ logged once); fields kvflow does not implement are refused by name (``UNSUPPORTE
 The mapping to a chat request (``to_chat_fields``): ``system`` is the system message; a
 user message's ``text`` blocks are its content and each ``tool_result`` block a tool message
 (``tool_call_id`` = ``tool_use_id``, which must be the id of a ``tool_use`` block of the
-previous message, as Anthropic requires; an ``is_error`` result's text is prefixed ``Error: ``);
+previous message, as Anthropic requires, and come before any ``text`` block of the message,
+likewise; an ``is_error`` result's text is prefixed ``Error: ``);
 an assistant message's ``text`` blocks are its content and its ``tool_use`` blocks its tool
 calls; ``thinking`` blocks of earlier turns are not rendered (the chat templates of thinking
 models leave earlier reasoning out of the prompt). A last assistant message (Anthropic's
@@ -180,7 +181,8 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
 
     Raises:
         ValueError: naming the block, for a block kvflow does not read, an empty ``text``
-            block, a message with empty content, or a ``tool_result`` whose ``tool_use_id``
+            block, a message with empty content, a ``tool_result`` after a ``text`` block, a
+            ``tool_result`` whose ``tool_use_id``
             is not the id of a ``tool_use`` block of the previous message, or a ``tool_use``
             that the next message does not answer with a ``tool_result`` (Anthropic's 400s).
     """
@@ -215,9 +217,9 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
                     raise ValueError(f"{where}: unexpected tool_use_id found in tool_result blocks: "
                                      f"{block['tool_use_id']!r}. Each tool_result block must have a corresponding "
                                      "tool_use block in the previous message.")
-                if texts:  # text before the result: its own user message, in order
-                    out.append({"role": "user", "content": "\n".join(texts)})
-                    texts = []
+                if texts:  # (Anthropic's rule: the results answer the calls right away; text comes after)
+                    raise ValueError(f"{where}: tool_result blocks must come first in the content of a user "
+                                     "message, before any text block (text goes after all the tool results)")
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": _tool_result_text(block, where)})
             elif kind == "tool_use" and message.role == "assistant":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):

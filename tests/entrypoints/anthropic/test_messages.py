@@ -315,6 +315,27 @@ def test_a_tool_use_without_its_tool_result_is_400_naming_the_id(served, next_me
         "error"]["message"], body
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("content, where", [
+    ([{"type": "text", "text": "Here:"}, _result("toolu_1")["content"][0]], "messages[2].content[1]"),
+    ([_result("toolu_1")["content"][0], {"type": "text", "text": "and"},
+      {"type": "tool_result", "tool_use_id": "toolu_2", "content": "21 C"}], "messages[2].content[2]"),
+], ids=["text-first", "text-between"])  # fmt: skip
+def test_a_tool_result_after_a_text_block_is_400_naming_the_block(served, content, where, path):
+    """Anthropic wants a user message's tool_result blocks before its text. Text before a
+    tool_result was a 400 in chat's words naming chat's message, one further on with a system
+    prompt ("messages[2]: an assistant message with 'tool_calls' must be followed by tool
+    messages ..." for Anthropic's messages[1]); it names the block."""
+    use = {"role": "assistant", "content": [*_USE["content"], {**_USE["content"][0], "id": "toolu_2"}]}
+    messages = [*MSG, use, {"role": "user", "content": content}]
+    r = httpx.post(served[0].url + path, json={"model": "tiny", "max_tokens": 5, "system": "Be brief.",
+                                               "messages": messages}, headers={"x-api-key": API_KEY})  # fmt: skip
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    assert body["error"]["message"].startswith(f"{where}: tool_result blocks must come first"), body
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", None])
 def test_a_body_not_sent_as_json_is_an_anthropic_shaped_400(served, content_type):
     """As on the OpenAI paths (tests/entrypoints/openai/test_server_tiny.py), in Anthropic's shape."""
