@@ -120,10 +120,13 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         ValueError: naming the item, for an item or part kvflow does not read, an empty
             ``input``, a user, system or developer message without text, or a
             ``function_call_output`` whose ``call_id`` is that of no earlier
-            ``function_call`` item (as OpenAI refuses it).
+            ``function_call`` item (as OpenAI refuses it), or a ``function_call`` item
+            whose output does not come before the next message item (an assistant message
+            right after the turn's calls is that turn's text: it joins their message).
     """
     messages: list[dict[str, Any]] = []
     call_ids: set[str] = set()  # those of the function_call items so far
+    unanswered: dict[str, int] = {}  # call_id -> index of a function_call item no output has answered yet
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     if not req.input:  # (an empty user turn: nothing for the model to answer)
@@ -142,12 +145,24 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             text = _text_parts(item.get("content"), f"{where}.content", allowed)
             if not text and role != "assistant":  # (an assistant turn of earlier output may be empty)
                 raise ValueError(f"{where}.content must not be empty (a {role} message needs text)")
+            last = messages[-1] if messages else None
+            if unanswered and role == "assistant" and last is not None and last.get("tool_calls"):
+                # text the model wrote after its calls (a streamed turn's items: function_call,
+                # then message): the same turn, one assistant message with the calls, as above
+                last["content"] = "\n".join(t for t in (last["content"], text) if t) or None
+                continue
+            if unanswered:  # (the chat request's tool messages follow the calls' assistant message)
+                call_id, at = next(iter(unanswered.items()))
+                raise ValueError(f"input[{at}]: no function_call_output item answers this function_call (call_id "
+                                 f"{_short(call_id)}) before the next message item, {where}: each call's output "
+                                 "comes after the call and before the next message")
             messages.append({"role": role, "content": text})
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise ValueError(f"{where}.{key} must be a string (a function_call item)")
             call_ids.add(item["call_id"])
+            unanswered[item["call_id"]] = i
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
             last = messages[-1] if messages else None
@@ -165,6 +180,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             if item["call_id"] not in call_ids:
                 raise ValueError(f"{where}.call_id: no function_call item before it has call_id "
                                  f"{_short(item['call_id'])} (a function_call_output answers an earlier call)")
+            unanswered.pop(item["call_id"], None)
             output = item.get("output")
             if not isinstance(output, str):
                 output = _text_parts(output, f"{where}.output", ("input_text",))
