@@ -161,6 +161,10 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise ValueError(f"{where}.{key} must be a string (a function_call item)")
+            try:  # (else chat's 400 named its own message: "input.1.tool_calls.0.function.arguments")
+                json.loads(item["arguments"])
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}.arguments is not valid JSON: {exc}") from None
             call_ids.add(item["call_id"])
             unanswered[item["call_id"]] = i
             call = {"id": item.get("call_id"), "type": "function",
@@ -201,6 +205,10 @@ def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
         if tool.get("type") != "function":
             raise ValueError(f"tools[{i}].type {tool.get('type')!r} is not supported by kvflow (function tools only: "
                              "no built-in tools on this server)")
+        if not isinstance(tool.get("name"), str):  # (else chat's 400 named "tools.0.function.name")
+            raise ValueError(f"tools[{i}].name must be a string (a function tool's name)")
+        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+            raise ValueError(f"tools[{i}].parameters must be an object (a JSON schema)")
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         tools.append({"type": "function", "function": function})
     return tools
@@ -210,7 +218,10 @@ def _tool_choice(choice: Any) -> Any:
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):  # (else chat's 400 listed its string choices)
+            raise ValueError("tool_choice.name must be a string (the function's name) for tool_choice of type "
+                             "'function'")
+        return {"type": "function", "function": {"name": choice["name"]}}
     raise ValueError(f"tool_choice of type {choice.get('type')!r} is not supported by kvflow (none, auto, required "
                      "or a function)")
 

@@ -286,6 +286,16 @@ def test_json_schema_text_format(client, script):
                 {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
                 {"type": "message", "role": "assistant", "content": "Done."}]},
      "input", "input[2]: no function_call_output item answers this function_call (call_id 'call_2')"),
+    # the Responses field is named, not chat's ("tool_choice.literal['none','auto','required']: Input
+    # should be ...", "tools.0.function.name: Field required", "input.1.tool_calls.0.function.arguments")
+    ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice",
+     "tool_choice.name must be a string (the function's name)"),
+    ({"tools": [{"type": "function", "parameters": {"type": "object"}}]}, "tools", "tools[0].name must be a string"),
+    ({"tools": [TOOL, {**TOOL, "name": "f", "parameters": "{}"}]}, "tools", "tools[1].parameters must be an object"),
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{oops"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]},
+     "input", "input[1].arguments is not valid JSON"),
     # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
     ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools", "tools holds 2000 tools; at most 128"),
 ])  # fmt: skip
