@@ -490,6 +490,8 @@ class FunctionCall(_Body):
             json.loads(arguments)
         except json.JSONDecodeError as exc:
             raise ValueError(f"arguments is not valid JSON: {exc}") from None
+        except RecursionError:  # (the body's own nesting is bounded; this JSON text is not: it was a 500)
+            raise ValueError("arguments is nested too deeply") from None
         return arguments
 
 

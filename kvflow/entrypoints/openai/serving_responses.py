@@ -165,6 +165,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 json.loads(item["arguments"])
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}.arguments is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError(f"{where}.arguments is nested too deeply") from None
             call_ids.add(item["call_id"])
             unanswered[item["call_id"]] = i
             call = {"id": item.get("call_id"), "type": "function",

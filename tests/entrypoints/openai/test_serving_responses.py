@@ -296,6 +296,11 @@ def test_json_schema_text_format(client, script):
                 {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{oops"},
                 {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]},
      "input", "input[1].arguments is not valid JSON"),
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                 "arguments": "[" * 5000 + "]" * 5000},
+                {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]},
+     "input", "input[1].arguments is nested too deeply"),
     # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
     ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools", "tools holds 2000 tools; at most 128"),
 ])  # fmt: skip

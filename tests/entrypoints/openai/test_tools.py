@@ -115,7 +115,11 @@ def test_assistant_tool_calls_reach_the_template_as_dicts():
      ({"role": "user", "content": "x", "tool_call_id": "c"}, "tool_call_id is for tool messages"),
      ({"role": "user", "content": "x", "tool_calls": []}, "tool_calls is for assistant messages"),
      ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                            "function": {"name": "f", "arguments": "{oops"}}]}, "not valid JSON")],
+                                            "function": {"name": "f", "arguments": "{oops"}}]}, "not valid JSON"),
+     # JSON text nested past Python's recursion limit: a RecursionError, answered 500 (the body's
+     # own nesting is bounded at 64 levels, the JSON text of arguments was not)
+     ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+         "name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}, "arguments is nested too deeply")],
 )  # fmt: skip
 def test_bad_tool_messages(message, match):
     with pytest.raises(ValueError, match=match):
