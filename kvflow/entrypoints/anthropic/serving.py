@@ -47,7 +47,8 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 class AnthropicErrorMiddleware:
     """On ``/v1/messages``, rewrite an error response's OpenAI-shaped body
-    (``{"error": {"message", ...}}``, from any handler or middleware) into Anthropic's shape.
+    (``{"error": {"message", ...}}``, from any handler or middleware) into Anthropic's shape,
+    whose message names the field (``param``, prefixed where the message does not name it).
     Other paths and successful responses pass through untouched."""
 
     def __init__(self, app) -> None:
@@ -74,7 +75,12 @@ class AnthropicErrorMiddleware:
             body = b"".join(chunks)
             try:
                 error = json.loads(body)["error"]
-                body = json.dumps(error_body(start["status"], error["message"]), ensure_ascii=False).encode()
+                message, param = error["message"], error.get("param")
+                if isinstance(param, str) and param and param not in message:
+                    # Anthropic's body has no param: the message names the field (the context-length
+                    # 400 of max_tokens named none)
+                    message = f"{param}: {message}"
+                body = json.dumps(error_body(start["status"], message), ensure_ascii=False).encode()
             except (ValueError, KeyError, TypeError):
                 pass  # not an OpenAI-shaped error body: sent as it is
             headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]

@@ -213,6 +213,8 @@ def test_errors_are_anthropic_shaped(client, served):
     ({"instructions": "Be brief."}, "instructions is not"),
     # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
     ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools holds 2000 tools; at most 128"),
+    # Anthropic's error body has no param: the context-length 400 named no field
+    ({"max_tokens": 10**6}, "max_tokens: This model's maximum context length is 2048 tokens"),
 ])  # fmt: skip
 def test_refused_by_name(served, body, match):
     r = httpx.post(served[0].url + "/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": MSG, **body},

@@ -1559,7 +1559,7 @@ def test_a_prompt_longer_than_the_context_is_400_naming_the_prompt_with_max_toke
         err = _assert_error(http.post(path, json=body), 400, param)
         assert err["message"].startswith("prompt is ") and "max_model_len=256" in err["message"], (path, body, err)
     r = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": long}]})
-    assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt is "), r.text
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages: prompt is "), r.text
 
 
 def test_max_tokens_beyond_the_whole_kv_cache_is_400_naming_the_field_sent():
