@@ -37,12 +37,20 @@ ERROR_TYPES = {
 }  # fmt: skip
 
 
+# field refused (an OpenAI-shaped body's ``param``) -> the ``details`` of Anthropic's error,
+# which its SDK acts on: a ``thread`` (server-held conversation) refused with
+# ``thread_unsupported_request`` makes the tool runner send the whole conversation again
+# without one, where any other 400 ended the run.
+ERROR_DETAILS = {"thread": {"error_code": "thread_unsupported_request"}}
+
+
 def error_type(status: int) -> str:
     return ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": error_type(status), "message": message}}
+def error_body(status: int, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    error = {"type": error_type(status), "message": message}
+    return {"type": "error", "error": {**error, "details": details} if details else error}
 
 
 class AnthropicErrorMiddleware:
@@ -80,7 +88,8 @@ class AnthropicErrorMiddleware:
                     # Anthropic's body has no param: the message names the field (the context-length
                     # 400 of max_tokens named none)
                     message = f"{param}: {message}"
-                body = json.dumps(error_body(start["status"], message), ensure_ascii=False).encode()
+                details = ERROR_DETAILS.get(param) if start["status"] == 400 else None
+                body = json.dumps(error_body(start["status"], message, details), ensure_ascii=False).encode()
             except (ValueError, KeyError, TypeError):
                 pass  # not an OpenAI-shaped error body: sent as it is
             headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]

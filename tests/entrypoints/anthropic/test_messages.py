@@ -338,6 +338,45 @@ def test_a_tool_result_after_a_text_block_is_400_naming_the_block(served, conten
     assert body["error"]["message"].startswith(f"{where}: tool_result blocks must come first"), body
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_sdk_tool_runner_finishes_a_tool_loop(client, script, stream):
+    """The anthropic SDK's tool runner (``client.beta.messages.tool_runner``) sends
+    ``thread: {"type": "create"}`` (a server-held conversation) and goes on without it when the
+    400 says ``details.error_code`` ``thread_unsupported_request``; kvflow's 400 said only
+    "thread is not supported", so the runner raised it and no agent loop ran."""
+    if not hasattr(client.beta.messages, "tool_runner"):
+        pytest.skip("this anthropic SDK has no tool runner")
+    calls = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str, unit: str) -> str:
+        """The current weather in a city.
+
+        Args:
+            city: the city.
+            unit: celsius or fahrenheit.
+        """
+        calls.append(city)
+        script.set("It is 18 C in Paris.")
+        return "18 C"
+
+    script.set(CALL)
+    runner = client.beta.messages.tool_runner(model="tiny", max_tokens=120, tools=[get_weather], messages=MSG,
+                                              stream=stream, max_iterations=3)  # fmt: skip
+    replies = [m.get_final_message() if stream else m for m in runner]
+    assert calls == ["Paris"]
+    assert [r.stop_reason for r in replies] == ["tool_use", "end_turn"], replies
+    assert replies[-1].content[0].text == "It is 18 C in Paris."
+
+
+def test_a_thread_is_refused_with_the_details_the_sdk_reads(served):
+    r = httpx.post(served[0].url + "/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": MSG,
+                                                         "thread": {"type": "create"}}, headers={"x-api-key": API_KEY})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["details"] == {"error_code": "thread_unsupported_request"} and "thread" in error["message"], error
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", None])
 def test_a_body_not_sent_as_json_is_an_anthropic_shaped_400(served, content_type):
     """As on the OpenAI paths (tests/entrypoints/openai/test_server_tiny.py), in Anthropic's shape."""
