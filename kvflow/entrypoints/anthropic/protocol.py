@@ -289,6 +289,12 @@ def to_chat_fields(req: MessagesRequest) -> dict[str, Any]:
     if req.tool_choice is not None and req.tool_choice.type in ("any", "tool") and not req.tools:
         # (Anthropic's own check; chat's message would name its "required")
         raise ValueError(f"tool_choice of type {req.tool_choice.type!r} needs tools: none were given")
+    response_format = _response_format(req)
+    if response_format is not None and req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+        # (chat's message named its own response_format)
+        name = "output_format" if req.output_format is not None else "output_config.format"
+        raise ValueError(f"tool_choice of type {req.tool_choice.type!r} (a forced tool call) cannot be combined with "
+                         f"{name}")
     parallel = None
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         parallel = False
@@ -296,7 +302,7 @@ def to_chat_fields(req: MessagesRequest) -> dict[str, Any]:
         "model": req.model, "messages": _messages(req), "max_tokens": req.max_tokens, "stop": req.stop_sequences,
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "tools": _tools(req),
         "tool_choice": _tool_choice(req.tool_choice), "parallel_tool_calls": parallel,
-        "response_format": _response_format(req),
+        "response_format": response_format,
         # thinking turned off: templates that can (Qwen3's ``enable_thinking``) render no room for it
         "chat_template_kwargs": {"enable_thinking": False} if req.thinking == {"type": "disabled"} else None,
     }  # fmt: skip

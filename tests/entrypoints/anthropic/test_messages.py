@@ -213,6 +213,12 @@ def test_errors_are_anthropic_shaped(client, served):
     ({"instructions": "Be brief."}, "instructions is not"),
     # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
     ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools holds 2000 tools; at most 128"),
+    # a forced call with an output format named chat's fields ("cannot be combined with response_format, ...")
+    ({"tools": [TOOL], "tool_choice": {"type": "any"}, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
+     "tool_choice of type 'any' (a forced tool call) cannot be combined with output_config.format"),
+    ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "get_weather"},
+      "output_format": {"type": "json_schema", "schema": {}}}, "tool_choice of type 'tool' (a forced tool call) "
+                                                                "cannot be combined with output_format"),
     # Anthropic's error body has no param: the context-length 400 named no field
     ({"max_tokens": 10**6}, "max_tokens: This model's maximum context length is 2048 tokens"),
 ])  # fmt: skip
