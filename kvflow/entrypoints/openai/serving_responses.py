@@ -127,6 +127,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     call_ids: set[str] = set()  # those of the function_call items so far
     unanswered: dict[str, int] = {}  # call_id -> index of a function_call item no output has answered yet
+    follows_calls = False  # the items since the last message item: function_call items (and their outputs)
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     if not req.input:  # (an empty user turn: nothing for the model to answer)
@@ -157,6 +158,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                                  f"{_short(call_id)}) before the next message item, {where}: each call's output "
                                  "comes after the call and before the next message")
             messages.append({"role": role, "content": text})
+            follows_calls = False
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
@@ -169,6 +171,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 raise ValueError(f"{where}.arguments is nested too deeply") from None
             call_ids.add(item["call_id"])
             unanswered[item["call_id"]] = i
+            follows_calls = True
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
             last = messages[-1] if messages else None
@@ -186,6 +189,9 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             if item["call_id"] not in call_ids:
                 raise ValueError(f"{where}.call_id: no function_call item before it has call_id "
                                  f"{_short(item['call_id'])} (a function_call_output answers an earlier call)")
+            if not follows_calls:  # (chat's tool message follows its call's assistant message)
+                raise ValueError(f"{where}: a function_call_output item must follow the function_call items of its "
+                                 "turn (or their other outputs); it follows a message item")
             unanswered.pop(item["call_id"], None)
             output = item.get("output")
             if not isinstance(output, str):
@@ -249,10 +255,16 @@ def to_chat_fields(req: ResponsesRequest) -> dict[str, Any]:
         ValueError: naming the field, for an input item, part, tool or tool_choice kvflow
             does not read.
     """
+    response_format = _response_format(req.text)
+    forced = req.tools and req.tool_choice not in (None, "none", "auto")
+    if forced and response_format is not None and response_format.get("type") != "text":
+        # (chat's message named its own response_format)
+        raise ValueError(f"tool_choice (a forced tool call) cannot be combined with text.format of type "
+                         f"{response_format['type']!r}")
     fields: dict[str, Any] = {
         "model": req.model, "messages": _messages(req), "tools": _tools(req), "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls, "max_completion_tokens": req.max_output_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "response_format": _response_format(req.text),
+        "temperature": req.temperature, "top_p": req.top_p, "response_format": response_format,
     }  # fmt: skip
     return {k: v for k, v in fields.items() if v is not None}
 

@@ -301,6 +301,17 @@ def test_json_schema_text_format(client, script):
                  "arguments": "[" * 5000 + "]" * 5000},
                 {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]},
      "input", "input[1].arguments is nested too deeply"),
+    # a forced call with text.format named chat's fields ("cannot be combined with response_format, guided_json, ...")
+    ({"tools": [TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tool_choice",
+     "tool_choice (a forced tool call) cannot be combined with text.format of type 'json_object'"),
+    # an output after a message item answers no call of the turn it follows: chat's 400 came back in chat's
+    # words and index, renamed ("input[4]: a tool input must follow ...")
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+                {"role": "user", "content": "And now?"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "19 C"}]},
+     "input", "input[4]: a function_call_output item must follow the function_call items of its turn"),
     # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
     ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools", "tools holds 2000 tools; at most 128"),
 ])  # fmt: skip
