@@ -202,6 +202,10 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         else:
             raise ValueError(f"{where}.type {kind!r} is not supported by kvflow (message, function_call, "
                              "function_call_output and reasoning items only)")
+    if unanswered and messages[-1]["role"] == "tool":  # some of the last turn's calls answered, not all
+        call_id, at = next(iter(unanswered.items()))
+        raise ValueError(f"input[{at}]: no function_call_output item answers this function_call (call_id "
+                         f"{_short(call_id)}); the outputs of its turn answer the others")
     return messages
 
 
