@@ -163,6 +163,10 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise ValueError(f"{where}.{key} must be a string (a function_call item)")
+            if unanswered and messages[-1]["role"] == "tool":  # a new turn of calls, the last one's not all answered
+                call_id, at = next(iter(unanswered.items()))
+                raise ValueError(f"input[{at}]: no function_call_output item answers this function_call (call_id "
+                                 f"{_short(call_id)}) before the next turn's function_call item, {where}")
             try:  # (else chat's 400 named its own message: "input.1.tool_calls.0.function.arguments")
                 json.loads(item["arguments"])
             except json.JSONDecodeError as exc:

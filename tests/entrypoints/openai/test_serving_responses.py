@@ -317,6 +317,14 @@ def test_json_schema_text_format(client, script):
                 {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "call_2", "output": "18 C"}]},
      "input", "input[1]: no function_call_output item answers this function_call (call_id 'call_1')"),
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_2", "output": "18 C"},
+                {"type": "function_call", "call_id": "call_3", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_3", "output": "19 C"}]},
+     "input", "input[1]: no function_call_output item answers this function_call (call_id 'call_1') before the "
+              "next turn's function_call item, input[4]"),
     # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
     ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools", "tools holds 2000 tools; at most 128"),
 ])  # fmt: skip
