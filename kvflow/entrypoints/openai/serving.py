@@ -736,6 +736,11 @@ class OpenAIServing:
         except APIError as exc:
             if exc.param in ("guided_json", "structural_tag") and req.tools and (
                     req.output_constraint() in (None, "tool_choice")):
+                # the tool whose schema the grammar engine refuses, named (the constraint of
+                # every tool's calls only said where in its own grammar: "at 5(8)")
+                named = await self.engine.run_off_loop(tool_schema_error, req.tools)
+                if named is not None:
+                    raise APIError(400, named, "BadRequestError", "tools") from None
                 raise APIError(400, f"tools: a parameter schema cannot be enforced for tool_choice ({exc.message})",
                                "BadRequestError", "tools") from None
             raise _name_constraint(exc, req) from None
