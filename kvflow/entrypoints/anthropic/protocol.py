@@ -8,7 +8,8 @@ logged once); fields kvflow does not implement are refused by name (``UNSUPPORTE
 The mapping to a chat request (``to_chat_fields``): ``system`` is the system message; a
 user message's ``text`` blocks are its content and each ``tool_result`` block a tool message
 (``tool_call_id`` = ``tool_use_id``, which must be the id of a ``tool_use`` block of the
-previous message, as Anthropic requires; an ``is_error`` result's text is prefixed ``Error: ``);
+previous message, as Anthropic requires, and come before any ``text`` block of the message,
+likewise; an ``is_error`` result's text is prefixed ``Error: ``);
 an assistant message's ``text`` blocks are its content and its ``tool_use`` blocks its tool
 calls; ``thinking`` blocks of earlier turns are not rendered (the chat templates of thinking
 models leave earlier reasoning out of the prompt). A last assistant message (Anthropic's
@@ -46,6 +47,15 @@ class AnthropicTool(_Body):
             raise ValueError(f"server tools (type {kind!r}) are not supported by kvflow: only client tools "
                              "(a name and an input_schema)")
         return data
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        """A schema of type ``object`` (Anthropic's rule: a tool's input is an object; a
+        forced call of another type could never be read as a ``tool_use``)."""
+        if schema.get("type", "object") != "object":
+            raise ValueError(f"input_schema must be a JSON schema of type 'object', got type {schema['type']!r}")
+        return schema
 
 
 class AnthropicToolChoice(_Body):
@@ -171,7 +181,8 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
 
     Raises:
         ValueError: naming the block, for a block kvflow does not read, an empty ``text``
-            block, a message with empty content, or a ``tool_result`` whose ``tool_use_id``
+            block, a message with empty content, a ``tool_result`` after a ``text`` block, a
+            ``tool_result`` whose ``tool_use_id``
             is not the id of a ``tool_use`` block of the previous message, or a ``tool_use``
             that the next message does not answer with a ``tool_result`` (Anthropic's 400s).
     """
@@ -206,9 +217,9 @@ def _messages(req: MessagesRequest) -> list[dict[str, Any]]:
                     raise ValueError(f"{where}: unexpected tool_use_id found in tool_result blocks: "
                                      f"{block['tool_use_id']!r}. Each tool_result block must have a corresponding "
                                      "tool_use block in the previous message.")
-                if texts:  # text before the result: its own user message, in order
-                    out.append({"role": "user", "content": "\n".join(texts)})
-                    texts = []
+                if texts:  # (Anthropic's rule: the results answer the calls right away; text comes after)
+                    raise ValueError(f"{where}: tool_result blocks must come first in the content of a user "
+                                     "message, before any text block (text goes after all the tool results)")
                 out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": _tool_result_text(block, where)})
             elif kind == "tool_use" and message.role == "assistant":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
@@ -278,6 +289,12 @@ def to_chat_fields(req: MessagesRequest) -> dict[str, Any]:
     if req.tool_choice is not None and req.tool_choice.type in ("any", "tool") and not req.tools:
         # (Anthropic's own check; chat's message would name its "required")
         raise ValueError(f"tool_choice of type {req.tool_choice.type!r} needs tools: none were given")
+    response_format = _response_format(req)
+    if response_format is not None and req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+        # (chat's message named its own response_format)
+        name = "output_format" if req.output_format is not None else "output_config.format"
+        raise ValueError(f"tool_choice of type {req.tool_choice.type!r} (a forced tool call) cannot be combined with "
+                         f"{name}")
     parallel = None
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         parallel = False
@@ -285,7 +302,7 @@ def to_chat_fields(req: MessagesRequest) -> dict[str, Any]:
         "model": req.model, "messages": _messages(req), "max_tokens": req.max_tokens, "stop": req.stop_sequences,
         "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "tools": _tools(req),
         "tool_choice": _tool_choice(req.tool_choice), "parallel_tool_calls": parallel,
-        "response_format": _response_format(req),
+        "response_format": response_format,
         # thinking turned off: templates that can (Qwen3's ``enable_thinking``) render no room for it
         "chat_template_kwargs": {"enable_thinking": False} if req.thinking == {"type": "disabled"} else None,
     }  # fmt: skip

@@ -37,17 +37,26 @@ ERROR_TYPES = {
 }  # fmt: skip
 
 
+# field refused (an OpenAI-shaped body's ``param``) -> the ``details`` of Anthropic's error,
+# which its SDK acts on: a ``thread`` (server-held conversation) refused with
+# ``thread_unsupported_request`` makes the tool runner send the whole conversation again
+# without one, where any other 400 ended the run.
+ERROR_DETAILS = {"thread": {"error_code": "thread_unsupported_request"}}
+
+
 def error_type(status: int) -> str:
     return ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": error_type(status), "message": message}}
+def error_body(status: int, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    error = {"type": error_type(status), "message": message}
+    return {"type": "error", "error": {**error, "details": details} if details else error}
 
 
 class AnthropicErrorMiddleware:
     """On ``/v1/messages``, rewrite an error response's OpenAI-shaped body
-    (``{"error": {"message", ...}}``, from any handler or middleware) into Anthropic's shape.
+    (``{"error": {"message", ...}}``, from any handler or middleware) into Anthropic's shape,
+    whose message names the field (``param``, prefixed where the message does not name it).
     Other paths and successful responses pass through untouched."""
 
     def __init__(self, app) -> None:
@@ -74,7 +83,13 @@ class AnthropicErrorMiddleware:
             body = b"".join(chunks)
             try:
                 error = json.loads(body)["error"]
-                body = json.dumps(error_body(start["status"], error["message"]), ensure_ascii=False).encode()
+                message, param = error["message"], error.get("param")
+                if isinstance(param, str) and param and param not in message:
+                    # Anthropic's body has no param: the message names the field (the context-length
+                    # 400 of max_tokens named none)
+                    message = f"{param}: {message}"
+                details = ERROR_DETAILS.get(param) if start["status"] == 400 else None
+                body = json.dumps(error_body(start["status"], message, details), ensure_ascii=False).encode()
             except (ValueError, KeyError, TypeError):
                 pass  # not an OpenAI-shaped error body: sent as it is
             headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]

@@ -490,6 +490,8 @@ class FunctionCall(_Body):
             json.loads(arguments)
         except json.JSONDecodeError as exc:
             raise ValueError(f"arguments is not valid JSON: {exc}") from None
+        except RecursionError:  # (the body's own nesting is bounded; this JSON text is not: it was a 500)
+            raise ValueError("arguments is nested too deeply") from None
         return arguments
 
 
@@ -595,15 +597,19 @@ class ChatMessage(_Body):
 
 def check_tool_answers(messages: list[ChatMessage]) -> list[ChatMessage]:
     """``messages`` unchanged when every tool message answers a call of an earlier assistant
-    message (its ``tool_call_id`` is the id of one of their ``tool_calls``) and every call of
-    an assistant message that the conversation goes on from is answered by the tool
+    message (its ``tool_call_id`` is the id of one of their ``tool_calls``) and follows an
+    assistant message with ``tool_calls`` (only tool messages between them: OpenAI's "messages
+    with role 'tool' must be a response to a preceding message with 'tool_calls'"), and every
+    call of an assistant message that the conversation goes on from is answered by the tool
     messages right after it, as OpenAI requires.
 
     Raises:
-        ValueError: naming the message, its ``tool_call_id`` and the unknown id; or naming
-            the assistant message and the ids of its calls left unanswered.
+        ValueError: naming the message, its ``tool_call_id`` and the unknown id, or the
+            message it follows; or naming the assistant message and the ids of its calls
+            left unanswered.
     """
     call_ids: set[str] = set()
+    follows_calls = False  # the messages since the last non-tool one: an assistant message with tool_calls
     for i, message in enumerate(messages):
         if message.role == "assistant":
             call_ids.update(call.id for call in message.tool_calls or [])
@@ -612,6 +618,11 @@ def check_tool_answers(messages: list[ChatMessage]) -> list[ChatMessage]:
                       else "no tool_calls entry of an earlier assistant message has that id")
             raise ValueError(f"messages[{i}].tool_call_id {_short(message.tool_call_id)} answers no tool call: "
                              f"{before} (a tool message answers a call of an earlier assistant message)")
+        elif message.role == "tool" and not follows_calls:
+            raise ValueError(f"messages[{i}]: a tool message must follow an assistant message with tool_calls (or "
+                             f"that message's other tool messages); it follows a {messages[i - 1].role} message")
+        if message.role != "tool":
+            follows_calls = message.role == "assistant" and bool(message.tool_calls)
     for i, message in enumerate(messages[:-1]):  # (the last one's calls: nothing went on from them)
         if message.role == "assistant" and message.tool_calls:
             answered = set()

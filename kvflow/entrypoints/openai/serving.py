@@ -334,14 +334,24 @@ class OpenAIServing:
         raise APIError(400, f"reasoning_format {_short(value)} is not supported by kvflow: this server {does}; "
                             "leave it unset", "BadRequestError", "reasoning_format")
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, field: str) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int, field: str, prompt_field: str) -> int:
         """``requested``, checked against the context; for an unset one, what is left of the
-        context (capped by the model's generation-config ``max_tokens``)."""
+        context (capped by the model's generation-config ``max_tokens``).
+
+        Raises:
+            APIError: 400 naming ``field`` for a value below 1 or one the context has no room
+                for; naming ``prompt_field`` (``prompt``, ``messages``) for a prompt that
+                leaves no room for any output (no ``max_tokens`` would fit: naming it misled).
+        """
         if requested is None:
             left = max(self.max_seq_tokens - prompt_len, 1)
             return min(left, self.defaults.get("max_tokens", left))
         if requested < 1:
             raise APIError(400, f"{field} must be at least 1, got {requested}", "BadRequestError", field)
+        if prompt_len >= self.max_model_len:  # (the engine's check and message, for an unset max_tokens)
+            raise APIError(400, f"prompt is {prompt_len} tokens; it must be shorter than "
+                                f"max_model_len={self.max_model_len} to leave room for output", "BadRequestError",
+                           prompt_field)  # fmt: skip
         if prompt_len + requested > self.max_model_len:
             raise APIError(
                 400,
@@ -541,7 +551,7 @@ class OpenAIServing:
             requested = req.max_tokens  # null: what is left of the context
         else:  # the model's generation-config default, else OpenAI's 16
             requested = None if "max_tokens" in self.defaults else 16
-        max_tokens = max(self._max_tokens(requested, len(ids), "max_tokens") for ids, _ in prompts)
+        max_tokens = max(self._max_tokens(requested, len(ids), "max_tokens", "prompt") for ids, _ in prompts)
         prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
         params = self._params(req, max_tokens, req.logprobs, prompt_logprobs)
         try:
@@ -710,7 +720,7 @@ class OpenAIServing:
                                     req.truncate_prompt_tokens)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = self._max_tokens(requested, len(ids), field)
+        max_tokens = self._max_tokens(requested, len(ids), field, "messages")
         top_k = req.top_logprobs or 0
         params = self._params(req, max_tokens, top_k if req.logprobs else None)
         tag = self._tool_call_constraint(req, params)
@@ -726,6 +736,11 @@ class OpenAIServing:
         except APIError as exc:
             if exc.param in ("guided_json", "structural_tag") and req.tools and (
                     req.output_constraint() in (None, "tool_choice")):
+                # the tool whose schema the grammar engine refuses, named (the constraint of
+                # every tool's calls only said where in its own grammar: "at 5(8)")
+                named = await self.engine.run_off_loop(tool_schema_error, req.tools)
+                if named is not None:
+                    raise APIError(400, named, "BadRequestError", "tools") from None
                 raise APIError(400, f"tools: a parameter schema cannot be enforced for tool_choice ({exc.message})",
                                "BadRequestError", "tools") from None
             raise _name_constraint(exc, req) from None

@@ -120,10 +120,14 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         ValueError: naming the item, for an item or part kvflow does not read, an empty
             ``input``, a user, system or developer message without text, or a
             ``function_call_output`` whose ``call_id`` is that of no earlier
-            ``function_call`` item (as OpenAI refuses it).
+            ``function_call`` item (as OpenAI refuses it), or a ``function_call`` item
+            whose output does not come before the next message item (an assistant message
+            right after the turn's calls is that turn's text: it joins their message).
     """
     messages: list[dict[str, Any]] = []
     call_ids: set[str] = set()  # those of the function_call items so far
+    unanswered: dict[str, int] = {}  # call_id -> index of a function_call item no output has answered yet
+    follows_calls = False  # the items since the last message item: function_call items (and their outputs)
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
     if not req.input:  # (an empty user turn: nothing for the model to answer)
@@ -142,12 +146,36 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             text = _text_parts(item.get("content"), f"{where}.content", allowed)
             if not text and role != "assistant":  # (an assistant turn of earlier output may be empty)
                 raise ValueError(f"{where}.content must not be empty (a {role} message needs text)")
+            last = messages[-1] if messages else None
+            if unanswered and role == "assistant" and last is not None and last.get("tool_calls"):
+                # text the model wrote after its calls (a streamed turn's items: function_call,
+                # then message): the same turn, one assistant message with the calls, as above
+                last["content"] = "\n".join(t for t in (last["content"], text) if t) or None
+                continue
+            if unanswered:  # (the chat request's tool messages follow the calls' assistant message)
+                call_id, at = next(iter(unanswered.items()))
+                raise ValueError(f"input[{at}]: no function_call_output item answers this function_call (call_id "
+                                 f"{_short(call_id)}) before the next message item, {where}: each call's output "
+                                 "comes after the call and before the next message")
             messages.append({"role": role, "content": text})
+            follows_calls = False
         elif kind == "function_call":
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str):
                     raise ValueError(f"{where}.{key} must be a string (a function_call item)")
+            if unanswered and messages[-1]["role"] == "tool":  # a new turn of calls, the last one's not all answered
+                call_id, at = next(iter(unanswered.items()))
+                raise ValueError(f"input[{at}]: no function_call_output item answers this function_call (call_id "
+                                 f"{_short(call_id)}) before the next turn's function_call item, {where}")
+            try:  # (else chat's 400 named its own message: "input.1.tool_calls.0.function.arguments")
+                json.loads(item["arguments"])
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}.arguments is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise ValueError(f"{where}.arguments is nested too deeply") from None
             call_ids.add(item["call_id"])
+            unanswered[item["call_id"]] = i
+            follows_calls = True
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}  # fmt: skip
             last = messages[-1] if messages else None
@@ -165,6 +193,10 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             if item["call_id"] not in call_ids:
                 raise ValueError(f"{where}.call_id: no function_call item before it has call_id "
                                  f"{_short(item['call_id'])} (a function_call_output answers an earlier call)")
+            if not follows_calls:  # (chat's tool message follows its call's assistant message)
+                raise ValueError(f"{where}: a function_call_output item must follow the function_call items of its "
+                                 "turn (or their other outputs); it follows a message item")
+            unanswered.pop(item["call_id"], None)
             output = item.get("output")
             if not isinstance(output, str):
                 output = _text_parts(output, f"{where}.output", ("input_text",))
@@ -174,6 +206,10 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         else:
             raise ValueError(f"{where}.type {kind!r} is not supported by kvflow (message, function_call, "
                              "function_call_output and reasoning items only)")
+    if unanswered and messages[-1]["role"] == "tool":  # some of the last turn's calls answered, not all
+        call_id, at = next(iter(unanswered.items()))
+        raise ValueError(f"input[{at}]: no function_call_output item answers this function_call (call_id "
+                         f"{_short(call_id)}); the outputs of its turn answer the others")
     return messages
 
 
@@ -185,6 +221,10 @@ def _tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
         if tool.get("type") != "function":
             raise ValueError(f"tools[{i}].type {tool.get('type')!r} is not supported by kvflow (function tools only: "
                              "no built-in tools on this server)")
+        if not isinstance(tool.get("name"), str):  # (else chat's 400 named "tools.0.function.name")
+            raise ValueError(f"tools[{i}].name must be a string (a function tool's name)")
+        if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
+            raise ValueError(f"tools[{i}].parameters must be an object (a JSON schema)")
         function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
         tools.append({"type": "function", "function": function})
     return tools
@@ -194,7 +234,10 @@ def _tool_choice(choice: Any) -> Any:
     if choice is None or isinstance(choice, str):
         return choice
     if choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        if not isinstance(choice.get("name"), str):  # (else chat's 400 listed its string choices)
+            raise ValueError("tool_choice.name must be a string (the function's name) for tool_choice of type "
+                             "'function'")
+        return {"type": "function", "function": {"name": choice["name"]}}
     raise ValueError(f"tool_choice of type {choice.get('type')!r} is not supported by kvflow (none, auto, required "
                      "or a function)")
 
@@ -220,10 +263,16 @@ def to_chat_fields(req: ResponsesRequest) -> dict[str, Any]:
         ValueError: naming the field, for an input item, part, tool or tool_choice kvflow
             does not read.
     """
+    response_format = _response_format(req.text)
+    forced = req.tools and req.tool_choice not in (None, "none", "auto")
+    if forced and response_format is not None and response_format.get("type") != "text":
+        # (chat's message named its own response_format)
+        raise ValueError(f"tool_choice (a forced tool call) cannot be combined with text.format of type "
+                         f"{response_format['type']!r}")
     fields: dict[str, Any] = {
         "model": req.model, "messages": _messages(req), "tools": _tools(req), "tool_choice": _tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls, "max_completion_tokens": req.max_output_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "response_format": _response_format(req.text),
+        "temperature": req.temperature, "top_p": req.top_p, "response_format": response_format,
     }  # fmt: skip
     return {k: v for k, v in fields.items() if v is not None}
 

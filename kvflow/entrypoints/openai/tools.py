@@ -37,8 +37,16 @@ _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fa
 
 
 def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
-    """Raises ValueError naming the field: duplicate tool names, a ``tool_choice`` that needs
-    tools without any, a named function that is not among them."""
+    """Raises ValueError naming the field: a tool whose ``parameters`` schema is not of type
+    ``object`` (a call's arguments are a JSON object: under ``"required"`` or a named function
+    the constrained output could never be read as a call, and came back as content), duplicate
+    tool names, a ``tool_choice`` that needs tools without any, a named function that is not
+    among them."""
+    for i, tool in enumerate(tools or []):
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema of type 'object' (a function's "
+                             f"arguments are a JSON object), got type {kind!r}")
     names = [t.function.name for t in tools or []]
     seen: set[str] = set()
     for name in names:

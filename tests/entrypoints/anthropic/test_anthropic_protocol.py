@@ -39,3 +39,17 @@ def test_tools_are_bounded_at_128(model):
     error = exc.value.errors()[0]
     assert error["loc"] == ("tools",) and "tools holds 129 tools; at most 128" in error["msg"], error
     assert len(model.model_validate({"model": "m", "max_tokens": 5, "messages": [USER], "tools": tools[:128]}).tools) == 128
+
+
+@pytest.mark.parametrize("model", [MessagesRequest, CountTokensRequest])
+def test_an_input_schema_not_of_type_object_is_refused_naming_it(model):
+    """A tool's input is an object (Anthropic refuses another type). input_schema
+    {"type": "string"} was accepted, and under tool_choice "any" the forced output could never
+    be read as a tool_use: the reply was a text block, stop_reason "end_turn"."""
+    tools = [{"name": "f", "input_schema": {"type": "string"}}]
+    with pytest.raises(ValidationError) as exc:
+        model.model_validate({"model": "m", "max_tokens": 5, "messages": [USER], "tools": tools})
+    error = exc.value.errors()[0]
+    assert error["loc"] == ("tools", 0, "input_schema") and "type 'object', got type 'string'" in error["msg"], error
+    ok = [{"name": "f", "input_schema": {"type": "object"}}, {"name": "g", "input_schema": {"properties": {}}}]
+    assert len(model.model_validate({"model": "m", "max_tokens": 5, "messages": [USER], "tools": ok}).tools) == 2

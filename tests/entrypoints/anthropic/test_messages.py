@@ -213,6 +213,14 @@ def test_errors_are_anthropic_shaped(client, served):
     ({"instructions": "Be brief."}, "instructions is not"),
     # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
     ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools holds 2000 tools; at most 128"),
+    # a forced call with an output format named chat's fields ("cannot be combined with response_format, ...")
+    ({"tools": [TOOL], "tool_choice": {"type": "any"}, "output_config": {"format": {"type": "json_schema", "schema": {}}}},
+     "tool_choice of type 'any' (a forced tool call) cannot be combined with output_config.format"),
+    ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "get_weather"},
+      "output_format": {"type": "json_schema", "schema": {}}}, "tool_choice of type 'tool' (a forced tool call) "
+                                                                "cannot be combined with output_format"),
+    # Anthropic's error body has no param: the context-length 400 named no field
+    ({"max_tokens": 10**6}, "max_tokens: This model's maximum context length is 2048 tokens"),
 ])  # fmt: skip
 def test_refused_by_name(served, body, match):
     r = httpx.post(served[0].url + "/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": MSG, **body},
@@ -313,6 +321,66 @@ def test_a_tool_use_without_its_tool_result_is_400_naming_the_id(served, next_me
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
     assert "messages[2]: tool_use ids were found without tool_result blocks immediately after: toolu_1" in body[
         "error"]["message"], body
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("content, where", [
+    ([{"type": "text", "text": "Here:"}, _result("toolu_1")["content"][0]], "messages[2].content[1]"),
+    ([_result("toolu_1")["content"][0], {"type": "text", "text": "and"},
+      {"type": "tool_result", "tool_use_id": "toolu_2", "content": "21 C"}], "messages[2].content[2]"),
+], ids=["text-first", "text-between"])  # fmt: skip
+def test_a_tool_result_after_a_text_block_is_400_naming_the_block(served, content, where, path):
+    """Anthropic wants a user message's tool_result blocks before its text. Text before a
+    tool_result was a 400 in chat's words naming chat's message, one further on with a system
+    prompt ("messages[2]: an assistant message with 'tool_calls' must be followed by tool
+    messages ..." for Anthropic's messages[1]); it names the block."""
+    use = {"role": "assistant", "content": [*_USE["content"], {**_USE["content"][0], "id": "toolu_2"}]}
+    messages = [*MSG, use, {"role": "user", "content": content}]
+    r = httpx.post(served[0].url + path, json={"model": "tiny", "max_tokens": 5, "system": "Be brief.",
+                                               "messages": messages}, headers={"x-api-key": API_KEY})  # fmt: skip
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    assert body["error"]["message"].startswith(f"{where}: tool_result blocks must come first"), body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_sdk_tool_runner_finishes_a_tool_loop(client, script, stream):
+    """The anthropic SDK's tool runner (``client.beta.messages.tool_runner``) sends
+    ``thread: {"type": "create"}`` (a server-held conversation) and goes on without it when the
+    400 says ``details.error_code`` ``thread_unsupported_request``; kvflow's 400 said only
+    "thread is not supported", so the runner raised it and no agent loop ran."""
+    if not hasattr(client.beta.messages, "tool_runner"):
+        pytest.skip("this anthropic SDK has no tool runner")
+    calls = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str, unit: str) -> str:
+        """The current weather in a city.
+
+        Args:
+            city: the city.
+            unit: celsius or fahrenheit.
+        """
+        calls.append(city)
+        script.set("It is 18 C in Paris.")
+        return "18 C"
+
+    script.set(CALL)
+    runner = client.beta.messages.tool_runner(model="tiny", max_tokens=120, tools=[get_weather], messages=MSG,
+                                              stream=stream, max_iterations=3)  # fmt: skip
+    replies = [m.get_final_message() if stream else m for m in runner]
+    assert calls == ["Paris"]
+    assert [r.stop_reason for r in replies] == ["tool_use", "end_turn"], replies
+    assert replies[-1].content[0].text == "It is 18 C in Paris."
+
+
+def test_a_thread_is_refused_with_the_details_the_sdk_reads(served):
+    r = httpx.post(served[0].url + "/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": MSG,
+                                                         "thread": {"type": "create"}}, headers={"x-api-key": API_KEY})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["details"] == {"error_code": "thread_unsupported_request"} and "thread" in error["message"], error
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", None])

@@ -274,3 +274,18 @@ def test_auto_calls_are_constrained_to_the_tool_schemas(client, script, written,
     if args is not None:  # a valid call goes through as written
         assert parsed == args
     assert "{" not in content and "tool_call" not in content  # no piece of the call in the content
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_an_unusable_parameter_schema_is_400_naming_the_tool(served, tool_choice):
+    """Under "auto" (the constraint of every started call) a schema the grammar engine refuses
+    was a 400 saying where in the constraint's own grammar ("at 5(8): failed to compile JSON
+    schema: ..."), not which tool; it names the tool, as under "required"."""
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {}, "required": ["x"], "additionalProperties": False}}}  # fmt: skip
+    r = httpx.post(served[0].url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": MSG, "tools": [WEATHER_TOOL, bad], "tool_choice": tool_choice, "max_tokens": 5})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools" and error["message"].startswith(
+        "tools[1].function.parameters is not a usable JSON schema: "), error

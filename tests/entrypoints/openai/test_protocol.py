@@ -84,6 +84,22 @@ def test_calls_the_conversation_goes_on_from_must_be_answered(after):
     assert len(ChatCompletionRequest.model_validate({"messages": [*MSG, two]}).messages) == 2
 
 
+@pytest.mark.parametrize("between", [MSG[0], {"role": "assistant", "content": "18 C."}, {"role": "system", "content": "x"}],
+                         ids=["user", "plain-assistant", "system"])
+def test_a_tool_message_that_follows_no_assistant_calls_is_refused_naming_it(between):
+    """OpenAI refuses a tool message that does not follow an assistant message with
+    tool_calls ("messages with role 'tool' must be a response to a preceding message with
+    'tool_calls'"); kvflow took one after a user (or a plain assistant) message, answering a
+    call of an earlier turn out of its turn."""
+    messages = [*MSG, _CALLS, _answer("call_1"), between, _answer("call_1")]
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate({"messages": messages})
+    error = exc.value.errors()[0]
+    assert error["loc"] == ("messages",), error
+    assert (f"messages[4]: a tool message must follow an assistant message with tool_calls (or that message's other "
+            f"tool messages); it follows a {between['role']} message") in error["msg"], error
+
+
 def test_tool_messages_answering_earlier_calls_are_taken():
     later = {**_CALLS, "tool_calls": [{**_CALLS["tool_calls"][0], "id": "call_2"}]}
     messages = [*MSG, _CALLS, _answer("call_1"), later, _answer("call_2"), _answer("call_1")]

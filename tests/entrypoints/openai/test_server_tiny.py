@@ -1545,6 +1545,23 @@ def test_chat_continues_the_final_message_as_vllm(http):
     _assert_error(http.post(CH, json={"messages": MSG, "add_generation_prompt": "no"}), 400, "add_generation_prompt")
 
 
+def test_a_prompt_longer_than_the_context_is_400_naming_the_prompt_with_max_tokens_set(http):
+    """A prompt that leaves no room for output (max_model_len 256 here) named the prompt with
+    max_tokens unset but ``max_tokens`` (or max_completion_tokens, max_output_tokens) when it
+    was set, or, on /v1/completions, when it was left to its default of 16: no value of that
+    field would fit. It names the prompt, as the engine's check does."""
+    long = "word " * 100  # 500 tokens of the byte-level tokenizer
+    for path, body, param in (
+            (C, {"prompt": long, "max_tokens": 5}, "prompt"), (C, {"prompt": long}, "prompt"),
+            (CH, {"messages": [{"role": "user", "content": long}], "max_tokens": 5}, "messages"),
+            (CH, {"messages": [{"role": "user", "content": long}], "max_completion_tokens": 5}, "messages"),
+            ("/v1/responses", {"input": long, "max_output_tokens": 5}, "input")):
+        err = _assert_error(http.post(path, json=body), 400, param)
+        assert err["message"].startswith("prompt is ") and "max_model_len=256" in err["message"], (path, body, err)
+    r = http.post("/v1/messages", json={"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": long}]})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("messages: prompt is "), r.text
+
+
 def test_max_tokens_beyond_the_whole_kv_cache_is_400_naming_the_field_sent():
     """prompt + max_tokens needing more KV blocks than the whole cache holds named the prompt
     (``param`` "prompt" / "messages" / "input") though the prompt fit: it names the field that

@@ -153,6 +153,23 @@ def test_function_call_streamed(client, script):
     assert final.usage.output_tokens_details.reasoning_tokens == reasoning_tokens > 0
 
 
+def test_a_streamed_turn_with_text_after_its_call_can_be_sent_back(client, script):
+    """A model that writes a call, then text, streams the items function_call, message (in
+    that order); an agent sends them back with the call's output. That was a 400 in chat's
+    words ("an assistant message with 'tool_calls' must be followed by tool input ..."): the
+    text after the calls is the same turn, one assistant message with them."""
+    script.set(CALL + "\nLet me know.")
+    events = list(_create(client, tools=[TOOL], stream=True))
+    output = events[-1].response.output
+    assert [i.type for i in output] == ["function_call", "message"]
+    items = [{"role": "user", "content": "Weather in Paris?"}, *(i.model_dump(exclude_none=True) for i in output),
+             {"type": "function_call_output", "call_id": output[0].call_id, "output": "18 C"}]
+    script.set("It is 18 C in Paris.")
+    assert _create(client, input=items, tools=[TOOL]).output_text == "It is 18 C in Paris."
+    prompt = script.tokenizer.decode(script.seq)
+    assert prompt.count("<|im_start|>assistant") == 2 and "Let me know." in prompt, prompt
+
+
 def test_reasoning_tokens_are_counted():
     """usage.output_tokens_details.reasoning_tokens was always 0 though the output had a
     reasoning item: it is the reasoning text's tokens (none without reasoning, at most the
@@ -254,6 +271,60 @@ def test_json_schema_text_format(client, script):
                 {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "call_2", "output": "18 C"}]},
      "input", "input[2].call_id: no function_call item before it has call_id 'call_2'"),
+    # a function_call's output comes before the next message: the 400 was chat's, in chat's words and
+    # index, mangled by the renames ("input[2]: an assistant message with 'tool_calls' must be followed
+    # by tool input ...", for the call at input[1] under instructions)
+    ({"instructions": "Be brief.",
+      "input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"role": "user", "content": "And Tokyo?"}]},
+     "input", "input[1]: no function_call_output item answers this function_call (call_id 'call_1') before the "
+              "next message item, input[2]"),
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+                {"type": "message", "role": "assistant", "content": "Done."}]},
+     "input", "input[2]: no function_call_output item answers this function_call (call_id 'call_2')"),
+    # the Responses field is named, not chat's ("tool_choice.literal['none','auto','required']: Input
+    # should be ...", "tools.0.function.name: Field required", "input.1.tool_calls.0.function.arguments")
+    ({"tools": [TOOL], "tool_choice": {"type": "function"}}, "tool_choice",
+     "tool_choice.name must be a string (the function's name)"),
+    ({"tools": [{"type": "function", "parameters": {"type": "object"}}]}, "tools", "tools[0].name must be a string"),
+    ({"tools": [TOOL, {**TOOL, "name": "f", "parameters": "{}"}]}, "tools", "tools[1].parameters must be an object"),
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{oops"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]},
+     "input", "input[1].arguments is not valid JSON"),
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                 "arguments": "[" * 5000 + "]" * 5000},
+                {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]},
+     "input", "input[1].arguments is nested too deeply"),
+    # a forced call with text.format named chat's fields ("cannot be combined with response_format, guided_json, ...")
+    ({"tools": [TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "tool_choice",
+     "tool_choice (a forced tool call) cannot be combined with text.format of type 'json_object'"),
+    # an output after a message item answers no call of the turn it follows: chat's 400 came back in chat's
+    # words and index, renamed ("input[4]: a tool input must follow ...")
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+                {"role": "user", "content": "And now?"},
+                {"type": "function_call_output", "call_id": "call_1", "output": "19 C"}]},
+     "input", "input[4]: a function_call_output item must follow the function_call items of its turn"),
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_2", "output": "18 C"}]},
+     "input", "input[1]: no function_call_output item answers this function_call (call_id 'call_1')"),
+    ({"input": [{"role": "user", "content": "Hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_2", "output": "18 C"},
+                {"type": "function_call", "call_id": "call_3", "name": "get_weather", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_3", "output": "19 C"}]},
+     "input", "input[1]: no function_call_output item answers this function_call (call_id 'call_1') before the "
+              "next turn's function_call item, input[4]"),
     # at most 128 tools (OpenAI's limit; 2,000 reached llguidance, whose refusal was the 400)
     ({"tools": [{**TOOL, "name": f"f{i}"} for i in range(2000)]}, "tools", "tools holds 2000 tools; at most 128"),
 ])  # fmt: skip

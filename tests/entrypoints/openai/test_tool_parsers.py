@@ -250,6 +250,29 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     assert [t.name for t in parser.tool_calls] == ["get_weather"]
 
 
+_DEEP = "[" * 3000 + "]" * 3000  # past Python's recursion limit for json.loads
+
+
+@pytest.mark.parametrize("factory, text", [
+    (lambda: TOOL_PARSERS["hermes"](), '<tool_call>{"name": "f", "arguments": {"a": %s}}</tool_call>' % _DEEP),
+    (lambda: TOOL_PARSERS["generic"](), '{"name": "f", "arguments": {"a": %s}}' % _DEEP),
+    (lambda: TOOL_PARSERS["llama3_json"](), '{"name": "f", "parameters": {"a": %s}}' % _DEEP),
+    (lambda: TOOL_PARSERS["mistral"](), '[TOOL_CALLS][{"name": "f", "arguments": {"a": %s}}]' % _DEEP),
+    (lambda: TOOL_PARSERS["hermes"](), '<tool_call>{"name": "f", "arguments": {"a": 1}, "x": %s}</tool_call>' % _DEEP),
+    (lambda: JSONArrayToolParser(), '[{"name": "f", "parameters": {"a": %s}}]' % _DEEP),
+    (lambda: NamedFunctionParser("f"), '{"a": %s}' % _DEEP),
+], ids=["hermes", "generic", "llama3_json", "mistral", "other-key", "required", "named"])  # fmt: skip
+def test_a_call_nested_past_the_recursion_limit_is_content_not_a_crash(factory, text):
+    """A model that repeats "[" inside a call's arguments (free-form arguments allow it) made
+    the parser's json.loads raise RecursionError, and the request failed (500, or an error
+    event mid-stream). Such a call is no call: its text is content, streamed or whole."""
+    parser = ChatOutputParser(tool_parser=factory())
+    for end in range(0, len(text), 997):
+        parser.update(text[:end])
+    parser.update(text, final=True)
+    assert parser.tool_calls == [] and parser.content == text
+
+
 # ---------------------------------------------------------------------------- registry
 def test_detection_from_the_chat_template():
     assert detect_tool_parser("... <tool_call>\n{{ tool_call.name }} ...").name == "hermes"

@@ -115,11 +115,35 @@ def test_assistant_tool_calls_reach_the_template_as_dicts():
      ({"role": "user", "content": "x", "tool_call_id": "c"}, "tool_call_id is for tool messages"),
      ({"role": "user", "content": "x", "tool_calls": []}, "tool_calls is for assistant messages"),
      ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-                                            "function": {"name": "f", "arguments": "{oops"}}]}, "not valid JSON")],
+                                            "function": {"name": "f", "arguments": "{oops"}}]}, "not valid JSON"),
+     # JSON text nested past Python's recursion limit: a RecursionError, answered 500 (the body's
+     # own nesting is bounded at 64 levels, the JSON text of arguments was not)
+     ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+         "name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}, "arguments is nested too deeply")],
 )  # fmt: skip
 def test_bad_tool_messages(message, match):
     with pytest.raises(ValueError, match=match):
         ChatCompletionRequest.model_validate({"messages": [message]})
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "f"}}, "auto", "none"])
+@pytest.mark.parametrize("kind", ["string", "array", "integer"])
+def test_a_parameters_schema_not_of_type_object_is_refused_naming_the_tool(tool_choice, kind):
+    """A call's arguments are a JSON object. A tool whose parameters were {"type": "string"}
+    was accepted, and under "required" / a named function the forced output (a string, a list)
+    could never be read as a call: the reply came back as content, finish_reason "stop", no
+    tool call (seen on kvflow serve with SmolLM2). OpenAI refuses such a schema; so does kvflow,
+    naming the tool."""
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"type": kind}}}]
+    with pytest.raises(ValueError, match=rf"^tools\[1\]\.function\.parameters must be a JSON schema of type "
+                                         rf"'object'.*got type '{kind}'"):
+        _request(tools=tools, tool_choice=tool_choice).sampling_params(8, None)
+
+
+def test_a_parameters_schema_of_type_object_or_without_a_type_is_taken():
+    tools = [TOOLS[0], TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": {"type": "integer"}}}}}]  # fmt: skip
+    check_tools(_request(tools=tools).tools, "required")
 
 
 def test_check_tools_accepts_no_tools():

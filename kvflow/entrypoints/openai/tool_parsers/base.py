@@ -218,6 +218,8 @@ def scan_call_object(
         return call, None
     except json.JSONDecodeError as exc:
         raise NotJSON(str(exc)) from None
+    except RecursionError:  # (see _check_object)
+        raise NotJSON("a value of the call object is nested too deeply") from None
     if call.name is None:
         raise NotJSON("a tool call object has no name")
     if not saw_args:
@@ -229,10 +231,16 @@ def scan_call_object(
 
 
 def _check_object(arguments: str) -> None:
+    """Raises NotJSON unless ``arguments`` is the JSON text of an object, one that Python's
+    ``json`` reads: arguments nested past its recursion limit (a model repeating ``[``) are no
+    call, as every reader of the call (``json.loads``) would fail on them (a RecursionError
+    that failed the request, 500)."""
     try:
         value = json.loads(arguments)
     except json.JSONDecodeError as exc:
         raise NotJSON(f"tool arguments are not valid JSON: {exc}") from None
+    except RecursionError:
+        raise NotJSON("tool arguments are nested too deeply") from None
     if not isinstance(value, dict):
         raise NotJSON(f"tool arguments must be a JSON object, got {arguments[:40]!r}")
 
