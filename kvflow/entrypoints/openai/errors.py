@@ -81,10 +81,17 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
 
     Returns:
         (message, param): param the first error's top-level field, None for a body that is
-        not JSON (pydantic's ``json_invalid``: its location is a byte offset) or without errors.
+        not JSON (pydantic's ``json_invalid``: its location is an offset into the body, so the
+        message says the body is not JSON, the decoder's reason and that offset) or without
+        errors.
     """
     parts, param = [], None
     for i, error in enumerate(errors):
+        if error.get("type") == "json_invalid":  # (its loc is a byte offset, not a field: "1: JSON decode error")
+            where = error.get("loc", ())[-1:] or ("?",)
+            reason = (error.get("ctx") or {}).get("error") or error.get("msg")
+            parts.append(f"the request body is not valid JSON: {reason} (at character {where[0]})")
+            continue
         loc = list(error.get("loc", ()))
         if loc and loc[0] == "body":
             loc = loc[1:]

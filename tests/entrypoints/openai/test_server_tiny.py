@@ -609,6 +609,9 @@ def test_a_json_decode_error_names_no_param(http):
     """pydantic's loc of a JSON decode error is the byte offset (it was sent as ``param``)."""
     err = _assert_error(http.post(C, content=b'{"prompt": "x",, }', headers={"content-type": "application/json"}), 400)
     assert err["param"] is None and "JSON" in err["message"], err
+    # the message says the body is not JSON, why and where (it read "15: JSON decode error")
+    assert err["message"].startswith("the request body is not valid JSON: Expecting property name"), err
+    assert "(at character 15)" in err["message"] and not err["message"].startswith("15:"), err
 
 
 GUIDED = [
