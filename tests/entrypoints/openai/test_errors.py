@@ -41,5 +41,7 @@ def test_list_indexes_and_nested_fields_stay_in_the_path():
 
 def test_a_body_that_is_no_json_names_no_field():
     errors = [{"type": "json_invalid", "loc": ("body", 7), "msg": "JSON decode error"}]
-    assert validation_message(errors) == ("7: JSON decode error", None)
+    assert validation_message(errors) == ("the request body is not valid JSON: JSON decode error (at character 7)", None)
+    errors[0]["ctx"] = {"error": "Expecting value"}  # (FastAPI's: the decoder's reason)
+    assert validation_message(errors) == ("the request body is not valid JSON: Expecting value (at character 7)", None)
     assert validation_message([]) == ("invalid request", None)
