@@ -161,7 +161,10 @@ def test_freeze_gc_heap_collects_first_freezes_the_rest_and_unfreeze_gives_it_ba
         dropped, kept = _Cycle(), _Cycle()
         dropped_ref, kept_ref = weakref.ref(dropped), weakref.ref(kept)
         del dropped  # garbage before the freeze: collected by it, not frozen
-        assert freeze_gc_heap() == gc.get_freeze_count() > 0
+        frozen = freeze_gc_heap()
+        # the count it returns: another thread of the test process (a kernel build's, a
+        # logger's) may free a few frozen objects between the two reads (2 did once in CI)
+        assert 0 < gc.get_freeze_count() <= frozen < gc.get_freeze_count() + 1000
         assert dropped_ref() is None
         del kept  # frozen, then dropped: no collection sees it until unfrozen
         gc.collect()
