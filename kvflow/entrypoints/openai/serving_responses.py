@@ -113,6 +113,14 @@ def _text_parts(content: Any, where: str, allowed: tuple[str, ...]) -> str:
     return "\n".join(texts)  # (one per line, as chat's text_content)
 
 
+def _unanswered(unanswered: dict[str, int], why: str) -> ValueError:
+    """The 400 naming the first function_call item (``unanswered``: call_id -> input index)
+    that no function_call_output answers, ``why`` ending its message."""
+    call_id, at = next(iter(unanswered.items()))
+    return ValueError(f"input[{at}]: no function_call_output item answers this function_call (call_id "
+                      f"{_short(call_id)}){why}")
+
+
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The chat messages of ``instructions`` and ``input``.
 
@@ -153,10 +161,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 last["content"] = "\n".join(t for t in (last["content"], text) if t) or None
                 continue
             if unanswered:  # (the chat request's tool messages follow the calls' assistant message)
-                call_id, at = next(iter(unanswered.items()))
-                raise ValueError(f"input[{at}]: no function_call_output item answers this function_call (call_id "
-                                 f"{_short(call_id)}) before the next message item, {where}: each call's output "
-                                 "comes after the call and before the next message")
+                raise _unanswered(unanswered, f" before the next message item, {where}: each call's output comes after "
+                                              "the call and before the next message")
             messages.append({"role": role, "content": text})
             follows_calls = False
         elif kind == "function_call":
@@ -164,9 +170,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 if not isinstance(item.get(key), str):
                     raise ValueError(f"{where}.{key} must be a string (a function_call item)")
             if unanswered and messages[-1]["role"] == "tool":  # a new turn of calls, the last one's not all answered
-                call_id, at = next(iter(unanswered.items()))
-                raise ValueError(f"input[{at}]: no function_call_output item answers this function_call (call_id "
-                                 f"{_short(call_id)}) before the next turn's function_call item, {where}")
+                raise _unanswered(unanswered, f" before the next turn's function_call item, {where}")
             try:  # (else chat's 400 named its own message: "input.1.tool_calls.0.function.arguments")
                 json.loads(item["arguments"])
             except json.JSONDecodeError as exc:
@@ -207,9 +211,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             raise ValueError(f"{where}.type {kind!r} is not supported by kvflow (message, function_call, "
                              "function_call_output and reasoning items only)")
     if unanswered and messages[-1]["role"] == "tool":  # some of the last turn's calls answered, not all
-        call_id, at = next(iter(unanswered.items()))
-        raise ValueError(f"input[{at}]: no function_call_output item answers this function_call (call_id "
-                         f"{_short(call_id)}); the outputs of its turn answer the others")
+        raise _unanswered(unanswered, "; the outputs of its turn answer the others")
     return messages
 
 
