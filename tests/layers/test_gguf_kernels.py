@@ -246,6 +246,16 @@ def test_packed_layout_round_trips_and_computes_as_stored(qt):
     assert torch.equal(w.dequantize(), dequantize(raw, qt, k))
     assert torch.equal(w.narrow_rows(5, 9).raw, raw[5:14])
     assert torch.equal(w.embedding(torch.tensor([20, 0]), torch.float32), dequantize(raw[[20, 0]], qt, k))
+    # the lookup reads each id's row from its group (gguf_embedding): every row, repeated ids,
+    # the padded last group, both dtypes, the same floats as the stored rows dequantized
+    ids = torch.tensor([*range(n), 17, 3, 17])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = w.embedding(ids, dtype)
+        assert got.dtype == dtype and torch.equal(got, dequantize(raw[ids], qt, k, dtype))
+    assert w.embedding(torch.tensor([], dtype=torch.int64), torch.float32).shape == (0, k)
+    for bad in (n, -1):
+        with pytest.raises(IndexError, match=rf"ids: values must lie in \[0, {n}\), got {bad}"):
+            w.embedding(torch.tensor([0, bad]), torch.float32)
     for m in (1, 4, 7):
         x = torch.randn(m, k)
         stored = torch.empty(m, n)

@@ -459,29 +459,46 @@ void dispatch(int qtype, const uint8_t* w, int64_t ldw, const Act& a, int64_t M,
 // fma(s, u, c) with the block's scale s and offset c, the single rounding of the gguf
 // package's float32 expressions (d (q - 8), d q + m, (d sc) q - dmin m, (d sc) (q - 32)): exact.
 template <typename Fmt, typename OutT>
-void dequantize_rows(const uint8_t* w, int64_t ldw, int64_t N, int64_t K, OutT* out) {
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    alignas(32) uint8_t q[32];
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* wr = w + n * ldw;
-      OutT* o = out + n * K;
-      for (int64_t b = 0; b < K / 32; ++b) {
-        U32 u;
-        float s0, s1, c0, c1;
-        Fmt::block(wr, b, u, s0, s1, c0, c1);
+inline void dequantize_row(const uint8_t* wr, int64_t K, OutT* o) {
+  alignas(32) uint8_t q[32];
+  for (int64_t b = 0; b < K / 32; ++b) {
+    U32 u;
+    float s0, s1, c0, c1;
+    Fmt::block(wr, b, u, s0, s1, c0, c1);
 #if defined(GG_AVX2)
-        _mm256_store_si256(reinterpret_cast<__m256i*>(q), u);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(q), u);
 #else
-        std::memcpy(q, u.v, 32);
+    std::memcpy(q, u.v, 32);
 #endif
 #pragma omp simd
-        for (int i = 0; i < 32; ++i) {
-          const float v = Fmt::SIGNED ? static_cast<float>(static_cast<int8_t>(q[i])) : static_cast<float>(q[i]);
-          o[b * 32 + i] = static_cast<OutT>(std::fma(i < 16 ? s0 : s1, v, i < 16 ? c0 : c1));
-        }
-      }
+    for (int i = 0; i < 32; ++i) {
+      const float v = Fmt::SIGNED ? static_cast<float>(static_cast<int8_t>(q[i])) : static_cast<float>(q[i]);
+      o[b * 32 + i] = static_cast<OutT>(std::fma(i < 16 ? s0 : s1, v, i < 16 ? c0 : c1));
     }
+  }
+}
+
+template <typename Fmt, typename OutT>
+void dequantize_rows(const uint8_t* w, int64_t ldw, int64_t N, int64_t K, OutT* out) {
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) dequantize_row<Fmt>(w + n * ldw, K, out + n * K);
   });
+}
+
+// One stored row (K elements of GGML type qtype at wr) dequantized into o: dequantize_rows' values.
+template <typename OutT>
+void dequantize_row_dispatch(int qtype, const uint8_t* wr, int64_t K, OutT* o) {
+  switch (qtype) {
+    case Q4_0: return dequantize_row<FQ4_0>(wr, K, o);
+    case Q4_1: return dequantize_row<FQ4_1>(wr, K, o);
+    case Q5_0: return dequantize_row<FQ5_0>(wr, K, o);
+    case Q5_1: return dequantize_row<FQ5_1>(wr, K, o);
+    case Q8_0: return dequantize_row<FQ8_0>(wr, K, o);
+    case Q4_K: return dequantize_row<FQK<false>>(wr, K, o);
+    case Q5_K: return dequantize_row<FQK<true>>(wr, K, o);
+    case Q6_K: return dequantize_row<FQ6_K>(wr, K, o);
+    default: TORCH_CHECK(false, "qtype: GGML type ", qtype, " is not supported");
+  }
 }
 
 template <typename OutT>
@@ -1840,6 +1857,47 @@ torch::Tensor gguf_unpack(torch::Tensor packed, int64_t qtype, int64_t N, int64_
   return raw;
 }
 
+// out [T, K] (float32 or bfloat16, contiguous) = rows ids[t] (int64 [T], each in [0, N)) of the
+// weight gguf_pack packed: each row's super-blocks gathered from its 16-row group and
+// re-encoded as stored (gather_fields / encode_fields, byte-exact), then dequantized as
+// gguf_dequantize does (the same floats). The token embedding's lookup over a packed table:
+// only the looked-up rows are touched (unpacking their whole groups took ~0.1 ms a step).
+// Raises IndexError (TORCH_CHECK_INDEX) for an id outside [0, N).
+void gguf_embedding(torch::Tensor packed, torch::Tensor ids, int64_t qtype, int64_t N, int64_t K, torch::Tensor out) {
+  const int qt = static_cast<int>(qtype);
+  TORCH_CHECK(block_bytes(qt) > 0, "qtype: GGML type ", qtype, " is not supported");
+  TORCH_CHECK(N > 0 && K > 0 && K % block_elems(qt) == 0, "K: a positive multiple of ", block_elems(qt));
+  const PFmt pf = pfmt(qt);
+  const int64_t groups = (N + G - 1) / G, nsb = K / pf.sb, ldg = nsb * pf.sb_bytes(), bb = block_bytes(qt);
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
+                  packed.dim() == 2 && packed.size(0) == groups && packed.size(1) == ldg,
+              "packed: uint8 [", groups, ", ", ldg, "] (gguf_pack's result)");
+  TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.is_contiguous(),
+              "ids: contiguous int64 [T]");
+  const int64_t T = ids.size(0);
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2 && out.size(0) == T && out.size(1) == K &&
+                  (out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16),
+              "out: contiguous float32 or bfloat16 [T, K]");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK_INDEX(id[t] >= 0 && id[t] < N, "ids: values must lie in [0, ", N, "), got ", id[t]);
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  const bool f32 = out.scalar_type() == torch::kFloat32;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> row(static_cast<size_t>(nsb * bb));
+    Fields f;
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* g = src + (id[t] / G) * ldg;
+      const int r = static_cast<int>(id[t] % G);
+      for (int64_t s = 0; s < nsb; ++s) {
+        gather_fields(pf, g + s * pf.sb_bytes(), r, f);
+        encode_fields(qt, f, row.data() + s * bb);
+      }
+      if (f32) dequantize_row_dispatch(qt, row.data(), K, out.data_ptr<float>() + t * K);
+      else dequantize_row_dispatch(qt, row.data(), K, out.data_ptr<c10::BFloat16>() + t * K);
+    }
+  });
+}
+
 // gguf_pack's layout, built at load in one pass: for each group of 16 rows and each
 // super-block, the 16 rows' stored blocks are decoded (decode_fields) and every byte of the
 // group's packed super-block is written once, in order (gguf_pack places one element at a time
@@ -2076,6 +2134,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_unpack", &gguf_unpack, "gguf_unpack", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gguf_linear_packed", &gguf_linear_packed, "gguf_linear_packed", pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gguf_embedding", &gguf_embedding, "gguf_embedding");
   m.def("gguf_dequantize", &gguf_dequantize, "gguf_dequantize", pybind11::call_guard<pybind11::gil_scoped_release>());
 }
 #endif  // KVFLOW_NO_BINDINGS
