@@ -257,13 +257,17 @@ class ThreadGovernor:
         self.cpus = set(cpus)
         self.interval_s = interval_s
         self.hysteresis = hysteresis
+        #: whether the busy time counts the nice column (a niced process: its own time is
+        #: there), where its niced children show as other processes' load already
+        self.counts_nice = False
         if read_busy is None:
-            niced = _niced()
+            self.counts_nice = niced = _niced()
             read_busy = lambda: read_cpu_times(self.cpus, nice_is_busy=niced)  # noqa: E731
         self.read_busy = read_busy
         self.read_self = read_self or time.process_time
         self.clock = clock or time.monotonic
         self.others = 0.0  # cores other processes wanted, the last measurement
+        self.reserved = 0  # cores kept free for this process's own children (update's argument)
         self.num_changes = 0
         self.set_max_threads(max_threads)
         self._last: tuple[float, float, float] | None = None
@@ -289,8 +293,15 @@ class ThreadGovernor:
         self.threads = min(max_threads, len(self.cpus))
         self._up_votes = 0
 
-    def update(self) -> int:
+    def update(self, reserved: int = 0) -> int:
         """Measure if ``interval_s`` has passed and change the thread count if it should.
+
+        Args:
+            reserved: cores to leave free besides what other processes want: this process's
+                own niced children, which /proc/stat's busy columns do not show (the C++
+                kernels compiling in the background: ``CpuPlatform.between_steps``); 0
+                where the busy time counts the nice column. A change of it applies at once:
+                lowering at once, raising after the usual two intervals.
 
         Returns:
             The thread count to run now (the caller applies it on its own thread:
@@ -298,23 +309,28 @@ class ThreadGovernor:
         """
         if not self.enabled:
             return self.threads
+        if self.counts_nice:  # (the children's time is in what others want already)
+            reserved = 0
         now = self.clock()
         then, busy_then, self_then = self._last
-        if now - then < self.interval_s:
+        if now - then >= self.interval_s:
+            sample = self._sample()
+            if sample is None:
+                self.enabled = False
+                return self.threads
+            _, busy, own = sample
+            n, seconds = len(self.cpus), now - then
+            total = max(0.0, busy - busy_then) / seconds
+            got = min(float(n), max(0.0, (busy - busy_then) - (own - self_then)) / seconds)
+            if total >= n - self.SATURATED and got > 0:
+                self.others = min(float(n), got * self.threads / max(n - got, 1e-3))
+            else:
+                self.others = got
+        elif reserved == self.reserved:
             return self.threads
-        sample = self._sample()
-        if sample is None:
-            self.enabled = False
-            return self.threads
-        _, busy, own = sample
-        n, seconds = len(self.cpus), now - then
-        total = max(0.0, busy - busy_then) / seconds
-        got = min(float(n), max(0.0, (busy - busy_then) - (own - self_then)) / seconds)
-        if total >= n - self.SATURATED and got > 0:
-            self.others = min(float(n), got * self.threads / max(n - got, 1e-3))
-        else:
-            self.others = got
-        free = n - self.others
+        self.reserved = reserved
+        n = len(self.cpus)
+        free = n - min(float(n), self.others + reserved)
         h = self.hysteresis
         cap = min(self.max_threads, n)
         down = max(1, min(cap, math.floor(free + 0.5 + h)))
@@ -331,8 +347,8 @@ class ThreadGovernor:
         else:
             self._up_votes = 0
             return self.threads
-        logger.debug("other processes want %.2f of %d CPUs (got %.2f): %d -> %d intra-op threads",
-                     self.others, n, got, self.threads, target)
+        logger.debug("other processes want %.2f of %d CPUs, %d reserved: %d -> %d intra-op threads",
+                     self.others, n, reserved, self.threads, target)
         self.threads = target
         self.num_changes += 1
         return target

@@ -174,6 +174,29 @@ def test_governor_counts_only_other_processes_and_keeps_its_bounds():
         assert g.update() == 2
 
 
+def test_governor_leaves_reserved_cores_to_the_process_children():
+    """A core reserved for the kernels compiling in the background (niced: /proc/stat does
+    not count it as load): one thread less at once, without waiting for a measurement; the
+    thread back two votes after the reservation ends; never below one thread; no reservation
+    where the nice column counts (the children show as others' load there already)."""
+    m = FakeMachine()
+    g = m.governor()
+    assert g.update(reserved=1) == 1 and g.num_changes == 1 and g.reserved == 1  # at once
+    m.run(0.6, own=1.0)
+    assert g.update(reserved=1) == 1  # a quiet machine, the core still reserved
+    assert g.update(reserved=0) == 1  # the builds ended: one vote
+    m.run(0.6, own=1.0)
+    assert g.update(reserved=0) == 2 and g.num_changes == 2
+    m.run(0.6, others=1.0, own=1.0)
+    assert g.update(reserved=1) == 1  # others' core and the reserved one: still one thread
+    m = FakeMachine()
+    g = m.governor(max_threads=8, cpus=range(8))
+    assert g.update(reserved=1) == 7
+    g = m.governor()
+    g.counts_nice = True
+    assert g.update(reserved=1) == 2 and g.num_changes == 0
+
+
 def test_governor_set_max_threads_and_bad_arguments():
     m = FakeMachine()
     g = m.governor()

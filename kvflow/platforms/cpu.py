@@ -84,17 +84,24 @@ class CpuPlatform(Platform):
         reuse_large_allocations(envs.KVFLOW_CPU_MALLOC_REUSE)
 
     def between_steps(self) -> None:
-        """Fit the CPU thread count to the free cores (the governor), then publish the C++
-        kernels built since the last step (``kvflow.ops.publish_background_builds``). Call
+        """Publish the C++ kernels built since the last step
+        (``kvflow.ops.publish_background_builds``), then fit the CPU thread count to the free
+        cores (the governor), one core left to the compiler while kernels still build. Call
         it between two steps only, on the thread that runs the forwards (OpenMP's count is
-        per OS thread)."""
-        if self.thread_governor is not None:
-            threads = self.thread_governor.update()
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
+        per OS thread).
+
+        Why the core: the compiler runs niced, which the governor does not count as load,
+        but a team of OpenMP threads as large as the CPUs waits in every parallel region for
+        the thread the compiler holds off its core: SmolLM2-135M's first generations on 2
+        cores ran at 0.4-1.0 tok/s during the builds with 2 threads, 3.6-4.7 with one, and
+        the builds ended ~2x sooner (docs/benchmarks.md, session 36)."""
         if self.kernel_builds:  # between two steps: no forward of this engine is running
             ops.publish_background_builds(self.kernel_builds)
             self.kernel_builds = [k for k in self.kernel_builds if k.pending()]
+        if self.thread_governor is not None:
+            threads = self.thread_governor.update(reserved=1 if self.kernel_builds else 0)
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
 
     def get_stats(self) -> dict[str, float | int]:
         """With a thread governor: num_cpu_threads, cpu_other_load, num_cpu_thread_changes."""

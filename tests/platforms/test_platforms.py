@@ -100,7 +100,8 @@ def test_a_gguf_model_builds_its_matmul_kernel_first_in_the_background(monkeypat
 
 def test_the_cpu_platform_starts_the_builds_and_publishes_them_between_steps(monkeypatch):
     """Resolving the CPU platform starts its kernels' builds; ``between_steps`` publishes the
-    finished ones and keeps the pending ones; no thread governor under tensor parallelism."""
+    finished ones and keeps the pending ones, and has the thread governor leave a core to
+    the compiler while any is pending; no thread governor under tensor parallelism."""
     published = []
 
     class Kernel:
@@ -116,8 +117,18 @@ def test_the_cpu_platform_starts_the_builds_and_publishes_them_between_steps(mon
     monkeypatch.setattr(ops, "publish_background_builds", lambda kernels: published.append(list(kernels)))
     platform = resolve_platform(_config())
     assert platform.kernel_builds == [done, building]
+    reserved = []
+    platform.thread_governor = SimpleNamespace(update=lambda reserved=0: reserved_and(reserved))
+
+    def reserved_and(r):
+        reserved.append(r)
+        return torch.get_num_threads()
+
     platform.between_steps()
     assert published == [[done, building]] and platform.kernel_builds == [building]
+    building.done = True  # the last build ends: published, and the compiler's core given back
+    platform.between_steps()
+    assert platform.kernel_builds == [] and reserved == [1, 0]
     tp_platform = resolve_platform(_config(tp=2))
     assert tp_platform.kernel_builds == [] and tp_platform.thread_governor is None and tp_platform.get_stats() == {}
 
