@@ -90,11 +90,13 @@ class CpuPlatform(Platform):
         it between two steps only, on the thread that runs the forwards (OpenMP's count is
         per OS thread).
 
-        Why the core: the compiler runs niced, which the governor does not count as load,
-        but a team of OpenMP threads as large as the CPUs waits in every parallel region for
-        the thread the compiler holds off its core: SmolLM2-135M's first generations on 2
-        cores ran at 0.4-1.0 tok/s during the builds with 2 threads, 3.6-4.7 with one, and
-        the builds ended ~2x sooner (docs/benchmarks.md, session 36)."""
+        Why the core: the compiler runs niced, but in a session of its own (the scheduler's
+        autogroup), where its nice does not yield to this process; a team of OpenMP threads
+        as large as the CPUs then waits in every parallel region for the thread the compiler
+        holds off its core. SmolLM2-135M's first generations on 2 cores ran at 0.4-1.0
+        tok/s during the builds with 2 threads, 4-105 with one (docs/benchmarks.md, session
+        36). The governor's measurements count the compiler too (as niced load); the
+        reservation holds from the first step, before a measurement."""
         if self.kernel_builds:  # between two steps: no forward of this engine is running
             ops.publish_background_builds(self.kernel_builds)
             self.kernel_builds = [k for k in self.kernel_builds if k.pending()]
