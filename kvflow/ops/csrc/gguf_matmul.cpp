@@ -1832,16 +1832,24 @@ torch::Tensor gguf_pack(torch::Tensor raw, int64_t qtype, int64_t N, int64_t K) 
   return packed;
 }
 
-// The stored rows back: raw uint8 [N, row bytes] from gguf_pack's result (byte-exact).
-torch::Tensor gguf_unpack(torch::Tensor packed, int64_t qtype, int64_t N, int64_t K) {
+// The arguments of a weight gguf_pack packed (gguf_unpack, gguf_embedding) checked; returns the GGML type.
+int check_packed_args(const torch::Tensor& packed, int64_t qtype, int64_t N, int64_t K) {
   const int qt = static_cast<int>(qtype);
   TORCH_CHECK(block_bytes(qt) > 0, "qtype: GGML type ", qtype, " is not supported");
   TORCH_CHECK(N > 0 && K > 0 && K % block_elems(qt) == 0, "K: a positive multiple of ", block_elems(qt));
   const PFmt pf = pfmt(qt);
-  const int64_t groups = (N + G - 1) / G, nsb = K / pf.sb, ldg = nsb * pf.sb_bytes(), bb = block_bytes(qt);
+  const int64_t groups = (N + G - 1) / G, ldg = K / pf.sb * pf.sb_bytes();
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
                   packed.dim() == 2 && packed.size(0) == groups && packed.size(1) == ldg,
               "packed: uint8 [", groups, ", ", ldg, "] (gguf_pack's result)");
+  return qt;
+}
+
+// The stored rows back: raw uint8 [N, row bytes] from gguf_pack's result (byte-exact).
+torch::Tensor gguf_unpack(torch::Tensor packed, int64_t qtype, int64_t N, int64_t K) {
+  const int qt = check_packed_args(packed, qtype, N, K);
+  const PFmt pf = pfmt(qt);
+  const int64_t groups = (N + G - 1) / G, nsb = K / pf.sb, ldg = nsb * pf.sb_bytes(), bb = block_bytes(qt);
   torch::Tensor raw = torch::empty({N, nsb * bb}, torch::kUInt8);
   const uint8_t* src = packed.data_ptr<uint8_t>();
   uint8_t* dst = raw.data_ptr<uint8_t>();
@@ -1864,14 +1872,9 @@ torch::Tensor gguf_unpack(torch::Tensor packed, int64_t qtype, int64_t N, int64_
 // only the looked-up rows are touched (unpacking their whole groups took ~0.1 ms a step).
 // Raises IndexError (TORCH_CHECK_INDEX) for an id outside [0, N).
 void gguf_embedding(torch::Tensor packed, torch::Tensor ids, int64_t qtype, int64_t N, int64_t K, torch::Tensor out) {
-  const int qt = static_cast<int>(qtype);
-  TORCH_CHECK(block_bytes(qt) > 0, "qtype: GGML type ", qtype, " is not supported");
-  TORCH_CHECK(N > 0 && K > 0 && K % block_elems(qt) == 0, "K: a positive multiple of ", block_elems(qt));
+  const int qt = check_packed_args(packed, qtype, N, K);
   const PFmt pf = pfmt(qt);
-  const int64_t groups = (N + G - 1) / G, nsb = K / pf.sb, ldg = nsb * pf.sb_bytes(), bb = block_bytes(qt);
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() &&
-                  packed.dim() == 2 && packed.size(0) == groups && packed.size(1) == ldg,
-              "packed: uint8 [", groups, ", ", ldg, "] (gguf_pack's result)");
+  const int64_t nsb = K / pf.sb, ldg = nsb * pf.sb_bytes(), bb = block_bytes(qt);
   TORCH_CHECK(ids.device().is_cpu() && ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.is_contiguous(),
               "ids: contiguous int64 [T]");
   const int64_t T = ids.size(0);
