@@ -69,6 +69,9 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 """The folder of the kernels' source files (package data)."""
 
+PACKAGE_ROOT = CSRC.parents[2]
+"""The folder that holds this copy of the ``kvflow`` package (what the builder child imports)."""
+
 SLOW_LOAD_S = 2.0
 """A load of a cached build that takes longer than this is a rebuild: it is logged then."""
 
@@ -396,11 +399,16 @@ class CppKernel:
         (``_sole_builder``)."""
         if self.source_path.parent != CSRC:
             return
+        # The child imports this copy of kvflow, whatever its working directory and sys.path
+        # (a script that put this checkout on sys.path, another kvflow installed): else it
+        # built the other copy's kernels and this one's build ran here, unniced, afterwards.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
         try:
             subprocess.run([sys.executable, "-m", "kvflow.ops", "--nice", "10", "--parent", str(os.getpid()),
                             self.source_path.name],
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True, check=False)
+                           start_new_session=True, check=False, env=env)
         except OSError:  # no child process: build in this one
             pass
 

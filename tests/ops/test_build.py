@@ -601,3 +601,22 @@ def test_an_extensions_folder_that_is_a_file_keeps_the_pytorch_path(monkeypatch,
     with caplog.at_level(logging.WARNING, logger="kvflow.ops.build"):
         assert not ext.is_built() and ext.load() is None
     assert "test kernel could not be built" in caplog.text
+
+
+def test_the_child_builder_imports_this_copy_of_kvflow(monkeypatch, tmp_path):
+    """The child ``python -m kvflow.ops`` imports the kvflow this process runs, not another
+    copy its working directory or environment would find (a script that put a checkout on
+    sys.path while another kvflow is installed): else it built the other copy's kernels,
+    and this one's build then ran in the engine's process, unniced."""
+    import kvflow
+
+    ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
+    runs, run = [], subprocess.run
+    monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.chdir(tmp_path)
+    ext._compile_in_subprocess()
+    (cmd, kw), = runs
+    child = run([sys.executable, "-c", "import kvflow; print(kvflow.__file__)"], env=kw.get("env"), cwd=tmp_path,
+                capture_output=True, text=True)
+    assert Path(child.stdout.strip()).resolve() == Path(kvflow.__file__).resolve(), child.stderr
