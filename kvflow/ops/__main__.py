@@ -45,9 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.nice:
         os.nice(args.nice)
     if args.parent is not None:
-        from kvflow.ops.build import end_with_parent
+        from kvflow.ops import build
 
-        end_with_parent(args.parent)
+        build.IN_BUILDER_CHILD = True  # (it compiles here: no child of its own)
+        build.end_with_parent(args.parent)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # One job per extension (kernels sharing one, same prefix and source, would build it in one
     # job: the first builds it, the next loads it), the largest sources with what they include

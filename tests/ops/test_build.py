@@ -358,10 +358,10 @@ def test_a_package_kernel_is_compiled_in_a_child_process(monkeypatch):
     --nice 10 <source>`` (so that an engine exiting mid-build leaves no stale build lock),
     then loads the cached build in this process."""
     ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
-    monkeypatch.setattr(ext, "is_built", lambda: False)
     runs = []
+    monkeypatch.setattr(ext, "is_built", lambda: bool(runs))  # (built once the child ran)
     monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
-    monkeypatch.setattr(ext, "_build", lambda: _FakeModule())
+    monkeypatch.setattr(ext, "_import_built", lambda: _FakeModule())
     build.start_background_builds([ext])
     assert ext.publish(wait=True) and ext.load().twice(2) == 4
     (cmd, kw), = runs
@@ -620,3 +620,41 @@ def test_the_child_builder_imports_this_copy_of_kvflow(monkeypatch, tmp_path):
     child = run([sys.executable, "-c", "import kvflow; print(kvflow.__file__)"], env=kw.get("env"), cwd=tmp_path,
                 capture_output=True, text=True)
     assert Path(child.stdout.strip()).resolve() == Path(kvflow.__file__).resolve(), child.stderr
+
+
+def test_a_build_on_first_use_compiles_in_the_child_process(monkeypatch):
+    """A package kernel built on its first use (``KVFLOW_CPU_KERNEL_BUILD=wait``, or outside
+    an engine) compiles in the builder child too, whose compilers end with this process:
+    under torch's load in this process, a server stopped by SIGTERM mid-build left its ninja
+    and compiler running, orphaned, and the next start built beside them."""
+    import torch.utils.cpp_extension
+
+    ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
+    runs, loads = [], []
+    monkeypatch.setattr(ext, "is_built", lambda: bool(runs))
+    monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
+    monkeypatch.setattr(ext, "_import_built", lambda: _FakeModule())
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: loads.append(kw) or _FakeModule())
+    monkeypatch.setattr(build, "target_refused", lambda cflags: "")
+    monkeypatch.setattr(build, "missing_cpu_features", lambda cflags: [])
+    assert ext.load().twice(2) == 4
+    (cmd, kw), = runs
+    assert cmd[1:4] == ["-m", "kvflow.ops", "--nice"] and "--parent" in cmd and kw["start_new_session"]
+    assert loads == []  # (no compile in this process)
+
+
+def test_the_builder_child_compiles_in_its_own_process(monkeypatch):
+    """In the builder child (``python -m kvflow.ops --parent PID``) a build runs there, never
+    in yet another child."""
+    import torch.utils.cpp_extension
+
+    ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
+    runs, loads = [], []
+    monkeypatch.setattr(build, "IN_BUILDER_CHILD", True)
+    monkeypatch.setattr(ext, "is_built", lambda: False)
+    monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: loads.append(kw) or _FakeModule())
+    monkeypatch.setattr(build, "target_refused", lambda cflags: "")
+    monkeypatch.setattr(build, "missing_cpu_features", lambda cflags: [])
+    assert ext.load().twice(2) == 4
+    assert runs == [] and len(loads) == 1
