@@ -658,3 +658,15 @@ def test_the_builder_child_compiles_in_its_own_process(monkeypatch):
     monkeypatch.setattr(build, "missing_cpu_features", lambda cflags: [])
     assert ext.load().twice(2) == 4
     assert runs == [] and len(loads) == 1
+
+
+def test_ops_main_compiles_in_its_own_process(monkeypatch, capsys):
+    """``python -m kvflow.ops`` (with or without ``--parent``) builds in its own process, at
+    its own ``--nice``: no builder child of its own, and the flag is restored after."""
+    from kvflow.ops.__main__ import main
+
+    seen = []
+    for kernel in ops.KERNELS:
+        monkeypatch.setattr(kernel, "load", lambda: seen.append(build.IN_BUILDER_CHILD) or _FakeModule())
+    assert main(["rotary.cpp"]) == 0
+    assert seen == [True] and build.IN_BUILDER_CHILD is False
