@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from kvflow.ops import KERNELS
+from kvflow.ops import build as build_module
 from kvflow.ops.build import CppKernel
 
 
@@ -69,8 +70,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{time.perf_counter() - start:7.2f} s", flush=True)
         return ok
 
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = list(pool.map(build, order))
+    # This command compiles in its own process (at its own --nice), not in builder children.
+    outer, build_module.IN_BUILDER_CHILD = build_module.IN_BUILDER_CHILD, True
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            results = list(pool.map(build, order))
+    finally:
+        build_module.IN_BUILDER_CHILD = outer
     return 0 if all(results) else 1
 
 

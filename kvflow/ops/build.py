@@ -69,6 +69,13 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent / "csrc"
 """The folder of the kernels' source files (package data)."""
 
+IN_BUILDER_CHILD = False
+"""True in the builder child (``python -m kvflow.ops --parent PID``): it compiles in its own
+process rather than starting another child."""
+
+PACKAGE_ROOT = CSRC.parents[2]
+"""The folder that holds this copy of the ``kvflow`` package (what the builder child imports)."""
+
 SLOW_LOAD_S = 2.0
 """A load of a cached build that takes longer than this is a rebuild: it is logged then."""
 
@@ -322,6 +329,16 @@ class CppKernel:
             logger.warning("kvflow's %s is not built: KVFLOW_CPU_MARCH=%s needs %s, which this CPU lacks; "
                            "using the PyTorch path", self.what, envs.KVFLOW_CPU_MARCH, ", ".join(missing))
             return None
+        announced = False
+        if not self.is_built() and not IN_BUILDER_CHILD:
+            # Compile in the builder child (its compilers end with this process) rather than
+            # under torch's load here: a build on first use (KVFLOW_CPU_KERNEL_BUILD=wait) of
+            # a server stopped by SIGTERM left its ninja and compiler running, orphaned, and
+            # the next start took their lock for stale and built beside them.
+            if self._background is None and self.source_path.parent == CSRC:  # (background ones: announced at their start)
+                logger.info("building the C++ %s (once, 15-90 s; cached afterwards)", self.what)
+                announced = True
+            self._compile_in_subprocess()
         if self.is_built():
             try:
                 with self._sole_builder():  # (not while another process writes it)
@@ -341,7 +358,8 @@ class CppKernel:
             with self._sole_builder():
                 announce = None
                 if not self.is_built():
-                    logger.info("building the C++ %s (once, 15-90 s; cached afterwards)", self.what)
+                    if not announced:
+                        logger.info("building the C++ %s (once, 15-90 s; cached afterwards)", self.what)
                 else:  # torch's load may still find the cached build out of date and rebuild it
                     announce = threading.Timer(SLOW_LOAD_S, logger.info, args=(
                         "building the C++ %s again (torch found its cached build out of date; 15-90 s)", self.what))
@@ -381,8 +399,7 @@ class CppKernel:
     def _build_in_background(self) -> None:
         done = self._background
         try:
-            self._compile_in_subprocess()
-            self._built = self._build()
+            self._built = self._build()  # (compiled in the builder child: _compile_in_subprocess)
         finally:
             if done is not None:
                 done.set()
@@ -396,11 +413,16 @@ class CppKernel:
         (``_sole_builder``)."""
         if self.source_path.parent != CSRC:
             return
+        # The child imports this copy of kvflow, whatever its working directory and sys.path
+        # (a script that put this checkout on sys.path, another kvflow installed): else it
+        # built the other copy's kernels and this one's build ran here, unniced, afterwards.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
         try:
             subprocess.run([sys.executable, "-m", "kvflow.ops", "--nice", "10", "--parent", str(os.getpid()),
                             self.source_path.name],
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True, check=False)
+                           start_new_session=True, check=False, env=env)
         except OSError:  # no child process: build in this one
             pass
 

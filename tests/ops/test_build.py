@@ -358,10 +358,10 @@ def test_a_package_kernel_is_compiled_in_a_child_process(monkeypatch):
     --nice 10 <source>`` (so that an engine exiting mid-build leaves no stale build lock),
     then loads the cached build in this process."""
     ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
-    monkeypatch.setattr(ext, "is_built", lambda: False)
     runs = []
+    monkeypatch.setattr(ext, "is_built", lambda: bool(runs))  # (built once the child ran)
     monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
-    monkeypatch.setattr(ext, "_build", lambda: _FakeModule())
+    monkeypatch.setattr(ext, "_import_built", lambda: _FakeModule())
     build.start_background_builds([ext])
     assert ext.publish(wait=True) and ext.load().twice(2) == 4
     (cmd, kw), = runs
@@ -601,3 +601,72 @@ def test_an_extensions_folder_that_is_a_file_keeps_the_pytorch_path(monkeypatch,
     with caplog.at_level(logging.WARNING, logger="kvflow.ops.build"):
         assert not ext.is_built() and ext.load() is None
     assert "test kernel could not be built" in caplog.text
+
+
+def test_the_child_builder_imports_this_copy_of_kvflow(monkeypatch, tmp_path):
+    """The child ``python -m kvflow.ops`` imports the kvflow this process runs, not another
+    copy its working directory or environment would find (a script that put a checkout on
+    sys.path while another kvflow is installed): else it built the other copy's kernels,
+    and this one's build then ran in the engine's process, unniced."""
+    import kvflow
+
+    ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
+    runs, run = [], subprocess.run
+    monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.chdir(tmp_path)
+    ext._compile_in_subprocess()
+    (cmd, kw), = runs
+    child = run([sys.executable, "-c", "import kvflow; print(kvflow.__file__)"], env=kw.get("env"), cwd=tmp_path,
+                capture_output=True, text=True)
+    assert Path(child.stdout.strip()).resolve() == Path(kvflow.__file__).resolve(), child.stderr
+
+
+def test_a_build_on_first_use_compiles_in_the_child_process(monkeypatch):
+    """A package kernel built on its first use (``KVFLOW_CPU_KERNEL_BUILD=wait``, or outside
+    an engine) compiles in the builder child too, whose compilers end with this process:
+    under torch's load in this process, a server stopped by SIGTERM mid-build left its ninja
+    and compiler running, orphaned, and the next start built beside them."""
+    import torch.utils.cpp_extension
+
+    ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
+    runs, loads = [], []
+    monkeypatch.setattr(ext, "is_built", lambda: bool(runs))
+    monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
+    monkeypatch.setattr(ext, "_import_built", lambda: _FakeModule())
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: loads.append(kw) or _FakeModule())
+    monkeypatch.setattr(build, "target_refused", lambda cflags: "")
+    monkeypatch.setattr(build, "missing_cpu_features", lambda cflags: [])
+    assert ext.load().twice(2) == 4
+    (cmd, kw), = runs
+    assert cmd[1:4] == ["-m", "kvflow.ops", "--nice"] and "--parent" in cmd and kw["start_new_session"]
+    assert loads == []  # (no compile in this process)
+
+
+def test_the_builder_child_compiles_in_its_own_process(monkeypatch):
+    """In the builder child (``python -m kvflow.ops --parent PID``) a build runs there, never
+    in yet another child."""
+    import torch.utils.cpp_extension
+
+    ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
+    runs, loads = [], []
+    monkeypatch.setattr(build, "IN_BUILDER_CHILD", True)
+    monkeypatch.setattr(ext, "is_built", lambda: False)
+    monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: loads.append(kw) or _FakeModule())
+    monkeypatch.setattr(build, "target_refused", lambda cflags: "")
+    monkeypatch.setattr(build, "missing_cpu_features", lambda cflags: [])
+    assert ext.load().twice(2) == 4
+    assert runs == [] and len(loads) == 1
+
+
+def test_ops_main_compiles_in_its_own_process(monkeypatch, capsys):
+    """``python -m kvflow.ops`` (with or without ``--parent``) builds in its own process, at
+    its own ``--nice``: no builder child of its own, and the flag is restored after."""
+    from kvflow.ops.__main__ import main
+
+    seen = []
+    for kernel in ops.KERNELS:
+        monkeypatch.setattr(kernel, "load", lambda: seen.append(build.IN_BUILDER_CHILD) or _FakeModule())
+    assert main(["rotary.cpp"]) == 0
+    assert seen == [True] and build.IN_BUILDER_CHILD is False
