@@ -416,8 +416,11 @@ class CppKernel:
         # The child imports this copy of kvflow, whatever its working directory and sys.path
         # (a script that put this checkout on sys.path, another kvflow installed): else it
         # built the other copy's kernels and this one's build ran here, unniced, afterwards.
+        # An installed copy (site-packages) is left to the interpreter's own order: that folder
+        # ahead of the standard library would let a backport installed there shadow it.
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+        if PACKAGE_ROOT.name not in ("site-packages", "dist-packages"):
+            env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [env.get("PYTHONPATH")])])
         try:
             subprocess.run([sys.executable, "-m", "kvflow.ops", "--nice", "10", "--parent", str(os.getpid()),
                             self.source_path.name],
