@@ -360,6 +360,9 @@ def test_a_package_kernel_is_compiled_in_a_child_process(monkeypatch):
     ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
     runs = []
     monkeypatch.setattr(ext, "is_built", lambda: bool(runs))  # (built once the child ran)
+    # (the compiler probes of a KVFLOW_CPU_MARCH other than native run subprocess.run too)
+    monkeypatch.setattr(build, "target_refused", lambda cflags: "")
+    monkeypatch.setattr(build, "missing_cpu_features", lambda cflags: [])
     monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
     monkeypatch.setattr(ext, "_import_built", lambda: _FakeModule())
     build.start_background_builds([ext])
@@ -612,6 +615,9 @@ def test_the_child_builder_imports_this_copy_of_kvflow(monkeypatch, tmp_path):
 
     ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
     runs, run = [], subprocess.run
+    # (the compiler probes of a KVFLOW_CPU_MARCH other than native run subprocess.run too)
+    monkeypatch.setattr(build, "target_refused", lambda cflags: "")
+    monkeypatch.setattr(build, "missing_cpu_features", lambda cflags: [])
     monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
     monkeypatch.delenv("PYTHONPATH", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -632,6 +638,9 @@ def test_a_build_on_first_use_compiles_in_the_child_process(monkeypatch):
     ext = CppKernel("kvflow_test_child", ops.RMS_NORM.source_path, SWITCH, "test kernel")
     runs, loads = [], []
     monkeypatch.setattr(ext, "is_built", lambda: bool(runs))
+    # (the compiler probes of a KVFLOW_CPU_MARCH other than native run subprocess.run too)
+    monkeypatch.setattr(build, "target_refused", lambda cflags: "")
+    monkeypatch.setattr(build, "missing_cpu_features", lambda cflags: [])
     monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
     monkeypatch.setattr(ext, "_import_built", lambda: _FakeModule())
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: loads.append(kw) or _FakeModule())
@@ -652,6 +661,9 @@ def test_the_builder_child_compiles_in_its_own_process(monkeypatch):
     runs, loads = [], []
     monkeypatch.setattr(build, "IN_BUILDER_CHILD", True)
     monkeypatch.setattr(ext, "is_built", lambda: False)
+    # (the compiler probes of a KVFLOW_CPU_MARCH other than native run subprocess.run too)
+    monkeypatch.setattr(build, "target_refused", lambda cflags: "")
+    monkeypatch.setattr(build, "missing_cpu_features", lambda cflags: [])
     monkeypatch.setattr(build.subprocess, "run", lambda cmd, **kw: runs.append((cmd, kw)))
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: loads.append(kw) or _FakeModule())
     monkeypatch.setattr(build, "target_refused", lambda cflags: "")
