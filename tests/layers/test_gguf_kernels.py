@@ -131,6 +131,38 @@ def test_linear_within_int8_activation_bound(qt, m, n):
     assert bool(((y.double() - ref).abs() <= _bound(x, ref_w)).all()), (y.double() - ref).abs().max()
 
 
+# The quant bytes of one block (start, end) per format, and the byte that sets every value in
+# them to its largest (Q8_0: int8 127); the scale fields stay _random_raw's.
+_QUANT_BYTES = {
+    Q.Q4_0: ((2, 18),), Q.Q4_1: ((4, 20),), Q.Q5_0: ((2, 22),), Q.Q5_1: ((4, 24),), Q.Q8_0: ((2, 34),),
+    Q.Q4_K: ((16, 144),), Q.Q5_K: ((16, 176),), Q.Q6_K: ((0, 192),),
+}
+
+
+@pytest.mark.parametrize("qt", QTYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [3, 40])
+def test_linear_at_the_integer_sums_bounds(qt, m):
+    """Every weight value at its format's largest and activations at +-127 after rounding: the
+    kernels' 16-bit partial sums (AVX2 vpmaddubsw pairs added before vpmaddwd) are at their
+    bound here, so a sum that overflows or saturates shows as a wrong result. M = 3 takes the
+    small-M path, 40 the GEMM."""
+    k = 512 if qt in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 128
+    n = 24
+    raw = _random_raw(qt, n, k, seed=11)
+    size, bpb = gguf.GGML_QUANT_SIZES[qt]
+    blocks = raw.reshape(-1, bpb)
+    for lo, hi in _QUANT_BYTES[qt]:
+        blocks[:, lo:hi] = 0x7F if qt == Q.Q8_0 else 0xFF
+    ref_w = torch.from_numpy(quants.dequantize(raw, qt).astype(np.float64))
+    w = GGUFWeight(torch.from_numpy(raw), qt, n, k)
+    rows = [torch.ones(k), -torch.ones(k), torch.tensor([1.0, -1.0]).repeat(k // 2),
+            torch.tensor([1.0, 1.0, -1.0, -1.0]).repeat(k // 4)]
+    x = torch.stack([rows[i % len(rows)] * (1 + i % 3) for i in range(m)])
+    y = gguf_linear(x, w)
+    ref = x.double() @ ref_w.t()
+    assert bool(((y.double() - ref).abs() <= _bound(x, ref_w)).all()), (y.double() - ref).abs().max()
+
+
 @pytest.mark.parametrize("qt", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_bias_and_out_column_slice(qt, dtype):

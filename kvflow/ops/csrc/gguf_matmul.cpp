@@ -1268,26 +1268,33 @@ inline void group_dot_generic(const PFmt& pf, const uint8_t* g, const PAct& a, i
 // The AVX2 micro-kernel of the small-M path and the prefill GEMM: acc[h MR + m] (8 rows:
 // 8 R .. 8 R + 7 of the group, R = R0 + h, h < NH) = those rows . activation row m0 + m, m < MR;
 // NH = 2 does both halves of each sub-block before the next (one pass over the group). Per
-// sub-block the 8 rows' 32 values are decoded once into eight ymm registers (u[t]: 4 values of each row) and meet the MR activation rows
-// (vpmaddubsw against the broadcast dword t, then vpmaddwd to 32 bits). vpmaddubsw's 16-bit
-// pair sums are added in 16 bits before the one vpmaddwd where they cannot overflow (|a| <=
-// 127: a pair is at most 2 * 15 * 127 = 3810 for 4-bit values, so all eight; 5-bit values four
-// (4 * 7874), 6-bit two (2 * 16002); Q8_0's signed values one): the integer sum is the same.
-// The scales of the 8 rows are converted together (F16C). The float operations per row and
-// block are group_dot_generic's, in its order: the results are the same bits. Keep the
-// minimum's product in the same chain, right after its block's scaled sum: where activations
-// are large (SmolLM2's outlier features) the two cancel block by block; summed in a chain of
-// their own and subtracted at the end, SmolLM2's 79-token perplexity moved from +0.3 % to
-// +2.7 % of the float32 model's (tests/quantization/test_gguf_native.py), for no speed.
+// sub-block and half, vector t (4 values of each of the 8 rows) is decoded into one ymm
+// register just before it meets the MR activation rows (vpmaddubsw against the broadcast
+// dword t, then vpmaddwd to 32 bits): t outer, rows inner, so only the MR 16-bit partial sums
+// stay live, not the eight decoded vectors (which, held for the rows' loop, spilled to the stack
+// from MR = 2 on). vpmaddubsw's 16-bit pair sums are added in 16 bits before one vpmaddwd where
+// they cannot overflow (|a| <= 127: a pair is at most 2 * 15 * 127 = 3810 for 4-bit values, so
+// all eight; 5-bit values four (4 * 7874), 6-bit two (2 * 16002)): the integer sum is the same
+// in any order. The scales of the 8 rows are converted together (F16C). The float operations
+// per row and block are group_dot_generic's, in its order: the results are the same bits. Keep
+// the minimum's product in the same chain, right after its block's scaled sum: where
+// activations are large (SmolLM2's outlier features) the two cancel block by block; summed in
+// a chain of their own and subtracted at the end, SmolLM2's 79-token perplexity moved from
+// +0.3 % to +2.7 % of the float32 model's (tests/quantization/test_gguf_native.py), for no speed.
 template <int QT, int MR, int NH = 1>
 inline void group_dot_avx2(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m0, int R0, __m256* acc) {
+  static_assert(QT != Q8_0, "Q8_0 takes group_dot_generic on AVX2");
   constexpr int K0 = packed_k0<QT>();
   constexpr bool HAS_M = QT == Q4_1 || QT == Q5_1 || QT == Q4_K || QT == Q5_K;
   constexpr bool FIVE = QT == Q5_0 || QT == Q5_1 || QT == Q5_K;
+  constexpr int L = QT == Q6_K ? 2 : FIVE ? 4 : 8;  // vectors t whose pair sums share 16 bits
+  constexpr int HALVES = QT == Q6_K ? 2 : 1;         // Q6_K: the two 16-element halves' own scales
   const int64_t nsb = a.K / pf.sb, nb = a.K / 32;
   const int nsub = pf.sb / 32, subb = pf.sub_bytes();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int m = 0; m < NH * MR; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0F);
+  __m256 accl[NH][MR];
+  for (int h = 0; h < NH; ++h)
+    for (int m = 0; m < MR; ++m) accl[h][m] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
     __m256 Dvh[NH], Mvh[NH];
     for (int h = 0; h < NH; ++h) {
@@ -1300,83 +1307,70 @@ inline void group_dot_avx2(const PFmt& pf, const uint8_t* g, const PAct& a, int6
       const int64_t b = s * nsub + j;
       if (R0 == 0)  // the pass over the first 8 rows brings the whole lines in (as group_dot)
         for (int o = 0; o < subb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(sub + PREFETCH + o), _MM_HINT_T0);
+#pragma GCC unroll 2
       for (int hh = 0; hh < NH; ++hh) {
-      const int R = R0 + hh;
-      const __m256 Dv = Dvh[hh], Mv = Mvh[hh];
-      __m256* acch = acc + hh * MR;
-      const uint8_t* q = sub;
-      __m256 sv = Dv, sv1 = Dv, cv = Mv;
-      if constexpr (QT == Q4_K || QT == Q5_K) {
-        sv = _mm256_mul_ps(Dv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * R)))));
-        cv = _mm256_mul_ps(Mv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 + 8 * R)))));
-        q += 32;
-      } else if constexpr (QT == Q6_K) {
-        sv = _mm256_mul_ps(Dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * R)))));
-        sv1 = _mm256_mul_ps(Dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 + 8 * R)))));
-        q += 32;
-      }
-      __m256i u[8];
-      for (int t = 0; t < 8; ++t) {
-        if constexpr (QT == Q8_0) {
-          u[t] = _mm256_xor_si256(GG_LOAD(q + 64 * t + 32 * R), _mm256_set1_epi8(static_cast<char>(0x80)));  // w = u - 128
-        } else {
+        const int R = R0 + hh;
+        const uint8_t* q = sub;
+        __m256 sv = Dvh[hh], sv1 = Dvh[hh], cv = Mvh[hh];
+        if constexpr (QT == Q4_K || QT == Q5_K) {
+          sv = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * R)))));
+          cv = _mm256_mul_ps(cv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 + 8 * R)))));
+          q += 32;
+        } else if constexpr (QT == Q6_K) {
+          sv = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * R)))));
+          sv1 = _mm256_mul_ps(sv1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 + 8 * R)))));
+          q += 32;
+        }
+        const int8_t* ap = a.q + m0 * a.K + b * 32;
+        __m256i isum[MR][HALVES], p16[MR];
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
           const __m256i p = GG_LOAD(q + 64 * (t & 3) + 32 * R);
-          u[t] = _mm256_and_si256(t >= 4 ? _mm256_srli_epi16(p, 4) : p, _mm256_set1_epi8(0x0F));
-          if constexpr (FIVE) u[t] = _mm256_or_si256(u[t], bits32(q + 256 + 8 * t + 4 * R));
+          __m256i u = _mm256_and_si256(t >= 4 ? _mm256_srli_epi16(p, 4) : p, lo4);
+          if constexpr (FIVE) u = _mm256_or_si256(u, bits32(q + 256 + 8 * t + 4 * R));
           if constexpr (QT == Q6_K) {
             const __m256i hb = GG_LOAD(q + 256 + 64 * (t >> 2) + 32 * R);
             const int tt = t & 3;
             const __m256i sh = tt == 3 ? _mm256_srli_epi16(hb, 2) : tt == 2 ? hb : _mm256_slli_epi16(hb, 4 - 2 * tt);
-            u[t] = _mm256_or_si256(u[t], _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
+            u = _mm256_or_si256(u, _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
           }
-        }
-      }
 #pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) {
-        const int64_t row = m0 + m;
-        const int8_t* ap = a.q + row * a.K + b * 32;
-        const int32_t* is = a.i16 + (row * nb + b) * 2;
-        const __m256 dav = _mm256_set1_ps(a.d[row * nb + b]);
-#define GG_P(t) _mm256_maddubs_epi16(u[t], _mm256_set1_epi32(ld32(ap + 4 * (t))))
-        if constexpr (QT == Q6_K) {
-          // per half h: two 16-bit sums of two pairs each
-          for (int h = 0; h < 2; ++h) {
-            const __m256i lo = _mm256_add_epi16(GG_P(4 * h), GG_P(4 * h + 1));
-            const __m256i hi = _mm256_add_epi16(GG_P(4 * h + 2), GG_P(4 * h + 3));
-            __m256i i = _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-            i = _mm256_sub_epi32(i, _mm256_set1_epi32(K0 * is[h]));
-            acch[m] = _mm256_fmadd_ps(h ? sv1 : sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), acch[m]);
+          for (int m = 0; m < MR; ++m) {
+            const __m256i P = _mm256_maddubs_epi16(u, _mm256_set1_epi32(ld32(ap + m * a.K + 4 * t)));
+            p16[m] = t % L == 0 ? P : _mm256_add_epi16(p16[m], P);
+            if (t % L == L - 1) {
+              const __m256i w = _mm256_madd_epi16(p16[m], ones);
+              const int h = HALVES == 2 ? t / 4 : 0, first = HALVES == 2 ? 4 * h + L - 1 : L - 1;
+              isum[m][h] = t == first ? w : _mm256_add_epi32(isum[m][h], w);
+            }
           }
-          continue;
         }
-        __m256i i;
-        if constexpr (QT == Q8_0) {
-          i = _mm256_setzero_si256();
-          for (int t = 0; t < 8; ++t) {
-            const __m256i av = _mm256_set1_epi32(ld32(ap + 4 * t));
-            i = _mm256_add_epi32(i, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(u[t], u[t]), _mm256_sign_epi8(av, u[t])), ones));
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m) {
+          const int64_t row = m0 + m;
+          const int32_t* is = a.i16 + (row * nb + b) * 2;
+          const __m256 dav = _mm256_set1_ps(a.d[row * nb + b]);
+          if constexpr (QT == Q6_K) {
+            for (int h = 0; h < 2; ++h) {
+              const __m256i i = _mm256_sub_epi32(isum[m][h], _mm256_set1_epi32(K0 * is[h]));
+              accl[hh][m] = _mm256_fmadd_ps(h ? sv1 : sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), accl[hh][m]);
+            }
+            continue;
           }
-        } else if constexpr (FIVE) {
-          const __m256i h0 = _mm256_add_epi16(_mm256_add_epi16(GG_P(0), GG_P(1)), _mm256_add_epi16(GG_P(2), GG_P(3)));
-          const __m256i h1 = _mm256_add_epi16(_mm256_add_epi16(GG_P(4), GG_P(5)), _mm256_add_epi16(GG_P(6), GG_P(7)));
-          i = _mm256_add_epi32(_mm256_madd_epi16(h0, ones), _mm256_madd_epi16(h1, ones));
-        } else {
-          const __m256i h0 = _mm256_add_epi16(_mm256_add_epi16(GG_P(0), GG_P(1)), _mm256_add_epi16(GG_P(2), GG_P(3)));
-          const __m256i h1 = _mm256_add_epi16(_mm256_add_epi16(GG_P(4), GG_P(5)), _mm256_add_epi16(GG_P(6), GG_P(7)));
-          i = _mm256_madd_epi16(_mm256_add_epi16(h0, h1), ones);
+          __m256i i = isum[m][0];
+          if constexpr (K0 != 0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(K0 * (is[0] + is[1])));
+          accl[hh][m] = _mm256_fmadd_ps(sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), accl[hh][m]);
+          if constexpr (QT == Q4_1 || QT == Q5_1)
+            accl[hh][m] = _mm256_fmadd_ps(cv, _mm256_set1_ps(a.s32[row * nb + b]), accl[hh][m]);
+          else if constexpr (QT == Q4_K || QT == Q5_K)
+            accl[hh][m] = _mm256_fnmadd_ps(cv, _mm256_set1_ps(a.s32[row * nb + b]), accl[hh][m]);
         }
-#undef GG_P
-        if constexpr (K0 != 0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(K0 * (is[0] + is[1])));
-        acch[m] = _mm256_fmadd_ps(sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), acch[m]);
-        if constexpr (QT == Q4_1 || QT == Q5_1)
-          acch[m] = _mm256_fmadd_ps(cv, _mm256_set1_ps(a.s32[row * nb + b]), acch[m]);
-        else if constexpr (QT == Q4_K || QT == Q5_K)
-          acch[m] = _mm256_fnmadd_ps(cv, _mm256_set1_ps(a.s32[row * nb + b]), acch[m]);
-      }
       }
     }
     g += pf.sb_bytes();
   }
+  for (int h = 0; h < NH; ++h)
+    for (int m = 0; m < MR; ++m) acc[h * MR + m] = accl[h][m];
 }
 #endif
 
@@ -1487,7 +1481,7 @@ void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, in
         else rows_of(std::false_type());
         for (int m = 0; m < mr; ++m) _mm512_store_ps(res[m], acc[m]);
 #elif defined(GG_AVX2)
-        if (QT != Q8_0) {
+        if constexpr (QT != Q8_0) {
           // Both 8-row halves in one pass over the group (two passes, the second from L2,
           // left the DRAM stream idle during the second: Q4_K streamed at 25 GB/s, 45 from cache)
           __m256 acc[8];
