@@ -1268,11 +1268,13 @@ inline void group_dot_generic(const PFmt& pf, const uint8_t* g, const PAct& a, i
 // The AVX2 micro-kernel of the small-M path and the prefill GEMM: acc[h MR + m] (8 rows:
 // 8 R .. 8 R + 7 of the group, R = R0 + h, h < NH) = those rows . activation row m0 + m, m < MR;
 // NH = 2 does both halves of each sub-block before the next (one pass over the group). Per
-// sub-block and half, vector t (4 values of each of the 8 rows) is decoded into one ymm
+// sub-block, vector t of each half (4 values of each of its 8 rows) is decoded into one ymm
 // register just before it meets the MR activation rows (vpmaddubsw against the broadcast
-// dword t, then vpmaddwd to 32 bits): t outer, rows inner, so only the MR 16-bit partial sums
-// stay live, not the eight decoded vectors (which, held for the rows' loop, spilled to the stack
-// from MR = 2 on). vpmaddubsw's 16-bit pair sums are added in 16 bits before one vpmaddwd where
+// dword t, one broadcast for the NH halves, then vpmaddwd to 32 bits): t outer, rows inner, so
+// only the rows' 16-bit partial sums stay live, not the eight decoded vectors of a half (which,
+// held for the rows' loop, spilled to the stack from MR = 2 on). Against that layout (one half
+// after the other, eight vectors held), same machine, one thread, weights in cache: M = 1
+// 1.0-1.3x, M = 2-4 1.2-1.6x, the GEMM (M 32-256) 1.0-1.25x. vpmaddubsw's 16-bit pair sums are added in 16 bits before one vpmaddwd where
 // they cannot overflow (|a| <= 127: a pair is at most 2 * 15 * 127 = 3810 for 4-bit values, so
 // all eight; 5-bit values four (4 * 7874), 6-bit two (2 * 16002)): the integer sum is the same
 // in any order. The scales of the 8 rows are converted together (F16C). The float operations
@@ -1307,43 +1309,53 @@ inline void group_dot_avx2(const PFmt& pf, const uint8_t* g, const PAct& a, int6
       const int64_t b = s * nsub + j;
       if (R0 == 0)  // the pass over the first 8 rows brings the whole lines in (as group_dot)
         for (int o = 0; o < subb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(sub + PREFETCH + o), _MM_HINT_T0);
-#pragma GCC unroll 2
-      for (int hh = 0; hh < NH; ++hh) {
-        const int R = R0 + hh;
-        const uint8_t* q = sub;
-        __m256 sv = Dvh[hh], sv1 = Dvh[hh], cv = Mvh[hh];
-        if constexpr (QT == Q4_K || QT == Q5_K) {
-          sv = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * R)))));
-          cv = _mm256_mul_ps(cv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 + 8 * R)))));
-          q += 32;
-        } else if constexpr (QT == Q6_K) {
-          sv = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * R)))));
-          sv1 = _mm256_mul_ps(sv1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 16 + 8 * R)))));
-          q += 32;
-        }
-        const int8_t* ap = a.q + m0 * a.K + b * 32;
-        __m256i isum[MR][HALVES], p16[MR];
+      const uint8_t* q = sub + (pf.scales ? 32 : 0);
+      const int8_t* ap = a.q + m0 * a.K + b * 32;
+      // Integer sums: vector t of each half meets each row's broadcast dword t (one broadcast
+      // for the NH halves).
+      __m256i isum[NH][MR][HALVES], p16[NH][MR];
 #pragma GCC unroll 8
-        for (int t = 0; t < 8; ++t) {
+      for (int t = 0; t < 8; ++t) {
+        __m256i u[NH];
+#pragma GCC unroll 2
+        for (int hh = 0; hh < NH; ++hh) {
+          const int R = R0 + hh;
           const __m256i p = GG_LOAD(q + 64 * (t & 3) + 32 * R);
-          __m256i u = _mm256_and_si256(t >= 4 ? _mm256_srli_epi16(p, 4) : p, lo4);
-          if constexpr (FIVE) u = _mm256_or_si256(u, bits32(q + 256 + 8 * t + 4 * R));
+          u[hh] = _mm256_and_si256(t >= 4 ? _mm256_srli_epi16(p, 4) : p, lo4);
+          if constexpr (FIVE) u[hh] = _mm256_or_si256(u[hh], bits32(q + 256 + 8 * t + 4 * R));
           if constexpr (QT == Q6_K) {
             const __m256i hb = GG_LOAD(q + 256 + 64 * (t >> 2) + 32 * R);
             const int tt = t & 3;
             const __m256i sh = tt == 3 ? _mm256_srli_epi16(hb, 2) : tt == 2 ? hb : _mm256_slli_epi16(hb, 4 - 2 * tt);
-            u = _mm256_or_si256(u, _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
+            u[hh] = _mm256_or_si256(u[hh], _mm256_and_si256(sh, _mm256_set1_epi8(0x30)));
           }
+        }
 #pragma GCC unroll 8
-          for (int m = 0; m < MR; ++m) {
-            const __m256i P = _mm256_maddubs_epi16(u, _mm256_set1_epi32(ld32(ap + m * a.K + 4 * t)));
-            p16[m] = t % L == 0 ? P : _mm256_add_epi16(p16[m], P);
+        for (int m = 0; m < MR; ++m) {
+          const __m256i bc = _mm256_set1_epi32(ld32(ap + m * a.K + 4 * t));
+#pragma GCC unroll 2
+          for (int hh = 0; hh < NH; ++hh) {
+            const __m256i P = _mm256_maddubs_epi16(u[hh], bc);
+            p16[hh][m] = t % L == 0 ? P : _mm256_add_epi16(p16[hh][m], P);
             if (t % L == L - 1) {
-              const __m256i w = _mm256_madd_epi16(p16[m], ones);
+              const __m256i w = _mm256_madd_epi16(p16[hh][m], ones);
               const int h = HALVES == 2 ? t / 4 : 0, first = HALVES == 2 ? 4 * h + L - 1 : L - 1;
-              isum[m][h] = t == first ? w : _mm256_add_epi32(isum[m][h], w);
+              isum[hh][m][h] = t == first ? w : _mm256_add_epi32(isum[hh][m][h], w);
             }
           }
+        }
+      }
+      // The float operations per row and block, group_dot_generic's in its order.
+#pragma GCC unroll 2
+      for (int hh = 0; hh < NH; ++hh) {
+        const int R = R0 + hh;
+        __m256 sv = Dvh[hh], sv1 = Dvh[hh], cv = Mvh[hh];
+        if constexpr (QT == Q4_K || QT == Q5_K) {
+          sv = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * R)))));
+          cv = _mm256_mul_ps(cv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 16 + 8 * R)))));
+        } else if constexpr (QT == Q6_K) {
+          sv = _mm256_mul_ps(sv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 8 * R)))));
+          sv1 = _mm256_mul_ps(sv1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub + 16 + 8 * R)))));
         }
 #pragma GCC unroll 8
         for (int m = 0; m < MR; ++m) {
@@ -1352,12 +1364,12 @@ inline void group_dot_avx2(const PFmt& pf, const uint8_t* g, const PAct& a, int6
           const __m256 dav = _mm256_set1_ps(a.d[row * nb + b]);
           if constexpr (QT == Q6_K) {
             for (int h = 0; h < 2; ++h) {
-              const __m256i i = _mm256_sub_epi32(isum[m][h], _mm256_set1_epi32(K0 * is[h]));
+              const __m256i i = _mm256_sub_epi32(isum[hh][m][h], _mm256_set1_epi32(K0 * is[h]));
               accl[hh][m] = _mm256_fmadd_ps(h ? sv1 : sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), accl[hh][m]);
             }
             continue;
           }
-          __m256i i = isum[m][0];
+          __m256i i = isum[hh][m][0];
           if constexpr (K0 != 0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(K0 * (is[0] + is[1])));
           accl[hh][m] = _mm256_fmadd_ps(sv, _mm256_mul_ps(_mm256_cvtepi32_ps(i), dav), accl[hh][m]);
           if constexpr (QT == Q4_1 || QT == Q5_1)
@@ -1555,7 +1567,7 @@ inline void decode_groups(const PFmt& pf, const uint8_t* w, int64_t ldg, int64_t
 // block of GEMM_MC activation rows), dealt to the threads by for_each_chunk in N-major order (a
 // thread's items share their weight chunk, which stays in L2 while the activation blocks stream
 // from L2/L3); within an item each group is decoded once per GEMM_MR activation rows (VNNI:
-// 8 rows, 8 zmm accumulators; AVX2: 8 rows per 8-row half of the group; portable: 4), the
+// 8 rows, 8 zmm accumulators; AVX2: 4 rows, both 8-row halves of the group; portable: 4), the
 // remainder rows in tiles of 4 or fewer. Each output element is computed by the same
 // micro-kernel operations, in the same order, as the small-M path, so the results equal it
 // bit for bit.
@@ -1564,7 +1576,7 @@ constexpr int64_t GEMM_MC = 128;       // activation rows per work item
 constexpr int GEMM_MR = 8;   // one group (an odd last group of a chunk)
 constexpr int GEMM_MR2 = 4;  // a pair of groups: group_dot2
 #elif defined(GG_AVX2)
-constexpr int GEMM_MR = 8;  // the 8 rows' 16-bit sums + 8 accumulators: 1.0-1.17x over 4 rows (measured)
+constexpr int GEMM_MR = 4;  // x both 8-row halves of the group: 8 rows' broadcasts feed 16 vpmaddubsw
 #else
 constexpr int GEMM_MR = 4;
 #endif
@@ -1580,13 +1592,15 @@ inline void gemm_tile(const PFmt& pf, const uint8_t* g, const PAct& a, int64_t m
 #elif defined(GG_AVX2)
   if constexpr (QT == Q8_0) {  // (its sign trick per row left group_dot_avx2 no faster: measured)
     group_dot_generic<QT, MR>(pf, g, a, m0, res);
+  } else if (rows > 8) {  // both halves in one pass: each activation broadcast feeds both
+    __m256 acc[2 * MR];
+    group_dot_avx2<QT, MR, 2>(pf, g, a, m0, 0, acc);
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MR; ++m) _mm256_store_ps(res[m] + 8 * h, acc[h * MR + m]);
   } else {
-  for (int R = 0; R < 2; ++R) {
-    if (8 * R >= rows) break;
     __m256 acc[MR];
-    group_dot_avx2<QT, MR>(pf, g, a, m0, R, acc);
-    for (int m = 0; m < MR; ++m) _mm256_store_ps(res[m] + 8 * R, acc[m]);
-  }
+    group_dot_avx2<QT, MR>(pf, g, a, m0, 0, acc);
+    for (int m = 0; m < MR; ++m) _mm256_store_ps(res[m], acc[m]);
   }
 #else
   group_dot_generic<QT, MR>(pf, g, a, m0, res);
