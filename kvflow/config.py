@@ -128,8 +128,9 @@ def groups_page_spec(spec: KVCacheSpec, groups: KVCacheGroups) -> KVCacheSpec:
 def _check_model_sizes(hf_config: Any) -> None:
     """Refuse a checkpoint config (or a GGUF file's metadata made into one) that no model can
     be built from: a size that is not a positive integer, KV heads that do not divide the
-    query heads, a norm epsilon or rotary base that is not a positive finite number (a NaN
-    base made every logit NaN; a zero head count divided by zero).
+    query heads, a norm epsilon, rotary base or rotary scaling factor that is not a positive
+    finite number (a NaN base, or a zero factor, made every logit NaN; a zero head count
+    divided by zero).
 
     Raises:
         ValueError: naming the config field and its value.
@@ -147,7 +148,8 @@ def _check_model_sizes(hf_config: Any) -> None:
     rope = dict(getattr(hf_config, "rope_parameters", None) or {})
     rope = rope.get("full_attention", rope) if isinstance(rope.get("full_attention"), dict) else rope
     for name, value in (("rms_norm_eps", getattr(hf_config, "rms_norm_eps", None)),
-                        ("rope_theta", rope.get("rope_theta", getattr(hf_config, "rope_theta", None)))):
+                        ("rope_theta", rope.get("rope_theta", getattr(hf_config, "rope_theta", None))),
+                        ("rope_parameters' factor", rope.get("factor"))):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value) or value <= 0):
             raise ValueError(f"the model config's {name} must be a positive finite number, got {value!r}")

@@ -25,6 +25,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -628,6 +629,16 @@ def _rope_parameters(meta: GGUFMetadata) -> dict[str, Any]:
     if scaling in (None, "none"):
         return params
     factor = meta.arch_get("rope.scaling.factor", legacy_linear)
+    if scaling in ("linear", "yarn"):
+        # A missing factor became NaN in the config (written to config.json as a dict that
+        # the next read failed on with a TypeError); zero or a negative factor loaded and
+        # answered NaN logits or garbage (llama.cpp's frequency scale is 1 / factor).
+        key = f"{meta.arch}.rope.scaling.factor"
+        if factor is None:
+            raise ValueError(f"{meta.source}: GGUF metadata {meta.arch}.rope.scaling.type is {scaling!r} but {key} "
+                             "is missing")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"{meta.source}: GGUF metadata {key} must be a positive finite number, got {factor!r}")
     if scaling == "linear":
         params.update(rope_type="linear", factor=_float32(factor))
     elif scaling == "yarn":
@@ -643,6 +654,27 @@ def _rope_parameters(meta: GGUFMetadata) -> dict[str, Any]:
     else:
         raise NotImplementedError(f"GGUF rope scaling type {scaling!r} is not supported (none, linear, yarn are)")
     return params
+
+
+def _per_layer_int(meta: GGUFMetadata, key: str, default: Any = None) -> int:
+    """``{arch}.{key}``, which llama.cpp reads as one value or one per layer (its
+    ``get_key_or_arr``: ``attention.head_count``, ``attention.head_count_kv``,
+    ``feed_forward_length``): an array whose items are all equal is that value (a converter
+    may write it so); an array with different values per layer is refused by name (int() of
+    it was a bare TypeError).
+
+    Raises:
+        KeyError: the key is missing and there is no ``default``.
+        NotImplementedError: the layers' values differ.
+    """
+    value = meta.arch_get(key) if default is None else meta.arch_get(key, default)
+    if isinstance(value, (list, tuple)):
+        if not value or len(set(value)) != 1:
+            raise NotImplementedError(f"{meta.source}: GGUF metadata {meta.arch}.{key} differs per layer ({value[:8]}"
+                                      f"{' ...' if len(value) > 8 else ''}); kvflow runs models whose layers all "
+                                      "have the same shape")
+        value = value[0]
+    return int(value)
 
 
 def _build_config(meta: GGUFMetadata | gguf.GGUFReader) -> transformers.PretrainedConfig:
@@ -671,7 +703,7 @@ def _config_from_metadata(meta: GGUFMetadata | gguf.GGUFReader) -> transformers.
     spec = registry.gguf_arch_spec(meta.arch, int(meta.arch_get("expert_count", 0)) > 0)
     tensors = meta.tensors
     hidden_size = int(meta.arch_get("embedding_length"))
-    num_heads = int(meta.arch_get("attention.head_count"))
+    num_heads = _per_layer_int(meta, "attention.head_count")
     if num_heads < 1 or hidden_size < 1:
         raise ValueError(f"{meta.source}: {meta.arch}.attention.head_count ({num_heads}) and "
                          f"{meta.arch}.embedding_length ({hidden_size}) must be at least 1")
@@ -682,13 +714,16 @@ def _config_from_metadata(meta: GGUFMetadata | gguf.GGUFReader) -> transformers.
                          f"size {head_dim}]")
     if rope_dim != head_dim and not spec.gguf_partial_rotary:
         raise NotImplementedError(f"Partial rotary embedding ({rope_dim} of {head_dim} dims) is not supported")
+    if "token_embd.weight" not in tensors:  # (was "<file>: token_embd.weight, which this architecture requires")
+        raise ValueError(f"{meta.source}: GGUF tensor 'token_embd.weight' (the token embedding, which gives the "
+                         "vocabulary size) is missing")
     kwargs: dict[str, Any] = dict(
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF dims are reversed: (hidden, vocab)
         hidden_size=hidden_size,
-        intermediate_size=int(meta.arch_get("feed_forward_length")),
+        intermediate_size=_per_layer_int(meta, "feed_forward_length"),
         num_hidden_layers=int(meta.arch_get("block_count")),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(meta.arch_get("attention.head_count_kv", num_heads)),
+        num_key_value_heads=_per_layer_int(meta, "attention.head_count_kv", num_heads),
         head_dim=head_dim,
         rms_norm_eps=_float32(meta.arch_get("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(meta.arch_get("context_length")),

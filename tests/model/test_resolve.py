@@ -214,6 +214,84 @@ def test_rope_scaling_metadata(metadata: dict[str, object], expected: dict[str, 
     assert config.rope_parameters == {"rope_theta": 500000.0, **expected}
 
 
+@pytest.mark.parametrize("metadata,match", [
+    ({"rope.scaling.type": "linear"}, "llama.rope.scaling.type is 'linear' but llama.rope.scaling.factor is missing"),
+    ({"rope.scaling.type": "yarn", "rope.scaling.original_context_length": 64},
+     "llama.rope.scaling.type is 'yarn' but llama.rope.scaling.factor is missing"),
+    ({"rope.scaling.type": "linear", "rope.scaling.factor": 0.0},
+     "llama.rope.scaling.factor must be a positive finite number, got 0.0"),
+    ({"rope.scaling.type": "linear", "rope.scaling.factor": -2.0},
+     "llama.rope.scaling.factor must be a positive finite number, got -2.0"),
+    ({"rope.scale_linear": float("nan")}, "llama.rope.scaling.factor must be a positive finite number, got nan"),
+])  # fmt: skip
+def test_a_rope_scaling_factor_no_model_can_have_is_a_value_error(metadata: dict[str, object], match: str,
+                                                                   tmp_path: Path) -> None:
+    """A scaled rotary embedding without a usable factor: a missing one became NaN in the
+    written config.json and the next read failed with "TypeError: float() argument must be
+    a string or a real number, not 'dict'"; a zero factor loaded and answered NaN logits
+    (greedy token 0 every step), a negative one loaded and answered garbage."""
+    def configure(writer: gguf.GGUFWriter) -> None:
+        for key, value in metadata.items():
+            if isinstance(value, str):
+                writer.add_string(f"llama.{key}", value)
+            elif isinstance(value, int):
+                writer.add_uint32(f"llama.{key}", value)
+            else:
+                writer.add_float32(f"llama.{key}", float(value))  # type: ignore[arg-type]
+
+    path = tmp_path / "scaled.gguf"
+    write_tiny_gguf(path, "llama", configure=configure)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: GGUF metadata .*{re.escape(match)}"):
+        resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
+    assert not list((tmp_path / "cache").glob("scaled-*"))
+
+
+@pytest.mark.parametrize("factor", [0.0, -2.0, float("nan"), float("inf")])
+def test_a_checkpoint_configs_rope_scaling_factor_must_be_positive_and_finite(factor: float) -> None:
+    """The same for a Hugging Face config.json (``ModelConfig``): a zero factor answered NaN logits."""
+    from kvflow.config import ModelConfig
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=261)
+    config.rope_parameters = {"rope_type": "linear", "rope_theta": 10000.0, "factor": factor}
+    with pytest.raises(ValueError, match="rope_parameters' factor must be a positive finite number"):
+        ModelConfig.from_hf_config(config)
+
+
+@pytest.mark.parametrize("key", ["attention.head_count", "attention.head_count_kv", "feed_forward_length"])
+def test_per_layer_metadata_arrays_are_read_or_refused_by_name(key: str, tmp_path: Path) -> None:
+    """llama.cpp reads these three keys as one value or one per layer: ``int()`` of the array
+    was a bare TypeError. Equal values per layer are that value; differing ones are refused."""
+    from kvflow.config import ModelConfig
+    from kvflow.model.arch import GGUFMetadata
+
+    meta = GGUFMetadata.from_file(write_tiny_gguf_path(tmp_path))
+    scalar = meta.values[f"llama.{key}"]
+    uniform = GGUFMetadata({**meta.values, f"llama.{key}": [scalar, scalar]}, meta.tensors, meta.source)
+    config = resolve._build_config(uniform)
+    ModelConfig.from_hf_config(config)
+    assert config.to_dict() == resolve._build_config(meta).to_dict()
+    varying = GGUFMetadata({**meta.values, f"llama.{key}": [scalar, scalar // 2]}, meta.tensors, meta.source)
+    with pytest.raises(NotImplementedError, match=f"llama.{re.escape(key)} differs per layer \\(\\[{scalar}, "):
+        resolve._build_config(varying)
+
+
+def test_a_gguf_without_its_token_embedding_says_so(tmp_path: Path) -> None:
+    """The message was "<file>: token_embd.weight, which this architecture requires"."""
+    from kvflow.model.arch import GGUFMetadata
+
+    meta = GGUFMetadata.from_file(write_tiny_gguf_path(tmp_path))
+    tensors = {name: t for name, t in meta.tensors.items() if name != "token_embd.weight"}
+    with pytest.raises(ValueError, match="GGUF tensor 'token_embd.weight' \\(the token embedding, .*\\) is missing"):
+        resolve._build_config(GGUFMetadata(meta.values, tensors, meta.source))
+
+
+def write_tiny_gguf_path(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, "llama")
+    return path
+
+
 def test_sharded_output_has_index(tiny_llama: Tiny, tmp_path: Path) -> None:
     path, expected = tiny_llama
     resolve.convert_gguf(path, tmp_path, shard_bytes=64 * 1024)
