@@ -8,7 +8,7 @@ batches; 512: prefill), per call in microseconds, and the effective bandwidth of
 (stored weight bytes / time, GB/s), for each path **in the same run**:
 
 * ``packed``: ``gguf_linear`` as a model runs it (rows interleaved 8 at a time at load,
-  ``GGUFWeight.pack``; from ``DEQUANT_GEMM_MIN_ROWS`` rows, dequantized tiles + GEMM);
+  ``GGUFWeight.pack``);
 * ``stored``: the kernel on the stored row-major blocks (``gguf_linear`` before the packed
   layout: the baseline);
 * ``dense-bf16`` / ``dense-f32``: ``F.linear`` on a dense bfloat16 / float32 weight of the shape;

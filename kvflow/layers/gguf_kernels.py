@@ -51,7 +51,7 @@ others', so a thread that starts late (descheduled on a busy machine) does not h
 Q5_K: + 4 bytes per 256 elements) and computes exactly the stored blocks' fields; the decoder
 linears drop their stored rows once packed (``pack(release_raw=True)``: ``raw`` then
 rebuilds them, byte-exact, from the packed layout where asked for: ``dequantize``,
-``narrow_*``, prefill tiles, embedding rows). A weight is packed where it is first computed
+``narrow_*``, embedding rows). A weight is packed where it is first computed
 with the kernel, or at load when the kernel is built already, so tensor-parallel narrowing (at
 load) happens before packing.
 
@@ -83,9 +83,13 @@ Speed: ``python -m benchmarks.gguf_kernels`` (packed against stored rows and den
 one run; ``--baseline-repo PATH`` adds another checkout's packed kernel, interleaved, and
 ``--prefill MODEL --baseline-repo PATH`` the end-to-end prefill with each; docs/benchmarks.md).
 
-For many rows (prefill; from ``DEQUANT_GEMM_MIN_ROWS`` rows, measured) the kernel instead
-expands tiles of the weight exactly (``gguf_dequantize``, in x's dtype) and PyTorch's GEMM
-multiplies them: the expansion is paid once for all rows there.
+Every row count takes the packed kernel, so a row's result does not depend on the other rows
+of the call (a prompt's on what the scheduler batched with it). Until session 37 calls of 4096
+rows and more expanded exact dequantized tiles for PyTorch's GEMM, which round differently
+(two 2,100-token prompts of a tiny Q8_0 model batched against one at a time: prompt logprobs
+0.042 nat apart) and were slower anyway: one thread, 4096 rows, the tiles took 1.3-3.5x the
+packed kernel's time on AVX-512 VNNI and 1.2-6.4x with the AVX2 build (Q5_0 896 x 896, Q8_0
+4864 x 896, Q4_K 1536 x 1536; float32 and bfloat16; docs/benchmarks.md, session 37).
 
 The C++ source is ``kvflow/ops/csrc/gguf_matmul.cpp`` (built by ``kvflow.ops.build``, switch
 ``KVFLOW_CPU_GGUF``); until it is built, or with it off, :func:`gguf_linear` dequantizes to
@@ -108,17 +112,6 @@ SUPPORTED_QTYPES: frozenset[gguf.GGMLQuantizationType] = frozenset(
 
 _EXTENSION = ops.GGUF_MATMUL
 
-# Rows of x from which gguf_linear (with the kernel built) dequantizes tiles of the weight
-# in x's dtype and runs PyTorch's GEMM instead of the packed integer kernel, per format.
-# The tiles cost a fixed expansion of the whole weight per call, which a prompt chunk of a few
-# hundred rows does not earn back: Qwen2.5-Coder-0.5B (Q5_0/Q8_0/Q6_K/Q4_K) prefill on the
-# development machine (AMD EPYC Zen 4, 2 threads, quiet, 2026-12-03), tokens/s at 256 / 512 /
-# 1024 prompt tokens, tiles from 256 rows against the packed kernel throughout: AVX-512 VNNI
-# 183 / 239 / 294 against 461 / 452 / 409; with the AVX2 build and oneDNN capped at AVX2
-# 96 / 103 / 123 against 144 / 153 / 121. The tiles are kept for chunks of 4096 rows and more,
-# past the default step budget (max_num_batched_tokens 2048); that range was not measured.
-DEQUANT_GEMM_MIN_ROWS: dict[gguf.GGMLQuantizationType, int] = {qt: 4096 for qt in SUPPORTED_QTYPES}
-DEQUANT_TILE_ELEMENTS = 1 << 22  # weights per dequantized tile of that path (16 MB in float32)
 
 
 def _qtype(qtype) -> gguf.GGMLQuantizationType:
@@ -532,23 +525,9 @@ def gguf_linear(x: torch.Tensor, w: GGUFWeight, bias: torch.Tensor | None = None
             and not (torch.is_grad_enabled() and x.requires_grad)):
         xc = x if x.stride(1) == 1 else x.contiguous()
         y = out if out is not None else torch.empty(m, w.n, dtype=x.dtype)
-        if m < DEQUANT_GEMM_MIN_ROWS[w.qtype]:
-            packed = w.packed if w.packed is not None else w.pack(release_raw=w.release_raw_on_pack)
-            module.gguf_linear_packed(xc, packed, int(w.qtype), w.n, w.k,
-                                      None if bias is None else bias.float().contiguous(), y)
-            return y
-        # Prefill: dequantize tiles of rows (the kernel's exact expansion, in x's dtype) and
-        # multiply them with PyTorch's GEMM (oneDNN / MKL); a tile holds at most
-        # DEQUANT_TILE_ELEMENTS weights.
-        rows = max(1, min(w.n, DEQUANT_TILE_ELEMENTS // w.k))
-        tile = torch.empty(rows, w.k, dtype=x.dtype)
-        raw = w.raw  # (rebuilt once per call from the packed layout where released)
-        for n0 in range(0, w.n, rows):
-            nt = min(rows, w.n - n0)
-            wt = tile[:nt]
-            module.gguf_dequantize(raw[n0:n0 + nt], int(w.qtype), nt, w.k, wt)
-            part = None if bias is None else bias[n0:n0 + nt].to(x.dtype)
-            y[:, n0:n0 + nt] = F.linear(xc, wt, part)
+        packed = w.packed if w.packed is not None else w.pack(release_raw=w.release_raw_on_pack)
+        module.gguf_linear_packed(xc, packed, int(w.qtype), w.n, w.k,
+                                  None if bias is None else bias.float().contiguous(), y)
         return y
     y = F.linear(x.float(), w.dequantize(torch.float32), None if bias is None else bias.float())
     if out is not None:
