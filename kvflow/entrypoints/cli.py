@@ -513,6 +513,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from kvflow.entrypoints.data_parallel import DataParallelArgs, serve_data_parallel
 
         DataParallelArgs(args.data_parallel_size, args.router, args.router_policy).validate()
+        # The engine's own options (a model that does not exist, --max-num-seqs 0, a vLLM flag
+        # kvflow cannot honour, ...), checked here as one engine checks them before it loads:
+        # each replica found them only after every replica had started (exit 1, the error
+        # printed once per replica). create_config reads the model's config, not its weights.
+        EngineArgs(**_engine_kwargs(args)).create_config()
         return serve_data_parallel(args, args.argv[args.argv.index("serve"):])
     from kvflow.entrypoints import vllm_compat
 
