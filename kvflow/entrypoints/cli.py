@@ -647,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535; checked free before the model loads")
     serve.add_argument("--api-key", type=_api_key, default=None,
                        help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth)")
-    serve.add_argument("--metrics-no-auth", action="store_true", help="with --api-key, leave /metrics open too")
+    serve.add_argument("--metrics-no-auth", action="store_true",
+                       help="with --api-key, leave /metrics (and the routers' /get_load) open too")
     serve.add_argument("--served-model-name", nargs="+", type=_served_name, default=None, metavar="NAME",
                        help="model id in the API (default: the --model short name, file stem or folder name); as "
                        "vLLM's, several names: the first is the one responses and /v1/models report, every one is "
