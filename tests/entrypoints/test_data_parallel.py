@@ -119,6 +119,16 @@ def test_router_argv_and_validation():
             DataParallelArgs(*bad).validate()
 
 
+def test_the_routers_url_brackets_an_ipv6_host(monkeypatch):
+    """--host ::1 printed "replicas behind vllm-router ... on http://::1:8708" (not a URL a
+    client can use) and polled the router's /health at that string."""
+    from kvflow.entrypoints import data_parallel
+
+    monkeypatch.setattr(data_parallel, "check_router_installed", lambda router: "vllm_router.launch_router")
+    assert DataParallelServer(["serve"], 1, host="::1", port=8000, cpus=[0]).url == "http://[::1]:8000"
+    assert DataParallelServer(["serve"], 1, host="127.0.0.1", port=8000, cpus=[0]).url == "http://127.0.0.1:8000"
+
+
 def test_cli_refuses_a_bad_size(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["serve", "smollm2-135m", "--data-parallel-size", "0"])
