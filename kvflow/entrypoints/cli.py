@@ -513,6 +513,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from kvflow.entrypoints.data_parallel import DataParallelArgs, serve_data_parallel
 
         DataParallelArgs(args.data_parallel_size, args.router, args.router_policy).validate()
+        # The engine's own options (a model that does not exist, --max-num-seqs 0, a vLLM flag
+        # kvflow cannot honour, ...), checked here as one engine checks them before it loads:
+        # each replica found them only after every replica had started (exit 1, the error
+        # printed once per replica). create_config reads the model's config, not its weights.
+        EngineArgs(**_engine_kwargs(args)).create_config()
         return serve_data_parallel(args, args.argv[args.argv.index("serve"):])
     from kvflow.entrypoints import vllm_compat
 
@@ -642,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535; checked free before the model loads")
     serve.add_argument("--api-key", type=_api_key, default=None,
                        help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth)")
-    serve.add_argument("--metrics-no-auth", action="store_true", help="with --api-key, leave /metrics open too")
+    serve.add_argument("--metrics-no-auth", action="store_true",
+                       help="with --api-key, leave /metrics (and the routers' /get_load) open too")
     serve.add_argument("--served-model-name", nargs="+", type=_served_name, default=None, metavar="NAME",
                        help="model id in the API (default: the --model short name, file stem or folder name); as "
                        "vLLM's, several names: the first is the one responses and /v1/models report, every one is "

@@ -262,7 +262,7 @@ class DataParallelServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return _http_url(self.host, self.port)
 
     def _spawn(self, argv: list[str], cpus: list[int] | None) -> subprocess.Popen:
         return subprocess.Popen(argv, env=self.env, preexec_fn=_child_setup(cpus), stdin=subprocess.DEVNULL)
@@ -301,7 +301,7 @@ class DataParallelServer:
                                free_port(), self.api_key)
             self.router_process = self._spawn(argv, None)
             deadline = time.monotonic() + 120
-            while not http_ok(f"http://{_connect_host(self.host)}:{self.port}/health"):
+            while not http_ok(_http_url(_connect_host(self.host), self.port) + "/health"):
                 if self.router_process.poll() is not None:
                     raise RuntimeError(f"the router ({self.router}) exited with status {self.router_process.returncode} "
                                        "while starting (its error is above)")
@@ -367,6 +367,11 @@ class DataParallelServer:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+
+
+def _http_url(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets (``http://[::1]:8000``)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _connect_host(host: str) -> str:

@@ -75,6 +75,23 @@ def test_cli_refuses_a_router_not_installed_before_any_replica_starts(capsys, mo
     assert exc.value.code == 2 and f"--router {router}: the {router} package is not installed" in err, err
 
 
+@pytest.mark.parametrize("argv, wanted", [
+    (["no-such-model"], "Unknown model name 'no-such-model'"),
+    (["smollm2-135m", "--max-num-seqs", "0"], "max_num_seqs must be a positive integer, got 0"),
+    (["smollm2-135m", "--pipeline-parallel-size", "2"], "pipeline_parallel_size"),
+])
+def test_cli_refuses_the_engines_bad_options_before_any_replica_starts(capsys, monkeypatch, argv, wanted):
+    """Every replica started, printed the same error and exited 2, then the command exited 1
+    ("replica 1 ... exited with status 2 while starting"): docs/scale-out.md says the
+    server's own bad flags are refused (exit 2) before any replica starts."""
+    _no_replica(monkeypatch)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", *argv, "--data-parallel-size", "2", "--port", "18294"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and wanted in err, err
+
+
 def test_replica_argv_overrides_the_command():
     argv = ["serve", "smollm2-135m", "--data-parallel-size", "4", "--port", "9000", "--host", "0.0.0.0",
             "--num-threads", "8", "--block-size", "32"]
@@ -100,6 +117,16 @@ def test_router_argv_and_validation():
     for bad, field in [((0,), "data_parallel_size"), ((2, "haproxy"), "router"), ((2, "vllm-router", "lru"), "router_policy")]:
         with pytest.raises(ValueError, match=field):
             DataParallelArgs(*bad).validate()
+
+
+def test_the_routers_url_brackets_an_ipv6_host(monkeypatch):
+    """--host ::1 printed "replicas behind vllm-router ... on http://::1:8708" (not a URL a
+    client can use) and polled the router's /health at that string."""
+    from kvflow.entrypoints import data_parallel
+
+    monkeypatch.setattr(data_parallel, "check_router_installed", lambda router: "vllm_router.launch_router")
+    assert DataParallelServer(["serve"], 1, host="::1", port=8000, cpus=[0]).url == "http://[::1]:8000"
+    assert DataParallelServer(["serve"], 1, host="127.0.0.1", port=8000, cpus=[0]).url == "http://127.0.0.1:8000"
 
 
 def test_cli_refuses_a_bad_size(capsys):

@@ -470,8 +470,8 @@ def build_app(
         model_name: the served model id.
         max_model_len: context limit in tokens.
         api_key: when set, every path but /health and the web pages' files needs
-            ``Authorization: Bearer <key>`` (/metrics and the dashboard's snapshot stream
-            too, unless ``metrics_need_key`` is False).
+            ``Authorization: Bearer <key>`` (/metrics, /get_load and the dashboard's
+            snapshot stream too, unless ``metrics_need_key`` is False).
         metrics_need_key: see ``api_key``.
         max_request_bytes: larger bodies get 413, decided from Content-Length before the
             body is read (and by counting the bytes of a chunked body).
@@ -524,7 +524,10 @@ def build_app(
     if api_key is not None:
         open_paths = {"/health", *web.PUBLIC_PATHS}
         if not metrics_need_key:
-            open_paths |= {"/metrics", *web.METRICS_PATHS}
+            # /get_load is a load metric too: the routers poll it without the key (vllm-router
+            # 0.1.17 does not send its --api-key there), so power_of_two and /get_loads saw a
+            # load of -1 for every worker (docs/scale-out.md)
+            open_paths |= {"/metrics", "/get_load", *web.METRICS_PATHS}
         app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
     app.add_middleware(_TrailingSlashMiddleware)  # before the API key check sees the path

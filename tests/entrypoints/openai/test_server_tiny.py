@@ -1399,8 +1399,8 @@ def key_servers():
 
 @pytest.mark.parametrize(
     "path,closed_status,open_status",
-    [("/health", 200, 200), ("/metrics", 401, 200), ("/docs", 401, 401), ("/openapi.json", 401, 401),
-     ("/redoc", 401, 401), ("/v1/models", 401, 401), ("/no/such/path", 401, 401)],
+    [("/health", 200, 200), ("/metrics", 401, 200), ("/get_load", 401, 200), ("/docs", 401, 401),
+     ("/openapi.json", 401, 401), ("/redoc", 401, 401), ("/v1/models", 401, 401), ("/no/such/path", 401, 401)],
 )
 def test_api_key_guards_every_path_but_health(key_servers, path, closed_status, open_status):
     closed, metrics_open = key_servers
