@@ -464,6 +464,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dense", nargs="*", default=["bf16"], choices=["bf16", "f32"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cycle-mb", type=float, default=48.0, help="MB of distinct weight copies cycled")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's); 1 with a small --cycle-mb times the kernel's "
+                    "arithmetic from the caches")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gguf_kernels.json"))
     ap.add_argument("--profile-decode", metavar="MODEL", default=None,
                     help="profile single-stream decode steps of this GGUF model instead (see above)")
@@ -477,6 +480,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--prefill-rounds", type=int, default=5)
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
     baseline = load_baseline(args.baseline_repo) if args.baseline_repo else None
     if args.prefill:
         if baseline is None:

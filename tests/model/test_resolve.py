@@ -187,6 +187,21 @@ def test_tiny_qwen2_keeps_biases_unpermuted(tmp_path: Path) -> None:
     assert config.rope_parameters["rope_theta"] == 500000.0
 
 
+def _write_llama_with_metadata(path: Path, metadata: dict[str, object]) -> Path:
+    """A tiny llama GGUF at ``path`` with ``llama.{key}`` metadata added (strings, uint32, float32)."""
+    def configure(writer: gguf.GGUFWriter) -> None:
+        for key, value in metadata.items():
+            if isinstance(value, str):
+                writer.add_string(f"llama.{key}", value)
+            elif isinstance(value, int):
+                writer.add_uint32(f"llama.{key}", value)
+            else:
+                writer.add_float32(f"llama.{key}", float(value))  # type: ignore[arg-type]
+
+    write_tiny_gguf(path, "llama", configure=configure)
+    return path
+
+
 @pytest.mark.parametrize(
     ("metadata", "expected"),
     [
@@ -199,17 +214,7 @@ def test_tiny_qwen2_keeps_biases_unpermuted(tmp_path: Path) -> None:
     ],
 )  # fmt: skip
 def test_rope_scaling_metadata(metadata: dict[str, object], expected: dict[str, object], tmp_path: Path) -> None:
-    def configure(writer: gguf.GGUFWriter) -> None:
-        for key, value in metadata.items():
-            if isinstance(value, str):
-                writer.add_string(f"llama.{key}", value)
-            elif isinstance(value, int):
-                writer.add_uint32(f"llama.{key}", value)
-            else:
-                writer.add_float32(f"llama.{key}", float(value))  # type: ignore[arg-type]
-
-    path = tmp_path / "scaled.gguf"
-    write_tiny_gguf(path, "llama", configure=configure)
+    path = _write_llama_with_metadata(tmp_path / "scaled.gguf", metadata)
     config = resolve.load_config(resolve.resolve_model(str(path), cache_dir=tmp_path))
     assert config.rope_parameters == {"rope_theta": 500000.0, **expected}
 
@@ -230,17 +235,7 @@ def test_a_rope_scaling_factor_no_model_can_have_is_a_value_error(metadata: dict
     written config.json and the next read failed with "TypeError: float() argument must be
     a string or a real number, not 'dict'"; a zero factor loaded and answered NaN logits
     (greedy token 0 every step), a negative one loaded and answered garbage."""
-    def configure(writer: gguf.GGUFWriter) -> None:
-        for key, value in metadata.items():
-            if isinstance(value, str):
-                writer.add_string(f"llama.{key}", value)
-            elif isinstance(value, int):
-                writer.add_uint32(f"llama.{key}", value)
-            else:
-                writer.add_float32(f"llama.{key}", float(value))  # type: ignore[arg-type]
-
-    path = tmp_path / "scaled.gguf"
-    write_tiny_gguf(path, "llama", configure=configure)
+    path = _write_llama_with_metadata(tmp_path / "scaled.gguf", metadata)
     with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: GGUF metadata .*{re.escape(match)}"):
         resolve.resolve_model(str(path), cache_dir=tmp_path / "cache")
     assert not list((tmp_path / "cache").glob("scaled-*"))
