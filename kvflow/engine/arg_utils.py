@@ -307,10 +307,15 @@ class EngineArgs:
             return "gguf"
         return None
 
-    def create_config(self) -> EngineConfig:
+    def create_config(self, replicas: int = 1) -> EngineConfig:
         """Validate the options and make the engine's ``EngineConfig``: resolve the model (a
         packaged short name or GGUF file is converted once into a cached folder), read its
         architecture (and the draft model's), and size the KV block pool.
+
+        Args:
+            replicas: how many engines with these options will run on this machine
+                (``kvflow serve --data-parallel-size``): their KV pools must fit the available
+                memory together.
 
         Raises:
             ValueError: naming the field, for an invalid option, an unsupported model, or a
@@ -362,7 +367,7 @@ class EngineArgs:
         groups = hybrid_kv_cache_groups(model_config, self.disable_hybrid_kv_cache_manager)
         if groups is not None:
             kv_spec = groups_page_spec(kv_spec, groups)  # a block is a page of group_size layers
-        cache = self.cache_config(kv_spec, dtype, extra_bytes_per_token=extra)
+        cache = self.cache_config(kv_spec, dtype, extra_bytes_per_token=extra, replicas=replicas)
         if groups is not None:
             cache = dataclasses.replace(cache, kv_cache_groups=groups)
         config = EngineConfig(
@@ -386,7 +391,8 @@ class EngineArgs:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def cache_config(self, kv_spec: KVCacheSpec, dtype: torch.dtype, extra_bytes_per_token: int = 0) -> CacheConfig:
+    def cache_config(self, kv_spec: KVCacheSpec, dtype: torch.dtype, extra_bytes_per_token: int = 0,
+                     replicas: int = 1) -> CacheConfig:
         """Size the block pool from ``num_kv_blocks`` or the byte budget (``dtype``: the
         model dtype; the cache's own follows ``kv_cache_dtype``).
 
@@ -396,6 +402,7 @@ class EngineArgs:
             dtype: the model dtype.
             extra_bytes_per_token: bytes per token of another cache with as many blocks,
                 paid from the same budget (a draft model's), 0 for none.
+            replicas: engines with this pool on this machine (see ``create_config``).
 
         Raises:
             ValueError: if the budget does not hold a single block, if under
@@ -424,7 +431,7 @@ class EngineArgs:
                              f"of {bytes_per_block} bytes (preemption_mode='swap' swaps whole KV blocks to host memory)")
         if self.torch_device().type == "cpu":
             self._check_host_memory(num_blocks * (bytes_per_block + extra_bytes_per_token * self.block_size),
-                                    num_blocks, swap_space)
+                                    num_blocks, swap_space, replicas)
         return CacheConfig(
             block_size=self.block_size,
             num_blocks=num_blocks,
@@ -433,11 +440,11 @@ class EngineArgs:
             num_cpu_blocks=swap_space // bytes_per_block,
         )
 
-    def _check_host_memory(self, pool_bytes: int, num_blocks: int, swap_space: int) -> None:
+    def _check_host_memory(self, pool_bytes: int, num_blocks: int, swap_space: int, replicas: int = 1) -> None:
         """On the CPU the KV pool is allocated and zeroed at start (resident, not lazily
         mapped): one larger than the memory the machine has available would only end in the
-        kernel's OOM killer. Every tensor-parallel rank holds its own pool; the swap space is
-        host memory too.
+        kernel's OOM killer. Every tensor-parallel rank holds its own pool, and every replica
+        (``replicas``, each with its own swap space); the swap space is host memory too.
 
         Raises:
             ValueError: naming ``num_kv_blocks`` or ``kv_cache_memory_bytes`` (whichever sized
@@ -446,13 +453,15 @@ class EngineArgs:
         import psutil
 
         world = max(1, self.tensor_parallel_size)
-        need = pool_bytes * world + swap_space
+        replicas = max(1, replicas)
+        need = (pool_bytes * world + swap_space) * replicas
         available = psutil.virtual_memory().available
         if need <= available:
             return
         field = ("num_kv_blocks", self.num_kv_blocks) if self.num_kv_blocks is not None else (
             "kv_cache_memory_bytes", self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES)
         ranks = f" on each of {world} ranks" if world > 1 else ""
+        ranks += f" in each of {replicas} replicas" if replicas > 1 else ""
         swap = f" plus {swap_space / 2**30:.2f} GiB of swap space" if swap_space else ""
         raise ValueError(
             f"{field[0]}={field[1]}: the KV cache needs {pool_bytes / 2**30:.2f} GiB ({num_blocks} blocks){ranks}"

@@ -516,8 +516,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # The engine's own options (a model that does not exist, --max-num-seqs 0, a vLLM flag
         # kvflow cannot honour, ...), checked here as one engine checks them before it loads:
         # each replica found them only after every replica had started (exit 1, the error
-        # printed once per replica). create_config reads the model's config, not its weights.
-        EngineArgs(**_engine_kwargs(args)).create_config()
+        # printed once per replica). create_config reads the model's config, not its weights;
+        # the replicas' KV pools must fit the available memory together (each alone checked
+        # only its own against memory the others were about to take).
+        EngineArgs(**_engine_kwargs(args)).create_config(replicas=args.data_parallel_size)
         return serve_data_parallel(args, args.argv[args.argv.index("serve"):])
     from kvflow.entrypoints import vllm_compat
 

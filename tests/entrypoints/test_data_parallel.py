@@ -92,6 +92,28 @@ def test_cli_refuses_the_engines_bad_options_before_any_replica_starts(capsys, m
     assert exc.value.code == 2 and wanted in err, err
 
 
+def test_cli_refuses_replicas_whose_kv_pools_do_not_fit_together(capsys, monkeypatch):
+    """Each replica checked its own KV pool against the available memory, which the others
+    were about to take: two 64 MiB pools with 100 MiB available both passed and both
+    allocated. The command checks the replicas' pools together (exit 2); one of them fits."""
+    import collections
+
+    import psutil
+
+    _no_replica(monkeypatch)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    mem = collections.namedtuple("mem", "available total")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: mem(available=100 * 2**20, total=2**34))
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "smollm2-135m", "--kv-cache-memory-bytes", "64MiB", "--data-parallel-size", "2",
+              "--port", "18295"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "kv_cache_memory_bytes=67108864" in err and "in each of 2 replicas" in err, err
+    from kvflow.engine.arg_utils import EngineArgs
+
+    assert EngineArgs(model="smollm2-135m", kv_cache_memory_bytes="64MiB").create_config().cache.num_blocks > 0
+
+
 def test_replica_argv_overrides_the_command():
     argv = ["serve", "smollm2-135m", "--data-parallel-size", "4", "--port", "9000", "--host", "0.0.0.0",
             "--num-threads", "8", "--block-size", "32"]
