@@ -63,8 +63,9 @@ activation rows and streams the activation tile from cache). AVX-512 VNNI: two 1
 (32 weight rows) against 4 activation rows, 8 zmm integer chains advanced together and 8 zmm
 float accumulators; each 4-byte activation broadcast feeds two ``vpdpbusd`` (on Zen 4 a
 broadcast costs a vector-pipe slot like a ``vpdpbusd``, so the one-group loop was bound by its
-broadcasts: one per product; an odd last group runs 8 rows at a time). AVX2: each 8-row half
-of a group against 4 activation rows, the 8 rows' scales converted together (F16C), and
+broadcasts: one per product; an odd last group runs 8 rows at a time; the small-M path takes
+such pairs from 8 rows too). AVX2: both 8-row halves of a group against 4 activation rows,
+each broadcast feeding both halves' ``vpmaddubsw``, the 8 rows' scales converted together (F16C), and
 ``vpmaddubsw``'s 16-bit pair sums added in 16 bits before one ``vpmaddwd`` where they cannot
 overflow (``|a| <= 127``: eight for 4-bit values, four for 5-bit, two for Q6_K's 6-bit; Q8_0
 keeps the small-M loop). The threads split (weight chunk of >= 32 KB x 128 activation rows)
