@@ -9,12 +9,12 @@ the ``EngineConfig`` the engine and its workers receive.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvflow.utils import is_positive_finite
 
 if TYPE_CHECKING:
     from kvflow.core.kv_cache_groups import KVCacheGroups
@@ -150,8 +150,7 @@ def _check_model_sizes(hf_config: Any) -> None:
     for name, value in (("rms_norm_eps", getattr(hf_config, "rms_norm_eps", None)),
                         ("rope_theta", rope.get("rope_theta", getattr(hf_config, "rope_theta", None))),
                         ("rope_parameters' factor", rope.get("factor"))):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or value <= 0):
+        if value is not None and not is_positive_finite(value):
             raise ValueError(f"the model config's {name} must be a positive finite number, got {value!r}")
 
 

@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import math
 import re
 import sys
 import threading
@@ -21,6 +22,13 @@ _UNITS = {
     "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
     "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
 }
+
+
+def is_positive_finite(value: object) -> bool:
+    """True for an int or float (not a bool) that is finite and > 0: what a model size, norm
+    epsilon or rotary base / scaling factor must be. Raises nothing."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and value > 0)
 
 
 #: Byte sizes ``parse_bytes`` takes are below this (a signed 64-bit count: 8 EiB).

@@ -25,7 +25,6 @@ import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -46,6 +45,7 @@ from safetensors.torch import save_file
 from kvflow import envs
 from kvflow.model import packages, registry
 from kvflow.model.arch import GGUF_GLOBAL_TENSORS, GGUFMetadata, float32_value, gguf_layer_name
+from kvflow.utils import is_positive_finite
 
 logger = logging.getLogger(__name__)
 
@@ -637,7 +637,7 @@ def _rope_parameters(meta: GGUFMetadata) -> dict[str, Any]:
         if factor is None:
             raise ValueError(f"{meta.source}: GGUF metadata {meta.arch}.rope.scaling.type is {scaling!r} but {key} "
                              "is missing")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        if not is_positive_finite(factor):
             raise ValueError(f"{meta.source}: GGUF metadata {key} must be a positive finite number, got {factor!r}")
     if scaling == "linear":
         params.update(rope_type="linear", factor=_float32(factor))

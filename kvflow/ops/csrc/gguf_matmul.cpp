@@ -1494,14 +1494,12 @@ void run_packed(const PFmt& pf, const uint8_t* w, int64_t ldg, const PAct& a, in
             __m512 acc[2][MR];
             if (next.bytes > 0) group_dot2<QT, MR, false, true, true>(pf, g, ldg, a, m0, acc, nullptr, 0, next);
             else group_dot2<QT, MR, false, false, true>(pf, g, ldg, a, m0, acc);
-            for (int k = 0; k < 2; ++k) {
-              const int64_t n0 = (gi + k) * G, rows = std::min<int64_t>(G, N - n0);
-              for (int m = 0; m < MR; ++m) {
-                alignas(64) float res[16];
-                _mm512_store_ps(res, acc[k][m]);
-                for (int r = 0; r < rows; ++r)
-                  y[(m0 + m) * ldy + n0 + r] = static_cast<OutT>(res[r] + (bias ? bias[n0 + r] : 0.f));
-              }
+            const int64_t n0 = gi * G, rows = std::min<int64_t>(2 * G, N - n0);
+            alignas(64) float res[2 * G];
+            for (int m = 0; m < MR; ++m) {
+              _mm512_store_ps(res, acc[0][m]);
+              _mm512_store_ps(res + G, acc[1][m]);
+              for (int r = 0; r < rows; ++r) y[(m0 + m) * ldy + n0 + r] = static_cast<OutT>(res[r] + (bias ? bias[n0 + r] : 0.f));
             }
           };
           switch (std::min<int64_t>(4, M - m0)) {
