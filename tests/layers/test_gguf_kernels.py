@@ -113,7 +113,7 @@ def test_kernel_dequantize_is_exact(qt):
 # their remainders), prefill (512), a step of more than 4096 rows (4100). Shapes: N not a multiple of the packed layout's 16-row
 # group (13: one partial group; 49; 333: 21 groups, several chunks of the shared work counter
 # for the threads); K a multiple of 32 but not of 256 for the 32-element formats.
-CASES = [(1, 13), (2, 13), (3, 49), (4, 13), (5, 49), (17, 13), (64, 49), (512, 13), (1, 333), (6, 333), (37, 333),
+CASES = [(1, 13), (2, 13), (3, 49), (4, 13), (5, 49), (9, 49), (12, 13), (17, 13), (64, 49), (512, 13), (1, 333), (6, 333), (37, 333),
          (130, 21), (4100, 13)]
 
 
@@ -135,14 +135,15 @@ def test_linear_within_int8_activation_bound(qt, m, n):
 @pytest.mark.parametrize("qt", [Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
 def test_a_rows_result_does_not_depend_on_the_other_rows(qt):
     """Batch invariance: each row of a 4100-row call (a prefill step past 4096 rows) equals
-    the same row computed alone, in 5 rows and in 40, bit for bit, so a prompt's results do
+    the same row computed alone, in 5, 12 (the VNNI small-M path's pairs of groups) and 40 rows,
+    bit for bit, so a prompt's results do
     not depend on what the scheduler batched with it (a 4096-row switch to dequantized tiles
     made them 0.042 nat apart)."""
     k = 256 if qt in (Q.Q4_K, Q.Q6_K) else 96
     w, _ = _weight(qt, 21, k, seed=7)
     x = torch.randn(4100, k, generator=torch.Generator().manual_seed(7))
     y = gguf_linear(x, w)
-    for lo, hi in ((0, 1), (0, 5), (2000, 2040), (4095, 4100)):
+    for lo, hi in ((0, 1), (0, 5), (100, 112), (2000, 2040), (4095, 4100)):
         assert torch.equal(gguf_linear(x[lo:hi], w), y[lo:hi]), (lo, hi)
 
 
