@@ -26,8 +26,10 @@ PyTorch path stays the reference and serves every other case):
   tensor parallelism, and the C++ kernels built (``KVFLOW_CPU_FUSED_DECODE`` and, for GGUF,
   ``KVFLOW_CPU_GGUF`` not ``0``); float32 dense models (the exactness reference) keep the
   PyTorch path;
-- the step: decode only (one new token per request), no LoRA, at most ``MAX_DECODE_TOKENS``
-  tokens, on the CPU attention backend's float cache (``CpuAttentionBackend``, one group) or
+- the step: at most ``MAX_QUERY_LEN`` new tokens per request (decodes, speculative
+  verifications, short prompt pieces: each query token attends as a decode row of its own,
+  so that a verification computes each token as a plain decode step would), no LoRA, at most
+  ``MAX_DECODE_TOKENS`` tokens, on the CPU attention backend's float cache (``CpuAttentionBackend``) or
   on an int8 / fp8 cache (``CpuQuantizedAttentionBackend``, ``kv_cache_dtype="int8"`` /
   ``"fp8"``): the new K/V are then quantized in C++ as ``kv_cache.quantize_kv`` does (the
   keys less ``LlamaAttention._key_offset`` first) and attended by ``paged_attention_quantized``'s
@@ -64,7 +66,36 @@ measured: SmolLM2-135M on a quiet 2-core Zen 4 (``python -m benchmarks.fused_dec
 one stream, 1.41x at 8, 1.30x at 16, 1.20x at 32, 1.06x at 64, 1.09x at 128. (With its per-row
 parts single-threaded it had been 1.26x at 16 and 1.12x at 32, and the limit 16.)"""
 
+MAX_QUERY_LEN = 16
+"""Steps whose requests each bring at most this many new tokens take the fused call: decodes
+(one), speculative verifications (one plus the drafts) and short prompt pieces. Each of a
+request's query tokens is attended as a decode row of its own (``per_token_rows``), which reads
+the request's cached K/V once per token, where the prefill kernel of the PyTorch path reads it
+once per chunk: past a few tokens the per-call overhead saved no longer pays for that."""
+
 _EXTENSION = ops.FUSED_DECODE
+
+
+def per_token_rows(block_tables: torch.Tensor, context_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attention row per query token: token j of a request with L new tokens and C cached
+    tokens after this step's writes attends to its first C - L + 1 + j (causal attention as
+    decode rows, each with its own length).
+
+    Args:
+        block_tables: int64 [R, W], the requests' block tables.
+        context_lens: int32 [R], tokens in each request's cache after this step's writes.
+        query_start_loc: int32 [R + 1], request r's tokens are rows ``[r] : [r + 1]``.
+
+    Returns:
+        (int64 [T, W] block tables, int32 [T] context lengths), T = ``query_start_loc[-1]``.
+    """
+    starts = query_start_loc.to(torch.int64)
+    q_lens = starts[1:] - starts[:-1]
+    owner = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+    offset = torch.arange(len(owner)) - starts[:-1][owner]  # j: the token's place in its request's query
+    ctx = context_lens.to(torch.int64)[owner] - q_lens[owner] + 1 + offset
+    return block_tables[owner], ctx.to(torch.int32)
 
 
 def _linear_spec(layer) -> torch.Tensor | list[tuple[torch.Tensor, int, int, int]] | None:
@@ -185,16 +216,26 @@ class FusedDecodeStep:
         if num_tokens == 0 or num_tokens > MAX_DECODE_TOKENS:
             return None
         if type(metadata) is CpuGroupedMetadata and type(metadata.backend) is CpuAttentionBackend:
-            if len(metadata.groups) != 1:
+            groups = metadata.groups
+            if any(g.max_query_len > MAX_QUERY_LEN or g.context_lens is None for g in groups):
                 return None
-            group = metadata.groups[0]
-            if group.max_query_len != 1 or group.num_requests != num_tokens or group.context_lens is None:
+            if groups[-1].token_end != num_tokens:
                 return None
-            tables, context_lens = group.block_tables, group.context_lens
+            if len(groups) == 1 and groups[0].max_query_len == 1:  # (the common decode step)
+                tables, context_lens = groups[0].block_tables, groups[0].context_lens
+            else:
+                rows = [(g.block_tables, g.context_lens) if g.max_query_len == 1
+                        else per_token_rows(g.block_tables, g.context_lens, metadata.query_start_locs[i])
+                        for i, g in enumerate(groups)]
+                width = max(t.shape[1] for t, _ in rows)
+                tables = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t, _ in rows])
+                context_lens = torch.cat([c for _, c in rows])
         elif type(metadata) is FlatMetadata and type(metadata.backend) is CpuQuantizedAttentionBackend:
-            if metadata.max_query_len != 1 or metadata.context_lens.numel() != num_tokens:
-                return None  # (one query token per request: query_start_loc is 0 .. T)
+            if metadata.max_query_len > MAX_QUERY_LEN or int(metadata.query_start_loc[-1]) != num_tokens:
+                return None
             tables, context_lens = metadata.block_tables, metadata.context_lens
+            if metadata.max_query_len != 1:
+                tables, context_lens = per_token_rows(tables, context_lens, metadata.query_start_loc)
         else:
             return None
         key = tuple(c[0].data_ptr() for c in kv_caches)

@@ -115,6 +115,8 @@ class RejectionSampler:
         k = len(drafts)
         vocab = target_logits.shape[-1]
         views = [DraftPositionView(request, i) for i in range(k + 1)]
+        if request.sampling_params.greedy:
+            return self._greedy(views, drafts, target_logits)
         dead: list[bool] = []
         p = processed_probs(target_logits, views, vocab, dead)
         q = request.spec_draft_probs
@@ -141,6 +143,28 @@ class RejectionSampler:
         if dead[k]:
             raise no_token_error(views[k])
         emitted.append(_draw(p[k], gen))
+        return emitted
+
+    @staticmethod
+    def _greedy(views: list, drafts: list[int], target_logits: torch.Tensor) -> list[int]:
+        """``__call__`` for a greedy request: p is one-hot at each row's argmax, so a draft
+        is accepted exactly when it is that argmax (p_x / q_x >= 1 for any q that proposed
+        it), and the first rejected one is replaced by the argmax (all the residual
+        max(p - q, 0) holds), as is the bonus token. No softmax, no random numbers: the
+        tokens plain greedy decoding picks, at the cost of one argmax per row."""
+        processed = apply_logits_processors(target_logits, views)
+        best = row_argmax(processed).tolist()
+        if processed is not target_logits:  # (masks: a row may leave no token)
+            dead = (processed == float("-inf")).all(dim=1).tolist()
+        else:
+            dead = [False] * len(best)
+        emitted: list[int] = []
+        for i, x in enumerate(drafts + [None]):
+            if dead[i]:  # (reached: the drafts before it were accepted) no token may follow
+                raise no_token_error(views[i])
+            emitted.append(best[i])
+            if x != best[i]:
+                break
         return emitted
 
 

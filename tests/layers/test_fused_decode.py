@@ -100,17 +100,28 @@ def gguf_tiny_model(seed: int = 0, attention_bias: bool = False, dtype: torch.dt
 
 def _decode_run(model, prompts: list[list[int]], steps: int, fused: bool, block_size: int = 4,
                 kv_dtype: torch.dtype | None = None):
-    """Prefill ``prompts`` (one step, PyTorch path), then ``steps`` decode steps of all of them
-    (next token: the argmax of the fused run's first pass is not needed: fixed ids). Returns
-    the hidden states of each decode step [R, hidden] and the final caches. ``kv_dtype``: an
-    int8 / fp8 cache (the quantized attention backend) instead of one of the model dtype."""
+    """Prefill ``prompts`` (one step), then ``steps`` decode steps of all of them (fixed next
+    tokens). Returns the hidden states of each decode step [R, hidden] and the final caches.
+    ``kv_dtype``: an int8 / fp8 cache (the quantized attention backend) instead of one of the
+    model dtype."""
+    new = [[[(7 * step + 11 * r) % model.config.vocab_size] for r in range(len(prompts))] for step in range(steps)]
+    return _run_steps(model, prompts, new, fused, block_size, kv_dtype)
+
+
+def _run_steps(model, prompts: list[list[int]], steps: list[list[list[int]]], fused: bool, block_size: int = 4,
+               kv_dtype: torch.dtype | None = None):
+    """Prefill ``prompts`` (one step), then one step per entry of ``steps``: ``steps[s][r]``
+    are request r's new tokens in step s (one: a decode; several: a verification of drafts;
+    none: not scheduled). Requests of one token are laid out first (the decode group), then
+    the others (one group), as the model runner does. Returns each step's hidden states
+    [tokens, hidden] in request order (float32) and the final caches."""
     if not fused:
         model.__dict__["fused_decode"] = None
     else:
         model.__dict__.pop("fused_decode", None)
     backend = CpuAttentionBackend() if kv_dtype is None else CpuQuantizedAttentionBackend()
     dtype = model.norm.weight.dtype if kv_dtype is None else kv_dtype
-    max_len = max(len(p) for p in prompts) + steps
+    max_len = max(len(p) + sum(len(s[r]) for s in steps) for r, p in enumerate(prompts))
     per_req = -(-max_len // block_size)
     num_blocks = per_req * len(prompts) + 2
     cache = CacheEngine(model.kv_cache_spec, CacheConfig(block_size, num_blocks, dtype), torch.device("cpu"))
@@ -118,30 +129,32 @@ def _decode_run(model, prompts: list[list[int]], steps: int, fused: bool, block_
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3)).tolist()
     tables = [order[r * per_req:(r + 1) * per_req] for r in range(len(prompts))]
 
-    def slots(r, pos):
-        return tables[r][pos // block_size] * block_size + pos % block_size
+    def run(new: list[list[int]], decode_group: bool):
+        reqs = [r for r in range(len(new)) if new[r]]
+        if decode_group:
+            reqs = [r for r in reqs if len(new[r]) == 1] + [r for r in reqs if len(new[r]) > 1]
+        group_sizes = [n for n in ([sum(len(new[r]) == 1 for r in reqs), sum(len(new[r]) > 1 for r in reqs)]
+                                   if decode_group else [len(reqs)]) if n]
+        q_lens = [len(new[r]) for r in reqs]
+        ctx = [lens[r] + len(new[r]) for r in reqs]
+        flat = [t for r in reqs for t in new[r]]
+        pos = [lens[r] + j for r in reqs for j in range(len(new[r]))]
+        slot = [tables[r][(lens[r] + j) // block_size] * block_size + (lens[r] + j) % block_size
+                for r in reqs for j in range(len(new[r]))]
+        layout = BatchLayout(torch.tensor(slot), q_lens, ctx, [tables[r][: -(-c // block_size)] for r, c in zip(reqs, ctx)],
+                             group_sizes, block_size, torch.device("cpu"))
+        hidden = model(torch.tensor(flat), torch.tensor(pos), cache.kv_caches, backend.build_metadata(layout)).float()
+        rows, at = {}, 0
+        for r, n in zip(reqs, q_lens):
+            rows[r], at = hidden[at : at + n], at + n
+        for r in reqs:
+            lens[r] += len(new[r])
+        return torch.cat([rows[r] for r in range(len(new)) if new[r]])
 
-    ids = [p[:] for p in prompts]
-    hidden_states = []
+    lens = [0] * len(prompts)
     with torch.inference_mode():
-        lens = [len(p) for p in prompts]
-        flat = [t for p in prompts for t in p]
-        pos = [j for p in prompts for j in range(len(p))]
-        slot = [slots(r, j) for r, p in enumerate(prompts) for j in range(len(p))]
-        layout = BatchLayout(torch.tensor(slot), lens, lens, [tables[r][: -(-n // block_size)] for r, n in enumerate(lens)],
-                             [len(prompts)], block_size, torch.device("cpu"))
-        model(torch.tensor(flat), torch.tensor(pos), cache.kv_caches, backend.build_metadata(layout))
-        for step in range(steps):
-            ctx = [len(x) + 1 for x in ids]
-            new = [(7 * step + 11 * r) % model.config.vocab_size for r in range(len(ids))]
-            layout = BatchLayout(torch.tensor([slots(r, c - 1) for r, c in enumerate(ctx)]), [1] * len(ids), ctx,
-                                 [tables[r][: -(-c // block_size)] for r, c in enumerate(ctx)], [len(ids)], block_size,
-                                 torch.device("cpu"))
-            hidden = model(torch.tensor(new), torch.tensor([c - 1 for c in ctx]), cache.kv_caches,
-                           backend.build_metadata(layout))
-            hidden_states.append(hidden.float())
-            for x, t in zip(ids, new):
-                x.append(t)
+        run(prompts, decode_group=False)
+        hidden_states = [run(new, decode_group=True) for new in steps]
     return hidden_states, cache.kv_caches
 
 
@@ -180,7 +193,8 @@ def test_fused_decode_over_a_quantized_cache_matches_the_pytorch_path(kv_dtype, 
     monkeypatch.setattr(fused_decode.FusedDecodeStep, "__call__",
                         lambda self, *a: answered.append(call(self, *a)) or answered[-1])
     out, caches = _decode_run(model, PROMPTS, steps=6, fused=True, kv_dtype=kv_dtype)
-    assert [h is not None for h in answered] == [False] + [True] * 6  # the prefill not, every decode step fused
+    # every step fused, the prefill too: its prompts (1-11 tokens) are within MAX_QUERY_LEN
+    assert [h is not None for h in answered] == [True] * 7
     for step, (a, b) in enumerate(zip(out, ref)):
         err = (a - b).abs().max().item()
         assert err <= 2e-3 * b.abs().max().item(), f"step {step}: max |fused - reference| = {err}"
@@ -192,6 +206,50 @@ def test_fused_decode_over_a_quantized_cache_matches_the_pytorch_path(kv_dtype, 
             assert (x - rx).abs().max() <= 0.02 * rx.abs().max()
             assert (codes.view(torch.uint8) == ref_codes.view(torch.uint8)).float().mean() > 0.97
             assert torch.equal(scales == 0, ref_scales == 0)  # the same slots written
+
+
+# Request 0 verifies 4 tokens (a decode token and 3 drafts), request 1 decodes, request 2
+# verifies 3: one step of the three, against the same tokens one decode step at a time.
+VERIFY = [[11, 4, 9, 2], [6], [3, 8, 1]]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["float", "int8"])
+def test_a_verification_step_computes_each_token_as_a_decode_step_would(kv_dtype) -> None:
+    """Speculative decoding is exact only when the verification's logits of each token equal
+    what plain decoding computes for it: in the fused step each query token attends as a decode
+    row of its own (``per_token_rows``), so a step of several tokens per request gives each
+    token's hidden state bit for bit as the decode steps of those tokens one at a time do."""
+    model = gguf_tiny_model()
+    (together,), _ = _run_steps(model, PROMPTS, [VERIFY], fused=True, kv_dtype=kv_dtype)
+    one_at_a_time = [[toks[s : s + 1] for toks in VERIFY] for s in range(max(map(len, VERIFY)))]
+    single, _ = _run_steps(model, PROMPTS, one_at_a_time, fused=True, kv_dtype=kv_dtype)
+    # request r's token s: its row of step s, after the requests before it that had a token s
+    want = torch.stack([single[s][sum(len(q) > s for q in VERIFY[:r])]
+                        for r, toks in enumerate(VERIFY) for s in range(len(toks))])
+    assert torch.equal(together, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["float", "int8"])
+def test_a_verification_step_follows_the_pytorch_path(kv_dtype) -> None:
+    model = gguf_tiny_model()
+    steps = [[[5], [7], [2]], VERIFY, [[1, 2], [], [4]]]  # a decode, a verification, a partial step
+    ref, _ = _run_steps(model, PROMPTS, steps, fused=False, kv_dtype=kv_dtype)
+    out, _ = _run_steps(model, PROMPTS, steps, fused=True, kv_dtype=kv_dtype)
+    assert isinstance(model.__dict__["fused_decode"], fused_decode.FusedDecodeStep)
+    for step, (a, b) in enumerate(zip(out, ref)):
+        err = (a - b).abs().max().item()
+        tolerance = (2e-3 if kv_dtype is None else 2e-2) * b.abs().max().item()
+        assert err <= tolerance, f"step {step}: max |fused - reference| = {err}"
+
+
+def test_per_token_rows_give_each_query_token_its_causal_length() -> None:
+    tables = torch.tensor([[4, 5, 6], [7, 8, 0]])
+    t, ctx = fused_decode.per_token_rows(tables, torch.tensor([9, 5], dtype=torch.int32),
+                                         torch.tensor([0, 3, 4], dtype=torch.int32))
+    assert ctx.tolist() == [7, 8, 9, 5] and ctx.dtype == torch.int32
+    assert t.tolist() == [[4, 5, 6]] * 3 + [[7, 8, 0]]
 
 
 @needs_kernel
@@ -269,11 +327,12 @@ def test_models_and_steps_it_does_not_cover_keep_the_pytorch_path() -> None:
     if not needs_kernel.args[0]:
         step = fused_decode.bind(model)
         assert isinstance(step, fused_decode.FusedDecodeStep)
-        # A prefill step (several tokens of one request) and a step above MAX_DECODE_TOKENS: None.
+        # A prompt piece longer than MAX_QUERY_LEN and a step above MAX_DECODE_TOKENS: None.
         backend = CpuAttentionBackend()
         cache = CacheEngine(model.kv_cache_spec, CacheConfig(4, 8, torch.float32), torch.device("cpu"))
-        layout = BatchLayout(torch.arange(3), [3], [3], [[0]], [1], 4, torch.device("cpu"))
-        assert step(torch.tensor([1, 2, 3]), torch.arange(3), cache.kv_caches, backend.build_metadata(layout)) is None
+        n = fused_decode.MAX_QUERY_LEN + 1
+        layout = BatchLayout(torch.arange(n), [n], [n], [list(range(-(-n // 4)))], [1], 4, torch.device("cpu"))
+        assert step(torch.arange(n), torch.arange(n), cache.kv_caches, backend.build_metadata(layout)) is None
         n = fused_decode.MAX_DECODE_TOKENS + 1
         layout = BatchLayout(torch.arange(n), [1] * n, [1] * n, [[0]] * n, [n], 4, torch.device("cpu"))
         assert step(torch.ones(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), cache.kv_caches,
@@ -305,7 +364,8 @@ def test_smollm2_greedy_tokens_equal_with_and_without_the_fused_step(smollm2_dir
     forward = step.decoder.forward
     step.decoder = type("Counted", (), {"forward": lambda self, *a: calls.append(1) or forward(*a)})()
     again = llm.generate(prompts[:1], params)
-    assert len(calls) == 15 and again[0].outputs[0].token_ids == fused[0].outputs[0].token_ids
+    # the prompt's prefill (6 tokens, within MAX_QUERY_LEN) and the 15 decode steps
+    assert len(calls) == 16 and again[0].outputs[0].token_ids == fused[0].outputs[0].token_ids
     model.__dict__["fused_decode"] = None  # the PyTorch path, the reference
     ref = llm.generate(prompts, params)
     for a, b in zip(fused, ref):

@@ -425,3 +425,26 @@ def test_an_accepted_draft_after_which_no_token_is_allowed_fails_the_request(tem
     if temperature == 0:
         logits[:, 4], logits[:, 5] = 0.0, 5.0  # the target prefers 5: the draft 4 is rejected
         assert RejectionSampler(gen(0))(request, [4, 5], logits) == [5]
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_greedy_verification_draws_no_random_numbers(with_q):
+    """Greedy verification is an argmax per row: the generator is left as plain greedy
+    decoding leaves it (a seeded neighbour's stream does not depend on speculation)."""
+    logits = logits_with_argmax([3, 7, 1])
+    q = torch.full((2, 10), 0.1) if with_q else None
+    g = gen(5)
+    state = g.get_state()
+    assert RejectionSampler(g)(make_request(GREEDY, [3, 2], q), [3, 2], logits) == [3, 7]
+    assert torch.equal(g.get_state(), state)
+
+
+def test_greedy_verification_applies_the_penalties_of_the_drafts_before_each_row():
+    """A repetition penalty counts the accepted drafts before a row: token 5 (not in the
+    prompt), drafted and accepted at row 0, is penalized at row 1, whose argmax then moves
+    to the runner-up."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=2.0)
+    logits = torch.zeros(3, 10)
+    logits[:, 5], logits[:, 6] = 4.0, 3.0  # row 1 unpenalized would pick 5 again
+    out = RejectionSampler(gen(0))(make_request(params, [5, 5]), [5, 5], logits)
+    assert out == [5, 6]

@@ -313,3 +313,31 @@ def test_real_model_greedy_identical_with_ngram(smollm2_llm):
     assert stats["spec_mean_accepted_length"] > 1.5, stats
     text = tok.decode(reference["0"])
     assert "spiral stairs" in text  # the model does copy the passage
+
+
+@requires_smollm2
+@pytest.mark.integration
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_real_gguf_model_served_as_stored_is_greedy_identical_with_ngram(smollm2_dir, dtype, monkeypatch):
+    """The GGUF file computed as stored (the default): verification steps take the fused
+    decode step as plain decode steps do (``kvflow.layers.fused_decode.MAX_QUERY_LEN``), so
+    each verified token is computed as its decode step would compute it and the outputs are
+    identical. (Verified on the PyTorch path instead, the two paths' float sums in other
+    orders split the float32 outputs at the third prompt's 13th token.)"""
+    from kvflow import LLM, ops
+    from kvflow.layers import fused_decode
+
+    monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "wait")  # the kernels now, not in the background
+    llm = LLM(model=str(smollm2_dir), quantization="gguf", dtype=dtype, num_kv_blocks=256, max_num_seqs=16)
+    tok = llm.tokenizer
+    prompts = [tok.encode(p) for p in REAL_PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    arrivals = [(0, p, params) for p in prompts]
+    reference = run_schedule(engine_like(llm, attention_backend="cpu"), arrivals)
+    max_len = llm.engine.scheduler_config.max_model_len
+    spec = engine_like(llm, proposer=NgramProposer(4, 2, 5, max_len), attention_backend="cpu")
+    assert run_schedule(spec, arrivals) == reference
+    if not (ops.FUSED_DECODE.disabled() or ops.GGUF_MATMUL.disabled()):  # (the kernels' switches)
+        assert isinstance(llm.engine.model_runner.model.__dict__["fused_decode"], fused_decode.FusedDecodeStep)
+    stats = spec.get_stats()
+    assert stats["spec_mean_accepted_length"] > 1.5, stats
