@@ -402,3 +402,16 @@ def test_smollm2_dense_bfloat16_greedy_tokens_follow_the_pytorch_path(smollm2_di
         if d < len(want):
             top = sorted((lp.logprob for lp in b.outputs[0].logprobs[d].values()), reverse=True)
             assert top[0] - top[1] < 0.25, (a.prompt, d, top)
+
+
+def test_while_the_kernel_builds_the_model_is_checked_once(monkeypatch) -> None:
+    """``bind`` answers PENDING at every step of a background build; the model's layers are
+    walked once, not at each of those steps."""
+    model = gguf_tiny_model()
+    calls = []
+    check = fused_decode.refusal
+    monkeypatch.setattr(fused_decode, "refusal", lambda m: calls.append(1) or check(m))
+    monkeypatch.setattr(fused_decode._EXTENSION, "pending", lambda: True)
+    assert fused_decode.bind(model) is fused_decode.PENDING
+    assert fused_decode.bind(model) is fused_decode.PENDING
+    assert len(calls) == 1
