@@ -1,8 +1,10 @@
 """kvflow: an LLM inference and serving engine.
 
-Public API: ``LLM``, ``SamplingParams``, ``PoolingParams``, ``EngineArgs``, ``RequestOutput``,
+Public API: ``LLM``, ``LLMEngine``, ``SamplingParams``, ``PoolingParams``, ``EngineArgs``, ``RequestOutput``,
 ``CompletionOutput``, ``EmbeddingRequestOutput``, ``Logprob``, ``LoRARequest`` (the names of vLLM's, so that a
-vLLM script switches by its import line).
+vLLM script switches by its import line). ``kvflow.LLMEngine`` is vLLM's ``LLMEngine``
+(``from_engine_args``, ``add_request(request_id, prompt, params, lora_request=...)``, ``step``);
+``kvflow.engine.llm_engine.LLMEngine`` is the engine inside it, which takes token ids.
 """
 
 # Before anything imports torch: libgomp reads its wait policy once, when torch loads it.
@@ -12,6 +14,7 @@ _set_openmp_defaults()
 
 from kvflow.engine.arg_utils import EngineArgs  # noqa: E402
 from kvflow.entrypoints.llm import LLM  # noqa: E402
+from kvflow.entrypoints.llm import VLLMStyleEngine as LLMEngine  # noqa: E402
 from kvflow.inputs import PromptType, TextPrompt, TokensPrompt  # noqa: E402
 from kvflow.logprobs import Logprob  # noqa: E402
 from kvflow.lora.request import LoRARequest  # noqa: E402
@@ -19,7 +22,7 @@ from kvflow.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOu
 from kvflow.pooling_params import PoolingParams  # noqa: E402
 from kvflow.sampling_params import SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "SamplingParams", "PoolingParams", "EngineArgs", "RequestOutput", "CompletionOutput",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "PoolingParams", "EngineArgs", "RequestOutput", "CompletionOutput",
            "EmbeddingRequestOutput", "EmbeddingOutput", "Logprob", "TextPrompt", "TokensPrompt", "PromptType",
            "LoRARequest"]
 __version__ = "0.1.0"
