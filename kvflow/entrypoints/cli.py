@@ -198,12 +198,44 @@ def check_bindable(host: str, port: int) -> None:
                 raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from None
 
 
-def _lora_module(text: str) -> tuple[str, str]:
-    """``--lora-modules`` entry NAME=PATH."""
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH entries, got {text!r}")
-    return name, path
+_LORA_MODULE_KEYS = {"name", "path", "base_model_name", "is_3d_lora_weight"}
+
+
+def _lora_module(text: str) -> list[tuple[str, str, str | None]]:
+    """One ``--lora-modules`` entry, as vLLM's: NAME=PATH, or JSON: an object ``{"name",
+    "path", "base_model_name"}`` or a list of them. Returns (name, path, base_model_name)
+    for each adapter (base_model_name None where it is not given)."""
+    if "=" in text and "," not in text:
+        name, _, path = text.partition("=")
+        if not name or not path:
+            raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH entries, got {text!r}")
+        return [(name, path, None)]
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH or JSON entries such as "
+                                         f'\'{{"name": "sql", "path": "/adapters/sql"}}\', got {text!r}') from None
+    entries = value if isinstance(value, list) else [value]
+    out = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise argparse.ArgumentTypeError(f"--lora-modules: a JSON entry is an object with name and path, got "
+                                             f"{json.dumps(entry)}")
+        unknown = sorted(set(entry) - _LORA_MODULE_KEYS)
+        if unknown:
+            raise argparse.ArgumentTypeError(f"--lora-modules: unknown field(s) {', '.join(unknown)} in {text!r} "
+                                             f"(known: {', '.join(sorted(_LORA_MODULE_KEYS))})")
+        name, path, base = entry.get("name"), entry.get("path"), entry.get("base_model_name")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise argparse.ArgumentTypeError(f"--lora-modules: each JSON entry needs a non-empty name and path, "
+                                             f"got {json.dumps(entry)}")
+        if base is not None and not isinstance(base, str):
+            raise argparse.ArgumentTypeError(f"--lora-modules: base_model_name must be a string, got {base!r}")
+        if entry.get("is_3d_lora_weight", False) is not False:
+            raise argparse.ArgumentTypeError("--lora-modules: is_3d_lora_weight is not supported by kvflow (PEFT "
+                                             "adapters of 2-D weights only)")
+        out.append((name, path, base))
+    return out
 
 
 def _field_flag(group: argparse._ArgumentGroup, f: Field) -> None:
@@ -491,12 +523,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if not args.quiet:
         logging.getLogger("kvflow").setLevel("DEBUG" if args.log_level == "trace" else args.log_level.upper())
-    lora_modules = dict(args.lora_modules or [])
+    entries = [entry for given in args.lora_modules or [] for entry in given]
+    lora_modules = {name: path for name, path, _ in entries}
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    if len(lora_modules) != len(args.lora_modules or []):
+    if len(lora_modules) != len(entries):
         raise ValueError("--lora-modules names an adapter twice")
     base_names = {*(args.served_model_name or [default_served_name(args.model)]), args.model}
+    for name, _, base in entries:
+        if base is not None and base not in base_names:
+            raise ValueError(f"--lora-modules: adapter {name!r} has base_model_name {base!r}, which is not the served "
+                             f"model (one of {', '.join(map(repr, sorted(base_names)))}): kvflow serves one base model; "
+                             "leave base_model_name unset or name it")
     clash = next((name for name in lora_modules if name in base_names), None)
     if clash is not None:  # (build_app refused it as "lora_name: ..." once the model had loaded)
         raise ValueError(f"--lora-modules: {clash!r} is a name of the base model (--served-model-name / --model); "
@@ -679,7 +717,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "reads <tool_call> blocks, bare JSON calls and ```json fences)")
     serve.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
                        help="LoRA adapters (PEFT folders) served as models of their own: a request whose model is "
-                       "NAME runs with the adapter at PATH (needs --enable-lora; see docs/lora.md)")
+                       "NAME runs with the adapter at PATH (needs --enable-lora; see docs/lora.md); or vLLM's JSON "
+                       "form, '{\"name\": NAME, \"path\": PATH, \"base_model_name\": MODEL}' (MODEL: the served "
+                       "model) or a list of such objects")
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split <think>...</think> into reasoning_content (default: no split)")
     _add_engine_args(serve)

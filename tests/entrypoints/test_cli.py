@@ -839,3 +839,54 @@ def vllm_compat_module():
     from kvflow.entrypoints import vllm_compat
 
     return vllm_compat
+
+
+@pytest.mark.parametrize("entries, wanted", [
+    (['{"name": "sql", "path": "/a/sql", "base_model_name": "smollm2-135m"}'], {"sql": "/a/sql"}),
+    (['[{"name": "sql", "path": "/a/sql"}, {"name": "chat", "path": "/a/chat"}]', "x=/a/x"],
+     {"sql": "/a/sql", "chat": "/a/chat", "x": "/a/x"}),
+    (["sql=/a/sql"], {"sql": "/a/sql"}),
+])
+def test_serve_takes_vllms_json_lora_modules(monkeypatch, entries, wanted):
+    """vLLM's --lora-modules takes NAME=PATH and JSON ('{"name", "path", "base_model_name"}' or
+    a list of them, its docs/features/lora.md form); kvflow refused the JSON form ("takes
+    NAME=PATH entries")."""
+    from types import SimpleNamespace
+
+    from kvflow.engine import async_engine
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.entrypoints.openai import server
+
+    class Built(BaseException):  # (main turns an Exception into exit 1)
+        pass
+
+    def build_app(*args, **kwargs):
+        raise Built(kwargs["lora_modules"])
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args",
+                        lambda args: SimpleNamespace(scheduler_config=SimpleNamespace(max_model_len=64)))
+    monkeypatch.setattr(async_engine, "AsyncLLMEngine", lambda *args, **kwargs: None)
+    monkeypatch.setattr(server, "build_app", build_app)
+    with pytest.raises(Built) as built:
+        main(["serve", "--port", "18291", "--enable-lora", "--lora-modules", *entries])
+    assert built.value.args[0] == wanted
+
+
+@pytest.mark.parametrize("entry, wanted", [
+    ('{"name": "sql", "path": "/a", "base_model_name": "meta-llama/Llama-2-7b-hf"}',
+     "adapter 'sql' has base_model_name 'meta-llama/Llama-2-7b-hf', which is not the served model"),
+    ('{"name": "sql"}', "each JSON entry needs a non-empty name and path"),
+    ('{"name": "sql", "path": "/a", "rank": 8}', "unknown field(s) rank"),
+    ('{"name": "sql", "path": "/a", "is_3d_lora_weight": true}', "is_3d_lora_weight is not supported by kvflow"),
+    ('{"name": "sql", path}', "--lora-modules takes NAME=PATH or JSON entries"),
+    ("[3]", "a JSON entry is an object with name and path"),
+])
+def test_serve_refuses_bad_json_lora_modules_by_name(capsys, monkeypatch, entry, wanted):
+    from kvflow.engine.llm_engine import LLMEngine
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before --lora-modules was checked")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", never)
+    line = _one_line_error(capsys, ["serve", "--port", "18292", "--enable-lora", "--lora-modules", entry], 2)
+    assert wanted in line, line
