@@ -25,6 +25,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -114,6 +115,31 @@ def _byte_size(name: str, minimum: int = 0):
         return value
 
     return parse
+
+
+# Counts vLLM's CLI reads with a k / m / g / t suffix (its ``human_readable_int``: lower
+# case decimal, 25.6k = 25,600; upper case binary, 1K = 1,024), so ``--max-model-len 32k`` as there.
+_HUMAN_INT_FIELDS = ("max_model_len", "max_num_batched_tokens")
+_HUMAN_INT_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _human_int(text: str) -> int:
+    """An integer, or one with vLLM's k / m / g / t (decimal) or K / M / G / T (binary)
+    suffix: ``32k`` is 32,000, ``25.6k`` 25,600, ``32K`` 32,768 (a binary suffix takes a whole
+    number, as vLLM's)."""
+    value = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (an integer, or one with a k / m / g / t "
+                                             "or K / M / G / T suffix such as 32k)") from None
+    number, suffix = match.groups()
+    if suffix.isupper() and "." in number:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (a binary suffix such as K takes a whole "
+                                         "number: 32K; 25.6k is 25,600)")
+    return int(float(number) * _HUMAN_INT_SUFFIXES[suffix]) if "." in number else int(number) * _HUMAN_INT_SUFFIXES[suffix]
 
 
 def _positive_count(text: str) -> int:
@@ -255,7 +281,7 @@ def _field_flag(group: argparse._ArgumentGroup, f: Field) -> None:
     elif kind.startswith("dict"):
         kwargs["type"] = _json_object(f.name)
     elif kind.startswith("int"):
-        kwargs["type"] = int
+        kwargs["type"] = _human_int if f.name in _HUMAN_INT_FIELDS else int
     elif kind.startswith("float"):
         kwargs["type"] = float
     if "choices" in meta and kind != "bool|str":

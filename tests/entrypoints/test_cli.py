@@ -890,3 +890,21 @@ def test_serve_refuses_bad_json_lora_modules_by_name(capsys, monkeypatch, entry,
     monkeypatch.setattr(LLMEngine, "from_engine_args", never)
     line = _one_line_error(capsys, ["serve", "--port", "18292", "--enable-lora", "--lora-modules", entry], 2)
     assert wanted in line, line
+
+
+@pytest.mark.parametrize("value, wanted", [("2k", 2000), ("25.6k", 25600), ("2K", 2048), ("4096", 4096)])
+def test_max_model_len_takes_vllms_human_readable_counts(value, wanted):
+    """vLLM's --max-model-len / --max-num-batched-tokens take 32k (32,000) and 32K (32,768);
+    kvflow said "invalid int value: '2k'"."""
+    for command in (["serve"], ["generate", "x"]):
+        args, _ = build_parser().parse_known_args([*command, "--max-model-len", value, "--max-num-batched-tokens", value])
+        assert (args.max_model_len, args.max_num_batched_tokens) == (wanted, wanted)
+
+
+@pytest.mark.parametrize("value, wanted", [
+    ("1.5K", "argument --max-model-len: invalid int value: '1.5K' (a binary suffix"),
+    ("auto", "argument --max-model-len: invalid int value: 'auto'"),
+])
+def test_max_model_len_refuses_what_it_cannot_read(capsys, value, wanted):
+    line = _one_line_error(capsys, ["serve", "--max-model-len", value], 2)
+    assert wanted in line, line
