@@ -192,6 +192,13 @@ def _api_key(text: str) -> str:
     return text
 
 
+def _api_key_from_env(value: str) -> str:
+    """VLLM_API_KEY as ``--api-key`` (blank is a usage error naming it, as ``--api-key " "`` is)."""
+    if not value.strip():
+        raise ValueError("VLLM_API_KEY is blank: an API key must not be; unset it or set a key")
+    return value
+
+
 class ListenError(OSError):
     """``kvflow serve`` cannot listen on its ``--host``/``--port``."""
 
@@ -551,6 +558,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("kvflow").setLevel("DEBUG" if args.log_level == "trace" else args.log_level.upper())
     entries = [entry for given in args.lora_modules or [] for entry in given]
     lora_modules = {name: path for name, path, _ in entries}
+    if args.api_key is None and os.environ.get("VLLM_API_KEY"):  # (empty: no key, as vLLM reads it)
+        # vLLM's server takes its key from VLLM_API_KEY when --api-key is not given: a vLLM
+        # deployment moved over as it is must not come up without the key it relies on.
+        args.api_key = _api_key_from_env(os.environ["VLLM_API_KEY"])
+        logging.getLogger(__name__).info("the API key is VLLM_API_KEY's, as vLLM's server takes it (--api-key wins)")
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if len(lora_modules) != len(entries):

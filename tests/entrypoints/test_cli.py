@@ -908,3 +908,54 @@ def test_max_model_len_takes_vllms_human_readable_counts(value, wanted):
 def test_max_model_len_refuses_what_it_cannot_read(capsys, value, wanted):
     line = _one_line_error(capsys, ["serve", "--max-model-len", value], 2)
     assert wanted in line, line
+
+
+def _built_app_kwargs(monkeypatch, argv):
+    """``main(["serve", *argv])`` up to ``build_app`` (no model loads): its keyword arguments."""
+    from types import SimpleNamespace
+
+    from kvflow.engine import async_engine
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.entrypoints.openai import server
+
+    class Built(BaseException):  # (main turns an Exception into exit 1)
+        pass
+
+    def build_app(*args, **kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args",
+                        lambda args: SimpleNamespace(scheduler_config=SimpleNamespace(max_model_len=64)))
+    monkeypatch.setattr(async_engine, "AsyncLLMEngine", lambda *args, **kwargs: None)
+    monkeypatch.setattr(server, "build_app", build_app)
+    with pytest.raises(Built) as built:
+        main(["serve", "--port", "18293", *argv])
+    return built.value.args[0]
+
+
+@pytest.mark.parametrize("env, argv, wanted", [
+    ("s3cret", [], "s3cret"),
+    ("s3cret", ["--api-key", "flag"], "flag"),  # --api-key wins, as in vLLM
+    ("", [], None),  # empty: no key, as vLLM reads it
+    (None, [], None),
+])
+def test_serve_takes_the_api_key_from_vllm_api_key(monkeypatch, env, argv, wanted):
+    """vLLM's server requires VLLM_API_KEY's key when --api-key is not given; kvflow ignored
+    the variable, so a vLLM deployment moved over came up with no authentication."""
+    if env is None:
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_API_KEY", env)
+    assert _built_app_kwargs(monkeypatch, argv)["api_key"] == wanted
+
+
+def test_serve_refuses_a_blank_vllm_api_key(capsys, monkeypatch):
+    from kvflow.engine.llm_engine import LLMEngine
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before VLLM_API_KEY was checked")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", never)
+    monkeypatch.setenv("VLLM_API_KEY", "  ")
+    line = _one_line_error(capsys, ["serve", "--port", "18294"], 2)
+    assert "VLLM_API_KEY is blank" in line, line
