@@ -421,3 +421,20 @@ def test_a_config_without_lora_alpha_scales_as_peft_does(llama, tmp_path):
     (out,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("no_alpha", 40, no_alpha))
     ref, margins = hf_greedy(merged, prompt, 8)
     assert_greedy_matches(list(out.outputs[0].token_ids), ref, margins)
+
+
+def test_lora_request_takes_vllms_fields():
+    """vLLM's ``LoRARequest(name, id, path, base_model_name=..., load_inplace=...,
+    is_3d_lora_weight=...)``: base_model_name is carried along, the other two only at False
+    (refused by name); each keyword was a TypeError."""
+    lora = LoRARequest("sql", 1, "/adapters/sql", base_model_name="meta-llama/Llama-3.2-3B-Instruct")
+    assert lora.base_model_name == "meta-llama/Llama-3.2-3B-Instruct" and lora.cache_key == b"lora:1:/adapters/sql"
+    assert LoRARequest("sql", 1, "/adapters/sql", "base").base_model_name == "base"  # vLLM's field order
+    assert LoRARequest("sql", 1, "/adapters/sql", load_inplace=False, is_3d_lora_weight=False) == LoRARequest(
+        "sql", 1, "/adapters/sql")
+    with pytest.raises(ValueError, match="load_inplace=True is not supported by kvflow"):
+        LoRARequest("sql", 1, "/adapters/sql", load_inplace=True)
+    with pytest.raises(ValueError, match="is_3d_lora_weight=True is not supported by kvflow"):
+        LoRARequest("sql", 1, "/adapters/sql", is_3d_lora_weight=True)
+    with pytest.raises(ValueError, match="base_model_name must be a string or None, got 3"):
+        LoRARequest("sql", 1, "/adapters/sql", base_model_name=3)
