@@ -1583,3 +1583,23 @@ def test_max_tokens_beyond_the_whole_kv_cache_is_400_naming_the_field_sent():
             assert _completion(http, max_tokens=4)["usage"]["completion_tokens"] >= 1
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("path, prefix, body", [
+    (C, "cmpl", {"prompt": "Hi", "max_tokens": 2}),
+    (CH, "chatcmpl", {"messages": MSG, "max_tokens": 2}),
+])
+def test_the_answers_id_is_vllms_request_id(http, path, prefix, body):
+    """vLLM answers ``{prefix}-<X-Request-Id header or request_id field>`` (clients match their
+    logs to the answer by it); kvflow ignored both and sent a random id."""
+    assert http.post(path, json={**body, "request_id": "job-7"}).json()["id"] == f"{prefix}-job-7"
+    headed = http.post(path, json={**body, "request_id": "job-7"}, headers={"X-Request-Id": "hdr-1"})
+    assert headed.json()["id"] == f"{prefix}-hdr-1"  # the header wins, as in vLLM
+    streamed = http.post(path, json={**body, "request_id": "job-8", "stream": True})
+    ids = {json.loads(line[6:])["id"] for line in streamed.text.splitlines()
+           if line.startswith("data: {")}
+    assert ids == {f"{prefix}-job-8"}
+    plain = http.post(path, json=body).json()["id"]
+    assert plain.startswith(f"{prefix}-") and len(plain) > len(prefix) + 8
+    bad = http.post(path, json={**body, "request_id": 7})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
