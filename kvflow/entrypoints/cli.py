@@ -561,8 +561,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key is None and os.environ.get("VLLM_API_KEY"):  # (empty: no key, as vLLM reads it)
         # vLLM's server takes its key from VLLM_API_KEY when --api-key is not given: a vLLM
         # deployment moved over as it is must not come up without the key it relies on.
-        args.api_key = _api_key_from_env(os.environ["VLLM_API_KEY"])
+        args.api_key = [_api_key_from_env(os.environ["VLLM_API_KEY"])]
         logging.getLogger(__name__).info("the API key is VLLM_API_KEY's, as vLLM's server takes it (--api-key wins)")
+    api_keys = tuple(dict.fromkeys(args.api_key)) if args.api_key else None
+    if api_keys is not None and len(api_keys) > 1 and args.data_parallel_size != 1:
+        raise ValueError(f"--api-key: {len(api_keys)} keys need one engine (--data-parallel-size 1): the router in front "
+                         "of the replicas takes one key")
+    args.api_key = api_keys[0] if api_keys is not None else None  # (the router's key with --data-parallel-size)
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if len(lora_modules) != len(entries):
@@ -611,7 +616,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     async_engine = AsyncLLMEngine(engine, name, max_queue_len=args.max_queue_len, on_dead=on_dead)
     app = build_app(
-        async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key,
+        async_engine, name, engine.scheduler_config.max_model_len, api_key=api_keys,
         metrics_need_key=not args.metrics_no_auth, max_request_bytes=args.max_request_bytes, model_aliases=(args.model,),
         served_model_names=tuple(served[1:]),
         chat_template=chat_template, tool_parser=args.tool_call_parser,
@@ -723,8 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model, as --model (vLLM's `vllm serve MODEL`)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535; checked free before the model loads")
-    serve.add_argument("--api-key", type=_api_key, default=None,
-                       help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth)")
+    serve.add_argument("--api-key", type=_api_key, nargs="+", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth); "
+                       "as vLLM's, several keys: any of them is accepted (default: VLLM_API_KEY's, when set)")
     serve.add_argument("--metrics-no-auth", action="store_true",
                        help="with --api-key, leave /metrics (and the routers' /get_load) open too")
     serve.add_argument("--served-model-name", nargs="+", type=_served_name, default=None, metavar="NAME",

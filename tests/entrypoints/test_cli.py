@@ -934,8 +934,8 @@ def _built_app_kwargs(monkeypatch, argv):
 
 
 @pytest.mark.parametrize("env, argv, wanted", [
-    ("s3cret", [], "s3cret"),
-    ("s3cret", ["--api-key", "flag"], "flag"),  # --api-key wins, as in vLLM
+    ("s3cret", [], ("s3cret",)),
+    ("s3cret", ["--api-key", "flag"], ("flag",)),  # --api-key wins, as in vLLM
     ("", [], None),  # empty: no key, as vLLM reads it
     (None, [], None),
 ])
@@ -959,3 +959,19 @@ def test_serve_refuses_a_blank_vllm_api_key(capsys, monkeypatch):
     monkeypatch.setenv("VLLM_API_KEY", "  ")
     line = _one_line_error(capsys, ["serve", "--port", "18294"], 2)
     assert "VLLM_API_KEY is blank" in line, line
+
+
+def test_serve_takes_several_api_keys_as_vllm(monkeypatch):
+    """vLLM's --api-key takes several keys (any of them is accepted); kvflow took one, and
+    'kvflow serve --api-key k1 k2' read k2 as the MODEL."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    kwargs = _built_app_kwargs(monkeypatch, ["--api-key", "k1", "k2", "k1"])
+    assert kwargs["api_key"] == ("k1", "k2")
+
+
+def test_several_api_keys_need_one_engine(capsys, monkeypatch):
+    from kvflow.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
+    line = _one_line_error(capsys, ["serve", "--port", "18295", "--api-key", "k1", "k2", "--data-parallel-size", "2"], 2)
+    assert "--api-key: 2 keys need one engine (--data-parallel-size 1)" in line, line

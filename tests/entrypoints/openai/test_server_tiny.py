@@ -897,7 +897,7 @@ def test_a_null_for_a_required_field_is_still_refused(http):
     _assert_error(http.post(CH, json={"messages": None, "max_tokens": 2}), 400, "messages")
 
 
-@pytest.mark.parametrize("key", ["", " "])
+@pytest.mark.parametrize("key", ["", " ", ("k", " "), ()])
 def test_an_empty_api_key_is_refused(key):
     # An empty key would let "Authorization: Bearer " and a request without x-api-key through.
     from kvflow.engine.async_engine import AsyncLLMEngine
@@ -1410,6 +1410,22 @@ def test_api_key_guards_every_path_but_health(key_servers, path, closed_status, 
         _assert_error(httpx.get(closed.url + path), 401)
         r = httpx.get(closed.url + path, headers={"Authorization": f"Bearer {API_KEY}"})
         assert r.status_code == (404 if path == "/no/such/path" else 200)
+
+
+def test_several_api_keys_each_open_the_server():
+    """vLLM's ``--api-key k1 k2``: any of them is accepted (kvflow took one key, and the
+    second became the MODEL argument or an unrecognized argument)."""
+    server = TinyServer(api_key=("k1", "k2"))
+    try:
+        for key in ("k1", "k2"):
+            assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        _assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k3"}), 401)
+        _assert_error(httpx.get(server.url + "/v1/models"), 401)
+        messages = server.url + "/v1/messages/count_tokens"
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(messages, json=body, headers={"x-api-key": "k2"}).status_code == 200
+    finally:
+        server.stop()
 
 
 def test_model_names(http):
