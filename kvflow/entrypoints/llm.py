@@ -535,6 +535,29 @@ class LLM:
         """See ``LLMEngine.get_stats``."""
         return self.engine.get_stats()
 
+    # vLLM's ``LLM`` methods kvflow does not implement: each raises NotImplementedError naming
+    # itself and what kvflow offers instead (an AttributeError said nothing of why).
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("encode", "LLM.embed gives the embeddings (vLLM's encode with pooling_task='embed')")
+
+    def classify(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("classify", "kvflow runs no classification models")
+
+    def score(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("score", "kvflow runs no cross-encoder or scoring models; compare LLM.embed vectors")
+
+    def reward(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("reward", "kvflow runs no reward models")
+
+    def get_metrics(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("get_metrics", "LLM.get_stats() gives the engine's counters and gauges")
+
+    def sleep(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("sleep", "kvflow keeps its weights and KV cache resident")
+
+    def wake_up(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("wake_up", "kvflow keeps its weights and KV cache resident (it never sleeps)")
+
 
 class VLLMStyleEngine:
     """vLLM's ``LLMEngine`` (``kvflow.LLMEngine``, and ``LLM.llm_engine``): the ``LLMEngine``
@@ -591,6 +614,10 @@ class VLLMStyleEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm.engine, name)
+
+
+def _not_implemented(name: str, instead: str) -> None:
+    raise NotImplementedError(f"LLM.{name} (vLLM's) is not supported by kvflow: {instead}")
 
 
 def _refuse_unset(**options: Any) -> None:
