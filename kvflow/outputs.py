@@ -39,6 +39,10 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     lora_request: Any = None
 
+    def finished(self) -> bool:
+        """Whether this output has ended (it has a finish reason), as vLLM's."""
+        return self.finish_reason is not None
+
 
 @dataclass(frozen=True)
 class RequestFailure:

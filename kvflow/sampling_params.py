@@ -259,6 +259,12 @@ class SamplingParams:
             as None or equal to ``n`` (n samples, all returned); any other value is refused.
         logits_processors: older vLLM versions' per-request logits processors: accepted as
             None or an empty list; kvflow does not run them, so any other value is refused.
+        thinking_token_budget, repetition_detection, logprob_token_ids,
+        prompt_logprob_token_ids, prompt_logprob_start, watermarking, flat_logprobs,
+        stream_interval, skip_reading_prefix_cache, routed_experts_prompt_start: vLLM 0.32's
+        newer fields, which kvflow does not implement: accepted at their neutral values
+        (``VLLM_NEUTRAL``: None, an empty list, False, 0, a ``stream_interval`` of 1), any other
+        value refused by name. skip_clone: vLLM's copy hint, any bool (no effect).
 
     Integer fields take any ``numbers.Integral`` and float fields any ``numbers.Real``
     (numpy scalars included), stored as Python ``int`` / ``float``; ``bool`` is not a number
@@ -304,6 +310,17 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = None
     best_of: int | None = None
     logits_processors: list[Any] | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprob_token_ids: list[int] | None = None
+    prompt_logprob_start: int | None = None
+    watermarking: Any = None
+    flat_logprobs: bool = False
+    stream_interval: int | None = None
+    skip_clone: bool = False
+    skip_reading_prefix_cache: bool | None = None
+    routed_experts_prompt_start: int = 0
 
     @staticmethod
     def from_optional(
@@ -595,6 +612,12 @@ class SamplingParams:
                                                    or len(self.logits_processors) > 0):
             raise ValueError("logits_processors is not supported by kvflow (per-request logits processors are not "
                              "run); leave it None")
+        for name, (neutral, why) in VLLM_NEUTRAL.items():
+            value = getattr(self, name)
+            if not any(value is n or (type(value) is type(n) and value == n) for n in neutral):
+                raise ValueError(f"{name}={value!r} is not supported by kvflow ({why}); leave it unset"[:400])
+        if not isinstance(self.skip_clone, bool):
+            raise ValueError(f"skip_clone must be a bool, got {self.skip_clone!r}")
 
     @property
     def has_penalties(self) -> bool:
@@ -605,6 +628,23 @@ class SamplingParams:
         """True when the request takes the argmax token at every step."""
         return self.temperature < _GREEDY_EPS or self.top_k == 1
 
+
+#: vLLM 0.32's ``SamplingParams`` fields kvflow does not implement: field -> (the values that
+#: change nothing, why another value is refused).
+VLLM_NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "thinking_token_budget": ((None,), "no cap on reasoning tokens"),
+    "repetition_detection": ((None,), "no repetition stop"),
+    "logprob_token_ids": ((None, []), "logprobs are the top `logprobs` tokens and the sampled one"),
+    "prompt_logprob_token_ids": ((None, []), "prompt logprobs are the top `prompt_logprobs` tokens and the "
+                                 "prompt's own"),
+    "prompt_logprob_start": ((None, 0), "prompt logprobs cover the whole prompt"),
+    "watermarking": ((None, False), "no watermarking"),
+    "flat_logprobs": ((False,), "logprobs are a list of {token id: Logprob} dicts"),
+    "stream_interval": ((None, 1), "streamed outputs come every step"),
+    "skip_reading_prefix_cache": ((None, False), "a request always reads the prefix cache (its outputs do "
+                                  "not depend on it)"),
+    "routed_experts_prompt_start": ((0,), "no routed-expert data is returned"),
+}
 
 #: Bounds on the list fields (a request past one is a ValueError naming the field).
 MAX_STOP_STRINGS = 64

@@ -430,3 +430,23 @@ def test_beam_search_switches_must_be_booleans(name, value):
     with pytest.raises(ValueError, match=f"^{name} must be a boolean"):
         sp.BeamSearchParams(beam_width=2, max_tokens=3, **{name: value})
     sp.BeamSearchParams(beam_width=2, max_tokens=3, **{name: True})
+
+
+@pytest.mark.parametrize("field, neutral, other", [
+    ("thinking_token_budget", None, 16), ("repetition_detection", None, {"max_pattern_size": 3}),
+    ("logprob_token_ids", [], [1, 2]), ("prompt_logprob_token_ids", [], [1]), ("prompt_logprob_start", 0, 2),
+    ("watermarking", False, True), ("flat_logprobs", False, True), ("stream_interval", 1, 4),
+    ("skip_reading_prefix_cache", False, True), ("routed_experts_prompt_start", 0, 3),
+])  # fmt: skip
+def test_vllms_newer_fields_pass_at_neutral_values_and_are_refused_by_name(field, neutral, other):
+    """vLLM 0.32's SamplingParams fields kvflow does not implement were TypeErrors (an unknown
+    keyword): now their neutral values pass and any other is a ValueError naming the field."""
+    assert getattr(SamplingParams(**{field: neutral}), field) == neutral
+    with pytest.raises(ValueError, match=f"^{field}=.* is not supported by kvflow"):
+        SamplingParams(**{field: other})
+
+
+def test_skip_clone_is_accepted_as_vllms_copy_hint():
+    assert SamplingParams(skip_clone=True).clone().skip_clone is True
+    with pytest.raises(ValueError, match="skip_clone must be a bool"):
+        SamplingParams(skip_clone="yes")

@@ -503,3 +503,7 @@ def _attributes_doc(cls: type) -> str:
 
 
 EngineArgs.__doc__ = (EngineArgs.__doc__ or "").rstrip() + "\n" + _attributes_doc(EngineArgs)
+
+# vLLM's ``AsyncEngineArgs`` (its ``EngineArgs`` plus server logging switches): kvflow's engine
+# options are the same for the asyncio engine (``kvflow.AsyncLLMEngine``).
+AsyncEngineArgs = EngineArgs

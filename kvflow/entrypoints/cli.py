@@ -25,6 +25,7 @@ import errno
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -116,6 +117,31 @@ def _byte_size(name: str, minimum: int = 0):
     return parse
 
 
+# Counts vLLM's CLI reads with a k / m / g / t suffix (its ``human_readable_int``: lower
+# case decimal, 25.6k = 25,600; upper case binary, 1K = 1,024), so ``--max-model-len 32k`` as there.
+_HUMAN_INT_FIELDS = ("max_model_len", "max_num_batched_tokens")
+_HUMAN_INT_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _human_int(text: str) -> int:
+    """An integer, or one with vLLM's k / m / g / t (decimal) or K / M / G / T (binary)
+    suffix: ``32k`` is 32,000, ``25.6k`` 25,600, ``32K`` 32,768 (a binary suffix takes a whole
+    number, as vLLM's)."""
+    value = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (an integer, or one with a k / m / g / t "
+                                             "or K / M / G / T suffix such as 32k)") from None
+    number, suffix = match.groups()
+    if suffix.isupper() and "." in number:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r} (a binary suffix such as K takes a whole "
+                                         "number: 32K; 25.6k is 25,600)")
+    return int(float(number) * _HUMAN_INT_SUFFIXES[suffix]) if "." in number else int(number) * _HUMAN_INT_SUFFIXES[suffix]
+
+
 def _positive_count(text: str) -> int:
     """An integer >= 1 (refused at parse time)."""
     try:
@@ -166,6 +192,13 @@ def _api_key(text: str) -> str:
     return text
 
 
+def _api_key_from_env(value: str) -> str:
+    """VLLM_API_KEY as ``--api-key`` (blank is a usage error naming it, as ``--api-key " "`` is)."""
+    if not value.strip():
+        raise ValueError("VLLM_API_KEY is blank: an API key must not be; unset it or set a key")
+    return value
+
+
 class ListenError(OSError):
     """``kvflow serve`` cannot listen on its ``--host``/``--port``."""
 
@@ -198,12 +231,44 @@ def check_bindable(host: str, port: int) -> None:
                 raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from None
 
 
-def _lora_module(text: str) -> tuple[str, str]:
-    """``--lora-modules`` entry NAME=PATH."""
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH entries, got {text!r}")
-    return name, path
+_LORA_MODULE_KEYS = {"name", "path", "base_model_name", "is_3d_lora_weight"}
+
+
+def _lora_module(text: str) -> list[tuple[str, str, str | None]]:
+    """One ``--lora-modules`` entry, as vLLM's: NAME=PATH, or JSON: an object ``{"name",
+    "path", "base_model_name"}`` or a list of them. Returns (name, path, base_model_name)
+    for each adapter (base_model_name None where it is not given)."""
+    if "=" in text and "," not in text:
+        name, _, path = text.partition("=")
+        if not name or not path:
+            raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH entries, got {text!r}")
+        return [(name, path, None)]
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lora-modules takes NAME=PATH or JSON entries such as "
+                                         f'\'{{"name": "sql", "path": "/adapters/sql"}}\', got {text!r}') from None
+    entries = value if isinstance(value, list) else [value]
+    out = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise argparse.ArgumentTypeError(f"--lora-modules: a JSON entry is an object with name and path, got "
+                                             f"{json.dumps(entry)}")
+        unknown = sorted(set(entry) - _LORA_MODULE_KEYS)
+        if unknown:
+            raise argparse.ArgumentTypeError(f"--lora-modules: unknown field(s) {', '.join(unknown)} in {text!r} "
+                                             f"(known: {', '.join(sorted(_LORA_MODULE_KEYS))})")
+        name, path, base = entry.get("name"), entry.get("path"), entry.get("base_model_name")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise argparse.ArgumentTypeError(f"--lora-modules: each JSON entry needs a non-empty name and path, "
+                                             f"got {json.dumps(entry)}")
+        if base is not None and not isinstance(base, str):
+            raise argparse.ArgumentTypeError(f"--lora-modules: base_model_name must be a string, got {base!r}")
+        if entry.get("is_3d_lora_weight", False) is not False:
+            raise argparse.ArgumentTypeError("--lora-modules: is_3d_lora_weight is not supported by kvflow (PEFT "
+                                             "adapters of 2-D weights only)")
+        out.append((name, path, base))
+    return out
 
 
 def _field_flag(group: argparse._ArgumentGroup, f: Field) -> None:
@@ -223,7 +288,7 @@ def _field_flag(group: argparse._ArgumentGroup, f: Field) -> None:
     elif kind.startswith("dict"):
         kwargs["type"] = _json_object(f.name)
     elif kind.startswith("int"):
-        kwargs["type"] = int
+        kwargs["type"] = _human_int if f.name in _HUMAN_INT_FIELDS else int
     elif kind.startswith("float"):
         kwargs["type"] = float
     if "choices" in meta and kind != "bool|str":
@@ -491,12 +556,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if not args.quiet:
         logging.getLogger("kvflow").setLevel("DEBUG" if args.log_level == "trace" else args.log_level.upper())
-    lora_modules = dict(args.lora_modules or [])
+    entries = [entry for given in args.lora_modules or [] for entry in given]
+    lora_modules = {name: path for name, path, _ in entries}
+    if args.api_key is None and os.environ.get("VLLM_API_KEY"):  # (empty: no key, as vLLM reads it)
+        # vLLM's server takes its key from VLLM_API_KEY when --api-key is not given: a vLLM
+        # deployment moved over as it is must not come up without the key it relies on.
+        args.api_key = [_api_key_from_env(os.environ["VLLM_API_KEY"])]
+        logging.getLogger(__name__).info("the API key is VLLM_API_KEY's, as vLLM's server takes it (--api-key wins)")
+    api_keys = tuple(dict.fromkeys(args.api_key)) if args.api_key else None
+    if api_keys is not None and len(api_keys) > 1 and args.data_parallel_size != 1:
+        raise ValueError(f"--api-key: {len(api_keys)} keys need one engine (--data-parallel-size 1): the router in front "
+                         "of the replicas takes one key")
+    args.api_key = api_keys[0] if api_keys is not None else None  # (the router's key with --data-parallel-size)
     if lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
-    if len(lora_modules) != len(args.lora_modules or []):
+    if len(lora_modules) != len(entries):
         raise ValueError("--lora-modules names an adapter twice")
     base_names = {*(args.served_model_name or [default_served_name(args.model)]), args.model}
+    for name, _, base in entries:
+        if base is not None and base not in base_names:
+            raise ValueError(f"--lora-modules: adapter {name!r} has base_model_name {base!r}, which is not the served "
+                             f"model (one of {', '.join(map(repr, sorted(base_names)))}): kvflow serves one base model; "
+                             "leave base_model_name unset or name it")
     clash = next((name for name in lora_modules if name in base_names), None)
     if clash is not None:  # (build_app refused it as "lora_name: ..." once the model had loaded)
         raise ValueError(f"--lora-modules: {clash!r} is a name of the base model (--served-model-name / --model); "
@@ -535,7 +616,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     async_engine = AsyncLLMEngine(engine, name, max_queue_len=args.max_queue_len, on_dead=on_dead)
     app = build_app(
-        async_engine, name, engine.scheduler_config.max_model_len, api_key=args.api_key,
+        async_engine, name, engine.scheduler_config.max_model_len, api_key=api_keys,
         metrics_need_key=not args.metrics_no_auth, max_request_bytes=args.max_request_bytes, model_aliases=(args.model,),
         served_model_names=tuple(served[1:]),
         chat_template=chat_template, tool_parser=args.tool_call_parser,
@@ -647,8 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the model, as --model (vLLM's `vllm serve MODEL`)")
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     serve.add_argument("--port", type=_port, default=8000, help="TCP port, 1-65535; checked free before the model loads")
-    serve.add_argument("--api-key", type=_api_key, default=None,
-                       help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth)")
+    serve.add_argument("--api-key", type=_api_key, nargs="+", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on every path but /health (see --metrics-no-auth); "
+                       "as vLLM's, several keys: any of them is accepted (default: VLLM_API_KEY's, when set)")
     serve.add_argument("--metrics-no-auth", action="store_true",
                        help="with --api-key, leave /metrics (and the routers' /get_load) open too")
     serve.add_argument("--served-model-name", nargs="+", type=_served_name, default=None, metavar="NAME",
@@ -679,7 +761,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "reads <tool_call> blocks, bare JSON calls and ```json fences)")
     serve.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
                        help="LoRA adapters (PEFT folders) served as models of their own: a request whose model is "
-                       "NAME runs with the adapter at PATH (needs --enable-lora; see docs/lora.md)")
+                       "NAME runs with the adapter at PATH (needs --enable-lora; see docs/lora.md); or vLLM's JSON "
+                       "form, '{\"name\": NAME, \"path\": PATH, \"base_model_name\": MODEL}' (MODEL: the served "
+                       "model) or a list of such objects")
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split <think>...</think> into reasoning_content (default: no split)")
     _add_engine_args(serve)

@@ -62,7 +62,20 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM option(s) {sorted(unknown)}; known: {sorted(fields)} and vLLM's "
                              f"{sorted(vllm_compat.vllm_option_names())}")
-        self.engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._start(EngineArgs(model=model, **kwargs))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "LLM":
+        """An ``LLM`` over the engine ``engine_args`` describes (what ``LLM(model, **kwargs)``
+        builds from its keywords)."""
+        if not isinstance(engine_args, EngineArgs):
+            raise ValueError(f"engine_args must be a kvflow EngineArgs, got {type(engine_args).__name__}")
+        llm = cls.__new__(cls)
+        llm._start(engine_args)
+        return llm
+
+    def _start(self, engine_args: EngineArgs) -> None:
+        self.engine = LLMEngine.from_engine_args(engine_args)
         self.tokenizer = self.engine.tokenizer
         self.chat_template: str | None = None
         self._counter = itertools.count()
@@ -522,28 +535,69 @@ class LLM:
         """See ``LLMEngine.get_stats``."""
         return self.engine.get_stats()
 
+    # vLLM's ``LLM`` methods kvflow does not implement: each raises NotImplementedError naming
+    # itself and what kvflow offers instead (an AttributeError said nothing of why).
+    def encode(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("encode", "LLM.embed gives the embeddings (vLLM's encode with pooling_task='embed')")
+
+    def classify(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("classify", "kvflow runs no classification models")
+
+    def score(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("score", "kvflow runs no cross-encoder or scoring models; compare LLM.embed vectors")
+
+    def reward(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("reward", "kvflow runs no reward models")
+
+    def get_metrics(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("get_metrics", "LLM.get_stats() gives the engine's counters and gauges")
+
+    def sleep(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("sleep", "kvflow keeps its weights and KV cache resident")
+
+    def wake_up(self, *args: Any, **kwargs: Any) -> Any:
+        _not_implemented("wake_up", "kvflow keeps its weights and KV cache resident (it never sleeps)")
+
 
 class VLLMStyleEngine:
-    """``LLM.llm_engine``: the ``LLMEngine`` of an ``LLM`` with vLLM's ``add_request``
-    signature; every other attribute is the engine's."""
+    """vLLM's ``LLMEngine`` (``kvflow.LLMEngine``, and ``LLM.llm_engine``): the ``LLMEngine``
+    of an ``LLM`` with vLLM's ``add_request`` signature; every other attribute is the
+    engine's. ``LLMEngine.from_engine_args(EngineArgs(...))`` builds one, as vLLM's."""
 
     def __init__(self, llm: LLM) -> None:
         self._llm = llm
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, usage_context: Any = None, stat_loggers: Any = None,
+                         enable_multiprocessing: bool = False) -> "VLLMStyleEngine":
+        """Load the model and build the engine (vLLM's ``LLMEngine.from_engine_args``);
+        ``usage_context``, ``stat_loggers`` and ``enable_multiprocessing`` are accepted and
+        not used. A kvflow ``EngineArgs`` takes vLLM's keywords as ``LLM(...)`` does only
+        through ``LLM``; here its own fields.
+
+        Raises:
+            ValueError: see ``LLMEngine.from_engine_args``.
+        """
+        return cls(LLM.from_engine_args(engine_args))
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams,
-                    arrival_time: float | None = None, lora_request: None = None,
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None,
                     tokenization_kwargs: dict[str, Any] | None = None, trace_headers: Any = None,
                     priority: int = 0) -> None:
         """Queue one request (vLLM's ``LLMEngine.add_request``); its outputs come from
-        ``step()``. ``arrival_time`` and ``trace_headers`` are accepted and not used.
+        ``step()``. ``lora_request``: the adapter it runs with (None: the base model).
+        ``arrival_time`` and ``trace_headers`` are accepted and not used.
 
         Raises:
-            ValueError: see ``LLMEngine.add_request``; a ``lora_request`` or
-                ``tokenization_kwargs``.
+            ValueError: see ``LLMEngine.add_request``; a ``lora_request`` that is no
+                ``LoRARequest``; ``tokenization_kwargs``.
         """
-        _refuse_unset(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
+        _refuse_unset(tokenization_kwargs=tokenization_kwargs)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
         ids, text = self._llm._to_token_ids(prompt)
-        self._llm.engine.add_request(str(request_id), ids, params, prompt=text, priority=priority)
+        self._llm.engine.add_request(str(request_id), ids, params, prompt=text, priority=priority,
+                                     lora_request=lora_request)
 
     def abort_request(self, request_id: str | Iterable[str]) -> bool | None:
         """Abort one request or several (vLLM's ``abort_request`` takes a list of ids), by the
@@ -560,6 +614,10 @@ class VLLMStyleEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm.engine, name)
+
+
+def _not_implemented(name: str, instead: str) -> None:
+    raise NotImplementedError(f"LLM.{name} (vLLM's) is not supported by kvflow: {instead}")
 
 
 def _refuse_unset(**options: Any) -> None:

@@ -839,3 +839,139 @@ def vllm_compat_module():
     from kvflow.entrypoints import vllm_compat
 
     return vllm_compat
+
+
+@pytest.mark.parametrize("entries, wanted", [
+    (['{"name": "sql", "path": "/a/sql", "base_model_name": "smollm2-135m"}'], {"sql": "/a/sql"}),
+    (['[{"name": "sql", "path": "/a/sql"}, {"name": "chat", "path": "/a/chat"}]', "x=/a/x"],
+     {"sql": "/a/sql", "chat": "/a/chat", "x": "/a/x"}),
+    (["sql=/a/sql"], {"sql": "/a/sql"}),
+])
+def test_serve_takes_vllms_json_lora_modules(monkeypatch, entries, wanted):
+    """vLLM's --lora-modules takes NAME=PATH and JSON ('{"name", "path", "base_model_name"}' or
+    a list of them, its docs/features/lora.md form); kvflow refused the JSON form ("takes
+    NAME=PATH entries")."""
+    from types import SimpleNamespace
+
+    from kvflow.engine import async_engine
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.entrypoints.openai import server
+
+    class Built(BaseException):  # (main turns an Exception into exit 1)
+        pass
+
+    def build_app(*args, **kwargs):
+        raise Built(kwargs["lora_modules"])
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args",
+                        lambda args: SimpleNamespace(scheduler_config=SimpleNamespace(max_model_len=64)))
+    monkeypatch.setattr(async_engine, "AsyncLLMEngine", lambda *args, **kwargs: None)
+    monkeypatch.setattr(server, "build_app", build_app)
+    with pytest.raises(Built) as built:
+        main(["serve", "--port", "18291", "--enable-lora", "--lora-modules", *entries])
+    assert built.value.args[0] == wanted
+
+
+@pytest.mark.parametrize("entry, wanted", [
+    ('{"name": "sql", "path": "/a", "base_model_name": "meta-llama/Llama-2-7b-hf"}',
+     "adapter 'sql' has base_model_name 'meta-llama/Llama-2-7b-hf', which is not the served model"),
+    ('{"name": "sql"}', "each JSON entry needs a non-empty name and path"),
+    ('{"name": "sql", "path": "/a", "rank": 8}', "unknown field(s) rank"),
+    ('{"name": "sql", "path": "/a", "is_3d_lora_weight": true}', "is_3d_lora_weight is not supported by kvflow"),
+    ('{"name": "sql", path}', "--lora-modules takes NAME=PATH or JSON entries"),
+    ("[3]", "a JSON entry is an object with name and path"),
+])
+def test_serve_refuses_bad_json_lora_modules_by_name(capsys, monkeypatch, entry, wanted):
+    from kvflow.engine.llm_engine import LLMEngine
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before --lora-modules was checked")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", never)
+    line = _one_line_error(capsys, ["serve", "--port", "18292", "--enable-lora", "--lora-modules", entry], 2)
+    assert wanted in line, line
+
+
+@pytest.mark.parametrize("value, wanted", [("2k", 2000), ("25.6k", 25600), ("2K", 2048), ("4096", 4096)])
+def test_max_model_len_takes_vllms_human_readable_counts(value, wanted):
+    """vLLM's --max-model-len / --max-num-batched-tokens take 32k (32,000) and 32K (32,768);
+    kvflow said "invalid int value: '2k'"."""
+    for command in (["serve"], ["generate", "x"]):
+        args, _ = build_parser().parse_known_args([*command, "--max-model-len", value, "--max-num-batched-tokens", value])
+        assert (args.max_model_len, args.max_num_batched_tokens) == (wanted, wanted)
+
+
+@pytest.mark.parametrize("value, wanted", [
+    ("1.5K", "argument --max-model-len: invalid int value: '1.5K' (a binary suffix"),
+    ("auto", "argument --max-model-len: invalid int value: 'auto'"),
+])
+def test_max_model_len_refuses_what_it_cannot_read(capsys, value, wanted):
+    line = _one_line_error(capsys, ["serve", "--max-model-len", value], 2)
+    assert wanted in line, line
+
+
+def _built_app_kwargs(monkeypatch, argv):
+    """``main(["serve", *argv])`` up to ``build_app`` (no model loads): its keyword arguments."""
+    from types import SimpleNamespace
+
+    from kvflow.engine import async_engine
+    from kvflow.engine.llm_engine import LLMEngine
+    from kvflow.entrypoints.openai import server
+
+    class Built(BaseException):  # (main turns an Exception into exit 1)
+        pass
+
+    def build_app(*args, **kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args",
+                        lambda args: SimpleNamespace(scheduler_config=SimpleNamespace(max_model_len=64)))
+    monkeypatch.setattr(async_engine, "AsyncLLMEngine", lambda *args, **kwargs: None)
+    monkeypatch.setattr(server, "build_app", build_app)
+    with pytest.raises(Built) as built:
+        main(["serve", "--port", "18293", *argv])
+    return built.value.args[0]
+
+
+@pytest.mark.parametrize("env, argv, wanted", [
+    ("s3cret", [], ("s3cret",)),
+    ("s3cret", ["--api-key", "flag"], ("flag",)),  # --api-key wins, as in vLLM
+    ("", [], None),  # empty: no key, as vLLM reads it
+    (None, [], None),
+])
+def test_serve_takes_the_api_key_from_vllm_api_key(monkeypatch, env, argv, wanted):
+    """vLLM's server requires VLLM_API_KEY's key when --api-key is not given; kvflow ignored
+    the variable, so a vLLM deployment moved over came up with no authentication."""
+    if env is None:
+        monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_API_KEY", env)
+    assert _built_app_kwargs(monkeypatch, argv)["api_key"] == wanted
+
+
+def test_serve_refuses_a_blank_vllm_api_key(capsys, monkeypatch):
+    from kvflow.engine.llm_engine import LLMEngine
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model loaded before VLLM_API_KEY was checked")
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", never)
+    monkeypatch.setenv("VLLM_API_KEY", "  ")
+    line = _one_line_error(capsys, ["serve", "--port", "18294"], 2)
+    assert "VLLM_API_KEY is blank" in line, line
+
+
+def test_serve_takes_several_api_keys_as_vllm(monkeypatch):
+    """vLLM's --api-key takes several keys (any of them is accepted); kvflow took one, and
+    'kvflow serve --api-key k1 k2' read k2 as the MODEL."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    kwargs = _built_app_kwargs(monkeypatch, ["--api-key", "k1", "k2", "k1"])
+    assert kwargs["api_key"] == ("k1", "k2")
+
+
+def test_several_api_keys_need_one_engine(capsys, monkeypatch):
+    from kvflow.engine.llm_engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", lambda *a, **k: (_ for _ in ()).throw(AssertionError()))
+    line = _one_line_error(capsys, ["serve", "--port", "18295", "--api-key", "k1", "k2", "--data-parallel-size", "2"], 2)
+    assert "--api-key: 2 keys need one engine (--data-parallel-size 1)" in line, line

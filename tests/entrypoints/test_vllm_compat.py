@@ -313,3 +313,17 @@ def test_llm_engine_abort_request_takes_vllms_list_of_ids(llm):
     assert engine.abort_request(["a", "b"]) is None
     assert engine.abort_request(5) is True and engine.abort_request("a") is False
     assert not engine.has_unfinished_requests() and engine.get_stats()["num_free_blocks"] == free
+
+
+@pytest.mark.parametrize("method, instead", [
+    ("encode", "LLM.embed gives the embeddings"), ("classify", "no classification models"),
+    ("score", "no cross-encoder or scoring models"), ("reward", "no reward models"),
+    ("get_metrics", "LLM.get_stats()"), ("sleep", "resident"), ("wake_up", "resident"),
+])  # fmt: skip
+def test_vllms_llm_methods_kvflow_lacks_are_refused_by_name(method, instead):
+    """vLLM's LLM.encode / classify / score / reward / get_metrics / sleep / wake_up were
+    AttributeErrors ("'LLM' object has no attribute 'classify'"): now each names itself and
+    what kvflow has instead (no model is loaded: the refusal needs none)."""
+    llm = LLM.__new__(LLM)
+    with pytest.raises(NotImplementedError, match=rf"^LLM\.{method} \(vLLM's\) is not supported by kvflow: .*{re.escape(instead)}"):
+        getattr(llm, method)(["x"])

@@ -193,6 +193,41 @@ def test_load_and_unload_while_requests_run(llama):
     assert not engine.remove_lora(1)
 
 
+def test_vllm_llm_engine_runs_adapters(llama):
+    """vLLM's examples/offline_inference/multilora_inference.py on kvflow: ``from kvflow import
+    EngineArgs, LLMEngine``, ``LLMEngine.from_engine_args(EngineArgs(enable_lora=True,
+    max_loras=1, ...))``, ``add_request(id, prompt, params, lora_request=...)`` and ``step()``
+    until done; each request's tokens are its adapter's alone. ``kvflow.LLMEngine`` did not
+    exist, and ``LLM.llm_engine.add_request`` refused every lora_request."""
+    from kvflow import EngineArgs, LLMEngine
+
+    root, _, _, loras = llama
+    common = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=128, enable_lora=True, max_loras=1,
+                  max_lora_rank=16, max_cpu_loras=2)
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(root / "base"), **common))
+    prompts = [_ids(6 + i, seed=20 + i) for i in range(4)]
+    choice = [None, loras["a"], loras["b"], loras["a"]]
+    queue = list(enumerate(zip(prompts, choice)))
+    done = {}
+    while queue or engine.has_unfinished_requests():
+        if queue:
+            i, (prompt, lora) = queue.pop(0)
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY, lora_request=lora)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    llm = LLM(str(root / "base"), **common)
+    for i, (prompt, lora) in enumerate(zip(prompts, choice)):
+        (alone,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)
+        assert done[str(i)].outputs[0].token_ids == alone.outputs[0].token_ids
+        assert done[str(i)].lora_request is lora
+    (base_1,) = llm.generate([prompts[1]], GREEDY, use_tqdm=False)
+    assert done["1"].outputs[0].token_ids != base_1.outputs[0].token_ids  # the adapter did run
+    assert llm.llm_engine.add_lora(loras["c"]) and 3 in llm.llm_engine.list_loras()
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest or None, got str"):
+        engine.add_request("x", [1, 2], GREEDY, lora_request="a")
+
+
 def test_speculative_decoding_with_an_adapter_is_exact(llama):
     """Drafts are verified by the adapted model, so n-gram speculation keeps its tokens."""
     root, _, _, loras = llama
@@ -386,3 +421,20 @@ def test_a_config_without_lora_alpha_scales_as_peft_does(llama, tmp_path):
     (out,) = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("no_alpha", 40, no_alpha))
     ref, margins = hf_greedy(merged, prompt, 8)
     assert_greedy_matches(list(out.outputs[0].token_ids), ref, margins)
+
+
+def test_lora_request_takes_vllms_fields():
+    """vLLM's ``LoRARequest(name, id, path, base_model_name=..., load_inplace=...,
+    is_3d_lora_weight=...)``: base_model_name is carried along, the other two only at False
+    (refused by name); each keyword was a TypeError."""
+    lora = LoRARequest("sql", 1, "/adapters/sql", base_model_name="meta-llama/Llama-3.2-3B-Instruct")
+    assert lora.base_model_name == "meta-llama/Llama-3.2-3B-Instruct" and lora.cache_key == b"lora:1:/adapters/sql"
+    assert LoRARequest("sql", 1, "/adapters/sql", "base").base_model_name == "base"  # vLLM's field order
+    assert LoRARequest("sql", 1, "/adapters/sql", load_inplace=False, is_3d_lora_weight=False) == LoRARequest(
+        "sql", 1, "/adapters/sql")
+    with pytest.raises(ValueError, match="load_inplace=True is not supported by kvflow"):
+        LoRARequest("sql", 1, "/adapters/sql", load_inplace=True)
+    with pytest.raises(ValueError, match="is_3d_lora_weight=True is not supported by kvflow"):
+        LoRARequest("sql", 1, "/adapters/sql", is_3d_lora_weight=True)
+    with pytest.raises(ValueError, match="base_model_name must be a string or None, got 3"):
+        LoRARequest("sql", 1, "/adapters/sql", base_model_name=3)

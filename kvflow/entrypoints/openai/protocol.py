@@ -188,6 +188,13 @@ FOREIGN_FIELDS: dict[str, tuple[Any, ...]] = {
     "return_token_ids": (False,),  # vLLM >= 0.10.2: the ids in the response; kvflow's answer has none
     "include_reasoning": (True,),  # vLLM's: false drops the reasoning from the answer; not implemented
     "guided_decoding_backend": ("auto", "guidance", "llguidance"),  # kvflow's grammar engine is llguidance
+    # vLLM 0.2x-0.3x's newer request fields that change the output or the answer's shape
+    "thinking_token_budget": (),  # caps the reasoning tokens
+    "truncation_side": ("left",),  # "right" keeps the first truncate_prompt_tokens; kvflow keeps the last
+    "logprob_token_ids": ([],),  # the logprobs of these ids at each position
+    "repetition_detection": (),  # ends an output that repeats an n-gram
+    "return_prompt_text": (False,),  # the rendered prompt in the answer
+    "watermarking": (False,), "ec_transfer_params": (),
     # sampling fields of one API sent to an endpoint of another (OpenAI Chat's on Responses or
     # Anthropic's Messages, and the like)
     "n": (1,), "best_of": (1,), "seed": (), "stop": ([],), "suffix": ("",), "logit_bias": ({},),

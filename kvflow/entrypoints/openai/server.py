@@ -37,7 +37,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -382,18 +382,20 @@ class _APIKeyMiddleware:
     request whose client went away would then run to its end.
     """
 
-    def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:
+    def __init__(self, app, api_keys: tuple[str, ...], open_paths: frozenset[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.key = api_key.encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+        self.keys = [key.encode() for key in api_keys]
         self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             headers = dict(scope.get("headers") or [])
-            ok = hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+            sent = headers.get(b"authorization", b"")
+            ok = any([hmac.compare_digest(sent, expected) for expected in self.expected])  # (each compared)
             if not ok and scope["path"].startswith(ANTHROPIC_PATH):  # Anthropic clients send x-api-key
-                ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)
+                sent = headers.get(b"x-api-key", b"")
+                ok = any([hmac.compare_digest(sent, key) for key in self.keys])
             if not ok:
                 await error_response(401, "Invalid or missing API key.", "AuthenticationError")(scope, receive, send)
                 return
@@ -452,7 +454,7 @@ def build_app(
     engine: AsyncLLMEngine,
     model_name: str,
     max_model_len: int,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     *,
     metrics_need_key: bool = True,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -469,7 +471,8 @@ def build_app(
         engine: the async engine; the app's lifespan starts and stops it.
         model_name: the served model id.
         max_model_len: context limit in tokens.
-        api_key: when set, every path but /health and the web pages' files needs
+        api_key: when set (one key, or several as vLLM's ``--api-key a b``: any of them),
+            every path but /health and the web pages' files needs
             ``Authorization: Bearer <key>`` (/metrics, /get_load and the dashboard's
             snapshot stream too, unless ``metrics_need_key`` is False).
         metrics_need_key: see ``api_key``.
@@ -490,7 +493,8 @@ def build_app(
     """
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive integer, got {max_request_bytes!r}")
-    if api_key is not None and not api_key.strip():
+    api_keys = None if api_key is None else (api_key,) if isinstance(api_key, str) else tuple(api_key)
+    if api_keys is not None and (not api_keys or any(not isinstance(k, str) or not k.strip() for k in api_keys)):
         # "Bearer " and an absent x-api-key header would match an empty key.
         raise ValueError("api_key must not be empty or blank (None: no key)")
     served_model_names = tuple(n for n in dict.fromkeys(served_model_names) if n != model_name)
@@ -521,14 +525,14 @@ def build_app(
                          swagger_ui_parameters={"validatorUrl": None})
     app.router.route_class = _CheckedBodyRoute
     app.state.begin_shutdown = engine.begin_shutdown  # make_server's Server calls it first
-    if api_key is not None:
+    if api_keys is not None:
         open_paths = {"/health", *web.PUBLIC_PATHS}
         if not metrics_need_key:
             # /get_load is a load metric too: the routers poll it without the key (vllm-router
             # 0.1.17 does not send its --api-key there), so power_of_two and /get_loads saw a
             # load of -1 for every worker (docs/scale-out.md)
             open_paths |= {"/metrics", "/get_load", *web.METRICS_PATHS}
-        app.add_middleware(_APIKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
+        app.add_middleware(_APIKeyMiddleware, api_keys=api_keys, open_paths=frozenset(open_paths))
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
     app.add_middleware(_TrailingSlashMiddleware)  # before the API key check sees the path
     app.add_middleware(AnthropicErrorMiddleware)  # sees the errors of the two above

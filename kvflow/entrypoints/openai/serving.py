@@ -145,6 +145,25 @@ def _chat_delta(delta) -> dict[str, Any]:
     return out
 
 
+
+def response_id(prefix: str, req: Any, raw: Request | None) -> str:
+    """The answer's id, as vLLM's server makes it: ``{prefix}-`` and the request's
+    ``X-Request-Id`` header, else its ``request_id`` field (vLLM's), else a random hex id.
+
+    Raises:
+        APIError: 400 naming request_id, for one that is no non-empty string.
+    """
+    header = raw.headers.get("x-request-id") if raw is not None else None
+    if header:
+        return f"{prefix}-{header}"
+    given = (req.model_extra or {}).get("request_id")
+    if given is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not isinstance(given, str) or not given:
+        raise APIError(400, f"request_id must be a non-empty string, got {_short(given)}", "BadRequestError",
+                       "request_id")
+    return f"{prefix}-{given}"
+
 class _TextOffsets:
     """Completions' ``text_offset``: each token's offset, in characters, in the response's
     text, counted from the tokens' own UTF-8 bytes. A token holding part of a character
@@ -545,6 +564,7 @@ class OpenAIServing:
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_request(req)
+        cid = response_id("cmpl", req, raw)
         prompts = self.truncate(await self.engine.run_off_loop(self._completion_prompts, req),
                                 req.truncate_prompt_tokens)
         if "max_tokens" in req.model_fields_set:
@@ -558,7 +578,7 @@ class OpenAIServing:
             iterators = await self._add(prompts, params, "prompt", req.priority, self.lora_for(req.model))
         except APIError as exc:
             raise _name_constraint(exc, req) from None
-        created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
         n = params.n
         if req.stream:
             return StreamingResponse(
@@ -818,8 +838,9 @@ class OpenAIServing:
         return {"content": content}
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        cid = response_id("chatcmpl", req, raw)
         run = await self.start_chat(req)
-        created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
         if req.stream:
             return StreamingResponse(
                 _guard_stream(self._stream_chat(run, req, cid, created)), media_type="text/event-stream"

@@ -245,6 +245,35 @@ def test_llama_servers_neutral_values_and_bookkeeping_fields_pass(body):
     assert CompletionRequest.model_validate({"prompt": "x", **body}).unsupported_field() is None
 
 
+NEWER_VLLM_FIELDS = [
+    ({"thinking_token_budget": 16}, "thinking_token_budget"),
+    ({"truncate_prompt_tokens": 4, "truncation_side": "right"}, "truncation_side"),
+    ({"logprobs": True, "logprob_token_ids": [1, 2]}, "logprob_token_ids"),
+    ({"repetition_detection": {"max_pattern_size": 3}}, "repetition_detection"),
+    ({"return_prompt_text": True}, "return_prompt_text"), ({"watermarking": True}, "watermarking"),
+    ({"ec_transfer_params": {"a": 1}}, "ec_transfer_params"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("cls,base", [(CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": MSG})])
+@pytest.mark.parametrize("body,field", NEWER_VLLM_FIELDS)
+def test_newer_vllm_fields_that_change_the_answer_are_refused(cls, base, body, field):
+    """vLLM's newer request fields (its 0.32 protocol) were logged as unknown and dropped: a
+    200 with the prompt truncated on the other side (truncation_side "right"), no
+    thinking budget, no repetition stop, no logprobs of the ids asked for."""
+    if cls is CompletionRequest and "logprobs" in body:
+        body = {**body, "logprobs": 1}
+    name, message = cls.model_validate({**base, **body}).unsupported_field()
+    assert name == field and "not supported" in message
+
+
+@pytest.mark.parametrize("body", [{"truncation_side": "left"}, {"logprob_token_ids": []}, {"watermarking": False},
+                                  {"return_prompt_text": False}, {"thinking_token_budget": None},
+                                  {"session_id": "s"}, {"stream_interval": 2}, {"return_token_offsets": True}])
+def test_newer_vllm_fields_neutral_values_pass(body):
+    assert ChatCompletionRequest.model_validate({"messages": MSG, **body}).unsupported_field() is None
+
+
 def test_return_token_ids_is_refused_on_completions_too():
     """vLLM's ``return_token_ids`` (``prompt_token_ids`` / ``token_ids`` in its answer, which
     RL trainers read) was logged as unknown and dropped: the answer came without them."""

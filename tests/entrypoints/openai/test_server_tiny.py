@@ -897,7 +897,7 @@ def test_a_null_for_a_required_field_is_still_refused(http):
     _assert_error(http.post(CH, json={"messages": None, "max_tokens": 2}), 400, "messages")
 
 
-@pytest.mark.parametrize("key", ["", " "])
+@pytest.mark.parametrize("key", ["", " ", ("k", " "), ()])
 def test_an_empty_api_key_is_refused(key):
     # An empty key would let "Authorization: Bearer " and a request without x-api-key through.
     from kvflow.engine.async_engine import AsyncLLMEngine
@@ -1412,6 +1412,22 @@ def test_api_key_guards_every_path_but_health(key_servers, path, closed_status, 
         assert r.status_code == (404 if path == "/no/such/path" else 200)
 
 
+def test_several_api_keys_each_open_the_server():
+    """vLLM's ``--api-key k1 k2``: any of them is accepted (kvflow took one key, and the
+    second became the MODEL argument or an unrecognized argument)."""
+    server = TinyServer(api_key=("k1", "k2"))
+    try:
+        for key in ("k1", "k2"):
+            assert httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        _assert_error(httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer k3"}), 401)
+        _assert_error(httpx.get(server.url + "/v1/models"), 401)
+        messages = server.url + "/v1/messages/count_tokens"
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(messages, json=body, headers={"x-api-key": "k2"}).status_code == 200
+    finally:
+        server.stop()
+
+
 def test_model_names(http):
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny"]
     assert _completion(http, model="/models/tiny")["model"] == "tiny"  # the --model value is an alias
@@ -1583,3 +1599,23 @@ def test_max_tokens_beyond_the_whole_kv_cache_is_400_naming_the_field_sent():
             assert _completion(http, max_tokens=4)["usage"]["completion_tokens"] >= 1
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("path, prefix, body", [
+    (C, "cmpl", {"prompt": "Hi", "max_tokens": 2}),
+    (CH, "chatcmpl", {"messages": MSG, "max_tokens": 2}),
+])
+def test_the_answers_id_is_vllms_request_id(http, path, prefix, body):
+    """vLLM answers ``{prefix}-<X-Request-Id header or request_id field>`` (clients match their
+    logs to the answer by it); kvflow ignored both and sent a random id."""
+    assert http.post(path, json={**body, "request_id": "job-7"}).json()["id"] == f"{prefix}-job-7"
+    headed = http.post(path, json={**body, "request_id": "job-7"}, headers={"X-Request-Id": "hdr-1"})
+    assert headed.json()["id"] == f"{prefix}-hdr-1"  # the header wins, as in vLLM
+    streamed = http.post(path, json={**body, "request_id": "job-8", "stream": True})
+    ids = {json.loads(line[6:])["id"] for line in streamed.text.splitlines()
+           if line.startswith("data: {")}
+    assert ids == {f"{prefix}-job-8"}
+    plain = http.post(path, json=body).json()["id"]
+    assert plain.startswith(f"{prefix}-") and len(plain) > len(prefix) + 8
+    bad = http.post(path, json={**body, "request_id": 7})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
