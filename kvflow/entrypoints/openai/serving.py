@@ -145,7 +145,6 @@ def _chat_delta(delta) -> dict[str, Any]:
     return out
 
 
-
 def response_id(prefix: str, req: Any, raw: Request | None) -> str:
     """The answer's id, as vLLM's server makes it: ``{prefix}-`` and the request's
     ``X-Request-Id`` header, else its ``request_id`` field (vLLM's), else a random hex id.
@@ -163,6 +162,7 @@ def response_id(prefix: str, req: Any, raw: Request | None) -> str:
         raise APIError(400, f"request_id must be a non-empty string, got {_short(given)}", "BadRequestError",
                        "request_id")
     return f"{prefix}-{given}"
+
 
 class _TextOffsets:
     """Completions' ``text_offset``: each token's offset, in characters, in the response's
