@@ -676,8 +676,14 @@ def _check_number(name: str, value: object, finite: bool = False) -> None:
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value != value:  # NaN
         raise ValueError(f"{name} must not be NaN")
-    if finite and not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}")
+    if finite:
+        try:
+            finite_value = math.isfinite(value)
+        except OverflowError:  # an int past float's range (math.isfinite converts it to float)
+            raise ValueError(f"{name} must be a finite number, got an integer of {value.bit_length()} bits, "
+                             "beyond float's range") from None
+        if not finite_value:
+            raise ValueError(f"{name} must be a finite number, got {value}")
 
 
 def _parse_logit_bias(bias: object) -> dict[int, float]:

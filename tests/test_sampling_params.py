@@ -82,6 +82,11 @@ NAN = math.nan
         ({"min_tokens": -1}, "min_tokens"),
         ({"repetition_penalty": 1e300}, "repetition_penalty"),
         ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32: a division by zero
+        # ints past float's range: math.isfinite raised OverflowError, naming nothing
+        ({"temperature": 10**400}, "temperature"),
+        ({"temperature": -(10**400)}, "temperature"),
+        ({"repetition_penalty": 10**400}, "repetition_penalty"),
+        ({"repetition_penalty": -(10**5000)}, "repetition_penalty"),  # (str() refuses its 5,001 digits)
         ({"stop": 5}, "stop"),
         ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"bad_words": 5}, "bad_words"),
@@ -420,6 +425,13 @@ def test_from_optional_takes_none_as_the_default():
         SamplingParams.from_optional(logit_bias={"x": 1.0})
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams.from_optional(temperature=-1.0)
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), math.inf, NAN], ids=["huge-int", "huge-negative-int", "inf", "nan"])
+def test_beam_search_length_penalty_must_be_finite(value):
+    """An int past float's range raised OverflowError from math.isfinite, naming nothing."""
+    with pytest.raises(ValueError, match="^length_penalty "):
+        sp.BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=value)
 
 
 @pytest.mark.parametrize("name", ["ignore_eos", "include_stop_str_in_output"])
