@@ -174,13 +174,16 @@ class SamplingParams:
             token's probability. Must be in [0, 1]; 0 disables it.
         seed: per-request random seed (-1, as in vLLM and llama.cpp, is None: no seed). A
             seeded request samples from its own ``torch.Generator``, so it produces the
-            same tokens whatever else is batched
-            with it, except under speculative decoding with ``disable_by_batch_size``
-            (``SpeculativeConfig``): whether a step speculates, and so how a sampled
-            request draws from its generator, depends on how many requests are running;
-            and under speculative decoding, for a request that is preempted (its first
-            step back verifies no drafts, so it draws other numbers than an uninterrupted
-            run would).
+            same tokens whatever else is batched with it, except under speculative
+            decoding: there a sampled request draws from its generator once per verified
+            draft or plain step, so its tokens depend on which drafts each step verifies,
+            and that depends on the schedule, i.e. on the other requests: the token
+            budget they leave it (a prompt's last chunk carries drafts when it holds
+            only the prompt's last token; a short budget trims drafts), whether it is
+            preempted (its first step back verifies no drafts), and with
+            ``disable_by_batch_size`` (``SpeculativeConfig``) how many requests are
+            running. Under speculation a seed reproduces a run with the same schedule
+            only. Greedy requests are exact either way.
         max_tokens: maximum number of generated tokens (>= 1); None (as vLLM): until the
             context is full, i.e. ``max_model_len`` minus the prompt's length (the engine
             sets it per request).
