@@ -407,13 +407,21 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a StructuredOutputsParams, got {type(value).__name__}")
         if self.structured_outputs is not None and self.guided_decoding is not None:
             raise ValueError("structured_outputs and guided_decoding are mutually exclusive")
+        # What an earlier call took from them (verify's, after construction): the one set now
+        # decides again; one assigned, replaced or removed since was ignored, the old constraint
+        # or none run
+        for key, value in self.__dict__.pop("_taken_constraint", {}).items():
+            if getattr(self, key) == value:
+                setattr(self, key, None)
         given = self.structured_outputs or self.guided_decoding
         if given is None:
             return
-        for key, value in given.constraint().items():
+        constraint = given.constraint()
+        for key, value in constraint.items():
             if getattr(self, key) is not None and getattr(self, key) != value:
                 raise ValueError(f"{key} and structured_outputs / guided_decoding are mutually exclusive")
             setattr(self, key, value)
+        self._taken_constraint = constraint
 
     @property
     def guided_kind(self) -> str | None:
@@ -425,11 +433,14 @@ class SamplingParams:
     def verify(self) -> None:
         """Check the fields again: a field assigned after construction (the dataclass's
         fields can be set, ``params.temperature = -1``) skipped ``__post_init__``'s checks.
-        The engine calls it on every request's params.
+        The engine calls it on every request's params. A ``structured_outputs`` or
+        ``guided_decoding`` assigned, replaced or removed since sets the ``guided_*``
+        field again (as the constructor does).
 
         Raises:
             ValueError: naming the field, as the constructor does.
         """
+        self._take_structured_outputs()  # (structured_outputs / guided_decoding set since)
         for name in ("stop_token_ids", "bad_words", "stop"):
             value = getattr(self, name)
             if not isinstance(value, list):

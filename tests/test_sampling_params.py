@@ -277,6 +277,40 @@ def test_a_structural_tag_takes_ignore_eos_and_min_tokens():
     SamplingParams(max_tokens=8, structural_tag=tag, ignore_eos=True, min_tokens=3)
 
 
+@pytest.mark.parametrize("name", ["structured_outputs", "guided_decoding"])
+def test_verify_takes_a_constraint_assigned_replaced_or_removed_after_construction(name):
+    """``params.structured_outputs = StructuredOutputsParams(...)`` after construction was
+    ignored: only ``__post_init__`` set ``guided_choice`` from it, and the engine ran the
+    request unconstrained; a replaced one ran the old constraint. ``verify`` (the engine
+    calls it on every request) takes the one set now."""
+    cls = sp.StructuredOutputsParams if name == "structured_outputs" else sp.GuidedDecodingParams
+    params = SamplingParams(max_tokens=3)
+    setattr(params, name, cls(choice=["yes", "no"]))
+    params.verify()
+    assert params.guided_kind == "choice" and params.guided_choice == ["yes", "no"]
+    setattr(params, name, cls(regex="a+"))  # replaced
+    params.verify()
+    assert params.guided_kind == "regex" and params.guided_regex == "a+" and params.guided_choice is None
+    params.verify()  # (again: nothing changes)
+    assert params.guided_regex == "a+"
+    setattr(params, name, None)  # removed
+    params.verify()
+    assert params.guided_kind is None and params.guided_regex is None
+    # one given to the constructor and replaced
+    params = SamplingParams(max_tokens=3, **{name: cls(json_object=True)})
+    setattr(params, name, {"choice": ["maybe"]})  # (as the server's JSON gives it)
+    params.verify()
+    assert params.guided_kind == "choice" and params.guided_choice == ["maybe"] and params.guided_json is None
+    # a guided_* field set beside it still conflicts with it
+    params.guided_choice = ["other"]
+    with pytest.raises(ValueError, match="^guided_choice and structured_outputs"):
+        params.verify()
+    # a guided_* field given directly is left alone
+    params = SamplingParams(max_tokens=3, guided_choice=["x"])
+    params.verify()
+    assert params.guided_choice == ["x"]
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", -5.0), ("top_p", NAN), ("max_tokens", 0), ("n", 0), ("top_k", -7), ("stop", "abc"),
