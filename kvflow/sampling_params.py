@@ -376,8 +376,6 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
-        if type(self.seed) is int and self.seed == -1:
-            self.seed = None  # as vLLM's SamplingParams (and llama.cpp's seed -1): no seed, a random draw
         for name in ("stop_token_ids", "bad_words", "stop", "allowed_token_ids"):
             value = getattr(self, name)
             is_list = isinstance(value, (list, tuple)) or (name == "stop" and isinstance(value, str))
@@ -474,6 +472,10 @@ class SamplingParams:
 
     def _verify(self) -> None:
         self._normalise_numbers()
+        # (here, not in __post_init__ alone: numpy's -1 is an int only from _normalise_numbers
+        # on, and verify sees a seed set after construction; both were kept as the fixed seed -1)
+        if type(self.seed) is int and self.seed == -1:
+            self.seed = None  # as vLLM's SamplingParams (and llama.cpp's seed -1): no seed, a random draw
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):

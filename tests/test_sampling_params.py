@@ -369,6 +369,18 @@ def test_seed_minus_one_is_no_seed_as_in_vllm_and_llama_cpp():
         SamplingParams(seed=-1.0)
 
 
+def test_seed_minus_one_is_no_seed_also_as_numpy_or_set_after_construction():
+    """numpy's -1 (an int only once normalised) and a -1 assigned after construction (which
+    only ``verify`` sees) stayed the fixed seed -1: every such request drew the same tokens."""
+    import numpy as np
+
+    assert SamplingParams(seed=np.int64(-1)).seed is None
+    params = SamplingParams(seed=7)
+    params.seed = -1
+    params.verify()
+    assert params.seed is None
+
+
 def test_seeds_that_agree_in_their_low_32_bits_draw_different_numbers():
     """PyTorch's CPU generator keeps a seed's low 32 bits: seeds s and s + 2**32, or -1 and
     2**63 - 1, drew the same samples (found serving with seed -1 and 2**63 - 1). Seeds in
