@@ -341,7 +341,8 @@ class SamplingParams:
         """vLLM's ``SamplingParams.from_optional``: None for ``n``, ``presence_penalty``,
         ``frequency_penalty``, ``repetition_penalty``, ``temperature`` or ``top_p`` means
         its default (as an OpenAI request's null field); ``logit_bias`` keys become ints
-        and its values are clamped to [-100, 100]. ``kwargs``: kvflow's other fields
+        and its values are clamped to [-100, 100] (keys and values are then checked as the
+        constructor checks them). ``kwargs``: kvflow's other fields
         (``guided_json``, ``truncate_prompt_tokens``...).
 
         Raises:
@@ -350,10 +351,12 @@ class SamplingParams:
             TypeError: for a keyword that is no field (as the constructor).
         """
         if logit_bias is not None:
-            try:
-                logit_bias = {int(token): min(100.0, max(-100.0, bias)) for token, bias in logit_bias.items()}
-            except (ValueError, TypeError, AttributeError):
-                raise ValueError(f"logit_bias must map integer token ids to numbers, got {logit_bias!r}"[:300]) from None
+            if not isinstance(logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {type(logit_bias).__name__}")
+            # Only the values are clamped; the constructor reads the keys and refuses what is no
+            # token id or number. int(token) made 1.5 and True token 1, and a NaN value passed
+            # max / min as -100 (the token banned) where the constructor refuses NaN.
+            logit_bias = {token: _clamp_bias(bias) for token, bias in logit_bias.items()}
         return SamplingParams(
             n=1 if n is None else n,
             presence_penalty=0.0 if presence_penalty is None else presence_penalty,
@@ -700,6 +703,15 @@ def _check_number(name: str, value: object, finite: bool = False) -> None:
                              "beyond float's range") from None
         if not finite_value:
             raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+def _clamp_bias(value: object) -> object:
+    """A ``logit_bias`` value clamped to [-100, 100] (``from_optional``); anything but a
+    real number other than NaN (bool included) is returned as given, for the constructor to
+    refuse naming ``logit_bias``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+        return value
+    return min(100.0, max(-100.0, value))
 
 
 def _parse_logit_bias(bias: object) -> dict[int, float]:

@@ -473,6 +473,17 @@ def test_from_optional_takes_none_as_the_default():
         SamplingParams.from_optional(temperature=-1.0)
 
 
+@pytest.mark.parametrize("bias", [{1: NAN}, {1.5: 3.0}, {True: 3.0}, {1: True}, {1: "5"}, [1]],
+                         ids=["nan-value", "float-key", "bool-key", "bool-value", "str-value", "list"])
+def test_from_optional_refuses_a_logit_bias_the_constructor_refuses(bias):
+    """from_optional's clamp turned a NaN bias into -100 (the token banned, where the
+    constructor refuses NaN) and its int(key) made the keys 1.5 and True token 1."""
+    with pytest.raises(ValueError, match="^logit_bias "):
+        SamplingParams.from_optional(logit_bias=bias)
+    with pytest.raises(ValueError, match="^logit_bias "):
+        SamplingParams(logit_bias=bias)
+
+
 @pytest.mark.parametrize("value", [10**400, -(10**400), math.inf, NAN], ids=["huge-int", "huge-negative-int", "inf", "nan"])
 def test_beam_search_length_penalty_must_be_finite(value):
     """An int past float's range raised OverflowError from math.isfinite, naming nothing."""
