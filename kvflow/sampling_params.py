@@ -408,16 +408,16 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a StructuredOutputsParams, got {type(value).__name__}")
         if self.structured_outputs is not None and self.guided_decoding is not None:
             raise ValueError("structured_outputs and guided_decoding are mutually exclusive")
+        given = self.structured_outputs or self.guided_decoding
+        constraint = {} if given is None else given.constraint()
         # What an earlier call took from them (verify's, after construction): the one set now
         # decides again; one assigned, replaced or removed since was ignored, the old constraint
-        # or none run
+        # or none run. (A value that stays is not touched: no reader sees it unset meanwhile.)
         for key, value in self.__dict__.pop("_taken_constraint", {}).items():
-            if getattr(self, key) == value:
+            if getattr(self, key) == value and constraint.get(key) != value:
                 setattr(self, key, None)
-        given = self.structured_outputs or self.guided_decoding
         if given is None:
             return
-        constraint = given.constraint()
         for key, value in constraint.items():
             if getattr(self, key) is not None and getattr(self, key) != value:
                 raise ValueError(f"{key} and structured_outputs / guided_decoding are mutually exclusive")
