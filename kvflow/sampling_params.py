@@ -174,13 +174,16 @@ class SamplingParams:
             token's probability. Must be in [0, 1]; 0 disables it.
         seed: per-request random seed (-1, as in vLLM and llama.cpp, is None: no seed). A
             seeded request samples from its own ``torch.Generator``, so it produces the
-            same tokens whatever else is batched
-            with it, except under speculative decoding with ``disable_by_batch_size``
-            (``SpeculativeConfig``): whether a step speculates, and so how a sampled
-            request draws from its generator, depends on how many requests are running;
-            and under speculative decoding, for a request that is preempted (its first
-            step back verifies no drafts, so it draws other numbers than an uninterrupted
-            run would).
+            same tokens whatever else is batched with it, except under speculative
+            decoding: there a sampled request draws from its generator once per verified
+            draft or plain step, so its tokens depend on which drafts each step verifies,
+            and that depends on the schedule, i.e. on the other requests: the token
+            budget they leave it (a prompt's last chunk carries drafts when it holds
+            only the prompt's last token; a short budget trims drafts), whether it is
+            preempted (its first step back verifies no drafts), and with
+            ``disable_by_batch_size`` (``SpeculativeConfig``) how many requests are
+            running. Under speculation a seed reproduces a run with the same schedule
+            only. Greedy requests are exact either way.
         max_tokens: maximum number of generated tokens (>= 1); None (as vLLM): until the
             context is full, i.e. ``max_model_len`` minus the prompt's length (the engine
             sets it per request).
@@ -355,7 +358,8 @@ class SamplingParams:
         """vLLM's ``SamplingParams.from_optional``: None for ``n``, ``presence_penalty``,
         ``frequency_penalty``, ``repetition_penalty``, ``temperature`` or ``top_p`` means
         its default (as an OpenAI request's null field); ``logit_bias`` keys become ints
-        and its values are clamped to [-100, 100]. ``kwargs``: kvflow's other fields
+        and its values are clamped to [-100, 100] (keys and values are then checked as the
+        constructor checks them). ``kwargs``: kvflow's other fields
         (``guided_json``, ``truncate_prompt_tokens``...).
 
         Raises:
@@ -364,10 +368,12 @@ class SamplingParams:
             TypeError: for a keyword that is no field (as the constructor).
         """
         if logit_bias is not None:
-            try:
-                logit_bias = {int(token): min(100.0, max(-100.0, bias)) for token, bias in logit_bias.items()}
-            except (ValueError, TypeError, AttributeError):
-                raise ValueError(f"logit_bias must map integer token ids to numbers, got {logit_bias!r}"[:300]) from None
+            if not isinstance(logit_bias, dict):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {type(logit_bias).__name__}")
+            # Only the values are clamped; the constructor reads the keys and refuses what is no
+            # token id or number. int(token) made 1.5 and True token 1, and a NaN value passed
+            # max / min as -100 (the token banned) where the constructor refuses NaN.
+            logit_bias = {token: _clamp_bias(bias) for token, bias in logit_bias.items()}
         return SamplingParams(
             n=1 if n is None else n,
             presence_penalty=0.0 if presence_penalty is None else presence_penalty,
@@ -390,8 +396,6 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._take_structured_outputs()
-        if type(self.seed) is int and self.seed == -1:
-            self.seed = None  # as vLLM's SamplingParams (and llama.cpp's seed -1): no seed, a random draw
         for name in ("stop_token_ids", "bad_words", "stop", "allowed_token_ids"):
             value = getattr(self, name)
             is_list = isinstance(value, (list, tuple)) or (name == "stop" and isinstance(value, str))
@@ -422,12 +426,20 @@ class SamplingParams:
         if self.structured_outputs is not None and self.guided_decoding is not None:
             raise ValueError("structured_outputs and guided_decoding are mutually exclusive")
         given = self.structured_outputs or self.guided_decoding
+        constraint = {} if given is None else given.constraint()
+        # What an earlier call took from them (verify's, after construction): the one set now
+        # decides again; one assigned, replaced or removed since was ignored, the old constraint
+        # or none run. (A value that stays is not touched: no reader sees it unset meanwhile.)
+        for key, value in self.__dict__.pop("_taken_constraint", {}).items():
+            if getattr(self, key) == value and constraint.get(key) != value:
+                setattr(self, key, None)
         if given is None:
             return
-        for key, value in given.constraint().items():
+        for key, value in constraint.items():
             if getattr(self, key) is not None and getattr(self, key) != value:
                 raise ValueError(f"{key} and structured_outputs / guided_decoding are mutually exclusive")
             setattr(self, key, value)
+        self._taken_constraint = constraint
 
     @property
     def guided_kind(self) -> str | None:
@@ -439,11 +451,14 @@ class SamplingParams:
     def verify(self) -> None:
         """Check the fields again: a field assigned after construction (the dataclass's
         fields can be set, ``params.temperature = -1``) skipped ``__post_init__``'s checks.
-        The engine calls it on every request's params.
+        The engine calls it on every request's params. A ``structured_outputs`` or
+        ``guided_decoding`` assigned, replaced or removed since sets the ``guided_*``
+        field again (as the constructor does).
 
         Raises:
             ValueError: naming the field, as the constructor does.
         """
+        self._take_structured_outputs()  # (structured_outputs / guided_decoding set since)
         for name in ("stop_token_ids", "bad_words", "stop"):
             value = getattr(self, name)
             if not isinstance(value, list):
@@ -477,6 +492,10 @@ class SamplingParams:
 
     def _verify(self) -> None:
         self._normalise_numbers()
+        # (here, not in __post_init__ alone: numpy's -1 is an int only from _normalise_numbers
+        # on, and verify sees a seed set after construction; both were kept as the fixed seed -1)
+        if type(self.seed) is int and self.seed == -1:
+            self.seed = None  # as vLLM's SamplingParams (and llama.cpp's seed -1): no seed, a random draw
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
                      "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
@@ -716,8 +735,23 @@ def _check_number(name: str, value: object, finite: bool = False) -> None:
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value != value:  # NaN
         raise ValueError(f"{name} must not be NaN")
-    if finite and not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value}")
+    if finite:
+        try:
+            finite_value = math.isfinite(value)
+        except OverflowError:  # an int past float's range (math.isfinite converts it to float)
+            raise ValueError(f"{name} must be a finite number, got an integer of {value.bit_length()} bits, "
+                             "beyond float's range") from None
+        if not finite_value:
+            raise ValueError(f"{name} must be a finite number, got {value}")
+
+
+def _clamp_bias(value: object) -> object:
+    """A ``logit_bias`` value clamped to [-100, 100] (``from_optional``); anything but a
+    real number other than NaN (bool included) is returned as given, for the constructor to
+    refuse naming ``logit_bias``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+        return value
+    return min(100.0, max(-100.0, value))
 
 
 def _parse_logit_bias(bias: object) -> dict[int, float]:

@@ -82,6 +82,11 @@ NAN = math.nan
         ({"min_tokens": -1}, "min_tokens"),
         ({"repetition_penalty": 1e300}, "repetition_penalty"),
         ({"repetition_penalty": 1e-300}, "repetition_penalty"),  # 0 in float32: a division by zero
+        # ints past float's range: math.isfinite raised OverflowError, naming nothing
+        ({"temperature": 10**400}, "temperature"),
+        ({"temperature": -(10**400)}, "temperature"),
+        ({"repetition_penalty": 10**400}, "repetition_penalty"),
+        ({"repetition_penalty": -(10**5000)}, "repetition_penalty"),  # (str() refuses its 5,001 digits)
         ({"stop": 5}, "stop"),
         ({"stop_token_ids": 5}, "stop_token_ids"),
         ({"bad_words": 5}, "bad_words"),
@@ -272,6 +277,40 @@ def test_a_structural_tag_takes_ignore_eos_and_min_tokens():
     SamplingParams(max_tokens=8, structural_tag=tag, ignore_eos=True, min_tokens=3)
 
 
+@pytest.mark.parametrize("name", ["structured_outputs", "guided_decoding"])
+def test_verify_takes_a_constraint_assigned_replaced_or_removed_after_construction(name):
+    """``params.structured_outputs = StructuredOutputsParams(...)`` after construction was
+    ignored: only ``__post_init__`` set ``guided_choice`` from it, and the engine ran the
+    request unconstrained; a replaced one ran the old constraint. ``verify`` (the engine
+    calls it on every request) takes the one set now."""
+    cls = sp.StructuredOutputsParams if name == "structured_outputs" else sp.GuidedDecodingParams
+    params = SamplingParams(max_tokens=3)
+    setattr(params, name, cls(choice=["yes", "no"]))
+    params.verify()
+    assert params.guided_kind == "choice" and params.guided_choice == ["yes", "no"]
+    setattr(params, name, cls(regex="a+"))  # replaced
+    params.verify()
+    assert params.guided_kind == "regex" and params.guided_regex == "a+" and params.guided_choice is None
+    params.verify()  # (again: nothing changes)
+    assert params.guided_regex == "a+"
+    setattr(params, name, None)  # removed
+    params.verify()
+    assert params.guided_kind is None and params.guided_regex is None
+    # one given to the constructor and replaced
+    params = SamplingParams(max_tokens=3, **{name: cls(json_object=True)})
+    setattr(params, name, {"choice": ["maybe"]})  # (as the server's JSON gives it)
+    params.verify()
+    assert params.guided_kind == "choice" and params.guided_choice == ["maybe"] and params.guided_json is None
+    # a guided_* field set beside it still conflicts with it
+    params.guided_choice = ["other"]
+    with pytest.raises(ValueError, match="^guided_choice and structured_outputs"):
+        params.verify()
+    # a guided_* field given directly is left alone
+    params = SamplingParams(max_tokens=3, guided_choice=["x"])
+    params.verify()
+    assert params.guided_choice == ["x"]
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("temperature", -5.0), ("top_p", NAN), ("max_tokens", 0), ("n", 0), ("top_k", -7), ("stop", "abc"),
@@ -328,6 +367,18 @@ def test_seed_minus_one_is_no_seed_as_in_vllm_and_llama_cpp():
     assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=0).seed == 0
     with pytest.raises(ValueError, match="^seed "):
         SamplingParams(seed=-1.0)
+
+
+def test_seed_minus_one_is_no_seed_also_as_numpy_or_set_after_construction():
+    """numpy's -1 (an int only once normalised) and a -1 assigned after construction (which
+    only ``verify`` sees) stayed the fixed seed -1: every such request drew the same tokens."""
+    import numpy as np
+
+    assert SamplingParams(seed=np.int64(-1)).seed is None
+    params = SamplingParams(seed=7)
+    params.seed = -1
+    params.verify()
+    assert params.seed is None
 
 
 def test_seeds_that_agree_in_their_low_32_bits_draw_different_numbers():
@@ -420,6 +471,24 @@ def test_from_optional_takes_none_as_the_default():
         SamplingParams.from_optional(logit_bias={"x": 1.0})
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams.from_optional(temperature=-1.0)
+
+
+@pytest.mark.parametrize("bias", [{1: NAN}, {1.5: 3.0}, {True: 3.0}, {1: True}, {1: "5"}, [1]],
+                         ids=["nan-value", "float-key", "bool-key", "bool-value", "str-value", "list"])
+def test_from_optional_refuses_a_logit_bias_the_constructor_refuses(bias):
+    """from_optional's clamp turned a NaN bias into -100 (the token banned, where the
+    constructor refuses NaN) and its int(key) made the keys 1.5 and True token 1."""
+    with pytest.raises(ValueError, match="^logit_bias "):
+        SamplingParams.from_optional(logit_bias=bias)
+    with pytest.raises(ValueError, match="^logit_bias "):
+        SamplingParams(logit_bias=bias)
+
+
+@pytest.mark.parametrize("value", [10**400, -(10**400), math.inf, NAN], ids=["huge-int", "huge-negative-int", "inf", "nan"])
+def test_beam_search_length_penalty_must_be_finite(value):
+    """An int past float's range raised OverflowError from math.isfinite, naming nothing."""
+    with pytest.raises(ValueError, match="^length_penalty "):
+        sp.BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=value)
 
 
 @pytest.mark.parametrize("name", ["ignore_eos", "include_stop_str_in_output"])

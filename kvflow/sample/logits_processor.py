@@ -146,9 +146,11 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     prompts = [r.prompt_token_ids for r in requests]
     counts = _token_counts(outputs, m, vocab, device)
     params = [r.sampling_params for r in requests]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-    pres = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    # float32 whatever the Python types: a batch of int penalties made an int64 tensor, which
+    # overflowed for a valid int past 2**63 (repetition_penalty=2**70) alone, not in a batch
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device).unsqueeze(1)
     seen = (counts + _token_counts(prompts, m, vocab, device)) > 0
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)

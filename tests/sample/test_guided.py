@@ -198,3 +198,21 @@ def test_a_grammar_that_allows_only_stop_tokens_under_min_tokens_ends_on_one():
     out = done.outputs[0]
     assert out.finish_reason == "stop" and out.token_ids[0] == _id("a") and out.token_ids[1] in stops, out
     assert len(out.token_ids) == 2, out
+
+
+
+def test_a_constraint_assigned_after_construction_is_enforced():
+    """``params.structured_outputs = StructuredOutputsParams(choice=...)`` after construction
+    was silently ignored (unconstrained text), and a replaced one ran the old choices."""
+    from kvflow.sampling_params import StructuredOutputsParams
+
+    engine = tiny_engine(tokenizer=TOKENIZER, config=tiny_model_config(vocab_size=TINY_TEXT_VOCAB))
+    assigned = SamplingParams(temperature=0, max_tokens=8)
+    assigned.structured_outputs = StructuredOutputsParams(choice=["yes", "no"])
+    replaced = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    replaced.structured_outputs = StructuredOutputsParams(choice=["maybe"])
+    engine.add_request("assigned", [_id("x")], assigned)
+    engine.add_request("replaced", [_id("x")], replaced)
+    done = _run(engine)
+    assert _text(done["assigned"].outputs[0]) in ("yes", "no"), done["assigned"]
+    assert _text(done["replaced"].outputs[0]) == "maybe", done["replaced"]

@@ -162,6 +162,24 @@ def test_penalties_batched_rows_with_different_lengths_match_single_rows():
         torch.testing.assert_close(batched[i], expected, rtol=0, atol=1e-6)
 
 
+def test_a_penalty_given_as_a_large_int_is_applied_alone_as_in_a_batch():
+    """repetition_penalty=2**70 (an int within float32's range: valid) made an int64 tensor of
+    the batch's penalties when every row's was an int: "Overflow when unpacking long long" for
+    the request alone, while batched with a float penalty it ran."""
+    logits = random_logits(rows=2, seed=5)
+    big = make_request([3, 5], [7], repetition_penalty=2**70)
+    other = make_request([9], [], repetition_penalty=1.5)
+    alone = apply_penalties(logits[:1], [big])
+    batched = apply_penalties(logits, [big, other])
+    torch.testing.assert_close(alone[0], batched[0], rtol=0, atol=0)
+    as_float = apply_penalties(logits[:1], [make_request([3, 5], [7], repetition_penalty=float(2**70))])
+    torch.testing.assert_close(alone, as_float, rtol=0, atol=0)
+    assert alone.dtype == torch.float32
+    ints = make_request([3], [3, 9], repetition_penalty=2, frequency_penalty=1, presence_penalty=-2)
+    floats = make_request([3], [3, 9], repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=-2.0)
+    torch.testing.assert_close(apply_penalties(logits[:1], [ints]), apply_penalties(logits[:1], [floats]), rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ logit bias
 def test_logit_bias_adds():
     logits = random_logits()
