@@ -47,6 +47,8 @@ class BatchLayout:
         device: where the metadata tensors go.
         block_table_lens: int64 [R], the length of each request's own table (columns past
             it are padding); None: every row's (set from a list of lists, else W).
+        num_prompt_tokens: how many of the step's new tokens are prompt tokens (prefill
+            chunks); 0 for a step of decodes and draft verifications only.
     """
 
     slot_mapping: torch.Tensor
@@ -57,6 +59,7 @@ class BatchLayout:
     block_size: int
     device: torch.device
     block_table_lens: torch.Tensor | None = None
+    num_prompt_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.query_lens, torch.Tensor):
@@ -176,6 +179,7 @@ class FlatMetadata:
             ``query_start_loc[r] : query_start_loc[r + 1]``.
         context_lens: int32 [R], tokens in the cache after this step's writes.
         max_query_len: longest query chunk of the step, in tokens.
+        num_prompt_tokens: ``BatchLayout.num_prompt_tokens``.
     """
 
     backend: AttentionBackend
@@ -184,6 +188,7 @@ class FlatMetadata:
     query_start_loc: torch.Tensor
     context_lens: torch.Tensor
     max_query_len: int
+    num_prompt_tokens: int = 0
 
     @classmethod
     def build(cls, backend: AttentionBackend, layout: BatchLayout, table_dtype: torch.dtype) -> "FlatMetadata":
@@ -198,6 +203,7 @@ class FlatMetadata:
             query_start_loc=starts.to(layout.device),
             context_lens=layout.context_lens.to(torch.int32).to(layout.device),
             max_query_len=int(layout.query_lens.max()) if num_reqs else 0,
+            num_prompt_tokens=layout.num_prompt_tokens,
         )
 
 

@@ -26,9 +26,9 @@ PyTorch path stays the reference and serves every other case):
   tensor parallelism, and the C++ kernels built (``KVFLOW_CPU_FUSED_DECODE`` and, for GGUF,
   ``KVFLOW_CPU_GGUF`` not ``0``); float32 dense models (the exactness reference) keep the
   PyTorch path;
-- the step: at most ``MAX_QUERY_LEN`` new tokens per request (decodes, speculative
-  verifications, short prompt pieces: each query token attends as a decode row of its own,
-  so that a verification computes each token as a plain decode step would), no LoRA, at most
+- the step: no prompt tokens, at most ``MAX_QUERY_LEN`` new tokens per request (decodes and
+  speculative verifications: each query token attends as a decode row of its own, so that a
+  verification computes each token as a plain decode step would), no LoRA, at most
   ``MAX_DECODE_TOKENS`` tokens, on the CPU attention backend's float cache (``CpuAttentionBackend``) or
   on an int8 / fp8 cache (``CpuQuantizedAttentionBackend``, ``kv_cache_dtype="int8"`` /
   ``"fp8"``): the new K/V are then quantized in C++ as ``kv_cache.quantize_kv`` does (the
@@ -68,10 +68,10 @@ parts single-threaded it had been 1.26x at 16 and 1.12x at 32, and the limit 16.
 
 MAX_QUERY_LEN = 16
 """Steps whose requests each bring at most this many new tokens take the fused call: decodes
-(one), speculative verifications (one plus the drafts) and short prompt pieces. Each of a
-request's query tokens is attended as a decode row of its own (``per_token_rows``), which reads
-the request's cached K/V once per token, where the prefill kernel of the PyTorch path reads it
-once per chunk: past a few tokens the per-call overhead saved no longer pays for that."""
+(one) and speculative verifications (one plus up to 15 drafts), each query token attended as a
+decode row of its own (``per_token_rows``), so that a verified token is computed as its decode
+step would compute it. Prompt tokens never take it (``num_prompt_tokens`` of the metadata):
+the uncached rest of a prefix-cache hit is computed as a miss computes it, on the PyTorch path."""
 
 _EXTENSION = ops.FUSED_DECODE
 
@@ -213,8 +213,9 @@ class FusedDecodeStep:
         from kvflow.attention.cpu_backend import CpuAttentionBackend, CpuGroupedMetadata, CpuQuantizedAttentionBackend
 
         num_tokens = input_ids.shape[0]
-        if num_tokens == 0 or num_tokens > MAX_DECODE_TOKENS:
-            return None
+        if num_tokens == 0 or num_tokens > MAX_DECODE_TOKENS or getattr(metadata, "num_prompt_tokens", 1):
+            return None  # (prompt tokens take the PyTorch path: a prefix-cache hit computes its
+            # uncached rest as a miss computes it)
         if type(metadata) is CpuGroupedMetadata and type(metadata.backend) is CpuAttentionBackend:
             groups = metadata.groups
             if any(g.max_query_len > MAX_QUERY_LEN or g.context_lens is None for g in groups):
