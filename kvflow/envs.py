@@ -236,6 +236,8 @@ EXTERNAL: dict[str, Switch] = {s.name: s for s in (
     Switch("WORLD_SIZE", "int", "unset", "set by torchrun: the number of tensor-parallel processes",
            _text_or_none),
     Switch("TORCHELASTIC_RUN_ID", "str", "unset", "set by torchrun: kvflow was started by it", _text_or_none),
+    Switch("VLLM_API_KEY", "str", "unset", "vLLM's server key: `kvflow serve` takes it when `--api-key` is not "
+           "given, as vLLM's server does (empty: no key; blank: a usage error)", _text_or_none),
     Switch("CXX", "path", "`c++`", "the C++ compiler (also PyTorch's) asked which features a "
            "`KVFLOW_CPU_MARCH` target enables", lambda text: text or "c++"),
     Switch("TORCH_EXTENSIONS_DIR", "path", "unset (`<user cache>/torch_extensions/py<version>_<accelerator>`)",

@@ -558,10 +558,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("kvflow").setLevel("DEBUG" if args.log_level == "trace" else args.log_level.upper())
     entries = [entry for given in args.lora_modules or [] for entry in given]
     lora_modules = {name: path for name, path, _ in entries}
-    if args.api_key is None and os.environ.get("VLLM_API_KEY"):  # (empty: no key, as vLLM reads it)
+    vllm_key = envs.read("VLLM_API_KEY")  # (empty: no key, as vLLM reads it)
+    if args.api_key is None and vllm_key:
         # vLLM's server takes its key from VLLM_API_KEY when --api-key is not given: a vLLM
         # deployment moved over as it is must not come up without the key it relies on.
-        args.api_key = [_api_key_from_env(os.environ["VLLM_API_KEY"])]
+        args.api_key = [_api_key_from_env(vllm_key)]
         logging.getLogger(__name__).info("the API key is VLLM_API_KEY's, as vLLM's server takes it (--api-key wins)")
     api_keys = tuple(dict.fromkeys(args.api_key)) if args.api_key else None
     if api_keys is not None and len(api_keys) > 1 and args.data_parallel_size != 1:
