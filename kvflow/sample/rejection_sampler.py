@@ -151,7 +151,19 @@ class RejectionSampler:
         is accepted exactly when it is that argmax (p_x / q_x >= 1 for any q that proposed
         it), and the first rejected one is replaced by the argmax (all the residual
         max(p - q, 0) holds), as is the bonus token. No softmax, no random numbers: the
-        tokens plain greedy decoding picks, at the cost of one argmax per row."""
+        tokens plain greedy decoding picks, at the cost of one argmax per row.
+
+        Args:
+            views: the k + 1 ``DraftPositionView`` of the request (its processors' view).
+            drafts: the k draft token ids.
+            target_logits: float32 [k + 1, vocab_size] raw target logits.
+
+        Returns:
+            Between 1 and k + 1 token ids.
+
+        Raises:
+            ValueError: ``no_token_error`` naming the fields, when a row reached (its drafts
+                before it accepted) has every token masked."""
         processed = apply_logits_processors(target_logits, views)
         best = row_argmax(processed).tolist()
         if processed is not target_logits:  # (masks: a row may leave no token)
