@@ -47,8 +47,11 @@ class BatchLayout:
         device: where the metadata tensors go.
         block_table_lens: int64 [R], the length of each request's own table (columns past
             it are padding); None: every row's (set from a list of lists, else W).
-        num_prompt_tokens: how many of the step's new tokens are prompt tokens (prefill
-            chunks); 0 for a step of decodes and draft verifications only.
+        prompt_lens: int64 [R]: how many of each request's new tokens are prompt tokens
+            (they come first in its query: a prefill chunk; the rest are tokens it generated:
+            a decode, a draft verification, the recompute of a preempted request's output);
+            A list is converted; None (not given): every new token is taken for a prompt
+            token (the step then runs as a prefill does).
     """
 
     slot_mapping: torch.Tensor
@@ -59,7 +62,7 @@ class BatchLayout:
     block_size: int
     device: torch.device
     block_table_lens: torch.Tensor | None = None
-    num_prompt_tokens: int = 0
+    prompt_lens: torch.Tensor | list[int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.query_lens, torch.Tensor):
@@ -72,6 +75,15 @@ class BatchLayout:
         elif self.block_table_lens is None:
             self.block_table_lens = torch.full((self.block_tables.shape[0],), self.block_tables.shape[1],
                                                dtype=torch.int64)
+        if self.prompt_lens is None:
+            self.prompt_lens = self.query_lens.to(torch.int64)
+        elif not isinstance(self.prompt_lens, torch.Tensor):
+            self.prompt_lens = torch.tensor(self.prompt_lens, dtype=torch.int64)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """How many of the step's new tokens are prompt tokens (0: decodes and verifications only)."""
+        return int(self.prompt_lens.sum())
 
     def tables(self, first: int, last: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """The block tables of requests ``first .. last - 1``: ``dtype`` [last - first, W']
@@ -179,7 +191,8 @@ class FlatMetadata:
             ``query_start_loc[r] : query_start_loc[r + 1]``.
         context_lens: int32 [R], tokens in the cache after this step's writes.
         max_query_len: longest query chunk of the step, in tokens.
-        num_prompt_tokens: ``BatchLayout.num_prompt_tokens``.
+        layout: the ``BatchLayout`` it was built from (None: built by hand), which says
+            which tokens are prompt tokens (``kvflow.layers.fused_decode`` splits a step by it).
     """
 
     backend: AttentionBackend
@@ -188,7 +201,7 @@ class FlatMetadata:
     query_start_loc: torch.Tensor
     context_lens: torch.Tensor
     max_query_len: int
-    num_prompt_tokens: int = 0
+    layout: BatchLayout | None = None
 
     @classmethod
     def build(cls, backend: AttentionBackend, layout: BatchLayout, table_dtype: torch.dtype) -> "FlatMetadata":
@@ -203,7 +216,7 @@ class FlatMetadata:
             query_start_loc=starts.to(layout.device),
             context_lens=layout.context_lens.to(torch.int32).to(layout.device),
             max_query_len=int(layout.query_lens.max()) if num_reqs else 0,
-            num_prompt_tokens=layout.num_prompt_tokens,
+            layout=layout,
         )
 
 

@@ -38,11 +38,12 @@ class CpuGroupedMetadata(GroupedMetadata):
     Attributes:
         query_start_locs: per group, int32 [B + 1] (request b's query rows are
             ``[b] : [b + 1]`` of the group's rows), or None for a decode group.
-        num_prompt_tokens: ``BatchLayout.num_prompt_tokens``.
+        layout: the ``BatchLayout`` it was built from (None: built by hand), which says
+            which tokens are prompt tokens (``kvflow.layers.fused_decode`` splits a step by it).
     """
 
     query_start_locs: list = field(default_factory=list)
-    num_prompt_tokens: int = 0
+    layout: BatchLayout | None = None
 
 
 def _query_start_loc(metadata: GroupedMetadata, index: int, group: AttentionGroup) -> torch.Tensor:
@@ -94,8 +95,7 @@ class CpuAttentionBackend(AttentionBackend):
                 starts.append(loc)
             else:
                 starts.append(None)
-        return CpuGroupedMetadata(metadata.slot_mapping, metadata.groups, metadata.backend, starts,
-                                  layout.num_prompt_tokens)
+        return CpuGroupedMetadata(metadata.slot_mapping, metadata.groups, metadata.backend, starts, layout)
 
     def write_kv(self, k, v, kv_cache, metadata) -> None:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping)

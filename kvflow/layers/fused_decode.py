@@ -26,10 +26,13 @@ PyTorch path stays the reference and serves every other case):
   tensor parallelism, and the C++ kernels built (``KVFLOW_CPU_FUSED_DECODE`` and, for GGUF,
   ``KVFLOW_CPU_GGUF`` not ``0``); float32 dense models (the exactness reference) keep the
   PyTorch path;
-- the step: no prompt tokens, at most ``MAX_QUERY_LEN`` new tokens per request (decodes and
-  speculative verifications: each query token attends as a decode row of its own, so that a
-  verification computes each token as a plain decode step would), no LoRA, at most
-  ``MAX_DECODE_TOKENS`` tokens, on the CPU attention backend's float cache (``CpuAttentionBackend``) or
+- the step's generated tokens: decodes, speculative verifications, the recomputed output of a
+  request preempted by recompute (each query token attends as a decode row of its own, so a
+  token is computed as its plain decode step computed it, and a verified draft too), no
+  LoRA, in slices of at most ``MAX_DECODE_TOKENS`` rows. Prompt tokens take the PyTorch path:
+  a step holding both is split by token (``FusedDecodeStep.__call__``'s ``rest``), so a
+  generated token is computed alike whatever else shares its step, and the uncached rest of a
+  prefix-cache hit as a miss computes it. All this on the CPU attention backend's float cache (``CpuAttentionBackend``) or
   on an int8 / fp8 cache (``CpuQuantizedAttentionBackend``, ``kv_cache_dtype="int8"`` /
   ``"fp8"``): the new K/V are then quantized in C++ as ``kv_cache.quantize_kv`` does (the
   keys less ``LlamaAttention._key_offset`` first) and attended by ``paged_attention_quantized``'s
@@ -58,20 +61,14 @@ from kvflow import ops
 logger = logging.getLogger(__name__)
 
 MAX_DECODE_TOKENS = 128
-"""Decode steps of at most this many tokens take the fused call. It runs the same packed GEMV /
-GEMM and decode attention as the PyTorch path, its per-row parts (norms, rotary, SiLU) in
-vectors and over the rows in parallel, so it saves the per-call overhead at every batch size
-measured: SmolLM2-135M on a quiet 2-core Zen 4 (``python -m benchmarks.fused_decode
+"""The fused call takes at most this many rows at once; a step with more generated tokens
+runs it in slices of this many (a request's earlier tokens first). The call runs the same
+packed GEMV / GEMM and decode attention as the PyTorch path, its per-row parts (norms, rotary,
+SiLU) in vectors and over the rows in parallel, so it saves the per-call overhead at every
+batch size measured: SmolLM2-135M on a quiet 2-core Zen 4 (``python -m benchmarks.fused_decode
 --models smollm2-135m --batch-sizes 8 16 32 64 128``), fused against the PyTorch path 1.84x at
 one stream, 1.41x at 8, 1.30x at 16, 1.20x at 32, 1.06x at 64, 1.09x at 128. (With its per-row
 parts single-threaded it had been 1.26x at 16 and 1.12x at 32, and the limit 16.)"""
-
-MAX_QUERY_LEN = 16
-"""Steps whose requests each bring at most this many new tokens take the fused call: decodes
-(one) and speculative verifications (one plus up to 15 drafts), each query token attended as a
-decode row of its own (``per_token_rows``), so that a verified token is computed as its decode
-step would compute it. Prompt tokens never take it (``num_prompt_tokens`` of the metadata):
-the uncached rest of a prefix-cache hit is computed as a miss computes it, on the PyTorch path."""
 
 _EXTENSION = ops.FUSED_DECODE
 
@@ -96,6 +93,17 @@ def per_token_rows(block_tables: torch.Tensor, context_lens: torch.Tensor,
     offset = torch.arange(len(owner)) - starts[:-1][owner]  # j: the token's place in its request's query
     ctx = context_lens.to(torch.int64)[owner] - q_lens[owner] + 1 + offset
     return block_tables[owner], ctx.to(torch.int32)
+
+
+def _starts(q_lens: torch.Tensor) -> torch.Tensor:
+    """int64 [R + 1]: where each of R requests of ``q_lens`` new tokens starts, then the total."""
+    return torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)]).to(torch.int64)
+
+
+def _request_rows(first: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """int64: the rows ``first[r] : first[r] + counts[r]`` of each request r, in order."""
+    owner_first = torch.repeat_interleave(first.to(torch.int64), counts)
+    return owner_first + torch.arange(len(owner_first)) - torch.repeat_interleave(_starts(counts)[:-1], counts)
 
 
 def _linear_spec(layer) -> torch.Tensor | list[tuple[torch.Tensor, int, int, int]] | None:
@@ -205,54 +213,104 @@ class FusedDecodeStep:
         self.per_layer = False
         self._caches: tuple[int, ...] | None = None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata) -> torch.Tensor | None:
-        """The final hidden states [T, hidden] (after the last RMSNorm, model dtype) of a decode
-        step this call covers, else None (the caller runs the PyTorch path). Arguments as
-        ``LlamaForCausalLM.forward``'s."""
-        from kvflow.attention.backend import FlatMetadata
-        from kvflow.attention.cpu_backend import CpuAttentionBackend, CpuGroupedMetadata, CpuQuantizedAttentionBackend
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, metadata,
+                 rest=None) -> torch.Tensor | None:
+        """The final hidden states [T, hidden] (after the last RMSNorm, model dtype) of a step
+        this call covers, else None (the caller runs the PyTorch path). Arguments as
+        ``LlamaForCausalLM.forward``'s.
 
+        ``rest``: the PyTorch path, called as ``rest(input_ids, positions, kv_caches,
+        metadata)`` for a step's prompt tokens. Given, a step holding both prompt tokens and
+        generated ones (decodes, verifications, a preempted request's recomputed output) is
+        split: the prompt tokens through ``rest`` first (a request's generated tokens attend
+        to its prompt's K/V), then the generated ones through the fused call. So a generated
+        token is computed the same way whatever else shares its step; without ``rest`` such a
+        step takes the PyTorch path whole (None)."""
         num_tokens = input_ids.shape[0]
-        if num_tokens == 0 or num_tokens > MAX_DECODE_TOKENS or getattr(metadata, "num_prompt_tokens", 1):
-            return None  # (prompt tokens take the PyTorch path: a prefix-cache hit computes its
-            # uncached rest as a miss computes it)
-        if type(metadata) is CpuGroupedMetadata and type(metadata.backend) is CpuAttentionBackend:
-            groups = metadata.groups
-            if any(g.max_query_len > MAX_QUERY_LEN or g.context_lens is None for g in groups):
-                return None
-            if groups[-1].token_end != num_tokens:
-                return None
-            if len(groups) == 1 and groups[0].max_query_len == 1:  # (the common decode step)
-                tables, context_lens = groups[0].block_tables, groups[0].context_lens
-            else:
-                rows = [(g.block_tables, g.context_lens) if g.max_query_len == 1
-                        else per_token_rows(g.block_tables, g.context_lens, metadata.query_start_locs[i])
-                        for i, g in enumerate(groups)]
-                width = max(t.shape[1] for t, _ in rows)
-                tables = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t, _ in rows])
-                context_lens = torch.cat([c for _, c in rows])
-        elif type(metadata) is FlatMetadata and type(metadata.backend) is CpuQuantizedAttentionBackend:
-            if metadata.max_query_len > MAX_QUERY_LEN or int(metadata.query_start_loc[-1]) != num_tokens:
-                return None
-            tables, context_lens = metadata.block_tables, metadata.context_lens
-            if metadata.max_query_len != 1:
-                tables, context_lens = per_token_rows(tables, context_lens, metadata.query_start_loc)
-        else:
+        plan = self._plan(metadata, num_tokens) if num_tokens else None
+        if plan is None:
+            return None
+        tables, context_lens, fused_rows, rest_rows, rest_metadata = plan
+        if rest_rows is not None and rest is None:
             return None
         key = tuple(c[0].data_ptr() for c in kv_caches)
         if key != self._caches:
             if not self._set_caches(kv_caches):
                 return None  # another dtype: the PyTorch path
             self._caches = key
+        if rest_rows is None:  # (the whole step)
+            return self._forward(input_ids, positions, metadata.slot_mapping, tables, context_lens)
+        before = rest(input_ids[rest_rows], positions[rest_rows], kv_caches, rest_metadata)
+        hidden = before.new_empty(num_tokens, before.shape[1])
+        hidden[rest_rows] = before
+        hidden[fused_rows] = self._forward(input_ids[fused_rows], positions[fused_rows],
+                                           metadata.slot_mapping[fused_rows], tables, context_lens)
+        return hidden
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """The fused call over these attention rows (int64 [N] each but ``tables`` int64
+        [N, W] and ``context_lens`` int32 [N]); more than ``MAX_DECODE_TOKENS`` of them in
+        slices of at most that many, in order, so that a request's earlier tokens are in the
+        cache (all layers) before its later ones attend."""
+        if len(input_ids) > MAX_DECODE_TOKENS:
+            return torch.cat([self._forward(input_ids[i : i + MAX_DECODE_TOKENS], positions[i : i + MAX_DECODE_TOKENS],
+                                            slot_mapping[i : i + MAX_DECODE_TOKENS], tables[i : i + MAX_DECODE_TOKENS],
+                                            context_lens[i : i + MAX_DECODE_TOKENS])
+                              for i in range(0, len(input_ids), MAX_DECODE_TOKENS)])
         model = self.model
         x = model.embed_tokens(input_ids).contiguous()
         cos, sin = model.rotary.cos_sin(positions, x.dtype)
-        args = (cos, sin, metadata.slot_mapping, tables, context_lens)
+        args = (cos, sin, slot_mapping, tables, context_lens)
         if not self.per_layer:
             return self.decoder.forward(x, *args)
         for i in range(len(model.layers)):
             x = self.decoder.forward(x, *args, i, i + 1)
         return x
+
+    @staticmethod
+    def _plan(metadata, num_tokens: int):
+        """How a step of ``num_tokens`` runs: (block tables int64 [N, W], context lengths int32
+        [N] of the fused call's N attention rows, then for a step with prompt tokens the step's
+        rows of the fused call and of the PyTorch path (int64 indices) and the PyTorch path's
+        metadata, else None, None, None); None when the fused call takes none of it (another
+        backend or metadata, metadata built without a ``BatchLayout``, prompt tokens only)."""
+        from kvflow.attention.backend import BatchLayout, FlatMetadata
+        from kvflow.attention.cpu_backend import CpuAttentionBackend, CpuGroupedMetadata, CpuQuantizedAttentionBackend
+
+        layout = getattr(metadata, "layout", None)
+        if layout is None or len(metadata.slot_mapping) != num_tokens:
+            return None
+        if type(metadata) is CpuGroupedMetadata and type(metadata.backend) is CpuAttentionBackend:
+            groups = metadata.groups
+            if any(g.context_lens is None for g in groups):
+                return None
+            if len(groups) == 1 and groups[0].max_query_len == 1 and not layout.num_prompt_tokens:
+                return groups[0].block_tables, groups[0].context_lens, None, None, None  # (the common decode step)
+        elif type(metadata) is FlatMetadata and type(metadata.backend) is CpuQuantizedAttentionBackend:
+            if metadata.max_query_len == 1 and not layout.num_prompt_tokens:
+                return metadata.block_tables, metadata.context_lens, None, None, None
+        else:
+            return None
+        q_lens, prompt = layout.query_lens, layout.prompt_lens
+        starts = _starts(q_lens)
+        if not layout.num_prompt_tokens:  # (verifications: each query token a decode row of its own)
+            tables, context_lens = per_token_rows(layout.block_tables, layout.context_lens, starts)
+            return tables, context_lens, None, None, None
+        generated = q_lens - prompt  # (after the request's prompt tokens in its query)
+        fused = generated > 0
+        if not bool(fused.any()):
+            return None
+        tables, context_lens = per_token_rows(layout.block_tables[fused], layout.context_lens[fused],
+                                              _starts(generated[fused]))
+        fused_rows = _request_rows(starts[:-1][fused] + prompt[fused], generated[fused])
+        split = prompt > 0
+        rest_rows = _request_rows(starts[:-1][split], prompt[split])
+        sizes = [int(part.sum()) for part in torch.split(split, layout.group_sizes)]
+        part = BatchLayout(metadata.slot_mapping[rest_rows], prompt[split], layout.context_lens[split] - generated[split],
+                           layout.block_tables[split], [n for n in sizes if n], layout.block_size, layout.device,
+                           block_table_lens=layout.block_table_lens[split], prompt_lens=prompt[split])
+        return tables, context_lens, fused_rows, rest_rows, metadata.backend.build_metadata(part)
 
     def _set_caches(self, kv_caches: list) -> bool:
         """Hand the C++ decoder the model's caches: float ones of the model dtype, or int8 /

@@ -333,18 +333,25 @@ class LlamaForCausalLM(CausalLM):
         Returns:
             Final hidden states [T, hidden_size] (after the last RMSNorm), model dtype.
 
-        A GGUF model's small decode steps run in one C++ call instead
-        (``kvflow.layers.fused_decode``: bound at the first step, ``fused_decode`` in the
-        instance's dict; None there keeps this PyTorch path, the reference).
+        A GGUF model's generated tokens (decodes, verifications) run in one C++ call instead,
+        its prompt tokens beside them on this PyTorch path (``kvflow.layers.fused_decode``:
+        bound at the first step, ``fused_decode`` in the instance's dict; None there keeps
+        the PyTorch path, the reference, for every token).
         """
-        if lora is None:  # a decode step of a GGUF model: the whole decoder in one C++ call
+        if lora is None:  # a GGUF model's generated tokens: the whole decoder in one C++ call
             fused = self.__dict__.get("fused_decode", fused_decode.PENDING)
             if fused is fused_decode.PENDING:
                 fused = self.__dict__["fused_decode"] = fused_decode.bind(self)
             if fused is not None and fused is not fused_decode.PENDING:
-                hidden = fused(input_ids, positions, kv_caches, metadata)
+                hidden = fused(input_ids, positions, kv_caches, metadata, rest=self._pytorch_forward)
                 if hidden is not None:
                     return hidden
+        return self._pytorch_forward(input_ids, positions, kv_caches, metadata, lora)
+
+    def _pytorch_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                         metadata: AttentionMetadata, lora: LoRAMapping | None = None) -> torch.Tensor:
+        """``forward`` on the PyTorch path, every token (also the prompt tokens of a step the
+        fused decode step splits: ``FusedDecodeStep.__call__``'s ``rest``)."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, x.dtype)
         share = self.config.cla_share_factor

@@ -411,13 +411,13 @@ class ModelRunner:
         logits_indices.extend(spec_indices)
         dev = self.device
         q_t, ctx_t = torch.from_numpy(q_lens), torch.from_numpy(ends)
-        num_prompt = int(np.clip(batch.num_prompt_tokens[rows] - begins, 0, q_lens).sum())
+        prompt_lens = torch.from_numpy(np.clip(batch.num_prompt_tokens[rows] - begins, 0, q_lens))
         layouts = []
         for g in range(self.num_kv_cache_groups):
             slots = torch.from_numpy(batch.slot_mapping(g, token_rows, positions)).to(dev)
             table, lens = batch.padded_block_tables(g, rows)
             layouts.append(BatchLayout(slots, q_t, ctx_t, table, group_sizes, bs, dev, block_table_lens=lens,
-                                       num_prompt_tokens=num_prompt))
+                                       prompt_lens=prompt_lens))
         if self.num_kv_cache_groups == 1:
             metadata = backend.build_metadata(layouts[0])
         else:

@@ -109,12 +109,13 @@ def _decode_run(model, prompts: list[list[int]], steps: int, fused: bool, block_
 
 
 def _run_steps(model, prompts: list[list[int]], steps: list[list[list[int]]], fused: bool, block_size: int = 4,
-               kv_dtype: torch.dtype | None = None):
+               kv_dtype: torch.dtype | None = None, prompt_lens: list[list[int]] | None = None):
     """Prefill ``prompts`` (one step of prompt tokens: the PyTorch path), then one step per
     entry of ``steps``: ``steps[s][r]`` are request r's new tokens in step s (one: a decode;
-    several: a verification of drafts; none: not scheduled). Requests of one token are laid out first (the decode group), then
-    the others (one group), as the model runner does. Returns each step's hidden states
-    [tokens, hidden] in request order (float32) and the final caches."""
+    several: a verification of drafts; none: not scheduled), the first ``prompt_lens[s][r]``
+    of them prompt tokens (default none: all generated). Requests of one token are laid out
+    first (the decode group), then the others (one group), as the model runner does. Returns
+    each step's hidden states [tokens, hidden] in request order (float32) and the final caches."""
     if not fused:
         model.__dict__["fused_decode"] = None
     else:
@@ -129,7 +130,7 @@ def _run_steps(model, prompts: list[list[int]], steps: list[list[list[int]]], fu
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3)).tolist()
     tables = [order[r * per_req:(r + 1) * per_req] for r in range(len(prompts))]
 
-    def run(new: list[list[int]], decode_group: bool):
+    def run(new: list[list[int]], decode_group: bool, prompt: list[int] | None):
         reqs = [r for r in range(len(new)) if new[r]]
         if decode_group:
             reqs = [r for r in reqs if len(new[r]) == 1] + [r for r in reqs if len(new[r]) > 1]
@@ -143,7 +144,7 @@ def _run_steps(model, prompts: list[list[int]], steps: list[list[list[int]]], fu
                 for r in reqs for j in range(len(new[r]))]
         layout = BatchLayout(torch.tensor(slot), q_lens, ctx, [tables[r][: -(-c // block_size)] for r, c in zip(reqs, ctx)],
                              group_sizes, block_size, torch.device("cpu"),
-                             num_prompt_tokens=0 if decode_group else len(flat))  # (the first: the prompts)
+                             prompt_lens=None if prompt is None else [prompt[r] for r in reqs])  # (None: all prompt)
         hidden = model(torch.tensor(flat), torch.tensor(pos), cache.kv_caches, backend.build_metadata(layout)).float()
         rows, at = {}, 0
         for r, n in zip(reqs, q_lens):
@@ -154,8 +155,9 @@ def _run_steps(model, prompts: list[list[int]], steps: list[list[list[int]]], fu
 
     lens = [0] * len(prompts)
     with torch.inference_mode():
-        run(prompts, decode_group=False)
-        hidden_states = [run(new, decode_group=True) for new in steps]
+        run(prompts, decode_group=False, prompt=None)
+        hidden_states = [run(new, decode_group=True, prompt=[0] * len(new) if prompt_lens is None else prompt_lens[s])
+                         for s, new in enumerate(steps)]
     return hidden_states, cache.kv_caches
 
 
@@ -192,7 +194,7 @@ def test_fused_decode_over_a_quantized_cache_matches_the_pytorch_path(kv_dtype, 
     answered = []
     call = fused_decode.FusedDecodeStep.__call__
     monkeypatch.setattr(fused_decode.FusedDecodeStep, "__call__",
-                        lambda self, *a: answered.append(call(self, *a)) or answered[-1])
+                        lambda self, *a, **kw: answered.append(call(self, *a, **kw)) or answered[-1])
     out, caches = _decode_run(model, PROMPTS, steps=6, fused=True, kv_dtype=kv_dtype)
     assert [h is not None for h in answered] == [False] + [True] * 6  # the prefill not, every decode step fused
     for step, (a, b) in enumerate(zip(out, ref)):
@@ -327,24 +329,28 @@ def test_models_and_steps_it_does_not_cover_keep_the_pytorch_path() -> None:
     if not needs_kernel.args[0]:
         step = fused_decode.bind(model)
         assert isinstance(step, fused_decode.FusedDecodeStep)
-        # Prompt tokens (a 3-token prefill; the 1-token rest of a prefix-cache hit), a request
-        # of more than MAX_QUERY_LEN tokens and a step above MAX_DECODE_TOKENS: None.
+        # Prompt tokens only (a 3-token prefill; the 1-token rest of a prefix-cache hit): None.
         backend = CpuAttentionBackend()
-        cache = CacheEngine(model.kv_cache_spec, CacheConfig(4, 8, torch.float32), torch.device("cpu"))
+        cache = CacheEngine(model.kv_cache_spec, CacheConfig(4, 160, torch.float32), torch.device("cpu"))
         cpu = torch.device("cpu")
-        layout = BatchLayout(torch.arange(3), [3], [3], [[0]], [1], 4, cpu, num_prompt_tokens=3)
+        layout = BatchLayout(torch.arange(3), [3], [3], [[0]], [1], 4, cpu, prompt_lens=[3])
         assert step(torch.tensor([1, 2, 3]), torch.arange(3), cache.kv_caches, backend.build_metadata(layout)) is None
-        layout = BatchLayout(torch.tensor([4]), [1], [5], [[0, 1]], [1], 4, cpu, num_prompt_tokens=1)
+        layout = BatchLayout(torch.tensor([4]), [1], [5], [[0, 1]], [1], 4, cpu, prompt_lens=[1])
         assert step(torch.tensor([1]), torch.tensor([4]), cache.kv_caches, backend.build_metadata(layout)) is None
         assert step(torch.tensor([1]), torch.tensor([4]), cache.kv_caches, backend.build_metadata(
-            BatchLayout(torch.tensor([4]), [1], [5], [[0, 1]], [1], 4, cpu))) is not None  # (the same as a decode)
-        n = fused_decode.MAX_QUERY_LEN + 1
-        layout = BatchLayout(torch.arange(n), [n], [n], [list(range(-(-n // 4)))], [1], 4, cpu)
-        assert step(torch.arange(n), torch.arange(n), cache.kv_caches, backend.build_metadata(layout)) is None
+            BatchLayout(torch.tensor([4]), [1], [5], [[0, 1]], [1], 4, cpu, prompt_lens=[0]))) is not None  # (a decode)
+        # A layout that does not say which tokens are prompt tokens: all of them, None.
+        assert step(torch.tensor([1]), torch.tensor([4]), cache.kv_caches, backend.build_metadata(
+            BatchLayout(torch.tensor([4]), [1], [5], [[0, 1]], [1], 4, cpu))) is None
+        # Generated tokens and prompt tokens in one step: split only where the PyTorch path is given.
+        layout = BatchLayout(torch.arange(9), [1, 8], [9, 8], [[0, 1, 2], [3, 4]], [1, 1], 4, cpu, prompt_lens=[0, 8])
+        assert step(torch.arange(9), torch.arange(9), cache.kv_caches, backend.build_metadata(layout)) is None
+        # Generated tokens past MAX_DECODE_TOKENS: in slices.
         n = fused_decode.MAX_DECODE_TOKENS + 1
-        layout = BatchLayout(torch.arange(n), [1] * n, [1] * n, [[0]] * n, [n], 4, torch.device("cpu"))
+        layout = BatchLayout(torch.arange(n) * 4, [1] * n, [1] * n, [[b] for b in range(n)], [n], 4, cpu,
+                             prompt_lens=[0] * n)
         assert step(torch.ones(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64), cache.kv_caches,
-                    backend.build_metadata(layout)) is None
+                    backend.build_metadata(layout)).shape == (n, model.config.hidden_size)
 
 
 @pytest.mark.integration
@@ -451,3 +457,64 @@ def test_smollm2_a_prefix_cache_hit_computes_its_rest_as_a_miss(smollm2_dir, mon
         assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
         for token, a, b in zip(hit.outputs[0].token_ids, hit.outputs[0].logprobs, miss.outputs[0].logprobs):
             assert abs(a[token].logprob - b[token].logprob) <= 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["float", "int8"])
+def test_prompt_tokens_in_the_step_leave_the_generated_tokens_fused(kv_dtype) -> None:
+    """A prompt chunk (long, or as short as a decode) sharing a step with decodes and a
+    verification: the step is split by token (``FusedDecodeStep.__call__``'s ``rest``), the
+    generated tokens computed bit for bit as in a step without the chunk, the chunk on the
+    PyTorch path. (The whole step took the PyTorch path: a request's greedy tokens depended on
+    whether a prompt arrived while it decoded, and n-gram output on when.)"""
+    model = gguf_tiny_model()
+    prompts = PROMPTS + [[5]]
+    long = [(3 * j + 1) % model.config.vocab_size for j in range(20)]
+    for chunk in (long, long[:3], long[:1]):
+        for others in ([[5], [7], [2]], [[5], [7, 3, 1], [2]]):  # decodes only; a verification in the chunk's group
+            (alone,), _ = _run_steps(model, prompts, [others + [[]]], fused=True, kv_dtype=kv_dtype)
+            lens = [[0, 0, 0, len(chunk)]]
+            (mixed,), _ = _run_steps(model, prompts, [others + [chunk]], fused=True, kv_dtype=kv_dtype, prompt_lens=lens)
+            n = sum(map(len, others))
+            assert torch.equal(mixed[:n], alone)
+            (ref,), _ = _run_steps(model, prompts, [others + [chunk]], fused=False, kv_dtype=kv_dtype, prompt_lens=lens)
+            assert torch.equal(mixed[n:], ref[n:])  # the chunk: the PyTorch path's own rows
+            tolerance = (2e-3 if kv_dtype is None else 2e-2) * ref.abs().max().item()
+            assert (mixed - ref).abs().max().item() <= tolerance
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["float", "int8"])
+def test_a_recomputed_request_computes_its_output_as_its_decode_steps_did(kv_dtype) -> None:
+    """A request preempted by recompute brings its prompt and its output tokens back in one
+    query: the prompt tokens through the PyTorch path first, then the output tokens as decode
+    rows through the fused call, each computed bit for bit as its decode step computed it.
+    (Recomputed on the PyTorch path, the re-written K/V differed from the first ones by float
+    summation order, and the request's later tokens could part from an unpreempted run's.)"""
+    model = gguf_tiny_model()
+    prompts = PROMPTS + [[4]]
+    rest_of_prompt, output, others = [9, 3, 6, 1, 8, 2, 7], [11, 5, 13, 2, 6], [[5], [7], [2]]
+    steps = [others + [rest_of_prompt]] + [others + [[t]] for t in output]
+    lens = [[0, 0, 0, len(rest_of_prompt)]] + [[0] * 4] * len(output)
+    served, _ = _run_steps(model, prompts, steps, fused=True, kv_dtype=kv_dtype, prompt_lens=lens)
+    (again,), _ = _run_steps(model, prompts, [others + [rest_of_prompt + output]], fused=True, kv_dtype=kv_dtype,
+                             prompt_lens=[[0, 0, 0, len(rest_of_prompt)]])
+    assert torch.equal(again[-len(output):], torch.cat([h[-1:] for h in served[1:]]))
+
+
+@needs_kernel
+def test_a_verification_step_of_more_than_max_decode_tokens_computes_each_token_as_a_decode_step_would() -> None:
+    """Nine requests verifying 16 tokens each (144 > MAX_DECODE_TOKENS): the fused call takes
+    the step in slices of at most MAX_DECODE_TOKENS rows (a request's earlier tokens first), so
+    each token is still computed as its plain decode step computes it. (Such a step took the
+    PyTorch path: with speculation on, 9 streams at k = 15 or 32 at k = 3, greedy output then
+    differed from plain decoding, whose steps of one token per request were fused.)"""
+    model = gguf_tiny_model()
+    n, q = 9, 16
+    assert n * q > fused_decode.MAX_DECODE_TOKENS
+    prompts = [[r + 1] for r in range(n)]
+    new = [[(7 * j + 3 * r) % model.config.vocab_size for j in range(q)] for r in range(n)]
+    (together,), _ = _run_steps(model, prompts, [new], fused=True)
+    single, _ = _run_steps(model, prompts, [[toks[s : s + 1] for toks in new] for s in range(q)], fused=True)
+    want = torch.stack([single[s][r] for r in range(n) for s in range(q)])
+    assert torch.equal(together, want)

@@ -320,7 +320,7 @@ def test_real_model_greedy_identical_with_ngram(smollm2_llm):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_real_gguf_model_served_as_stored_is_greedy_identical_with_ngram(smollm2_dir, dtype, monkeypatch):
     """The GGUF file computed as stored (the default): verification steps take the fused
-    decode step as plain decode steps do (``kvflow.layers.fused_decode.MAX_QUERY_LEN``), so
+    decode step as plain decode steps do (``kvflow.layers.fused_decode.per_token_rows``), so
     each verified token is computed as its decode step would compute it and the outputs are
     identical. (Verified on the PyTorch path instead, the two paths' float sums in other
     orders split the float32 outputs at the third prompt's 13th token.)"""
@@ -341,3 +341,34 @@ def test_real_gguf_model_served_as_stored_is_greedy_identical_with_ngram(smollm2
         assert isinstance(llm.engine.model_runner.model.__dict__["fused_decode"], fused_decode.FusedDecodeStep)
     stats = spec.get_stats()
     assert stats["spec_mean_accepted_length"] > 1.5, stats
+
+
+@requires_smollm2
+@pytest.mark.integration
+def test_real_gguf_model_is_greedy_identical_when_prompts_arrive_mid_flight_or_requests_are_recomputed(
+        smollm2_dir, monkeypatch):
+    """Prompts arriving while other requests decode or verify, and requests preempted by
+    recompute: the fused step takes every generated token (decodes, verifications, a
+    recomputed output) beside the step's prompt tokens, which take the PyTorch path. So the
+    outputs of n-gram speculation and of a cache too small for all requests stay identical to
+    plain greedy decoding with room for all. (Such steps took the PyTorch path whole: the
+    decodes met the arriving prompts at other tokens, computed by other float sums, and a
+    recomputed output was re-written by the PyTorch path; the outputs parted.)"""
+    from kvflow import LLM
+
+    monkeypatch.setenv("KVFLOW_CPU_KERNEL_BUILD", "wait")
+    llm = LLM(model=str(smollm2_dir), quantization="gguf", dtype="float32", num_kv_blocks=256, max_num_seqs=16)
+    tok = llm.tokenizer
+    base = [tok.encode(p) for p in REAL_PROMPTS]
+    prompts = [base[0][:30], base[1][:16], base[2][:17], base[0][10:50], tok.encode("Hi"), base[1][5:60]]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, presence_penalty=0.8,
+                            frequency_penalty=0.4)
+    arrivals = [(i // 2, p, params) for i, p in enumerate(prompts)]
+    reference = run_schedule(engine_like(llm, attention_backend="cpu"), arrivals)
+    max_len = llm.engine.scheduler_config.max_model_len
+    for k in (1, 4):
+        spec = engine_like(llm, proposer=NgramProposer(k, 1, 4, max_len), attention_backend="cpu")
+        assert run_schedule(spec, arrivals) == reference, k
+    tight = engine_like(llm, num_blocks=14, attention_backend="cpu", enable_prefix_caching=False)
+    assert run_schedule(tight, arrivals) == reference
+    assert tight.get_stats()["num_preemptions"] > 0
