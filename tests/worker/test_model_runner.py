@@ -217,3 +217,34 @@ def test_runner_state_mirrors_the_scheduler_through_every_feature(monkeypatch, p
     tight.add_request("after", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2))
     tight.step()
     assert set(tight.model_runner.requests) == {"after"}
+
+
+def test_prompt_lens_mark_each_requests_prompt_tokens_through_chunking_and_recompute(monkeypatch):
+    """``BatchLayout.prompt_lens`` (what the fused decode step splits a step by) counts, per
+    request, the scheduled tokens at positions inside its prompt: a prompt's chunks, none for
+    decodes, and for a request recomputed after a preemption its prompt part only (its output
+    tokens come after them in the same query)."""
+    prompt_len = 10
+    engine = tiny_engine(attention_backend="cpu", block_size=4, num_blocks=12, max_num_batched_tokens=8)
+    seen = []
+    prepare = engine.model_runner.prepare_inputs
+
+    def recording(out):
+        inputs = prepare(out)
+        seen.append((inputs.positions.clone(), inputs.metadata.layout))
+        return inputs
+
+    monkeypatch.setattr(engine.model_runner, "prepare_inputs", recording)
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(str(i), [(5 * i + j) % 100 + 1 for j in range(prompt_len)], params)
+        engine.step()
+    run_to_completion(engine)
+    assert engine.get_stats()["num_preemptions"] > 0
+    mixed = 0  # requests whose query held prompt and output tokens (a recompute)
+    for positions, layout in seen:
+        starts = [0] + layout.query_lens.cumsum(0).tolist()
+        want = [int((positions[a:b] < prompt_len).sum()) for a, b in zip(starts, starts[1:])]
+        assert layout.prompt_lens.tolist() == want
+        mixed += sum(0 < p < q for p, q in zip(want, layout.query_lens.tolist()))
+    assert mixed > 0
