@@ -482,28 +482,32 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         interrupted_at_prompt = False
         if not user.strip():
             continue
-        history.append({"role": "user", "content": user})
-        first = 1 if history[0]["role"] == "system" else 0
+        # the turn on a copy: a refused turn leaves the conversation as it was (a turn too
+        # long by itself used to drop every earlier exchange before it was refused)
+        turn = [*history, {"role": "user", "content": user}]
+        first = 1 if turn[0]["role"] == "system" else 0
         try:
-            ids = llm.apply_chat_template(history)
-            while len(ids) >= max_model_len and len(history) - first > 2:  # an older exchange to let go of
-                del history[first:first + 2]
-                print("(the oldest exchange was dropped to fit the context)", file=sys.stderr)
-                ids = llm.apply_chat_template(history)
+            ids = llm.apply_chat_template(turn)
+            dropped = 0
+            while len(ids) >= max_model_len and len(turn) - first > 2:  # an older exchange to let go of
+                del turn[first:first + 2]
+                dropped += 1
+                ids = llm.apply_chat_template(turn)
+            if len(ids) < max_model_len:  # (else the engine refuses the turn: nothing is dropped)
+                for _ in range(dropped):
+                    print("(the oldest exchange was dropped to fit the context)", file=sys.stderr)
             text, stopped = stream_reply(llm, {"prompt_token_ids": ids}, params)
         except ValueError as exc:
             # this turn is refused (too long by itself, text that is not valid UTF-8, which
             # input() hands over as lone surrogates): the session goes on without it
             print(f"kvflow: error: {exc}", file=sys.stderr)
-            history.pop()
             continue
         sys.stdout.write("\n")
         if stopped:
             print("[reply stopped]", file=sys.stderr)
         if text:
-            history.append({"role": "assistant", "content": text})
-        else:  # stopped before its first token: forget the turn
-            history.pop()
+            history = [*turn, {"role": "assistant", "content": text}]
+        # (stopped before its first token: the turn is forgotten)
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:

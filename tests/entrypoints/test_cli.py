@@ -415,6 +415,23 @@ def test_chat_outgrowing_the_context_drops_the_oldest_exchange_and_goes_on(monke
     assert llm.get_stats()["num_running"] == 0
 
 
+def test_chat_a_turn_too_long_by_itself_keeps_the_earlier_exchanges(monkeypatch, tiny_chat_dir, capsys):
+    """A turn too long by itself first dropped every earlier exchange from the conversation
+    (with "(the oldest exchange was dropped ...)") and was then refused: the session went on
+    having forgotten them. The refused turn now leaves the conversation as it was."""
+    long_turn = " ".join(["word"] * 200)
+    code, llm, rendered, out = _run_chat(
+        monkeypatch, tiny_chat_dir, ["one two three", long_turn, "ten", EOFError],
+        max_tokens=8, extra=("--max-model-len", "112", "--system", "Be brief."))
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "max_model_len=112" in err and "was dropped" not in err, err
+    last = rendered[-1]
+    assert [m["role"] for m in last] == ["system", "user", "assistant", "user"], last
+    assert last[1]["content"] == "one two three" and last[-1]["content"] == "ten", last
+    assert out.count("\n") == 2  # two replies: the long turn got none
+
+
 def test_chat_a_line_that_is_not_utf8_is_refused_and_the_session_goes_on(monkeypatch, tiny_chat_dir, capsys):
     """A \\xff byte on stdin (input() hands it over as the lone surrogate '\\udcff') ended the
     whole session with exit 2 ("messages hold a lone surrogate"), the rest of the input unread:

@@ -595,6 +595,7 @@ class OpenAIServing:
                 choice: dict[str, Any] = {
                     "index": p_idx * n + c.index,
                     "text": (prompt_text if req.echo else "") + c.text,
+                    "logprobs": None,
                     "finish_reason": c.finish_reason,
                 }
                 if c.stop_reason is not None:
@@ -653,7 +654,8 @@ class OpenAIServing:
                     delta = (text if text is not None else self.tokenizer.decode(ids)) + delta
                     # the first chunk carries the prompt's entries too, as the whole response
                     tokens, entries = ids + tokens, list(out.prompt_logprobs or [None] * len(ids)) + entries
-                choice: dict[str, Any] = {"index": index, "text": delta}
+                # OpenAI's schema requires logprobs and finish_reason on every choice (null unset)
+                choice: dict[str, Any] = {"index": index, "text": delta, "logprobs": None, "finish_reason": None}
                 if req.logprobs is not None and tokens:
                     choice["logprobs"] = self._completion_logprobs(
                         tokens, entries, offsets.setdefault(index, _TextOffsets()))
@@ -665,10 +667,12 @@ class OpenAIServing:
                 if c.finish_reason is not None:
                     completion_tokens += len(c.token_ids)
                     finished.add(index)
-                if len(choice) == 2:  # index and text only: most chunks of a stream
+                if len(choice) == 4 and choice["logprobs"] is None and choice["finish_reason"] is None:
+                    # text only (logprobs and finish_reason null): most chunks of a stream
                     chunk = text_chunks.get(index)
                     if chunk is None:
-                        chunk = text_chunks[index] = _TextChunk({**base, "choices": [{"index": index, "text": ""}]})
+                        chunk = text_chunks[index] = _TextChunk(
+                            {**base, "choices": [{"index": index, "logprobs": None, "finish_reason": None, "text": ""}]})
                     yield chunk(delta)
                 else:
                     yield _sse({**base, "choices": [choice]})
@@ -862,6 +866,7 @@ class OpenAIServing:
             choice: dict[str, Any] = {
                 "index": c.index,
                 "message": message,
+                "logprobs": None,
                 "finish_reason": _chat_finish_reason(c.finish_reason, parser),
             }
             if c.stop_reason is not None:
@@ -887,7 +892,8 @@ class OpenAIServing:
         sent_tokens: dict[int, int] = {}
         completion_tokens = cached_tokens = 0
         for i in range(req.n):
-            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}}]})
+            yield _sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
         finished: set[int] = set()  # choices whose finish was sent (n > 1: later outputs repeat them)
         async for _, out in _merge([run.iterator]):
             cached_tokens = out.num_cached_tokens
@@ -906,11 +912,12 @@ class OpenAIServing:
                     sent_tokens[c.index] = len(c.token_ids)  # content only: most chunks of a stream
                     chunk = content_chunks.get(c.index)
                     if chunk is None:
-                        chunk = content_chunks[c.index] = _TextChunk(
-                            {**base, "choices": [{"index": c.index, "delta": {"content": ""}}]})
+                        chunk = content_chunks[c.index] = _TextChunk({**base, "choices": [
+                            {"index": c.index, "logprobs": None, "finish_reason": None, "delta": {"content": ""}}]})
                     yield chunk(chat_delta["content"])
                     continue
-                choice: dict[str, Any] = {"index": c.index, "delta": chat_delta}
+                # OpenAI's schema requires logprobs and finish_reason on every choice (null unset)
+                choice: dict[str, Any] = {"index": c.index, "delta": chat_delta, "logprobs": None, "finish_reason": None}
                 if want_logprobs:
                     choice["logprobs"] = self._chat_logprobs(new_tokens, (c.logprobs or [])[start_tok:], req.top_logprobs or 0)
                 if c.finish_reason is not None:

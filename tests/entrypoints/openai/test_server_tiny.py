@@ -1510,6 +1510,31 @@ def test_a_stream_of_n_choices_finishes_each_once(http, path, body):
     assert lengths_differ  # some choice finished before the others
 
 
+@pytest.mark.parametrize("path,body,logprobs", [(CH, {"messages": MSG}, {"logprobs": True}),
+                                                (C, {"prompt": "hi"}, {"logprobs": 0})])
+@pytest.mark.parametrize("want_logprobs", [False, True])
+def test_every_choice_carries_finish_reason_and_logprobs(http, path, body, logprobs, want_logprobs):
+    """OpenAI's schema requires ``finish_reason`` and ``logprobs`` on every choice (null when
+    unset: every streamed chunk's ``finish_reason`` but the last, ``logprobs`` not asked for), as
+    OpenAI and vLLM send them; the chunks and responses left them out."""
+    req = {**body, "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 0, **(logprobs if want_logprobs else {})}
+    with http.stream("POST", path, json={**req, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert len(choices) > 4, chunks
+    for choice in choices:
+        assert "finish_reason" in choice and "logprobs" in choice, choice
+        if not want_logprobs:
+            assert choice["logprobs"] is None, choice
+    finishes = [c["finish_reason"] for c in choices if c["finish_reason"] is not None]
+    assert len(finishes) == 2, choices  # one per choice, the rest null
+    whole = http.post(path, json=req)
+    assert whole.status_code == 200, whole.text
+    for choice in whole.json()["choices"]:
+        assert choice["finish_reason"] is not None and "logprobs" in choice, choice
+        assert (choice["logprobs"] is not None) == want_logprobs, choice
+
+
 def test_the_server_freezes_its_startup_heap_and_unfreezes_it_when_it_stops(monkeypatch):
     """KVFLOW_GC_FREEZE (on by default; conftest.py turns it off for the other tests): the
     app's start collects and freezes the heap, requests are served, its stop unfreezes it;
