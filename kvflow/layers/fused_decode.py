@@ -304,11 +304,23 @@ class FusedDecodeStep:
         tables, context_lens = per_token_rows(layout.block_tables[fused], layout.context_lens[fused],
                                               _starts(generated[fused]))
         fused_rows = _request_rows(starts[:-1][fused] + prompt[fused], generated[fused])
-        split = prompt > 0
+        # The requests with prompt tokens, group by group; in a group of longer queries a request
+        # with one prompt token (its prompt's last token before its drafts, or a recomputed
+        # request's) goes into a group of its own ahead of it: a query of one token, attended
+        # as a decode row, as that token is when it is its chunk alone (a prefill group's
+        # attention sums in another order).
+        parts, sizes, first = [], [], 0
+        for size in layout.group_sizes:
+            members = torch.arange(first, first + size)[prompt[first : first + size] > 0]
+            first += size
+            for part in (members[prompt[members] == 1], members[prompt[members] > 1]):
+                if len(part):
+                    parts.append(part)
+                    sizes.append(len(part))
+        split = torch.cat(parts)
         rest_rows = _request_rows(starts[:-1][split], prompt[split])
-        sizes = [int(part.sum()) for part in torch.split(split, layout.group_sizes)]
         part = BatchLayout(metadata.slot_mapping[rest_rows], prompt[split], layout.context_lens[split] - generated[split],
-                           layout.block_tables[split], [n for n in sizes if n], layout.block_size, layout.device,
+                           layout.block_tables[split], sizes, layout.block_size, layout.device,
                            block_table_lens=layout.block_table_lens[split], prompt_lens=prompt[split])
         return tables, context_lens, fused_rows, rest_rows, metadata.backend.build_metadata(part)
 
