@@ -49,7 +49,7 @@ class BatchLayout:
             it are padding); None: every row's (set from a list of lists, else W).
         prompt_lens: int64 [R]: how many of each request's new tokens are prompt tokens
             (they come first in its query: a prefill chunk; the rest are tokens it generated:
-            a decode, a draft verification, the recompute of a preempted request's output);
+            a decode, a draft verification, the recompute of a preempted request's output).
             A list is converted; None (not given): every new token is taken for a prompt
             token (the step then runs as a prefill does).
     """
