@@ -219,6 +219,7 @@ def test_runner_state_mirrors_the_scheduler_through_every_feature(monkeypatch, p
     assert set(tight.model_runner.requests) == {"after"}
 
 
+@pytest.mark.skipif(not cpu_kernel_available(), reason="the C++ kernel is off or could not be built")
 def test_prompt_lens_mark_each_requests_prompt_tokens_through_chunking_and_recompute(monkeypatch):
     """``BatchLayout.prompt_lens`` (what the fused decode step splits a step by) counts, per
     request, the scheduled tokens at positions inside its prompt: a prompt's chunks, none for
