@@ -281,20 +281,21 @@ class FusedDecodeStep:
         layout = getattr(metadata, "layout", None)
         if layout is None or len(metadata.slot_mapping) != num_tokens:
             return None
+        num_prompt = layout.num_prompt_tokens
         if type(metadata) is CpuGroupedMetadata and type(metadata.backend) is CpuAttentionBackend:
             groups = metadata.groups
             if any(g.context_lens is None for g in groups):
                 return None
-            if len(groups) == 1 and groups[0].max_query_len == 1 and not layout.num_prompt_tokens:
+            if len(groups) == 1 and groups[0].max_query_len == 1 and not num_prompt:
                 return groups[0].block_tables, groups[0].context_lens, None, None, None  # (the common decode step)
         elif type(metadata) is FlatMetadata and type(metadata.backend) is CpuQuantizedAttentionBackend:
-            if metadata.max_query_len == 1 and not layout.num_prompt_tokens:
+            if metadata.max_query_len == 1 and not num_prompt:
                 return metadata.block_tables, metadata.context_lens, None, None, None
         else:
             return None
         q_lens, prompt = layout.query_lens, layout.prompt_lens
         starts = _starts(q_lens)
-        if not layout.num_prompt_tokens:  # (verifications: each query token a decode row of its own)
+        if not num_prompt:  # (verifications: each query token a decode row of its own)
             tables, context_lens = per_token_rows(layout.block_tables, layout.context_lens, starts)
             return tables, context_lens, None, None, None
         generated = q_lens - prompt  # (after the request's prompt tokens in its query)
