@@ -37,6 +37,19 @@ def _as_ints(token_ids: Any) -> list[int]:
     return ids
 
 
+
+def _vllm_only(name: str, instead: str) -> Callable[..., Any]:
+    """A method of vLLM's ``LLM`` that kvflow does not implement: it raises
+    NotImplementedError naming ``LLM.<name>`` and ``instead`` (what kvflow offers)."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"LLM.{name} (vLLM's) is not supported by kvflow: {instead}")
+
+    method.__name__, method.__qualname__ = name, f"LLM.{name}"
+    method.__doc__ = f"vLLM's ``LLM.{name}``, not implemented: raises NotImplementedError ({instead})."
+    return method
+
+
 class LLM:
     """Offline batched generation over the continuous-batching engine.
 
@@ -537,26 +550,13 @@ class LLM:
 
     # vLLM's ``LLM`` methods kvflow does not implement: each raises NotImplementedError naming
     # itself and what kvflow offers instead (an AttributeError said nothing of why).
-    def encode(self, *args: Any, **kwargs: Any) -> Any:
-        _not_implemented("encode", "LLM.embed gives the embeddings (vLLM's encode with pooling_task='embed')")
-
-    def classify(self, *args: Any, **kwargs: Any) -> Any:
-        _not_implemented("classify", "kvflow runs no classification models")
-
-    def score(self, *args: Any, **kwargs: Any) -> Any:
-        _not_implemented("score", "kvflow runs no cross-encoder or scoring models; compare LLM.embed vectors")
-
-    def reward(self, *args: Any, **kwargs: Any) -> Any:
-        _not_implemented("reward", "kvflow runs no reward models")
-
-    def get_metrics(self, *args: Any, **kwargs: Any) -> Any:
-        _not_implemented("get_metrics", "LLM.get_stats() gives the engine's counters and gauges")
-
-    def sleep(self, *args: Any, **kwargs: Any) -> Any:
-        _not_implemented("sleep", "kvflow keeps its weights and KV cache resident")
-
-    def wake_up(self, *args: Any, **kwargs: Any) -> Any:
-        _not_implemented("wake_up", "kvflow keeps its weights and KV cache resident (it never sleeps)")
+    encode = _vllm_only("encode", "LLM.embed gives the embeddings (vLLM's encode with pooling_task='embed')")
+    classify = _vllm_only("classify", "kvflow runs no classification models")
+    score = _vllm_only("score", "kvflow runs no cross-encoder or scoring models; compare LLM.embed vectors")
+    reward = _vllm_only("reward", "kvflow runs no reward models")
+    get_metrics = _vllm_only("get_metrics", "LLM.get_stats() gives the engine's counters and gauges")
+    sleep = _vllm_only("sleep", "kvflow keeps its weights and KV cache resident")
+    wake_up = _vllm_only("wake_up", "kvflow keeps its weights and KV cache resident (it never sleeps)")
 
 
 class VLLMStyleEngine:
@@ -615,9 +615,6 @@ class VLLMStyleEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm.engine, name)
 
-
-def _not_implemented(name: str, instead: str) -> None:
-    raise NotImplementedError(f"LLM.{name} (vLLM's) is not supported by kvflow: {instead}")
 
 
 def _refuse_unset(**options: Any) -> None:
